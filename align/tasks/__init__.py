@@ -1,0 +1,1 @@
+"""Built-in tasks with verifiable rewards."""
