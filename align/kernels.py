@@ -1,0 +1,374 @@
+"""Memory-efficient token logprobs and entropy: Triton kernels beside the torch functions they must match.
+
+GRPO needs, for every completion token, the logprob of the sampled token and (for logging / an entropy bonus)
+the entropy of the policy, both under the sampler's basis ``softmax(logits / T)``. The plain way,
+``log_softmax(logits.float() / T)`` then gather, materialises several (N, V) float32 tensors in the forward and
+the backward; at V = 151936 (Qwen) that is the peak-memory problem (TRL PR 2773, Liger-Kernel PR 953).
+
+Here both quantities come from one streaming pass over the vocabulary in chunks with an online log-sum-exp
+(Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"). Per row x = logits / T we keep
+
+    m = running max,  d = sum exp(x - m),  s = sum exp(x - m) * x
+    lse = m + log d,   logprob = x[target] - lse,   entropy = lse - s / d   (= -sum p log p)
+
+and save only lse and entropy (N floats each) for the backward, which recomputes p = exp(x - lse) chunk by chunk:
+
+    d loss / d x_j = g (1[j = target] - p_j) + h p_j (S - x_j),   S = sum_k p_k x_k = lse - entropy
+
+for g = d loss / d logprob and h = d loss / d entropy, then divides by T (chain rule of logits / T). The only
+(N, V) tensor ever allocated is the gradient of the logits itself, in the logits' dtype.
+
+Backends, selected in one place (``_BACKENDS`` + ``_resolve_backend``):
+  "triton"     one program per row, looping over BLOCK_V-wide vocabulary tiles (CUDA; on CPU under TRITON_INTERPRET=1)
+  "torch"      the same chunked algorithm in plain torch (CPU, or where Triton is missing)
+  "reference"  plain log_softmax + gather + entropy, the definition the other two are tested against
+  "auto"       triton when the logits are on CUDA and triton imports, else torch
+
+Shapes: N = tokens (rows), V = vocabulary. Triton is imported lazily on first use, never at import time.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+TORCH_CHUNK = 4096  # vocabulary columns per step of the torch path: (N, 4096) float32 temporaries at most
+TRITON_BLOCK = 4096  # vocabulary tile of one Triton program iteration
+
+tl = None  # triton.language, bound by _triton_kernels() on first use so that importing this module stays cheap
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reference: the definition.
+
+
+def token_logprobs_reference(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, with_entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Plain ``log_softmax(logits.float() / T)`` gathered at ``targets``, and the entropy of that softmax."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (N, V) float32
+    logprobs = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (N,)
+    entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None  # (N,)
+    return logprobs, entropy
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Torch path: chunked over the vocabulary, online log-sum-exp.
+
+
+def _scaled_chunk(logits: torch.Tensor, start: int, stop: int, temperature: float) -> torch.Tensor:
+    """Columns [start, stop) of logits as float32 divided by T, exactly as the reference computes them."""
+    x = logits[:, start:stop].float()  # (N, C); a view when logits are already float32
+    return x / temperature if temperature != 1.0 else x
+
+
+def _torch_forward(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool, chunk: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    N, V = logits.shape
+    m = torch.full((N,), float("-inf"), device=logits.device)  # running max
+    d = torch.zeros(N, device=logits.device)  # sum exp(x - m)
+    s = torch.zeros(N, device=logits.device)  # sum exp(x - m) * x
+    for start in range(0, V, chunk):
+        x = _scaled_chunk(logits, start, min(start + chunk, V), temperature)  # (N, C)
+        m_new = torch.maximum(m, x.amax(dim=1))
+        m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)  # a row that is -inf so far must not give nan
+        scale = torch.exp(m - m_safe)
+        e = torch.sub(x, m_safe.unsqueeze(1)).exp_()  # (N, C)
+        d = d * scale + e.sum(dim=1)
+        if with_entropy:  # e * x is 0 * -inf = nan only where x = -inf, whose term p log p -> 0
+            s = s * scale + e.mul_(x).nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf")).sum(dim=1)
+        m = m_new
+    lse = m + torch.log(d)
+    x_target = logits.gather(1, targets.unsqueeze(1)).squeeze(1).float()
+    logprobs = (x_target / temperature if temperature != 1.0 else x_target) - lse
+    entropy = lse - s / d if with_entropy else torch.zeros_like(lse)
+    return logprobs, entropy, lse
+
+
+def _torch_backward(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_logprobs: torch.Tensor,
+    grad_entropy: torch.Tensor | None,
+    temperature: float,
+    chunk: int,
+) -> torch.Tensor:
+    N, V = logits.shape
+    grad = torch.empty(N, V, dtype=logits.dtype, device=logits.device)  # (N, V), the only full-size tensor
+    g = grad_logprobs.float().unsqueeze(1)  # (N, 1)
+    if grad_entropy is not None:
+        h = grad_entropy.float().unsqueeze(1)  # (N, 1)
+        S = (lse - entropy).unsqueeze(1)  # (N, 1) = sum p x
+    for start in range(0, V, chunk):
+        stop = min(start + chunk, V)
+        x = _scaled_chunk(logits, start, stop, temperature)  # (N, C)
+        p = torch.sub(x, lse.unsqueeze(1)).exp_()  # (N, C)
+        if grad_entropy is not None:  # h p (S - x); 0 * inf = nan only where x = -inf and p = 0
+            q = torch.sub(S, x).mul_(p).mul_(h).nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf"))
+            gx = p.mul_(g.neg()).add_(q)
+        else:
+            gx = p.mul_(g.neg())
+        # + g at the target column when it falls in this chunk (scatter of zeros elsewhere: no host sync)
+        col = targets - start
+        inside = (col >= 0) & (col < stop - start)
+        gx.scatter_add_(1, col.clamp(0, stop - start - 1).unsqueeze(1), torch.where(inside.unsqueeze(1), g, 0.0))
+        if temperature != 1.0:
+            gx.div_(temperature)
+        grad[:, start:stop].copy_(gx)
+    return grad
+
+
+class _TorchTokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, with_entropy, chunk):
+        logprobs, entropy, lse = _torch_forward(logits, targets, temperature, with_entropy, chunk)
+        ctx.save_for_backward(logits, targets, lse, entropy)
+        ctx.temperature, ctx.with_entropy, ctx.chunk = temperature, with_entropy, chunk
+        return logprobs, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logprobs, grad_entropy):
+        logits, targets, lse, entropy = ctx.saved_tensors
+        grad = _torch_backward(
+            logits,
+            targets,
+            lse,
+            entropy,
+            grad_logprobs,
+            grad_entropy if ctx.with_entropy else None,
+            ctx.temperature,
+            ctx.chunk,
+        )
+        return grad, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Triton path: the same algorithm, one program per row. Plain functions here, wrapped by triton.jit on first use.
+
+
+def _fwd_kernel(
+    logits_ptr,
+    stride_row,
+    targets_ptr,
+    logprobs_ptr,
+    entropy_ptr,
+    lse_ptr,
+    V,
+    temperature,
+    BLOCK_V: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # int64: row * stride overflows int32 at N * V > 2^31
+    base = logits_ptr + row * stride_row
+    cols = tl.arange(0, BLOCK_V)
+    m = float("-inf")
+    d = 0.0
+    s = 0.0
+    for start in range(0, V, BLOCK_V):
+        offs = start + cols
+        x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / temperature
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        scale = tl.exp(m - m_safe)
+        e = tl.exp(x - m_safe)
+        d = d * scale + tl.sum(e, axis=0)
+        if WITH_ENTROPY:
+            s = s * scale + tl.sum(e * tl.where(e > 0.0, x, 0.0), axis=0)  # p log p -> 0 where x = -inf
+        m = m_new
+    lse = m + tl.log(d)
+    target = tl.load(targets_ptr + row)
+    x_target = tl.load(base + target).to(tl.float32) / temperature
+    tl.store(logprobs_ptr + row, x_target - lse)
+    tl.store(lse_ptr + row, lse)
+    if WITH_ENTROPY:
+        tl.store(entropy_ptr + row, lse - s / d)
+
+
+def _bwd_kernel(
+    logits_ptr,
+    stride_row,
+    targets_ptr,
+    lse_ptr,
+    entropy_ptr,
+    grad_logprobs_ptr,
+    grad_entropy_ptr,
+    grad_ptr,
+    stride_grad_row,
+    V,
+    temperature,
+    BLOCK_V: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride_row
+    grad_base = grad_ptr + row * stride_grad_row
+    cols = tl.arange(0, BLOCK_V)
+    lse = tl.load(lse_ptr + row)
+    g = tl.load(grad_logprobs_ptr + row).to(tl.float32)
+    target = tl.load(targets_ptr + row)
+    if WITH_ENTROPY:
+        h = tl.load(grad_entropy_ptr + row).to(tl.float32)
+        S = lse - tl.load(entropy_ptr + row)
+    for start in range(0, V, BLOCK_V):
+        offs = start + cols
+        mask = offs < V
+        x = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32) / temperature
+        p = tl.exp(x - lse)
+        gx = tl.where(offs == target, g, 0.0) - g * p
+        if WITH_ENTROPY:
+            gx += h * p * (S - tl.where(p > 0.0, x, S))  # 0 where p = 0 (x = -inf), not 0 * inf
+        gx = gx / temperature
+        tl.store(grad_base + offs, gx.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.cache
+def _triton_kernels():
+    """Import triton and jit the kernels once. Raises ImportError when triton is missing."""
+    global tl
+    import triton
+    import triton.language
+
+    tl = triton.language
+    return triton.jit(_fwd_kernel), triton.jit(_bwd_kernel)
+
+
+def triton_available() -> bool:
+    try:
+        _triton_kernels()
+    except ImportError:
+        return False
+    return True
+
+
+def _num_warps(block: int) -> int:
+    return 8 if block >= 2048 else 4
+
+
+class _TritonTokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, with_entropy, block):
+        fwd, _ = _triton_kernels()
+        N, V = logits.shape
+        logprobs = torch.empty(N, dtype=torch.float32, device=logits.device)
+        entropy = torch.zeros(N, dtype=torch.float32, device=logits.device)
+        lse = torch.empty(N, dtype=torch.float32, device=logits.device)
+        block = min(block, max(16, 1 << (V - 1).bit_length()))  # a power of two no wider than the vocabulary needs
+        fwd[(N,)](
+            logits,
+            logits.stride(0),
+            targets,
+            logprobs,
+            entropy,
+            lse,
+            V,
+            float(temperature),
+            BLOCK_V=block,
+            WITH_ENTROPY=with_entropy,
+            num_warps=_num_warps(block),
+        )
+        ctx.save_for_backward(logits, targets, lse, entropy)
+        ctx.temperature, ctx.with_entropy, ctx.block = temperature, with_entropy, block
+        return logprobs, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logprobs, grad_entropy):
+        _, bwd = _triton_kernels()
+        logits, targets, lse, entropy = ctx.saved_tensors
+        N, V = logits.shape
+        grad = torch.empty(N, V, dtype=logits.dtype, device=logits.device)  # (N, V)
+        bwd[(N,)](
+            logits,
+            logits.stride(0),
+            targets,
+            lse,
+            entropy,
+            grad_logprobs.contiguous(),
+            grad_entropy.contiguous(),
+            grad,
+            grad.stride(0),
+            V,
+            float(ctx.temperature),
+            BLOCK_V=ctx.block,
+            WITH_ENTROPY=ctx.with_entropy,
+            num_warps=_num_warps(ctx.block),
+        )
+        return grad, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Public entry point: one place selects the backend.
+
+
+def _reference(logits, targets, temperature, with_entropy, chunk_size):
+    return token_logprobs_reference(logits, targets, temperature, with_entropy)
+
+
+def _torch(logits, targets, temperature, with_entropy, chunk_size):
+    return _TorchTokenLogprobs.apply(logits, targets, temperature, with_entropy, chunk_size or TORCH_CHUNK)
+
+
+def _triton(logits, targets, temperature, with_entropy, chunk_size):
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    return _TritonTokenLogprobs.apply(
+        logits, targets.contiguous(), temperature, with_entropy, chunk_size or TRITON_BLOCK
+    )
+
+
+_BACKENDS = {"reference": _reference, "torch": _torch, "triton": _triton}
+
+
+def _resolve_backend(logits: torch.Tensor, backend: str) -> str:
+    if backend == "auto":
+        return "triton" if logits.is_cuda and triton_available() else "torch"
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of 'auto', {', '.join(map(repr, _BACKENDS))}")
+    if backend == "triton" and not triton_available():
+        raise RuntimeError("backend='triton' needs the triton package (pip install triton), or use backend='torch'")
+    return backend
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    with_entropy: bool = True,
+    backend: str = "auto",
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprob of each target token and the entropy, under the sampler's basis softmax(logits.float() / T).
+
+    logits: (N, V) or (..., V), any float dtype; targets: (N,) or (...) int64 token ids in [0, V).
+    Returns (logprobs, entropy), each float32 with the shape of targets; entropy is None unless with_entropy.
+    Differentiable w.r.t. logits (exact gradient of any weighted sum of logprobs and entropy). The "torch" and
+    "triton" backends stream over the vocabulary in chunks of ``chunk_size`` columns and never allocate an (N, V)
+    float32 tensor besides the gradient (which has the logits' dtype). On CPU with triton, "triton" needs
+    TRITON_INTERPRET=1 set before triton is first imported.
+    """
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be a float tensor, got dtype {logits.dtype}")
+    if targets.dtype != torch.long or targets.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"targets must be int64 with shape {tuple(logits.shape[:-1])} (logits without the vocabulary dim), "
+            f"got {targets.dtype} {tuple(targets.shape)}"
+        )
+    if not temperature > 0.0 or temperature == float("inf"):
+        raise ValueError(f"temperature must be a positive finite float, got {temperature!r}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    V = logits.shape[-1]
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= V):
+        raise ValueError(f"targets must lie in [0, {V}) (the vocabulary of the logits), got ids outside it")
+    batch_shape = targets.shape
+    logits2d = logits.reshape(-1, V)  # (N, V); a view unless the leading dims are not collapsible
+    targets1d = targets.reshape(-1)  # (N,)
+    fn = _BACKENDS[_resolve_backend(logits, backend)]
+    logprobs, entropy = fn(logits2d, targets1d, float(temperature), with_entropy, chunk_size)
+    return logprobs.reshape(batch_shape), entropy.reshape(batch_shape) if with_entropy else None
