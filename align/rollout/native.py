@@ -1,0 +1,168 @@
+"""The native sampler: batched KV-cache generation with exact logprobs, in plain torch.
+
+Key decisions
+- Prompts of different lengths are left-padded so every row writes the KV cache at one shared
+  index; ``KVCache.valid`` masks the padding and positions are per row (``index - pad``).
+- The ``n`` samples of a prompt share one prefill: the prompt rows are prefilled once, then the
+  cache is expanded to ``P * n`` rows.
+- Finished rows stop costing compute: once a quarter of the live rows have finished, the cache
+  and the row state are compacted to the rows still running.
+- Sampling is the exponential race (Gumbel-max): ``argmax(log q - log E)``, E ~ Exp(1), which draws
+  exactly from q with one random tensor and no sort when top-k / top-p are off.
+
+Logprobs (seed 003, "logprob basis"): ``Completion.logprobs`` is ``log_softmax(logits / T)`` of the
+sampled token over the full vocabulary (the training basis, recomputed teacher-forced by the loss).
+``Completion.sampled_logprobs`` is the log-probability under the distribution actually sampled from
+(top-k, then top-p, renormalised); it equals ``logprobs`` when neither is active. Greedy
+(``temperature == 0``) reports ``log_softmax(logits)`` and a sampled logprob of 0 (a point mass).
+
+Shapes: P prompts, R live rows (P * n at most), S cache length, V vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from align.model import KVCache, Transformer
+from align.rollout.protocol import Completion, SamplingParams
+
+COMPACT_FRACTION = 0.25  # compact the batch once this fraction of live rows has finished
+
+
+def validate_prompts(prompts: list[list[int]], vocab_size: int, context: int) -> None:
+    if not prompts:
+        raise ValueError("generate() needs at least one prompt; got an empty list")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. a BOS token)")
+        lo, hi = min(p), max(p)
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"prompt {i} has token id {bad} outside the vocabulary [0, {vocab_size})")
+        if len(p) >= context:
+            raise ValueError(
+                f"prompt {i} has {len(p)} tokens, which leaves no room in the model's context of {context} "
+                "(max_position_embeddings); shorten the prompt"
+            )
+
+
+def truncate_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (R, V) logits outside top-k, then outside the top-p nucleus (vLLM's order). Keeps >= 1 token."""
+    if top_k and top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]  # (R, 1)
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        remove = probs.cumsum(-1) - probs > top_p  # tokens whose preceding mass already exceeds top_p
+        remove[:, 0] = False
+        scaled = scaled.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+    return scaled
+
+
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits (R, V) -> (tokens (R,), logprobs (R,) in the training basis, sampled-distribution logprobs (R,))."""
+    logits = logits.float()
+    if params.temperature == 0:
+        tok = logits.argmax(-1)
+        lp = logits.log_softmax(-1).gather(-1, tok[:, None]).squeeze(-1)
+        return tok, lp, torch.zeros_like(lp)
+    scaled = logits / params.temperature
+    logp = scaled.log_softmax(-1)  # (R, V) training basis
+    truncated = params.top_k > 0 or params.top_p < 1.0
+    logq = truncate_logits(scaled, params.top_k, params.top_p).log_softmax(-1) if truncated else logp
+    race = torch.empty_like(logq).exponential_(1.0, generator=generator).log_()  # log E, E ~ Exp(1)
+    tok = (logq - race).argmax(-1)
+    lp = logp.gather(-1, tok[:, None]).squeeze(-1)
+    slp = logq.gather(-1, tok[:, None]).squeeze(-1) if truncated else lp
+    return tok, lp, slp
+
+
+@torch.inference_mode()
+def generate(model: Transformer, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    """Sample ``params.n`` completions per prompt. Returns them ordered by (prompt_index, sample_index).
+
+    A completion ends with ``finish_reason == "stop"`` (its last token is one of ``stop_token_ids``) or
+    ``"length"`` (``max_tokens`` reached, or the model's context is full)."""
+    cfg = model.config
+    context = cfg.max_position_embeddings
+    validate_prompts(prompts, cfg.vocab_size, context)
+    device = model.lm_head.weight.device
+    dtype = model.lm_head.weight.dtype
+    P, n = len(prompts), params.n
+    lens = torch.tensor([len(p) for p in prompts], device=device)
+    L = int(lens.max())
+    max_new = min(params.max_tokens, context - int(lens.min()))
+    generator = None
+    if params.seed is not None:
+        generator = torch.Generator(device=device).manual_seed(params.seed)
+
+    # Prefill the P prompts once, left-padded.
+    cache = KVCache(cfg, P, L + max_new, dtype, device)
+    ids = torch.zeros(P, L, dtype=torch.long, device=device)  # (P, L)
+    for i, p in enumerate(prompts):
+        ids[i, L - len(p) :] = torch.tensor(p, device=device)
+    pad = L - lens  # (P,)
+    cache.valid[:, :L] = torch.arange(L, device=device)[None] >= pad[:, None]
+    positions = (torch.arange(L, device=device)[None] - pad[:, None]).clamp(min=0)  # (P, L)
+    logits = model(ids, positions=positions, cache=cache)[:, -1]  # (P, V)
+    cache.length = L
+
+    # Expand to P * n rows sharing the prefill.
+    rows = torch.arange(P, device=device).repeat_interleave(n)  # (R,)
+    cache.select(rows)
+    logits = logits[rows]
+    R = P * n
+    row_id = torch.arange(R, device=device)  # original row of each live row
+    pos = lens[rows].clone()  # next position of each live row
+    out_tok = torch.zeros(R, max_new, dtype=torch.long, device=device)
+    out_lp = torch.zeros(R, max_new, device=device)
+    out_slp = torch.zeros(R, max_new, device=device)
+    length = torch.full((R,), max_new, dtype=torch.long, device=device)
+    stopped = torch.zeros(R, dtype=torch.bool, device=device)
+    stop_ids = torch.tensor(params.stop_token_ids or [-1], device=device)
+    done = torch.zeros(R, dtype=torch.bool, device=device)  # per live row: finished, awaiting compaction
+
+    for t in range(max_new):
+        tok, lp, slp = sample_next(logits, params, generator)
+        live = ~done
+        out_tok[row_id[live], t] = tok[live]
+        out_lp[row_id[live], t] = lp[live]
+        out_slp[row_id[live], t] = slp[live]
+        hit_stop = torch.isin(tok, stop_ids) & live
+        full = (pos + 1 >= context) & live  # no position left for another token
+        finished = hit_stop | full
+        if finished.any():
+            length[row_id[finished]] = t + 1
+            stopped[row_id[hit_stop]] = True
+            done |= finished
+        if t == max_new - 1 or bool(done.all()):
+            break
+        if finished.any():
+            if done.sum() >= max(1, int(COMPACT_FRACTION * done.numel())):
+                keep = (~done).nonzero().squeeze(-1)
+                cache.select(keep)
+                tok, pos, row_id, done = tok[keep], pos[keep], row_id[keep], done[keep]
+        cache.valid[:, cache.length] = True
+        logits = model(tok[:, None], positions=pos[:, None], cache=cache)[:, -1]  # (R, V)
+        cache.length += 1
+        pos = pos + 1
+
+    completions = []
+    lengths, stopped_l = length.tolist(), stopped.tolist()
+    toks, lps, slps = out_tok.tolist(), out_lp.tolist(), out_slp.tolist()
+    for r in range(R):
+        k = lengths[r]
+        completions.append(
+            Completion(
+                prompt_index=r // n,
+                sample_index=r % n,
+                token_ids=toks[r][:k],
+                logprobs=lps[r][:k],
+                sampled_logprobs=slps[r][:k],
+                finish_reason="stop" if stopped_l[r] else "length",
+            )
+        )
+    return completions
