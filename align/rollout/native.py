@@ -8,7 +8,8 @@ Key decisions
 - Finished rows stop costing compute: once a quarter of the live rows have finished, the cache
   and the row state are compacted to the rows still running.
 - Sampling is the exponential race (Gumbel-max): ``argmax(log q - log E)``, E ~ Exp(1), which draws
-  exactly from q with one random tensor and no sort when top-k / top-p are off.
+  exactly from q with one random tensor and no sort when top-k / top-p are off. The noise is drawn for
+  every original row each step, so a row's tokens do not depend on which other rows have finished.
 
 Logprobs (seed 003, "logprob basis"): ``Completion.logprobs`` is ``log_softmax(logits / T)`` of the
 sampled token over the full vocabulary (the training basis, recomputed teacher-forced by the loss).
@@ -61,9 +62,16 @@ def truncate_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Ten
 
 
 def sample_next(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    row_id: torch.Tensor | None = None,
+    total_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """logits (R, V) -> (tokens (R,), logprobs (R,) in the training basis, sampled-distribution logprobs (R,))."""
+    """logits (R, V) -> (tokens (R,), logprobs (R,) in the training basis, sampled-distribution logprobs (R,)).
+
+    The random draw is made for all ``total_rows`` original rows and indexed by ``row_id``, so a row's
+    tokens do not depend on which other rows are still running (compaction changes nothing)."""
     logits = logits.float()
     if params.temperature == 0:
         tok = logits.argmax(-1)
@@ -73,7 +81,10 @@ def sample_next(
     logp = scaled.log_softmax(-1)  # (R, V) training basis
     truncated = params.top_k > 0 or params.top_p < 1.0
     logq = truncate_logits(scaled, params.top_k, params.top_p).log_softmax(-1) if truncated else logp
-    race = torch.empty_like(logq).exponential_(1.0, generator=generator).log_()  # log E, E ~ Exp(1)
+    R, V = logq.shape
+    race = torch.empty(total_rows or R, V, device=logq.device).exponential_(1.0, generator=generator).log_()
+    if row_id is not None:
+        race = race[row_id]  # (R, V): log E, E ~ Exp(1)
     tok = (logq - race).argmax(-1)
     lp = logp.gather(-1, tok[:, None]).squeeze(-1)
     slp = logq.gather(-1, tok[:, None]).squeeze(-1) if truncated else lp
@@ -126,7 +137,7 @@ def generate(model: Transformer, prompts: list[list[int]], params: SamplingParam
     done = torch.zeros(R, dtype=torch.bool, device=device)  # per live row: finished, awaiting compaction
 
     for t in range(max_new):
-        tok, lp, slp = sample_next(logits, params, generator)
+        tok, lp, slp = sample_next(logits, params, generator, row_id, R)
         live = ~done
         out_tok[row_id[live], t] = tok[live]
         out_lp[row_id[live], t] = lp[live]

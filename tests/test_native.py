@@ -1,0 +1,171 @@
+"""The native sampler: cache vs full forward, ragged batches, exact logprobs, seeds, stops, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import align.rollout.native as native
+from align.model import KVCache, load_pretrained
+from align.rollout.native import generate
+from align.rollout.protocol import SamplingParams
+from hf_reference import hf_model, save_hf
+
+LOGIT_ATOL = 1e-5
+LOGPROB_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_pretrained(save_hf(hf_model("qwen2"), tmp_path_factory.mktemp("m")))
+
+
+def decode_step_by_step(model, ids, corrupt_at=None):
+    cache = KVCache(model.config, 1, ids.shape[1], torch.float32, "cpu")
+    cache.valid[:, :4] = True
+    out = [model(ids[:, :4], cache=cache)[0]]
+    cache.length = 4
+    for t in range(4, ids.shape[1]):
+        if corrupt_at == t:
+            cache.k[0, :, :, 1] += 0.5
+        cache.valid[:, t] = True
+        out.append(model(ids[:, t : t + 1], positions=torch.tensor([[t]]), cache=cache)[0])
+        cache.length += 1
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def test_cached_decode_equals_full_forward(model):
+    ids = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(0))
+    full = model(ids)[0]
+    torch.testing.assert_close(decode_step_by_step(model, ids), full, atol=LOGIT_ATOL, rtol=0)
+    bad = decode_step_by_step(model, ids, corrupt_at=10)  # negative control: a corrupted cache slot
+    assert (bad[10:] - full[10:]).abs().max() > 1e-3
+
+
+PROMPTS = [[1, 5, 9, 13, 2, 40], [7, 3], [11, 12, 13], [60, 61, 62, 63, 64, 65, 66, 67, 68]]
+
+
+def test_ragged_batch_equals_one_by_one(model):
+    params = SamplingParams(temperature=0, max_tokens=10)
+    batched = generate(model, PROMPTS, params)
+    for i, p in enumerate(PROMPTS):
+        alone = generate(model, [p], params)[0]
+        assert batched[i].token_ids == alone.token_ids
+        torch.testing.assert_close(torch.tensor(batched[i].logprobs), torch.tensor(alone.logprobs), atol=LOGPROB_ATOL, rtol=0)
+
+
+def test_negative_control_padding_mask_matters(model, monkeypatch):
+    """If padded slots were attended to, short prompts in a ragged batch would change."""
+    real_forward = type(model).forward
+
+    def leaky(self, input_ids, *, positions=None, cache=None, return_hidden=False):
+        if cache is not None:
+            cache.valid[:] = True
+        return real_forward(self, input_ids, positions=positions, cache=cache, return_hidden=return_hidden)
+
+    monkeypatch.setattr(type(model), "forward", leaky)
+    params = SamplingParams(temperature=0, max_tokens=10)
+    batched = generate(model, PROMPTS, params)
+    monkeypatch.undo()
+    alone = generate(model, [PROMPTS[1]], params)[0]
+    assert batched[1].logprobs != pytest.approx(alone.logprobs, abs=LOGPROB_ATOL)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 5, 1.0), (0.8, 10, 0.8)])
+def test_logprobs_equal_teacher_forced(model, temperature, top_k, top_p):
+    params = SamplingParams(n=3, temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=12, seed=7)
+    outs = generate(model, PROMPTS, params)
+    assert len(outs) == len(PROMPTS) * 3
+    truncated = top_k > 0 or top_p < 1
+    for c in outs:
+        p = PROMPTS[c.prompt_index]
+        ids = torch.tensor([p + c.token_ids])
+        with torch.no_grad():
+            scaled = model(ids)[0, len(p) - 1 : -1] / temperature  # (T, V)
+        tgt = torch.tensor(c.token_ids)[:, None]
+        ref = scaled.log_softmax(-1).gather(-1, tgt).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=LOGPROB_ATOL, rtol=0)
+        q = native.truncate_logits(scaled, top_k, top_p).log_softmax(-1).gather(-1, tgt).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(c.sampled_logprobs), q, atol=LOGPROB_ATOL, rtol=0)
+        assert torch.isfinite(q).all()  # every sampled token lies inside the truncated support
+        if truncated:  # negative control: the two bases really differ under truncation
+            assert (q - ref).abs().max() > 1e-3
+        # negative control: the T=1 basis is not the returned one unless T == 1
+        raw = (scaled * temperature).log_softmax(-1).gather(-1, tgt).squeeze(-1)
+        assert (temperature == 1.0) == bool(torch.allclose(raw, torch.tensor(c.logprobs), atol=LOGPROB_ATOL))
+
+
+def test_sampling_follows_the_distribution(model):
+    """First-token frequencies over 4000 draws match softmax(logits/T) restricted to top-k."""
+    prompt, T, k = [3, 4, 5], 1.5, 6
+    with torch.no_grad():
+        probs = native.truncate_logits(model(torch.tensor([prompt]))[0, -1:] / T, k, 1.0).softmax(-1)[0]
+    outs = generate(model, [prompt], SamplingParams(n=4000, temperature=T, top_k=k, max_tokens=1, seed=0))
+    counts = torch.bincount(torch.tensor([c.token_ids[0] for c in outs]), minlength=97).float()
+    assert counts[probs == 0].sum() == 0  # nothing outside the top-k
+    freq = counts / counts.sum()
+    assert (freq - probs).abs().max() < 0.03  # 4000 draws: std of a frequency <= 0.008
+
+
+def test_seeds(model):
+    p = SamplingParams(n=2, temperature=1.0, max_tokens=16, seed=123)
+    a, b = generate(model, PROMPTS, p), generate(model, PROMPTS, p)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    c = generate(model, PROMPTS, SamplingParams(n=2, temperature=1.0, max_tokens=16, seed=124))
+    assert [x.token_ids for x in a] != [x.token_ids for x in c]
+    assert a[0].token_ids != a[1].token_ids  # the n samples of one prompt differ
+
+
+def test_stop_tokens_and_max_tokens(model):
+    free = generate(model, PROMPTS, SamplingParams(n=4, temperature=1.0, max_tokens=20, seed=5))
+    assert all(c.finish_reason == "length" and len(c.token_ids) == 20 for c in free)
+    # Stop on a token that the free run produced mid-way: those rows end right after it.
+    stop = free[0].token_ids[5]
+    outs = generate(model, PROMPTS, SamplingParams(n=4, temperature=1.0, max_tokens=20, seed=5, stop_token_ids=[stop]))
+    for f, c in zip(free, outs):
+        if stop in f.token_ids:
+            cut = f.token_ids.index(stop) + 1
+            assert c.finish_reason == "stop" and c.token_ids == f.token_ids[:cut]
+            assert c.logprobs == pytest.approx(f.logprobs[:cut], abs=LOGPROB_ATOL)
+        else:
+            assert c.finish_reason == "length" and c.token_ids == f.token_ids
+    assert any(c.finish_reason == "stop" for c in outs) and any(c.finish_reason == "length" for c in outs)
+
+
+def test_compaction_does_not_change_results(model, monkeypatch):
+    params = SamplingParams(n=3, temperature=0.9, max_tokens=15, seed=11, stop_token_ids=[10, 20, 30, 40, 50])
+    compacted = generate(model, PROMPTS, params)
+    monkeypatch.setattr(native, "COMPACT_FRACTION", 2.0)  # never compact
+    plain = generate(model, PROMPTS, params)
+    assert any(c.finish_reason == "stop" for c in plain)
+    for a, b in zip(compacted, plain):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert a.logprobs == pytest.approx(b.logprobs, abs=LOGPROB_ATOL)
+
+
+def test_context_limit_ends_with_length(model):
+    ctx = model.config.max_position_embeddings  # 128
+    outs = generate(model, [[1] * (ctx - 3)], SamplingParams(temperature=0, max_tokens=50))
+    assert outs[0].finish_reason == "length" and len(outs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize(
+    "prompts,kwargs,match",
+    [
+        ([[]], {}, "prompt 0 is empty"),
+        ([[1, 2], [5, 97]], {}, "token id 97 outside the vocabulary"),
+        ([[1, -1]], {}, "token id -1"),
+        ([[1] * 128], {}, "no room in the model's context"),
+        ([], {}, "at least one prompt"),
+    ],
+)
+def test_bad_prompts(model, prompts, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        generate(model, prompts, SamplingParams(**kwargs))
+
+
+@pytest.mark.parametrize("kwargs,match", [({"n": 0}, "n must be >= 1"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p")])
+def test_bad_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
