@@ -11,12 +11,75 @@ full vocabulary (the training basis, what the GRPO loss recomputes teacher-force
 ``Completion.sampled_logprobs[i]`` is the log-probability of token_i under the distribution
 actually sampled from (after top-k / top-p renormalisation); it equals ``logprobs`` when
 no truncation is active, and is ``None`` when the backend cannot provide it.
+A backend that cannot produce the training basis says so in its ``logprob_basis``
+(``LOGPROB_BASES``); ``logprob_basis_warning`` words the consequence for the trainer.
+
+Spool protocol (after CPython's ``mailbox.Maildir``): one JSON file per message.
+
+    spool/tmp/          staging; a message is written here, fsync'ed, then ``os.replace``d
+    spool/requests/     published requests (trainer -> worker), processed in file-name order
+    spool/claimed/      a request the worker took, by ``os.rename`` (only one reader can win)
+    spool/done/         requests whose response is published (kept: request ids stay unique)
+    spool/responses/    published responses, named by the request id (worker -> trainer)
+    spool/rejected/     malformed files, moved aside with the reason logged
+    spool/heartbeat.json  the worker's liveness record, rewritten atomically every second
+
+A message is never modified after it is published. Every message carries ``protocol``,
+``version``, ``kind``, ``id``, ``created`` and a kind-specific ``body``; a file with an
+unknown version, a missing field or broken JSON raises ``ProtocolError`` naming the file.
+The response to request ``X`` is ``responses/X.json`` (``id`` = ``X``), so responses are
+idempotent by request id: a worker restarted on the same spool moves its unfinished
+``claimed/`` requests back to ``requests/`` and skips any whose response already exists.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
+import json
+import os
+import re
+import socket
+import tempfile
+import time
+import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
+
+PROTOCOL = "align-spool"
+PROTOCOL_VERSION = 1
+
+# What Completion.logprobs holds, per backend:
+#   "training":  log_softmax(logits / T) over the full vocabulary (native sampler; the GRPO basis)
+#   "raw":       log_softmax(logits), temperature NOT applied (vLLM logprobs_mode=raw_logprobs);
+#                equals "training" only at T == 1
+#   "processed": log_softmax of the logits after temperature AND top-k/top-p masking
+#                (vLLM logprobs_mode=processed_logprobs); equals "training" when no truncation is active
+LOGPROB_BASES = ("training", "raw", "processed")
+
+# Snapshot directories are committed by one of these marker files, written last (DESIGN.md).
+SNAPSHOT_MARKERS = (".complete", "STABLE")
+
+REQUEST_KINDS = ("generate", "sync_weights", "shutdown")
+RESPONSE_KINDS = ("completions", "synced", "error", "stopped")
+# Required body fields and their JSON types, per kind. Extra fields are allowed (forward compatible).
+_BODY_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
+    "generate": {"prompts": (list,), "params": (dict,)},
+    "sync_weights": {"path": (str,), "version": (int,)},
+    "shutdown": {},
+    "completions": {"completions": (list,), "weights_version": (int,), "logprob_basis": (str,), "timings": (dict,)},
+    "synced": {"version": (int,), "seconds": (int, float), "method": (str,)},
+    "error": {"error": (str,), "message": (str,)},
+    "stopped": {},
+}
+_ID_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+_SPOOL_DIRS = ("tmp", "requests", "claimed", "done", "responses", "rejected")
+_counter = itertools.count()
+
+
+class ProtocolError(ValueError):
+    """A spool file that cannot be accepted (malformed, truncated, unknown version). Names the file."""
 
 
 @dataclass
@@ -47,7 +110,7 @@ class SamplingParams:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "SamplingParams":
+    def from_dict(cls, d: dict) -> SamplingParams:
         return cls(**d)
 
 
@@ -67,5 +130,414 @@ class Completion:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Completion":
+    def from_dict(cls, d: dict) -> Completion:
         return cls(**d)
+
+
+def logprob_basis_warning(basis: str, params: SamplingParams) -> str | None:
+    """A warning for the trainer when ``basis`` differs from the training basis under ``params``; else None."""
+    if basis not in LOGPROB_BASES:
+        raise ValueError(f"unknown logprob basis {basis!r}; expected one of {LOGPROB_BASES}")
+    truncated = params.top_p < 1.0 or params.top_k > 0
+    if basis == "raw" and params.temperature not in (0.0, 1.0):
+        return (
+            f"the rollout backend returns raw logprobs (before temperature) but sampling uses "
+            f"temperature={params.temperature}: old_logprobs differ from the training basis log_softmax(logits/T), "
+            f"so rho will not be ~1 on-policy. Use temperature=1.0, or start the vLLM worker with "
+            f"--logprobs-mode processed"
+        )
+    if basis == "processed" and truncated and params.temperature != 0.0:
+        return (
+            f"the rollout backend returns processed logprobs with top_p={params.top_p} top_k={params.top_k}: "
+            f"they are under the truncated distribution, not the full-vocabulary training basis"
+        )
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Messages
+
+
+def new_id(prefix: str = "r") -> str:
+    """A unique message id that sorts by creation time (requests are served in file-name order)."""
+    return f"{prefix}{time.time_ns():020d}-{os.getpid()}-{next(_counter)}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass
+class Message:
+    """One spool message: an envelope (protocol, version, kind, id, created) around a kind-specific body."""
+
+    kind: str
+    id: str
+    body: dict
+    created: float = field(default_factory=time.time)
+    version: int = PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        if self.kind not in _BODY_FIELDS:
+            raise ValueError(f"unknown message kind {self.kind!r}; expected one of {tuple(_BODY_FIELDS)}")
+        if not isinstance(self.id, str) or not _ID_RE.match(self.id):
+            raise ValueError(
+                f"bad message id {self.id!r}: use 1-128 characters of [A-Za-z0-9._-], not starting with '.'"
+            )
+
+    def to_json(self) -> str:
+        env = {"protocol": PROTOCOL, "version": self.version, "kind": self.kind, "id": self.id}
+        return json.dumps({**env, "created": self.created, "body": self.body}, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "<message>") -> Message:
+        """Parse and validate one message; any defect raises ProtocolError naming ``source``."""
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ProtocolError(f"{source}: malformed or truncated spool message ({e}); rejected") from None
+        if not isinstance(d, dict) or d.get("protocol") != PROTOCOL:
+            raise ProtocolError(f"{source}: not an {PROTOCOL} message (protocol={_get(d, 'protocol')!r}); rejected")
+        if d.get("version") != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"{source}: unsupported protocol version {d.get('version')!r} (this side speaks {PROTOCOL_VERSION}); "
+                f"run the trainer and the worker from the same align checkout"
+            )
+        for key, typ in (("kind", str), ("id", str), ("created", (int, float)), ("body", dict)):
+            if not isinstance(d.get(key), typ):
+                raise ProtocolError(f"{source}: field {key!r} missing or of the wrong type ({d.get(key)!r}); rejected")
+        kind, body = d["kind"], d["body"]
+        if kind not in _BODY_FIELDS:
+            raise ProtocolError(f"{source}: unknown message kind {kind!r}; rejected")
+        for key, typ in _BODY_FIELDS[kind].items():
+            if not isinstance(body.get(key), typ) or isinstance(body.get(key), bool):
+                raise ProtocolError(f"{source}: {kind} body field {key!r} missing or wrong type ({body.get(key)!r})")
+        try:
+            msg = cls(kind=kind, id=d["id"], body=body, created=float(d["created"]))
+        except ValueError as e:
+            raise ProtocolError(f"{source}: {e}") from None
+        if kind == "generate":
+            _check_generate(body, source)
+        return msg
+
+
+def _get(d: object, key: str) -> object:
+    return d.get(key) if isinstance(d, dict) else None
+
+
+def _check_generate(body: dict, source: str) -> None:
+    prompts = body["prompts"]
+    if not prompts or not all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompts):
+        raise ProtocolError(f"{source}: generate 'prompts' must be a non-empty list of non-empty token-id lists")
+    try:
+        SamplingParams.from_dict(body["params"])
+    except (TypeError, ValueError) as e:
+        raise ProtocolError(f"{source}: bad generate 'params': {e}") from None
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def generate_request(prompts: list[list[int]], params: SamplingParams, id: str | None = None) -> Message:
+    """A generate request: token-id prompts and sampling params (n per prompt and seed live in params)."""
+    body = {"prompts": [list(map(int, p)) for p in prompts], "params": params.to_dict()}
+    msg = Message("generate", id or new_id(), body)
+    _check_generate(body, f"generate request {msg.id}")
+    return msg
+
+
+def sync_request(path: str | os.PathLike, version: int, id: str | None = None) -> Message:
+    """A weight-sync command: load the committed HF snapshot at ``path``; stamp later responses ``version``."""
+    return Message("sync_weights", id or new_id(), {"path": str(Path(path).resolve()), "version": int(version)})
+
+
+def shutdown_request(id: str | None = None) -> Message:
+    return Message("shutdown", id or new_id(), {})
+
+
+def error_response(request_id: str, error: str, message: str) -> Message:
+    return Message("error", request_id, {"error": error, "message": message})
+
+
+def snapshot_marker(path: str | os.PathLike) -> Path | None:
+    """The commit marker of snapshot ``path`` if present (a reader never touches an uncommitted snapshot)."""
+    for name in SNAPSHOT_MARKERS:
+        if (Path(path) / name).is_file():
+            return Path(path) / name
+    return None
+
+
+def check_hf_dir(path: str | os.PathLike) -> Path:
+    """An HF checkpoint directory: valid config.json and weight files; else ValueError naming what is wrong."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"model directory {path} does not exist (pass an HF checkpoint directory)")
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"model directory {path} has no config.json: not an HF checkpoint") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"model directory {path}: config.json is not valid JSON ({e})") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ValueError(f"model directory {path}: config.json has no model_type")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise ValueError(f"model directory {path} has no *.safetensors / *.bin weight files")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Atomic files
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, tmp_dir: str | os.PathLike | None = None) -> None:
+    """Write ``text`` to ``path`` so a reader sees either nothing or the whole file.
+
+    temp file in ``tmp_dir`` (same filesystem), write, fsync, ``os.replace``, fsync the directory.
+    On any failure the temp file is removed and ``path`` is untouched.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=tmp_dir or path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):  # some filesystems cannot fsync a directory; the rename is still atomic
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def read_message(path: str | os.PathLike) -> Message:
+    """Read and validate one message file; ProtocolError names the file on any defect."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ProtocolError(f"{path}: not UTF-8 text ({e}); rejected") from None
+    return Message.from_json(text, source=str(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# The spool
+
+
+class Spool:
+    """A spool directory: publish, claim, answer and read messages; the worker's heartbeat.
+
+    Single worker per spool (the worker holds ``worker.lock``); any number of trainers may submit.
+    """
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        for name in _SPOOL_DIRS:
+            setattr(self, name, self.root / name)
+        self.heartbeat_path = self.root / "heartbeat.json"
+        self.lock_path = self.root / "worker.lock"
+
+    def ensure(self) -> Spool:
+        """Create the spool folders and prove the directory is writable, or raise RuntimeError saying so."""
+        try:
+            for name in _SPOOL_DIRS:
+                (self.root / name).mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".probe.", dir=self.root / "tmp")
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise RuntimeError(
+                f"spool directory {self.root} is not usable ({e.__class__.__name__}: {e}); "
+                f"pass a writable directory on a local or shared filesystem"
+            ) from None
+        return self
+
+    def _path(self, folder: str, msg_id: str) -> Path:
+        return self.root / folder / f"{msg_id}.json"
+
+    # -- trainer side ---------------------------------------------------------------------------
+    def submit(self, msg: Message) -> Path:
+        """Publish a request. A request id is used once: resubmitting a known id raises ValueError."""
+        if msg.kind not in REQUEST_KINDS:
+            raise ValueError(f"{msg.kind!r} is not a request kind {REQUEST_KINDS}")
+        if self.request_state(msg.id) is not None:
+            raise ValueError(f"request id {msg.id} already exists in spool {self.root} ({self.request_state(msg.id)})")
+        target = self._path("requests", msg.id)
+        atomic_write_text(target, msg.to_json(), tmp_dir=self.root / "tmp")
+        return target
+
+    def request_state(self, msg_id: str) -> str | None:
+        """'answered' | 'done' | 'claimed' | 'pending', or None for an unknown id."""
+        for state, folder in (
+            ("answered", "responses"),
+            ("done", "done"),
+            ("claimed", "claimed"),
+            ("pending", "requests"),
+        ):
+            if self._path(folder, msg_id).exists():
+                return state
+        return None
+
+    def take_response(self, msg_id: str) -> Message | None:
+        """Claim (rename) and read the response to ``msg_id``, then delete it; None if not there yet."""
+        src = self._path("responses", msg_id)
+        taken = self.root / "tmp" / f"{msg_id}.taken-{os.getpid()}-{uuid.uuid4().hex[:6]}.json"
+        try:
+            os.rename(src, taken)
+        except FileNotFoundError:
+            return None
+        try:
+            msg = read_message(taken)
+        except ProtocolError:
+            os.replace(taken, self._path("rejected", msg_id))
+            raise
+        os.unlink(taken)
+        if msg.kind not in RESPONSE_KINDS:
+            raise ProtocolError(f"{src}: a {msg.kind!r} message in responses/; rejected")
+        return msg
+
+    # -- worker side ----------------------------------------------------------------------------
+    def pending(self) -> list[Path]:
+        """Published requests in service order (file name = id, ids sort by creation time)."""
+        return sorted(p for p in (self.root / "requests").iterdir() if p.suffix == ".json")
+
+    def claim(self, path: Path) -> Path | None:
+        """Take a request by rename into claimed/; None if another reader took it first."""
+        dst = self.root / "claimed" / path.name
+        try:
+            os.rename(path, dst)
+        except FileNotFoundError:
+            return None
+        return dst
+
+    def respond(self, msg: Message) -> Path:
+        """Publish the response to request ``msg.id``; an existing response is kept (idempotent by id)."""
+        if msg.kind not in RESPONSE_KINDS:
+            raise ValueError(f"{msg.kind!r} is not a response kind {RESPONSE_KINDS}")
+        target = self._path("responses", msg.id)
+        if not target.exists():
+            atomic_write_text(target, msg.to_json(), tmp_dir=self.root / "tmp")
+        return target
+
+    def finish(self, msg_id: str) -> None:
+        """Move an answered request from claimed/ to done/."""
+        with contextlib.suppress(FileNotFoundError):
+            os.replace(self._path("claimed", msg_id), self._path("done", msg_id))
+
+    def reject(self, path: Path) -> Path:
+        """Move a malformed file aside (never half-read, never retried)."""
+        dst = self.root / "rejected" / path.name
+        os.replace(path, dst)
+        return dst
+
+    def recover(self) -> list[str]:
+        """At worker start: requeue claimed-but-unanswered requests; finish the answered ones. Returns requeued ids."""
+        requeued = []
+        for path in sorted((self.root / "claimed").glob("*.json")):
+            msg_id = path.stem
+            if self._path("responses", msg_id).exists() or self._path("done", msg_id).exists():
+                self.finish(msg_id)
+            else:
+                os.replace(path, self._path("requests", msg_id))
+                requeued.append(msg_id)
+        for stale in (self.root / "tmp").iterdir():  # half-written temp files of a dead writer
+            if stale.name.startswith(".") and stale.name.endswith(".tmp"):
+                with contextlib.suppress(FileNotFoundError):
+                    stale.unlink()
+        return requeued
+
+    # -- heartbeat ------------------------------------------------------------------------------
+    def write_heartbeat(self, state: str, **info: object) -> None:
+        """Rewrite heartbeat.json atomically: state is 'starting' | 'ready' | 'busy' | 'stopped' | 'failed'."""
+        hb = {"protocol": PROTOCOL, "version": PROTOCOL_VERSION, "kind": "heartbeat", "state": state}
+        hb.update(pid=os.getpid(), host=socket.gethostname(), time=time.time(), **info)
+        atomic_write_text(self.heartbeat_path, json.dumps(hb), tmp_dir=self.root / "tmp")
+
+    def read_heartbeat(self) -> dict | None:
+        """The last heartbeat, or None when the worker has not written one yet."""
+        try:
+            text = self.heartbeat_path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return None
+        try:
+            hb = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ProtocolError(f"{self.heartbeat_path}: malformed heartbeat ({e})") from None
+        if not isinstance(hb, dict) or hb.get("version") != PROTOCOL_VERSION or not isinstance(hb.get("time"), float):
+            raise ProtocolError(f"{self.heartbeat_path}: unsupported heartbeat {str(hb)[:200]}")
+        return hb
+
+
+def heartbeat_problem(hb: dict | None, stale_s: float, now: float | None = None) -> str | None:
+    """Why the worker behind heartbeat ``hb`` is not alive, or None if it looks alive (or has not started)."""
+    if hb is None:
+        return None
+    if hb.get("state") in ("stopped", "failed"):
+        err = hb.get("error")
+        return f"worker (pid {hb.get('pid')}) is {hb['state']}" + (f": {err}" if err else "")
+    if hb.get("host") == socket.gethostname() and not pid_alive(int(hb.get("pid", -1))):
+        return f"worker process {hb.get('pid')} is gone (no clean shutdown recorded)"
+    age = (time.time() if now is None else now) - hb["time"]
+    if age > stale_s:
+        return f"worker (pid {hb.get('pid')} on {hb.get('host')}) stopped heart-beating {age:.1f} s ago"
+    return None
+
+
+def pid_alive(pid: int) -> bool:
+    """True if a process ``pid`` exists on this host and is not a zombie."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a killed child that its parent has not reaped yet is a zombie: dead for our purposes
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Launching a worker: the environment contract (used by align.rollout.client and rollout_pilot.py)
+
+# torchrun / torch.distributed variables of the trainer; inherited, they make vLLM join the trainer's group.
+TORCHRUN_VARS = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+    "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "OMP_NUM_THREADS", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV",
+)  # fmt: skip
+
+
+def worker_env(
+    base: dict[str, str] | None = None,
+    *,
+    gpu: int | str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    in_process: bool = False,
+) -> dict[str, str]:
+    """The environment a rollout worker runs in (seed 003): flashinfer sampler off, caches under
+    ``cache_dir``, torchrun variables scrubbed, CUDA_VISIBLE_DEVICES pinned to ``gpu``."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in TORCHRUN_VARS}
+    env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+    env["PYTHONUNBUFFERED"] = "1"
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    else:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is sized for big boxes
+    if in_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if cache_dir is not None:
+        cache = Path(cache_dir).resolve()
+        env["VLLM_CACHE_ROOT"] = str(cache / "vllm")
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
+        env["TRITON_CACHE_DIR"] = str(cache / "triton")
+    return env

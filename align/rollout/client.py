@@ -1,0 +1,374 @@
+"""Rollout clients: one interface over the native sampler and the spool-attached vLLM worker.
+
+    client = make_rollout_client("native", model=model)                 # in-process, shares the live model
+    client = make_rollout_client("spool", spool=dir, timeout_s=600)     # vLLM worker in .venv-rollout
+    completions = client.generate(prompts, params)                      # list[Completion], (prompt, sample) order
+    seconds = client.sync_weights(snapshot_dir, version)                # after publishing a committed snapshot
+    client.close()
+
+``client.logprob_basis`` says what ``Completion.logprobs`` holds (``protocol.LOGPROB_BASES``);
+``protocol.logprob_basis_warning(client.logprob_basis, params)`` is the trainer's warning text.
+
+``spawn_worker`` launches ``extras/vllm_rollout/rollout_worker.py`` under ``.venv-rollout`` in its
+own process group (so teardown reaps vLLM's engine-core children) with the environment of
+``protocol.worker_env``. Import cost: stdlib only; the native backend imports torch lazily.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections import deque
+from pathlib import Path
+
+from align.rollout.protocol import (
+    Completion,
+    Message,
+    SamplingParams,
+    Spool,
+    check_hf_dir,
+    generate_request,
+    heartbeat_problem,
+    shutdown_request,
+    snapshot_marker,
+    sync_request,
+    worker_env,
+)
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+WORKER_SCRIPT = REPO_ROOT / "extras" / "vllm_rollout" / "rollout_worker.py"
+DEFAULT_VENV = REPO_ROOT / ".venv-rollout"
+SETUP_HINT = "bash scripts/setup_rollout_venv.sh"
+
+
+class RolloutError(RuntimeError):
+    """The worker answered a request with an error (bad request, engine failure)."""
+
+
+class WorkerDiedError(RuntimeError):
+    """The worker died or stopped heart-beating while a request was pending.
+
+    ``request_id`` stays in the spool: a restarted worker serves it, and ``client.wait(request_id)``
+    (or ``generate(..., request_id=...)``) picks up the answer.
+    """
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+# ---------------------------------------------------------------------------------------------
+# Native
+
+
+class NativeClient:
+    """The in-process sampler (``align.rollout.native``) on the live training model."""
+
+    logprob_basis = "training"
+
+    def __init__(self, model: object) -> None:
+        self.model = model
+        self.weights_version = 0
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        from align.rollout.native import generate
+
+        completions = generate(self.model, prompts, params)
+        for c in completions:
+            c.weights_version = self.weights_version
+        return completions
+
+    def sync_weights(self, snapshot_dir: str | os.PathLike | None, version: int) -> float:
+        """No copy: the sampler shares the live model. Records ``version`` for the completions' stamp."""
+        self.weights_version = int(version)
+        return 0.0
+
+    def close(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Spool
+
+
+class SpoolClient:
+    """Talks to a rollout worker through a spool directory (``align.rollout.protocol``).
+
+    Every call returns within ``timeout_s``: a worker that dies (its process is gone, or
+    ``worker`` handle exited) or whose heartbeat is older than ``stale_s`` raises
+    ``WorkerDiedError`` with the tail of its log; an error answer raises ``RolloutError``.
+    No heartbeat at all is tolerated for the whole ``timeout_s`` (the worker may still be starting).
+    """
+
+    def __init__(
+        self,
+        spool: str | os.PathLike,
+        timeout_s: float = 600.0,
+        stale_s: float = 30.0,
+        poll_s: float = 0.02,
+        worker: WorkerHandle | None = None,
+    ) -> None:
+        if timeout_s <= 0 or stale_s <= 0 or poll_s <= 0:
+            raise ValueError(f"timeout_s, stale_s, poll_s must be > 0, got {timeout_s}, {stale_s}, {poll_s}")
+        self.spool = Spool(spool).ensure()
+        self.timeout_s, self.stale_s, self.poll_s = float(timeout_s), float(stale_s), float(poll_s)
+        self.worker = worker
+        self.weights_version: int | None = None
+        self.last_timings: dict = {}
+        self._basis: str | None = None
+
+    @property
+    def logprob_basis(self) -> str:
+        """What the worker's logprobs are ('raw' or 'processed'), from its heartbeat or last answer."""
+        if self._basis is None:
+            hb = self.spool.read_heartbeat()
+            if hb is None or "logprob_basis" not in hb:
+                raise RuntimeError(f"no rollout worker has announced itself in {self.spool.root} yet")
+            self._basis = hb["logprob_basis"]
+        return self._basis
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, request_id: str | None = None
+    ) -> list[Completion]:
+        """Sample ``params.n`` completions per prompt; ordered by (prompt_index, sample_index).
+
+        With ``request_id`` of an earlier request (e.g. ``WorkerDiedError.request_id``) nothing is resubmitted:
+        the call waits for that request's answer.
+        """
+        msg = generate_request(prompts, params, id=request_id)
+        self._submit_once(msg)
+        body = self.wait(msg.id, expect="completions")
+        self._basis = body["logprob_basis"]
+        self.weights_version = body["weights_version"]
+        self.last_timings = body["timings"]
+        return [Completion.from_dict(c) for c in body["completions"]]
+
+    def sync_weights(self, snapshot_dir: str | os.PathLike, version: int) -> float:
+        """Tell the worker to load committed snapshot ``snapshot_dir`` as ``version``; returns the sync seconds."""
+        path = Path(snapshot_dir)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"snapshot {path} has no config.json: not an HF checkpoint directory")
+        if snapshot_marker(path) is None:
+            raise ValueError(f"snapshot {path} is not committed (no .complete / STABLE marker): publish it first")
+        msg = sync_request(path, version)
+        self.spool.submit(msg)
+        body = self.wait(msg.id, expect="synced")
+        self.weights_version = body["version"]
+        self.last_timings = {"sync_s": body["seconds"], "sync_method": body["method"]}
+        return float(body["seconds"])
+
+    def shutdown_worker(self, timeout_s: float = 60.0) -> None:
+        """Ask the worker to exit after the requests queued before this one."""
+        msg = shutdown_request()
+        self.spool.submit(msg)
+        self.wait(msg.id, expect="stopped", timeout_s=timeout_s)
+
+    def close(self) -> None:
+        """Detach (the worker keeps running; use its handle's ``shutdown()`` to stop it)."""
+
+    def _submit_once(self, msg: Message) -> None:
+        state = self.spool.request_state(msg.id)
+        if state is None:
+            self.spool.submit(msg)
+        elif state == "done":
+            raise RolloutError(f"request {msg.id} was already answered and its response consumed")
+
+    def wait(self, request_id: str, expect: str | None = None, timeout_s: float | None = None) -> dict:
+        """Block until the answer to ``request_id`` arrives; return its body. Never longer than the timeout."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        start = last_check = time.monotonic()
+        while True:
+            msg = self.spool.take_response(request_id)
+            if msg is not None:
+                if msg.kind == "error":
+                    b = msg.body
+                    raise RolloutError(f"rollout worker rejected request {request_id}: {b['error']}: {b['message']}")
+                if expect is not None and msg.kind != expect:
+                    raise RolloutError(f"request {request_id}: expected a {expect!r} answer, got {msg.kind!r}")
+                return msg.body
+            now = time.monotonic()
+            if now - last_check >= 0.25:
+                last_check = now
+                self._check_alive(request_id)
+            if now - start > timeout_s:
+                raise WorkerDiedError(
+                    f"no answer to request {request_id} within timeout_s={timeout_s:.0f} "
+                    f"(state: {self.spool.request_state(request_id)}); {self._describe_worker()}",
+                    request_id,
+                )
+            time.sleep(self.poll_s)
+
+    def _check_alive(self, request_id: str) -> None:
+        problem = None
+        if self.worker is not None and not self.worker.alive():
+            problem = f"worker process {self.worker.pid} exited with code {self.worker.returncode}"
+        if problem is None:
+            problem = heartbeat_problem(self.spool.read_heartbeat(), self.stale_s)
+        if problem is not None and self.spool.request_state(request_id) != "answered":
+            raise WorkerDiedError(
+                f"rollout worker failed while request {request_id} was pending: {problem}. "
+                f"The request stays in {self.spool.root}; restart the worker and call "
+                f"client.wait({request_id!r}) to resume.\n{self._describe_worker()}",
+                request_id,
+            )
+
+    def _describe_worker(self) -> str:
+        if self.worker is not None:
+            return f"worker log {self.worker.log_path} (last lines):\n{self.worker.log_tail(30)}"
+        hb = self.spool.read_heartbeat()
+        if hb and hb.get("log_path"):
+            return f"worker log {hb['log_path']} (last lines):\n{_tail(Path(hb['log_path']), 30)}"
+        return "no worker log known (the worker has written no heartbeat)"
+
+
+_CLIENTS = {"native": NativeClient, "spool": SpoolClient}
+
+
+def make_rollout_client(kind: str, **kwargs: object) -> NativeClient | SpoolClient:
+    """``"native"`` (``model=``) or ``"spool"`` (``spool=``, ``timeout_s=``, ...): same interface."""
+    if kind not in _CLIENTS:
+        raise ValueError(f"unknown rollout backend {kind!r}; expected one of {sorted(_CLIENTS)}")
+    return _CLIENTS[kind](**kwargs)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------
+# Spawning the vLLM worker
+
+
+def _tail(path: Path, n: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            lines = deque(f.read().decode("utf-8", "replace").splitlines(), maxlen=n)
+    except OSError as e:
+        return f"<cannot read {path}: {e}>"
+    return "\n".join(lines)
+
+
+class WorkerHandle:
+    """A spawned rollout worker: its own process group, so ``shutdown()`` reaps the engine core too."""
+
+    def __init__(self, proc: subprocess.Popen, spool: Spool, log_path: Path) -> None:
+        self.proc, self.spool, self.log_path = proc, spool, log_path
+        self.pid = proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, n: int = 40) -> str:
+        return _tail(self.log_path, n)
+
+    def wait_ready(self, timeout_s: float) -> dict:
+        """Wait for the worker's 'ready' heartbeat; on death or timeout, kill the group and raise with the log tail."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            hb = self.spool.read_heartbeat()
+            if hb is not None and hb.get("pid") == self.pid and hb.get("state") == "ready":
+                return hb
+            if not self.alive() or (hb is not None and hb.get("pid") == self.pid and hb.get("state") == "failed"):
+                self.shutdown(grace_s=0)
+                why = (hb or {}).get("error") or f"exit code {self.returncode}"
+                raise RuntimeError(f"rollout worker failed to start ({why}); log {self.log_path}:\n{self.log_tail(40)}")
+            time.sleep(0.1)
+        self.shutdown(grace_s=0)
+        raise RuntimeError(
+            f"rollout worker not ready within {timeout_s:.0f} s; log {self.log_path}:\n{self.log_tail(40)}"
+        )
+
+    def group_alive(self) -> bool:
+        """True while any process of the worker's process group exists."""
+        try:
+            os.killpg(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def shutdown(self, grace_s: float = 30.0) -> None:
+        """Stop the worker: a shutdown message (served after queued requests), then SIGTERM, then SIGKILL
+        of the whole process group. Returns when no process of the group is left."""
+        if self.alive() and grace_s > 0:
+            with contextlib.suppress(OSError, ValueError):
+                self.spool.submit(shutdown_request())
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=grace_s)
+        for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+            if not self.group_alive():
+                break
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, sig)
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                self.proc.poll()  # reap the leader so it does not linger as a zombie
+                if not self.group_alive():
+                    break
+                time.sleep(0.05)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+        if self.group_alive():
+            raise RuntimeError(f"rollout worker process group {self.pid} survived SIGKILL")
+
+
+def spawn_worker(
+    spool: str | os.PathLike,
+    gpu: int | None = None,
+    log_path: str | os.PathLike | None = None,
+    model: str | os.PathLike | None = None,
+    *,
+    weights_version: int = 0,
+    max_model_len: int = 2048,
+    dtype: str = "auto",
+    logprobs_mode: str = "raw",
+    in_process: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+    venv: str | os.PathLike | None = None,
+    extra_args: list[str] | tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    wait_ready: bool = True,
+    ready_timeout_s: float = 900.0,
+) -> WorkerHandle:
+    """Launch ``rollout_worker.py`` under ``.venv-rollout`` on ``model`` serving ``spool``.
+
+    Checks the venv, spool and model directory before starting anything. ``in_process`` runs vLLM's
+    engine core in the worker process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; faster to start on CPU).
+    With ``wait_ready`` it returns once the engine is up, or raises with the log tail and no process left.
+    """
+    venv = Path(venv) if venv is not None else Path(os.environ.get("ALIGN_ROLLOUT_VENV", DEFAULT_VENV))
+    python = venv / "bin" / "python"
+    if not python.exists():
+        raise RuntimeError(f"rollout venv missing: {python} does not exist. Build it with `{SETUP_HINT}`")
+    if model is None:
+        raise ValueError("spawn_worker needs model=<HF checkpoint directory>")
+    model = check_hf_dir(model)
+    sp = Spool(spool).ensure()
+    log_path = Path(log_path) if log_path is not None else sp.root / "worker.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    cache_dir = cache_dir or os.environ.get("ALIGN_ROLLOUT_CACHE") or REPO_ROOT / ".cache" / "rollout"
+    cmd = [str(python), str(WORKER_SCRIPT), "--spool", str(sp.root.resolve()), "--model", str(model.resolve())]
+    cmd += ["--weights-version", str(weights_version), "--max-model-len", str(max_model_len), "--dtype", dtype]
+    cmd += ["--logprobs-mode", logprobs_mode, "--log-path", str(log_path.resolve()), *extra_args]
+    wenv = worker_env(env, gpu=gpu, cache_dir=cache_dir, in_process=in_process)
+    with open(log_path, "ab") as logf:
+        logf.write(f"\n[spawn_worker] {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
+        logf.flush()
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=wenv,
+            cwd=str(REPO_ROOT), start_new_session=True,
+        )  # fmt: skip
+    handle = WorkerHandle(proc, sp, log_path)
+    log.info("spawned rollout worker pid %d on %s (log %s)", proc.pid, model, log_path)
+    if wait_ready:
+        handle.wait_ready(ready_timeout_s)
+    return handle

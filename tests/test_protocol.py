@@ -1,0 +1,394 @@
+"""The spool protocol and the rollout clients, without vLLM (core venv, seconds).
+
+The real worker is exercised in ``test_spool_worker.py``. Here the worker side of the protocol is
+played by a thread using the same ``Spool`` calls the worker uses: this tests the client's handling of
+answers, errors, dead and silent workers, which a real vLLM engine cannot be made to produce on cue.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from align.rollout import protocol as P
+from align.rollout.client import (
+    NativeClient,
+    RolloutError,
+    SpoolClient,
+    WorkerDiedError,
+    make_rollout_client,
+    spawn_worker,
+)
+from align.rollout.protocol import Completion, Message, ProtocolError, SamplingParams, Spool
+
+REPO = Path(__file__).resolve().parents[1]
+FAST_TIMEOUT_S = 5.0  # every client call in this file must return well within this
+
+
+def _valid(tmp_path: Path) -> Path:
+    msg = P.generate_request([[1, 2, 3]], SamplingParams(n=2, temperature=0.7, seed=3))
+    path = tmp_path / f"{msg.id}.json"
+    path.write_text(msg.to_json())
+    return path
+
+
+def test_protocol_and_client_import_without_torch():
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.modules['numpy'] = None\n"
+        "import align.rollout.protocol, align.rollout.client\n"
+        "assert 'torch' not in {m for m, v in sys.modules.items() if v is not None}\n"
+        "print('ok')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=False, cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_message_round_trip_keeps_every_field(tmp_path):
+    params = SamplingParams(n=3, temperature=0.7, top_p=0.9, top_k=5, max_tokens=7, stop_token_ids=[2], seed=11)
+    msg = P.generate_request([[5, 6], [7]], params)
+    back = P.read_message(_write(tmp_path / "m.json", msg.to_json()))
+    assert back == msg and SamplingParams.from_dict(back.body["params"]) == params
+    c = Completion(1, 2, [4, 2], [-0.5, -1.0], "stop", sampled_logprobs=None, weights_version=3)
+    assert Completion.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+
+
+def _write(path: Path, text: str | bytes) -> Path:
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return path
+
+
+def _corrupt(text: str) -> dict[str, str | bytes]:
+    d = json.loads(text)
+    return {
+        "truncated": text[: len(text) // 2],
+        "empty": "",
+        "not_utf8": b"\xff\xfe{",
+        "future_version": json.dumps({**d, "version": P.PROTOCOL_VERSION + 1}),
+        "other_protocol": json.dumps({**d, "protocol": "something-else"}),
+        "missing_id": json.dumps({k: v for k, v in d.items() if k != "id"}),
+        "unknown_kind": json.dumps({**d, "kind": "launch_missiles"}),
+        "empty_prompt": json.dumps({**d, "body": {**d["body"], "prompts": [[]]}}),
+        "float_token": json.dumps({**d, "body": {**d["body"], "prompts": [[1.5]]}}),
+        "bad_params": json.dumps({**d, "body": {**d["body"], "params": {**d["body"]["params"], "top_p": 2.0}}}),
+        "unknown_param": json.dumps({**d, "body": {**d["body"], "params": {"bogus": 1}}}),
+        "path_in_id": json.dumps({**d, "id": "../escape"}),
+        "a_list": "[1, 2]",
+    }
+
+
+@pytest.mark.parametrize("defect", list(_corrupt(P.generate_request([[1]], SamplingParams()).to_json())))
+def test_malformed_file_is_rejected_naming_the_file(tmp_path, defect):
+    good = _valid(tmp_path)
+    P.read_message(good)  # negative control: the intact file reads
+    bad = _write(tmp_path / "bad.json", _corrupt(good.read_text())[defect])
+    with pytest.raises(ProtocolError, match="bad.json"):
+        P.read_message(bad)
+
+
+def test_unknown_version_error_says_what_to_do(tmp_path):
+    d = json.loads(_valid(tmp_path).read_text())
+    bad = _write(tmp_path / "v9.json", json.dumps({**d, "version": 9}))
+    with pytest.raises(ProtocolError, match=r"v9.json: unsupported protocol version 9 .*same align checkout"):
+        P.read_message(bad)
+
+
+def test_atomic_write_failure_leaves_nothing(tmp_path, monkeypatch):
+    target = tmp_path / "out.json"
+
+    def boom(fd):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(os, "fsync", boom)
+    with pytest.raises(OSError, match="disk full"):
+        P.atomic_write_text(target, '{"a": 1}')
+    assert not target.exists() and list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    P.atomic_write_text(target, '{"a": 1}')  # control: the same call without the fault publishes
+    assert json.loads(target.read_text()) == {"a": 1} and list(tmp_path.iterdir()) == [target]
+
+
+_CLAIMER = """
+import sys
+from pathlib import Path
+from align.rollout.protocol import Spool
+sp = Spool(sys.argv[1])
+got = []
+for _ in range(50):
+    for p in sp.pending():
+        if sp.claim(p) is not None:
+            got.append(p.stem)
+print("\\n".join(got))
+"""
+
+
+def test_claim_by_rename_is_exclusive_across_processes(tmp_path):
+    sp = Spool(tmp_path / "spool").ensure()
+    ids = [sp.submit(P.shutdown_request()).stem for _ in range(300)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _CLAIMER, str(sp.root)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    claimed = [set(p.communicate(timeout=120)[0].split()) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert set.union(*claimed) == set(ids)
+    assert sum(len(c) for c in claimed) == len(ids), "a message was claimed twice"
+
+
+def test_responses_are_idempotent_by_request_id(tmp_path):
+    sp = Spool(tmp_path).ensure()
+    req = sp.submit(P.shutdown_request())
+    rid = req.stem
+    first = Message("synced", rid, {"version": 1, "seconds": 0.1, "method": "reload"})
+    sp.respond(first)
+    sp.respond(Message("synced", rid, {"version": 2, "seconds": 0.2, "method": "rebuild"}))  # a duplicate answer
+    assert sp.take_response(rid).body == first.body
+    assert sp.take_response(rid) is None  # taken once
+    with pytest.raises(ValueError, match="already exists"):
+        sp.submit(Message("shutdown", rid, {}))
+
+
+def test_recover_requeues_unanswered_and_finishes_answered(tmp_path):
+    sp = Spool(tmp_path).ensure()
+    a, b = (sp.claim(sp.submit(P.shutdown_request())) for _ in range(2))
+    sp.respond(Message("stopped", a.stem, {}))
+    (sp.root / "tmp" / ".x.json.abc.tmp").write_text("{")  # a writer died mid-write
+    assert sp.recover() == [b.stem]
+    assert sp.request_state(a.stem) == "answered" and sp.request_state(b.stem) == "pending"
+    assert list((sp.root / "tmp").iterdir()) == []
+
+
+def test_unwritable_spool_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    with pytest.raises(RuntimeError, match=r"spool directory .*a_file/spool is not usable"):
+        make_rollout_client("spool", spool=blocker / "spool", timeout_s=1)
+    with pytest.raises(RuntimeError, match="not usable"):
+        spawn_worker(blocker / "spool", model=_fake_model_dir(tmp_path), venv=sys.prefix)
+    assert blocker.read_text() == "not a directory"
+
+
+def _fake_model_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "model"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    (d / "model.safetensors").write_bytes(b"")
+    return d
+
+
+def test_spawn_worker_bad_inputs_start_nothing(tmp_path):
+    model = _fake_model_dir(tmp_path)
+    with pytest.raises(RuntimeError, match=r"rollout venv missing: .*bash scripts/setup_rollout_venv.sh"):
+        spawn_worker(tmp_path / "spool", model=model, venv=tmp_path / "no-venv")
+    (model / "config.json").write_text("{ not json")
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        spawn_worker(tmp_path / "spool", model=model, venv=sys.prefix)
+    with pytest.raises(ValueError, match="does not exist"):
+        spawn_worker(tmp_path / "spool", model=tmp_path / "nowhere", venv=sys.prefix)
+    (model / "config.json").unlink()
+    with pytest.raises(ValueError, match="no config.json"):
+        spawn_worker(tmp_path / "spool", model=model, venv=sys.prefix)
+    assert not (tmp_path / "spool" / "worker.log").exists()
+
+
+def test_make_rollout_client_names_the_backends():
+    with pytest.raises(ValueError, match=r"unknown rollout backend 'vllm'.*native.*spool"):
+        make_rollout_client("vllm")
+
+
+def test_worker_env_scrubs_torchrun_and_pins_caches(tmp_path):
+    base = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "29500", "PYTHONPATH": "/x", "HOME": "/h"}
+    env = P.worker_env(base, gpu=3, cache_dir=tmp_path, in_process=True)
+    assert not {"RANK", "WORLD_SIZE", "MASTER_PORT", "PYTHONPATH"} & set(env) and env["HOME"] == "/h"
+    assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0" and env["CUDA_VISIBLE_DEVICES"] == "3"
+    assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path)) and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in P.worker_env(base)
+
+
+def test_logprob_basis_warning():
+    hot = SamplingParams(temperature=0.7)
+    assert "--logprobs-mode processed" in P.logprob_basis_warning("raw", hot)
+    assert P.logprob_basis_warning("raw", SamplingParams(temperature=1.0)) is None
+    assert P.logprob_basis_warning("processed", hot) is None
+    assert "truncated" in P.logprob_basis_warning("processed", SamplingParams(top_p=0.9))
+    assert P.logprob_basis_warning("training", SamplingParams(temperature=0.7, top_k=3)) is None
+    with pytest.raises(ValueError, match="unknown logprob basis"):
+        P.logprob_basis_warning("bogus", hot)
+
+
+def test_heartbeat_problem(tmp_path):
+    sp = Spool(tmp_path).ensure()
+    assert P.heartbeat_problem(None, 1.0) is None  # not started yet: tolerated (the call's timeout bounds it)
+    sp.write_heartbeat("ready")
+    hb = sp.read_heartbeat()
+    assert P.heartbeat_problem(hb, 5.0) is None
+    assert "stopped heart-beating" in P.heartbeat_problem(hb, 5.0, now=hb["time"] + 6)
+    assert "is stopped" in P.heartbeat_problem({**hb, "state": "stopped"}, 5.0)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert "is gone" in P.heartbeat_problem({**hb, "pid": gone.pid}, 5.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# SpoolClient against a scripted worker (the real one: test_spool_worker.py)
+
+
+class ScriptedWorker(threading.Thread):
+    """Plays the worker side of the protocol with the worker's own Spool calls."""
+
+    def __init__(self, root: Path, answer, heartbeat: bool = True) -> None:
+        super().__init__(daemon=True)
+        self.sp, self.answer, self.heartbeat = Spool(root).ensure(), answer, heartbeat
+        self.stop = threading.Event()
+        self.served: list[str] = []
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            if self.heartbeat:
+                self.sp.write_heartbeat("ready", logprob_basis="raw")
+            for path in self.sp.pending():
+                claimed = self.sp.claim(path)
+                if claimed is None:
+                    continue
+                msg = P.read_message(claimed)
+                reply = self.answer(msg)
+                if reply is not None:
+                    self.sp.respond(reply)
+                    self.sp.finish(msg.id)
+                    self.served.append(msg.id)
+            time.sleep(0.01)
+
+
+def _echo(msg: Message) -> Message:
+    if msg.kind == "generate":
+        params = SamplingParams.from_dict(msg.body["params"])
+        comps = [
+            Completion(i, j, [p[-1] + j], [-1.0], "length", weights_version=7).to_dict()
+            for i, p in enumerate(msg.body["prompts"])
+            for j in range(params.n)
+        ]
+        return Message(
+            "completions", msg.id, {"completions": comps, "weights_version": 7, "logprob_basis": "raw", "timings": {}}
+        )
+    if msg.kind == "sync_weights":
+        return Message("synced", msg.id, {"version": msg.body["version"], "seconds": 0.5, "method": "reload"})
+    return P.error_response(msg.id, "bad_request", "prompt of 9 tokens + max_tokens 8 exceeds max_model_len 16")
+
+
+@pytest.fixture
+def scripted(tmp_path):
+    workers = []
+
+    def start(answer=_echo, heartbeat=True):
+        w = ScriptedWorker(tmp_path / "spool", answer, heartbeat)
+        w.start()
+        workers.append(w)
+        return w
+
+    yield start
+    for w in workers:
+        w.stop.set()
+        w.join(timeout=5)
+
+
+def test_spool_client_generate_and_sync(tmp_path, scripted):
+    scripted()
+    client = make_rollout_client("spool", spool=tmp_path / "spool", timeout_s=FAST_TIMEOUT_S)
+    out = client.generate([[10, 11], [20]], SamplingParams(n=2))
+    assert [(c.prompt_index, c.sample_index, c.token_ids) for c in out] == [
+        (0, 0, [11]),
+        (0, 1, [12]),
+        (1, 0, [20]),
+        (1, 1, [21]),
+    ]
+    assert client.logprob_basis == "raw" and client.weights_version == 7
+    snap = _fake_model_dir(tmp_path)
+    with pytest.raises(ValueError, match="not committed"):
+        client.sync_weights(snap, 8)
+    (snap / ".complete").write_text("{}")
+    assert client.sync_weights(snap, 8) == 0.5 and client.weights_version == 8
+
+
+def test_spool_client_raises_worker_errors(tmp_path, scripted):
+    scripted(answer=lambda m: _echo(m) if m.kind != "generate" else P.error_response(m.id, "bad_request", "too long"))
+    client = SpoolClient(tmp_path / "spool", timeout_s=FAST_TIMEOUT_S)
+    with pytest.raises(RolloutError, match=r"rejected request .*bad_request: too long"):
+        client.generate([[1]], SamplingParams())
+
+
+def test_dead_worker_is_detected_with_log_tail_and_request_resumes(tmp_path, scripted):
+    sp = Spool(tmp_path / "spool").ensure()
+    log = tmp_path / "worker.log"
+    log.write_text("loading model\nSegmentation fault (core dumped)\n")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    hb = {"protocol": P.PROTOCOL, "version": 1, "kind": "heartbeat", "state": "busy", "pid": gone.pid}
+    hb.update(host=os.uname().nodename, time=time.time(), log_path=str(log))
+    P.atomic_write_text(sp.heartbeat_path, json.dumps(hb))
+    client = SpoolClient(sp.root, timeout_s=FAST_TIMEOUT_S)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDiedError, match=r"(?s)is gone.*Segmentation fault") as err:
+        client.generate([[3, 4]], SamplingParams(n=1))
+    assert time.monotonic() - t0 < 2.0
+    rid = err.value.request_id
+    assert sp.request_state(rid) == "pending"
+    w = scripted()  # "restart": the pending request is served once and picked up by id, not resubmitted
+    out = client.generate([[3, 4]], SamplingParams(n=1), request_id=rid)
+    assert out[0].token_ids == [4] and w.served == [rid]
+
+
+def test_silent_worker_times_out_never_hangs(tmp_path, scripted):
+    scripted(answer=lambda m: None)  # heart-beats, claims, never answers
+    client = SpoolClient(tmp_path / "spool", timeout_s=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDiedError, match=r"no answer to request .* within timeout_s=1 \(state: claimed\)"):
+        client.generate([[1]], SamplingParams())
+    assert time.monotonic() - t0 < 3.0
+
+
+def test_stale_heartbeat_is_detected_before_the_timeout(tmp_path):
+    sp = Spool(tmp_path / "spool").ensure()
+    sp.write_heartbeat("busy")
+    hb = sp.read_heartbeat()
+    P.atomic_write_text(sp.heartbeat_path, json.dumps({**hb, "time": time.time() - 100.0}))
+    client = SpoolClient(sp.root, timeout_s=30.0, stale_s=2.0)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="stopped heart-beating"):
+        client.generate([[1]], SamplingParams())
+    assert time.monotonic() - t0 < 3.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Native
+
+
+def test_native_client_matches_native_generate_and_stamps_version(tmp_path):
+    torch = pytest.importorskip("torch")
+    from helpers_models import make_tiny_qwen2
+
+    from align.model import load_pretrained
+    from align.rollout.native import generate
+
+    model = load_pretrained(make_tiny_qwen2(tmp_path / "m"))
+    params = SamplingParams(n=2, max_tokens=5, seed=0)
+    client = make_rollout_client("native", model=model)
+    assert isinstance(client, NativeClient) and client.logprob_basis == "training"
+    assert client.sync_weights(None, 4) == 0.0
+    out = client.generate([[1, 2, 3], [4]], params)
+    ref = generate(model, [[1, 2, 3], [4]], params)
+    assert [c.token_ids for c in out] == [c.token_ids for c in ref]
+    assert [(c.prompt_index, c.sample_index, c.weights_version) for c in out] == [
+        (0, 0, 4),
+        (0, 1, 4),
+        (1, 0, 4),
+        (1, 1, 4),
+    ]
+    assert torch.isfinite(torch.tensor([lp for c in out for lp in c.logprobs])).all()
