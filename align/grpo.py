@@ -294,7 +294,8 @@ def policy_loss(
     """This micro-batch's share of the whole-batch loss (see the module docstring), and stats.
 
     ``old_logprobs``, ``behav_logprobs`` and ``ref_logprobs`` are treated as constants. Values at
-    masked positions are ignored (may be padding, -inf or NaN) and receive zero gradient.
+    masked positions are ignored (may be padding, -inf or NaN) and receive zero gradient. The math
+    runs in at least float32 (bf16 logprobs are upcast; the gradient flows back in their dtype).
     An all-masked micro-batch returns a zero loss (with a graph) and zero-weight stats.
     """
     _check(cfg, logprobs, old_logprobs, advantages, mask, behav_logprobs, ref_logprobs, entropy)
@@ -309,9 +310,11 @@ def policy_loss(
             f"this micro-batch has {n_tok} tokens / {n_seq} sequences, more than total_tokens={total_tokens} / "
             f"total_seqs={total_seqs}: pass the whole batch's counts (sum of normalisers(mask) over micro-batches)"
         )
-    m = mask.to(logprobs.dtype)  # (B, T)
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)  # bf16 ratios are too coarse to clip
+    m = mask.to(dtype)  # (B, T)
 
     def clean(x: Tensor) -> Tensor:  # padding may hold -inf / NaN; where() gives it zero gradient
+        x = x.to(dtype)
         return torch.where(mask, x, torch.zeros_like(x))
 
     lp, old = clean(logprobs), clean(old_logprobs.detach())

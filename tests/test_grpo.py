@@ -108,6 +108,16 @@ def test_zero_variance_filter_and_truncation():
     assert close(adv[1], [0.0, -0.70711])
 
 
+def test_batch_scale_and_empty_group_hand():
+    # scale="batch": std of all scored rewards [1, 0, 1, 1]: mean 0.75, unbiased var (3 * 0.0625 + 0.5625) / 3
+    # = 0.25 -> std 0.5; group 0: (1 - 0.5) / 0.5 = 1, (0 - 0.5) / 0.5 = -1; group 1 zero variance -> 0
+    r = torch.tensor([[1.0, 0.0], [1.0, 1.0], [NAN, NAN]])
+    adv, valid, stats = compute_advantages(r, AdvantageConfig(scale="batch", eps=0.0))
+    assert close(adv, [[1.0, -1.0], [0.0, 0.0], [0.0, 0.0]])
+    assert valid.tolist() == [[True, True], [True, True], [False, False]]
+    assert stats["num_empty_groups"] == 1 and stats["num_zero_variance_groups"] == 1 and stats["num_valid"] == 4
+
+
 def test_overlong_penalty_hand_computed():
     # DAPO eq. 13, L_max = 10, L_cache = 4: expected length 6
     # len 6 -> 0; len 8 -> (6 - 8) / 4 = -0.5; len 10 -> -1; len 12 (beyond) -> -1; factor 2 doubles it
@@ -183,7 +193,7 @@ def ref_policy_loss(cfg, lp, old, adv, mask, behav, ref, ent, total_tokens, tota
         elif cfg.name == "cispo":
             per = {}
             for t in toks:
-                r = math.exp(float(lp[i, t]) - float(old[i, t]))
+                r = math.exp(float(lp[i, t].detach()) - float(old[i, t]))
                 per[t] = -min(max(r, 1 - el), 1 + eh) * a * lp[i, t]
         else:
             per = {t: clip_obj(torch.exp(lp[i, t] - old[i, t])) for t in toks}
@@ -261,7 +271,7 @@ def test_the_variants_normalise_differently():
     # negative control for the table: the same batch gives five different losses
     lp, old, adv, mask, *_ = make_batch(2)
     tt, ts = normalisers(mask)
-    vals = [float(policy_loss(LossConfig(name=n, max_len_norm=7), lp, old, adv, mask, total_tokens=tt, total_seqs=ts)[0])
+    vals = [policy_loss(LossConfig(name=n, max_len_norm=7), lp, old, adv, mask, total_tokens=tt, total_seqs=ts)[1]["loss"]
             for n in LOSSES]  # fmt: skip
     assert len({round(v, 6) for v in vals}) == len(LOSSES)
 
@@ -278,7 +288,7 @@ def one(values, adv, cfg, old=None, **kw):
     kw.setdefault("total_seqs", 1)
     loss, stats = policy_loss(cfg, lp, old, torch.tensor([adv]), mask, **kw)
     loss.backward()
-    return float(loss), lp.grad[0].tolist(), stats
+    return float(loss.detach()), lp.grad[0].tolist(), stats
 
 
 def test_token_mean_hand():
@@ -311,7 +321,7 @@ def test_seq_mean_and_constant_norm_hand():
     adv = torch.tensor([1.0, 2.0])
 
     def run(cfg):
-        return float(policy_loss(cfg, lp, lp.detach(), adv, mask, total_tokens=4, total_seqs=2)[0])
+        return policy_loss(cfg, lp, lp.detach(), adv, mask, total_tokens=4, total_seqs=2)[1]["loss"]
 
     assert close(run(LossConfig()), (-1 - 6) / 4)  # token mean: -1.75
     assert close(run(LossConfig(name="seq_mean_token_mean")), (-1 + -6 / 3) / 2)  # -1.5
@@ -442,6 +452,55 @@ def test_micro_batches_give_the_whole_batch_gradient(name):
     assert not close(theta.grad, grads[0], atol=1e-4)
 
 
+DDP_NAMES = ("token_mean", "seq_mean_token_mean", "gspo")
+
+
+def _ddp_batch(name):
+    lp, old, adv, mask, behav, ref, _ = make_batch(3, B=6, T=4)
+    cfg = LossConfig(name=name, kl_coef=0.05, use_rho_correction=True)
+    return cfg, lp, old, adv, mask, behav, ref
+
+
+def _ddp_worker(rank, world, init_file, out_dir):
+    """One rank of a real gloo process group: its rows, global normalisers by all_reduce, grads summed."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        for name in DDP_NAMES:
+            cfg, lp, old, adv, mask, behav, ref = _ddp_batch(name)
+            rows = torch.tensor([[0, 2, 5], [1, 3, 4]][rank])
+            counts = torch.tensor(normalisers(mask[rows]), dtype=torch.float64)
+            dist.all_reduce(counts)  # whole-batch token / sequence counts
+            theta = lp.detach()[rows].clone().requires_grad_()
+            loss, _ = policy_loss(cfg, theta, old[rows], adv[rows], mask[rows], behav_logprobs=behav[rows],
+                                  ref_logprobs=ref[rows], total_tokens=float(counts[0]), total_seqs=float(counts[1]))  # fmt: skip
+            loss.backward()
+            full = torch.zeros_like(lp)
+            full[rows] = theta.grad
+            dist.all_reduce(full)  # SUM, not DDP's average: the normalisers are already global
+            if rank == 0:
+                torch.save(full, f"{out_dir}/{name}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_give_the_whole_batch_gradient(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    for name in DDP_NAMES:
+        cfg, lp, old, adv, mask, behav, ref = _ddp_batch(name)
+        tt, ts = normalisers(mask)
+        loss, _ = policy_loss(cfg, lp, old, adv, mask, behav_logprobs=behav, ref_logprobs=ref, total_tokens=tt,
+                              total_seqs=ts)  # fmt: skip
+        loss.backward()
+        got = torch.load(tmp_path / f"{name}.pt")
+        assert close(got, lp.grad, atol=1e-6), name
+        assert not close(got / 2, lp.grad, atol=1e-6)  # negative control: DDP-style averaging halves it
+
+
 def test_all_masked_micro_batch_is_zero_not_nan():
     lp = torch.full((2, 3), -torch.inf).requires_grad_()  # padding may hold -inf
     old = torch.full((2, 3), NAN)
@@ -452,9 +511,21 @@ def test_all_masked_micro_batch_is_zero_not_nan():
         loss, stats = policy_loss(cfg, lp, old, adv, mask, behav_logprobs=old, ref_logprobs=old,
                                   total_tokens=10, total_seqs=3)  # fmt: skip
         loss.backward()
-        assert float(loss) == 0.0 and torch.equal(lp.grad, torch.zeros_like(lp)), name
+        assert float(loss.detach()) == 0.0 and torch.equal(lp.grad, torch.zeros_like(lp)), name
         assert all(math.isfinite(v) for v in stats.values()) and stats["num_tokens"] == 0
         lp.grad = None
+
+
+def test_bf16_logprobs_are_upcast():
+    lp, old, adv, mask, *_ = make_batch(7)
+    tt, ts = normalisers(mask)
+    lp16 = lp.detach().bfloat16().requires_grad_()
+    loss16, _ = policy_loss(LossConfig(), lp16, old.bfloat16(), adv, mask, total_tokens=tt, total_seqs=ts)
+    loss32, _ = policy_loss(LossConfig(), lp16.detach().float().requires_grad_(), old.bfloat16().float(), adv, mask,
+                            total_tokens=tt, total_seqs=ts)  # fmt: skip
+    assert loss16.dtype == torch.float32 and close(loss16.detach(), loss32.detach())
+    loss16.backward()
+    assert lp16.grad.dtype == torch.bfloat16 and torch.isfinite(lp16.grad).all()
 
 
 def test_padding_values_do_not_leak():
@@ -522,7 +593,7 @@ def test_policy_loss_input_errors():
         policy_loss(cfg, lp, old, torch.full_like(adv, NAN), mask, **ok)
     # kl_coef = 0 (default): no reference logprobs needed, and no KL in the loss
     loss, stats = policy_loss(cfg, lp, old, adv, mask, **ok)
-    assert "kl" not in stats and stats["kl_loss"] == 0.0 and math.isfinite(float(loss))
+    assert "kl" not in stats and stats["kl_loss"] == 0.0 and math.isfinite(float(loss.detach()))
 
 
 def test_stats_are_floats_and_mismatch_reported_without_correction():
