@@ -1,0 +1,636 @@
+"""Lean proving generation driver (experiment P2): Goedel-Prover-V2 proof attempts with vLLM.
+
+Writes one Generation record per sample to ``--out`` (JSONL), ``<out>.manifest.json`` (one ``sessions[]``
+entry per launch) and ``<out>.skipped.jsonl`` (planned prompts that were not generated, with the reason).
+Round 0 samples each problem ``--n`` times; round k >= 1 (``--corrections-from VERIF GEN ...``) builds
+Goedel's self-correction prompt for every failed parent of round k - 1. Rerunning the same command resumes.
+
+Layout: everything above ``# --- engine`` is stdlib-only (unit-tested from the align venv); vLLM,
+transformers and torch are imported inside the engine functions (``.venv-rollout``).
+
+Key decisions (see LEAN.md):
+* prompts are rendered by the model's own chat template (``AutoTokenizer.apply_chat_template``), exactly as
+  the reference; ``sampling.max_tokens = min(cap, max_model_len - prompt_len[, trajectory budget left])``;
+  a prompt longer than 3/4 of ``max_model_len`` is skipped (the reference's filter).
+* one seed per sample from (seed, problem, sample_idx, round); the cap is not part of it.
+* the driver steps the engine itself (``add_request`` / ``step``) and keeps a refill window of waiting
+  requests, so one long straggler never leaves the engine idle.
+* exit 0 only when every planned sample exists; 143 on SIGTERM/SIGINT (the file stays resumable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import lean_prompts as lp  # noqa: E402  (stdlib-only sibling)
+
+EXIT_OK, EXIT_INCOMPLETE, EXIT_BAD_INPUT, EXIT_LOCKED, EXIT_SIGNAL = 0, 1, 2, 75, 143
+REPO = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+DEFAULT_LOCK = os.path.join(REPO, ".cache", "heavy_gpu.lock")
+DEFAULT_MODEL = "Goedel-LM/Goedel-Prover-V2-8B"
+PROMPT_FIT = 0.75  # the reference drops prompts longer than max_model_len * 3/4 tokens
+NO_FEEDBACK_POLICIES = ("skip", "resample", "goedel")
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's MaxLoRARanks
+
+
+# --- files -------------------------------------------------------------------------------------------------------------
+
+
+def read_jsonl(path: str, repair_tail: bool = False) -> list[dict]:
+    """Read a JSONL file; a bad line raises ``ValueError`` naming it. With ``repair_tail`` an unterminated
+    last line (a write cut by a kill) is dropped from the file instead: that sample is generated again."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if repair_tail and data and not data.endswith(b"\n"):
+        keep = data.rfind(b"\n") + 1
+        print(f"lean_gen: dropping an unterminated last line of {path} ({len(data) - keep} bytes)", file=sys.stderr)
+        with open(path, "r+b") as f:
+            f.truncate(keep)
+        data = data[:keep]
+    rows = []
+    for i, line in enumerate(data.decode("utf-8").split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{i}: not valid JSON ({exc.msg}); fix or remove the line") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
+    return rows
+
+
+def write_json_atomic(path: str, obj) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, ensure_ascii=False, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_jsonl_atomic(path: str, rows: list[dict]) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def load_problems(path: str) -> tuple[dict[str, dict], list[dict]]:
+    """Problems by id (``origin_problem_id`` / ``problem_id`` / ``name``, as the reference) plus counted skips:
+    rows without ``lean4_code`` (the reference skips them) and rows without ``:= by`` (never guessed)."""
+    problems, skips = {}, []
+    for i, row in enumerate(read_jsonl(path), 1):
+        pid = row.get("origin_problem_id", row.get("problem_id", row.get("name")))
+        if not isinstance(pid, str) or not pid:
+            raise ValueError(f"{path}:{i}: no problem id (origin_problem_id / problem_id / name)")
+        if pid in problems:
+            raise ValueError(f"{path}:{i}: duplicate problem id {pid!r}")
+        code = row.get("lean4_code")
+        if not code:
+            skips.append({"problem_id": pid, "reason": "no_lean4_code"})
+        elif not isinstance(code, str):
+            raise ValueError(f"{path}:{i}: lean4_code of {pid!r} is {type(code).__name__}, expected a string")
+        elif not lp.has_by_marker(code):
+            skips.append({"problem_id": pid, "reason": "no_by_marker", "detail": "lean4_code has no ':= by'"})
+        else:
+            problems[pid] = {"problem_id": pid, "lean4_code": lp.formal_statement(code)}
+    if not problems and not skips:
+        raise ValueError(f"{path}: no problems")
+    return problems, skips
+
+
+# --- planning ----------------------------------------------------------------------------------------------------------
+
+
+def derive_seed(seed: int, problem_id: str, sample_idx: int, round_k: int) -> int:
+    """Per-sample sampling seed from (seed, problem, sample_idx, round): stable across resumes and caps."""
+    h = hashlib.sha256(f"{seed}\x00{problem_id}\x00{sample_idx}\x00{round_k}".encode()).digest()
+    return int.from_bytes(h[:4], "big") & 0x7FFFFFFF
+
+
+def _item(problem: dict, round_k: int, sample_idx: int, seed: int, sample_id: str, messages: list[dict],
+          parent: dict | None, lineage: list[str], ancestor_tokens: int, lineage_state: str, kind: str) -> dict:
+    return {
+        "sample_id": sample_id, "problem_id": problem["problem_id"], "round": round_k, "sample_idx": sample_idx,
+        "seed": derive_seed(seed, problem["problem_id"], sample_idx, round_k), "kind": kind,
+        "parent_id": parent["sample_id"] if parent else None, "lean4_code": problem["lean4_code"],
+        "messages": messages, "lineage": lineage, "ancestor_tokens": ancestor_tokens, "lineage_state": lineage_state,
+    }
+
+
+def plan_round0(problems: dict[str, dict], n: int, seed: int) -> list[dict]:
+    return [
+        _item(p, 0, i, seed, f"{pid}_g{i}", lp.initial_messages(p["lean4_code"]), None, [f"{pid}_g{i}"], 0,
+              "complete", "initial")
+        for pid, p in problems.items()
+        for i in range(n)
+    ]
+
+
+def plan_corrections(problems: dict[str, dict], round_k: int, n: int, seed: int,
+                     pairs: list[tuple[list[dict], list[dict]]], policy: str = "skip",
+                     repair_solved: bool = False, trajectory_cap: int | None = None) -> tuple[list[dict], list[dict]]:
+    """Children of the failed round ``k - 1`` samples found in the VERIF/GEN pairs; returns (items, skips)."""
+    if round_k < 1:
+        raise ValueError(f"--corrections-from needs --round >= 1, got {round_k}")
+    if policy not in NO_FEEDBACK_POLICIES:
+        raise ValueError(f"--no-feedback-policy must be one of {NO_FEEDBACK_POLICIES}, got {policy!r}")
+    gen = {r["sample_id"]: r for _, g in pairs for r in g}
+    verif = {v["sample_id"]: v for vs, _ in pairs for v in vs}
+    missing = sorted(set(verif) - set(gen))
+    if verif and len(missing) == len(verif):
+        raise ValueError("none of the verification records' sample_ids are in the GEN files given with them; "
+                         "pass each VERIF with the GEN file it verified (--corrections-from VERIF GEN)")
+    skips = [{"parent_id": s, "reason": "parent_not_found"} for s in missing]
+    solved = {v["problem_id"] for v in verif.values() if v.get("accepted")}
+    parents = sorted((r for r in gen.values() if r.get("round") == round_k - 1), key=lambda r: r["sample_id"])
+    children: list[tuple[dict, dict, list[dict], str]] = []
+    for par in parents:
+        pid, sid = par["problem_id"], par["sample_id"]
+        v = verif.get(sid)
+        skip = None
+        if v is None:
+            skip = "not_verified"
+        elif v.get("accepted"):
+            continue
+        elif pid in solved and not repair_solved:
+            skip = "solved"
+        elif pid not in problems:
+            skip = "problem_not_in_problems_file"
+        elif v.get("repl_errors") is None or not isinstance(v.get("repl_code"), str):
+            skip = "no_repl_errors"
+        if skip:
+            skips.append({"parent_id": sid, "problem_id": pid, "reason": skip})
+            continue
+        kind, messages = "correction", None
+        if not v["repl_errors"]:
+            if policy == "skip":
+                skips.append({"parent_id": sid, "problem_id": pid, "reason": "skipped_no_feedback"})
+                continue
+            if policy == "resample":
+                kind, messages = "resample", [dict(m) for m in par["messages"]]
+        if messages is None:
+            try:
+                err = lp.get_error_str(v["repl_code"], v["repl_errors"])
+            except (ValueError, KeyError, TypeError) as exc:
+                skips.append({"parent_id": sid, "problem_id": pid, "reason": "bad_repl_errors", "detail": str(exc)})
+                continue
+            messages = lp.correction_messages(par["messages"], par["completion_text"], err, round_k)
+        children.append((par, problems[pid], messages, kind))
+    items, per_problem = [], {}
+    for par, prob, messages, kind in children:
+        traj = par.get("trajectory") or {}
+        lineage = list(traj.get("lineage") or [par["sample_id"]])
+        state = "complete" if traj and all(a in gen for a in lineage) else "partial"
+        if state == "partial" and trajectory_cap is not None:
+            raise ValueError(f"lineage of {par['sample_id']} is partial (ancestors {lineage} not all in the GEN "
+                             "files); with --trajectory-cap-tokens pass every earlier round's VERIF GEN pair")
+        ancestors = int(traj.get("cumulative_completion_tokens", par.get("completion_tokens", 0)))
+        for i in range(n):
+            idx = per_problem.get(prob["problem_id"], 0)
+            per_problem[prob["problem_id"]] = idx + 1
+            sid = f"{par['sample_id']}_corr{round_k}_g{i}"
+            items.append(_item(prob, round_k, idx, seed, sid, messages, par, lineage + [sid], ancestors, state, kind))
+    return items, skips
+
+
+def token_budget(cap: int, max_model_len: int, prompt_len: int, ancestor_tokens: int = 0,
+                 trajectory_cap: int | None = None) -> dict | None:
+    """``sampling.max_tokens`` and why it is below the cap; ``None`` when the prompt does not fit."""
+    if prompt_len > max_model_len * PROMPT_FIT:
+        return None
+    window = min(cap, max_model_len - prompt_len)
+    max_tokens = window
+    if trajectory_cap is not None:
+        left = trajectory_cap - ancestor_tokens
+        if left < 1:
+            return None
+        max_tokens = min(window, left)
+    return {"max_tokens": max_tokens, "context_clipped": max_model_len - prompt_len < cap,
+            "budget_clipped": max_tokens < window}
+
+
+def resume_split(planned: list[dict], existing: list[dict]) -> tuple[list[dict], set[str]]:
+    """(todo items, done ids). A record that is not in the plan means the output was made by another plan."""
+    ids = {it["sample_id"] for it in planned}
+    done = {r["sample_id"] for r in existing}
+    extra = sorted(done - ids)
+    if extra:
+        raise ValueError(f"{len(extra)} records in --out are not in this plan (e.g. {extra[0]!r}); "
+                         "the output was made with other inputs: use a new --out")
+    return [it for it in planned if it["sample_id"] not in done], done
+
+
+def build_trajectory_ledger(gen_records: list[dict], verif_records: list[dict]) -> dict[str, dict]:
+    """Final state per root (round-0 sample): rounds, samples, tokens, and whether a descendant was accepted."""
+    accepted = {v["sample_id"] for v in verif_records if v.get("accepted")}
+    verified = {v["sample_id"] for v in verif_records}
+    roots: dict[str, dict] = {}
+    for r in sorted(gen_records, key=lambda r: (r["round"], r["sample_id"])):
+        t = r["trajectory"]
+        e = roots.setdefault(t["root_id"], {"root_id": t["root_id"], "problem_id": r["problem_id"], "samples": 0,
+                                            "max_round": 0, "max_cumulative_tokens": 0, "truncated": 0,
+                                            "budget_clipped": 0, "solved_round": None, "lineage_state": "complete"})
+        e["samples"] += 1
+        e["max_round"] = max(e["max_round"], r["round"])
+        e["max_cumulative_tokens"] = max(e["max_cumulative_tokens"], t["cumulative_completion_tokens"])
+        e["truncated"] += bool(t["truncated"])
+        e["budget_clipped"] += bool(t["budget_clipped"])
+        if t["lineage_state"] != "complete":
+            e["lineage_state"] = "partial"
+        if r["sample_id"] in accepted and e["solved_round"] is None:
+            e["solved_round"] = r["round"]
+        e.setdefault("_ids", []).append(r["sample_id"])
+    for e in roots.values():
+        ids = e.pop("_ids")
+        e["state"] = ("solved" if e["solved_round"] is not None
+                      else "unverified" if any(i not in verified for i in ids) else "failed")
+    return roots
+
+
+def make_record(item: dict, *, prompt_ids: list[int], completion_ids: list[int], completion_text: str,
+                finish_reason: str | None, budget: dict, cap_tokens: int, sampling: dict, model_rev: str,
+                adapter: dict | None, trajectory_cap: int | None, session: int) -> dict:
+    code, code_err = lp.full_code(item["lean4_code"], completion_text)
+    cumulative = item["ancestor_tokens"] + len(completion_ids)
+    return {
+        "sample_id": item["sample_id"], "problem_id": item["problem_id"], "round": item["round"],
+        "sample_idx": item["sample_idx"], "parent_id": item["parent_id"], "kind": item["kind"],
+        "model_rev": model_rev, "adapter": adapter, "cap_tokens": cap_tokens,
+        "sampling": {**sampling, "max_tokens": budget["max_tokens"], "seed": item["seed"]},
+        "context_clipped": budget["context_clipped"], "messages": item["messages"],
+        "prompt_ids": prompt_ids, "prompt_tokens": len(prompt_ids),
+        "completion_text": completion_text, "completion_ids": completion_ids,
+        "completion_tokens": len(completion_ids), "finish_reason": finish_reason,
+        "lean4_code": item["lean4_code"], "lean_code": code, "lean_code_error": code_err,
+        "trajectory": {
+            "root_id": item["lineage"][0], "lineage": item["lineage"], "round": item["round"],
+            "ancestor_completion_tokens": item["ancestor_tokens"], "cumulative_completion_tokens": cumulative,
+            "cap_tokens": trajectory_cap, "budget_clipped": budget["budget_clipped"],
+            "truncated": finish_reason == "length", "lineage_state": item["lineage_state"],
+        },
+        "session": session,
+    }
+
+
+def sha256_dir(path: str) -> str:
+    h = hashlib.sha256()
+    for root, dirs, files in os.walk(path):
+        dirs.sort()
+        for name in sorted(files):
+            full = os.path.join(root, name)
+            h.update(os.path.relpath(full, path).encode() + b"\x00")
+            with open(full, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+    return h.hexdigest()
+
+
+def model_rev(model: str, adapter_sha: str | None = None) -> str:
+    """``<name>@<sha12 of config + weight file names/sizes>`` for a local snapshot, the id otherwise;
+    ``+lora-<sha12>`` when an un-merged adapter is served."""
+    rev = model
+    if os.path.isdir(model):
+        h = hashlib.sha256()
+        with open(os.path.join(model, "config.json"), "rb") as f:
+            h.update(f.read())
+        for name in sorted(os.listdir(model)):
+            if name.endswith((".safetensors", ".bin")):
+                h.update(f"{name}:{os.path.getsize(os.path.join(model, name))}".encode())
+        rev = f"{os.path.basename(os.path.normpath(model))}@{h.hexdigest()[:12]}"
+    return f"{rev}+lora-{adapter_sha[:12]}" if adapter_sha else rev
+
+
+def model_max_len(model: str) -> int | None:
+    cfg = os.path.join(model, "config.json")
+    if not os.path.isfile(cfg):
+        return None
+    with open(cfg, encoding="utf-8") as f:
+        c = json.load(f)
+    c = c.get("text_config", c)
+    return c.get("max_position_embeddings")
+
+
+def resolve_max_model_len(requested: int | None, model_limit: int | None) -> int:
+    if requested is None:
+        if model_limit is None:
+            raise ValueError("--max-model-len is required when the model's config.json is not local")
+        return model_limit
+    if model_limit is not None and requested > model_limit:
+        raise ValueError(f"--max-model-len {requested} is above the model's position limit {model_limit} "
+                         "(max_position_embeddings); lower it")
+    return requested
+
+
+def plan_fingerprint(args: argparse.Namespace, rev: str, max_model_len: int) -> dict:
+    """What must not change between the launches that fill one --out."""
+    return {"round": args.round, "n": args.n, "seed": args.seed, "cap_tokens": args.cap_tokens,
+            "max_model_len": max_model_len, "temperature": args.temperature, "top_p": args.top_p,
+            "trajectory_cap_tokens": args.trajectory_cap_tokens, "model_rev": rev,
+            "no_feedback_policy": args.no_feedback_policy, "repair_solved": args.repair_solved}
+
+
+# --- engine (vllm / transformers imported lazily; .venv-rollout) --------------------------------------------------------
+
+
+class Stop:
+    """SIGTERM / SIGINT set a flag; the generation loop aborts its requests and exits 143."""
+
+    def __init__(self) -> None:
+        self.signum = None
+
+    def __call__(self, signum, frame) -> None:
+        self.signum = signum
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self)
+        signal.signal(signal.SIGINT, self)
+
+
+def acquire_lock(path: str, wait: bool, what: str):
+    import fcntl
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+        if not wait:
+            os.close(fd)
+            raise RuntimeError(f"{what} {path} is held by another launch ({holder or 'unknown holder'})") from None
+        print(f"lean_gen: waiting for {what} {path} (held by {holder})", file=sys.stderr, flush=True)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} since {time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode(), 0)
+    return fd
+
+
+def prepare(items: list[dict], tokenizer, args, max_model_len: int) -> tuple[list[dict], list[dict]]:
+    """Render each prompt with the model's chat template, tokenize, and size its token budget."""
+    ready, skips = [], []
+    for it in items:
+        text = tokenizer.apply_chat_template(it["messages"], tokenize=False, add_generation_prompt=True)
+        ids = tokenizer.encode(text)
+        budget = token_budget(args.cap_tokens, max_model_len, len(ids), it["ancestor_tokens"],
+                              args.trajectory_cap_tokens)
+        if budget is None:
+            over = len(ids) > max_model_len * PROMPT_FIT
+            skips.append({"sample_id": it["sample_id"], "problem_id": it["problem_id"], "parent_id": it["parent_id"],
+                          "reason": "prompt_too_long" if over else "trajectory_budget_exhausted",
+                          "prompt_tokens": len(ids), "ancestor_tokens": it["ancestor_tokens"]})
+            continue
+        ready.append({**it, "prompt_text": text, "prompt_ids": ids, "budget": budget})
+    return ready, skips
+
+
+def _versions() -> dict:
+    out = {"python": sys.version.split()[0]}
+    for mod in ("vllm", "torch", "transformers"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except ImportError:
+            out[mod] = None
+    return out
+
+
+def _gpu_mem_used_mib() -> int | None:
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=10)
+        return sum(int(x) for x in r.stdout.split()) if r.returncode == 0 else None
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+
+
+def build_engine(args, max_model_len: int, adapter: dict | None):
+    from vllm import LLM
+
+    kw = dict(model=args.model, tokenizer=args.tokenizer or args.model, tensor_parallel_size=args.tp,
+              max_model_len=max_model_len, max_num_seqs=args.max_num_seqs, enable_prefix_caching=True,
+              gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, trust_remote_code=True,
+              enforce_eager=args.enforce_eager, dtype=args.dtype)
+    if adapter:
+        kw.update(enable_lora=True, max_loras=1, max_lora_rank=adapter["max_lora_rank"])
+    return LLM(**kw)
+
+
+def generate(llm, todo: list[dict], args, out_f, stop: Stop, make) -> dict:
+    """Step the engine with a refill window; write each finished sample at once. Returns session stats."""
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    engine = llm.llm_engine
+    lora = LoRARequest(args.lora_name, 1, args.lora_adapter) if args.lora_adapter else None
+    window = args.refill_window or 2 * args.max_num_seqs
+    queue, in_flight = list(reversed(todo)), {}
+    stats = {"new_samples": 0, "prompt_tokens": 0, "completion_tokens": 0, "finish_counts": {}, "max_running": 0,
+             "peak_gpu_mem_mib": None}
+    last_probe = 0.0
+    while (queue or in_flight) and stop.signum is None:
+        while queue and len(in_flight) < window:
+            it = queue.pop()
+            sp = SamplingParams(n=1, temperature=args.temperature, top_p=args.top_p, max_tokens=it["budget"]["max_tokens"],
+                                seed=it["seed"])
+            engine.add_request(it["sample_id"], {"prompt_token_ids": it["prompt_ids"]}, sp, lora_request=lora)
+            in_flight[it["sample_id"]] = it
+        stats["max_running"] = max(stats["max_running"], len(in_flight))
+        for o in engine.step():
+            if not o.finished:
+                continue
+            it = in_flight.pop(o.request_id)
+            c = o.outputs[0]
+            rec = make(it, list(c.token_ids), c.text, c.finish_reason)
+            out_f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            out_f.flush()
+            stats["new_samples"] += 1
+            stats["prompt_tokens"] += len(it["prompt_ids"])
+            stats["completion_tokens"] += len(c.token_ids)
+            fc = stats["finish_counts"]
+            fc[str(c.finish_reason)] = fc.get(str(c.finish_reason), 0) + 1
+        if time.monotonic() - last_probe > 5:
+            last_probe = time.monotonic()
+            mem = _gpu_mem_used_mib()
+            if mem is not None:
+                stats["peak_gpu_mem_mib"] = max(stats["peak_gpu_mem_mib"] or 0, mem)
+    if in_flight:
+        engine.abort_request(list(in_flight))
+    os.fsync(out_f.fileno())
+    return stats
+
+
+# --- CLI ---------------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="lean_gen.py", description=__doc__.split("\n")[0])
+    p.add_argument("--problems", required=True, help="JSONL with lean4_code and name / problem_id")
+    p.add_argument("--out", required=True, help="Generation record JSONL (resumed when it exists)")
+    p.add_argument("--n", type=int, default=1, help="samples per problem (round 0) or per failed parent")
+    p.add_argument("--cap-tokens", type=int, required=True, help="completion-token cap, the label of every number")
+    p.add_argument("--round", type=int, default=0)
+    p.add_argument("--corrections-from", nargs=2, action="append", metavar=("VERIF", "GEN"), default=[],
+                   help="verification JSONL and the Generation JSONL it verified; repeat for every earlier round")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=os.environ.get("ALIGN_LEAN_MODEL", DEFAULT_MODEL))
+    p.add_argument("--tokenizer", default=None, help="defaults to --model")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    p.add_argument("--max-model-len", type=int, default=None, help="defaults to the model's position limit")
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--refill-window", type=int, default=None, help="requests kept in the engine (2 x max-num-seqs)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--trajectory-cap-tokens", type=int, default=None, help="class-B cumulative completion-token cap")
+    p.add_argument("--no-feedback-policy", choices=NO_FEEDBACK_POLICIES, default="skip",
+                   help="failed parents without compiler errors: skip (counted), resample their prompt, or goedel "
+                        "(correction prompt with an empty error message, as the reference)")
+    p.add_argument("--repair-solved", action="store_true", help="also correct problems that already have an accepted sample")
+    p.add_argument("--lora-adapter", default=None, help="PEFT adapter dir served un-merged (vLLM LoRARequest)")
+    p.add_argument("--lora-name", default="adapter")
+    p.add_argument("--wait-lock", action="store_true", help="wait for the heavy-GPU lock (flock) before loading")
+    p.add_argument("--lock-file", default=os.environ.get("ALIGN_HEAVY_LOCK", DEFAULT_LOCK))
+    p.add_argument("--dry-run", action="store_true", help="plan + prompts only (<out>.dry_run.jsonl); no engine, no lock")
+    a = p.parse_args(argv)
+    if a.n < 1 or a.cap_tokens < 1:
+        p.error("--n and --cap-tokens must be >= 1")
+    if a.round == 0 and a.corrections_from:
+        p.error("--corrections-from needs --round >= 1")
+    if a.round > 0 and not a.corrections_from:
+        p.error(f"--round {a.round} needs --corrections-from VERIF GEN")
+    return a
+
+
+def plan(args) -> tuple[list[dict], list[dict]]:
+    problems, skips = load_problems(args.problems)
+    if args.round == 0:
+        return plan_round0(problems, args.n, args.seed), skips
+    pairs = []
+    for verif, gen in args.corrections_from:
+        pairs.append((read_jsonl(verif), read_jsonl(gen)))
+    items, more = plan_corrections(problems, args.round, args.n, args.seed, pairs, args.no_feedback_policy,
+                                   args.repair_solved, args.trajectory_cap_tokens)
+    return items, skips + more
+
+
+def run(args) -> int:
+    stop = Stop()
+    stop.install()
+    adapter = None
+    if args.lora_adapter:
+        with open(os.path.join(args.lora_adapter, "adapter_config.json"), encoding="utf-8") as f:
+            r = int(json.load(f).get("r", 16))
+        sha = sha256_dir(args.lora_adapter)
+        adapter = {"name": args.lora_name, "path": os.path.abspath(args.lora_adapter), "sha256": sha, "r": r,
+                   "max_lora_rank": next(x for x in LORA_RANKS if x >= r)}
+    rev = model_rev(args.model, adapter["sha256"] if adapter else None)
+    max_model_len = resolve_max_model_len(args.max_model_len, model_max_len(args.model))
+    items, skips = plan(args)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.tokenizer or args.model, trust_remote_code=True)
+    ready, fit_skips = prepare(items, tok, args, max_model_len)
+    skips += fit_skips
+    if args.dry_run:
+        write_jsonl_atomic(args.out + ".dry_run.jsonl", [
+            {k: it[k] for k in ("sample_id", "problem_id", "round", "parent_id", "seed", "messages", "prompt_text")}
+            | {"prompt_tokens": len(it["prompt_ids"]), **it["budget"]} for it in ready] + [{"skipped": s} for s in skips])
+        print(f"dry-run: {len(ready)} planned samples, {len(skips)} skipped -> {args.out}.dry_run.jsonl")
+        return EXIT_OK
+    out_lock = acquire_lock(args.out + ".lock", False, "output lock")  # noqa: F841 - held until exit
+    fp = plan_fingerprint(args, rev, max_model_len)
+    mpath = args.out + ".manifest.json"
+    manifest = {"out": os.path.abspath(args.out), "plan": fp, "sessions": []}
+    if os.path.exists(mpath):
+        with open(mpath, encoding="utf-8") as f:
+            manifest = json.load(f)
+        if manifest.get("plan") != fp:
+            diff = {k: (manifest.get("plan", {}).get(k), v) for k, v in fp.items() if manifest.get("plan", {}).get(k) != v}
+            raise ValueError(f"{args.out} was made with other settings {diff} (old, new); use a new --out")
+    existing = read_jsonl(args.out, repair_tail=True) if os.path.exists(args.out) else []
+    todo, done = resume_split(ready, existing)
+    write_jsonl_atomic(args.out + ".skipped.jsonl", skips)
+    sess = {"index": len(manifest["sessions"]), "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "status": "running", "args": vars(args), "model": args.model, "model_rev": rev, "adapter": adapter,
+            "versions": _versions(), "planned": len(ready), "done_before": len(done), "todo": len(todo),
+            "skipped": len(skips), "skip_reasons": _count(s["reason"] for s in skips)}
+    manifest["sessions"].append(sess)
+    manifest.update(status="incomplete", planned_samples=len(ready), done_samples=len(done), skipped=len(skips))
+    write_json_atomic(mpath, manifest)
+    print(f"lean_gen: {len(ready)} planned, {len(done)} done, {len(todo)} to generate, {len(skips)} skipped", flush=True)
+    code = EXIT_OK
+    try:
+        if todo:
+            heavy = acquire_lock(args.lock_file, True, "heavy-GPU lock") if args.wait_lock else None  # noqa: F841
+            t0 = time.monotonic()
+            llm = None if stop.signum else build_engine(args, max_model_len, adapter)
+            sess["load_wall_s"] = round(time.monotonic() - t0, 2)
+            if llm is not None:
+                cfg = llm.llm_engine.vllm_config.cache_config
+                sess["kv_blocks"] = {"num_gpu_blocks": cfg.num_gpu_blocks, "block_size": cfg.block_size}
+                sampling = {"n": 1, "temperature": args.temperature, "top_p": args.top_p, "top_k": None}
+
+                def make(it, ids, text, finish):
+                    return make_record(it, prompt_ids=it["prompt_ids"], completion_ids=ids, completion_text=text,
+                                       finish_reason=finish, budget=it["budget"], cap_tokens=args.cap_tokens,
+                                       sampling=sampling, model_rev=rev, adapter=adapter,
+                                       trajectory_cap=args.trajectory_cap_tokens, session=sess["index"])
+
+                t1 = time.monotonic()
+                with open(args.out, "a", encoding="utf-8") as out_f:
+                    sess.update(generate(llm, todo, args, out_f, stop, make))
+                sess["generate_wall_s"] = round(time.monotonic() - t1, 2)
+                sess["tok_per_s"] = round(sess["completion_tokens"] / max(sess["generate_wall_s"], 1e-9), 1)
+        n_done = len(read_jsonl(args.out)) if os.path.exists(args.out) else 0
+        complete = n_done == len(ready)
+        code = EXIT_SIGNAL if stop.signum else (EXIT_OK if complete else EXIT_INCOMPLETE)
+        sess["status"] = "interrupted" if stop.signum else ("complete" if complete else "incomplete")
+        manifest.update(status="complete" if complete else "incomplete", done_samples=n_done)
+    finally:
+        sess["ended"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        sess["exit_code"] = code
+        write_json_atomic(mpath, manifest)
+    return code
+
+
+def _count(values) -> dict:
+    out: dict = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    try:
+        return run(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"lean_gen: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except RuntimeError as exc:
+        if "lock" in str(exc):
+            print(f"lean_gen: error: {exc}", file=sys.stderr)
+            return EXIT_LOCKED
+        raise
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
