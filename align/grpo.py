@@ -55,7 +55,19 @@ Mismatch statistics are reported whenever ``behav_logprobs`` is given, corrected
 
 Statistics are flat dicts of floats, mergeable over micro-batches and ranks with ``merge_stats``:
 keys in ``SUM_STATS`` add up, keys ending in ``_max`` take the max, every other key is a mean over
-this call's masked tokens, weighted by ``num_tokens``.
+this call's masked tokens, weighted by ``num_tokens``. Keys:
+
+    sums         loss, pg_loss, kl_loss, entropy_loss (this call's terms), num_tokens, num_seqs
+    clipping     clip_low_frac (A < 0, ratio < 1 - eps_low), clip_high_frac (A > 0, ratio > 1 + eps_high),
+                 clip_dual_frac; ratio_mean, ratio_max (the ratio the variant clips: per token, or GSPO's
+                 s_i on each token of i; CISPO counts its clipped weights regardless of the sign of A)
+    given ref    kl (the chosen estimator, whatever kl_coef);  given entropy: entropy
+    given behav  mismatch_abs_mean, mismatch_abs_max (|log pi_old - log mu|), mismatch_kl_k3
+                 (k3 estimate of KL(mu || pi_old)), rho_mean, rho_max (per-token pi_old / mu)
+    corrected    is_weight_mean, is_weight_max (applied w), rho_clipped_frac (*_tis) or rho_masked_frac (*_mis)
+
+Advantage statistics (adv_mean / adv_std, num_zero_variance_groups, ...) come from
+``compute_advantages`` (``align.advantages``), once per batch.
 """
 
 from __future__ import annotations
