@@ -236,3 +236,288 @@ def test_lean_prompts_is_stdlib_only():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# --- lean_gen pure half ------------------------------------------------------------------------------------------------
+
+lg = _load("lean_gen")
+pgv = _load("pipeline_gen_verify")
+STMT = EX["lean4_code_478"]
+
+
+def _problems(tmp_path, rows):
+    p = tmp_path / "problems.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return str(p)
+
+
+def test_derive_seed_is_stable_distinct_and_cap_free():
+    s = lg.derive_seed(0, "p", 0, 0)
+    assert s == lg.derive_seed(0, "p", 0, 0) and 0 <= s < 2**31
+    others = {lg.derive_seed(1, "p", 0, 0), lg.derive_seed(0, "q", 0, 0), lg.derive_seed(0, "p", 1, 0),
+              lg.derive_seed(0, "p", 0, 1)}
+    assert s not in others and len(others) == 4
+
+
+def test_load_problems_skips_and_errors(tmp_path):
+    rows = [{"name": "a", "lean4_code": "theorem a : 1 = 1 := by\n"}, {"name": "b", "lean4_code": "theorem b : True"},
+            {"name": "c", "lean4_code": ""}]
+    probs, skips = lg.load_problems(_problems(tmp_path, rows))
+    assert probs["a"]["lean4_code"] == "theorem a : 1 = 1 := by sorry"
+    assert [(s["problem_id"], s["reason"]) for s in skips] == [("b", "no_by_marker"), ("c", "no_lean4_code")]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"name": "a", "lean4_code": "x := by"}\n{not json\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
+        lg.load_problems(str(bad))
+    with pytest.raises(ValueError, match="duplicate problem id"):
+        lg.load_problems(_problems(tmp_path, [rows[0], rows[0]]))
+    with pytest.raises(ValueError, match="no problem id"):
+        lg.load_problems(_problems(tmp_path, [{"lean4_code": "x := by"}]))
+
+
+def test_minif2f_round0_plan_matches_reference_ids():
+    data = ROOT.parent / "shared" / "data" / "minif2f_test.jsonl"
+    if not data.exists():
+        pytest.skip(f"{data} not present")
+    probs, skips = lg.load_problems(str(data))
+    assert len(probs) == 244 and not skips
+    items = lg.plan_round0(probs, 2, 0)
+    assert len(items) == 488 and items[0]["sample_id"] == "mathd_algebra_478_g0"
+    assert items[0]["messages"] == [{"role": "user", "content": EX["user_content_478"]}]
+    assert len({it["seed"] for it in items}) == 488
+
+
+def _gen(sid, pid, rnd, text="out", tokens=10, lineage=None, messages=None):
+    lineage = lineage or [sid]
+    return {"sample_id": sid, "problem_id": pid, "round": rnd, "completion_text": text, "completion_tokens": tokens,
+            "messages": messages or lp.initial_messages(STMT),
+            "trajectory": {"lineage": lineage, "cumulative_completion_tokens": tokens}}
+
+
+def _verif(sid, pid, accepted=False, errors=None, code=EX["compiled_code_478"]):
+    return {"sample_id": sid, "problem_id": pid, "accepted": accepted, "repl_errors": errors, "repl_code": code}
+
+
+PROBS = {"p": {"problem_id": "p", "lean4_code": STMT}, "q": {"problem_id": "q", "lean4_code": STMT}}
+
+
+def test_plan_corrections_builds_goedel_history_and_ids():
+    gen = [_gen("p_g0", "p", 0, text=EX["model_output_478"]), _gen("p_g1", "p", 0)]
+    ver = [_verif("p_g0", "p", errors=EX["repl_errors_478"]), _verif("p_g1", "p", errors=EX["repl_errors_478"])]
+    items, skips = lg.plan_corrections(PROBS, 1, 2, 0, [(ver, gen)])
+    assert [it["sample_id"] for it in items] == ["p_g0_corr1_g0", "p_g0_corr1_g1", "p_g1_corr1_g0", "p_g1_corr1_g1"]
+    assert [it["sample_idx"] for it in items] == [0, 1, 2, 3] and not skips
+    assert items[0]["messages"][1:] == [
+        {"role": "assistant", "content": EX["model_output_478"]},
+        {"role": "user", "content": EX["feedback_round1_478"]},
+    ]
+    assert items[0]["lineage"] == ["p_g0", "p_g0_corr1_g0"] and items[0]["ancestor_tokens"] == 10
+    assert len({it["seed"] for it in items}) == 4
+
+
+def test_plan_corrections_skip_reasons_are_counted():
+    gen = [_gen("p_g0", "p", 0), _gen("p_g1", "p", 0), _gen("q_g0", "q", 0), _gen("q_g1", "q", 0), _gen("q_g2", "q", 0),
+           _gen("q_g3", "q", 0)]
+    ver = [_verif("p_g0", "p", accepted=True), _verif("p_g1", "p", errors=[{"x": 1}]), _verif("q_g0", "q", errors=None),
+           _verif("q_g1", "q", errors=[]), _verif("zz_g0", "zz", errors=[]),
+           _verif("q_g3", "q", errors=[{"severity": "error", "pos": {"line": 99, "column": 0}, "endPos": None, "data": ""}])]
+    items, skips = lg.plan_corrections(PROBS, 1, 1, 0, [(ver, gen)])
+    reasons = {s.get("parent_id"): s["reason"] for s in skips}
+    assert reasons == {"p_g1": "solved", "q_g0": "no_repl_errors", "q_g1": "skipped_no_feedback",
+                       "zz_g0": "parent_not_found", "q_g2": "not_verified", "q_g3": "bad_repl_errors"}
+    assert items == []
+    items, skips = lg.plan_corrections(PROBS, 1, 1, 0, [(ver, gen)], policy="resample", repair_solved=True)
+    assert {it["parent_id"]: it["kind"] for it in items} == {"q_g1": "resample"}
+    assert items[0]["messages"] == lp.initial_messages(STMT)
+    items, _ = lg.plan_corrections(PROBS, 1, 1, 0, [(ver, gen)], policy="goedel")
+    assert items[0]["messages"][-1]["content"] == lp.correction_feedback("", 1)
+
+
+def test_plan_corrections_all_parents_missing_is_an_error():
+    with pytest.raises(ValueError, match="none of the verification"):
+        lg.plan_corrections(PROBS, 1, 1, 0, [([_verif("x_g0", "x", errors=[])], [_gen("p_g0", "p", 0)])])
+    with pytest.raises(ValueError, match="round >= 1"):
+        lg.plan_corrections(PROBS, 0, 1, 0, [])
+
+
+def test_round2_lineage_partial_without_earlier_pairs_and_cap_refuses():
+    r0 = _gen("p_g0", "p", 0, tokens=100)
+    r1 = _gen("p_g0_corr1_g0", "p", 1, tokens=50, lineage=["p_g0", "p_g0_corr1_g0"])
+    r1["trajectory"]["cumulative_completion_tokens"] = 150
+    v1 = [_verif("p_g0_corr1_g0", "p", errors=EX["repl_errors_478"])]
+    full, _ = lg.plan_corrections(PROBS, 2, 1, 0, [([_verif("p_g0", "p", errors=[])], [r0]), (v1, [r1])],
+                                  trajectory_cap=400)
+    assert full[0]["lineage_state"] == "complete" and full[0]["ancestor_tokens"] == 150
+    assert full[0]["lineage"] == ["p_g0", "p_g0_corr1_g0", "p_g0_corr1_g0_corr2_g0"]
+    part, _ = lg.plan_corrections(PROBS, 2, 1, 0, [(v1, [r1])])
+    assert part[0]["lineage_state"] == "partial"
+    with pytest.raises(ValueError, match="partial"):
+        lg.plan_corrections(PROBS, 2, 1, 0, [(v1, [r1])], trajectory_cap=400)
+
+
+def test_token_budget_cap_context_and_trajectory():
+    assert lg.token_budget(16384, 40960, 500) == {"max_tokens": 16384, "context_clipped": False, "budget_clipped": False}
+    assert lg.token_budget(40960, 40960, 500) == {"max_tokens": 40460, "context_clipped": True, "budget_clipped": False}
+    assert lg.token_budget(100, 1000, 750)["max_tokens"] == 100
+    assert lg.token_budget(100, 1000, 751) is None  # the reference's 3/4 prompt filter
+    assert lg.token_budget(100, 1000, 10, 950, 1000) == {"max_tokens": 50, "context_clipped": False, "budget_clipped": True}
+    assert lg.token_budget(100, 1000, 10, 1000, 1000) is None
+
+
+def test_resume_split_and_foreign_records():
+    planned = [{"sample_id": s} for s in ("a", "b", "c")]
+    todo, done = lg.resume_split(planned, [{"sample_id": "b"}])
+    assert [t["sample_id"] for t in todo] == ["a", "c"] and done == {"b"}
+    assert lg.resume_split(planned, [{"sample_id": s} for s in "abc"])[0] == []
+    with pytest.raises(ValueError, match="not in this plan"):
+        lg.resume_split(planned, [{"sample_id": "z"}])
+
+
+def test_read_jsonl_repairs_only_an_unterminated_tail(tmp_path):
+    p = tmp_path / "o.jsonl"
+    p.write_text('{"sample_id": "a"}\n{"sample_id": "b"', encoding="utf-8")
+    assert [r["sample_id"] for r in lg.read_jsonl(str(p), repair_tail=True)] == ["a"]
+    assert p.read_text() == '{"sample_id": "a"}\n'
+    p.write_text('{"sample_id": "a"}\n{"sample_id"\n', encoding="utf-8")
+    with pytest.raises(ValueError, match="o.jsonl:2"):
+        lg.read_jsonl(str(p), repair_tail=True)
+
+
+def test_make_record_fields_and_ledger():
+    item = lg.plan_round0({"p": PROBS["p"]}, 1, 0)[0]
+    budget = lg.token_budget(64, 1000, 3)
+    rec = lg.make_record(item, prompt_ids=[1, 2, 3], completion_ids=[5, 6, 2], completion_text=EX["model_output_478"],
+                         finish_reason="stop", budget=budget, cap_tokens=64, sampling={"temperature": 1.0, "top_p": 0.95},
+                         model_rev="m@x", adapter=None, trajectory_cap=None, session=0)
+    assert rec["lean_code"] == EX["full_code_478"] and rec["lean_code_error"] is None
+    assert rec["sampling"] == {"temperature": 1.0, "top_p": 0.95, "max_tokens": 64, "seed": item["seed"]}
+    assert rec["completion_ids"][-1] == 2 and rec["messages"] == lp.initial_messages(STMT)
+    assert rec["trajectory"]["root_id"] == "p_g0" and rec["trajectory"]["cumulative_completion_tokens"] == 3
+    child = dict(rec, sample_id="p_g0_corr1_g0", round=1,
+                 trajectory=dict(rec["trajectory"], cumulative_completion_tokens=9, truncated=True))
+    ledger = lg.build_trajectory_ledger([rec, child], [{"sample_id": "p_g0"}, {"sample_id": "p_g0_corr1_g0",
+                                                                               "accepted": True}])
+    assert ledger["p_g0"] == {"root_id": "p_g0", "problem_id": "p", "samples": 2, "max_round": 1,
+                              "max_cumulative_tokens": 9, "truncated": 1, "budget_clipped": 0, "solved_round": 1,
+                              "lineage_state": "complete", "state": "solved"}
+    assert lg.build_trajectory_ledger([rec], [])["p_g0"]["state"] == "unverified"
+    assert lg.build_trajectory_ledger([rec], [{"sample_id": "p_g0"}])["p_g0"]["state"] == "failed"
+
+
+def test_max_model_len_above_model_limit_raises(tmp_path):
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 40960}')
+    assert lg.resolve_max_model_len(None, lg.model_max_len(str(tmp_path))) == 40960
+    with pytest.raises(ValueError, match="above the model's position limit 40960"):
+        lg.resolve_max_model_len(40961, 40960)
+
+
+def test_adapter_sha_and_model_rev(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    a = tmp_path / "ad"
+    a.mkdir()
+    (a / "w").write_bytes(b"1")
+    sha = lg.sha256_dir(str(a))
+    (a / "w").write_bytes(b"2")
+    assert lg.sha256_dir(str(a)) != sha
+    rev = lg.model_rev(str(tmp_path), sha)
+    assert rev.endswith(f"+lora-{sha[:12]}") and "@" in rev
+
+
+def test_lock_is_exclusive(tmp_path):
+    fd = lg.acquire_lock(str(tmp_path / "l"), False, "heavy-GPU lock")
+    with pytest.raises(RuntimeError, match="held by another launch"):
+        lg.acquire_lock(str(tmp_path / "l"), False, "heavy-GPU lock")
+    import os
+
+    os.close(fd)
+    os.close(lg.acquire_lock(str(tmp_path / "l"), False, "heavy-GPU lock"))
+
+
+def test_cli_usage_errors_exit_2():
+    for argv in (["--problems", "p", "--out", "o", "--cap-tokens", "8", "--round", "1"],
+                 ["--problems", "p", "--out", "o", "--cap-tokens", "0"]):
+        with pytest.raises(SystemExit) as e:
+            lg.parse_args(argv)
+        assert e.value.code == 2
+
+
+def test_lean_gen_pure_half_is_stdlib_only():
+    code = (
+        "import sys, importlib.util as u\n"
+        f"s = u.spec_from_file_location('lg', {str(EXTRAS / 'lean_gen.py')!r}); m = u.module_from_spec(s)\n"
+        "s.loader.exec_module(m)\n"
+        f"s = u.spec_from_file_location('pv', {str(EXTRAS / 'pipeline_gen_verify.py')!r}); m = u.module_from_spec(s)\n"
+        "s.loader.exec_module(m)\n"
+        "bad = [k for k in sys.modules if k.split('.')[0] in ('torch','vllm','transformers','numpy','align')]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# --- verification against the recorded-REPL stand-in (no Lean here) ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def repl():
+    cmd = f"{sys.executable} {EXTRAS / 'lean_repl_standin.py'} --replies {FIX / 'standin_replies.json'}"
+    r = pgv.Repl(cmd, None, timeout=30, import_timeout=30)
+    yield r
+    r.close()
+
+
+def _rec(text, sid="p_g0"):
+    code, err = lp.full_code(STMT, text)
+    return {"sample_id": sid, "problem_id": "mathd_algebra_478", "round": 0, "lean4_code": STMT,
+            "completion_text": text, "lean_code": code, "lean_code_error": err}
+
+
+def _proof(body):
+    return "```lean4\n" + STMT.replace(":= by sorry", ":= by\n" + body) + "\n```"
+
+
+def test_verify_accepts_a_clean_proof(repl):
+    v = pgv.verify_record(_rec(_proof("  norm_num")), repl, pgv.STANDARD_AXIOMS)
+    assert v["accepted"] and v["reasons"] == [] and v["axioms"] == list(pgv.STANDARD_AXIOMS)
+    assert v["repl_code"] == lp.compile_view(v["repl_code"]) and v["repl_errors"] == []
+
+
+def test_verify_guards_beyond_the_reference(repl):
+    def verdict(text, **kw):
+        rec = _rec(text)
+        rec.update(kw)
+        return pgv.verify_record(rec, repl, pgv.STANDARD_AXIOMS)
+
+    v = verdict(_proof("  norm_num\n  all_goals admit"))
+    assert not v["accepted"] and "uses_sorry_or_admit" in v["reasons"] and v["reference"]["complete"]
+    v = verdict(_proof("  norm_num\naxiom cheat_ax : False"))
+    assert "adds_axiom" in v["reasons"] and not v["accepted"]
+    v = verdict(_proof("  norm_num -- UNKNOWN_ENV"))
+    v2 = verdict(_proof("  norm_num\n  UNKNOWN_ENV"))
+    assert v["accepted"] and not v2["accepted"] and v2["reference"]["complete"] and "repl_level_error" in v2["reasons"]
+    assert v2["repl_errors"] is None
+    changed = _rec(_proof("  norm_num"))
+    changed["lean_code"] = changed["lean_code"].replace("v = 65", "v = v")
+    v = pgv.verify_record(changed, repl, pgv.STANDARD_AXIOMS)
+    assert "statement_changed" in v["reasons"] and not v["accepted"]
+    v = verdict(_proof("  sorry"))
+    assert v["reference"] == {"pass": True, "complete": False} and not v["accepted"]
+    cheat = _rec(_proof("  norm_num"))
+    cheat["lean4_code"] = cheat["lean4_code"].replace("mathd_algebra_478", "cheat")
+    cheat["lean_code"] = lp.full_code(cheat["lean4_code"], _proof("  norm_num").replace("mathd_algebra_478", "cheat"))[0]
+    v = pgv.verify_record(cheat, repl, pgv.STANDARD_AXIOMS)
+    assert v["reasons"] == ["nonstandard_axioms:myAxiom"] and not v["accepted"]
+
+
+def test_verify_no_code_sends_the_reference_none_and_keeps_feedback(repl):
+    v = pgv.verify_record(_rec("no code here"), repl, pgv.STANDARD_AXIOMS)
+    assert v["repl_code"] == "None" and not v["accepted"]
+    assert v["reasons"][0] == "no_lean_code:no_code_block" and len(v["repl_errors"]) == 2
+    assert "<error>" in lp.get_error_str(v["repl_code"], v["repl_errors"])
+
+
+def test_repl_timeout_and_eof_are_system_errors(tmp_path):
+    with pytest.raises(pgv.ReplError, match="EOF"):
+        pgv.Repl("true", None, timeout=5, import_timeout=5)
+    with pytest.raises(pgv.ReplError, match="TIMEOUT"):
+        pgv.Repl("sleep 30", None, timeout=1, import_timeout=1)

@@ -567,6 +567,7 @@ def run(args) -> int:
     existing = read_jsonl(args.out, repair_tail=True) if os.path.exists(args.out) else []
     todo, done = resume_split(ready, existing)
     write_jsonl_atomic(args.out + ".skipped.jsonl", skips)
+    open(args.out, "a").close()  # an empty --out means "nothing to generate", never "not run"
     sess = {"index": len(manifest["sessions"]), "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "status": "running", "args": vars(args), "model": args.model, "model_rev": rev, "adapter": adapter,
             "versions": _versions(), "planned": len(ready), "done_before": len(done), "todo": len(todo),
@@ -575,7 +576,7 @@ def run(args) -> int:
     manifest.update(status="incomplete", planned_samples=len(ready), done_samples=len(done), skipped=len(skips))
     write_json_atomic(mpath, manifest)
     print(f"lean_gen: {len(ready)} planned, {len(done)} done, {len(todo)} to generate, {len(skips)} skipped", flush=True)
-    code = EXIT_OK
+    code = EXIT_INCOMPLETE
     try:
         if todo:
             heavy = acquire_lock(args.lock_file, True, "heavy-GPU lock") if args.wait_lock else None  # noqa: F841
@@ -603,6 +604,9 @@ def run(args) -> int:
         code = EXIT_SIGNAL if stop.signum else (EXIT_OK if complete else EXIT_INCOMPLETE)
         sess["status"] = "interrupted" if stop.signum else ("complete" if complete else "incomplete")
         manifest.update(status="complete" if complete else "incomplete", done_samples=n_done)
+    except BaseException as exc:
+        sess["status"], sess["error"] = "failed", f"{type(exc).__name__}: {exc}"
+        raise
     finally:
         sess["ended"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         sess["exit_code"] = code
