@@ -1,0 +1,383 @@
+"""vLLM rollout worker: serves a spool directory (align/rollout/protocol.py) with a vLLM engine.
+
+Runs under ``.venv-rollout`` (vllm, ray, pyarrow, torch), never the align venv. From align it imports
+only ``align.rollout.protocol`` (stdlib only). Usually launched by ``align.rollout.client.spawn_worker``;
+by hand:
+
+    .venv-rollout/bin/python extras/vllm_rollout/rollout_worker.py --spool runs/x/spool --model <hf dir>
+
+Loop: claim requests in file-name order; consecutive generate requests are served as one vLLM batch;
+``sync_weights`` reloads the committed snapshot into the running engine
+(``collective_rpc("reload_weights", weights_path=...)``), rebuilding the engine when the architecture
+changed or reload fails; ``shutdown`` answers and exits. A heartbeat thread rewrites
+``heartbeat.json`` every ``--heartbeat-s``. One worker per spool (``worker.lock``). On start,
+requests a dead predecessor had claimed but not answered are served again (answers are keyed by
+request id, so none is answered twice).
+
+Logprob basis (README "Logprob basis caveat"): ``--logprobs-mode raw`` returns vLLM's raw logprobs
+(log_softmax of the logits, before temperature; the training basis only at T = 1);
+``--logprobs-mode processed`` returns them after temperature and top-k/top-p (the training basis at
+any T when no truncation is active; the sampled-distribution logprob always).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import gc
+import hashlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from align.rollout import protocol as P
+
+log = logging.getLogger("rollout_worker")
+
+VLLM_LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
+# config.json keys that do not change the architecture (a reload suffices when only these differ).
+_NON_ARCH_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache", "architectures"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    ap.add_argument("--spool", required=True, help="spool directory shared with the trainer")
+    ap.add_argument("--model", required=True, help="HF checkpoint directory to serve first")
+    ap.add_argument("--weights-version", type=int, default=0, help="version stamped on answers until the first sync")
+    ap.add_argument("--max-model-len", type=int, default=2048, help="context length (prompt + completion)")
+    ap.add_argument("--dtype", default="auto", help="vLLM dtype: auto | float32 | bfloat16 | float16")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None, help="vLLM default when unset")
+    ap.add_argument(
+        "--enforce-eager", action=argparse.BooleanOptionalAction, default=None, help="default: eager without CUDA"
+    )
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    ap.add_argument("--logprobs-mode", choices=sorted(VLLM_LOGPROBS_MODES), default="raw", help="see module docstring")
+    ap.add_argument(
+        "--sync-mode", choices=("auto", "reload", "rebuild"), default="auto", help="auto: reload, else rebuild"
+    )
+    ap.add_argument("--seed", type=int, default=0, help="engine seed (requests carry their own sampling seeds)")
+    ap.add_argument("--max-batch-requests", type=int, default=64, help="generate requests served in one engine call")
+    ap.add_argument("--heartbeat-s", type=float, default=1.0)
+    ap.add_argument("--poll-s", type=float, default=0.02)
+    ap.add_argument("--log-path", default=None, help="this worker's log file (recorded in the heartbeat for clients)")
+    args = ap.parse_args(argv)
+    if args.max_model_len < 2 or args.heartbeat_s <= 0 or args.poll_s <= 0 or args.max_batch_requests < 1:
+        ap.error("--max-model-len >= 2, --heartbeat-s > 0, --poll-s > 0, --max-batch-requests >= 1")
+    return args
+
+
+def sample_seed(seed: int | None, prompt_index: int, sample_index: int) -> int | None:
+    """A distinct, reproducible seed per (request seed, prompt, sample); None stays None (unseeded)."""
+    if seed is None:
+        return None
+    digest = hashlib.blake2b(f"{seed}:{prompt_index}:{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2  # < 2**62: fits a torch generator seed
+
+
+def _arch(config_path: Path) -> dict:
+    cfg = json.loads(config_path.read_text())
+    return {k: v for k, v in cfg.items() if k not in _NON_ARCH_KEYS}
+
+
+class Worker:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.spool = P.Spool(args.spool).ensure()
+        self.model_dir = P.check_hf_dir(args.model).resolve()
+        self.version = args.weights_version
+        self.basis = args.logprobs_mode
+        self.state, self.error = "starting", None
+        self.llm = None
+        self.vocab_size = int(json.loads((self.model_dir / "config.json").read_text()).get("vocab_size", 0))
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat_loop, daemon=True, name="heartbeat")
+
+    # -- liveness ----------------------------------------------------------------------------------
+    def heartbeat(self) -> None:
+        info = {"weights_version": self.version, "logprob_basis": self.basis, "model": str(self.model_dir)}
+        info.update(log_path=self.args.log_path, max_model_len=self.args.max_model_len, error=self.error)
+        self.spool.write_heartbeat(self.state, **info)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.args.heartbeat_s):
+            try:
+                self.heartbeat()
+            except OSError as e:  # a full disk must not kill the worker; the client sees the stale heartbeat
+                log.warning("heartbeat write failed: %s", e)
+
+    def set_state(self, state: str, error: str | None = None) -> None:
+        self.state, self.error = state, error
+        self.heartbeat()
+
+    # -- engine ------------------------------------------------------------------------------------
+    def build_engine(self, model_dir: Path):
+        import torch
+        from vllm import LLM
+
+        a = self.args
+        eager = a.enforce_eager if a.enforce_eager is not None else not torch.cuda.is_available()
+        kw = {
+            "model": str(model_dir), "skip_tokenizer_init": True, "dtype": a.dtype, "max_model_len": a.max_model_len,
+            "max_num_seqs": a.max_num_seqs, "tensor_parallel_size": a.tensor_parallel_size, "seed": a.seed,
+            "enforce_eager": eager, "logprobs_mode": VLLM_LOGPROBS_MODES[a.logprobs_mode],
+        }  # fmt: skip
+        if a.gpu_memory_utilization is not None:
+            kw["gpu_memory_utilization"] = a.gpu_memory_utilization
+        if a.enable_prefix_caching is not None:
+            kw["enable_prefix_caching"] = a.enable_prefix_caching
+        t0 = time.perf_counter()
+        llm = LLM(**kw)
+        log.info("engine up on %s in %.1f s (%s)", model_dir, time.perf_counter() - t0, kw)
+        return llm
+
+    def drop_engine(self) -> None:
+        if self.llm is not None:
+            with contextlib.suppress(Exception):
+                self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+            gc.collect()
+
+    # -- requests ----------------------------------------------------------------------------------
+    def check_generate(self, prompts: list[list[int]], params: P.SamplingParams) -> str | None:
+        limit = self.args.max_model_len
+        for i, p in enumerate(prompts):
+            if len(p) + params.max_tokens > limit:
+                return (
+                    f"prompt {i} has {len(p)} tokens + max_tokens {params.max_tokens} = {len(p) + params.max_tokens} "
+                    f"> max_model_len {limit}: shorten the prompt, lower max_tokens or start the worker with a "
+                    f"larger --max-model-len"
+                )
+            bad = [t for t in p if not 0 <= t < self.vocab_size] if self.vocab_size else []
+            if bad:
+                return f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
+        return None
+
+    def serve_generate(self, batch: list[tuple[P.Message, float]]) -> None:
+        from vllm import SamplingParams as VSP
+        from vllm.inputs import TokensPrompt
+
+        inputs, sps, owners = [], [], []
+        for msg, claimed_at in batch:
+            params = P.SamplingParams.from_dict(msg.body["params"])
+            problem = self.check_generate(msg.body["prompts"], params)
+            if problem is not None:
+                self.answer(P.error_response(msg.id, "bad_request", problem))
+                continue
+            owners.append((msg, claimed_at, params, len(inputs)))
+            for i, prompt in enumerate(msg.body["prompts"]):
+                for j in range(params.n):
+                    inputs.append(TokensPrompt(prompt_token_ids=prompt))
+                    sps.append(
+                        VSP(
+                            n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                            max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids),
+                            ignore_eos=True,  # stop only on the requested ids, as the native sampler does
+                            seed=sample_seed(params.seed, i, j), logprobs=0, detokenize=False,
+                        )
+                    )  # fmt: skip
+        if not owners:
+            return
+        self.set_state("busy")
+        t0 = time.perf_counter()
+        try:
+            outs = self.llm.generate(inputs, sps, use_tqdm=False)
+        except Exception as e:
+            log.exception("engine failed on %d requests", len(owners))
+            for msg, _, _, _ in owners:
+                self.answer(P.error_response(msg.id, "engine_error", f"{e.__class__.__name__}: {e}"))
+            if "EngineDead" in e.__class__.__name__:
+                raise
+            return
+        gen_s = time.perf_counter() - t0
+        total_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        for msg, claimed_at, params, start in owners:
+            count = len(msg.body["prompts"]) * params.n
+            comps = [self.completion(outs[start + k], k // params.n, k % params.n, params) for k in range(count)]
+            timings = {
+                "queue_s": max(0.0, claimed_at - msg.created), "generate_s": gen_s, "batch_requests": len(owners),
+                "batch_completion_tokens": total_tokens, "completion_tokens": sum(len(c.token_ids) for c in comps),
+                "tokens_per_s": total_tokens / max(gen_s, 1e-9),
+            }  # fmt: skip
+            body = {"completions": [c.to_dict() for c in comps], "weights_version": self.version}
+            self.answer(P.Message("completions", msg.id, {**body, "logprob_basis": self.basis, "timings": timings}))
+        self.set_state("ready")
+
+    def completion(self, out, prompt_index: int, sample_index: int, params: P.SamplingParams) -> P.Completion:
+        o = out.outputs[0]
+        ids = [int(t) for t in o.token_ids]
+        lps = [float(o.logprobs[k][t].logprob) for k, t in enumerate(ids)]
+        if o.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM finished a sequence with reason {o.finish_reason!r}")
+        truncated = params.top_p < 1.0 or params.top_k > 0
+        exact = self.basis == "processed" or (params.temperature == 1.0 and not truncated)
+        return P.Completion(
+            prompt_index, sample_index, ids, lps, o.finish_reason,
+            sampled_logprobs=lps if exact else None, weights_version=self.version,
+        )  # fmt: skip
+
+    def serve_sync(self, msg: P.Message) -> None:
+        path, version = Path(msg.body["path"]), msg.body["version"]
+        try:
+            P.check_hf_dir(path)
+        except ValueError as e:
+            return self.answer(P.error_response(msg.id, "bad_snapshot", str(e)))
+        if P.snapshot_marker(path) is None:
+            problem = f"snapshot {path} is not committed (no {' / '.join(P.SNAPSHOT_MARKERS)} marker)"
+            return self.answer(P.error_response(msg.id, "bad_snapshot", problem))
+        self.set_state("busy")
+        t0 = time.perf_counter()
+        method = "rebuild"
+        same_arch = _arch(path / "config.json") == _arch(self.model_dir / "config.json")
+        if self.args.sync_mode != "rebuild" and same_arch:
+            try:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+                self.llm.reset_prefix_cache()
+                method = "reload"
+            except Exception as e:
+                if self.args.sync_mode == "reload":
+                    self.answer(P.error_response(msg.id, "sync_failed", f"reload_weights failed: {e}"))
+                    raise
+                log.warning("reload_weights failed (%s); rebuilding the engine", e)
+        if method == "rebuild":
+            self.drop_engine()
+            try:
+                self.llm = self.build_engine(path)
+            except Exception as e:
+                self.answer(P.error_response(msg.id, "sync_failed", f"engine rebuild on {path} failed: {e}"))
+                raise
+            self.vocab_size = int(json.loads((path / "config.json").read_text()).get("vocab_size", 0))
+        seconds = time.perf_counter() - t0
+        self.model_dir, self.version = path, version
+        log.info("weights version %d from %s by %s in %.2f s", version, path, method, seconds)
+        self.answer(P.Message("synced", msg.id, {"version": version, "seconds": seconds, "method": method}))
+        self.set_state("ready")
+
+    def answer(self, msg: P.Message) -> None:
+        self.spool.respond(msg)
+        self.spool.finish(msg.id)
+
+    # -- main loop ---------------------------------------------------------------------------------
+    def next_batch(self) -> tuple[list[tuple[P.Message, float]], P.Message | None]:
+        """Claim consecutive generate requests (up to --max-batch-requests) and/or the command after them."""
+        batch: list[tuple[P.Message, float]] = []
+        for path in self.spool.pending():
+            claimed = self.spool.claim(path)
+            if claimed is None:
+                continue
+            try:
+                msg = P.read_message(claimed)
+            except P.ProtocolError as e:
+                log.error("%s", e)
+                self.spool.reject(claimed)
+                with contextlib.suppress(ValueError):  # answer under the file's name so a waiting client learns why
+                    self.spool.respond(P.error_response(claimed.stem, "malformed_request", str(e)))
+                continue
+            if self.spool.request_state(msg.id) == "answered":  # already answered before a restart
+                self.spool.finish(msg.id)
+                continue
+            if msg.kind != "generate":
+                return batch, msg
+            batch.append((msg, time.time()))
+            if len(batch) >= self.args.max_batch_requests:
+                break
+        return batch, None
+
+    def run(self) -> int:
+        self.set_state("starting")
+        self._beat.start()
+        requeued = self.spool.recover()
+        if requeued:
+            log.info("resuming %d request(s) claimed by a previous worker: %s", len(requeued), requeued)
+        try:
+            self.llm = self.build_engine(self.model_dir)
+        except Exception as e:  # noqa: BLE001 - any engine failure is reported in the heartbeat, then exit 2
+            log.error("engine failed to start on %s:\n%s", self.model_dir, traceback.format_exc())
+            self.set_state("failed", f"engine failed to start on {self.model_dir}: {e.__class__.__name__}: {e}")
+            return 2
+        self.set_state("ready")
+        log.info("serving %s (logprobs %s, weights version %d)", self.spool.root, self.basis, self.version)
+        while True:
+            batch, command = self.next_batch()
+            if batch:
+                self.serve_generate(batch)
+            if command is None:
+                if not batch:
+                    time.sleep(self.args.poll_s)
+                continue
+            if command.kind == "sync_weights":
+                self.serve_sync(command)
+            elif command.kind == "shutdown":
+                self.answer(P.Message("stopped", command.id, {}))
+                log.info("shutdown requested")
+                return 0
+
+    def close(self, error: str | None) -> None:
+        self._stop.set()
+        if error or self.state != "failed":  # keep a startup failure's record
+            self.state, self.error = ("failed", error) if error else ("stopped", None)
+        with contextlib.suppress(OSError):
+            self.heartbeat()
+        self.drop_engine()
+
+
+def lock_spool(spool: P.Spool) -> int | None:
+    """Hold worker.lock for this process's lifetime (one worker per spool); None if another worker holds it."""
+    fd = os.open(spool.lock_path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by engine children (PEP 446)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    args = parse_args(argv)
+    try:
+        spool = P.Spool(args.spool).ensure()
+    except RuntimeError as e:
+        log.error("%s", e)
+        return 2
+    if lock_spool(spool) is None:
+        log.error("another rollout worker already serves %s (its worker.lock is held); not starting", spool.root)
+        return 3
+    try:
+        worker = Worker(args)
+    except (ValueError, RuntimeError) as e:
+        log.error("%s", e)
+        spool.write_heartbeat("failed", error=str(e), log_path=args.log_path)
+        return 2
+
+    def on_signal(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    error = None
+    try:
+        return worker.run()
+    except SystemExit as e:
+        error = f"terminated by signal {int(e.code) - 128}" if isinstance(e.code, int) and e.code > 128 else None
+        raise
+    except BaseException as e:  # noqa: BLE001 - recorded in the heartbeat and the log, exit 1
+        error = f"{e.__class__.__name__}: {e}"
+        log.error("worker failed:\n%s", traceback.format_exc())
+        return 1
+    finally:
+        worker.close(error)
+
+
+if __name__ == "__main__":  # required: vLLM's multiprocess engine spawns children that re-import this file
+    sys.exit(main())
