@@ -1,0 +1,242 @@
+"""The eval fleet: dedicated rollout workers that load eval snapshots and never join training weight sync.
+
+``--eval-num-gpus N`` (``/ --eval-num-gpus-per-engine``) engines, each a spool rollout worker (the vLLM worker of
+``extras/vllm_rollout``; the CPU build of vLLM on a machine without GPUs) on its own spool dir. The training
+loop's weight sync never reaches them: they only ever load exported snapshots, here, one eval point at a time.
+
+``pin(checkpoint_dir, version)`` (A7 of ``shared/reference/eval-spec.md``; invariant I5):
+
+1. health: every worker process is alive, else ``EvalSkip("unhealthy")``;
+2. load and verify, 2 attempts: every engine loads the snapshot (``sync_weights(dir, version)``), then every
+   engine's weights version is read back from the engine itself (a one-token probe stamped with the version
+   that produced it). One stale engine fails the attempt; after 2 failed attempts ``EvalSkip("pin_violation")``;
+3. health probe: a one-token greedy generate on every engine, else ``EvalSkip("unhealthy")``;
+4. return the ``FleetState`` (built once), whose ``generate`` spreads prompts over the pinned engines.
+
+Workers start lazily on the first pin, with that snapshot as their model, on the dispatcher's runner thread: a
+slow start or snapshot load never occupies the training loop. Uses only stdlib + ``align.rollout.client``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from align.eval.checkpoint_eval import EvalSkip
+from align.eval.config import EvalConfig
+from align.rollout.protocol import Completion, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PIN_ATTEMPTS = 2
+PROBE = SamplingParams(n=1, temperature=0.0, max_tokens=1)
+PROBE_PROMPT = [1, 2, 3]
+
+
+@dataclass
+class FleetEngine:
+    """One eval engine: a spool client and, when the fleet spawned it, the worker handle."""
+
+    client: Any  # generate(prompts, params) -> list[Completion]; sync_weights(dir, version) -> float; close()
+    handle: Any = None  # alive() -> bool; shutdown(); log_tail(n) -> str
+    name: str = "engine"
+
+
+class FleetState:
+    """The pinned fleet's generate: prompts are spread round-robin over the engines and reassembled in order."""
+
+    def __init__(self, engines: list[FleetEngine]) -> None:
+        self.engines = engines
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        e = len(self.engines)
+        shards = [(i, prompts[i::e]) for i in range(e) if prompts[i::e]]
+        with ThreadPoolExecutor(max_workers=len(shards)) as pool:
+            results = list(pool.map(lambda s: self.engines[s[0]].client.generate(s[1], params), shards))
+        out: list[Completion] = []
+        for (i, _), completions in zip(shards, results):
+            for c in completions:
+                c.prompt_index = i + e * c.prompt_index  # local index within the shard -> global
+                out.append(c)
+        out.sort(key=lambda c: (c.prompt_index, c.sample_index))
+        return out
+
+
+class EvalFleet:
+    """Dedicated eval engines. ``engines`` given: use them; else ``spawn(model_dir) -> engines`` on the first pin."""
+
+    def __init__(
+        self,
+        engines: list[FleetEngine] | None = None,
+        *,
+        spawn: Callable[[str], list[FleetEngine]] | None = None,
+        attempts: int = PIN_ATTEMPTS,
+        probe_retry_s: float = 5.0,
+    ) -> None:
+        if not engines and spawn is None:
+            raise ValueError("EvalFleet needs engines or a spawn function")
+        self.engines = list(engines or [])
+        self._spawn = spawn
+        self.attempts = attempts
+        self.probe_retry_s = probe_retry_s
+        self._state: FleetState | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+        self._cleanup: list[Callable[[], None]] = []
+
+    @classmethod
+    def from_config(cls, cfg: EvalConfig) -> EvalFleet:
+        """A fleet of ``cfg.num_engines`` spool vLLM workers, spawned on the first pin (see ``spawn_workers``)."""
+        fleet = cls(spawn=lambda model: [])  # placeholder, replaced below so the closure can see the fleet
+        fleet._spawn = lambda model: spawn_workers(cfg, model, fleet)
+        atexit.register(fleet.close)  # never orphan worker processes, even without drain()
+        return fleet
+
+    def pin(self, checkpoint_dir: str, version: int) -> FleetState:
+        """Load ``checkpoint_dir`` as ``version`` on every engine and verify it; see the module docstring."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("EvalFleet.pin after close()")
+            if not self.engines:
+                try:
+                    self.engines = self._spawn(checkpoint_dir)
+                except Exception as e:
+                    logger.error("Eval fleet unhealthy: could not start its workers: %s", e)
+                    raise EvalSkip("unhealthy", str(e)) from e
+            self._check_alive()
+            self._load_and_verify(checkpoint_dir, version)
+            self._probe()
+            if self._state is None:
+                self._state = FleetState(self.engines)
+            return self._state
+
+    def _check_alive(self) -> None:
+        dead = [e for e in self.engines if e.handle is not None and not e.handle.alive()]
+        if dead:
+            tails = "; ".join(f"{e.name}: {_tail(e)}" for e in dead)
+            logger.error("Eval fleet unhealthy: %d dead engine(s): %s", len(dead), tails)
+            raise EvalSkip("unhealthy", f"{len(dead)} dead engine(s)")
+
+    def _load_and_verify(self, checkpoint_dir: str, version: int) -> None:
+        versions: list[Any] = []
+        for attempt in range(1, self.attempts + 1):
+            try:
+                self._each(lambda e: e.client.sync_weights(checkpoint_dir, version))
+                versions = self._each(read_version)
+            except Exception as e:  # noqa: BLE001 - a failed load is a failed attempt (then pin_violation)
+                logger.warning("Weight pin to %s failed (attempt %d/%d): %s", checkpoint_dir, attempt, self.attempts, e)
+                continue
+            if all(v == version for v in versions):
+                return
+            logger.warning(
+                "Weight pin to %s failed (attempt %d/%d): versions %s", checkpoint_dir, attempt, self.attempts, versions
+            )
+        logger.error("Failed to pin weight_version=%s to %s (got %s)", version, checkpoint_dir, versions)
+        raise EvalSkip("pin_violation", f"engines report {versions}, expected {version}")
+
+    def _probe(self) -> None:
+        deadline = time.monotonic() + self.probe_retry_s
+        while True:
+            try:
+                self._each(lambda e: e.client.generate([PROBE_PROMPT], PROBE))
+                return
+            except Exception as e:
+                if time.monotonic() >= deadline:
+                    logger.error("Eval fleet unhealthy: health probe failed: %s", e)
+                    raise EvalSkip("unhealthy", f"health probe failed: {e}") from e
+                time.sleep(0.5)
+
+    def _each(self, fn: Callable[[FleetEngine], Any]) -> list[Any]:
+        if len(self.engines) == 1:
+            return [fn(self.engines[0])]
+        with ThreadPoolExecutor(max_workers=len(self.engines)) as pool:
+            return list(pool.map(fn, self.engines))
+
+    def close(self) -> None:
+        """Shut down every engine this fleet owns. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for e in self.engines:
+                for step in (getattr(e.client, "close", None), getattr(e.handle, "shutdown", None)):
+                    if step is None:
+                        continue
+                    try:
+                        step()
+                    except Exception as err:  # noqa: BLE001 - keep shutting down the others; say what failed
+                        logger.warning("closing eval engine %s: %s", e.name, err)
+            for fn in self._cleanup:
+                fn()
+
+
+def read_version(engine: FleetEngine) -> Any:
+    """The engine's weights version, read back from the engine: its own accessor if the client has one, else the
+    version stamped on a one-token probe completion."""
+    getter = getattr(engine.client, "weights_version", None)
+    if callable(getter):
+        return getter()
+    (c,) = engine.client.generate([PROBE_PROMPT], PROBE)[:1]
+    return c.weights_version
+
+
+def _tail(e: FleetEngine) -> str:
+    try:
+        return e.handle.log_tail(5)
+    except Exception as err:  # noqa: BLE001 - the tail is only diagnostics
+        return f"<no log: {err}>"
+
+
+def spawn_workers(cfg: EvalConfig, model_dir: str, fleet: EvalFleet) -> list[FleetEngine]:
+    """Start ``cfg.num_engines`` spool vLLM workers, each on its own spool, loading ``model_dir``.
+
+    GPUs: engine ``i`` gets ``eval_num_gpus_per_engine`` GPUs from ``eval_first_gpu`` on (default: the last
+    ``eval_num_gpus`` GPUs of the machine, past the training GPUs); without GPUs they run on the CPU build of vLLM.
+    """
+    from align.rollout.client import make_rollout_client, spawn_worker
+
+    root = tempfile.mkdtemp(prefix="align-eval-fleet-")
+    fleet._cleanup.append(lambda: shutil.rmtree(root, ignore_errors=True))
+    gpus = _gpu_plan(cfg)
+    engines: list[FleetEngine] = []
+    try:
+        for i in range(cfg.num_engines):
+            spool = os.path.join(root, f"engine_{i}")
+            os.makedirs(spool)
+            handle = spawn_worker(
+                spool, gpu=gpus[i] if gpus else None, log_path=os.path.join(root, f"engine_{i}.log"), model=model_dir
+            )
+            engines.append(FleetEngine(client=None, handle=handle, name=f"eval_engine_{i}"))
+            engines[-1].client = make_rollout_client("spool", spool=spool, timeout_s=cfg.eval_timeout_s)
+    except BaseException:
+        for e in engines:
+            e.handle.shutdown()
+        raise
+    return engines
+
+
+def _gpu_plan(cfg: EvalConfig) -> list[Any] | None:
+    """Per-engine GPU assignment, or None for CPU workers (no GPU on this machine)."""
+    import torch  # runtime only, never at import
+
+    count = torch.cuda.device_count()
+    if count == 0:
+        return None
+    first = cfg.eval_first_gpu if cfg.eval_first_gpu is not None else count - cfg.eval_num_gpus
+    if first < 0 or first + cfg.eval_num_gpus > count:
+        raise ValueError(
+            f"eval fleet needs GPUs {first}..{first + cfg.eval_num_gpus - 1} but this machine has {count}; "
+            "lower --eval-num-gpus or set --eval-first-gpu"
+        )
+    per = cfg.eval_num_gpus_per_engine
+    plan = [list(range(first + i * per, first + (i + 1) * per)) for i in range(cfg.num_engines)]
+    return [p[0] if per == 1 else p for p in plan]

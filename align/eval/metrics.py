@@ -1,0 +1,66 @@
+"""Eval metrics: pass@1, unbiased pass@k and avg@k over n samples per prompt. stdlib only.
+
+pass@k (Chen et al. 2021, "Evaluating Large Language Models Trained on Code", eq. 1): with n samples of
+which c are correct, the unbiased estimate of "at least one of k draws is correct" is
+``1 - C(n - c, k) / C(n, k)``, averaged over prompts. avg@k is the mean reward over the k = n samples.
+A completion is correct when its reward is > 0 (``EvalSet.score``); an unscorable (``None``) one is reward 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from align.rollout.protocol import Completion, SamplingParams
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k for one prompt with ``c`` correct out of ``n`` samples (``1 <= k <= n``)."""
+    if not (0 <= c <= n) or not (1 <= k <= n):
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def ks_for(n: int) -> list[int]:
+    """The k reported for n samples: 1, powers of two below n, and n."""
+    ks, k = [], 1
+    while k < n:
+        ks.append(k)
+        k *= 2
+    return ks + [n]
+
+
+def score_completions(
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Completion],
+    score: Callable[[int, list[int]], float | None],
+    n: int,
+) -> dict[str, float]:
+    """``eval/pass@k`` for k in ``ks_for(n)``, ``eval/avg@n`` and the weights version the completions came from."""
+    rewards: list[list[float]] = [[] for _ in prompts]
+    for c in completions:
+        r = score(c.prompt_index, list(c.token_ids))
+        rewards[c.prompt_index].append(0.0 if r is None else float(r))
+    for i, rs in enumerate(rewards):
+        if len(rs) != n:
+            raise RuntimeError(f"eval prompt {i} got {len(rs)} completions, expected n={n}")
+    metrics: dict[str, float] = {}
+    for k in ks_for(n):
+        metrics[f"eval/pass@{k}"] = sum(pass_at_k(n, sum(r > 0 for r in rs), k) for rs in rewards) / len(rewards)
+    metrics[f"eval/avg@{n}"] = sum(sum(rs) / n for rs in rewards) / len(rewards)
+    versions = [c.weights_version for c in completions]
+    if versions:
+        top = max(set(versions), key=versions.count)
+        metrics["eval/weight_version"] = float(top)
+        metrics["eval/mixed_version_ratio"] = sum(v != top for v in versions) / len(versions)
+    return metrics
+
+
+def score_eval_set(
+    eval_set, sampling: SamplingParams, generate: Callable[[list[list[int]], SamplingParams], list[Completion]]
+) -> dict[str, float]:
+    """Generate ``sampling.n`` completions per prompt of ``eval_set`` with ``generate`` and score them."""
+    completions = generate([list(p) for p in eval_set.prompts], sampling)
+    return score_completions(eval_set.prompts, completions, eval_set.score, sampling.n)
