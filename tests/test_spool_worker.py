@@ -32,9 +32,10 @@ PROMPTS = [[5, 17, 99, 123], [7, 8], [300, 2, 44, 45, 46, 47]]
 
 
 def _require_rollout_venv() -> None:
-    if (DEFAULT_VENV / ".align-stamp").exists() and (DEFAULT_VENV / "bin" / "python").exists():
+    venv = Path(os.environ.get("ALIGN_ROLLOUT_VENV", DEFAULT_VENV))  # the venv spawn_worker will use
+    if (venv / ".align-stamp").exists() and (venv / "bin" / "python").exists():
         return
-    msg = f"{DEFAULT_VENV} missing or incomplete; build it with `bash scripts/setup_rollout_venv.sh`"
+    msg = f"{venv} missing or incomplete; build it with `bash scripts/setup_rollout_venv.sh`"
     if os.environ.get("ALIGN_REQUIRE_ROLLOUT") == "1":
         pytest.fail(msg)
     pytest.skip(msg)
