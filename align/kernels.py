@@ -33,7 +33,8 @@ import functools
 
 import torch
 
-TORCH_CHUNK = 4096  # vocabulary columns per step of the torch path: (N, 4096) float32 temporaries at most
+TORCH_CHUNK = 4096  # vocabulary columns per step of the torch path
+TORCH_ROWS = 256  # rows per step of the torch path: (256, 4096) float32 work buffers, 4 MiB each, whatever N and V
 TRITON_BLOCK = 4096  # vocabulary tile of one Triton program iteration
 
 tl = None  # triton.language, bound by _triton_kernels() on first use so that importing this module stays cheap
@@ -57,34 +58,47 @@ def token_logprobs_reference(
 # Torch path: chunked over the vocabulary, online log-sum-exp.
 
 
-def _scaled_chunk(logits: torch.Tensor, start: int, stop: int, temperature: float) -> torch.Tensor:
-    """Columns [start, stop) of logits as float32 divided by T, exactly as the reference computes them."""
-    x = logits[:, start:stop].float()  # (N, C); a view when logits are already float32
-    return x / temperature if temperature != 1.0 else x
+def _scaled_chunk(logits: torch.Tensor, start: int, stop: int, temperature: float, buf: torch.Tensor) -> torch.Tensor:
+    """Columns [start, stop) of logits as float32 divided by T, exactly as the reference computes them.
+
+    Written into buf (a preallocated (R, C) float32 work buffer: a fresh allocation per chunk costs page faults on
+    CPU), or a view of the logits when they are float32 and T = 1."""
+    chunk = logits[:, start:stop]  # (R, C)
+    if chunk.dtype == torch.float32 and temperature == 1.0:
+        return chunk
+    x = buf[: chunk.shape[0], : chunk.shape[1]].copy_(chunk)
+    return x.div_(temperature) if temperature != 1.0 else x
 
 
 def _torch_forward(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool, chunk: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    N, V = logits.shape
-    m = torch.full((N,), float("-inf"), device=logits.device)  # running max
-    d = torch.zeros(N, device=logits.device)  # sum exp(x - m)
-    s = torch.zeros(N, device=logits.device)  # sum exp(x - m) * x
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool, chunk: int, bufs: list
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """(logprobs, entropy, lse, starts of the chunks that hold a -inf logit) of a block of R rows."""
+    R, V = logits.shape
+    m = torch.full((R,), float("-inf"), device=logits.device)  # running max
+    d = torch.zeros(R, device=logits.device)  # sum exp(x - m)
+    s = torch.zeros(R, device=logits.device)  # sum exp(x - m) * x
+    masked = []
     for start in range(0, V, chunk):
-        x = _scaled_chunk(logits, start, min(start + chunk, V), temperature)  # (N, C)
+        stop = min(start + chunk, V)
+        x = _scaled_chunk(logits, start, stop, temperature, bufs[0])  # (R, C)
         m_new = torch.maximum(m, x.amax(dim=1))
         m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)  # a row that is -inf so far must not give nan
         scale = torch.exp(m - m_safe)
-        e = torch.sub(x, m_safe.unsqueeze(1)).exp_()  # (N, C)
+        e = torch.sub(x, m_safe.unsqueeze(1), out=bufs[1][:R, : stop - start]).exp_()  # (R, C)
         d = d * scale + e.sum(dim=1)
-        if with_entropy:  # e * x is 0 * -inf = nan only where x = -inf, whose term p log p -> 0
-            s = s * scale + e.mul_(x).nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf")).sum(dim=1)
+        if with_entropy:
+            ex = e.mul_(x).sum(dim=1)
+            if ex.isnan().any():  # 0 * -inf where a logit is -inf (its p log p -> 0): recount, remember for backward
+                ex = e.nansum(dim=1)
+                masked.append(start)
+            s = s * scale + ex
         m = m_new
     lse = m + torch.log(d)
     x_target = logits.gather(1, targets.unsqueeze(1)).squeeze(1).float()
     logprobs = (x_target / temperature if temperature != 1.0 else x_target) - lse
     entropy = lse - s / d if with_entropy else torch.zeros_like(lse)
-    return logprobs, entropy, lse
+    return logprobs, entropy, lse, masked
 
 
 def _torch_backward(
@@ -96,54 +110,83 @@ def _torch_backward(
     grad_entropy: torch.Tensor | None,
     temperature: float,
     chunk: int,
-) -> torch.Tensor:
-    N, V = logits.shape
-    grad = torch.empty(N, V, dtype=logits.dtype, device=logits.device)  # (N, V), the only full-size tensor
-    g = grad_logprobs.float().unsqueeze(1)  # (N, 1)
+    masked: list[int],
+    grad: torch.Tensor,
+    bufs: list,
+) -> None:
+    """Write the gradient w.r.t. a block of R rows of logits into grad (same shape), streaming over the vocabulary.
+
+    d/dlogits = p (c - h' x) + g' 1[target] with g' = g / T, h' = h / T, c = h' S - g' (S = sum p x = lse - entropy)."""
+    R, V = logits.shape
+    g = grad_logprobs.float().unsqueeze(1) / temperature  # (R, 1)
     if grad_entropy is not None:
-        h = grad_entropy.float().unsqueeze(1)  # (N, 1)
-        S = (lse - entropy).unsqueeze(1)  # (N, 1) = sum p x
+        h = grad_entropy.float().unsqueeze(1) / temperature  # (R, 1)
+        c = h * (lse - entropy).unsqueeze(1) - g  # (R, 1)
     for start in range(0, V, chunk):
         stop = min(start + chunk, V)
-        x = _scaled_chunk(logits, start, stop, temperature)  # (N, C)
-        p = torch.sub(x, lse.unsqueeze(1)).exp_()  # (N, C)
-        if grad_entropy is not None:  # h p (S - x); 0 * inf = nan only where x = -inf and p = 0
-            q = torch.sub(S, x).mul_(p).mul_(h).nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf"))
-            gx = p.mul_(g.neg()).add_(q)
+        x = _scaled_chunk(logits, start, stop, temperature, bufs[0])  # (R, C)
+        p = torch.sub(x, lse.unsqueeze(1), out=bufs[1][:R, : stop - start]).exp_()  # (R, C)
+        if grad_entropy is not None:
+            gx = torch.addcmul(c, x, h, value=-1.0, out=bufs[2][:R, : stop - start]).mul_(p)
+            if start in masked:  # p (c - h x) = 0 * inf where x = -inf: that term is 0
+                gx.nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf"))
         else:
             gx = p.mul_(g.neg())
         # + g at the target column when it falls in this chunk (scatter of zeros elsewhere: no host sync)
         col = targets - start
         inside = (col >= 0) & (col < stop - start)
         gx.scatter_add_(1, col.clamp(0, stop - start - 1).unsqueeze(1), torch.where(inside.unsqueeze(1), g, 0.0))
-        if temperature != 1.0:
-            gx.div_(temperature)
         grad[:, start:stop].copy_(gx)
-    return grad
+
+
+def _work_buffers(logits: torch.Tensor, chunk: int, k: int) -> list:
+    shape = (min(TORCH_ROWS, logits.shape[0]), min(chunk, logits.shape[1]))  # (R, C)
+    return [torch.empty(shape, device=logits.device) for _ in range(k)]
 
 
 class _TorchTokenLogprobs(torch.autograd.Function):
+    """Blocks of TORCH_ROWS rows x chunk columns, so the temporaries are bounded whatever N and V."""
+
     @staticmethod
     def forward(ctx, logits, targets, temperature, with_entropy, chunk):
-        logprobs, entropy, lse = _torch_forward(logits, targets, temperature, with_entropy, chunk)
+        N = logits.shape[0]
+        bufs = _work_buffers(logits, chunk, 2)
+        blocks = [
+            _torch_forward(
+                logits[r : r + TORCH_ROWS], targets[r : r + TORCH_ROWS], temperature, with_entropy, chunk, bufs
+            )
+            for r in range(0, N, TORCH_ROWS)
+        ]
+        if blocks:
+            logprobs, entropy, lse = (torch.cat(parts) for parts in list(zip(*blocks))[:3])
+        else:  # no rows
+            logprobs, entropy, lse = (torch.zeros(0, device=logits.device) for _ in range(3))
         ctx.save_for_backward(logits, targets, lse, entropy)
         ctx.temperature, ctx.with_entropy, ctx.chunk = temperature, with_entropy, chunk
+        ctx.masked = [block[3] for block in blocks]
         return logprobs, entropy
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logprobs, grad_entropy):
         logits, targets, lse, entropy = ctx.saved_tensors
-        grad = _torch_backward(
-            logits,
-            targets,
-            lse,
-            entropy,
-            grad_logprobs,
-            grad_entropy if ctx.with_entropy else None,
-            ctx.temperature,
-            ctx.chunk,
-        )
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # (N, V), the only full-size one
+        bufs = _work_buffers(logits, ctx.chunk, 3)
+        for i, r in enumerate(range(0, logits.shape[0], TORCH_ROWS)):
+            rows = slice(r, r + TORCH_ROWS)
+            _torch_backward(
+                logits[rows],
+                targets[rows],
+                lse[rows],
+                entropy[rows],
+                grad_logprobs[rows],
+                grad_entropy[rows] if ctx.with_entropy else None,
+                ctx.temperature,
+                ctx.chunk,
+                ctx.masked[i],
+                grad[rows],
+                bufs,
+            )
         return grad, None, None, None, None
 
 
@@ -258,6 +301,10 @@ class _TritonTokenLogprobs(torch.autograd.Function):
         entropy = torch.zeros(N, dtype=torch.float32, device=logits.device)
         lse = torch.empty(N, dtype=torch.float32, device=logits.device)
         block = min(block, max(16, 1 << (V - 1).bit_length()))  # a power of two no wider than the vocabulary needs
+        ctx.save_for_backward(logits, targets, lse, entropy)
+        ctx.temperature, ctx.with_entropy, ctx.block = temperature, with_entropy, block
+        if N == 0:
+            return logprobs, entropy
         fwd[(N,)](
             logits,
             logits.stride(0),
@@ -271,8 +318,6 @@ class _TritonTokenLogprobs(torch.autograd.Function):
             WITH_ENTROPY=with_entropy,
             num_warps=_num_warps(block),
         )
-        ctx.save_for_backward(logits, targets, lse, entropy)
-        ctx.temperature, ctx.with_entropy, ctx.block = temperature, with_entropy, block
         return logprobs, entropy
 
     @staticmethod
@@ -282,6 +327,8 @@ class _TritonTokenLogprobs(torch.autograd.Function):
         logits, targets, lse, entropy = ctx.saved_tensors
         N, V = logits.shape
         grad = torch.empty(N, V, dtype=logits.dtype, device=logits.device)  # (N, V)
+        if N == 0:
+            return grad, None, None, None, None
         bwd[(N,)](
             logits,
             logits.stride(0),

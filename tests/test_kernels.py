@@ -142,6 +142,20 @@ def test_masked_vocabulary(backend):
     assert not _close(ent, ent_unmasked, **FP32_TOL)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_row_blocks_and_no_rows(backend, monkeypatch):
+    """The torch path's row blocking (TORCH_ROWS) with a last partial block; zero rows give empty results."""
+    monkeypatch.setattr(kernels, "TORCH_ROWS", 2)
+    logits, targets = _logits(5, 150, torch.float32), _targets(5, 150)
+    lp, ent, grad = _run(token_logprobs, logits, targets, 0.7, backend=backend, chunk_size=64)
+    lp_ref, ent_ref, grad_ref = _run(_reference, logits, targets, 0.7)
+    torch.testing.assert_close(lp, lp_ref, **FP32_TOL)
+    torch.testing.assert_close(ent, ent_ref, **FP32_TOL)
+    torch.testing.assert_close(grad, grad_ref, **FP32_TOL)
+    lp0, ent0, grad0 = _run(token_logprobs, logits[:0], targets[:0], 0.7, backend=backend)
+    assert lp0.shape == ent0.shape == (0,) and lp0.dtype == torch.float32 and grad0.shape == (0, 150)
+
+
 def test_backend_selection_and_errors(monkeypatch):
     x, t = torch.randn(2, 10), torch.tensor([1, 2])
     assert kernels._resolve_backend(x, "auto") == "torch"  # CPU tensors take the torch path
