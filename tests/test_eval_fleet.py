@@ -1,0 +1,149 @@
+"""The eval fleet for real: spool vLLM workers (the CPU build of vLLM in .venv-rollout) evaluating snapshots that
+align.model.save_pretrained exports while a training loop keeps stepping.
+
+One fleet of 2 in-process CPU engines serves the whole sequence (engine start is the expensive part on 2 cores):
+real pins and evals of changing weights, then a pin violation (one engine misses the load: its spool client is
+wrapped so the load message is never sent; the stale version is read back from the real engine), then an
+unhealthy fleet (one worker process killed). Without .venv-rollout these tests skip, or fail under
+ALIGN_REQUIRE_ROLLOUT=1.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from align.eval import EvalConfig, EvalSet, make_evaluator
+from align.rollout.client import DEFAULT_VENV
+from align.rollout.protocol import SamplingParams
+
+pytestmark = pytest.mark.rollout
+
+PROMPTS = [[5, 17, 99, 123], [7, 8], [300, 2, 44, 45, 46, 47], [11, 12, 13]]
+MAX_TOKENS = 8
+TIMEOUT_S = 300.0  # engine start + first generate (inductor compile) on 2 shared cores
+NOISE = 0.05  # per-"optimizer step" weight change: enough to change greedy continuations
+
+
+def require_rollout_venv() -> None:
+    venv = Path(os.environ.get("ALIGN_ROLLOUT_VENV", DEFAULT_VENV))
+    if (venv / ".align-stamp").exists() and (venv / "bin" / "python").exists():
+        return
+    msg = f"{venv} missing or incomplete; build it with `bash scripts/setup_rollout_venv.sh`"
+    if os.environ.get("ALIGN_REQUIRE_ROLLOUT") == "1":
+        pytest.fail(msg)
+    pytest.skip(msg)
+
+
+def fake_optimizer_step(model: torch.nn.Module, step: int) -> None:
+    """Deterministic stand-in for one optimizer step: every weight moves (seeded by the step)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * NOISE)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    from helpers_models import make_tiny_qwen2
+
+    return make_tiny_qwen2(tmp_path_factory.mktemp("base") / "qwen2", seed=0)
+
+
+def reference_greedy(base_dir: Path, steps: int, tmp: Path) -> list[list[int]]:
+    """transformers' greedy continuations of PROMPTS under the weights after ``steps`` fake optimizer steps."""
+    from helpers_models import greedy_ids, load_hf
+
+    from align.model import load_pretrained, save_pretrained
+
+    m = load_pretrained(base_dir)
+    for s in range(1, steps + 1):
+        fake_optimizer_step(m, s)
+    ref = save_pretrained(m, tmp / f"ref_step_{steps}")
+    hf = load_hf(ref)
+    return [greedy_ids(hf, p, MAX_TOKENS) for p in PROMPTS]
+
+
+class StaleClient:
+    """Wraps an engine's spool client so a snapshot load is never delivered (an engine that missed the reload)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def sync_weights(self, snapshot_dir, version) -> float:
+        return 0.0
+
+    def generate(self, prompts, params):
+        return self.inner.generate(prompts, params)
+
+
+def test_fleet_evaluates_exact_snapshots_while_training_continues(base, tmp_path):
+    require_rollout_venv()
+    from align.model import load_pretrained, save_pretrained
+
+    target = 2  # the eval set rewards exactly the greedy continuations of the step-2 weights
+    expected = reference_greedy(base, target, tmp_path)
+    eval_set = EvalSet(
+        prompts=PROMPTS,
+        score=lambda i, toks: float(toks == expected[i]),
+        sampling=SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+        name="exact_step_2",
+    )
+    cfg = EvalConfig(
+        eval_interval=1,
+        eval_num_gpus=2,
+        eval_hf_dir=str(tmp_path / "eval_hf"),
+        eval_max_in_flight=2,
+        eval_keep_snapshots=1,
+        eval_timeout_s=TIMEOUT_S,
+    )
+    model = load_pretrained(base)
+    ev = make_evaluator(cfg, eval_set, export_fn=lambda p: save_pretrained(model, p), blocking_eval_fn=None)
+    fleet = ev.dispatcher.runner.fleet
+    records, step_seconds, in_flight_after = [], {}, {}
+    try:
+        for step in (1, 2, 3):
+            fake_optimizer_step(model, step)
+            t0 = time.perf_counter()
+            records += ev.step(step)
+            step_seconds[step] = time.perf_counter() - t0
+            in_flight_after[step] = [p.step for p in ev.dispatcher.pending]
+        records += ev.dispatcher.drain()  # settle (not terminal) before tampering with the fleet
+
+        # training advanced while eval 1 (which includes the fleet's start) was still in flight
+        assert 1 in in_flight_after[2], in_flight_after
+        by_step = {r["step"]: r for r in records}
+        assert sorted(by_step) == [1, 2, 3], records
+        assert step_seconds[1] < by_step[1]["eval/duration_seconds"], (step_seconds, by_step[1])
+        for s, r in by_step.items():
+            # each result names the exact snapshot it measured: every engine read back version == step ...
+            assert r["eval/weight_version"] == s and r["eval/mixed_version_ratio"] == 0.0, r
+        # ... and the generations are those of that step's weights (transformers reference on step 2)
+        assert by_step[2]["eval/pass@1"] == 1.0, by_step
+        assert by_step[1]["eval/pass@1"] < 1.0 and by_step[3]["eval/pass@1"] < 1.0, by_step
+        assert by_step[1]["eval/lag_steps"] >= 1  # it landed after training had moved on
+        assert sorted(os.listdir(cfg.eval_hf_dir)) == ["step_3"]  # retention ring, keep=1
+
+        # one engine misses the load of step 4: the real engine still answers with version 3 -> pin_violation
+        e1 = fleet.engines[1]
+        real_client, e1.client = e1.client, StaleClient(e1.client)
+        fake_optimizer_step(model, 4)
+        records = ev.step(4) + ev.dispatcher.drain()
+        e1.client = real_client
+        assert [(r["step"], r.get("eval/skipped_pin_violation")) for r in records] == [(4, 1)], records
+
+        # one worker process dies: the next point (the final step, never dropped) is skipped as unhealthy
+        os.killpg(e1.handle.pid, signal.SIGKILL)
+        e1.handle.proc.wait(timeout=30)
+        fake_optimizer_step(model, 5)
+        records = ev.step(5, is_final=True) + ev.drain()
+        assert [(r["step"], r.get("eval/skipped_unhealthy")) for r in records] == [(5, 1)], records
+        assert ev.drain() == []
+    finally:
+        ev.drain()
+    assert not any(e.handle.group_alive() for e in fleet.engines), "an eval worker survived drain()"
