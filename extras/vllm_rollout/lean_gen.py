@@ -533,6 +533,7 @@ def plan(args) -> tuple[list[dict], list[dict]]:
 def run(args) -> int:
     stop = Stop()
     stop.install()
+    out_lock = None if args.dry_run else acquire_lock(args.out + ".lock", False, "output lock")  # noqa: F841 held
     adapter = None
     if args.lora_adapter:
         with open(os.path.join(args.lora_adapter, "adapter_config.json"), encoding="utf-8") as f:
@@ -554,7 +555,6 @@ def run(args) -> int:
             | {"prompt_tokens": len(it["prompt_ids"]), **it["budget"]} for it in ready] + [{"skipped": s} for s in skips])
         print(f"dry-run: {len(ready)} planned samples, {len(skips)} skipped -> {args.out}.dry_run.jsonl")
         return EXIT_OK
-    out_lock = acquire_lock(args.out + ".lock", False, "output lock")  # noqa: F841 - held until exit
     fp = plan_fingerprint(args, rev, max_model_len)
     mpath = args.out + ".manifest.json"
     manifest = {"out": os.path.abspath(args.out), "plan": fp, "sessions": []}
