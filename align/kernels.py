@@ -18,7 +18,7 @@ and save only lse and entropy (N floats each) for the backward, which recomputes
 for g = d loss / d logprob and h = d loss / d entropy, then divides by T (chain rule of logits / T). The only
 (N, V) tensor ever allocated is the gradient of the logits itself, in the logits' dtype.
 
-Backends, selected in one place (``_BACKENDS`` + ``_resolve_backend``):
+Backends, selected in one place (``_resolve_backend``; implementations in ``_IMPLS``):
   "triton"     one program per row, looping over BLOCK_V-wide vocabulary tiles (CUDA; on CPU under TRITON_INTERPRET=1)
   "torch"      the same chunked algorithm in plain torch (CPU, or where Triton is missing)
   "reference"  plain log_softmax + gather + entropy, the definition the other two are tested against
@@ -36,6 +36,7 @@ import torch
 TORCH_CHUNK = 4096  # vocabulary columns per step of the torch path
 TORCH_ROWS = 256  # rows per step of the torch path: (256, 4096) float32 work buffers, 4 MiB each, whatever N and V
 TRITON_BLOCK = 4096  # vocabulary tile of one Triton program iteration
+LINEAR_ROWS = 1024  # tokens per (R, V) logits block of linear_token_logprobs (311 MB at V = 151936 in bf16)
 
 tl = None  # triton.language, bound by _triton_kernels() on first use so that importing this module stays cheap
 
@@ -144,50 +145,30 @@ def _work_buffers(logits: torch.Tensor, chunk: int, k: int) -> list:
     return [torch.empty(shape, device=logits.device) for _ in range(k)]
 
 
-class _TorchTokenLogprobs(torch.autograd.Function):
+def _torch_fwd(logits, targets, temperature, with_entropy, chunk):
     """Blocks of TORCH_ROWS rows x chunk columns, so the temporaries are bounded whatever N and V."""
+    bufs = _work_buffers(logits, chunk, 2)
+    blocks = [
+        _torch_forward(logits[r : r + TORCH_ROWS], targets[r : r + TORCH_ROWS], temperature, with_entropy, chunk, bufs)
+        for r in range(0, logits.shape[0], TORCH_ROWS)
+    ]
+    if not blocks:  # no rows
+        return (*(torch.zeros(0, device=logits.device) for _ in range(3)), [])
+    logprobs, entropy, lse = (torch.cat(parts) for parts in list(zip(*blocks))[:3])
+    return logprobs, entropy, lse, [block[3] for block in blocks]
 
-    @staticmethod
-    def forward(ctx, logits, targets, temperature, with_entropy, chunk):
-        N = logits.shape[0]
-        bufs = _work_buffers(logits, chunk, 2)
-        blocks = [
-            _torch_forward(
-                logits[r : r + TORCH_ROWS], targets[r : r + TORCH_ROWS], temperature, with_entropy, chunk, bufs
-            )
-            for r in range(0, N, TORCH_ROWS)
-        ]
-        if blocks:
-            logprobs, entropy, lse = (torch.cat(parts) for parts in list(zip(*blocks))[:3])
-        else:  # no rows
-            logprobs, entropy, lse = (torch.zeros(0, device=logits.device) for _ in range(3))
-        ctx.save_for_backward(logits, targets, lse, entropy)
-        ctx.temperature, ctx.with_entropy, ctx.chunk = temperature, with_entropy, chunk
-        ctx.masked = [block[3] for block in blocks]
-        return logprobs, entropy
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_logprobs, grad_entropy):
-        logits, targets, lse, entropy = ctx.saved_tensors
-        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # (N, V), the only full-size one
-        bufs = _work_buffers(logits, ctx.chunk, 3)
-        for i, r in enumerate(range(0, logits.shape[0], TORCH_ROWS)):
-            rows = slice(r, r + TORCH_ROWS)
-            _torch_backward(
-                logits[rows],
-                targets[rows],
-                lse[rows],
-                entropy[rows],
-                grad_logprobs[rows],
-                grad_entropy[rows] if ctx.with_entropy else None,
-                ctx.temperature,
-                ctx.chunk,
-                ctx.masked[i],
-                grad[rows],
-                bufs,
-            )
-        return grad, None, None, None, None
+def _torch_bwd(logits, targets, lse, entropy, grad_logprobs, grad_entropy, temperature, chunk, masked):
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # (N, V), the only full-size one
+    bufs = _work_buffers(logits, chunk, 3)
+    for i, r in enumerate(range(0, logits.shape[0], TORCH_ROWS)):
+        rows = slice(r, r + TORCH_ROWS)
+        g_ent = grad_entropy[rows] if grad_entropy is not None else None
+        _torch_backward(
+            logits[rows], targets[rows], lse[rows], entropy[rows], grad_logprobs[rows], g_ent, temperature, chunk,
+            masked[i], grad[rows], bufs,
+        )  # fmt: skip
+    return grad
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -292,83 +273,106 @@ def _num_warps(block: int) -> int:
     return 8 if block >= 2048 else 4
 
 
-class _TritonTokenLogprobs(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, targets, temperature, with_entropy, block):
-        fwd, _ = _triton_kernels()
-        N, V = logits.shape
-        logprobs = torch.empty(N, dtype=torch.float32, device=logits.device)
-        entropy = torch.zeros(N, dtype=torch.float32, device=logits.device)
-        lse = torch.empty(N, dtype=torch.float32, device=logits.device)
-        block = min(block, max(16, 1 << (V - 1).bit_length()))  # a power of two no wider than the vocabulary needs
-        ctx.save_for_backward(logits, targets, lse, entropy)
-        ctx.temperature, ctx.with_entropy, ctx.block = temperature, with_entropy, block
-        if N == 0:
-            return logprobs, entropy
+def _triton_fwd(logits, targets, temperature, with_entropy, block):
+    fwd, _ = _triton_kernels()
+    N, V = logits.shape
+    logprobs = torch.empty(N, dtype=torch.float32, device=logits.device)
+    entropy = torch.zeros(N, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(N, dtype=torch.float32, device=logits.device)
+    block = min(block, max(16, 1 << (V - 1).bit_length()))  # a power of two no wider than the vocabulary needs
+    if N:
         fwd[(N,)](
-            logits,
-            logits.stride(0),
-            targets,
-            logprobs,
-            entropy,
-            lse,
-            V,
-            float(temperature),
-            BLOCK_V=block,
-            WITH_ENTROPY=with_entropy,
-            num_warps=_num_warps(block),
-        )
+            logits, logits.stride(0), targets, logprobs, entropy, lse, V, float(temperature),
+            BLOCK_V=block, WITH_ENTROPY=with_entropy, num_warps=_num_warps(block),
+        )  # fmt: skip
+    return logprobs, entropy, lse, block
+
+
+def _triton_bwd(logits, targets, lse, entropy, grad_logprobs, grad_entropy, temperature, chunk, block):
+    _, bwd = _triton_kernels()
+    N, V = logits.shape
+    grad = torch.empty(N, V, dtype=logits.dtype, device=logits.device)  # (N, V)
+    with_entropy = grad_entropy is not None
+    grad_logprobs = grad_logprobs.float().contiguous()  # the grad of a sum is an expanded, stride-0 tensor
+    grad_entropy = grad_entropy.float().contiguous() if with_entropy else grad_logprobs
+    if N:
+        bwd[(N,)](
+            logits, logits.stride(0), targets, lse, entropy, grad_logprobs, grad_entropy, grad, grad.stride(0), V,
+            float(temperature), BLOCK_V=block, WITH_ENTROPY=with_entropy, num_warps=_num_warps(block),
+        )  # fmt: skip
+    return grad
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Autograd: one Function over logits, one over (hidden, weight) for the fused final linear layer.
+
+_IMPLS = {"torch": (_torch_fwd, _torch_bwd, TORCH_CHUNK), "triton": (_triton_fwd, _triton_bwd, TRITON_BLOCK)}
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, with_entropy, chunk, impl):
+        logprobs, entropy, lse, state = _IMPLS[impl][0](logits, targets, temperature, with_entropy, chunk)
+        ctx.save_for_backward(logits, targets, lse, entropy)
+        ctx.args = temperature, with_entropy, chunk, impl, state
         return logprobs, entropy
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logprobs, grad_entropy):
-        _, bwd = _triton_kernels()
         logits, targets, lse, entropy = ctx.saved_tensors
-        N, V = logits.shape
-        grad = torch.empty(N, V, dtype=logits.dtype, device=logits.device)  # (N, V)
-        if N == 0:
-            return grad, None, None, None, None
-        bwd[(N,)](
-            logits,
-            logits.stride(0),
-            targets,
-            lse,
-            entropy,
-            grad_logprobs.contiguous(),
-            grad_entropy.contiguous(),
-            grad,
-            grad.stride(0),
-            V,
-            float(ctx.temperature),
-            BLOCK_V=ctx.block,
-            WITH_ENTROPY=ctx.with_entropy,
-            num_warps=_num_warps(ctx.block),
-        )
-        return grad, None, None, None, None
+        temperature, with_entropy, chunk, impl, state = ctx.args
+        g_ent = grad_entropy if with_entropy else None
+        grad = _IMPLS[impl][1](logits, targets, lse, entropy, grad_logprobs, g_ent, temperature, chunk, state)
+        return grad, None, None, None, None, None
+
+
+class _LinearTokenLogprobs(torch.autograd.Function):
+    """Logits = hidden @ weight.T made LINEAR_ROWS rows at a time, in forward and again in backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, with_entropy, chunk, impl):
+        parts, states = [], []
+        for r in range(0, hidden.shape[0], LINEAR_ROWS):
+            logits = hidden[r : r + LINEAR_ROWS] @ weight.T  # (R, V) in the model's dtype, as its lm_head makes it
+            *out, state = _IMPLS[impl][0](logits, targets[r : r + LINEAR_ROWS], temperature, with_entropy, chunk)
+            parts.append(out)
+            states.append(state)
+        if parts:
+            logprobs, entropy, lse = (torch.cat(p) for p in zip(*parts))
+        else:
+            logprobs, entropy, lse = (torch.zeros(0, device=hidden.device) for _ in range(3))
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+        ctx.args = temperature, with_entropy, chunk, impl, states
+        return logprobs, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        temperature, with_entropy, chunk, impl, states = ctx.args
+        grad_hidden = torch.empty_like(hidden)  # (N, D)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # (V, D), summed in fp32
+        for i, r in enumerate(range(0, hidden.shape[0], LINEAR_ROWS)):
+            rows = slice(r, r + LINEAR_ROWS)
+            logits = hidden[rows] @ weight.T  # (R, V), recomputed
+            g_ent = grad_entropy[rows] if with_entropy else None
+            args = logits, targets[rows], lse[rows], entropy[rows], grad_logprobs[rows], g_ent, temperature, chunk
+            grad_logits = _IMPLS[impl][1](*args, states[i])  # (R, V)
+            del logits
+            torch.matmul(grad_logits, weight, out=grad_hidden[rows])
+            if grad_logits.dtype == torch.float32:
+                grad_weight.addmm_(grad_logits.T, hidden[rows])
+            else:  # one rounding per block in the matmul's dtype, summed over blocks in float32
+                grad_weight.add_(grad_logits.T @ hidden[rows])
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Public entry point: one place selects the backend.
 
 
-def _reference(logits, targets, temperature, with_entropy, chunk_size):
-    return token_logprobs_reference(logits, targets, temperature, with_entropy)
-
-
-def _torch(logits, targets, temperature, with_entropy, chunk_size):
-    return _TorchTokenLogprobs.apply(logits, targets, temperature, with_entropy, chunk_size or TORCH_CHUNK)
-
-
-def _triton(logits, targets, temperature, with_entropy, chunk_size):
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    return _TritonTokenLogprobs.apply(
-        logits, targets.contiguous(), temperature, with_entropy, chunk_size or TRITON_BLOCK
-    )
-
-
-_BACKENDS = {"reference": _reference, "torch": _torch, "triton": _triton}
+_BACKENDS = ("reference", "torch", "triton")
 
 
 def _resolve_backend(logits: torch.Tensor, backend: str) -> str:
@@ -379,6 +383,15 @@ def _resolve_backend(logits: torch.Tensor, backend: str) -> str:
     if backend == "triton" and not triton_available():
         raise RuntimeError("backend='triton' needs the triton package (pip install triton), or use backend='torch'")
     return backend
+
+
+def _check_common(targets: torch.Tensor, V: int, temperature: float, chunk_size: int | None) -> None:
+    if not temperature > 0.0 or temperature == float("inf"):
+        raise ValueError(f"temperature must be a positive finite float, got {temperature!r}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= V):
+        raise ValueError(f"targets must lie in [0, {V}) (the vocabulary), got ids outside it")
 
 
 def token_logprobs(
@@ -406,16 +419,58 @@ def token_logprobs(
             f"targets must be int64 with shape {tuple(logits.shape[:-1])} (logits without the vocabulary dim), "
             f"got {targets.dtype} {tuple(targets.shape)}"
         )
-    if not temperature > 0.0 or temperature == float("inf"):
-        raise ValueError(f"temperature must be a positive finite float, got {temperature!r}")
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     V = logits.shape[-1]
-    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= V):
-        raise ValueError(f"targets must lie in [0, {V}) (the vocabulary of the logits), got ids outside it")
+    _check_common(targets, V, temperature, chunk_size)
     batch_shape = targets.shape
     logits2d = logits.reshape(-1, V)  # (N, V); a view unless the leading dims are not collapsible
     targets1d = targets.reshape(-1)  # (N,)
-    fn = _BACKENDS[_resolve_backend(logits, backend)]
-    logprobs, entropy = fn(logits2d, targets1d, float(temperature), with_entropy, chunk_size)
+    impl = _resolve_backend(logits, backend)
+    if impl == "reference":
+        logprobs, entropy = token_logprobs_reference(logits2d, targets1d, temperature, with_entropy)
+    else:
+        if logits2d.stride(-1) != 1:
+            logits2d = logits2d.contiguous()
+        chunk = chunk_size or _IMPLS[impl][2]
+        logprobs, entropy = _TokenLogprobs.apply(
+            logits2d, targets1d.contiguous(), float(temperature), with_entropy, chunk, impl
+        )
     return logprobs.reshape(batch_shape), entropy.reshape(batch_shape) if with_entropy else None
+
+
+def linear_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    with_entropy: bool = True,
+    backend: str = "auto",
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """token_logprobs(hidden @ weight.T, targets, ...) without the (N, V) logits: the final linear layer is fused.
+
+    hidden: (N, D) or (..., D); weight: (V, D) (an lm_head / tied embedding, no bias); targets: (N,) or (...).
+    The logits are made LINEAR_ROWS tokens at a time in the hidden dtype (as the model's lm_head makes them), reduced
+    by the chosen backend, dropped, and made again in backward; gradients flow to hidden and weight (the weight's is
+    summed over token blocks in float32, then cast to its dtype). Peak extra memory: one (LINEAR_ROWS, V) logits
+    block and its gradient, plus the (V, D) float32 weight-gradient sum, whatever N.
+    """
+    if hidden.shape[-1] != weight.shape[-1] or weight.dim() != 2:
+        raise ValueError(f"weight must be (V, D) with D = hidden.shape[-1], got {tuple(weight.shape)} for hidden "
+                         f"{tuple(hidden.shape)}")  # fmt: skip
+    if targets.dtype != torch.long or targets.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"targets must be int64 with shape {tuple(hidden.shape[:-1])} (hidden without its last dim), "
+            f"got {targets.dtype} {tuple(targets.shape)}"
+        )
+    _check_common(targets, weight.shape[0], temperature, chunk_size)
+    hidden2d, targets1d = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)  # (N, D), (N,)
+    impl = _resolve_backend(hidden, backend)
+    if impl == "reference":
+        logprobs, entropy = token_logprobs_reference(hidden2d @ weight.T, targets1d, temperature, with_entropy)
+    else:
+        chunk = chunk_size or _IMPLS[impl][2]
+        logprobs, entropy = _LinearTokenLogprobs.apply(
+            hidden2d, weight, targets1d.contiguous(), float(temperature), with_entropy, chunk, impl
+        )
+    return logprobs.reshape(targets.shape), entropy.reshape(targets.shape) if with_entropy else None

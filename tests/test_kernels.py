@@ -17,6 +17,7 @@ from align.kernels import token_logprobs, token_logprobs_reference
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP32_TOL = {"rtol": 1e-5, "atol": 2e-5}
 BF16_GRAD_TOL = {"rtol": 1.6e-2, "atol": 1e-5}  # bf16 gradient: one rounding of an fp32-exact value
+BF16_MATMUL_TOL = {"rtol": 1.6e-2, "atol": 1e-2}  # bf16 grad @ weight: one-ulp differences in the summands add up
 BACKENDS = [
     "torch",
     pytest.param("triton", marks=pytest.mark.skipif(not kernels.triton_available(), reason="no triton")),
@@ -167,6 +168,8 @@ def test_backend_selection_and_errors(monkeypatch):
         token_logprobs(x, t.int())
     with pytest.raises(ValueError, match="temperature"):
         token_logprobs(x, t, 0.0)
+    with pytest.raises(ValueError, match="weight"):
+        kernels.linear_token_logprobs(torch.randn(2, 4), torch.randn(10, 5), t)
     monkeypatch.setattr(kernels, "triton_available", lambda: False)
     with pytest.raises(RuntimeError, match="triton"):
         token_logprobs(x, t, backend="triton")
@@ -178,3 +181,39 @@ def test_import_is_lazy():
     """Importing align.kernels imports no triton and touches no device."""
     code = "import sys, align.kernels; assert 'triton' not in sys.modules, 'triton imported at import time'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _run_linear(fn, hidden, weight, targets, temperature, **kw):
+    h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    lp, ent = fn(h, w, targets, temperature, **kw)
+    scale = torch.linspace(-1.5, 2.0, lp.numel(), device=lp.device)
+    ((scale * lp).sum() + ((1.0 - scale) * ent).sum()).backward()
+    return lp, ent, h.grad, w.grad
+
+
+def _linear_reference(hidden, weight, targets, temperature):
+    return token_logprobs_reference(hidden @ weight.T, targets, temperature)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_matches_matmul_then_log_softmax(backend, dtype, monkeypatch):
+    """Fused final linear layer: 2-token blocks (last one partial) x 64-column chunks of V = 130."""
+    monkeypatch.setattr(kernels, "LINEAR_ROWS", 2)
+    n, d, v = 5, 16, 130
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(n, d, generator=g).to(dtype).to(DEVICE)
+    weight = (torch.randn(v, d, generator=g) / 2).to(dtype).to(DEVICE)
+    targets = _targets(n, v)
+    kw = {"backend": backend, "chunk_size": 64}
+    lp, ent, g_h, g_w = _run_linear(kernels.linear_token_logprobs, hidden, weight, targets, 0.7, **kw)
+    lp_ref, ent_ref, g_h_ref, g_w_ref = _run_linear(_linear_reference, hidden, weight, targets, 0.7)
+    assert g_h.dtype == g_w.dtype == dtype
+    tol = FP32_TOL if dtype == torch.float32 else BF16_MATMUL_TOL
+    torch.testing.assert_close(lp, lp_ref, **FP32_TOL)
+    torch.testing.assert_close(ent, ent_ref, **FP32_TOL)
+    torch.testing.assert_close(g_h, g_h_ref, **tol)
+    torch.testing.assert_close(g_w, g_w_ref, **tol)
+    # negative control: the weight gradient is checked tightly enough to see one wrong target
+    _, _, _, g_w_bad = _run_linear(_linear_reference, hidden, weight, (targets + 1) % v, 0.7)
+    assert not _close(g_w, g_w_bad, **tol)
