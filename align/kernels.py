@@ -33,8 +33,8 @@ import functools
 
 import torch
 
-TORCH_CHUNK = 4096  # vocabulary columns per step of the torch path
-TORCH_ROWS = 256  # rows per step of the torch path: (256, 4096) float32 work buffers, 4 MiB each, whatever N and V
+TORCH_CHUNK = 8192  # vocabulary columns per step of the torch path
+TORCH_ROWS = 256  # rows per step of the torch path: (256, 8192) float32 work buffers, 8 MiB each, whatever N and V
 TRITON_BLOCK = 4096  # vocabulary tile of one Triton program iteration
 LINEAR_ROWS = 1024  # tokens per (R, V) logits block of linear_token_logprobs (311 MB at V = 151936 in bf16)
 
@@ -127,17 +127,21 @@ def _torch_backward(
         stop = min(start + chunk, V)
         x = _scaled_chunk(logits, start, stop, temperature, bufs[0])  # (R, C)
         p = torch.sub(x, lse.unsqueeze(1), out=bufs[1][:R, : stop - start]).exp_()  # (R, C)
+        out = grad[:, start:stop]  # (R, C), written once, rounded once to the logits' dtype
         if grad_entropy is not None:
-            gx = torch.addcmul(c, x, h, value=-1.0, out=bufs[2][:R, : stop - start]).mul_(p)
-            if start in masked:  # p (c - h x) = 0 * inf where x = -inf: that term is 0
-                gx.nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf"))
+            q = torch.addcmul(c, x, h, value=-1.0, out=bufs[2][:R, : stop - start])  # (R, C) = c - h' x
+            torch.mul(q, p, out=out)
+            if start in masked:  # p (c - h' x) = 0 * inf where x = -inf: that term is 0
+                out.nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf"))
         else:
-            gx = p.mul_(g.neg())
-        # + g at the target column when it falls in this chunk (scatter of zeros elsewhere: no host sync)
-        col = targets - start
-        inside = (col >= 0) & (col < stop - start)
-        gx.scatter_add_(1, col.clamp(0, stop - start - 1).unsqueeze(1), torch.where(inside.unsqueeze(1), g, 0.0))
-        grad[:, start:stop].copy_(gx)
+            q = g.neg().expand(R, stop - start)
+            torch.mul(q, p, out=out)
+        # the target column, where it falls in this chunk, gets p q + g' (computed in float32; other rows rewrite
+        # what they hold: a scatter with no host sync)
+        col = (targets - start).unsqueeze(1)  # (R, 1)
+        idx = col.clamp(0, stop - start - 1)
+        at_target = p.gather(1, idx) * q.gather(1, idx) + g
+        out.scatter_(1, idx, torch.where(col == idx, at_target, out.gather(1, idx).float()).to(out.dtype))
 
 
 def _work_buffers(logits: torch.Tensor, chunk: int, k: int) -> list:
