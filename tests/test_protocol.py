@@ -180,7 +180,8 @@ def _fake_model_dir(tmp_path: Path) -> Path:
     d = tmp_path / "model"
     d.mkdir(exist_ok=True)
     (d / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
-    (d / "model.safetensors").write_bytes(b"")
+    header = json.dumps({"__metadata__": {"format": "pt"}}).encode()
+    (d / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
     return d
 
 
@@ -190,6 +191,10 @@ def test_spawn_worker_bad_inputs_start_nothing(tmp_path):
         spawn_worker(tmp_path / "spool", model=model, venv=tmp_path / "no-venv")
     (model / "config.json").write_text("{ not json")
     with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        spawn_worker(tmp_path / "spool", model=model, venv=sys.prefix)
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    (model / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match=r"model.safetensors is not a valid safetensors file"):
         spawn_worker(tmp_path / "spool", model=model, venv=sys.prefix)
     with pytest.raises(ValueError, match="does not exist"):
         spawn_worker(tmp_path / "spool", model=tmp_path / "nowhere", venv=sys.prefix)

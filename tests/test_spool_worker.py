@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -195,8 +196,8 @@ def test_second_worker_on_the_same_spool_is_refused(fleet, models):
 
 
 def test_kill_mid_request_then_restart_resumes(fleet, models):
-    params = SamplingParams(n=2, max_tokens=200, seed=5)
-    prompts = [[i + 3, i + 4, i + 5] for i in range(8)]
+    params = SamplingParams(n=2, max_tokens=128, seed=5)
+    prompts = [[i + 3, i + 4, i + 5] for i in range(4)]
     expected = fleet.client.generate(prompts, params)
     client, handle, sp = fleet.client, fleet.handle, P.Spool(fleet.spool)
     msg = P.generate_request(prompts, params)
@@ -243,11 +244,12 @@ def test_processed_logprobs_are_the_temperature_scaled_basis(fleet, models):
     )
 
 
-def test_invalid_model_fails_cleanly(fleet, tmp_path):
+def test_invalid_model_fails_cleanly(fleet, models, tmp_path):
+    """A checkpoint that passes the file checks but vLLM cannot load: the start fails with the log, no process left."""
     bad = tmp_path / "bad_model"
-    bad.mkdir()
-    (bad / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}))
-    (bad / "model.safetensors").write_bytes(b"not a safetensors file")
+    shutil.copytree(models["v1"], bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchModelForCausalLM"]}))
     with pytest.raises(RuntimeError, match=r"(?s)rollout worker failed to start.*log"):
         spawn_worker(tmp_path / "spool", model=bad, in_process=True, ready_timeout_s=READY_TIMEOUT_S)
     hb = P.Spool(tmp_path / "spool").read_heartbeat()

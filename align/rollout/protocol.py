@@ -279,7 +279,21 @@ def check_hf_dir(path: str | os.PathLike) -> Path:
         raise ValueError(f"model directory {path}: config.json has no model_type")
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         raise ValueError(f"model directory {path} has no *.safetensors / *.bin weight files")
+    for f in path.glob("*.safetensors"):
+        _check_safetensors_header(f)
     return path
+
+
+def _check_safetensors_header(f: Path) -> None:
+    """A safetensors file starts with a little-endian u64 header length and that many bytes of JSON."""
+    try:
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            ok = 8 + n <= f.stat().st_size and isinstance(json.loads(fh.read(n)), dict)
+    except (OSError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{f} is not a valid safetensors file (bad header): a truncated or corrupt checkpoint")
 
 
 # ---------------------------------------------------------------------------------------------
