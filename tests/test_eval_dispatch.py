@@ -306,6 +306,11 @@ def test_degraded_posture_blocks_in_process():
     assert ev.drain() == [] and ev.drain() == []
 
 
+def test_degraded_posture_needs_a_blocking_eval_fn():
+    with pytest.raises(ValueError, match="no blocking_eval_fn"):
+        make_evaluator(EvalConfig(eval_interval=2), toy_set(), export_fn=None, blocking_eval_fn=None)
+
+
 def test_eval_off_does_nothing():
     ev = make_evaluator(EvalConfig(), toy_set(), export_fn=None, blocking_eval_fn=lambda s: 1 / 0)
     assert ev.posture == "off" and ev.step(1, is_final=True) == [] and ev.drain() == []

@@ -434,7 +434,14 @@ def make_evaluator(
     ``CheckpointEvalFn``. Otherwise the blocking ``blocking_eval_fn(step) -> metrics`` runs in the loop.
     ``fleet`` / ``eval_fn`` inject a ready backend (tests, or a fleet shared across runs).
     """
-    if cfg.eval_interval <= 0 or not cfg.uses_snapshots:
+    if cfg.eval_interval <= 0:
+        return Evaluator(cfg)
+    if not cfg.uses_snapshots:
+        if blocking_eval_fn is None:
+            raise ValueError(
+                "--eval-interval is set without --eval-num-gpus or --eval-function-path, so eval is the blocking "
+                "in-process eval, but no blocking_eval_fn was given"
+            )
         return Evaluator(cfg, blocking_eval_fn=blocking_eval_fn)
     if eval_set is None:
         raise ValueError("snapshot eval needs an eval set (--eval-interval is set but no EvalSet was given)")

@@ -92,7 +92,8 @@ class EvalFleet:
         self.probe_retry_s = probe_retry_s
         self._state: FleetState | None = None
         self._closed = False
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one pin at a time
+        self._close_lock = threading.Lock()  # separate: close() at exit must not wait for a hung pin
         self._cleanup: list[Callable[[], None]] = []
 
     @classmethod
@@ -164,8 +165,8 @@ class EvalFleet:
             return list(pool.map(fn, self.engines))
 
     def close(self) -> None:
-        """Shut down every engine this fleet owns. Idempotent."""
-        with self._lock:
+        """Shut down every engine this fleet owns (a pin in progress then fails). Idempotent."""
+        with self._close_lock:
             if self._closed:
                 return
             self._closed = True
@@ -207,8 +208,10 @@ def spawn_workers(cfg: EvalConfig, model_dir: str, fleet: EvalFleet) -> list[Fle
     """
     from align.rollout.client import make_rollout_client, spawn_worker
 
-    root = tempfile.mkdtemp(prefix="align-eval-fleet-")
-    fleet._cleanup.append(lambda: shutil.rmtree(root, ignore_errors=True))
+    os.makedirs(cfg.eval_hf_dir, exist_ok=True)
+    root = tempfile.mkdtemp(prefix="fleet-", dir=cfg.eval_hf_dir)  # spools + logs; never a step_N name
+    for i in range(cfg.num_engines):  # the spools go at close, the logs stay for post-mortems
+        fleet._cleanup.append(lambda i=i: shutil.rmtree(os.path.join(root, f"engine_{i}"), ignore_errors=True))
     gpus = _gpu_plan(cfg)
     max_model_len, dtype = _model_info(model_dir)
     extra = ["--tensor-parallel-size", str(cfg.eval_num_gpus_per_engine)] if cfg.eval_num_gpus_per_engine > 1 else []
