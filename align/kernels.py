@@ -24,7 +24,11 @@ Backends, selected in one place (``_resolve_backend``; implementations in ``_IMP
   "reference"  plain log_softmax + gather + entropy, the definition the other two are tested against
   "auto"       triton when the logits are on CUDA and triton imports, else torch
 
-Shapes: N = tokens (rows), V = vocabulary. Triton is imported lazily on first use, never at import time.
+-inf logits (banned tokens) are allowed: their p log p and gradient are 0, not nan.
+``linear_token_logprobs`` also fuses the final linear layer (hidden @ weight.T, LINEAR_ROWS tokens at a time), so the
+(N, V) logits are never whole either.
+
+Shapes: N = tokens (rows), V = vocabulary, D = hidden size. Triton is imported lazily on first use, never at import.
 """
 
 from __future__ import annotations
@@ -355,8 +359,9 @@ class _LinearTokenLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
         temperature, with_entropy, chunk, impl, states = ctx.args
-        grad_hidden = torch.empty_like(hidden)  # (N, D)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # (V, D), summed in fp32
+        need_hidden, need_weight = ctx.needs_input_grad[:2]  # a frozen lm_head needs no (V, D) gradient
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None  # (N, D)
+        grad_weight = torch.zeros(weight.shape, device=weight.device) if need_weight else None  # (V, D), fp32 sum
         for i, r in enumerate(range(0, hidden.shape[0], LINEAR_ROWS)):
             rows = slice(r, r + LINEAR_ROWS)
             logits = hidden[rows] @ weight.T  # (R, V), recomputed
@@ -364,12 +369,15 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             args = logits, targets[rows], lse[rows], entropy[rows], grad_logprobs[rows], g_ent, temperature, chunk
             grad_logits = _IMPLS[impl][1](*args, states[i])  # (R, V)
             del logits
-            torch.matmul(grad_logits, weight, out=grad_hidden[rows])
-            if grad_logits.dtype == torch.float32:
+            if need_hidden:
+                torch.matmul(grad_logits, weight, out=grad_hidden[rows])
+            if need_weight and grad_logits.dtype == torch.float32:
                 grad_weight.addmm_(grad_logits.T, hidden[rows])
-            else:  # one rounding per block in the matmul's dtype, summed over blocks in float32
+            elif need_weight:  # one rounding per block in the matmul's dtype, summed over blocks in float32
                 grad_weight.add_(grad_logits.T @ hidden[rows])
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
+        if need_weight:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -217,3 +217,15 @@ def test_linear_matches_matmul_then_log_softmax(backend, dtype, monkeypatch):
     # negative control: the weight gradient is checked tightly enough to see one wrong target
     _, _, _, g_w_bad = _run_linear(_linear_reference, hidden, weight, (targets + 1) % v, 0.7)
     assert not _close(g_w, g_w_bad, **tol)
+
+
+def test_linear_frozen_weight():
+    """A weight that needs no gradient gets none; the hidden gradient is unchanged."""
+    hidden, weight, targets = torch.randn(3, 8), torch.randn(40, 8), torch.tensor([0, 5, 39])
+    h = hidden.clone().requires_grad_()
+    lp, ent = kernels.linear_token_logprobs(h, weight, targets, backend="torch", chunk_size=16)
+    (lp.sum() + ent.sum()).backward()
+    h_ref = hidden.clone().requires_grad_()
+    lp_ref, ent_ref = token_logprobs_reference(h_ref @ weight.T, targets)
+    (lp_ref.sum() + ent_ref.sum()).backward()
+    torch.testing.assert_close(h.grad, h_ref.grad, **FP32_TOL)
