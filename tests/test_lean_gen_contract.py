@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-EXTRAS = ROOT / "extras" / "vllm_rollout"
+# ALIGN_LEAN_EXTRAS points the suite at a mutated copy (tests/lean_fixtures/mutants.py)
+EXTRAS = Path(os.environ.get("ALIGN_LEAN_EXTRAS", ROOT / "extras" / "vllm_rollout"))
 FIX = Path(__file__).resolve().parent / "lean_fixtures"
 
 
@@ -141,7 +143,7 @@ def test_helper_theorem_before_main_takes_text_after_helper():
 
 
 def test_compile_view_strips_indented_and_prefix_lines_keeps_blanks():
-    code = "import X\n\n  open Foo in\nset_option a 1\ntheorem t := by\n  openX\n\n  simp"
+    code = "import X\n\n  open Foo in\nset_option a 1\ntheorem t := by\n  openX\n   import Y\n\n  simp"
     assert lp.compile_view(code) == "\ntheorem t := by\n\n  simp"
 
 
@@ -359,6 +361,7 @@ def test_token_budget_cap_context_and_trajectory():
     assert lg.token_budget(16384, 40960, 500) == {"max_tokens": 16384, "context_clipped": False, "budget_clipped": False}
     assert lg.token_budget(40960, 40960, 500) == {"max_tokens": 40460, "context_clipped": True, "budget_clipped": False}
     assert lg.token_budget(100, 1000, 750)["max_tokens"] == 100
+    assert lg.token_budget(500, 1000, 500) == {"max_tokens": 500, "context_clipped": False, "budget_clipped": False}
     assert lg.token_budget(100, 1000, 751) is None  # the reference's 3/4 prompt filter
     assert lg.token_budget(100, 1000, 10, 950, 1000) == {"max_tokens": 50, "context_clipped": False, "budget_clipped": True}
     assert lg.token_budget(100, 1000, 10, 1000, 1000) is None
@@ -401,6 +404,12 @@ def test_make_record_fields_and_ledger():
                               "max_cumulative_tokens": 9, "truncated": 1, "budget_clipped": 0, "solved_round": 1,
                               "lineage_state": "complete", "state": "solved"}
     assert lg.build_trajectory_ledger([rec], [])["p_g0"]["state"] == "unverified"
+    kid = dict(item, sample_id="p_g0_corr1_g0", ancestor_tokens=3, lineage=["p_g0", "p_g0_corr1_g0"])
+    krec = lg.make_record(kid, prompt_ids=[1], completion_ids=[7, 8], completion_text="", finish_reason="length",
+                          budget=budget, cap_tokens=64, sampling={}, model_rev="m", adapter=None, trajectory_cap=10,
+                          session=1)
+    assert krec["trajectory"]["cumulative_completion_tokens"] == 5 and krec["trajectory"]["truncated"] is True
+    assert krec["trajectory"]["ancestor_completion_tokens"] == 3 and krec["trajectory"]["cap_tokens"] == 10
     assert lg.build_trajectory_ledger([rec], [{"sample_id": "p_g0"}])["p_g0"]["state"] == "failed"
 
 
@@ -428,8 +437,6 @@ def test_lock_is_exclusive(tmp_path):
     fd = lg.acquire_lock(str(tmp_path / "l"), False, "heavy-GPU lock")
     with pytest.raises(RuntimeError, match="held by another launch"):
         lg.acquire_lock(str(tmp_path / "l"), False, "heavy-GPU lock")
-    import os
-
     os.close(fd)
     os.close(lg.acquire_lock(str(tmp_path / "l"), False, "heavy-GPU lock"))
 
@@ -519,5 +526,8 @@ def test_verify_no_code_sends_the_reference_none_and_keeps_feedback(repl):
 def test_repl_timeout_and_eof_are_system_errors(tmp_path):
     with pytest.raises(pgv.ReplError, match="EOF"):
         pgv.Repl("true", None, timeout=5, import_timeout=5)
+    wrong = "sh -c 'printf \"{\\\"env\\\": 3}\\n\\n\"; cat >/dev/null'"
+    with pytest.raises(pgv.ReplError, match="did not create env 0"):
+        pgv.Repl(wrong, None, timeout=5, import_timeout=5)
     with pytest.raises(pgv.ReplError, match="TIMEOUT"):
         pgv.Repl("sleep 30", None, timeout=1, import_timeout=1)
