@@ -151,6 +151,7 @@ def test_dispatch_exports_to_step_dir_and_fires(disp, tmp_path):
     (r,) = records
     assert r["step"] == 4 and r["eval/step"] == 4 and r["eval/measured_step"] == 4
     assert r["eval/export_time_seconds"] >= 0 and "eval/duration_seconds" in r
+    assert r["eval/train_blocked_seconds"] >= r["eval/export_time_seconds"]  # the loop paid the export, no eval
     assert not [p for p in os.listdir(tmp_path / "eval_hf") if p.startswith(".")]  # no temp dir left
 
 

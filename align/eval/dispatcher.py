@@ -147,7 +147,9 @@ class EvalRunner:
         self.latest_step = 0  # the training loop's newest step, for eval/lag_steps
         self._lock: asyncio.Lock | None = None
 
-    async def run(self, step: int, hf_dir: str, *, require_marker: bool, export_time: float | None) -> Record:
+    async def run(
+        self, step: int, hf_dir: str, *, require_marker: bool, export_time: float | None, blocked_s: float | None = None
+    ) -> Record:
         if self._lock is None:
             self._lock = asyncio.Lock()  # created on the dispatcher loop, FIFO-fair
         t0 = time.perf_counter()
@@ -185,6 +187,8 @@ class EvalRunner:
         record["eval/duration_seconds"] = time.perf_counter() - t0
         if export_time is not None:
             record["eval/export_time_seconds"] = export_time
+        if blocked_s is not None:
+            record["eval/train_blocked_seconds"] = blocked_s
         return record
 
     def dispose(self) -> None:
@@ -233,6 +237,7 @@ class EvalDispatcher:
         if self._closed:
             raise RuntimeError("EvalDispatcher.dispatch after close(); the evaluator was already drained")
         self._raise_ci()
+        t_enter = time.perf_counter()
         self.runner.latest_step = max(self.runner.latest_step, step)
         if not self._call(self._admit(force)):
             self._report_skip(step, "busy")
@@ -251,7 +256,8 @@ class EvalDispatcher:
                 return
             export_time = time.perf_counter() - t0
             exported_dir = hf_dir
-        self._call(self._fire(step, hf_dir, exported_dir, export_time))
+        blocked_s = time.perf_counter() - t_enter  # what this point cost the training loop: backpressure + export
+        self._call(self._fire(step, hf_dir, exported_dir, export_time, blocked_s))
 
     def poll(self) -> list[Record]:
         """Records (metrics or skips) finished since the last call; raises under ``ci_test`` if one was a skip."""
@@ -297,18 +303,28 @@ class EvalDispatcher:
             self._reap()
         return True
 
-    async def _fire(self, step: int, hf_dir: str, exported_dir: str | None, export_time: float | None) -> None:
+    async def _fire(
+        self, step: int, hf_dir: str, exported_dir: str | None, export_time: float | None, blocked_s: float
+    ) -> None:
         require_marker = exported_dir is not None
-        task = asyncio.ensure_future(self._settle(step, hf_dir, exported_dir, require_marker, export_time))
+        task = asyncio.ensure_future(self._settle(step, hf_dir, exported_dir, require_marker, export_time, blocked_s))
         task.add_done_callback(lambda _t: self._reap())
         self.pending.append(_Point(step, task, exported_dir))
         assert len(self.pending) <= self.cfg.eval_max_in_flight, "pending exceeded eval_max_in_flight"
 
     async def _settle(
-        self, step: int, hf_dir: str, exported_dir: str | None, require_marker: bool, export_time: float | None
+        self,
+        step: int,
+        hf_dir: str,
+        exported_dir: str | None,
+        require_marker: bool,
+        export_time: float | None,
+        blocked_s: float | None = None,
     ) -> None:
         try:
-            record = await self.runner.run(step, hf_dir, require_marker=require_marker, export_time=export_time)
+            record = await self.runner.run(
+                step, hf_dir, require_marker=require_marker, export_time=export_time, blocked_s=blocked_s
+            )
         except EvalSkip as e:
             self._report_skip(step, e.reason)
         except Exception:
@@ -392,7 +408,16 @@ class Evaluator:
         if self.cfg.is_due(step, is_final) and self.blocking_eval_fn is not None:
             t0 = time.perf_counter()
             metrics = self.blocking_eval_fn(step)
-            return [{"step": step, **metrics, "eval/step": step, "eval/duration_seconds": time.perf_counter() - t0}]
+            dt = time.perf_counter() - t0
+            return [
+                {
+                    "step": step,
+                    **metrics,
+                    "eval/step": step,
+                    "eval/duration_seconds": dt,
+                    "eval/train_blocked_seconds": dt,
+                }
+            ]
         return []
 
     def baseline(self, hf_dir: str) -> list[Record]:
