@@ -1,0 +1,128 @@
+"""Command-line flags generated from config dataclasses, so no default exists twice.
+
+A config is a dataclass whose fields carry ``metadata={"help": ...}``; nested dataclass fields are
+flattened with an optional prefix (``--adv-scale``). Flags are kebab-case; booleans get
+``--flag/--no-flag``. ``--config run.json`` reloads a saved config; flags given on the command line
+override it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import types
+import typing
+from typing import Any
+
+
+def _base_type(tp: Any) -> Any:
+    """``int | None`` -> int; ``list[int]`` -> list."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _base_type(args[0])
+    return origin or tp
+
+
+def _list_item_type(tp: Any) -> type:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    while args and typing.get_origin(args[0]) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(args[0]) if a is not type(None)]
+    inner = typing.get_args(args[0]) if args and typing.get_origin(args[0]) is list else typing.get_args(tp)
+    return inner[0] if inner else str
+
+
+def hints_of(path: tuple[str, ...], cls: type) -> Any:
+    """The type hint of the (nested) field at ``path``."""
+    for p in path[:-1]:
+        cls = typing.get_type_hints(cls)[p]
+    return typing.get_type_hints(cls)[path[-1]]
+
+
+def _flags(cls: type, prefixes: dict[str, str], path: tuple[str, ...] = ()) -> list[tuple[str, tuple, Any, Any]]:
+    """[(flag, field path, field)] for every leaf field of ``cls``."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.name.startswith("_"):
+            continue
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            out += _flags(tp, prefixes, path + (f.name,))
+            continue
+        prefix = prefixes.get(".".join(path), "")
+        name = f.name.replace("_", "-")
+        flag = prefix.rstrip("-") if (f.name == "name" and prefix) else prefix + name
+        out.append((flag, path + (f.name,), f, _base_type(tp)))
+    return out
+
+
+def build_parser(cls: type, prefixes: dict[str, str], description: str = "") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--config", default=None, help="Reload a saved config.json (flags given here override it).")
+    seen: set[str] = set()
+    defaults = dataclasses.asdict(cls())
+    for flag, path, f, tp in _flags(cls, prefixes):
+        if flag in seen:
+            raise RuntimeError(f"two config fields map to --{flag}; give one of them a prefix")
+        seen.add(flag)
+        default = defaults
+        for p in path:
+            default = default[p]
+        kw: dict[str, Any] = dict(dest="/".join(path), default=argparse.SUPPRESS, help=f.metadata.get("help", ""))
+        kw["help"] += f" (default: {default!r})"
+        if tp is bool:
+            parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, **kw)
+        elif tp is list:
+            parser.add_argument(f"--{flag}", nargs="*", type=_list_item_type(hints_of(path, cls)), **kw)
+        elif tp is dict:
+            parser.add_argument(f"--{flag}", type=json.loads, **kw)
+        else:
+            parser.add_argument(f"--{flag}", type=tp, **kw)
+    return parser
+
+
+def from_dict(cls: type, data: dict[str, Any]) -> Any:
+    """Build a (nested) config dataclass from a dict, rejecting unknown keys by name."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} field(s) {unknown}; known: {sorted(names)}")
+    kw = {}
+    for k, v in data.items():
+        kw[k] = from_dict(hints[k], v) if dataclasses.is_dataclass(hints[k]) and isinstance(v, dict) else v
+    return cls(**kw)
+
+
+def parse(cls: type, argv: list[str] | None, prefixes: dict[str, str], description: str = "") -> Any:
+    """Parse ``argv`` into a ``cls`` instance: defaults < ``--config`` file < flags."""
+    parser = build_parser(cls, prefixes, description)
+    args = vars(parser.parse_args(argv))
+    base: dict[str, Any] = dataclasses.asdict(cls())
+    config_path = args.pop("config", None)
+    if config_path:
+        try:
+            with open(config_path) as fh:
+                loaded = json.load(fh)
+        except (OSError, json.JSONDecodeError) as e:
+            parser.error(f"--config {config_path}: {e}")
+        base = _merge(base, loaded)
+    for dest, value in args.items():
+        node = base
+        *parents, leaf = dest.split("/")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    try:
+        return from_dict(cls, base)
+    except (ValueError, TypeError) as e:
+        parser.error(str(e))
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+    return out

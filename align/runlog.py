@@ -1,0 +1,134 @@
+"""What a run shows and leaves: metrics.jsonl, the per-step line, a progress bar, and plot.svg.
+
+The plot is a hand-written SVG (no plotting package in the core dependencies): reward per step and
+every eval metric at the step its snapshot was taken, over one shared step axis.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+LINE_KEYS = ("reward_mean", "loss", "kl", "entropy", "completion_len_mean", "tokens_per_s", "step_time")
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class MetricsLog:
+    """Append-only ``metrics.jsonl``; on resume, records after the checkpoint's step are dropped."""
+
+    def __init__(self, path: Path, resume_step: int | None = None):
+        self.path = path
+        self.records: list[dict] = []
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line torn by a crash mid-write
+                if resume_step is not None and rec.get("step", 0) <= resume_step:
+                    self.records.append(rec)
+            atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in self.records))
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+
+def format_line(rec: dict) -> str:
+    parts = [f"step {rec['step']}"]
+    for k in LINE_KEYS:
+        if k in rec:
+            v = rec[k]
+            parts.append(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}")
+    for k, v in rec.items():
+        if k.startswith("eval/pass@1"):
+            parts.append(f"{k} {v:.3f}")
+    return " | ".join(parts)
+
+
+def _fmt_time(s: float) -> str:
+    s = int(s)
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+class Progress:
+    """A bar with ETA on a terminal; on a pipe, the step line carries the ETA instead."""
+
+    def __init__(self, total: int, start: int = 0, stream=None):
+        self.total, self.start_step = total, start
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.t0 = time.monotonic()
+
+    def eta(self, step: int) -> float:
+        done = step - self.start_step
+        return (time.monotonic() - self.t0) / done * (self.total - step) if done > 0 else float("nan")
+
+    def update(self, step: int, line: str) -> None:
+        eta = self.eta(step)
+        eta_s = "?" if math.isnan(eta) else _fmt_time(eta)
+        if self.tty:
+            width = 30
+            filled = int(width * step / max(1, self.total))
+            self.stream.write("\r\033[K")
+            print(line, flush=True)
+            self.stream.write(f"[{'#' * filled}{'.' * (width - filled)}] {step}/{self.total} ETA {eta_s}")
+            self.stream.flush()
+        else:
+            print(f"{line} | {step}/{self.total} ETA {eta_s}", flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+
+
+def write_plot(path: Path, records: list[dict], title: str = "align run") -> None:
+    """plot.svg: reward_mean per step and every eval/pass@* and eval/avg@* series, on one step axis, y in [0, 1]
+    (rewards outside [0, 1] are drawn on their own min-max scale, stated in the legend)."""
+    series: dict[str, list[tuple[float, float]]] = {}
+    for r in records:
+        for k, v in r.items():
+            if (k == "reward_mean" or k.startswith("eval/pass@") or k.startswith("eval/avg@")) and isinstance(v, (int, float)):
+                series.setdefault(k, []).append((r["step"], float(v)))
+    W, H, pad = 720, 400, 50
+    steps = [s for pts in series.values() for s, _ in pts] or [0, 1]
+    x0, x1 = min(steps), max(max(steps), min(steps) + 1)
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">',
+           f'<rect width="{W}" height="{H}" fill="white"/>',
+           f'<text x="{W / 2}" y="20" text-anchor="middle" font-size="14">{title}</text>']
+    X = lambda s: pad + (s - x0) / (x1 - x0) * (W - 2 * pad)  # noqa: E731
+    Y = lambda v: H - pad - v * (H - 2 * pad)  # noqa: E731
+    for i in range(6):  # grid and y labels 0..1
+        y = Y(i / 5)
+        out.append(f'<line x1="{pad}" y1="{y:.1f}" x2="{W - pad}" y2="{y:.1f}" stroke="#ddd"/>')
+        out.append(f'<text x="{pad - 6}" y="{y + 4:.1f}" text-anchor="end">{i / 5:.1f}</text>')
+    for i in range(6):
+        s = x0 + (x1 - x0) * i / 5
+        out.append(f'<text x="{X(s):.1f}" y="{H - pad + 18}" text-anchor="middle">{s:.0f}</text>')
+    out.append(f'<text x="{W / 2}" y="{H - 10}" text-anchor="middle">step</text>')
+    for j, (name, pts) in enumerate(sorted(series.items())):
+        vals = [v for _, v in pts]
+        lo, hi = min(vals), max(vals)
+        scaled = lo < 0 or hi > 1
+        norm = (lambda v: (v - lo) / (hi - lo or 1)) if scaled else (lambda v: v)
+        color = colors[j % len(colors)]
+        points = " ".join(f"{X(s):.1f},{Y(norm(v)):.1f}" for s, v in sorted(pts))
+        out.append(f'<polyline fill="none" stroke="{color}" stroke-width="2" points="{points}"/>')
+        for s, v in pts:
+            out.append(f'<circle cx="{X(s):.1f}" cy="{Y(norm(v)):.1f}" r="2.5" fill="{color}"/>')
+        label = f"{name} (scaled {lo:.3g}..{hi:.3g})" if scaled else f"{name} (last {vals[-1]:.3f})"
+        out.append(f'<text x="{pad + 10}" y="{pad + 16 * j}" fill="{color}">{label}</text>')
+    out.append("</svg>")
+    atomic_write_text(path, "\n".join(out))

@@ -1,0 +1,99 @@
+"""The embedded default task: reverse a string of letters. Reward 1 for the exact reverse, else 0.
+
+Prompt ``"<bos>cabd="``, correct completion ``"dbac<eos>"``. Held-out prompts are disjoint from the
+training prompts. The warm start is a short supervised run on a *biased* mixture: 65% of its targets
+copy the string instead of reversing it, so the warmed-up model mostly copies and reverses only
+about a third of the time. Every point of accuracy beyond that must come from the reward: GRPO
+has to find and reinforce the reversing behaviour on its own.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from align.model import ModelConfig, Transformer, save_pretrained
+from align.tasks.tokenizer import CharTokenizer
+
+ALPHABET = "abcdefgh="
+MIN_LEN, MAX_LEN = 3, 6
+COPY_FRACTION = 0.65  # the warm start's bias: this share of its targets are copies, not reversals
+
+
+def tokenizer() -> CharTokenizer:
+    return CharTokenizer(ALPHABET)
+
+
+def _random_word(rng: random.Random) -> str:
+    return "".join(rng.choice(ALPHABET[:-1]) for _ in range(rng.randint(MIN_LEN, MAX_LEN)))
+
+
+def prompts(n: int, split: str, seed: int = 0) -> list[dict]:
+    """``n`` distinct prompts as dicts {"prompt", "answer"}. ``split`` is "train" or "eval"; a word is in
+    the eval split iff its hash bucket is 0 (of 8), so the splits never share a word."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    rng = random.Random(f"{split}-{seed}")
+    out, seen = [], set()
+    while len(out) < n:
+        w = _random_word(rng)
+        is_eval = sum(map(ord, w)) * 2654435761 % 2**32 % 8 == 0
+        if w in seen or is_eval != (split == "eval"):
+            continue
+        seen.add(w)
+        out.append({"prompt": w + "=", "answer": w[::-1]})
+    return out
+
+
+def reward(prompt: str, completion: str, answer: str | None = None, **_) -> float:
+    """1.0 for the exact reverse of the word in ``prompt``, else 0.0."""
+    target = answer if answer is not None else prompt.rstrip("=")[::-1]
+    return 1.0 if completion == target else 0.0
+
+
+def model_config(tok: CharTokenizer) -> ModelConfig:
+    return ModelConfig(
+        model_type="qwen2", vocab_size=tok.vocab_size, hidden_size=128, intermediate_size=256,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32, qkv_bias=True,
+        max_position_embeddings=32, rope_theta=1000.0, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+
+
+def warm_start(path: str | Path, *, steps: int = 400, batch: int = 64, lr: float = 3e-3, seed: int = 0,
+               log=print) -> Path:
+    """Supervised warm start on the biased copy/reverse mixture; saves an HF checkpoint at ``path``."""
+    tok = tokenizer()
+    torch.manual_seed(seed)
+    model = Transformer(model_config(tok)).init_weights(seed=seed).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / steps))
+    rng = random.Random(seed)
+    data = prompts(4000, "train", seed=seed)
+    for step in range(steps):
+        rows = []
+        for ex in rng.sample(data, batch):
+            word = ex["prompt"][:-1]
+            target = word if rng.random() < COPY_FRACTION else word[::-1]
+            p = tok.encode(ex["prompt"])
+            rows.append((p, tok.encode(target, add_bos=False) + [tok.eos_token_id]))
+        L = max(len(p) + len(c) for p, c in rows)
+        ids = torch.zeros(batch, L, dtype=torch.long)  # (B, L) right-padded
+        labels = torch.full((batch, L), -100, dtype=torch.long)
+        for i, (p, c) in enumerate(rows):
+            ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+            labels[i, len(p) - 1 : len(p) + len(c) - 1] = torch.tensor(c)
+        logits = model(ids)  # (B, L, V)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if log and (step % 100 == 0 or step == steps - 1):
+            log(f"warm start step {step + 1}/{steps} | loss {loss.item():.3f}")
+    path = save_pretrained(model.eval(), path)
+    tok.save(path)
+    return path

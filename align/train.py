@@ -1,0 +1,526 @@
+"""GRPO training: ``TrainConfig``, the training loop ``train()`` and the CLI ``python -m align.train``.
+
+One step, top to bottom: prompts -> rollouts (a rollout client: the native sampler, or a vLLM worker
+through the spool) -> rewards -> group advantages -> micro-batched loss/backward with global
+normalisers (so the micro-batch size never changes the gradient) -> clip -> AdamW step -> log ->
+checkpoint / eval. With no arguments it trains the built-in ``reverse`` task on a CPU in minutes
+(see ``align/tasks/reverse.py``).
+
+Python API::
+
+    from align.train import TrainConfig, train
+    train(TrainConfig(out="runs/mine", steps=100), model="path/to/hf_dir", tokenizer=tok,
+          prompts=[{"prompt": "...", "answer": "..."}, ...], reward=my_reward)
+
+``reward(prompt, completion, **fields) -> float | None``: ``fields`` are the prompt dict's other keys;
+``None``/NaN or an exception marks the completion unscorable (no gradient, counted in the stats).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import signal
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from align.cli import from_dict
+from align.eval.config import EvalConfig
+from align.grpo import AdvantageConfig, LossConfig
+
+log = logging.getLogger(__name__)
+
+RESERVED_PROMPT_KEYS = ("prompt",)
+SIGNAL_EXIT = {signal.SIGTERM: 143, signal.SIGINT: 130}
+
+
+def _h(text: str) -> Any:
+    return {"help": text}
+
+
+@dataclass
+class TrainConfig:
+    out: str = field(default="runs/reverse", metadata=_h("Run directory: config, metrics, checkpoints, plot."))
+    model: str | None = field(default=None, metadata=_h("HF checkpoint dir (Llama/Qwen2/Qwen3). None: the built-in task's warm-started model."))
+    task: str = field(default="reverse", metadata=_h("Built-in task used when no prompts/reward are passed ('reverse')."))
+    seed: int = field(default=0, metadata=_h("Seed for data order, sampling and init."))
+    steps: int = field(default=40, metadata=_h("Optimizer steps."))
+    prompts_per_step: int = field(default=32, metadata=_h("Prompts per step (each sampled group_size times)."))
+    group_size: int = field(default=8, metadata=_h("Completions per prompt (G)."))
+    max_tokens: int = field(default=10, metadata=_h("Max new tokens per completion."))
+    temperature: float = field(default=1.0, metadata=_h("Sampling temperature (also the training logprob basis)."))
+    top_p: float = field(default=1.0, metadata=_h("Nucleus sampling mass."))
+    top_k: int = field(default=0, metadata=_h("Top-k sampling (0 = off)."))
+    behaviour_logprobs: str = field(default="sampled", metadata=_h("Sampler logprob used as mu for rho: 'sampled' (the truncated distribution actually sampled from) or 'full' (full-vocabulary)."))
+    lr: float = field(default=1e-3, metadata=_h("Peak AdamW learning rate."))
+    warmup_steps: int = field(default=3, metadata=_h("Linear LR warm-up steps."))
+    lr_schedule: str = field(default="constant", metadata=_h("After warm-up: 'constant', 'linear' or 'cosine' decay to min_lr_ratio."))
+    min_lr_ratio: float = field(default=0.1, metadata=_h("Final LR as a fraction of lr for linear/cosine."))
+    weight_decay: float = field(default=0.0, metadata=_h("AdamW weight decay."))
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.99], metadata=_h("AdamW betas."))
+    grad_clip: float = field(default=1.0, metadata=_h("Max global grad norm (0 = off)."))
+    micro_batch_size: int = field(default=64, metadata=_h("Completions per forward/backward; never changes the result."))
+    gradient_checkpointing: bool = field(default=False, metadata=_h("Recompute layer activations in backward."))
+    dtype: str = field(default="float32", metadata=_h("Training weights dtype: 'float32' or 'bfloat16'."))
+    logprob_backend: str = field(default="auto", metadata=_h("Token logprob kernel: auto (triton on CUDA, chunked torch elsewhere), torch, triton, reference."))
+    rollout: str = field(default="native", metadata=_h("Rollout backend: 'native' (in-process) or 'spool' (vLLM worker)."))
+    spool: str | None = field(default=None, metadata=_h("Spool dir for --rollout spool (default {out}/spool)."))
+    spawn_worker: bool = field(default=True, metadata=_h("With --rollout spool, start the vLLM worker (else attach to a running one)."))
+    rollout_gpu: int | None = field(default=None, metadata=_h("GPU for the spawned vLLM worker (None = CPU build)."))
+    rollout_logprobs_mode: str = field(default="raw", metadata=_h("vLLM worker logprobs: 'raw' (before temperature; exact at T=1) or 'processed' (after temperature/top-p/top-k)."))
+    rollout_timeout_s: float = field(default=600.0, metadata=_h("Max seconds to wait for a rollout answer."))
+    sync_every: int = field(default=1, metadata=_h("Publish weights to the spool worker every N optimizer steps."))
+    checkpoint_every: int = field(default=20, metadata=_h("Checkpoint every N steps (and at the end); 0 = only at the end."))
+    keep_checkpoints: int = field(default=2, metadata=_h("Keep the last K checkpoints."))
+    save_hf: str | None = field(default=None, metadata=_h("Also export the final model as an HF dir here."))
+    eval_prompts: int = field(default=200, metadata=_h("Held-out prompts of the built-in task for eval."))
+    warm_start_steps: int = field(default=400, metadata=_h("Supervised warm-start steps of the built-in task's model."))
+    loss: LossConfig = field(default_factory=LossConfig)
+    adv: AdvantageConfig = field(default_factory=AdvantageConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        for name, cls in (("loss", LossConfig), ("adv", AdvantageConfig), ("eval", EvalConfig)):
+            if isinstance(getattr(self, name), dict):
+                setattr(self, name, from_dict(cls, getattr(self, name)))
+        positive = ("steps", "prompts_per_step", "group_size", "max_tokens", "micro_batch_size", "sync_every")
+        for k in positive:
+            if getattr(self, k) < 1:
+                raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(self, k)}")
+        choices = {
+            "rollout": ("native", "spool"),
+            "lr_schedule": ("constant", "linear", "cosine"),
+            "dtype": ("float32", "bfloat16"),
+            "behaviour_logprobs": ("sampled", "full"),
+            "rollout_logprobs_mode": ("raw", "processed"),
+            "logprob_backend": ("auto", "torch", "triton", "reference"),
+        }
+        for k, allowed in choices.items():
+            if getattr(self, k) not in allowed:
+                raise ValueError(f"--{k.replace('_', '-')} must be one of {allowed}, got {getattr(self, k)!r}")
+        if self.lr <= 0 or self.temperature <= 0:
+            raise ValueError(f"--lr and --temperature must be > 0 for training, got {self.lr}, {self.temperature}")
+        self.eval.check_save_hf(self.save_hf)
+
+
+CLI_PREFIXES = {"adv": "adv-"}  # loss fields are flat (--eps-low, --kl-coef, --loss NAME); eval fields are eval_*
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+
+@dataclass
+class Task:
+    """What to learn: prompt dicts, a tokenizer, a reward, held-out prompts."""
+
+    prompts: list[dict]
+    tokenizer: Any
+    reward: Callable[..., float | None]
+    eval_prompts: list[dict] = field(default_factory=list)
+
+
+def builtin_task(cfg: TrainConfig) -> tuple[Task, str]:
+    """The built-in task and its warm-started model dir (built once, under {out}/base_model)."""
+    if cfg.task != "reverse":
+        raise ValueError(f"unknown built-in task {cfg.task!r}; available: 'reverse'")
+    from align.model import is_committed
+    from align.tasks import reverse
+
+    task = Task(reverse.prompts(5000, "train", cfg.seed), reverse.tokenizer(), reverse.reward,
+                reverse.prompts(cfg.eval_prompts, "eval", cfg.seed))
+    base = Path(cfg.out) / "base_model"
+    if cfg.model is not None:
+        return task, cfg.model
+    if not is_committed(base):
+        print(f"[align] warm start: {cfg.warm_start_steps} supervised steps on the biased copy/reverse mixture "
+              f"-> {base}", flush=True)
+        reverse.warm_start(base, steps=cfg.warm_start_steps, seed=cfg.seed,
+                           log=lambda s: print(f"[align] {s}", flush=True))
+    return task, str(base)
+
+
+def as_records(prompts: list) -> list[dict]:
+    out = []
+    for i, p in enumerate(prompts):
+        rec = {"prompt": p} if isinstance(p, str) else dict(p)
+        if not isinstance(rec.get("prompt"), str):
+            raise ValueError(f"prompt {i} must be a str or a dict with a 'prompt' str, got {type(p).__name__}")
+        out.append(rec)
+    if not out:
+        raise ValueError("no prompts to train on")
+    return out
+
+
+def batch_order(n: int, seed: int, epoch: int) -> list[int]:
+    order = list(range(n))
+    random.Random(f"{seed}-epoch-{epoch}").shuffle(order)
+    return order
+
+
+def stop_ids(tokenizer: Any, model_cfg: Any) -> list[int]:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        eos = model_cfg.eos_token_id
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
+def score(reward: Callable, rec: dict, completion: str, errors: list[str]) -> float:
+    fields = {k: v for k, v in rec.items() if k not in RESERVED_PROMPT_KEYS}
+    try:
+        r = reward(rec["prompt"], completion, **fields)
+    except Exception:  # a user's reward function: counted as unscorable, the run goes on
+        errors.append(traceback.format_exc())
+        return math.nan
+    return math.nan if r is None else float(r)
+
+
+# ------------------------------------------------------------------------------------------------ loop
+
+
+def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        decay = 1 - frac if cfg.lr_schedule == "linear" else 0.5 * (1 + math.cos(math.pi * frac))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
+
+    return f
+
+
+def sequence_batch(prompt_ids: list[list[int]], completions: list, G: int, device) -> tuple:
+    """Right-padded teacher-forcing tensors for the P*G completions:
+    inputs (N, L), targets (N, L), mask (N, L) over completion tokens, behaviour logprobs (N, L) x2."""
+    import torch
+
+    N = len(completions)
+    seqs = [prompt_ids[c.prompt_index] + c.token_ids for c in completions]
+    L = max(len(s) for s in seqs) - 1
+    inputs = torch.zeros(N, L, dtype=torch.long)
+    targets = torch.zeros(N, L, dtype=torch.long)
+    mask = torch.zeros(N, L, dtype=torch.bool)
+    full_lp = torch.zeros(N, L)
+    sampled_lp = torch.zeros(N, L)
+    for i, (s, c) in enumerate(zip(seqs, completions)):
+        p, k = len(prompt_ids[c.prompt_index]), len(c.token_ids)
+        inputs[i, : len(s) - 1] = torch.tensor(s[:-1])
+        targets[i, : len(s) - 1] = torch.tensor(s[1:])
+        mask[i, p - 1 : p - 1 + k] = True
+        full_lp[i, p - 1 : p - 1 + k] = torch.tensor(c.logprobs)
+        sampled = c.sampled_logprobs if c.sampled_logprobs is not None else c.logprobs
+        sampled_lp[i, p - 1 : p - 1 + k] = torch.tensor(sampled)
+    return tuple(t.to(device) for t in (inputs, targets, mask, full_lp, sampled_lp))
+
+
+def train(
+    cfg: TrainConfig,
+    *,
+    model: str | None = None,
+    tokenizer: Any = None,
+    prompts: list | None = None,
+    reward: Callable[..., float | None] | None = None,
+    eval_prompts: list | None = None,
+    stop_flag: dict | None = None,
+) -> dict:
+    """Run GRPO; returns a summary dict. Resumes from the last committed checkpoint under ``cfg.out``.
+
+    ``stop_flag`` (set by ``main``'s signal handlers: {"signal": signum}) makes the loop checkpoint after
+    the current step and return early with ``summary["interrupted"] = signum``."""
+    import torch
+
+    from align import checkpoint as ckpt
+    from align.eval import EvalSet, make_evaluator
+    from align.eval.metrics import score_completions
+    from align.grpo import compute_advantages, merge_stats, normalisers, policy_loss
+    from align.kernels import token_logprobs
+    from align.model import load_pretrained, save_pretrained
+    from align.rollout.client import make_rollout_client, spawn_worker
+    from align.rollout.protocol import SamplingParams, logprob_basis_warning
+    from align.runlog import MetricsLog, Progress, atomic_write_text, format_line, write_plot
+
+    t_start = time.monotonic()
+    stop_flag = stop_flag if stop_flag is not None else {}
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if (prompts is None) != (reward is None) or (prompts is not None and tokenizer is None):
+        raise ValueError("pass prompts, tokenizer and reward together (or none of them for the built-in task)")
+    if prompts is None:
+        task, model_path = builtin_task(cfg)
+    else:
+        task = Task(as_records(prompts), tokenizer, reward, as_records(eval_prompts) if eval_prompts else [])
+        model_path = model or cfg.model
+        if model_path is None:
+            raise ValueError("no model: pass model=<HF checkpoint dir> or --model")
+    import json
+
+    atomic_write_text(out / "config.json", json.dumps({**asdict(cfg), "model": model_path}, indent=2))
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+    resume = ckpt.latest(out / "checkpoints")
+    policy = load_pretrained(resume[1] / "model" if resume else model_path, dtype=dtype)
+    policy.gradient_checkpointing = cfg.gradient_checkpointing
+    mcfg = policy.config
+    ref_model = load_pretrained(model_path, dtype=dtype) if cfg.loss.kl_coef > 0 else None
+    tok = task.tokenizer
+    stops = stop_ids(tok, mcfg)
+    encoded = [tok.encode(r["prompt"]) for r in task.prompts]
+    eval_encoded = [tok.encode(r["prompt"]) for r in task.eval_prompts]
+    for i, ids in enumerate(encoded + eval_encoded):
+        if len(ids) + cfg.max_tokens > mcfg.max_position_embeddings:
+            raise ValueError(
+                f"prompt {i} ({len(ids)} tokens) + --max-tokens {cfg.max_tokens} does not fit the model's context "
+                f"of {mcfg.max_position_embeddings}; shorten it or lower --max-tokens"
+            )
+
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    step, cursor = 0, {"epoch": 0, "index": 0}
+    if resume:
+        state = ckpt.load_state(resume[1])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        ckpt.set_rng_state(state["rng"])
+        step, cursor = state["step"], state["cursor"]
+        print(f"[align] resuming from {resume[1]} (step {step})", flush=True)
+    metrics = MetricsLog(out / "metrics.jsonl", resume_step=step if resume else 0)
+    if not resume:
+        torch.manual_seed(cfg.seed)
+
+    # Rollout client.
+    worker = None
+    if cfg.rollout == "native":
+        client = make_rollout_client("native", model=policy)
+    else:
+        spool = Path(cfg.spool or out / "spool")
+        init_snapshot = out / "rollout_snapshots" / f"v{step}"
+        save_pretrained(policy, init_snapshot)
+        if cfg.spawn_worker:
+            worker = spawn_worker(spool, gpu=cfg.rollout_gpu, log_path=out / "rollout_worker.log", model=init_snapshot,
+                                  weights_version=step, max_model_len=mcfg.max_position_embeddings,
+                                  logprobs_mode=cfg.rollout_logprobs_mode)
+        client = make_rollout_client("spool", spool=spool, timeout_s=cfg.rollout_timeout_s, worker=worker)
+    params = SamplingParams(n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                            max_tokens=cfg.max_tokens, stop_token_ids=stops)
+    if cfg.rollout == "spool" and (warning := logprob_basis_warning(client.logprob_basis, params)):
+        log.warning(warning)
+
+    # Eval: held-out prompts, scored in-process (blocking) or on snapshots (align.eval).
+    def completion_text(ids: list[int]) -> str:
+        return tok.decode(ids[:-1] if ids and ids[-1] in stops else ids)
+
+    eval_t = cfg.temperature if cfg.eval.eval_temperature is None else cfg.eval.eval_temperature
+    eval_sampling = SamplingParams(n=cfg.eval.eval_n, temperature=eval_t, top_p=cfg.top_p, top_k=cfg.top_k,
+                                   max_tokens=cfg.eval.eval_max_tokens or cfg.max_tokens, stop_token_ids=stops,
+                                   seed=cfg.seed)
+    eval_set = None
+    if eval_encoded:
+        eval_set = EvalSet(eval_encoded, lambda i, ids: score(task.reward, task.eval_prompts[i], completion_text(ids), []),
+                           eval_sampling, name=cfg.task if prompts is None else "eval")
+
+    def blocking_eval(at_step: int) -> dict:
+        policy.eval()
+        from align.rollout.native import generate
+
+        comps = generate(policy, eval_encoded, eval_sampling)
+        return score_completions(eval_encoded, comps, eval_set.score, eval_sampling.n)
+
+    def export(path: str) -> None:
+        save_pretrained(policy, path)
+
+    evaluator = make_evaluator(cfg.eval, eval_set, export_fn=export, blocking_eval_fn=blocking_eval if eval_set else None)
+    if eval_set and not resume and cfg.eval.eval_interval > 0:
+        metrics.write({"step": 0, **blocking_eval(0), "eval/step": 0})  # the baseline, before any GRPO step
+        print(format_line(metrics.records[-1]), flush=True)
+
+    def save_checkpoint() -> None:
+        ckpt.save(out / "checkpoints", step, policy, {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                                                      "cursor": dict(cursor)}, cfg.keep_checkpoints)
+
+    def emit_eval(records: list[dict]) -> None:
+        for r in records:
+            metrics.write(r)
+            print(format_line(r), flush=True)
+
+    progress = Progress(cfg.steps, start=step)
+    first_error: list[str] = []
+    try:
+        while step < cfg.steps:
+            t0 = time.monotonic()
+            policy.train()
+            # 1. prompts
+            order = batch_order(len(task.prompts), cfg.seed, cursor["epoch"])
+            idx = []
+            while len(idx) < cfg.prompts_per_step:
+                if cursor["index"] >= len(order):
+                    cursor["epoch"] += 1
+                    cursor["index"] = 0
+                    order = batch_order(len(task.prompts), cfg.seed, cursor["epoch"])
+                idx.append(order[cursor["index"]])
+                cursor["index"] += 1
+            batch_ids = [encoded[i] for i in idx]
+            # 2. rollouts (the seed of a step depends only on (seed, step): resume replays it exactly)
+            params.seed = cfg.seed * 1_000_003 + step
+            completions = client.generate(batch_ids, params)
+            t_rollout = time.monotonic() - t0
+            # 3. rewards
+            errors: list[str] = []
+            P, G = len(idx), cfg.group_size
+            rewards = torch.full((P, G), math.nan)
+            for c in completions:
+                rewards[c.prompt_index, c.sample_index] = score(task.reward, task.prompts[idx[c.prompt_index]],
+                                                                completion_text(c.token_ids), errors)
+            if errors and not first_error:
+                first_error.append(errors[0])
+                log.warning("reward function raised; the completion counts as unscorable:\n%s", errors[0])
+            if len(errors) == P * G:
+                raise RuntimeError(f"the reward function raised on every completion of step {step + 1}; first error:\n{errors[0]}")
+            # 4. advantages
+            lengths = torch.zeros(P, G)
+            truncated = torch.zeros(P, G, dtype=torch.bool)
+            for c in completions:
+                lengths[c.prompt_index, c.sample_index] = len(c.token_ids)
+                truncated[c.prompt_index, c.sample_index] = c.finish_reason == "length"
+            adv, valid, adv_stats = compute_advantages(rewards, cfg.adv, lengths=lengths, truncated=truncated,
+                                                       max_tokens=cfg.max_tokens)
+            # 5. micro-batched loss / backward, global normalisers
+            inputs, targets, mask, full_lp, sampled_lp = sequence_batch(batch_ids, completions, G, "cpu")
+            flat_valid = torch.stack([valid[c.prompt_index, c.sample_index] for c in completions])
+            flat_adv = torch.stack([adv[c.prompt_index, c.sample_index] for c in completions]).float()
+            mask &= flat_valid[:, None]
+            behav = sampled_lp if cfg.behaviour_logprobs == "sampled" else full_lp
+            total_tokens, total_seqs = normalisers(mask)
+            opt.zero_grad(set_to_none=True)
+            mb_stats = []
+            if total_tokens > 0:
+                for s in range(0, len(completions), cfg.micro_batch_size):
+                    sl = slice(s, s + cfg.micro_batch_size)
+                    logits = policy(inputs[sl])  # (mb, L, V)
+                    lp, ent = token_logprobs(logits, targets[sl], cfg.temperature, backend=cfg.logprob_backend)
+                    ref_lp = None
+                    if ref_model is not None:
+                        with torch.no_grad():
+                            ref_lp, _ = token_logprobs(ref_model(inputs[sl]), targets[sl], cfg.temperature,
+                                                       with_entropy=False, backend=cfg.logprob_backend)
+                    loss, st = policy_loss(cfg.loss, lp, lp.detach(), flat_adv[sl], mask[sl], behav_logprobs=behav[sl],
+                                           ref_logprobs=ref_lp, entropy=ent, total_tokens=total_tokens,
+                                           total_seqs=total_seqs)
+                    loss.backward()
+                    mb_stats.append(st)
+            grad_norm = 0.0
+            if mb_stats:
+                if cfg.grad_clip > 0:
+                    grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip))
+                opt.step()
+            sched.step()
+            step += 1
+            # 6. weights to the rollout worker
+            if cfg.rollout == "spool" and step % cfg.sync_every == 0:
+                snap = out / "rollout_snapshots" / f"v{step}"
+                save_pretrained(policy, snap)
+                sync_s = client.sync_weights(snap, step)
+                prev = out / "rollout_snapshots" / f"v{step - cfg.sync_every}"
+                if prev.exists():
+                    import shutil
+
+                    shutil.rmtree(prev, ignore_errors=True)
+            else:
+                sync_s = 0.0
+            # 7. log
+            gen_tokens = sum(len(c.token_ids) for c in completions)
+            dt = time.monotonic() - t0
+            finite = rewards[~rewards.isnan()]
+            rec = {
+                "step": step,
+                "reward_mean": float(finite.mean()) if finite.numel() else math.nan,
+                "reward_std": float(finite.std()) if finite.numel() > 1 else 0.0,
+                **(merge_stats(mb_stats) if mb_stats else {"loss": 0.0}),
+                **adv_stats,
+                "unscorable": int(rewards.isnan().sum()),
+                "reward_errors": len(errors),
+                "completion_len_mean": gen_tokens / len(completions),
+                "truncated_frac": float(truncated.float().mean()),
+                "tokens_per_s": gen_tokens / max(t_rollout, 1e-9),
+                "rollout_time": t_rollout,
+                "sync_time": sync_s,
+                "step_time": dt,
+                "lr": sched.get_last_lr()[0],
+                "grad_norm": grad_norm,
+            }
+            metrics.write(rec)
+            progress.update(step, format_line(rec))
+            # 8. eval and checkpoint
+            is_final = step == cfg.steps
+            emit_eval(evaluator.step(step, is_final) + evaluator.poll())
+            if is_final or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stop_flag.get("signal"):
+                save_checkpoint()
+                write_plot(out / "plot.svg", metrics.records, title=f"align GRPO: {out.name}")
+            if stop_flag.get("signal"):
+                break
+    finally:
+        progress.close()
+        try:
+            emit_eval(evaluator.drain())
+        finally:
+            client.close()
+            if worker is not None:
+                worker.shutdown()
+    if cfg.save_hf and step == cfg.steps:
+        save_pretrained(policy, cfg.save_hf)
+    write_plot(out / "plot.svg", metrics.records, title=f"align GRPO: {out.name}")
+    evals = [r for r in metrics.records if "eval/pass@1" in r]
+    summary = {
+        "steps": step,
+        "eval_start": evals[0]["eval/pass@1"] if evals else None,
+        "eval_end": evals[-1]["eval/pass@1"] if evals else None,
+        "wall_s": time.monotonic() - t_start,
+        "out": str(out),
+        "interrupted": stop_flag.get("signal"),
+    }
+    return summary
+
+
+def print_summary(s: dict) -> None:
+    acc = ""
+    if s["eval_start"] is not None:
+        acc = f"held-out pass@1 {s['eval_start']:.3f} -> {s['eval_end']:.3f} | "
+    print(f"[align] done: {s['steps']} steps | {acc}wall {s['wall_s']:.0f}s | run dir {s['out']} "
+          f"(config.json, metrics.jsonl, plot.svg, checkpoints/)", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from align.cli import parse
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = parse(TrainConfig, argv, CLI_PREFIXES, description=__doc__.split("\n\n")[0])
+    stop_flag: dict = {}
+
+    def on_signal(signum, frame):
+        if stop_flag.get("signal"):  # second signal: stop now
+            raise KeyboardInterrupt
+        stop_flag["signal"] = signum
+        print(f"\n[align] got signal {signum}: finishing this step, writing a checkpoint, then exiting", flush=True)
+
+    old = {s: signal.signal(s, on_signal) for s in SIGNAL_EXIT}
+    try:
+        summary = train(cfg, stop_flag=stop_flag)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    print_summary(summary)
+    if summary["interrupted"]:
+        return SIGNAL_EXIT[summary["interrupted"]]
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
