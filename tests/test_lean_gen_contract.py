@@ -68,7 +68,9 @@ def test_error_str_478():
 
 def test_truncation_example():
     code = "\n".join(f"L{i}" if i % 2 else f"  L{i}" for i in range(1, 21))
-    errors = [{"severity": "error", "pos": {"line": 2, "column": 1}, "endPos": {"line": 12, "column": 2}, "data": "long"}]
+    errors = [
+        {"severity": "error", "pos": {"line": 2, "column": 1}, "endPos": {"line": 12, "column": 2}, "data": "long"}
+    ]
     errors += [
         {"severity": "error", "pos": {"line": 1, "column": 0}, "endPos": {"line": 1, "column": 2}, "data": f"e{k}"}
         for k in range(9)
@@ -160,7 +162,10 @@ def test_error_str_endpos_null_marks_to_end_of_line_and_context():
     code = "l1\nl2\nl3\nl4\nl5\nabc def\nafter\nlast"
     err = [{"severity": "error", "pos": {"line": 6, "column": 4}, "endPos": None, "data": "m"}]
     s = lp.get_error_str(code, err)
-    assert s == "\nError 1:\n\nCorresponding Code:\n```lean4\nl2\nl3\nl4\nl5\nabc <error>def</error>\nafter\n\n```\n\nError Message: m\n"
+    assert (
+        s
+        == "\nError 1:\n\nCorresponding Code:\n```lean4\nl2\nl3\nl4\nl5\nabc <error>def</error>\nafter\n\n```\n\nError Message: m\n"
+    )
 
 
 def test_error_str_unicode_columns_are_code_points():
@@ -211,7 +216,9 @@ def test_reference_verdicts_of_recorded_repl_replies():
     assert (v["def_eval_ok"]["pass"], v["def_eval_ok"]["complete"]) == (True, True)
     # the reference quirk: a REPL-level error reply scores as complete
     assert (v["unknown_environment"]["pass"], v["unknown_environment"]["complete"]) == (True, True)
-    warn_failed = {"messages": [{"severity": "warning", "pos": {"line": 1, "column": 0}, "endPos": None, "data": "x failed"}]}
+    warn_failed = {
+        "messages": [{"severity": "warning", "pos": {"line": 1, "column": 0}, "endPos": None, "data": "x failed"}]
+    }
     assert lp.reference_verdict(warn_failed)["complete"] is False
 
 
@@ -222,8 +229,20 @@ def test_correction_round_must_be_positive():
 
 def test_fidelity_without_reference_fails_clearly(tmp_path):
     r = subprocess.run(
-        [sys.executable, str(EXTRAS / "lean_prompts.py"), "fidelity", "--model", "m", "--out", str(tmp_path / "r.json")],
-        capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"},
+        [
+            sys.executable,
+            str(EXTRAS / "lean_prompts.py"),
+            "fidelity",
+            "--model",
+            "m",
+            "--out",
+            str(tmp_path / "r.json"),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin"},
     )
     assert r.returncode == 2 and "--reference-src" in r.stderr
     assert not (tmp_path / "r.json").exists()
@@ -256,14 +275,21 @@ def _problems(tmp_path, rows):
 def test_derive_seed_is_stable_distinct_and_cap_free():
     s = lg.derive_seed(0, "p", 0, 0)
     assert s == lg.derive_seed(0, "p", 0, 0) and 0 <= s < 2**31
-    others = {lg.derive_seed(1, "p", 0, 0), lg.derive_seed(0, "q", 0, 0), lg.derive_seed(0, "p", 1, 0),
-              lg.derive_seed(0, "p", 0, 1)}
+    others = {
+        lg.derive_seed(1, "p", 0, 0),
+        lg.derive_seed(0, "q", 0, 0),
+        lg.derive_seed(0, "p", 1, 0),
+        lg.derive_seed(0, "p", 0, 1),
+    }
     assert s not in others and len(others) == 4
 
 
 def test_load_problems_skips_and_errors(tmp_path):
-    rows = [{"name": "a", "lean4_code": "theorem a : 1 = 1 := by\n"}, {"name": "b", "lean4_code": "theorem b : True"},
-            {"name": "c", "lean4_code": ""}]
+    rows = [
+        {"name": "a", "lean4_code": "theorem a : 1 = 1 := by\n"},
+        {"name": "b", "lean4_code": "theorem b : True"},
+        {"name": "c", "lean4_code": ""},
+    ]
     probs, skips = lg.load_problems(_problems(tmp_path, rows))
     assert probs["a"]["lean4_code"] == "theorem a : 1 = 1 := by sorry"
     assert [(s["problem_id"], s["reason"]) for s in skips] == [("b", "no_by_marker"), ("c", "no_lean4_code")]
@@ -291,9 +317,15 @@ def test_minif2f_round0_plan_matches_reference_ids():
 
 def _gen(sid, pid, rnd, text="out", tokens=10, lineage=None, messages=None):
     lineage = lineage or [sid]
-    return {"sample_id": sid, "problem_id": pid, "round": rnd, "completion_text": text, "completion_tokens": tokens,
-            "messages": messages or lp.initial_messages(STMT),
-            "trajectory": {"lineage": lineage, "cumulative_completion_tokens": tokens}}
+    return {
+        "sample_id": sid,
+        "problem_id": pid,
+        "round": rnd,
+        "completion_text": text,
+        "completion_tokens": tokens,
+        "messages": messages or lp.initial_messages(STMT),
+        "trajectory": {"lineage": lineage, "cumulative_completion_tokens": tokens},
+    }
 
 
 def _verif(sid, pid, accepted=False, errors=None, code=EX["compiled_code_478"]):
@@ -318,15 +350,34 @@ def test_plan_corrections_builds_goedel_history_and_ids():
 
 
 def test_plan_corrections_skip_reasons_are_counted():
-    gen = [_gen("p_g0", "p", 0), _gen("p_g1", "p", 0), _gen("q_g0", "q", 0), _gen("q_g1", "q", 0), _gen("q_g2", "q", 0),
-           _gen("q_g3", "q", 0)]
-    ver = [_verif("p_g0", "p", accepted=True), _verif("p_g1", "p", errors=[{"x": 1}]), _verif("q_g0", "q", errors=None),
-           _verif("q_g1", "q", errors=[]), _verif("zz_g0", "zz", errors=[]),
-           _verif("q_g3", "q", errors=[{"severity": "error", "pos": {"line": 99, "column": 0}, "endPos": None, "data": ""}])]
+    gen = [
+        _gen("p_g0", "p", 0),
+        _gen("p_g1", "p", 0),
+        _gen("q_g0", "q", 0),
+        _gen("q_g1", "q", 0),
+        _gen("q_g2", "q", 0),
+        _gen("q_g3", "q", 0),
+    ]
+    ver = [
+        _verif("p_g0", "p", accepted=True),
+        _verif("p_g1", "p", errors=[{"x": 1}]),
+        _verif("q_g0", "q", errors=None),
+        _verif("q_g1", "q", errors=[]),
+        _verif("zz_g0", "zz", errors=[]),
+        _verif(
+            "q_g3", "q", errors=[{"severity": "error", "pos": {"line": 99, "column": 0}, "endPos": None, "data": ""}]
+        ),
+    ]
     items, skips = lg.plan_corrections(PROBS, 1, 1, 0, [(ver, gen)])
     reasons = {s.get("parent_id"): s["reason"] for s in skips}
-    assert reasons == {"p_g1": "solved", "q_g0": "no_repl_errors", "q_g1": "skipped_no_feedback",
-                       "zz_g0": "parent_not_found", "q_g2": "not_verified", "q_g3": "bad_repl_errors"}
+    assert reasons == {
+        "p_g1": "solved",
+        "q_g0": "no_repl_errors",
+        "q_g1": "skipped_no_feedback",
+        "zz_g0": "parent_not_found",
+        "q_g2": "not_verified",
+        "q_g3": "bad_repl_errors",
+    }
     assert items == []
     items, skips = lg.plan_corrections(PROBS, 1, 1, 0, [(ver, gen)], policy="resample", repair_solved=True)
     assert {it["parent_id"]: it["kind"] for it in items} == {"q_g1": "resample"}
@@ -347,8 +398,9 @@ def test_round2_lineage_partial_without_earlier_pairs_and_cap_refuses():
     r1 = _gen("p_g0_corr1_g0", "p", 1, tokens=50, lineage=["p_g0", "p_g0_corr1_g0"])
     r1["trajectory"]["cumulative_completion_tokens"] = 150
     v1 = [_verif("p_g0_corr1_g0", "p", errors=EX["repl_errors_478"])]
-    full, _ = lg.plan_corrections(PROBS, 2, 1, 0, [([_verif("p_g0", "p", errors=[])], [r0]), (v1, [r1])],
-                                  trajectory_cap=400)
+    full, _ = lg.plan_corrections(
+        PROBS, 2, 1, 0, [([_verif("p_g0", "p", errors=[])], [r0]), (v1, [r1])], trajectory_cap=400
+    )
     assert full[0]["lineage_state"] == "complete" and full[0]["ancestor_tokens"] == 150
     assert full[0]["lineage"] == ["p_g0", "p_g0_corr1_g0", "p_g0_corr1_g0_corr2_g0"]
     part, _ = lg.plan_corrections(PROBS, 2, 1, 0, [(v1, [r1])])
@@ -358,12 +410,20 @@ def test_round2_lineage_partial_without_earlier_pairs_and_cap_refuses():
 
 
 def test_token_budget_cap_context_and_trajectory():
-    assert lg.token_budget(16384, 40960, 500) == {"max_tokens": 16384, "context_clipped": False, "budget_clipped": False}
+    assert lg.token_budget(16384, 40960, 500) == {
+        "max_tokens": 16384,
+        "context_clipped": False,
+        "budget_clipped": False,
+    }
     assert lg.token_budget(40960, 40960, 500) == {"max_tokens": 40460, "context_clipped": True, "budget_clipped": False}
     assert lg.token_budget(100, 1000, 750)["max_tokens"] == 100
     assert lg.token_budget(500, 1000, 500) == {"max_tokens": 500, "context_clipped": False, "budget_clipped": False}
     assert lg.token_budget(100, 1000, 751) is None  # the reference's 3/4 prompt filter
-    assert lg.token_budget(100, 1000, 10, 950, 1000) == {"max_tokens": 50, "context_clipped": False, "budget_clipped": True}
+    assert lg.token_budget(100, 1000, 10, 950, 1000) == {
+        "max_tokens": 50,
+        "context_clipped": False,
+        "budget_clipped": True,
+    }
     assert lg.token_budget(100, 1000, 10, 1000, 1000) is None
 
 
@@ -389,25 +449,61 @@ def test_read_jsonl_repairs_only_an_unterminated_tail(tmp_path):
 def test_make_record_fields_and_ledger():
     item = lg.plan_round0({"p": PROBS["p"]}, 1, 0)[0]
     budget = lg.token_budget(64, 1000, 3)
-    rec = lg.make_record(item, prompt_ids=[1, 2, 3], completion_ids=[5, 6, 2], completion_text=EX["model_output_478"],
-                         finish_reason="stop", budget=budget, cap_tokens=64, sampling={"temperature": 1.0, "top_p": 0.95},
-                         model_rev="m@x", adapter=None, trajectory_cap=None, session=0)
+    rec = lg.make_record(
+        item,
+        prompt_ids=[1, 2, 3],
+        completion_ids=[5, 6, 2],
+        completion_text=EX["model_output_478"],
+        finish_reason="stop",
+        budget=budget,
+        cap_tokens=64,
+        sampling={"temperature": 1.0, "top_p": 0.95},
+        model_rev="m@x",
+        adapter=None,
+        trajectory_cap=None,
+        session=0,
+    )
     assert rec["lean_code"] == EX["full_code_478"] and rec["lean_code_error"] is None
     assert rec["sampling"] == {"temperature": 1.0, "top_p": 0.95, "max_tokens": 64, "seed": item["seed"]}
     assert rec["completion_ids"][-1] == 2 and rec["messages"] == lp.initial_messages(STMT)
     assert rec["trajectory"]["root_id"] == "p_g0" and rec["trajectory"]["cumulative_completion_tokens"] == 3
-    child = dict(rec, sample_id="p_g0_corr1_g0", round=1,
-                 trajectory=dict(rec["trajectory"], cumulative_completion_tokens=9, truncated=True))
-    ledger = lg.build_trajectory_ledger([rec, child], [{"sample_id": "p_g0"}, {"sample_id": "p_g0_corr1_g0",
-                                                                               "accepted": True}])
-    assert ledger["p_g0"] == {"root_id": "p_g0", "problem_id": "p", "samples": 2, "max_round": 1,
-                              "max_cumulative_tokens": 9, "truncated": 1, "budget_clipped": 0, "solved_round": 1,
-                              "lineage_state": "complete", "state": "solved"}
+    child = dict(
+        rec,
+        sample_id="p_g0_corr1_g0",
+        round=1,
+        trajectory=dict(rec["trajectory"], cumulative_completion_tokens=9, truncated=True),
+    )
+    ledger = lg.build_trajectory_ledger(
+        [rec, child], [{"sample_id": "p_g0"}, {"sample_id": "p_g0_corr1_g0", "accepted": True}]
+    )
+    assert ledger["p_g0"] == {
+        "root_id": "p_g0",
+        "problem_id": "p",
+        "samples": 2,
+        "max_round": 1,
+        "max_cumulative_tokens": 9,
+        "truncated": 1,
+        "budget_clipped": 0,
+        "solved_round": 1,
+        "lineage_state": "complete",
+        "state": "solved",
+    }
     assert lg.build_trajectory_ledger([rec], [])["p_g0"]["state"] == "unverified"
     kid = dict(item, sample_id="p_g0_corr1_g0", ancestor_tokens=3, lineage=["p_g0", "p_g0_corr1_g0"])
-    krec = lg.make_record(kid, prompt_ids=[1], completion_ids=[7, 8], completion_text="", finish_reason="length",
-                          budget=budget, cap_tokens=64, sampling={}, model_rev="m", adapter=None, trajectory_cap=10,
-                          session=1)
+    krec = lg.make_record(
+        kid,
+        prompt_ids=[1],
+        completion_ids=[7, 8],
+        completion_text="",
+        finish_reason="length",
+        budget=budget,
+        cap_tokens=64,
+        sampling={},
+        model_rev="m",
+        adapter=None,
+        trajectory_cap=10,
+        session=1,
+    )
     assert krec["trajectory"]["cumulative_completion_tokens"] == 5 and krec["trajectory"]["truncated"] is True
     assert krec["trajectory"]["ancestor_completion_tokens"] == 3 and krec["trajectory"]["cap_tokens"] == 10
     assert lg.build_trajectory_ledger([rec], [{"sample_id": "p_g0"}])["p_g0"]["state"] == "failed"
@@ -442,8 +538,10 @@ def test_lock_is_exclusive(tmp_path):
 
 
 def test_cli_usage_errors_exit_2():
-    for argv in (["--problems", "p", "--out", "o", "--cap-tokens", "8", "--round", "1"],
-                 ["--problems", "p", "--out", "o", "--cap-tokens", "0"]):
+    for argv in (
+        ["--problems", "p", "--out", "o", "--cap-tokens", "8", "--round", "1"],
+        ["--problems", "p", "--out", "o", "--cap-tokens", "0"],
+    ):
         with pytest.raises(SystemExit) as e:
             lg.parse_args(argv)
         assert e.value.code == 2
@@ -475,8 +573,15 @@ def repl():
 
 def _rec(text, sid="p_g0"):
     code, err = lp.full_code(STMT, text)
-    return {"sample_id": sid, "problem_id": "mathd_algebra_478", "round": 0, "lean4_code": STMT,
-            "completion_text": text, "lean_code": code, "lean_code_error": err}
+    return {
+        "sample_id": sid,
+        "problem_id": "mathd_algebra_478",
+        "round": 0,
+        "lean4_code": STMT,
+        "completion_text": text,
+        "lean_code": code,
+        "lean_code_error": err,
+    }
 
 
 def _proof(body):
@@ -511,7 +616,9 @@ def test_verify_guards_beyond_the_reference(repl):
     assert v["reference"] == {"pass": True, "complete": False} and not v["accepted"]
     cheat = _rec(_proof("  norm_num"))
     cheat["lean4_code"] = cheat["lean4_code"].replace("mathd_algebra_478", "cheat")
-    cheat["lean_code"] = lp.full_code(cheat["lean4_code"], _proof("  norm_num").replace("mathd_algebra_478", "cheat"))[0]
+    cheat["lean_code"] = lp.full_code(cheat["lean4_code"], _proof("  norm_num").replace("mathd_algebra_478", "cheat"))[
+        0
+    ]
     v = pgv.verify_record(cheat, repl, pgv.STANDARD_AXIOMS)
     assert v["reasons"] == ["nonstandard_axioms:myAxiom"] and not v["accepted"]
 
@@ -526,7 +633,7 @@ def test_verify_no_code_sends_the_reference_none_and_keeps_feedback(repl):
 def test_repl_timeout_and_eof_are_system_errors(tmp_path):
     with pytest.raises(pgv.ReplError, match="EOF"):
         pgv.Repl("true", None, timeout=5, import_timeout=5)
-    wrong = "sh -c 'printf \"{\\\"env\\\": 3}\\n\\n\"; cat >/dev/null'"
+    wrong = 'sh -c \'printf "{\\"env\\": 3}\\n\\n"; cat >/dev/null\''
     with pytest.raises(pgv.ReplError, match="did not create env 0"):
         pgv.Repl(wrong, None, timeout=5, import_timeout=5)
     with pytest.raises(pgv.ReplError, match="TIMEOUT"):

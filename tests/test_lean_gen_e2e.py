@@ -66,10 +66,10 @@ _LIVE: list[subprocess.Popen] = []
 
 
 def _start(args: list[str], log: Path) -> subprocess.Popen:
-    f = open(log, "ab")
-    p = subprocess.Popen([str(RPY), *args], stdout=f, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT,
-                         start_new_session=True)
-    f.close()
+    with open(log, "ab") as f:
+        p = subprocess.Popen(
+            [str(RPY), *args], stdout=f, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT, start_new_session=True
+        )
     _LIVE.append(p)
     return p
 
@@ -117,8 +117,22 @@ def w(tmp_path_factory):
     rows = MINIF2F.read_text(encoding="utf-8").splitlines()
     (d / "p3.jsonl").write_text("\n".join(rows[:3]) + "\n", encoding="utf-8")
     (d / "p4.jsonl").write_text("\n".join(rows[3:7]) + "\n", encoding="utf-8")
-    r = subprocess.run([str(RPY), str(FIX / "build_tiny.py"), str(d / "model"), "--adapter", str(d / "adapter"),
-                        "--corpus", str(MINIF2F)], capture_output=True, text=True, timeout=TIMEOUT_S, env=ENV)
+    r = subprocess.run(
+        [
+            str(RPY),
+            str(FIX / "build_tiny.py"),
+            str(d / "model"),
+            "--adapter",
+            str(d / "adapter"),
+            "--corpus",
+            str(MINIF2F),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env=ENV,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return d
 
@@ -130,10 +144,37 @@ def pipeline(w):
     wd = w / "pipe"
     standin = f"{RPY} {EXTRAS / 'lean_repl_standin.py'} --replies {FIX / 'standin_replies.json'}"
     gen_args = " ".join(["--model", str(w / "model"), *ENGINE])
-    rc = _run([str(EXTRAS / "pipeline_gen_verify.py"), "--problems", str(w / "p3.jsonl"), "--workdir", str(wd),
-               "--rounds", "1", "--n-initial", "2", "--n-correction", "1", "--cap-tokens", "24", "--seed", "0",
-               "--gen-python", str(RPY), "--gen-args", gen_args, "--repl-cmd", standin, "--repl-timeout", "30",
-               "--import-timeout", "30"], w / "pipeline.log", timeout=2 * TIMEOUT_S)
+    rc = _run(
+        [
+            str(EXTRAS / "pipeline_gen_verify.py"),
+            "--problems",
+            str(w / "p3.jsonl"),
+            "--workdir",
+            str(wd),
+            "--rounds",
+            "1",
+            "--n-initial",
+            "2",
+            "--n-correction",
+            "1",
+            "--cap-tokens",
+            "24",
+            "--seed",
+            "0",
+            "--gen-python",
+            str(RPY),
+            "--gen-args",
+            gen_args,
+            "--repl-cmd",
+            standin,
+            "--repl-timeout",
+            "30",
+            "--import-timeout",
+            "30",
+        ],
+        w / "pipeline.log",
+        timeout=2 * TIMEOUT_S,
+    )
     assert rc == 0, (w / "pipeline.log").read_text()[-4000:]
     print(f"pipeline 2 rounds: {time.monotonic() - t0:.1f} s")
     return wd
@@ -141,9 +182,9 @@ def pipeline(w):
 
 def test_round0_records(pipeline, w):
     recs = _jsonl(pipeline / "gen_r0.jsonl")
-    assert sorted(r["sample_id"] for r in recs) == sorted(f"{p}_g{i}" for p in
-                                                         ("mathd_algebra_478", "numbertheory_4x3m7y3neq2003",
-                                                          "aime_1983_p1") for i in range(2))
+    assert sorted(r["sample_id"] for r in recs) == sorted(
+        f"{p}_g{i}" for p in ("mathd_algebra_478", "numbertheory_4x3m7y3neq2003", "aime_1983_p1") for i in range(2)
+    )
     for r in recs:
         assert r["cap_tokens"] == 24 and r["sampling"]["max_tokens"] == 24 and r["context_clipped"] is False
         assert r["sampling"]["temperature"] == 1.0 and r["sampling"]["top_p"] == 0.95
@@ -182,8 +223,27 @@ def test_verification_via_recorded_repl_and_correction_round(pipeline):
 def test_rerun_resumes_with_zero_new_samples(pipeline, w):
     out = pipeline / "gen_r0.jsonl"
     before = out.read_bytes()
-    rc = _run([str(EXTRAS / "lean_gen.py"), "--problems", str(w / "p3.jsonl"), "--out", str(out), "--n", "2",
-               "--cap-tokens", "24", "--round", "0", "--seed", "0", "--model", str(w / "model"), *ENGINE], w / "rerun.log")
+    rc = _run(
+        [
+            str(EXTRAS / "lean_gen.py"),
+            "--problems",
+            str(w / "p3.jsonl"),
+            "--out",
+            str(out),
+            "--n",
+            "2",
+            "--cap-tokens",
+            "24",
+            "--round",
+            "0",
+            "--seed",
+            "0",
+            "--model",
+            str(w / "model"),
+            *ENGINE,
+        ],
+        w / "rerun.log",
+    )
     assert rc == 0, (w / "rerun.log").read_text()[-3000:]
     assert out.read_bytes() == before
     s = _manifest(out)["sessions"]
@@ -194,15 +254,39 @@ def test_dry_run_round1_renders_with_the_model_template(pipeline, w):
     out = w / "dry" / "gen_r1.jsonl"
     out.parent.mkdir()
     probs = w / "p3bad.jsonl"
-    probs.write_text((w / "p3.jsonl").read_text() + json.dumps({"name": "nob", "lean4_code": "theorem x : True"}) + "\n")
-    rc = _run([str(EXTRAS / "lean_gen.py"), "--problems", str(probs), "--out", str(out), "--n", "1", "--cap-tokens",
-               "24", "--round", "1", "--corrections-from", str(pipeline / "verif_r0.jsonl"), str(pipeline / "gen_r0.jsonl"),
-               "--model", str(w / "model"), "--max-model-len", "1536", "--dry-run"], w / "dry.log")
+    probs.write_text(
+        (w / "p3.jsonl").read_text() + json.dumps({"name": "nob", "lean4_code": "theorem x : True"}) + "\n"
+    )
+    rc = _run(
+        [
+            str(EXTRAS / "lean_gen.py"),
+            "--problems",
+            str(probs),
+            "--out",
+            str(out),
+            "--n",
+            "1",
+            "--cap-tokens",
+            "24",
+            "--round",
+            "1",
+            "--corrections-from",
+            str(pipeline / "verif_r0.jsonl"),
+            str(pipeline / "gen_r0.jsonl"),
+            "--model",
+            str(w / "model"),
+            "--max-model-len",
+            "1536",
+            "--dry-run",
+        ],
+        w / "dry.log",
+    )
     assert rc == 0, (w / "dry.log").read_text()[-3000:]
     rows = _jsonl(Path(str(out) + ".dry_run.jsonl"))
     planned = [r for r in rows if "skipped" not in r]
     assert len(planned) == 6 and [r["skipped"] for r in rows if "skipped" in r] == [
-        {"problem_id": "nob", "reason": "no_by_marker", "detail": "lean4_code has no ':= by'"}]
+        {"problem_id": "nob", "reason": "no_by_marker", "detail": "lean4_code has no ':= by'"}
+    ]
     for r in planned:  # 3-turn prompts: the tokenizer's template == the stdlib Qwen3 model of it
         assert len(r["messages"]) == 3 and r["prompt_text"] == lp.render_qwen3(r["messages"])
     assert not out.exists() and not Path(str(out) + ".manifest.json").exists()
@@ -212,9 +296,30 @@ def test_sigterm_gives_143_and_a_resumable_state(w, pipeline):
     out = w / "sig" / "gen.jsonl"
     out.parent.mkdir()
     # one sequence at a time, 8 samples: the signal lands within ~0.1 s of the first record, seconds before the end
-    cmd = [str(EXTRAS / "lean_gen.py"), "--problems", str(w / "p4.jsonl"), "--out", str(out), "--n", "2",
-           "--cap-tokens", "64", "--seed", "0", "--model", str(w / "model"), "--max-model-len", "1024",
-           "--enforce-eager", "--dtype", "float32", "--max-num-seqs", "1", "--refill-window", "1"]
+    cmd = [
+        str(EXTRAS / "lean_gen.py"),
+        "--problems",
+        str(w / "p4.jsonl"),
+        "--out",
+        str(out),
+        "--n",
+        "2",
+        "--cap-tokens",
+        "64",
+        "--seed",
+        "0",
+        "--model",
+        str(w / "model"),
+        "--max-model-len",
+        "1024",
+        "--enforce-eager",
+        "--dtype",
+        "float32",
+        "--max-num-seqs",
+        "1",
+        "--refill-window",
+        "1",
+    ]
     p = _start(cmd, w / "sig.log")
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline and p.poll() is None:
@@ -238,13 +343,33 @@ def test_sigterm_gives_143_and_a_resumable_state(w, pipeline):
 def test_lora_adapter_unmerged(w, pipeline):
     out = w / "lora" / "gen.jsonl"
     out.parent.mkdir()
-    cmd = [str(EXTRAS / "lean_gen.py"), "--problems", str(w / "p3.jsonl"), "--out", str(out), "--n", "2",
-           "--cap-tokens", "16", "--seed", "0", "--model", str(w / "model"), *ENGINE,
-           "--lora-adapter", str(w / "adapter"), "--wait-lock", "--lock-file", str(w / "heavy.lock")]
+    cmd = [
+        str(EXTRAS / "lean_gen.py"),
+        "--problems",
+        str(w / "p3.jsonl"),
+        "--out",
+        str(out),
+        "--n",
+        "2",
+        "--cap-tokens",
+        "16",
+        "--seed",
+        "0",
+        "--model",
+        str(w / "model"),
+        *ENGINE,
+        "--lora-adapter",
+        str(w / "adapter"),
+        "--wait-lock",
+        "--lock-file",
+        str(w / "heavy.lock"),
+    ]
     assert _run(cmd, w / "lora.log") == 0, (w / "lora.log").read_text()[-3000:]
     sha = lg.sha256_dir(str(w / "adapter"))
     m = _manifest(out)
-    assert m["sessions"][-1]["adapter"]["sha256"] == sha and m["sessions"][-1]["model_rev"].endswith(f"+lora-{sha[:12]}")
+    assert m["sessions"][-1]["adapter"]["sha256"] == sha and m["sessions"][-1]["model_rev"].endswith(
+        f"+lora-{sha[:12]}"
+    )
     recs = _jsonl(out)
     assert all(r["adapter"]["sha256"] == sha and r["model_rev"].endswith(f"+lora-{sha[:12]}") for r in recs)
     assert "lora" in (w / "lora.log").read_text().lower()
@@ -257,24 +382,59 @@ def test_bad_inputs_fail_clearly(w, pipeline):
     base = [str(EXTRAS / "lean_gen.py"), "--cap-tokens", "8", "--model", str(w / "model")]
     bad = w / "bad.jsonl"
     bad.write_text('{"name": "a", "lean4_code": "x := by"}\n{oops\n')
-    r = subprocess.run([str(RPY), *base, "--problems", str(bad), "--out", str(w / "b1.jsonl")], capture_output=True,
-                       text=True, timeout=TIMEOUT_S, env=ENV)
+    r = subprocess.run(
+        [str(RPY), *base, "--problems", str(bad), "--out", str(w / "b1.jsonl")],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env=ENV,
+    )
     assert r.returncode == 2 and "bad.jsonl:2: not valid JSON" in r.stderr
-    r = subprocess.run([str(RPY), *base, "--problems", str(w / "p3.jsonl"), "--out", str(w / "b2.jsonl"),
-                        "--max-model-len", "4096"], capture_output=True, text=True, timeout=TIMEOUT_S, env=ENV)
+    r = subprocess.run(
+        [str(RPY), *base, "--problems", str(w / "p3.jsonl"), "--out", str(w / "b2.jsonl"), "--max-model-len", "4096"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env=ENV,
+    )
     assert r.returncode == 2 and "above the model's position limit 2048" in r.stderr
     other = w / "other_gen.jsonl"
     other.write_text(json.dumps({"sample_id": "zzz_g0", "problem_id": "zzz", "round": 0}) + "\n")
-    r = subprocess.run([str(RPY), *base, "--problems", str(w / "p3.jsonl"), "--out", str(w / "b3.jsonl"), "--round", "1",
-                        "--corrections-from", str(pipeline / "verif_r0.jsonl"), str(other)],
-                       capture_output=True, text=True, timeout=TIMEOUT_S, env=ENV)
+    r = subprocess.run(
+        [
+            str(RPY),
+            *base,
+            "--problems",
+            str(w / "p3.jsonl"),
+            "--out",
+            str(w / "b3.jsonl"),
+            "--round",
+            "1",
+            "--corrections-from",
+            str(pipeline / "verif_r0.jsonl"),
+            str(other),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env=ENV,
+    )
     assert r.returncode == 2 and "none of the verification records" in r.stderr
     out = w / "b4.jsonl"
     fd = os.open(str(out) + ".lock", os.O_RDWR | os.O_CREAT)
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
-        r = subprocess.run([str(RPY), *base, "--problems", str(w / "p3.jsonl"), "--out", str(out)],
-                           capture_output=True, text=True, timeout=TIMEOUT_S, env=ENV)
+        r = subprocess.run(
+            [str(RPY), *base, "--problems", str(w / "p3.jsonl"), "--out", str(out)],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+            env=ENV,
+        )
     finally:
         os.close(fd)
     assert r.returncode == 75 and "held by another launch" in r.stderr and not out.exists()
@@ -283,8 +443,29 @@ def test_bad_inputs_fail_clearly(w, pipeline):
 
 
 def test_pipeline_exits_4_when_the_generator_manifest_is_not_complete(w):
-    r = subprocess.run([str(RPY), str(EXTRAS / "pipeline_gen_verify.py"), "--problems", str(w / "p3.jsonl"), "--workdir",
-                        str(w / "pipe_bad"), "--rounds", "0", "--cap-tokens", "8", "--gen-python", str(RPY),
-                        "--gen-args", f"--model {w / 'model'} --max-model-len 99999", "--repl-cmd", "false"],
-                       capture_output=True, text=True, timeout=TIMEOUT_S, env=ENV)
+    r = subprocess.run(
+        [
+            str(RPY),
+            str(EXTRAS / "pipeline_gen_verify.py"),
+            "--problems",
+            str(w / "p3.jsonl"),
+            "--workdir",
+            str(w / "pipe_bad"),
+            "--rounds",
+            "0",
+            "--cap-tokens",
+            "8",
+            "--gen-python",
+            str(RPY),
+            "--gen-args",
+            f"--model {w / 'model'} --max-model-len 99999",
+            "--repl-cmd",
+            "false",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env=ENV,
+    )
     assert r.returncode == 4 and "not 'complete'" in r.stderr

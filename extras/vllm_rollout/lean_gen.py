@@ -29,7 +29,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import lean_prompts as lp  # noqa: E402  (stdlib-only sibling)
+import lean_prompts as lp
 
 EXIT_OK, EXIT_INCOMPLETE, EXIT_BAD_INPUT, EXIT_LOCKED, EXIT_SIGNAL = 0, 1, 2, 75, 143
 REPO = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
@@ -63,7 +63,7 @@ def read_jsonl(path: str, repair_tail: bool = False) -> list[dict]:
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}:{i}: not valid JSON ({exc.msg}); fix or remove the line") from None
         if not isinstance(row, dict):
-            raise ValueError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
+            raise ValueError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")  # noqa: TRY004 bad file
         rows.append(row)
     return rows
 
@@ -80,8 +80,7 @@ def write_json_atomic(path: str, obj) -> None:
 def write_jsonl_atomic(path: str, rows: list[dict]) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
     os.replace(tmp, path)
 
 
@@ -118,28 +117,65 @@ def derive_seed(seed: int, problem_id: str, sample_idx: int, round_k: int) -> in
     return int.from_bytes(h[:4], "big") & 0x7FFFFFFF
 
 
-def _item(problem: dict, round_k: int, sample_idx: int, seed: int, sample_id: str, messages: list[dict],
-          parent: dict | None, lineage: list[str], ancestor_tokens: int, lineage_state: str, kind: str) -> dict:
+def _item(
+    problem: dict,
+    round_k: int,
+    sample_idx: int,
+    seed: int,
+    sample_id: str,
+    messages: list[dict],
+    parent: dict | None,
+    lineage: list[str],
+    ancestor_tokens: int,
+    lineage_state: str,
+    kind: str,
+) -> dict:
     return {
-        "sample_id": sample_id, "problem_id": problem["problem_id"], "round": round_k, "sample_idx": sample_idx,
-        "seed": derive_seed(seed, problem["problem_id"], sample_idx, round_k), "kind": kind,
-        "parent_id": parent["sample_id"] if parent else None, "lean4_code": problem["lean4_code"],
-        "messages": messages, "lineage": lineage, "ancestor_tokens": ancestor_tokens, "lineage_state": lineage_state,
+        "sample_id": sample_id,
+        "problem_id": problem["problem_id"],
+        "round": round_k,
+        "sample_idx": sample_idx,
+        "seed": derive_seed(seed, problem["problem_id"], sample_idx, round_k),
+        "kind": kind,
+        "parent_id": parent["sample_id"] if parent else None,
+        "lean4_code": problem["lean4_code"],
+        "messages": messages,
+        "lineage": lineage,
+        "ancestor_tokens": ancestor_tokens,
+        "lineage_state": lineage_state,
     }
 
 
 def plan_round0(problems: dict[str, dict], n: int, seed: int) -> list[dict]:
     return [
-        _item(p, 0, i, seed, f"{pid}_g{i}", lp.initial_messages(p["lean4_code"]), None, [f"{pid}_g{i}"], 0,
-              "complete", "initial")
+        _item(
+            p,
+            0,
+            i,
+            seed,
+            f"{pid}_g{i}",
+            lp.initial_messages(p["lean4_code"]),
+            None,
+            [f"{pid}_g{i}"],
+            0,
+            "complete",
+            "initial",
+        )
         for pid, p in problems.items()
         for i in range(n)
     ]
 
 
-def plan_corrections(problems: dict[str, dict], round_k: int, n: int, seed: int,
-                     pairs: list[tuple[list[dict], list[dict]]], policy: str = "skip",
-                     repair_solved: bool = False, trajectory_cap: int | None = None) -> tuple[list[dict], list[dict]]:
+def plan_corrections(
+    problems: dict[str, dict],
+    round_k: int,
+    n: int,
+    seed: int,
+    pairs: list[tuple[list[dict], list[dict]]],
+    policy: str = "skip",
+    repair_solved: bool = False,
+    trajectory_cap: int | None = None,
+) -> tuple[list[dict], list[dict]]:
     """Children of the failed round ``k - 1`` samples found in the VERIF/GEN pairs; returns (items, skips)."""
     if round_k < 1:
         raise ValueError(f"--corrections-from needs --round >= 1, got {round_k}")
@@ -149,8 +185,10 @@ def plan_corrections(problems: dict[str, dict], round_k: int, n: int, seed: int,
     verif = {v["sample_id"]: v for vs, _ in pairs for v in vs}
     missing = sorted(set(verif) - set(gen))
     if verif and len(missing) == len(verif):
-        raise ValueError("none of the verification records' sample_ids are in the GEN files given with them; "
-                         "pass each VERIF with the GEN file it verified (--corrections-from VERIF GEN)")
+        raise ValueError(
+            "none of the verification records' sample_ids are in the GEN files given with them; "
+            "pass each VERIF with the GEN file it verified (--corrections-from VERIF GEN)"
+        )
     skips = [{"parent_id": s, "reason": "parent_not_found"} for s in missing]
     solved = {v["problem_id"] for v in verif.values() if v.get("accepted")}
     parents = sorted((r for r in gen.values() if r.get("round") == round_k - 1), key=lambda r: r["sample_id"])
@@ -193,8 +231,10 @@ def plan_corrections(problems: dict[str, dict], round_k: int, n: int, seed: int,
         lineage = list(traj.get("lineage") or [par["sample_id"]])
         state = "complete" if traj and all(a in gen for a in lineage) else "partial"
         if state == "partial" and trajectory_cap is not None:
-            raise ValueError(f"lineage of {par['sample_id']} is partial (ancestors {lineage} not all in the GEN "
-                             "files); with --trajectory-cap-tokens pass every earlier round's VERIF GEN pair")
+            raise ValueError(
+                f"lineage of {par['sample_id']} is partial (ancestors {lineage} not all in the GEN "
+                "files); with --trajectory-cap-tokens pass every earlier round's VERIF GEN pair"
+            )
         ancestors = int(traj.get("cumulative_completion_tokens", par.get("completion_tokens", 0)))
         for i in range(n):
             idx = per_problem.get(prob["problem_id"], 0)
@@ -204,8 +244,9 @@ def plan_corrections(problems: dict[str, dict], round_k: int, n: int, seed: int,
     return items, skips
 
 
-def token_budget(cap: int, max_model_len: int, prompt_len: int, ancestor_tokens: int = 0,
-                 trajectory_cap: int | None = None) -> dict | None:
+def token_budget(
+    cap: int, max_model_len: int, prompt_len: int, ancestor_tokens: int = 0, trajectory_cap: int | None = None
+) -> dict | None:
     """``sampling.max_tokens`` and why it is below the cap; ``None`` when the prompt does not fit."""
     if prompt_len > max_model_len * PROMPT_FIT:
         return None
@@ -216,8 +257,11 @@ def token_budget(cap: int, max_model_len: int, prompt_len: int, ancestor_tokens:
         if left < 1:
             return None
         max_tokens = min(window, left)
-    return {"max_tokens": max_tokens, "context_clipped": max_model_len - prompt_len < cap,
-            "budget_clipped": max_tokens < window}
+    return {
+        "max_tokens": max_tokens,
+        "context_clipped": max_model_len - prompt_len < cap,
+        "budget_clipped": max_tokens < window,
+    }
 
 
 def resume_split(planned: list[dict], existing: list[dict]) -> tuple[list[dict], set[str]]:
@@ -226,8 +270,10 @@ def resume_split(planned: list[dict], existing: list[dict]) -> tuple[list[dict],
     done = {r["sample_id"] for r in existing}
     extra = sorted(done - ids)
     if extra:
-        raise ValueError(f"{len(extra)} records in --out are not in this plan (e.g. {extra[0]!r}); "
-                         "the output was made with other inputs: use a new --out")
+        raise ValueError(
+            f"{len(extra)} records in --out are not in this plan (e.g. {extra[0]!r}); "
+            "the output was made with other inputs: use a new --out"
+        )
     return [it for it in planned if it["sample_id"] not in done], done
 
 
@@ -238,9 +284,20 @@ def build_trajectory_ledger(gen_records: list[dict], verif_records: list[dict]) 
     roots: dict[str, dict] = {}
     for r in sorted(gen_records, key=lambda r: (r["round"], r["sample_id"])):
         t = r["trajectory"]
-        e = roots.setdefault(t["root_id"], {"root_id": t["root_id"], "problem_id": r["problem_id"], "samples": 0,
-                                            "max_round": 0, "max_cumulative_tokens": 0, "truncated": 0,
-                                            "budget_clipped": 0, "solved_round": None, "lineage_state": "complete"})
+        e = roots.setdefault(
+            t["root_id"],
+            {
+                "root_id": t["root_id"],
+                "problem_id": r["problem_id"],
+                "samples": 0,
+                "max_round": 0,
+                "max_cumulative_tokens": 0,
+                "truncated": 0,
+                "budget_clipped": 0,
+                "solved_round": None,
+                "lineage_state": "complete",
+            },
+        )
         e["samples"] += 1
         e["max_round"] = max(e["max_round"], r["round"])
         e["max_cumulative_tokens"] = max(e["max_cumulative_tokens"], t["cumulative_completion_tokens"])
@@ -253,31 +310,65 @@ def build_trajectory_ledger(gen_records: list[dict], verif_records: list[dict]) 
         e.setdefault("_ids", []).append(r["sample_id"])
     for e in roots.values():
         ids = e.pop("_ids")
-        e["state"] = ("solved" if e["solved_round"] is not None
-                      else "unverified" if any(i not in verified for i in ids) else "failed")
+        e["state"] = (
+            "solved"
+            if e["solved_round"] is not None
+            else "unverified"
+            if any(i not in verified for i in ids)
+            else "failed"
+        )
     return roots
 
 
-def make_record(item: dict, *, prompt_ids: list[int], completion_ids: list[int], completion_text: str,
-                finish_reason: str | None, budget: dict, cap_tokens: int, sampling: dict, model_rev: str,
-                adapter: dict | None, trajectory_cap: int | None, session: int) -> dict:
+def make_record(
+    item: dict,
+    *,
+    prompt_ids: list[int],
+    completion_ids: list[int],
+    completion_text: str,
+    finish_reason: str | None,
+    budget: dict,
+    cap_tokens: int,
+    sampling: dict,
+    model_rev: str,
+    adapter: dict | None,
+    trajectory_cap: int | None,
+    session: int,
+) -> dict:
     code, code_err = lp.full_code(item["lean4_code"], completion_text)
     cumulative = item["ancestor_tokens"] + len(completion_ids)
     return {
-        "sample_id": item["sample_id"], "problem_id": item["problem_id"], "round": item["round"],
-        "sample_idx": item["sample_idx"], "parent_id": item["parent_id"], "kind": item["kind"],
-        "model_rev": model_rev, "adapter": adapter, "cap_tokens": cap_tokens,
+        "sample_id": item["sample_id"],
+        "problem_id": item["problem_id"],
+        "round": item["round"],
+        "sample_idx": item["sample_idx"],
+        "parent_id": item["parent_id"],
+        "kind": item["kind"],
+        "model_rev": model_rev,
+        "adapter": adapter,
+        "cap_tokens": cap_tokens,
         "sampling": {**sampling, "max_tokens": budget["max_tokens"], "seed": item["seed"]},
-        "context_clipped": budget["context_clipped"], "messages": item["messages"],
-        "prompt_ids": prompt_ids, "prompt_tokens": len(prompt_ids),
-        "completion_text": completion_text, "completion_ids": completion_ids,
-        "completion_tokens": len(completion_ids), "finish_reason": finish_reason,
-        "lean4_code": item["lean4_code"], "lean_code": code, "lean_code_error": code_err,
+        "context_clipped": budget["context_clipped"],
+        "messages": item["messages"],
+        "prompt_ids": prompt_ids,
+        "prompt_tokens": len(prompt_ids),
+        "completion_text": completion_text,
+        "completion_ids": completion_ids,
+        "completion_tokens": len(completion_ids),
+        "finish_reason": finish_reason,
+        "lean4_code": item["lean4_code"],
+        "lean_code": code,
+        "lean_code_error": code_err,
         "trajectory": {
-            "root_id": item["lineage"][0], "lineage": item["lineage"], "round": item["round"],
-            "ancestor_completion_tokens": item["ancestor_tokens"], "cumulative_completion_tokens": cumulative,
-            "cap_tokens": trajectory_cap, "budget_clipped": budget["budget_clipped"],
-            "truncated": finish_reason == "length", "lineage_state": item["lineage_state"],
+            "root_id": item["lineage"][0],
+            "lineage": item["lineage"],
+            "round": item["round"],
+            "ancestor_completion_tokens": item["ancestor_tokens"],
+            "cumulative_completion_tokens": cumulative,
+            "cap_tokens": trajectory_cap,
+            "budget_clipped": budget["budget_clipped"],
+            "truncated": finish_reason == "length",
+            "lineage_state": item["lineage_state"],
         },
         "session": session,
     }
@@ -327,17 +418,28 @@ def resolve_max_model_len(requested: int | None, model_limit: int | None) -> int
             raise ValueError("--max-model-len is required when the model's config.json is not local")
         return model_limit
     if model_limit is not None and requested > model_limit:
-        raise ValueError(f"--max-model-len {requested} is above the model's position limit {model_limit} "
-                         "(max_position_embeddings); lower it")
+        raise ValueError(
+            f"--max-model-len {requested} is above the model's position limit {model_limit} "
+            "(max_position_embeddings); lower it"
+        )
     return requested
 
 
 def plan_fingerprint(args: argparse.Namespace, rev: str, max_model_len: int) -> dict:
     """What must not change between the launches that fill one --out."""
-    return {"round": args.round, "n": args.n, "seed": args.seed, "cap_tokens": args.cap_tokens,
-            "max_model_len": max_model_len, "temperature": args.temperature, "top_p": args.top_p,
-            "trajectory_cap_tokens": args.trajectory_cap_tokens, "model_rev": rev,
-            "no_feedback_policy": args.no_feedback_policy, "repair_solved": args.repair_solved}
+    return {
+        "round": args.round,
+        "n": args.n,
+        "seed": args.seed,
+        "cap_tokens": args.cap_tokens,
+        "max_model_len": max_model_len,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "trajectory_cap_tokens": args.trajectory_cap_tokens,
+        "model_rev": rev,
+        "no_feedback_policy": args.no_feedback_policy,
+        "repair_solved": args.repair_solved,
+    }
 
 
 # --- engine (vllm / transformers imported lazily; .venv-rollout) --------------------------------------------------------
@@ -382,13 +484,21 @@ def prepare(items: list[dict], tokenizer, args, max_model_len: int) -> tuple[lis
     for it in items:
         text = tokenizer.apply_chat_template(it["messages"], tokenize=False, add_generation_prompt=True)
         ids = tokenizer.encode(text)
-        budget = token_budget(args.cap_tokens, max_model_len, len(ids), it["ancestor_tokens"],
-                              args.trajectory_cap_tokens)
+        budget = token_budget(
+            args.cap_tokens, max_model_len, len(ids), it["ancestor_tokens"], args.trajectory_cap_tokens
+        )
         if budget is None:
             over = len(ids) > max_model_len * PROMPT_FIT
-            skips.append({"sample_id": it["sample_id"], "problem_id": it["problem_id"], "parent_id": it["parent_id"],
-                          "reason": "prompt_too_long" if over else "trajectory_budget_exhausted",
-                          "prompt_tokens": len(ids), "ancestor_tokens": it["ancestor_tokens"]})
+            skips.append(
+                {
+                    "sample_id": it["sample_id"],
+                    "problem_id": it["problem_id"],
+                    "parent_id": it["parent_id"],
+                    "reason": "prompt_too_long" if over else "trajectory_budget_exhausted",
+                    "prompt_tokens": len(ids),
+                    "ancestor_tokens": it["ancestor_tokens"],
+                }
+            )
             continue
         ready.append({**it, "prompt_text": text, "prompt_ids": ids, "budget": budget})
     return ready, skips
@@ -411,8 +521,13 @@ def _gpu_mem_used_mib() -> int | None:
     if not shutil.which("nvidia-smi"):
         return None
     try:
-        r = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                           capture_output=True, text=True, timeout=10)
+        r = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
         return sum(int(x) for x in r.stdout.split()) if r.returncode == 0 else None
     except (OSError, ValueError, subprocess.TimeoutExpired):
         return None
@@ -421,10 +536,19 @@ def _gpu_mem_used_mib() -> int | None:
 def build_engine(args, max_model_len: int, adapter: dict | None):
     from vllm import LLM
 
-    kw = dict(model=args.model, tokenizer=args.tokenizer or args.model, tensor_parallel_size=args.tp,
-              max_model_len=max_model_len, max_num_seqs=args.max_num_seqs, enable_prefix_caching=True,
-              gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, trust_remote_code=True,
-              enforce_eager=args.enforce_eager, dtype=args.dtype)
+    kw = dict(  # noqa: C408 - reads as the LLM(...) call it feeds
+        model=args.model,
+        tokenizer=args.tokenizer or args.model,
+        tensor_parallel_size=args.tp,
+        max_model_len=max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=True,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        seed=args.seed,
+        trust_remote_code=True,
+        enforce_eager=args.enforce_eager,
+        dtype=args.dtype,
+    )
     if adapter:
         kw.update(enable_lora=True, max_loras=1, max_lora_rank=adapter["max_lora_rank"])
     return LLM(**kw)
@@ -439,14 +563,25 @@ def generate(llm, todo: list[dict], args, out_f, stop: Stop, make) -> dict:
     lora = LoRARequest(args.lora_name, 1, args.lora_adapter) if args.lora_adapter else None
     window = args.refill_window or 2 * args.max_num_seqs
     queue, in_flight = list(reversed(todo)), {}
-    stats = {"new_samples": 0, "prompt_tokens": 0, "completion_tokens": 0, "finish_counts": {}, "max_running": 0,
-             "peak_gpu_mem_mib": None}
+    stats = {
+        "new_samples": 0,
+        "prompt_tokens": 0,
+        "completion_tokens": 0,
+        "finish_counts": {},
+        "max_running": 0,
+        "peak_gpu_mem_mib": None,
+    }
     last_probe = 0.0
     while (queue or in_flight) and stop.signum is None:
         while queue and len(in_flight) < window:
             it = queue.pop()
-            sp = SamplingParams(n=1, temperature=args.temperature, top_p=args.top_p, max_tokens=it["budget"]["max_tokens"],
-                                seed=it["seed"])
+            sp = SamplingParams(
+                n=1,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                max_tokens=it["budget"]["max_tokens"],
+                seed=it["seed"],
+            )
             engine.add_request(it["sample_id"], {"prompt_token_ids": it["prompt_ids"]}, sp, lora_request=lora)
             in_flight[it["sample_id"]] = it
         stats["max_running"] = max(stats["max_running"], len(in_flight))
@@ -484,8 +619,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--n", type=int, default=1, help="samples per problem (round 0) or per failed parent")
     p.add_argument("--cap-tokens", type=int, required=True, help="completion-token cap, the label of every number")
     p.add_argument("--round", type=int, default=0)
-    p.add_argument("--corrections-from", nargs=2, action="append", metavar=("VERIF", "GEN"), default=[],
-                   help="verification JSONL and the Generation JSONL it verified; repeat for every earlier round")
+    p.add_argument(
+        "--corrections-from",
+        nargs=2,
+        action="append",
+        metavar=("VERIF", "GEN"),
+        default=[],
+        help="verification JSONL and the Generation JSONL it verified; repeat for every earlier round",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=os.environ.get("ALIGN_LEAN_MODEL", DEFAULT_MODEL))
     p.add_argument("--tokenizer", default=None, help="defaults to --model")
@@ -499,15 +640,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--trajectory-cap-tokens", type=int, default=None, help="class-B cumulative completion-token cap")
-    p.add_argument("--no-feedback-policy", choices=NO_FEEDBACK_POLICIES, default="skip",
-                   help="failed parents without compiler errors: skip (counted), resample their prompt, or goedel "
-                        "(correction prompt with an empty error message, as the reference)")
-    p.add_argument("--repair-solved", action="store_true", help="also correct problems that already have an accepted sample")
+    p.add_argument(
+        "--no-feedback-policy",
+        choices=NO_FEEDBACK_POLICIES,
+        default="skip",
+        help="failed parents without compiler errors: skip (counted), resample their prompt, or goedel "
+        "(correction prompt with an empty error message, as the reference)",
+    )
+    p.add_argument(
+        "--repair-solved", action="store_true", help="also correct problems that already have an accepted sample"
+    )
     p.add_argument("--lora-adapter", default=None, help="PEFT adapter dir served un-merged (vLLM LoRARequest)")
     p.add_argument("--lora-name", default="adapter")
     p.add_argument("--wait-lock", action="store_true", help="wait for the heavy-GPU lock (flock) before loading")
     p.add_argument("--lock-file", default=os.environ.get("ALIGN_HEAVY_LOCK", DEFAULT_LOCK))
-    p.add_argument("--dry-run", action="store_true", help="plan + prompts only (<out>.dry_run.jsonl); no engine, no lock")
+    p.add_argument(
+        "--dry-run", action="store_true", help="plan + prompts only (<out>.dry_run.jsonl); no engine, no lock"
+    )
     a = p.parse_args(argv)
     if a.n < 1 or a.cap_tokens < 1:
         p.error("--n and --cap-tokens must be >= 1")
@@ -525,8 +674,16 @@ def plan(args) -> tuple[list[dict], list[dict]]:
     pairs = []
     for verif, gen in args.corrections_from:
         pairs.append((read_jsonl(verif), read_jsonl(gen)))
-    items, more = plan_corrections(problems, args.round, args.n, args.seed, pairs, args.no_feedback_policy,
-                                   args.repair_solved, args.trajectory_cap_tokens)
+    items, more = plan_corrections(
+        problems,
+        args.round,
+        args.n,
+        args.seed,
+        pairs,
+        args.no_feedback_policy,
+        args.repair_solved,
+        args.trajectory_cap_tokens,
+    )
     return items, skips + more
 
 
@@ -539,8 +696,13 @@ def run(args) -> int:
         with open(os.path.join(args.lora_adapter, "adapter_config.json"), encoding="utf-8") as f:
             r = int(json.load(f).get("r", 16))
         sha = sha256_dir(args.lora_adapter)
-        adapter = {"name": args.lora_name, "path": os.path.abspath(args.lora_adapter), "sha256": sha, "r": r,
-                   "max_lora_rank": next(x for x in LORA_RANKS if x >= r)}
+        adapter = {
+            "name": args.lora_name,
+            "path": os.path.abspath(args.lora_adapter),
+            "sha256": sha,
+            "r": r,
+            "max_lora_rank": next(x for x in LORA_RANKS if x >= r),
+        }
     rev = model_rev(args.model, adapter["sha256"] if adapter else None)
     max_model_len = resolve_max_model_len(args.max_model_len, model_max_len(args.model))
     items, skips = plan(args)
@@ -550,9 +712,15 @@ def run(args) -> int:
     ready, fit_skips = prepare(items, tok, args, max_model_len)
     skips += fit_skips
     if args.dry_run:
-        write_jsonl_atomic(args.out + ".dry_run.jsonl", [
-            {k: it[k] for k in ("sample_id", "problem_id", "round", "parent_id", "seed", "messages", "prompt_text")}
-            | {"prompt_tokens": len(it["prompt_ids"]), **it["budget"]} for it in ready] + [{"skipped": s} for s in skips])
+        write_jsonl_atomic(
+            args.out + ".dry_run.jsonl",
+            [
+                {k: it[k] for k in ("sample_id", "problem_id", "round", "parent_id", "seed", "messages", "prompt_text")}
+                | {"prompt_tokens": len(it["prompt_ids"]), **it["budget"]}
+                for it in ready
+            ]
+            + [{"skipped": s} for s in skips],
+        )
         print(f"dry-run: {len(ready)} planned samples, {len(skips)} skipped -> {args.out}.dry_run.jsonl")
         return EXIT_OK
     fp = plan_fingerprint(args, rev, max_model_len)
@@ -562,20 +730,36 @@ def run(args) -> int:
         with open(mpath, encoding="utf-8") as f:
             manifest = json.load(f)
         if manifest.get("plan") != fp:
-            diff = {k: (manifest.get("plan", {}).get(k), v) for k, v in fp.items() if manifest.get("plan", {}).get(k) != v}
+            diff = {
+                k: (manifest.get("plan", {}).get(k), v) for k, v in fp.items() if manifest.get("plan", {}).get(k) != v
+            }
             raise ValueError(f"{args.out} was made with other settings {diff} (old, new); use a new --out")
     existing = read_jsonl(args.out, repair_tail=True) if os.path.exists(args.out) else []
     todo, done = resume_split(ready, existing)
     write_jsonl_atomic(args.out + ".skipped.jsonl", skips)
     open(args.out, "a").close()  # an empty --out means "nothing to generate", never "not run"
-    sess = {"index": len(manifest["sessions"]), "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "status": "running", "args": vars(args), "model": args.model, "model_rev": rev, "adapter": adapter,
-            "versions": _versions(), "planned": len(ready), "done_before": len(done), "todo": len(todo),
-            "skipped": len(skips), "skip_reasons": _count(s["reason"] for s in skips)}
+    sess = {
+        "index": len(manifest["sessions"]),
+        "pid": os.getpid(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "status": "running",
+        "args": vars(args),
+        "model": args.model,
+        "model_rev": rev,
+        "adapter": adapter,
+        "versions": _versions(),
+        "planned": len(ready),
+        "done_before": len(done),
+        "todo": len(todo),
+        "skipped": len(skips),
+        "skip_reasons": _count(s["reason"] for s in skips),
+    }
     manifest["sessions"].append(sess)
     manifest.update(status="incomplete", planned_samples=len(ready), done_samples=len(done), skipped=len(skips))
     write_json_atomic(mpath, manifest)
-    print(f"lean_gen: {len(ready)} planned, {len(done)} done, {len(todo)} to generate, {len(skips)} skipped", flush=True)
+    print(
+        f"lean_gen: {len(ready)} planned, {len(done)} done, {len(todo)} to generate, {len(skips)} skipped", flush=True
+    )
     code = EXIT_INCOMPLETE
     try:
         if todo:
@@ -589,10 +773,20 @@ def run(args) -> int:
                 sampling = {"n": 1, "temperature": args.temperature, "top_p": args.top_p, "top_k": None}
 
                 def make(it, ids, text, finish):
-                    return make_record(it, prompt_ids=it["prompt_ids"], completion_ids=ids, completion_text=text,
-                                       finish_reason=finish, budget=it["budget"], cap_tokens=args.cap_tokens,
-                                       sampling=sampling, model_rev=rev, adapter=adapter,
-                                       trajectory_cap=args.trajectory_cap_tokens, session=sess["index"])
+                    return make_record(
+                        it,
+                        prompt_ids=it["prompt_ids"],
+                        completion_ids=ids,
+                        completion_text=text,
+                        finish_reason=finish,
+                        budget=it["budget"],
+                        cap_tokens=args.cap_tokens,
+                        sampling=sampling,
+                        model_rev=rev,
+                        adapter=adapter,
+                        trajectory_cap=args.trajectory_cap_tokens,
+                        session=sess["index"],
+                    )
 
                 t1 = time.monotonic()
                 with open(args.out, "a", encoding="utf-8") as out_f:

@@ -198,7 +198,11 @@ def compile_view(code: str) -> str:
     return "\n".join(
         line
         for line in code.split("\n")
-        if not (line.strip().startswith("import") or line.strip().startswith("set_option") or line.strip().startswith("open"))
+        if not (
+            line.strip().startswith("import")
+            or line.strip().startswith("set_option")
+            or line.strip().startswith("open")
+        )
     )
 
 
@@ -361,7 +365,12 @@ def fidelity(model: str, reference_src: str | None, problems: str, out: str) -> 
         ref_x = handler.extrac_code(output)
         check("extrac_code", str(i), goedel_extrac_code(output), ref_x)
         if ref_x not in ("None", None):
-            check("problem_check", str(i), goedel_full_code(stmt, output), handler.problem_check(formal_statement(stmt), ref_x))
+            check(
+                "problem_check",
+                str(i),
+                goedel_full_code(stmt, output),
+                handler.problem_check(formal_statement(stmt), ref_x),
+            )
     for i, (code, errs) in enumerate(_synthetic_error_sets()):
         try:
             theirs = ref.get_error_str(code, errs, True)
@@ -374,7 +383,12 @@ def fidelity(model: str, reference_src: str | None, problems: str, out: str) -> 
         )
         msgs = correction_messages(history, f"out {i}", theirs, 1 + i % 2)
         check("correction_messages", str(i), msgs, ref_msgs)
-        check("correction_prompt", str(i), tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True), ref_prompt)
+        check(
+            "correction_prompt",
+            str(i),
+            tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+            ref_prompt,
+        )
     try:
         compile_mod = importlib.import_module("compile")
         handle = compile_mod.handle
@@ -402,8 +416,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     f = sub.add_parser("fidelity", help="compare against the reference Goedel-Prover-V2 src/utils.py")
     f.add_argument("--model", required=True, help="model snapshot whose tokenizer / chat template renders prompts")
-    f.add_argument("--reference-src", default=os.environ.get("GOEDEL_REFERENCE_SRC"),
-                   help="Goedel-Prover-V2 checkout's src/ directory (env GOEDEL_REFERENCE_SRC)")
+    f.add_argument(
+        "--reference-src",
+        default=os.environ.get("GOEDEL_REFERENCE_SRC"),
+        help="Goedel-Prover-V2 checkout's src/ directory (env GOEDEL_REFERENCE_SRC)",
+    )
     f.add_argument("--problems", default=os.path.join(here, "..", "..", "..", "shared", "data", "minif2f_test.jsonl"))
     f.add_argument("--out", required=True)
     args = p.parse_args(argv)

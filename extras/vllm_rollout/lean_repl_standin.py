@@ -40,10 +40,17 @@ def serve(rules: list[dict], default: dict, stdin=sys.stdin, stdout=sys.stdout) 
             reply = next((r["reply"] for r in rules if re.search(r["match"], text)), None)
             if reply is None and text.startswith("#print axioms"):
                 name = text.split()[-1]
-                reply = {"messages": [{"severity": "info", "pos": {"line": 1, "column": 0},
-                                       "endPos": {"line": 1, "column": 13},
-                                       "data": f"'{name}' depends on axioms: [propext, Classical.choice, Quot.sound]"}],
-                         "env": 0}
+                reply = {
+                    "messages": [
+                        {
+                            "severity": "info",
+                            "pos": {"line": 1, "column": 0},
+                            "endPos": {"line": 1, "column": 13},
+                            "data": f"'{name}' depends on axioms: [propext, Classical.choice, Quot.sound]",
+                        }
+                    ],
+                    "env": 0,
+                }
             reply = dict(default if reply is None else reply)
             if "env" in reply:
                 reply["env"] = env

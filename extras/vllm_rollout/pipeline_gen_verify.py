@@ -31,13 +31,15 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import lean_prompts as lp  # noqa: E402
+import lean_prompts as lp
 
 EXIT_MANIFEST = 4
 STANDARD_AXIOMS = ("propext", "Classical.choice", "Quot.sound")
 SHM_PATTERNS = re.compile(r"^(nccl|vllm|torch_|psm_|sem\.mp-|cuda)")
 FORBIDDEN = re.compile(r"(?<![\w.'])(sorry|admit|sorryAx)(?![\w'!?])")
-AXIOM_DECL = re.compile(r"^\s*(?:@\[[^\]]*\]\s*)?(?:(?:private|protected|noncomputable|unsafe)\s+)*axiom\s", re.M)
+AXIOM_DECL = re.compile(
+    r"^\s*(?:@\[[^\]]*\]\s*)?(?:(?:private|protected|noncomputable|unsafe)\s+)*axiom\s", re.MULTILINE
+)
 
 
 # --- Lean REPL client ---------------------------------------------------------------------------------------------------
@@ -57,8 +59,14 @@ class Repl:
 
     def start(self) -> None:
         self.close()
-        self.proc = subprocess.Popen(shlex.split(self.cmd), cwd=self.cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            shlex.split(self.cmd),
+            cwd=self.cwd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self.buf = b""
         try:
             reply = self.send({"cmd": lp.DEFAULT_IMPORTS}, self.import_timeout)
@@ -123,18 +131,35 @@ def parse_axioms(reply: dict) -> list[str] | None:
 def verify_record(rec: dict, repl: Repl, allowed_axioms: tuple[str, ...]) -> dict:
     """One Verification record; ``repl_errors`` / ``repl_code`` are what a correction round needs."""
     t0 = time.monotonic()
-    code = rec["lean_code"] if rec.get("lean_code") is not None else lp.goedel_full_code(rec["lean4_code"], rec["completion_text"])
+    code = (
+        rec["lean_code"]
+        if rec.get("lean_code") is not None
+        else lp.goedel_full_code(rec["lean4_code"], rec["completion_text"])
+    )
     repl_code = lp.compile_view(code)
-    out = {"sample_id": rec["sample_id"], "problem_id": rec["problem_id"], "round": rec["round"], "accepted": False,
-           "reference": {"pass": False, "complete": False}, "reasons": [], "repl_code": repl_code, "repl_errors": None,
-           "warnings": [], "sorries": 0, "axioms": None, "system_error": None, "repl_level_error": None}
+    out = {
+        "sample_id": rec["sample_id"],
+        "problem_id": rec["problem_id"],
+        "round": rec["round"],
+        "accepted": False,
+        "reference": {"pass": False, "complete": False},
+        "reasons": [],
+        "repl_code": repl_code,
+        "repl_errors": None,
+        "warnings": [],
+        "sorries": 0,
+        "axioms": None,
+        "system_error": None,
+        "repl_level_error": None,
+    }
     reasons = out["reasons"]
     if rec.get("lean_code") is None:
         reasons.append(f"no_lean_code:{rec.get('lean_code_error')}")
     if repl_code:
         try:
-            reply = repl.send({"cmd": repl_code, "allTactics": False, "ast": False, "premises": False, "tactics": False,
-                               "env": 0})
+            reply = repl.send(
+                {"cmd": repl_code, "allTactics": False, "ast": False, "premises": False, "tactics": False, "env": 0}
+            )
         except ReplError as exc:
             out["system_error"] = str(exc)
             reasons.append("system_error")
@@ -191,13 +216,16 @@ def verify_file(gen_path: str, verif_path: str, args) -> dict:
         repl.close()
     tmp = verif_path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
     os.replace(tmp, verif_path)
     solved = sorted({r["problem_id"] for r in rows if r["accepted"]})
     ref_solved = sorted({r["problem_id"] for r in rows if r["reference"]["complete"]})
-    return {"samples": len(rows), "accepted": sum(r["accepted"] for r in rows), "solved_problems": len(solved),
-            "reference_solved_problems": len(ref_solved)}
+    return {
+        "samples": len(rows),
+        "accepted": sum(r["accepted"] for r in rows),
+        "solved_problems": len(solved),
+        "reference_solved_problems": len(ref_solved),
+    }
 
 
 # --- generator process hygiene ------------------------------------------------------------------------------------------
@@ -274,8 +302,13 @@ def wait_gpu_drain(pids: set[int], timeout_s: float) -> str:
         return "no nvidia-smi"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        r = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True,
-                           text=True, timeout=30)
+        r = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+            capture_output=True,
+            check=False,
+            text=True,
+            timeout=30,
+        )
         if not ({int(x) for x in r.stdout.split() if x.strip().isdigit()} & pids):
             return "drained"
         time.sleep(2)
@@ -325,7 +358,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gen-args", default="", help="extra lean_gen.py arguments (one shell-quoted string)")
     p.add_argument("--repl-cmd", default="lake exe repl", help="command starting a Lean REPL (JSON on stdin/stdout)")
     p.add_argument("--repl-cwd", default=None, help="where to start it (the Mathlib project)")
-    p.add_argument("--repl-timeout", type=float, default=float(os.environ.get("PROOF_TIMEOUT", 300)))
+    p.add_argument("--repl-timeout", type=float, default=float(os.environ.get("PROOF_TIMEOUT", "300")))
     p.add_argument("--import-timeout", type=float, default=100.0)
     p.add_argument("--allowed-axioms", default=",".join(STANDARD_AXIOMS))
     p.add_argument("--gpu-drain-timeout", type=float, default=120.0)
@@ -351,14 +384,29 @@ def main(argv: list[str] | None = None) -> int:
     for k in range(args.rounds + 1):
         gen = os.path.join(args.workdir, f"gen_r{k}.jsonl")
         verif = os.path.join(args.workdir, f"verif_r{k}.jsonl")
-        cmd = [args.gen_python, os.path.join(HERE, "lean_gen.py"), "--problems", args.problems, "--out", gen,
-               "--n", str(args.n_initial if k == 0 else args.n_correction), "--cap-tokens", str(args.cap_tokens),
-               "--round", str(k), "--seed", str(args.seed)]
+        cmd = [
+            args.gen_python,
+            os.path.join(HERE, "lean_gen.py"),
+            "--problems",
+            args.problems,
+            "--out",
+            gen,
+            "--n",
+            str(args.n_initial if k == 0 else args.n_correction),
+            "--cap-tokens",
+            str(args.cap_tokens),
+            "--round",
+            str(k),
+            "--seed",
+            str(args.seed),
+        ]
         for v, g in pairs:
             cmd += ["--corrections-from", v, g]
         cmd += shlex.split(args.gen_args)
         rc, info = run_generator(cmd, os.path.join(args.workdir, f"gen_r{k}.log"), args.gpu_drain_timeout, stop)
-        print(f"round {k}: generator exit {rc} | shm removed {len(info['shm_removed'])} | gpu {info['gpu']}", flush=True)
+        print(
+            f"round {k}: generator exit {rc} | shm removed {len(info['shm_removed'])} | gpu {info['gpu']}", flush=True
+        )
         if stop["signum"]:
             return 143
         try:
@@ -367,8 +415,11 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, json.JSONDecodeError) as exc:
             status = f"unreadable ({exc})"
         if status != "complete":
-            print(f"round {k}: {gen}.manifest.json status is {status!r}, not 'complete' (generator exit {rc}); "
-                  f"see {args.workdir}/gen_r{k}.log", file=sys.stderr)
+            print(
+                f"round {k}: {gen}.manifest.json status is {status!r}, not 'complete' (generator exit {rc}); "
+                f"see {args.workdir}/gen_r{k}.log",
+                file=sys.stderr,
+            )
             return EXIT_MANIFEST
         if os.path.getsize(gen) == 0:
             print(f"round {k}: nothing to generate (all parents solved or skipped); stopping", flush=True)

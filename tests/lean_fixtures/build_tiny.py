@@ -28,8 +28,13 @@ CHAT_TEMPLATE = (
 
 
 def corpus_lines(path: str | None) -> list[str]:
-    lines = ["Complete the following Lean 4 code:", "Before producing the Lean 4 code to formally prove the theorem",
-             "The proof (Round 0) is not correct. Error Message: unsolved goals", "```lean4", "theorem t := by simp"]
+    lines = [
+        "Complete the following Lean 4 code:",
+        "Before producing the Lean 4 code to formally prove the theorem",
+        "The proof (Round 0) is not correct. Error Message: unsolved goals",
+        "```lean4",
+        "theorem t := by simp",
+    ]
     if path and os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             for line in f:
@@ -45,29 +50,44 @@ def build(model_dir: str, adapter_dir: str | None, corpus: str | None) -> None:
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tk.train_from_iterator(corpus_lines(corpus), trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  additional_special_tokens=["<|im_start|>"])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
     tok.chat_template = CHAT_TEMPLATE
     n = len(tok)
     assert n <= VOCAB, n
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0,
-                      bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
-                      eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
-                      pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"))
+    cfg = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+    )
     model = Qwen2ForCausalLM(cfg).to(torch.float32)
     model.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     if adapter_dir:
         from peft import LoraConfig, get_peft_model
 
-        lcfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                          init_lora_weights=False)
+        lcfg = LoraConfig(
+            r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False
+        )
         pm = get_peft_model(model, lcfg)
         with torch.no_grad():
             for name, p in pm.named_parameters():
