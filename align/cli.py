@@ -53,13 +53,13 @@ def _flags(cls: type, prefixes: dict[str, str], path: tuple[str, ...] = ()) -> l
             continue
         prefix = prefixes.get(".".join(path), "")
         name = f.name.replace("_", "-")
-        flag = prefix.rstrip("-") if (f.name == "name" and prefix) else prefix + name
+        flag = path[-1] if (f.name == "name" and path) else prefix + name  # LossConfig.name -> --loss
         out.append((flag, path + (f.name,), f, _base_type(tp)))
     return out
 
 
 def build_parser(cls: type, prefixes: dict[str, str], description: str = "") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", default=None, help="Reload a saved config.json (flags given here override it).")
     seen: set[str] = set()
     defaults = dataclasses.asdict(cls())
@@ -70,7 +70,8 @@ def build_parser(cls: type, prefixes: dict[str, str], description: str = "") -> 
         default = defaults
         for p in path:
             default = default[p]
-        kw: dict[str, Any] = dict(dest="/".join(path), default=argparse.SUPPRESS, help=f.metadata.get("help", ""))
+        kw: dict[str, Any] = dict(dest="/".join(path), default=argparse.SUPPRESS, help=f.metadata.get("help", ""),
+                                  metavar=None if tp is bool else f.name.upper())
         kw["help"] += f" (default: {default!r})"
         if tp is bool:
             parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, **kw)

@@ -73,7 +73,7 @@ Advantage statistics (adv_mean / adv_std, num_zero_variance_groups, ...) come fr
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -247,19 +247,19 @@ RHO_MODES: dict[str, Callable[[Tensor, Tensor, LossConfig], tuple[Tensor, Tensor
 
 @dataclass
 class LossConfig:
-    name: str = "token_mean"  # a key of LOSSES
-    eps_low: float = 0.2  # clip ratio below at 1 - eps_low
-    eps_high: float = 0.2  # clip ratio above at 1 + eps_high (DAPO clip-higher: 0.28)
-    dual_clip_c: float | None = None  # dual clip for A < 0 (> 1, typically 3); None = off
-    kl_coef: float = 0.0  # 0 = no KL term and no ref_logprobs needed
-    kl_estimator: str = "k3"  # a key of KL_ESTIMATORS
-    entropy_coef: float = 0.0  # entropy bonus (subtracted from the loss); needs entropy=
-    max_len_norm: int | None = None  # constant normaliser for "constant_norm" (max completion tokens)
-    use_rho_correction: bool = False  # reweight by pi_old / mu (needs behav_logprobs=)
-    rho_mode: str = "token_tis"  # a key of RHO_MODES
-    rho_cap: float = 2.0  # truncation cap for the *_tis modes
-    rho_low: float = 0.5  # lower bound kept by the *_mis modes
-    rho_high: float = 2.0  # upper bound kept by the *_mis modes
+    name: str = field(default="token_mean", metadata={"help": f"loss variant: {', '.join(LOSSES)}"})
+    eps_low: float = field(default=0.2, metadata={"help": "clip ratio below at 1 - eps_low"})
+    eps_high: float = field(default=0.2, metadata={"help": "clip ratio above at 1 + eps_high (DAPO clip-higher: 0.28)"})
+    dual_clip_c: float | None = field(default=None, metadata={"help": "dual clip for A < 0 (> 1, typically 3); None = off"})
+    kl_coef: float = field(default=0.0, metadata={"help": "0 = no KL term and no ref_logprobs needed"})
+    kl_estimator: str = field(default="k3", metadata={"help": f"KL estimator: {', '.join(KL_ESTIMATORS)}"})
+    entropy_coef: float = field(default=0.0, metadata={"help": "entropy bonus (subtracted from the loss); needs entropy="})
+    max_len_norm: int | None = field(default=None, metadata={"help": "constant normaliser for 'constant_norm' (max completion tokens)"})
+    use_rho_correction: bool = field(default=False, metadata={"help": "reweight by pi_old / mu (needs behav_logprobs=)"})
+    rho_mode: str = field(default="token_tis", metadata={"help": f"off-policy correction mode: {', '.join(RHO_MODES)}"})
+    rho_cap: float = field(default=2.0, metadata={"help": "truncation cap for the *_tis modes"})
+    rho_low: float = field(default=0.5, metadata={"help": "lower bound kept by the *_mis modes"})
+    rho_high: float = field(default=2.0, metadata={"help": "upper bound kept by the *_mis modes"})
 
     def __post_init__(self) -> None:
         for field, table in (("name", LOSSES), ("kl_estimator", KL_ESTIMATORS), ("rho_mode", RHO_MODES)):

@@ -50,7 +50,7 @@ class TrainConfig:
     model: str | None = field(default=None, metadata=_h("HF checkpoint dir (Llama/Qwen2/Qwen3). None: the built-in task's warm-started model."))
     task: str = field(default="reverse", metadata=_h("Built-in task used when no prompts/reward are passed ('reverse')."))
     seed: int = field(default=0, metadata=_h("Seed for data order, sampling and init."))
-    steps: int = field(default=40, metadata=_h("Optimizer steps."))
+    steps: int = field(default=100, metadata=_h("Optimizer steps."))
     prompts_per_step: int = field(default=32, metadata=_h("Prompts per step (each sampled group_size times)."))
     group_size: int = field(default=8, metadata=_h("Completions per prompt (G)."))
     max_tokens: int = field(default=10, metadata=_h("Max new tokens per completion."))
@@ -67,6 +67,7 @@ class TrainConfig:
     grad_clip: float = field(default=1.0, metadata=_h("Max global grad norm (0 = off)."))
     micro_batch_size: int = field(default=64, metadata=_h("Completions per forward/backward; never changes the result."))
     gradient_checkpointing: bool = field(default=False, metadata=_h("Recompute layer activations in backward."))
+    threads: int = field(default=1, metadata=_h("torch CPU threads (0 = torch's default). 1 is fastest for small models and never oversubscribes a shared CPU."))
     dtype: str = field(default="float32", metadata=_h("Training weights dtype: 'float32' or 'bfloat16'."))
     logprob_backend: str = field(default="auto", metadata=_h("Token logprob kernel: auto (triton on CUDA, chunked torch elsewhere), torch, triton, reference."))
     rollout: str = field(default="native", metadata=_h("Rollout backend: 'native' (in-process) or 'spool' (vLLM worker)."))
@@ -83,7 +84,7 @@ class TrainConfig:
     warm_start_steps: int = field(default=400, metadata=_h("Supervised warm-start steps of the built-in task's model."))
     loss: LossConfig = field(default_factory=LossConfig)
     adv: AdvantageConfig = field(default_factory=AdvantageConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: EvalConfig = field(default_factory=lambda: EvalConfig(eval_interval=10, eval_n=4))
 
     def __post_init__(self) -> None:
         for name, cls in (("loss", LossConfig), ("adv", AdvantageConfig), ("eval", EvalConfig)):
@@ -249,6 +250,8 @@ def train(
     from align.runlog import MetricsLog, Progress, atomic_write_text, format_line, write_plot
 
     t_start = time.monotonic()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     stop_flag = stop_flag if stop_flag is not None else {}
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -57,6 +57,7 @@ def run(out: Path, model: str | None, steps: int, interval: int, fleet: bool, ar
         "loop_s_per_step": (sum(r["step_time"] for r in step_recs) + blocked) / len(step_recs),
         "eval_points": len(evals),
         "blocked_s_per_point": blocked / max(len(evals), 1),
+        "blocked_s_median": statistics.median(r["eval/train_blocked_seconds"] for r in evals) if evals else 0.0,
         "eval_duration_s": statistics.mean(r["eval/duration_seconds"] for r in evals) if evals else float("nan"),
         "lag_steps_max": max((r.get("eval/lag_steps", 0) for r in evals), default=0),
         "wall_s": wall,
@@ -82,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         f"eval every {args.eval_interval} steps, {args.steps} steps, {args.eval_prompts} eval prompts x n={args.eval_n}"
     )
     print(f"{'':24}{'blocking':>12}{'fleet':>12}")
-    for key in ("grpo_step_s", "loop_s_per_step", "blocked_s_per_point", "eval_duration_s", "lag_steps_max", "wall_s"):
+    keys = ("grpo_step_s", "loop_s_per_step", "blocked_s_per_point", "blocked_s_median", "eval_duration_s")
+    for key in (*keys, "lag_steps_max", "wall_s"):
         print(f"{key:24}{a[key]:>12.3f}{b[key]:>12.3f}")
     print(f"loop time per step, fleet / blocking: {b['loop_s_per_step'] / a['loop_s_per_step']:.2f}")
     (root / "summary.json").write_text(json.dumps({"blocking": a, "fleet": b, "args": vars(args)}, indent=2))
