@@ -223,6 +223,38 @@ def sequence_batch(prompt_ids: list[list[int]], completions: list, G: int, devic
     return tuple(t.to(device) for t in (inputs, targets, mask, full_lp, sampled_lp))
 
 
+def backward_batch(policy, ref_model, cfg: TrainConfig, inputs, targets, mask, advantages, behav) -> list[dict]:
+    """Loss and backward over micro-batches of ``cfg.micro_batch_size`` completions, accumulating into ``.grad``.
+
+    The normalisers (token and sequence counts) are those of the whole batch, so the accumulated gradient
+    is the whole-batch gradient whatever the micro-batch size. ``old_logprobs`` is the current policy's
+    logprob, detached: one update per batch, so the PPO ratio is 1 and rho = pi_old / mu measures exactly
+    the sampler-trainer mismatch. Returns the per-micro-batch stats (merge with ``merge_stats``)."""
+    import torch
+
+    from align.grpo import normalisers, policy_loss
+    from align.kernels import token_logprobs
+
+    total_tokens, total_seqs = normalisers(mask)
+    stats = []
+    if total_tokens == 0:
+        return stats
+    for s in range(0, inputs.shape[0], cfg.micro_batch_size):
+        sl = slice(s, s + cfg.micro_batch_size)
+        logits = policy(inputs[sl])  # (mb, L, V)
+        lp, ent = token_logprobs(logits, targets[sl], cfg.temperature, backend=cfg.logprob_backend)
+        ref_lp = None
+        if ref_model is not None:
+            with torch.no_grad():
+                ref_lp, _ = token_logprobs(ref_model(inputs[sl]), targets[sl], cfg.temperature, with_entropy=False,
+                                           backend=cfg.logprob_backend)
+        loss, st = policy_loss(cfg.loss, lp, lp.detach(), advantages[sl], mask[sl], behav_logprobs=behav[sl],
+                               ref_logprobs=ref_lp, entropy=ent, total_tokens=total_tokens, total_seqs=total_seqs)
+        loss.backward()
+        stats.append(st)
+    return stats
+
+
 def train(
     cfg: TrainConfig,
     *,
@@ -242,8 +274,7 @@ def train(
     from align import checkpoint as ckpt
     from align.eval import EvalSet, make_evaluator
     from align.eval.metrics import score_completions
-    from align.grpo import compute_advantages, merge_stats, normalisers, policy_loss
-    from align.kernels import token_logprobs
+    from align.grpo import compute_advantages, merge_stats
     from align.model import load_pretrained, save_pretrained
     from align.rollout.client import make_rollout_client, spawn_worker
     from align.rollout.protocol import SamplingParams, logprob_basis_warning
@@ -401,24 +432,8 @@ def train(
             flat_adv = torch.stack([adv[c.prompt_index, c.sample_index] for c in completions]).float()
             mask &= flat_valid[:, None]
             behav = sampled_lp if cfg.behaviour_logprobs == "sampled" else full_lp
-            total_tokens, total_seqs = normalisers(mask)
             opt.zero_grad(set_to_none=True)
-            mb_stats = []
-            if total_tokens > 0:
-                for s in range(0, len(completions), cfg.micro_batch_size):
-                    sl = slice(s, s + cfg.micro_batch_size)
-                    logits = policy(inputs[sl])  # (mb, L, V)
-                    lp, ent = token_logprobs(logits, targets[sl], cfg.temperature, backend=cfg.logprob_backend)
-                    ref_lp = None
-                    if ref_model is not None:
-                        with torch.no_grad():
-                            ref_lp, _ = token_logprobs(ref_model(inputs[sl]), targets[sl], cfg.temperature,
-                                                       with_entropy=False, backend=cfg.logprob_backend)
-                    loss, st = policy_loss(cfg.loss, lp, lp.detach(), flat_adv[sl], mask[sl], behav_logprobs=behav[sl],
-                                           ref_logprobs=ref_lp, entropy=ent, total_tokens=total_tokens,
-                                           total_seqs=total_seqs)
-                    loss.backward()
-                    mb_stats.append(st)
+            mb_stats = backward_batch(policy, ref_model, cfg, inputs, targets, mask, flat_adv, behav)
             grad_norm = 0.0
             if mb_stats:
                 if cfg.grad_clip > 0:
