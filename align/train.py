@@ -58,7 +58,7 @@ class TrainConfig:
     top_p: float = field(default=1.0, metadata=_h("Nucleus sampling mass."))
     top_k: int = field(default=0, metadata=_h("Top-k sampling (0 = off)."))
     behaviour_logprobs: str = field(default="sampled", metadata=_h("Sampler logprob used as mu for rho: 'sampled' (the truncated distribution actually sampled from) or 'full' (full-vocabulary)."))
-    lr: float = field(default=1e-3, metadata=_h("Peak AdamW learning rate."))
+    lr: float = field(default=5e-4, metadata=_h("Peak AdamW learning rate."))
     warmup_steps: int = field(default=3, metadata=_h("Linear LR warm-up steps."))
     lr_schedule: str = field(default="constant", metadata=_h("After warm-up: 'constant', 'linear' or 'cosine' decay to min_lr_ratio."))
     min_lr_ratio: float = field(default=0.1, metadata=_h("Final LR as a fraction of lr for linear/cosine."))
@@ -75,13 +75,14 @@ class TrainConfig:
     spawn_worker: bool = field(default=True, metadata=_h("With --rollout spool, start the vLLM worker (else attach to a running one)."))
     rollout_gpu: int | None = field(default=None, metadata=_h("GPU for the spawned vLLM worker (None = CPU build)."))
     rollout_logprobs_mode: str = field(default="raw", metadata=_h("vLLM worker logprobs: 'raw' (before temperature; exact at T=1) or 'processed' (after temperature/top-p/top-k)."))
+    rollout_in_process: bool = field(default=False, metadata=_h("Run the spawned vLLM engine in the worker's own process (faster start on CPU; the default is vLLM's multiprocess engine)."))
     rollout_timeout_s: float = field(default=600.0, metadata=_h("Max seconds to wait for a rollout answer."))
     sync_every: int = field(default=1, metadata=_h("Publish weights to the spool worker every N optimizer steps."))
     checkpoint_every: int = field(default=20, metadata=_h("Checkpoint every N steps (and at the end); 0 = only at the end."))
     keep_checkpoints: int = field(default=2, metadata=_h("Keep the last K checkpoints."))
     save_hf: str | None = field(default=None, metadata=_h("Also export the final model as an HF dir here."))
     eval_prompts: int = field(default=200, metadata=_h("Held-out prompts of the built-in task for eval."))
-    warm_start_steps: int = field(default=400, metadata=_h("Supervised warm-start steps of the built-in task's model."))
+    warm_start_steps: int = field(default=800, metadata=_h("Supervised warm-start steps of the built-in task's model."))
     loss: LossConfig = field(default_factory=LossConfig)
     adv: AdvantageConfig = field(default_factory=AdvantageConfig)
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(eval_interval=10, eval_n=4))
@@ -341,7 +342,8 @@ def train(
         if cfg.spawn_worker:
             worker = spawn_worker(spool, gpu=cfg.rollout_gpu, log_path=out / "rollout_worker.log", model=init_snapshot,
                                   weights_version=step, max_model_len=mcfg.max_position_embeddings,
-                                  logprobs_mode=cfg.rollout_logprobs_mode)
+                                  logprobs_mode=cfg.rollout_logprobs_mode, in_process=cfg.rollout_in_process,
+                                  dtype=cfg.dtype)
         client = make_rollout_client("spool", spool=spool, timeout_s=cfg.rollout_timeout_s, worker=worker)
     params = SamplingParams(n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                             max_tokens=cfg.max_tokens, stop_token_ids=stops)
