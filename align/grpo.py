@@ -262,14 +262,14 @@ class LossConfig:
     rho_high: float = field(default=2.0, metadata={"help": "upper bound kept by the *_mis modes"})
 
     def __post_init__(self) -> None:
-        for field, table in (("name", LOSSES), ("kl_estimator", KL_ESTIMATORS), ("rho_mode", RHO_MODES)):
-            value = getattr(self, field)
+        for key, table in (("name", LOSSES), ("kl_estimator", KL_ESTIMATORS), ("rho_mode", RHO_MODES)):
+            value = getattr(self, key)
             if value not in table:
-                raise ValueError(f"LossConfig.{field}={value!r} is unknown; valid: {', '.join(table)}")
-        for field in ("eps_low", "eps_high", "kl_coef"):
-            value = getattr(self, field)
+                raise ValueError(f"LossConfig.{key}={value!r} is unknown; valid: {', '.join(table)}")
+        for key in ("eps_low", "eps_high", "kl_coef"):
+            value = getattr(self, key)
             if not (isinstance(value, (int, float)) and 0 <= value < float("inf")):
-                raise ValueError(f"LossConfig.{field}={value!r} must be a finite number >= 0")
+                raise ValueError(f"LossConfig.{key}={value!r} must be a finite number >= 0")
         if not abs(self.entropy_coef) < float("inf"):
             raise ValueError(f"LossConfig.entropy_coef={self.entropy_coef!r} must be finite")
         if self.dual_clip_c is not None:

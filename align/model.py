@@ -72,7 +72,7 @@ class ModelConfig:
             )
 
     @classmethod
-    def from_hf_config(cls, hf: dict[str, Any]) -> "ModelConfig":
+    def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
         """Build from a Hugging Face ``config.json`` dict (transformers 4.x ``rope_theta``/``rope_scaling``
         or 5.x ``rope_parameters``)."""
         mt = hf.get("model_type")
@@ -301,7 +301,7 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.gradient_checkpointing = False
 
-    def init_weights(self, std: float = 0.02, seed: int | None = None) -> "Transformer":
+    def init_weights(self, std: float = 0.02, seed: int | None = None) -> Transformer:
         """Random init (normal(0, std) for matrices, ones for norms, zeros for biases)."""
         g = torch.Generator().manual_seed(seed) if seed is not None else None
         for name, p in self.named_parameters():

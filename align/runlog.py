@@ -108,8 +108,8 @@ def write_plot(path: Path, records: list[dict], title: str = "align run") -> Non
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">',
            f'<rect width="{W}" height="{H}" fill="white"/>',
            f'<text x="{W / 2}" y="20" text-anchor="middle" font-size="14">{title}</text>']
-    X = lambda s: pad + (s - x0) / (x1 - x0) * (W - 2 * pad)  # noqa: E731
-    Y = lambda v: H - pad - v * (H - 2 * pad)  # noqa: E731
+    X = lambda s: pad + (s - x0) / (x1 - x0) * (W - 2 * pad)
+    Y = lambda v: H - pad - v * (H - 2 * pad)
     for i in range(6):  # grid and y labels 0..1
         y = Y(i / 5)
         out.append(f'<line x1="{pad}" y1="{y:.1f}" x2="{W - pad}" y2="{y:.1f}" stroke="#ddd"/>')
@@ -122,7 +122,7 @@ def write_plot(path: Path, records: list[dict], title: str = "align run") -> Non
         vals = [v for _, v in pts]
         lo, hi = min(vals), max(vals)
         scaled = lo < 0 or hi > 1
-        norm = (lambda v: (v - lo) / (hi - lo or 1)) if scaled else (lambda v: v)
+        norm = (lambda v, lo=lo, hi=hi: (v - lo) / (hi - lo or 1)) if scaled else (lambda v: v)
         color = colors[j % len(colors)]
         points = " ".join(f"{X(s):.1f},{Y(norm(v)):.1f}" for s, v in sorted(pts))
         out.append(f'<polyline fill="none" stroke="{color}" stroke-width="2" points="{points}"/>')

@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import random
 import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from align.cli import from_dict
 from align.eval.config import EvalConfig

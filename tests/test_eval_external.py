@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_models import require_rollout_venv
 
 from align.eval import EvalConfig, EvalSet, make_evaluator, retarget_args
 from align.eval.checkpoint_eval import _import_target
-from align.rollout.client import DEFAULT_VENV
 from align.rollout.protocol import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
@@ -161,14 +161,6 @@ def test_example_reexports_retarget_args():
 # ---- the real server ----
 
 
-def require_rollout_venv() -> None:
-    venv = Path(os.environ.get("ALIGN_ROLLOUT_VENV", DEFAULT_VENV))
-    if (venv / ".align-stamp").exists() and (venv / "bin" / "python").exists():
-        return
-    msg = f"{venv} missing or incomplete; build it with `bash scripts/setup_rollout_venv.sh`"
-    if os.environ.get("ALIGN_REQUIRE_ROLLOUT") == "1":
-        pytest.fail(msg)
-    pytest.skip(msg)
 
 
 def fake_optimizer_step(model: torch.nn.Module, step: int) -> None:

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_models import require_rollout_venv
 
 from align.eval import EvalConfig, EvalSet, make_evaluator
-from align.rollout.client import DEFAULT_VENV
 from align.rollout.protocol import SamplingParams
 
 pytestmark = pytest.mark.rollout
@@ -30,14 +30,6 @@ TIMEOUT_S = 300.0  # engine start + first generate (inductor compile) on 2 share
 NOISE = 0.05  # per-"optimizer step" weight change: enough to change greedy continuations
 
 
-def require_rollout_venv() -> None:
-    venv = Path(os.environ.get("ALIGN_ROLLOUT_VENV", DEFAULT_VENV))
-    if (venv / ".align-stamp").exists() and (venv / "bin" / "python").exists():
-        return
-    msg = f"{venv} missing or incomplete; build it with `bash scripts/setup_rollout_venv.sh`"
-    if os.environ.get("ALIGN_REQUIRE_ROLLOUT") == "1":
-        pytest.fail(msg)
-    pytest.skip(msg)
 
 
 def fake_optimizer_step(model: torch.nn.Module, step: int) -> None:

@@ -7,11 +7,11 @@ import os
 
 import pytest
 import torch
+from hf_reference import FEATURES, hf_model, save_hf
 
 from align.model import COMMIT_MARKER, ModelConfig, Transformer, load_pretrained, save_pretrained
 from align.rollout.native import generate
 from align.rollout.protocol import SamplingParams
-from hf_reference import FEATURES, hf_model, save_hf
 
 LOGIT_ATOL = 1e-5  # fp32 logits, |logit| ~ 5
 BF16_RTOL = 0.05  # bf16 vs fp32 logits, relative to the logit scale

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_reference import hf_model, save_hf
 
-import align.rollout.native as native
 from align.model import KVCache, load_pretrained
+from align.rollout import native
 from align.rollout.native import generate
 from align.rollout.protocol import SamplingParams
-from hf_reference import hf_model, save_hf
 
 LOGIT_ATOL = 1e-5
 LOGPROB_ATOL = 1e-5

@@ -18,9 +18,10 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers_models import require_rollout_venv as _require_rollout_venv
 
 from align.rollout import protocol as P
-from align.rollout.client import DEFAULT_VENV, RolloutError, WorkerDiedError, make_rollout_client, spawn_worker
+from align.rollout.client import RolloutError, WorkerDiedError, make_rollout_client, spawn_worker
 from align.rollout.protocol import SamplingParams
 
 pytestmark = pytest.mark.rollout
@@ -32,14 +33,6 @@ CALL_TIMEOUT_S = 180.0
 PROMPTS = [[5, 17, 99, 123], [7, 8], [300, 2, 44, 45, 46, 47]]
 
 
-def _require_rollout_venv() -> None:
-    venv = Path(os.environ.get("ALIGN_ROLLOUT_VENV", DEFAULT_VENV))  # the venv spawn_worker will use
-    if (venv / ".align-stamp").exists() and (venv / "bin" / "python").exists():
-        return
-    msg = f"{venv} missing or incomplete; build it with `bash scripts/setup_rollout_venv.sh`"
-    if os.environ.get("ALIGN_REQUIRE_ROLLOUT") == "1":
-        pytest.fail(msg)
-    pytest.skip(msg)
 
 
 @pytest.fixture(scope="module")

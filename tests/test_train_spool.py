@@ -5,13 +5,11 @@ logprobs and the trainer's recompute agree, so the reported mismatch (rho) is ~1
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
+from helpers_models import require_rollout_venv
 
 from align.model import Transformer, save_pretrained
-from align.rollout.client import DEFAULT_VENV
 from align.tasks import reverse
 from align.train import TrainConfig, train
 
@@ -20,14 +18,6 @@ pytestmark = pytest.mark.rollout
 MISMATCH_TOL = 1e-3  # |log pi_old - log mu| per token, fp32 vLLM CPU vs align (measured ~1e-5)
 
 
-def require_rollout_venv() -> None:
-    venv = Path(os.environ.get("ALIGN_ROLLOUT_VENV", DEFAULT_VENV))
-    if (venv / ".align-stamp").exists():
-        return
-    msg = f"{venv} missing; build it with `bash scripts/setup_rollout_venv.sh`"
-    if os.environ.get("ALIGN_REQUIRE_ROLLOUT") == "1":
-        pytest.fail(msg)
-    pytest.skip(msg)
 
 
 def test_grpo_with_spool_rollout(tmp_path):

@@ -43,5 +43,5 @@ class CharTokenizer:
         (Path(path) / "align_tokenizer.json").write_text(json.dumps({"type": "char", "alphabet": self.alphabet}))
 
     @classmethod
-    def load(cls, path: str | Path) -> "CharTokenizer":
+    def load(cls, path: str | Path) -> CharTokenizer:
         return cls(json.loads((Path(path) / "align_tokenizer.json").read_text())["alphabet"])
