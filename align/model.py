@@ -14,11 +14,13 @@ References: Llama (Touvron et al. 2023), Llama-3 RoPE scaling, Qwen2/Qwen3 techn
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -223,15 +225,57 @@ class KVCache:
         self.valid = self.valid[rows]
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` that can run on a prepacked copy of its weight (see ``packed_weights``)."""
+
+    packed: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+@contextlib.contextmanager
+def packed_weights(model: nn.Module, rows: int) -> Iterator[bool]:
+    """CPU inference: run every ``Linear`` on a oneDNN-prepacked copy of its weight for the duration.
+
+    Small-batch decode on a CPU streams every weight from memory once per token; the blocked layout
+    streams ~1.7x faster than the (out, in) layout training needs (measured here: 17 MB fp32 weight,
+    8 rows: 2.26 ms -> 1.32 ms), and gives the same results (the same oneDNN GEMM). Costs one extra copy
+    of the linear weights while active, made from the current weights on entry (so a sampler sharing the
+    training model always sees the latest step). No-op (yields False) off the CPU, under autograd, or
+    without oneDNN."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    w = linears[0].weight if linears else None
+    usable = (
+        w is not None
+        and w.device.type == "cpu"
+        and w.dtype in (torch.float32, torch.bfloat16)
+        and not torch.is_grad_enabled()
+        and torch.backends.mkldnn.is_available()
+    )
+    if not usable:
+        yield False
+        return
+    try:
+        for m in linears:
+            m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), rows)
+        yield True
+    finally:
+        for m in linears:
+            m.packed = None
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         H, K, D, E = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
         self.H, self.K, self.D = H, K, D
-        self.q_proj = nn.Linear(E, H * D, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(E, K * D, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(E, K * D, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(H * D, E, bias=cfg.o_bias)
+        self.q_proj = Linear(E, H * D, bias=cfg.qkv_bias)
+        self.k_proj = Linear(E, K * D, bias=cfg.qkv_bias)
+        self.v_proj = Linear(E, K * D, bias=cfg.qkv_bias)
+        self.o_proj = Linear(H * D, E, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
@@ -264,9 +308,9 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         E, F_ = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(E, F_, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(E, F_, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(F_, E, bias=cfg.mlp_bias)
+        self.gate_proj = Linear(E, F_, bias=cfg.mlp_bias)
+        self.up_proj = Linear(E, F_, bias=cfg.mlp_bias)
+        self.down_proj = Linear(F_, E, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -295,7 +339,7 @@ class Transformer(nn.Module):
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.model.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
