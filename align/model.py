@@ -14,13 +14,11 @@ References: Llama (Touvron et al. 2023), Llama-3 RoPE scaling, Qwen2/Qwen3 techn
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -225,72 +223,13 @@ class KVCache:
         self.valid = self.valid[rows]
 
 
-class PackedLinear:
-    """A oneDNN-prepacked copy of one or more linear layers sharing an input (q|k|v, gate|up), fused in one GEMM."""
-
-    def __init__(self, linears: list[nn.Linear], rows: int):
-        weight = torch.cat([m.weight.detach() for m in linears]) if len(linears) > 1 else linears[0].weight.detach()
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
-        biases = [m.bias for m in linears]
-        self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-
-
 class Linear(nn.Linear):
-    """``nn.Linear`` that can run on a prepacked copy of its weight (see ``packed_weights``)."""
+    """``nn.Linear`` that can run on a prepacked copy of its weight (``align.rollout.native.packed_weights``)."""
 
-    packed: PackedLinear | None = None
+    packed: Any = None  # a callable x -> x @ W.T + b, set only while sampling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.packed(x) if self.packed is not None else F.linear(x, self.weight, self.bias)
-
-
-@contextlib.contextmanager
-def packed_weights(model: nn.Module, rows: int) -> Iterator[bool]:
-    """CPU inference: run the linear layers on oneDNN-prepacked copies of their weights for the duration,
-    with q|k|v and gate|up fused into one GEMM each.
-
-    Small-batch decode on a CPU streams every weight from memory once per token; the blocked layout
-    streams ~1.7x faster than the (out, in) layout training needs (measured here: 17 MB fp32 weight,
-    8 rows: 2.26 ms -> 1.32 ms), and fusing removes the per-call cost of the small k/v projections.
-    Costs one extra copy of the linear weights while active, made from the current weights on entry (so
-    a sampler sharing the training model always sees the latest step). No-op (yields False) off the CPU,
-    under autograd, or without oneDNN."""
-    w = model.lm_head.weight
-    usable = (
-        w.device.type == "cpu"
-        and w.dtype in (torch.float32, torch.bfloat16)
-        and not torch.is_grad_enabled()
-        and torch.backends.mkldnn.is_available()
-    )
-    if not usable:
-        yield False
-        return
-    touched: list[nn.Module] = []
-    try:
-        for m in model.modules():
-            if isinstance(m, Attention):
-                m.qkv = PackedLinear([m.q_proj, m.k_proj, m.v_proj], rows)
-                m.o_proj.packed = PackedLinear([m.o_proj], rows)
-            elif isinstance(m, MLP):
-                m.gate_up = PackedLinear([m.gate_proj, m.up_proj], rows)
-                m.down_proj.packed = PackedLinear([m.down_proj], rows)
-            else:
-                continue
-            touched.append(m)
-        model.lm_head.packed = PackedLinear([model.lm_head], rows)
-        touched.append(model.lm_head)
-        yield True
-    finally:
-        for m in touched:
-            for attr in ("qkv", "gate_up"):
-                m.__dict__.pop(attr, None)
-            for sub in m.children():
-                if isinstance(sub, Linear):
-                    sub.packed = None
-        model.lm_head.packed = None
 
 
 class Attention(nn.Module):
@@ -309,7 +248,7 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, layer: int, cache: KVCache | None, mask: torch.Tensor | None) -> torch.Tensor:
         B, T, _ = x.shape
-        if "qkv" in self.__dict__:  # packed for CPU sampling (packed_weights)
+        if "qkv" in self.__dict__:  # fused and packed for CPU sampling (native.packed_weights)
             q, k, v = self.qkv(x).split([self.H * self.D, self.K * self.D, self.K * self.D], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -343,7 +282,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(F_, E, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if "gate_up" in self.__dict__:  # packed for CPU sampling (packed_weights)
+        if "gate_up" in self.__dict__:  # fused and packed for CPU sampling (native.packed_weights)
             gate, up = self.gate_up(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)

@@ -169,3 +169,26 @@ def test_bad_prompts(model, prompts, kwargs, match):
 def test_bad_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_packed_weights_give_the_same_samples(model):
+    """CPU sampling runs on oneDNN-prepacked, fused copies of the weights: same tokens, same logprobs."""
+    params = SamplingParams(n=3, temperature=1.0, top_p=0.9, max_tokens=12, seed=3, stop_token_ids=[10])
+    packed = generate(model, PROMPTS, params)
+    plain = generate(model, PROMPTS, params, pack_weights=False)
+    for a, b in zip(packed, plain):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=LOGPROB_ATOL)
+    with torch.inference_mode(), native.packed_weights(model, rows=4) as active:
+        assert active and "qkv" in model.model.layers[0].self_attn.__dict__
+        assert model.lm_head.packed is not None
+        ids = torch.tensor([PROMPTS[0]])
+        fast = model(ids)
+        model.lm_head.packed = None  # negative control: the packed path is what runs inside the context
+        real_qkv = model.model.layers[0].self_attn.qkv
+        model.model.layers[0].self_attn.qkv = lambda x: torch.zeros_like(real_qkv(x))
+        broken = model(ids)
+    assert (broken - fast).abs().max() > 1e-3
+    assert "qkv" not in model.model.layers[0].self_attn.__dict__ and model.lm_head.packed is None  # restored
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), fast, atol=LOGIT_ATOL, rtol=0)
