@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from align.rollout.protocol import fsync_dir
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 COMMIT_MARKER = ".complete"  # written last into a saved directory; readers require it
@@ -449,13 +451,6 @@ def load_pretrained(
     return model.eval()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 def save_pretrained(
     model: Transformer,
@@ -518,7 +513,7 @@ def save_pretrained(
         marker.write_text(json.dumps({"format": "align-hf", "dtype": str(dtype)}))
         with open(marker, "rb+") as fh:
             os.fsync(fh.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if path.exists():
             old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
             os.replace(path, old)
@@ -526,7 +521,7 @@ def save_pretrained(
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -8,18 +8,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
+from align.rollout.protocol import atomic_write_text
+
 LINE_KEYS = ("reward_mean", "loss", "kl", "entropy", "completion_len_mean", "tokens_per_s", "step_time")
 
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 class MetricsLog:

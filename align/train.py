@@ -278,8 +278,8 @@ def train(
     from align.grpo import compute_advantages, merge_stats
     from align.model import load_pretrained, save_pretrained
     from align.rollout.client import make_rollout_client, spawn_worker
-    from align.rollout.protocol import SamplingParams, logprob_basis_warning
-    from align.runlog import MetricsLog, Progress, atomic_write_text, format_line, write_plot
+    from align.rollout.protocol import SamplingParams, atomic_write_text, logprob_basis_warning
+    from align.runlog import MetricsLog, Progress, format_line, write_plot
 
     t_start = time.monotonic()
     if cfg.threads:

@@ -42,6 +42,7 @@ from typing import Any
 from align.eval.checkpoint_eval import CheckpointEvalFn, EvalInput, EvalSkip, load_eval_fn
 from align.eval.config import EvalConfig, EvalSet
 from align.eval.metrics import score_eval_set
+from align.rollout.protocol import fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +59,6 @@ def is_complete(path: str) -> bool:
 def snapshot_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step_{step}")
 
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def export_snapshot(export_fn: Callable[[str], None], root: str, step: int) -> str:
@@ -92,7 +86,7 @@ def export_snapshot(export_fn: Callable[[str], None], root: str, step: int) -> s
             os.replace(final, old)
             shutil.rmtree(old, ignore_errors=True)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -318,10 +318,11 @@ def atomic_write_text(path: str | os.PathLike, text: str, tmp_dir: str | os.Path
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory so a rename inside it is durable (best effort)."""
     with contextlib.suppress(OSError):  # some filesystems cannot fsync a directory; the rename is still atomic
         fd = os.open(path, os.O_RDONLY)
         try:
