@@ -192,3 +192,33 @@ def test_packed_weights_give_the_same_samples(model):
     assert "qkv" not in model.model.layers[0].self_attn.__dict__ and model.lm_head.packed is None  # restored
     with torch.no_grad():
         torch.testing.assert_close(model(ids), fast, atol=LOGIT_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["mkl", "onednn"])
+@pytest.mark.parametrize("m", [3, 6, 40], ids=["fewer-rows-padded", "packed-rows", "more-rows-prefill"])
+@torch.no_grad()
+def test_packed_linear_matches_the_layers(monkeypatch, layout, m):
+    """Both packed layouts, fused q|k|v-style, for fewer, exactly and more rows than packed for."""
+    import platform
+
+    if layout == "mkl":
+        if platform.machine() in ("x86_64", "AMD64"):
+            assert native._mkl_packing_available(torch.float32), "x86 torch wheels ship MKL; the fast path is missing"
+        elif not native._mkl_packing_available(torch.float32):
+            pytest.skip("this torch build has no MKL (not x86); the oneDNN layout is used")
+    else:
+        monkeypatch.setattr(native, "MKL_MAX_BYTES", 0)
+    g = torch.Generator().manual_seed(0)
+    layers = [torch.nn.Linear(24, n, bias=True) for n in (16, 8, 8)]
+    for lin in layers:
+        lin.weight.copy_(torch.randn(lin.weight.shape, generator=g))
+        lin.bias.copy_(torch.randn(lin.bias.shape, generator=g))
+    packed = native.PackedLinear(layers, rows=6)
+    assert packed.mkl == (layout == "mkl")
+    x = torch.randn(m, 1, 24, generator=g)
+    want = torch.cat([lin(x) for lin in layers], dim=-1)
+    got = packed(x)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    swapped = torch.cat([lin(x) for lin in (layers[0], layers[2], layers[1])], dim=-1)  # negative control: k|v swapped
+    assert (got - swapped).abs().max() > 1e-3
