@@ -198,8 +198,10 @@ def generate(
 
     A completion ends with ``finish_reason == "stop"`` (its last token is one of ``stop_token_ids``) or
     ``"length"`` (``max_tokens`` reached, or the model's context is full). On a CPU, ``pack_weights``
-    runs the linear layers on a prepacked copy of the weights for the call (``align.model.packed_weights``:
-    faster decode for one extra copy of the weights while sampling)."""
+    runs the linear layers on a prepacked copy of the weights for the call (``packed_weights``: faster
+    decode for one extra copy of the weights while sampling). To sample repeatedly from unchanged weights,
+    enter ``packed_weights(model, rows)`` once around the calls; any row count stays correct (fewer rows
+    are padded, more rows run the original layers), the fastest is ``rows == len(prompts) * n``."""
     with torch.inference_mode():
         rows = len(prompts) * params.n
         with packed_weights(model, rows) if pack_weights else contextlib.nullcontext():
