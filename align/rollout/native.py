@@ -45,9 +45,9 @@ class PackedLinear:
     """A prepacked copy of one or more linear layers sharing an input (q|k|v, gate|up), fused in one GEMM.
 
     Two layouts, chosen by weight size from ``benchmarks/bench_packing.py`` (decode-sized row counts,
-    weights streamed from memory): MKL's packed sgemm for fp32 weights under ``MKL_MAX_BYTES`` (it streamed
-    1-6 MB weights 5-20% faster and costs ~9 us per call instead of ~30 us), oneDNN's blocked layout for
-    larger ones (6-9% faster from 17 MB up), for bf16 and without MKL. MKL's packing is tied to the row
+    weights streamed from memory): MKL's packed sgemm for fp32 weights under ``MKL_MAX_BYTES`` (7-24% less
+    time on 1-6 MB weights, ~9 us per call instead of ~30 us), oneDNN's blocked layout for larger ones
+    (3-11% less time from 17 MB up), for bf16 and without MKL. MKL's packing is tied to the row
     count: fewer rows (after compaction) are zero-padded up to it, more rows (the prefill, compute-bound)
     run the original layers."""
 
@@ -88,7 +88,7 @@ def packed_weights(model: nn.Module, rows: int) -> Iterator[bool]:
     Costs one extra copy of the linear weights while active, made from the current weights on entry (so
     a sampler sharing the training model always sees the latest step). Re-entrant: inside an active
     context (same model) it reuses the copy, so wrapping several ``generate`` calls over unchanged weights
-    packs once (packing the 0.5B shape takes ~0.7 s here). Do not update the weights inside the context.
+    packs once (packing the 0.5B shape takes ~1 s here). Do not update the weights inside the context.
     No-op (yields False) off the CPU, under autograd, or without oneDNN."""
     w = model.lm_head.weight
     usable = (
