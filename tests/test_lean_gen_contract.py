@@ -261,6 +261,7 @@ def test_lean_prompts_is_stdlib_only():
 
 # --- lean_gen pure half ------------------------------------------------------------------------------------------------
 
+lr = _load("lean_records")  # files, plan and records (the stdlib half lean_gen imports)
 lg = _load("lean_gen")
 pgv = _load("pipeline_gen_verify")
 STMT = EX["lean4_code_478"]
@@ -273,13 +274,13 @@ def _problems(tmp_path, rows):
 
 
 def test_derive_seed_is_stable_distinct_and_cap_free():
-    s = lg.derive_seed(0, "p", 0, 0)
-    assert s == lg.derive_seed(0, "p", 0, 0) and 0 <= s < 2**31
+    s = lr.derive_seed(0, "p", 0, 0)
+    assert s == lr.derive_seed(0, "p", 0, 0) and 0 <= s < 2**31
     others = {
-        lg.derive_seed(1, "p", 0, 0),
-        lg.derive_seed(0, "q", 0, 0),
-        lg.derive_seed(0, "p", 1, 0),
-        lg.derive_seed(0, "p", 0, 1),
+        lr.derive_seed(1, "p", 0, 0),
+        lr.derive_seed(0, "q", 0, 0),
+        lr.derive_seed(0, "p", 1, 0),
+        lr.derive_seed(0, "p", 0, 1),
     }
     assert s not in others and len(others) == 4
 
@@ -290,26 +291,26 @@ def test_load_problems_skips_and_errors(tmp_path):
         {"name": "b", "lean4_code": "theorem b : True"},
         {"name": "c", "lean4_code": ""},
     ]
-    probs, skips = lg.load_problems(_problems(tmp_path, rows))
+    probs, skips = lr.load_problems(_problems(tmp_path, rows))
     assert probs["a"]["lean4_code"] == "theorem a : 1 = 1 := by sorry"
     assert [(s["problem_id"], s["reason"]) for s in skips] == [("b", "no_by_marker"), ("c", "no_lean4_code")]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"name": "a", "lean4_code": "x := by"}\n{not json\n', encoding="utf-8")
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
-        lg.load_problems(str(bad))
+        lr.load_problems(str(bad))
     with pytest.raises(ValueError, match="duplicate problem id"):
-        lg.load_problems(_problems(tmp_path, [rows[0], rows[0]]))
+        lr.load_problems(_problems(tmp_path, [rows[0], rows[0]]))
     with pytest.raises(ValueError, match="no problem id"):
-        lg.load_problems(_problems(tmp_path, [{"lean4_code": "x := by"}]))
+        lr.load_problems(_problems(tmp_path, [{"lean4_code": "x := by"}]))
 
 
 def test_minif2f_round0_plan_matches_reference_ids():
     data = ROOT.parent / "shared" / "data" / "minif2f_test.jsonl"
     if not data.exists():
         pytest.skip(f"{data} not present")
-    probs, skips = lg.load_problems(str(data))
+    probs, skips = lr.load_problems(str(data))
     assert len(probs) == 244 and not skips
-    items = lg.plan_round0(probs, 2, 0)
+    items = lr.plan_round0(probs, 2, 0)
     assert len(items) == 488 and items[0]["sample_id"] == "mathd_algebra_478_g0"
     assert items[0]["messages"] == [{"role": "user", "content": EX["user_content_478"]}]
     assert len({it["seed"] for it in items}) == 488
@@ -338,7 +339,7 @@ PROBS = {"p": {"problem_id": "p", "lean4_code": STMT}, "q": {"problem_id": "q", 
 def test_plan_corrections_builds_goedel_history_and_ids():
     gen = [_gen("p_g0", "p", 0, text=EX["model_output_478"]), _gen("p_g1", "p", 0)]
     ver = [_verif("p_g0", "p", errors=EX["repl_errors_478"]), _verif("p_g1", "p", errors=EX["repl_errors_478"])]
-    items, skips = lg.plan_corrections(PROBS, 1, 2, 0, [(ver, gen)])
+    items, skips = lr.plan_corrections(PROBS, 1, 2, 0, [(ver, gen)])
     assert [it["sample_id"] for it in items] == ["p_g0_corr1_g0", "p_g0_corr1_g1", "p_g1_corr1_g0", "p_g1_corr1_g1"]
     assert [it["sample_idx"] for it in items] == [0, 1, 2, 3] and not skips
     assert items[0]["messages"][1:] == [
@@ -368,7 +369,7 @@ def test_plan_corrections_skip_reasons_are_counted():
             "q_g3", "q", errors=[{"severity": "error", "pos": {"line": 99, "column": 0}, "endPos": None, "data": ""}]
         ),
     ]
-    items, skips = lg.plan_corrections(PROBS, 1, 1, 0, [(ver, gen)])
+    items, skips = lr.plan_corrections(PROBS, 1, 1, 0, [(ver, gen)])
     reasons = {s.get("parent_id"): s["reason"] for s in skips}
     assert reasons == {
         "p_g1": "solved",
@@ -379,18 +380,18 @@ def test_plan_corrections_skip_reasons_are_counted():
         "q_g3": "bad_repl_errors",
     }
     assert items == []
-    items, skips = lg.plan_corrections(PROBS, 1, 1, 0, [(ver, gen)], policy="resample", repair_solved=True)
+    items, skips = lr.plan_corrections(PROBS, 1, 1, 0, [(ver, gen)], policy="resample", repair_solved=True)
     assert {it["parent_id"]: it["kind"] for it in items} == {"q_g1": "resample"}
     assert items[0]["messages"] == lp.initial_messages(STMT)
-    items, _ = lg.plan_corrections(PROBS, 1, 1, 0, [(ver, gen)], policy="goedel")
+    items, _ = lr.plan_corrections(PROBS, 1, 1, 0, [(ver, gen)], policy="goedel")
     assert items[0]["messages"][-1]["content"] == lp.correction_feedback("", 1)
 
 
 def test_plan_corrections_all_parents_missing_is_an_error():
     with pytest.raises(ValueError, match="none of the verification"):
-        lg.plan_corrections(PROBS, 1, 1, 0, [([_verif("x_g0", "x", errors=[])], [_gen("p_g0", "p", 0)])])
+        lr.plan_corrections(PROBS, 1, 1, 0, [([_verif("x_g0", "x", errors=[])], [_gen("p_g0", "p", 0)])])
     with pytest.raises(ValueError, match="round >= 1"):
-        lg.plan_corrections(PROBS, 0, 1, 0, [])
+        lr.plan_corrections(PROBS, 0, 1, 0, [])
 
 
 def test_round2_lineage_partial_without_earlier_pairs_and_cap_refuses():
@@ -398,58 +399,58 @@ def test_round2_lineage_partial_without_earlier_pairs_and_cap_refuses():
     r1 = _gen("p_g0_corr1_g0", "p", 1, tokens=50, lineage=["p_g0", "p_g0_corr1_g0"])
     r1["trajectory"]["cumulative_completion_tokens"] = 150
     v1 = [_verif("p_g0_corr1_g0", "p", errors=EX["repl_errors_478"])]
-    full, _ = lg.plan_corrections(
+    full, _ = lr.plan_corrections(
         PROBS, 2, 1, 0, [([_verif("p_g0", "p", errors=[])], [r0]), (v1, [r1])], trajectory_cap=400
     )
     assert full[0]["lineage_state"] == "complete" and full[0]["ancestor_tokens"] == 150
     assert full[0]["lineage"] == ["p_g0", "p_g0_corr1_g0", "p_g0_corr1_g0_corr2_g0"]
-    part, _ = lg.plan_corrections(PROBS, 2, 1, 0, [(v1, [r1])])
+    part, _ = lr.plan_corrections(PROBS, 2, 1, 0, [(v1, [r1])])
     assert part[0]["lineage_state"] == "partial"
     with pytest.raises(ValueError, match="partial"):
-        lg.plan_corrections(PROBS, 2, 1, 0, [(v1, [r1])], trajectory_cap=400)
+        lr.plan_corrections(PROBS, 2, 1, 0, [(v1, [r1])], trajectory_cap=400)
 
 
 def test_token_budget_cap_context_and_trajectory():
-    assert lg.token_budget(16384, 40960, 500) == {
+    assert lr.token_budget(16384, 40960, 500) == {
         "max_tokens": 16384,
         "context_clipped": False,
         "budget_clipped": False,
     }
-    assert lg.token_budget(40960, 40960, 500) == {"max_tokens": 40460, "context_clipped": True, "budget_clipped": False}
-    assert lg.token_budget(100, 1000, 750)["max_tokens"] == 100
-    assert lg.token_budget(500, 1000, 500) == {"max_tokens": 500, "context_clipped": False, "budget_clipped": False}
-    assert lg.token_budget(100, 1000, 751) is None  # the reference's 3/4 prompt filter
-    assert lg.token_budget(100, 1000, 10, 950, 1000) == {
+    assert lr.token_budget(40960, 40960, 500) == {"max_tokens": 40460, "context_clipped": True, "budget_clipped": False}
+    assert lr.token_budget(100, 1000, 750)["max_tokens"] == 100
+    assert lr.token_budget(500, 1000, 500) == {"max_tokens": 500, "context_clipped": False, "budget_clipped": False}
+    assert lr.token_budget(100, 1000, 751) is None  # the reference's 3/4 prompt filter
+    assert lr.token_budget(100, 1000, 10, 950, 1000) == {
         "max_tokens": 50,
         "context_clipped": False,
         "budget_clipped": True,
     }
-    assert lg.token_budget(100, 1000, 10, 1000, 1000) is None
+    assert lr.token_budget(100, 1000, 10, 1000, 1000) is None
 
 
 def test_resume_split_and_foreign_records():
     planned = [{"sample_id": s} for s in ("a", "b", "c")]
-    todo, done = lg.resume_split(planned, [{"sample_id": "b"}])
+    todo, done = lr.resume_split(planned, [{"sample_id": "b"}])
     assert [t["sample_id"] for t in todo] == ["a", "c"] and done == {"b"}
-    assert lg.resume_split(planned, [{"sample_id": s} for s in "abc"])[0] == []
+    assert lr.resume_split(planned, [{"sample_id": s} for s in "abc"])[0] == []
     with pytest.raises(ValueError, match="not in this plan"):
-        lg.resume_split(planned, [{"sample_id": "z"}])
+        lr.resume_split(planned, [{"sample_id": "z"}])
 
 
 def test_read_jsonl_repairs_only_an_unterminated_tail(tmp_path):
     p = tmp_path / "o.jsonl"
     p.write_text('{"sample_id": "a"}\n{"sample_id": "b"', encoding="utf-8")
-    assert [r["sample_id"] for r in lg.read_jsonl(str(p), repair_tail=True)] == ["a"]
+    assert [r["sample_id"] for r in lr.read_jsonl(str(p), repair_tail=True)] == ["a"]
     assert p.read_text() == '{"sample_id": "a"}\n'
     p.write_text('{"sample_id": "a"}\n{"sample_id"\n', encoding="utf-8")
     with pytest.raises(ValueError, match="o.jsonl:2"):
-        lg.read_jsonl(str(p), repair_tail=True)
+        lr.read_jsonl(str(p), repair_tail=True)
 
 
 def test_make_record_fields_and_ledger():
-    item = lg.plan_round0({"p": PROBS["p"]}, 1, 0)[0]
-    budget = lg.token_budget(64, 1000, 3)
-    rec = lg.make_record(
+    item = lr.plan_round0({"p": PROBS["p"]}, 1, 0)[0]
+    budget = lr.token_budget(64, 1000, 3)
+    rec = lr.make_record(
         item,
         prompt_ids=[1, 2, 3],
         completion_ids=[5, 6, 2],
@@ -473,7 +474,7 @@ def test_make_record_fields_and_ledger():
         round=1,
         trajectory=dict(rec["trajectory"], cumulative_completion_tokens=9, truncated=True),
     )
-    ledger = lg.build_trajectory_ledger(
+    ledger = lr.build_trajectory_ledger(
         [rec, child], [{"sample_id": "p_g0"}, {"sample_id": "p_g0_corr1_g0", "accepted": True}]
     )
     assert ledger["p_g0"] == {
@@ -488,9 +489,9 @@ def test_make_record_fields_and_ledger():
         "lineage_state": "complete",
         "state": "solved",
     }
-    assert lg.build_trajectory_ledger([rec], [])["p_g0"]["state"] == "unverified"
+    assert lr.build_trajectory_ledger([rec], [])["p_g0"]["state"] == "unverified"
     kid = dict(item, sample_id="p_g0_corr1_g0", ancestor_tokens=3, lineage=["p_g0", "p_g0_corr1_g0"])
-    krec = lg.make_record(
+    krec = lr.make_record(
         kid,
         prompt_ids=[1],
         completion_ids=[7, 8],
@@ -506,7 +507,7 @@ def test_make_record_fields_and_ledger():
     )
     assert krec["trajectory"]["cumulative_completion_tokens"] == 5 and krec["trajectory"]["truncated"] is True
     assert krec["trajectory"]["ancestor_completion_tokens"] == 3 and krec["trajectory"]["cap_tokens"] == 10
-    assert lg.build_trajectory_ledger([rec], [{"sample_id": "p_g0"}])["p_g0"]["state"] == "failed"
+    assert lr.build_trajectory_ledger([rec], [{"sample_id": "p_g0"}])["p_g0"]["state"] == "failed"
 
 
 def test_max_model_len_above_model_limit_raises(tmp_path):

@@ -60,6 +60,7 @@ def _load(name: str):
 
 
 lp = _load("lean_prompts")
+lr = _load("lean_records")  # files, plan and records (the stdlib half lean_gen imports)
 lg = _load("lean_gen")
 
 _LIVE: list[subprocess.Popen] = []
@@ -188,7 +189,7 @@ def test_round0_records(pipeline, w):
     for r in recs:
         assert r["cap_tokens"] == 24 and r["sampling"]["max_tokens"] == 24 and r["context_clipped"] is False
         assert r["sampling"]["temperature"] == 1.0 and r["sampling"]["top_p"] == 0.95
-        assert r["sampling"]["seed"] == lg.derive_seed(0, r["problem_id"], r["sample_idx"], 0)
+        assert r["sampling"]["seed"] == lr.derive_seed(0, r["problem_id"], r["sample_idx"], 0)
         assert 1 <= len(r["completion_ids"]) <= 24
         assert (r["finish_reason"] == "stop") == (len(r["completion_ids"]) < 24)
         assert r["messages"] == lp.initial_messages(r["lean4_code"])

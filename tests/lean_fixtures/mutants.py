@@ -16,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "extras" / "vllm_rollout"
-P, G, V = "lean_prompts.py", "lean_gen.py", "pipeline_gen_verify.py"
+P, R, V = "lean_prompts.py", "lean_records.py", "pipeline_gen_verify.py"
 
 MUTANTS = [
     (P, "proof steps and strategies.\\n", "proof steps and strategies. "),
@@ -46,19 +46,19 @@ MUTANTS = [
     (P, "CORRECTION_TEMPLATE.format(prev_round=round_k - 1,", "CORRECTION_TEMPLATE.format(prev_round=round_k,"),
     (P, 'content = content.split("</think>")[-1].lstrip("\\n")', 'content = content.split("</think>")[-1]'),
     (P, 'or "failed" in w["data"]', 'or "never" in w["data"]'),
-    (G, 'f"{seed}\\x00{problem_id}\\x00{sample_idx}\\x00{round_k}"', 'f"{seed}\\x00{problem_id}\\x00{sample_idx}"'),
-    (G, "if prompt_len > max_model_len * PROMPT_FIT:", "if prompt_len >= max_model_len * PROMPT_FIT:"),
+    (R, 'f"{seed}\\x00{problem_id}\\x00{sample_idx}\\x00{round_k}"', 'f"{seed}\\x00{problem_id}\\x00{sample_idx}"'),
+    (R, "if prompt_len > max_model_len * PROMPT_FIT:", "if prompt_len >= max_model_len * PROMPT_FIT:"),
     (
-        G,
+        R,
         '"context_clipped": max_model_len - prompt_len < cap,',
         '"context_clipped": max_model_len - prompt_len <= cap,',
     ),
-    (G, "elif pid in solved and not repair_solved:", "elif False:"),
-    (G, 'elif v.get("repl_errors") is None or', 'elif not v.get("repl_errors") or'),
-    (G, "    if extra:\n        raise", "    if False:\n        raise"),
-    (G, 'keep = data.rfind(b"\\n") + 1', 'keep = data.rfind(b"\\n")'),
-    (G, 'cumulative = item["ancestor_tokens"] + len(completion_ids)', "cumulative = len(completion_ids)"),
-    (G, 'state = "complete" if traj and all(a in gen for a in lineage) else "partial"', 'state = "complete"'),
+    (R, "elif pid in solved and not repair_solved:", "elif False:"),
+    (R, 'elif v.get("repl_errors") is None or', 'elif not v.get("repl_errors") or'),
+    (R, "    if extra:\n        raise", "    if False:\n        raise"),
+    (R, 'keep = data.rfind(b"\\n") + 1', 'keep = data.rfind(b"\\n")'),
+    (R, 'cumulative = item["ancestor_tokens"] + len(completion_ids)', "cumulative = len(completion_ids)"),
+    (R, 'state = "complete" if traj and all(a in gen for a in lineage) else "partial"', 'state = "complete"'),
     (V, "r\"(?<![\\w.'])(sorry|admit|sorryAx)", "r\"(?<![\\w.'])(sorry|sorryAx)"),
     (V, 'if "env" not in reply:', "if False:"),
     (V, "(prefix is None or not code.startswith(prefix))", "(prefix is None)"),
