@@ -5,8 +5,8 @@
 
 Random-weight Qwen2 checkpoints are built here (no downloads). Each engine generates exactly
 ``new`` tokens per prompt at T=1 (no stop). Every repeat runs each engine once, back to back, so load on
-this shared machine hits the engines alike; ratios are the median over repeats of the paired time ratio
-(robust to drifts between repeats), tokens/s are given best and median. vLLM runs from ``.venv-rollout``
+this shared machine hits the engines alike (the order rotates between repeats); ratios are the median
+over repeats of the paired time ratio (robust to drifts between repeats), tokens/s are given best and median. vLLM runs from ``.venv-rollout``
 (``bash scripts/setup_rollout_venv.sh``) in a subprocess that times one call per request; it is skipped
 when absent. The native sampler packs its weights once, as vLLM does at load; the "repack/call" row adds
 that cost to every call (weights that change between calls). Also prints achieved FLOP/s against this
@@ -167,8 +167,10 @@ def bench_shape(name: str, repeats: int, peak: float) -> None:
         except RuntimeError as e:
             vllm = str(e)
         native_once(), hf_once()  # warm-up
-        for _ in range(repeats):  # every repeat runs each engine once, back to back: paired ratios
-            for key, fn in engines.items():
+        order = list(engines)
+        for r in range(repeats):  # every repeat runs each engine once, back to back: paired ratios
+            for key in order[r % len(order):] + order[: r % len(order)]:  # rotated: no engine always goes first
+                fn = engines[key]
                 t = time.perf_counter()
                 measured = fn()  # vLLM reports its own time (excluding the pipe round trip)
                 times[key].append(measured if measured is not None else time.perf_counter() - t)
