@@ -9,7 +9,8 @@ memory as in a real decode step), best of 5, interleaved. ``align.rollout.native
 it, oneDNN above) comes from this table.
 
 ``--step``: every GEMM of one decode step of each shape (all layers, fused q|k|v and gate|up, then the
-vocabulary head), as ``align``'s sampler runs them (``PackedLinear``), with oneDNN for all, unpacked
+vocabulary head), as ``align``'s sampler runs them (``PackedLinear``: the AVX-512 kernel of
+``align.rollout.cpu_kernel`` where it builds) and as it runs them without that kernel, with oneDNN for all, unpacked
 ``F.linear`` (what transformers runs), vLLM's own oneDNN matmul handler when ``vllm`` imports (run it with
 ``.venv-rollout``), and a plain streaming read of the same bytes (``sum``: the memory ceiling no kernel
 beats). A second, identical copy of align's weights shows how much the placement of the weights in memory
@@ -31,6 +32,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from align.rollout import native
 from align.rollout.native import PackedLinear
 
 CASES = [  # (rows, out_features, in_features): 31M shape at 16 rows, Qwen2.5-0.5B shape at 8 rows
@@ -64,12 +66,18 @@ def step_case(name: str, rows: int, shapes: list[tuple[int, int]], vllm_ops, rep
     nbytes = sum(o * i * 4 for o, i in shapes)
     ours = [PackedLinear([lin], rows) for lin in linears]
     ours2 = [PackedLinear([lin], rows) for lin in linears]
+    kernel_ops, native._kernel_ops = native._kernel_ops, lambda: None
+    try:
+        library = [PackedLinear([lin], rows) for lin in linears]  # what the sampler uses without the kernel
+    finally:
+        native._kernel_ops = kernel_ops
     onednn = [torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), rows) for lin in linears]
     flat = [lin.weight.detach().reshape(-1).clone() for lin in linears]
     fns = {
         "streaming read (sum)": lambda: [f.sum() for f in flat],
         "align PackedLinear": lambda: [p(x) for p, x in zip(ours, xs)],
         "align, 2nd copy": lambda: [p(x) for p, x in zip(ours2, xs)],
+        "align, MKL/oneDNN only": lambda: [p(x) for p, x in zip(library, xs)],
         "oneDNN for all": lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
                                    for w, x in zip(onednn, xs)],
         "F.linear (unpacked)": lambda: [F.linear(x, lin.weight) for lin, x in zip(linears, xs)],
@@ -89,7 +97,8 @@ def step_case(name: str, rows: int, shapes: list[tuple[int, int]], vllm_ops, rep
                 fns[k]()
                 times[k].append(time.perf_counter() - t)
     ceiling = statistics.median(times["streaming read (sum)"])
-    print(f"\n## {name}: {len(shapes)} GEMMs, {nbytes / 1e6:.0f} MB of fp32 weights per step")
+    print(f"\n## {name}: {len(shapes)} GEMMs, {nbytes / 1e6:.0f} MB of fp32 weights per step; "
+          f"align layouts: {sorted({p.kind for p in ours})}, without the kernel: {sorted({p.kind for p in library})}")
     print(f"{'kernel':<24}{'ms/step':>9}{'GB/s':>7}{'of ceiling':>12}")
     for k, ts in times.items():
         med = statistics.median(ts)

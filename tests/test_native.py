@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hf_reference import hf_model, save_hf
 
 from align.model import KVCache, load_pretrained
-from align.rollout import native
+from align.rollout import cpu_kernel, native
 from align.rollout.native import generate
 from align.rollout.protocol import SamplingParams
 
@@ -194,27 +195,117 @@ def test_packed_weights_give_the_same_samples(model):
         torch.testing.assert_close(model(ids), fast, atol=LOGIT_ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("layout", ["mkl", "onednn"])
+def _require_kernel():
+    import platform
+
+    ops = cpu_kernel.load()
+    if ops is None:
+        if platform.machine() in ("x86_64", "AMD64") and torch.backends.cpu.get_cpu_capability() == "AVX512":
+            pytest.fail(f"this machine has AVX-512 but the decode kernel is unavailable: {cpu_kernel.unavailable_reason()}")
+        pytest.skip(f"no AVX-512 decode kernel here ({cpu_kernel.unavailable_reason()})")
+    return ops
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 16])
+@pytest.mark.parametrize("n,k", [(48, 64), (40, 33), (8, 5)], ids=["odd-blocks", "partial-block", "one-block"])
+@torch.no_grad()
+def test_cpu_kernel_matches_f_linear(rows, n, k):
+    """The AVX-512 decode GEMM against F.linear: 1-16 rows (two-block and one-block paths), N not a multiple of 16,
+    an odd number of 16-column blocks, with and without bias."""
+    ops = _require_kernel()
+    g = torch.Generator().manual_seed(rows * 100 + n)
+    w, b, x = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(rows, k, generator=g)
+    wp = ops.pack(w)
+    torch.testing.assert_close(ops.linear(x, wp, n, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ops.linear(x, wp, n, None), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    w2 = w.clone()
+    w2[n - 1, k - 1] += 0.01  # negative control: one weight in the last (partial) block
+    assert (ops.linear(x, ops.pack(w2), n, b) - F.linear(x, w, b)).abs().max() > 1e-3
+
+
+def test_cpu_kernel_rejects_bad_input():
+    ops = _require_kernel()
+    wp = ops.pack(torch.randn(20, 8))
+    with pytest.raises(RuntimeError, match="1 to 16 rows"):
+        ops.linear(torch.randn(17, 8), wp, 20, None)
+    with pytest.raises(RuntimeError, match="N does not match"):
+        ops.linear(torch.randn(2, 8), wp, 40, None)
+    with pytest.raises(RuntimeError, match="from align_cpu::pack"):
+        ops.linear(torch.randn(2, 9), wp, 20, None)
+
+
+def test_cpu_kernel_build_failure_falls_back(tmp_path):
+    """A compiler that fails: a warning naming the failure, no half-written library, MKL/oneDNN sampling."""
+    import os
+    import subprocess
+    import sys
+
+    if cpu_kernel._cpu_supported() is not None:
+        pytest.skip(f"the kernel is never built here ({cpu_kernel._cpu_supported()})")
+    code = """
+import warnings, torch
+from align.rollout import cpu_kernel, native
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    assert cpu_kernel.load() is None
+print(caught[0].message)
+print(native.PackedLinear([torch.nn.Linear(8, 8)], 4).kind)
+"""
+    env = {**os.environ, "CXX": "false", "XDG_CACHE_HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    first, kind = out.strip().splitlines()[0], out.strip().splitlines()[-1]
+    assert "build failed" in first and "exited with 1" in first and "MKL/oneDNN" in first
+    assert kind in ("mkl", "onednn")
+    assert [p.name for p in (tmp_path / "align").iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_cpu_kernel_can_be_disabled(tmp_path):
+    """ALIGN_CPU_KERNEL=0: no build, a reason, and sampling still packs (MKL/oneDNN)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; from align.rollout import cpu_kernel, native;"
+        "assert cpu_kernel.load() is None; print(cpu_kernel.unavailable_reason());"
+        "lin = torch.nn.Linear(8, 8); print(native.PackedLinear([lin], 4).kind)"
+    )
+    env = {**os.environ, "ALIGN_CPU_KERNEL": "0", "XDG_CACHE_HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[0] == "disabled by ALIGN_CPU_KERNEL=0"
+    assert out.splitlines()[1] in ("mkl", "onednn")
+    assert not (tmp_path / "align").exists()  # nothing was built
+
+
+@pytest.mark.parametrize("layout", ["avx512", "mkl", "onednn"])
 @pytest.mark.parametrize("m", [3, 6, 40], ids=["fewer-rows-padded", "packed-rows", "more-rows-prefill"])
 @torch.no_grad()
 def test_packed_linear_matches_the_layers(monkeypatch, layout, m):
-    """Both packed layouts, fused q|k|v-style, for fewer, exactly and more rows than packed for."""
+    """Every packed layout, fused q|k|v-style, for fewer, exactly and more rows than packed for."""
     import platform
 
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    if layout == "avx512":
+        if x86 and torch.backends.cpu.get_cpu_capability() == "AVX512":
+            assert native._kernel_ops() is not None, f"AVX-512 kernel unavailable: {cpu_kernel.unavailable_reason()}"
+        elif native._kernel_ops() is None:
+            pytest.skip(f"no AVX-512 decode kernel on this machine ({cpu_kernel.unavailable_reason()})")
+    else:
+        monkeypatch.setattr(native, "_kernel_ops", lambda: None)
     if layout == "mkl":
-        if platform.machine() in ("x86_64", "AMD64"):
+        if x86:
             assert native._mkl_packing_available(torch.float32), "x86 torch wheels ship MKL; the fast path is missing"
         elif not native._mkl_packing_available(torch.float32):
             pytest.skip("this torch build has no MKL (not x86); the oneDNN layout is used")
-    else:
+    elif layout == "onednn":
         monkeypatch.setattr(native, "MKL_MAX_BYTES", 0)
     g = torch.Generator().manual_seed(0)
-    layers = [torch.nn.Linear(24, n, bias=True) for n in (16, 8, 8)]
+    layers = [torch.nn.Linear(24, n, bias=True) for n in (16, 8, 9)]  # 33 outputs: a partial 16-column block
     for lin in layers:
         lin.weight.copy_(torch.randn(lin.weight.shape, generator=g))
         lin.bias.copy_(torch.randn(lin.bias.shape, generator=g))
     packed = native.PackedLinear(layers, rows=6)
-    assert packed.mkl == (layout == "mkl")
+    assert packed.kind == layout
     x = torch.randn(m, 1, 24, generator=g)
     want = torch.cat([lin(x) for lin in layers], dim=-1)
     got = packed(x)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from align.model import MLP, Attention, KVCache, Linear, Transformer
+from align.rollout import cpu_kernel
 from align.rollout.protocol import Completion, SamplingParams
 
 COMPACT_FRACTION = 0.25  # compact the batch once this fraction of live rows has finished
@@ -44,47 +45,61 @@ def _mkl_packing_available(dtype: torch.dtype) -> bool:
 class PackedLinear:
     """A prepacked copy of one or more linear layers sharing an input (q|k|v, gate|up), fused in one GEMM.
 
-    Two layouts, chosen by weight size from ``benchmarks/bench_packing.py`` (decode-sized row counts,
-    weights streamed from memory): MKL's packed sgemm for fp32 weights under ``MKL_MAX_BYTES`` (7-24% less
-    time on 1-6 MB weights, ~9 us per call instead of ~30 us), oneDNN's blocked layout for larger ones
-    (3-11% less time from 17 MB up), for bf16 and without MKL. MKL's packing is tied to the row
-    count: fewer rows (after compaction) are zero-padded up to it, more rows (the prefill, compute-bound)
-    run the original layers."""
+    Three layouts (``kind``), measured by ``benchmarks/bench_packing.py`` (decode-sized row counts, weights
+    streamed from memory):
+    - ``"avx512"``: fp32, at most ``cpu_kernel.MAX_ROWS`` rows, where ``cpu_kernel.load()`` works (AVX-512
+      and a C++ compiler): our kernel, 30-35% faster than either library layout on a decode step;
+    - ``"mkl"``: other fp32 weights under ``MKL_MAX_BYTES``: MKL's packed sgemm (5-16% less time than
+      oneDNN on 1-6 MB weights, ~9 us per call instead of ~30 us);
+    - ``"onednn"``: larger weights, bf16, no MKL: oneDNN's blocked layout (3-12% less time from 17 MB up).
+    MKL's packing is tied to the row count: fewer rows (after compaction) are zero-padded up to it. More
+    rows than a layout takes (the prefill, compute-bound) run the original layers."""
 
     def __init__(self, linears: list[nn.Linear], rows: int):
         weight = torch.cat([m.weight.detach() for m in linears]) if len(linears) > 1 else linears[0].weight.detach()
         biases = [m.bias for m in linears]
         self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-        self.linears, self.rows = linears, rows
+        self.linears, self.rows, self.out_features = linears, rows, weight.shape[0]
         nbytes = weight.numel() * weight.element_size()
-        self.mkl = _mkl_packing_available(weight.dtype) and nbytes < MKL_MAX_BYTES
-        if self.mkl:
+        if weight.dtype == torch.float32 and rows <= cpu_kernel.MAX_ROWS and _kernel_ops() is not None:
+            self.kind, self.weight = "avx512", _kernel_ops().pack(weight)
+        elif _mkl_packing_available(weight.dtype) and nbytes < MKL_MAX_BYTES:
+            self.kind = "mkl"
             self.weight = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
             self.sizes = torch.empty(()).expand(weight.shape)  # _mkl_linear reads only the sizes when rows match
         else:
+            self.kind = "onednn"
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.mkl:
+        if self.kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         m = x.numel() // x.shape[-1]
-        if m > self.rows:
+        if m > (cpu_kernel.MAX_ROWS if self.kind == "avx512" else self.rows):
             return torch.cat([F.linear(x, lin.weight, lin.bias) for lin in self.linears], dim=-1)
         x2 = x.reshape(m, x.shape[-1])
+        if self.kind == "avx512":
+            y = torch.ops.align_cpu.linear(x2, self.weight, self.out_features, self.bias)
+            return y.view(*x.shape[:-1], self.out_features)
         if m < self.rows:
             x2 = torch.cat([x2, x2.new_zeros(self.rows - m, x2.shape[-1])])
         y = torch.ops.mkl._mkl_linear(x2, self.weight, self.sizes, self.bias, self.rows)
         return y[:m].view(*x.shape[:-1], y.shape[-1])
 
 
+def _kernel_ops():
+    """The AVX-512 decode GEMM's ops, or None (``align.rollout.cpu_kernel``); a seam for tests."""
+    return cpu_kernel.load()
+
+
 @contextlib.contextmanager
 def packed_weights(model: nn.Module, rows: int) -> Iterator[bool]:
-    """CPU inference: run the linear layers on oneDNN-prepacked copies of their weights for the duration,
-    with q|k|v and gate|up fused into one GEMM each.
+    """CPU inference: run the linear layers on prepacked copies of their weights (``PackedLinear``) for the
+    duration, with q|k|v and gate|up fused into one GEMM each.
 
-    Small-batch decode on a CPU streams every weight from memory once per token; the blocked layout
-    streams ~1.7x faster than the (out, in) layout training needs (measured here: 17 MB fp32 weight,
-    8 rows: 2.26 ms -> 1.32 ms), and fusing removes the per-call cost of the small k/v projections.
+    Small-batch decode on a CPU streams every weight from memory once per token; the packed layouts stream
+    1.5-2x faster than the (out, in) layout training needs (``bench_packing.py --step``: ``F.linear`` reaches
+    37-40% of a plain memory read), and fusing removes the per-call cost of the small k/v projections.
     Costs one extra copy of the linear weights while active, made from the current weights on entry (so
     a sampler sharing the training model always sees the latest step). Re-entrant: inside an active
     context (same model) it reuses the copy, so wrapping several ``generate`` calls over unchanged weights
