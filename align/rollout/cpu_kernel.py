@@ -45,8 +45,10 @@ at::Tensor pack(const at::Tensor& w) {
 
 constexpr int64_t kPrefetch = 64;  // k steps ahead (4 KiB per stream); prefetches never fault
 
+// y[m, c] = sum_k x[m, k] W[c, k] (+ bias[c]) for the NBK 16-column blocks starting at column n0.
 template <int M, int NBK>
-inline void blocks(const float* __restrict w, int64_t K, const float* __restrict xt, float* __restrict out) {
+inline void blocks(const float* __restrict w, int64_t K, const float* __restrict xt, float* __restrict y,
+                   int64_t N, int64_t n0, const float* __restrict bias) {
   __m512 acc[NBK][M];
   for (int j = 0; j < NBK; ++j)
     for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
@@ -63,8 +65,12 @@ inline void blocks(const float* __restrict w, int64_t K, const float* __restrict
       for (int j = 0; j < NBK; ++j) acc[j][m] = _mm512_fmadd_ps(xb, v[j], acc[j][m]);
     }
   }
-  for (int j = 0; j < NBK; ++j)
-    for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + (j * M + m) * 16, acc[j][m]);
+  for (int j = 0; j < NBK; ++j) {  // straight from the registers; the last block of N % 16 columns is masked
+    const int64_t c0 = n0 + j * 16;
+    const __mmask16 mask = N - c0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - c0)) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + c0) : _mm512_setzero_ps();
+    for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(y + m * N + c0, mask, _mm512_add_ps(acc[j][m], b));
+  }
 }
 
 template <int M>
@@ -72,19 +78,10 @@ void run(const float* wp, int64_t NB, int64_t K, int64_t N, const float* xt, con
   constexpr int NBK = M <= 8 ? 2 : 1;  // two blocks at a time while the accumulators fit in 32 registers
   const int64_t groups = (NB + NBK - 1) / NBK;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    alignas(64) float tmp[NBK * M * 16];
     for (int64_t g = g0; g < g1; ++g) {
-      const int64_t b = g * NBK, nb = std::min<int64_t>(NBK, NB - b);
-      if (nb == NBK) blocks<M, NBK>(wp + b * K * 16, K, xt, tmp);
-      else blocks<M, 1>(wp + b * K * 16, K, xt, tmp);
-      for (int64_t j = 0; j < nb; ++j) {
-        const int64_t n0 = (b + j) * 16, cols = std::min<int64_t>(16, N - n0);
-        for (int m = 0; m < M; ++m) {
-          const float* src = tmp + (j * M + m) * 16;
-          float* dst = y + m * N + n0;
-          for (int64_t c = 0; c < cols; ++c) dst[c] = bias ? src[c] + bias[n0 + c] : src[c];
-        }
-      }
+      const int64_t b = g * NBK;
+      if (b + NBK <= NB) blocks<M, NBK>(wp + b * K * 16, K, xt, y, N, b * 16, bias);
+      else blocks<M, 1>(wp + b * K * 16, K, xt, y, N, b * 16, bias);
     }
   });
 }
@@ -148,7 +145,7 @@ def _compiler() -> str | None:
 def _build(cxx: str) -> Path:
     torch_dir = Path(torch.__file__).resolve().parent
     flags = [
-        "-O3", "-std=c++17", "-shared", "-fPIC", "-mavx512f", "-mfma", "-fopenmp",
+        "-O3", "-std=c++20", "-shared", "-fPIC", "-mavx512f", "-mfma", "-fopenmp",
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
     ]
