@@ -259,6 +259,36 @@ print(native.PackedLinear([torch.nn.Linear(8, 8)], 4).kind)
     assert [p.name for p in (tmp_path / "align").iterdir() if not p.name.endswith(".lock")] == []
 
 
+_LOAD = "from align.rollout import cpu_kernel; assert cpu_kernel.load() is not None, cpu_kernel.unavailable_reason()"
+
+
+@pytest.mark.slow
+def test_cpu_kernel_builds_once_under_concurrency_and_after_a_killed_build(tmp_path):
+    """Two processes loading at once share one build; a builder killed mid-compile leaves no lock that blocks
+    the next build and no half-written library (its leftovers are cleared by the next builder)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    _require_kernel()
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    cache = tmp_path / "align"
+    victim = subprocess.Popen([sys.executable, "-c", _LOAD], env=env, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not list(cache.glob("*.cpp")) and time.monotonic() < deadline and victim.poll() is None:
+        time.sleep(0.05)
+    assert victim.poll() is None and list(cache.glob("*.cpp")), "the build did not start"
+    os.killpg(victim.pid, signal.SIGKILL)  # the compiler too
+    victim.wait()
+    assert not list(cache.glob("*.so"))  # nothing half-written under the final name
+    procs = [subprocess.Popen([sys.executable, "-c", _LOAD], env=env) for _ in range(2)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    names = sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock"))
+    assert len(names) == 1 and names[0].endswith(".so"), names  # one build, leftovers of the killed one cleared
+
+
 def test_cpu_kernel_can_be_disabled(tmp_path):
     """ALIGN_CPU_KERNEL=0: no build, a reason, and sampling still packs (MKL/oneDNN)."""
     import os

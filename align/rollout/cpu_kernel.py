@@ -160,6 +160,9 @@ def _build(cxx: str) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same key
         if lib.exists():
             return lib
+        for stale in cache.glob(f"align_cpu_{key}.*.*"):  # left by a builder that was killed (we hold the lock)
+            if stale.suffix in (".cpp", ".tmp"):
+                stale.unlink(missing_ok=True)
         src = cache / f"align_cpu_{key}.{os.getpid()}.cpp"
         tmp = cache / f"align_cpu_{key}.{os.getpid()}.so.tmp"
         try:
