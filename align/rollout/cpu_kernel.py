@@ -137,8 +137,8 @@ def _cpu_supported() -> str | None:
 
 def _compiler() -> str | None:
     for name in (os.environ.get("CXX"), "c++", "g++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
+        if name and (path := shutil.which(name)):
+            return path
     return None
 
 
@@ -179,22 +179,23 @@ def _build(cxx: str) -> Path:
     return lib
 
 
+def _reason_not_to_build() -> str | None:
+    if os.environ.get("ALIGN_CPU_KERNEL", "1") == "0":
+        return "disabled by ALIGN_CPU_KERNEL=0"
+    if (why := _cpu_supported()) is not None:
+        return why
+    return None if _compiler() else "no C++ compiler found (set CXX, or install g++)"
+
+
 def load():
     """``torch.ops.align_cpu`` (``pack(w)``, ``linear(x, wp, n, bias)``), or None where it cannot run here."""
     if "ops" in _state or "error" in _state:
         return _state.get("ops")
-    why = None
-    if os.environ.get("ALIGN_CPU_KERNEL", "1") == "0":
-        why = "disabled by ALIGN_CPU_KERNEL=0"
-    else:
-        why = _cpu_supported()
-        cxx = _compiler()
-        if why is None and cxx is None:
-            why = "no C++ compiler found (set CXX, or install g++)"
+    why = _reason_not_to_build()
     if why is None:
         lib = None
         try:
-            lib = _build(cxx)
+            lib = _build(_compiler())
             torch.ops.load_library(str(lib))
             _state["ops"] = torch.ops.align_cpu
             return _state["ops"]

@@ -62,8 +62,9 @@ class PackedLinear:
         self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
         self.linears, self.rows, self.out_features = linears, rows, weight.shape[0]
         nbytes = weight.numel() * weight.element_size()
-        if weight.dtype == torch.float32 and rows <= cpu_kernel.MAX_ROWS and _kernel_ops() is not None:
-            self.kind, self.weight = "avx512", _kernel_ops().pack(weight)
+        ops = _kernel_ops() if weight.dtype == torch.float32 and rows <= cpu_kernel.MAX_ROWS else None
+        if ops is not None:
+            self.kind, self.weight = "avx512", ops.pack(weight)
         elif _mkl_packing_available(weight.dtype) and nbytes < MKL_MAX_BYTES:
             self.kind = "mkl"
             self.weight = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
