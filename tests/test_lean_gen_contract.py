@@ -1,7 +1,7 @@
 """Contract tests of the stdlib-only half of the Lean driver (lean_prompts.py + lean_gen.py's pure functions).
 
 Runs from the align venv: nothing here imports vllm. The quoted examples are the JSON literals of
-shared/reference/goedel.md (copied to tests/lean_fixtures/goedel_examples.json), produced there by
+Goedel-Prover-V2's src/utils.py @ 2e9036e (recorded in tests/lean_fixtures/goedel_examples.json), produced by
 running the reference Goedel-Prover-V2 functions; every one must be reproduced byte for byte.
 """
 
@@ -34,7 +34,7 @@ lp = _load("lean_prompts")
 EX = json.loads((FIX / "goedel_examples.json").read_text(encoding="utf-8"))
 
 
-# --- quoted examples of goedel.md, byte for byte -------------------------------------------------------------------
+# --- quoted reference examples, byte for byte ----------------------------------------------------------------------
 
 
 def test_initial_template_and_header_are_the_quoted_strings():
@@ -92,7 +92,7 @@ def test_feedback_and_rendered_correction_478():
     assert rendered == EX["rendered_prompt_478"] + EX["rendered_correction_tail_478"]
 
 
-# --- extraction edge cases (goedel.md 1.4 table) --------------------------------------------------------------------
+# --- extraction edge cases (src/utils.py extrac_code) -----------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -305,9 +305,7 @@ def test_load_problems_skips_and_errors(tmp_path):
 
 
 def test_minif2f_round0_plan_matches_reference_ids():
-    data = ROOT.parent / "shared" / "data" / "minif2f_test.jsonl"
-    if not data.exists():
-        pytest.skip(f"{data} not present")
+    data = Path(__file__).resolve().parent / "data" / "minif2f_test.jsonl"  # shipped; see tests/data/NOTICE.md
     probs, skips = lr.load_problems(str(data))
     assert len(probs) == 244 and not skips
     items = lr.plan_round0(probs, 2, 0)
