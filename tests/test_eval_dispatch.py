@@ -1,4 +1,4 @@
-"""Eval dispatcher, runner, fleet pin and CheckpointEvalFn: the D3 test matrix of shared/reference/eval-spec.md.
+"""Eval dispatcher, runner, fleet pin and CheckpointEvalFn, against the behaviour of miles' eval_dispatch.py (docs/eval.md).
 
 Fast and CPU-only. The backends here are in-test fakes (an eval function that blocks on events, fake spool
 clients with a version read-back) because these tests pin down ordering and bookkeeping, which a real engine

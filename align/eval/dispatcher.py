@@ -1,8 +1,8 @@
 """Non-blocking eval dispatch: snapshot export, a bounded FIFO of pending evals, retention GC, drain. stdlib only.
 
-Port of the miles ``EvalDispatcher`` (seed ``000_...``; ``shared/reference/eval-spec.md`` part A), with the seed's
-threading model: the dispatcher owns a private event loop on a daemon thread and the synchronous training loop
-drives it through ``Evaluator.step`` / ``poll`` / ``drain``.
+Port of the miles ``EvalDispatcher`` (seed ``000_...``; radixark/miles ``miles/ray/rollout/eval_dispatch.py``),
+with the seed's threading model: the dispatcher owns a private event loop on a daemon thread and the synchronous
+training loop drives it through ``Evaluator.step`` / ``poll`` / ``drain``.
 
 One eval point (``EvalDispatcher.dispatch(step)``), on the training thread:
 

@@ -4,7 +4,7 @@
 ``extras/vllm_rollout``; the CPU build of vLLM on a machine without GPUs) on its own spool dir. The training
 loop's weight sync never reaches them: they only ever load exported snapshots, here, one eval point at a time.
 
-``pin(checkpoint_dir, version)`` (A7 of ``shared/reference/eval-spec.md``; invariant I5):
+``pin(checkpoint_dir, version)`` (as miles' ``EvalFleet``, radixark/miles ``miles/ray/rollout/eval_fleet.py``):
 
 1. health: every worker process is alive, else ``EvalSkip("unhealthy")``;
 2. load and verify, 2 attempts: every engine loads the snapshot (``sync_weights(dir, version)``), then every

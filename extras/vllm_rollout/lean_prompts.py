@@ -2,7 +2,7 @@
 
 stdlib only at import (tested from the align venv). Every string and rule here reproduces the public
 Goedel-Prover-V2 pipeline (``src/utils.py`` ``DeepSeekCoTHandler``, ``src/compile.py:handle``,
-``src/inference.py``) as recorded in ``shared/reference/goedel.md``; the reference code itself is not
+``src/inference.py``, Goedel-LM/Goedel-Prover-V2 @ 2e9036e; see LEAN.md); the reference code itself is not
 vendored. Where the reference returns sentinel strings (``"None"``, ``"**Error**, ..."``) the
 ``goedel_*`` functions return them unchanged (they are what the reference compiles); ``full_code``
 is the record-level view that maps them to ``(None, reason)``.
@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import re
 
-# QUOTED DATA (goedel.md 1.4 / 2.2): the fixed header DeepSeekCoTHandler.extrac_code prefixes, and the
+# QUOTED DATA (src/utils.py, src/compile.py): the fixed header DeepSeekCoTHandler.extrac_code prefixes, and the
 # REPL's env-0 command (identical text).
 HEADER = "import Mathlib\nimport Aesop\n\nset_option maxHeartbeats 0\n\nopen BigOperators Real Nat Topology Rat\n\n"
 DEFAULT_IMPORTS = HEADER
 
-# QUOTED DATA (goedel.md 1.3): initial user prompt; `{formal_statement}` is the only field.
+# QUOTED DATA (src/utils.py prover_inference): initial user prompt; `{formal_statement}` is the only field.
 INITIAL_TEMPLATE = (
     "Complete the following Lean 4 code:\n\n```lean4\n{formal_statement}```\n\n"
     "Before producing the Lean 4 code to formally prove the given theorem, provide a detailed proof plan "
@@ -32,7 +32,7 @@ INITIAL_TEMPLATE = (
     "construction of the final formal proof."
 )
 
-# QUOTED DATA (goedel.md 1.7): correction feedback; `prev_round` = k - 1.
+# QUOTED DATA (src/utils.py DeepSeekCoTHandler.generate_correction_prompt): correction feedback; `prev_round` = k - 1.
 CORRECTION_TEMPLATE = (
     "The proof (Round {prev_round}) is not correct. Following is the compilation error message, where we use "
     "<error></error> to signal the position of the error.\n\n{error_str}"
@@ -40,10 +40,10 @@ CORRECTION_TEMPLATE = (
     "the error message."
 )
 
-# QUOTED DATA (goedel.md 1.5).
+# QUOTED DATA (src/utils.py problem_check / replace_statement_in_proof).
 APPLY_EXACT_ERROR = "**Error**, 'apply?' or 'exact?' is used, which is not allowed."
 
-# QUOTED DATA (goedel.md 1.4): tried in order, first pattern with any match wins, last match taken.
+# QUOTED DATA (src/utils.py extrac_code): tried in order, first pattern with any match wins, last match taken.
 EXTRACT_PATTERNS = (r"```lean4\n(.*?)\n```", r"```lean4\n(.*?)```", r"```lean\n(.*?)```")
 
 BY_MARKER = ":= by"
@@ -93,7 +93,7 @@ def correction_messages(history: list[dict], prev_output: str, error_str: str, r
 
 
 def render_qwen3(messages: list[dict], add_generation_prompt: bool = True) -> str:
-    """stdlib model of the stock Qwen3 chat template for user/assistant turns (goedel.md 3.3).
+    """stdlib model of the stock Qwen3 chat template for user/assistant turns (Qwen3's tokenizer_config.json).
 
     Assistant turns before the last user turn keep only the text after their last ``</think>``
     (left-stripped of newlines). No system prompt is injected; no ``<think>`` in the generation prompt."""
@@ -211,7 +211,7 @@ def _leading_spaces(line: str) -> int:
 
 
 def get_error_str(code: str, errors: list[dict], error_thres: bool = True) -> str:
-    """The reference feedback text with ``<error>``/``</error>`` markers (goedel.md 1.6).
+    """The reference feedback text with ``<error>``/``</error>`` markers (src/utils.py get_error_str).
 
     ``code`` is the compiled (``compile_view``) text; ``errors`` are REPL messages with severity error.
     Lines are 1-based, columns 0-based code points. Positions outside ``code`` raise ``ValueError``
@@ -257,7 +257,7 @@ def get_error_str(code: str, errors: list[dict], error_thres: bool = True) -> st
     return out
 
 
-# --- REPL verdicts (reference rules, goedel.md 2.3) ------------------------------------------------------------------
+# --- REPL verdicts (src/compile.py, lean_compiler/repl_scheduler.py) --------------------------------------------------
 
 
 def reference_verdict(reply: dict) -> dict:
