@@ -22,9 +22,15 @@ micro-batch term below is a plain sum divided by those global constants, so summ
 
     token_mean           (DAPO, default)  sum_{i,t} m l / total_tokens
     seq_mean_token_mean  (GRPO paper)     sum_i [sum_t m l / |o_i|] / total_seqs     |o_i| = sum_t m_{i,t}
-    constant_norm        (Dr. GRPO)       sum_{i,t} m l / (total_seqs * max_len_norm)   (TRL "dr_grpo")
+    constant_norm        (Dr. GRPO)       sum_{i,t} m l / (total_seqs * max_len_norm)
     gspo                 seq_mean_token_mean of l_i  = sum_i l_i / total_seqs       (GSPO eq. 5)
     cispo                token_mean
+
+``total_seqs`` counts only non-empty sequences by default (``seq_count="nonempty"``): a completion
+masked out entirely (unscorable, filtered, truncated under ``mask_truncated``) changes it. The Dr.
+GRPO paper (and TRL's "dr_grpo") divide by B * L with B every sequence of the batch, masked or not:
+``seq_count="all"`` gives that form (``normalisers(mask, cfg)`` then counts every row); the two agree
+when no completion is fully masked.
 
 |o_i| and s_i need only the sequence's own tokens, which a micro-batch always holds whole.
 The KL penalty and the entropy bonus use the variant's normaliser:
@@ -33,6 +39,11 @@ over ranks; multiply the loss by world_size there (or reduce by sum) to keep it 
 
 KL to the reference (Schulman 2020, "Approximating KL divergence"; x = log pi_ref - log pi_theta),
 estimating KL(pi_theta || pi_ref): k1 = -x, k2 = x^2 / 2, k3 = exp(x) - 1 - x (GRPO's choice).
+As a loss (tokens sampled from pi_theta, gradient through log pi_theta) they are not interchangeable:
+E[grad k1] = E[grad log pi_theta] = 0, so k1 adds no KL gradient in expectation (only noise);
+E[grad k2] = grad KL(pi_theta || pi_ref), the reverse KL the value estimates; E[grad k3] =
+grad KL(pi_ref || pi_theta), the forward KL (unbiased value of one KL, gradient of the other).
+``test_kl_estimator_expected_gradients`` checks all three by exact expectation over a vocabulary.
 
 Off-policy correction (``use_rho_correction``). The sampler's mu is the behaviour policy; the
 trainer's pi_old the proximal one (decoupled PPO, Hilton et al. 2022). Per token
@@ -185,6 +196,7 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
 
 
 KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+SEQ_COUNTS = ("nonempty", "all")
 
 # ---------------------------------------------------------------------------------------------
 # rho modes: (log_rho (B, T) = old - behav, zero where masked; m (B, T) float; cfg)
@@ -252,9 +264,10 @@ class LossConfig:
     eps_high: float = field(default=0.2, metadata={"help": "clip ratio above at 1 + eps_high (DAPO clip-higher: 0.28)"})
     dual_clip_c: float | None = field(default=None, metadata={"help": "dual clip for A < 0 (> 1, typically 3); None = off"})
     kl_coef: float = field(default=0.0, metadata={"help": "0 = no KL term and no ref_logprobs needed"})
-    kl_estimator: str = field(default="k3", metadata={"help": f"KL estimator: {', '.join(KL_ESTIMATORS)}"})
+    kl_estimator: str = field(default="k3", metadata={"help": "KL estimator: k1 (no gradient in expectation), k2, k3"})
     entropy_coef: float = field(default=0.0, metadata={"help": "entropy bonus (subtracted from the loss); needs entropy="})
     max_len_norm: int | None = field(default=None, metadata={"help": "constant normaliser for 'constant_norm' (max completion tokens)"})
+    seq_count: str = field(default="nonempty", metadata={"help": "total_seqs counts 'nonempty' sequences or 'all' (B)"})
     use_rho_correction: bool = field(default=False, metadata={"help": "reweight by pi_old / mu (needs behav_logprobs=)"})
     rho_mode: str = field(default="token_tis", metadata={"help": f"off-policy correction mode: {', '.join(RHO_MODES)}"})
     rho_cap: float = field(default=2.0, metadata={"help": "truncation cap for the *_tis modes"})
@@ -262,7 +275,8 @@ class LossConfig:
     rho_high: float = field(default=2.0, metadata={"help": "upper bound kept by the *_mis modes"})
 
     def __post_init__(self) -> None:
-        for key, table in (("name", LOSSES), ("kl_estimator", KL_ESTIMATORS), ("rho_mode", RHO_MODES)):
+        for key, table in (("name", LOSSES), ("kl_estimator", KL_ESTIMATORS), ("rho_mode", RHO_MODES),
+                           ("seq_count", SEQ_COUNTS)):  # fmt: skip
             value = getattr(self, key)
             if value not in table:
                 raise ValueError(f"LossConfig.{key}={value!r} is unknown; valid: {', '.join(table)}")
@@ -285,9 +299,13 @@ class LossConfig:
             raise ValueError(f"LossConfig.rho_low={self.rho_low!r}, rho_high={self.rho_high!r}: need 0 <= low < high")
 
 
-def normalisers(mask: Tensor) -> tuple[int, int]:
-    """(tokens, sequences with >= 1 token) of one mask (B, T); sum them over micro-batches and ranks."""
-    return int(mask.sum()), int(mask.any(-1).sum())
+def normalisers(mask: Tensor, cfg: LossConfig | None = None) -> tuple[int, int]:
+    """(tokens, sequences) of one mask (B, T); sum them over micro-batches and ranks.
+
+    Sequences are those with >= 1 token, or every row B when ``cfg.seq_count == "all"``. Fold ``valid``
+    into ``mask`` first (``mask & valid[:, None]``) so masked-out completions leave the token count."""
+    rows = mask.shape[0] if cfg is not None and cfg.seq_count == "all" else int(mask.any(-1).sum())
+    return int(mask.sum()), rows
 
 
 def policy_loss(
@@ -300,6 +318,7 @@ def policy_loss(
     behav_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
     entropy: Tensor | None = None,
+    valid: Tensor | None = None,
     total_tokens: float,
     total_seqs: float,
 ) -> tuple[Tensor, dict[str, float]]:
@@ -309,9 +328,21 @@ def policy_loss(
     masked positions are ignored (may be padding, -inf or NaN) and receive zero gradient. The math
     runs in at least float32 (bf16 logprobs are upcast; the gradient flows back in their dtype).
     An all-masked micro-batch returns a zero loss (with a graph) and zero-weight stats.
+
+    ``valid`` (B,) bool, ``compute_advantages``' second output for these rows: False rows are
+    masked out here (``mask & valid[:, None]``), as they must be in ``total_tokens`` / ``total_seqs``
+    (``normalisers(mask & valid[:, None])``). ``compute_advantages`` gives invalid completions
+    advantage 0, which cannot be told apart from a zero-variance group: a caller that neither
+    passes ``valid`` nor folds it into ``mask`` would keep them in the normaliser and in the KL and
+    entropy terms. What is detectable is a NaN advantage (an unscorable reward carried through):
+    it raises ``ValueError`` on any counted row, with or without ``valid``.
     """
     _check(cfg, logprobs, old_logprobs, advantages, mask, behav_logprobs, ref_logprobs, entropy)
-    n_tok, n_seq = normalisers(mask)
+    if valid is not None:
+        if valid.shape != advantages.shape or valid.dtype != torch.bool:
+            raise ValueError(f"valid must be a (B,) bool tensor, got {tuple(valid.shape)} {valid.dtype}")
+        mask = mask & valid[:, None]  # (B, T)
+    n_tok, n_seq = normalisers(mask, cfg)
     if not total_tokens > 0 or not total_seqs > 0:
         raise ValueError(
             f"total_tokens={total_tokens}, total_seqs={total_seqs}: the whole batch has no masked tokens "
@@ -333,7 +364,10 @@ def policy_loss(
     row = mask.any(-1)  # (B,)
     adv = torch.where(row, advantages.detach().to(lp.dtype), 0.0)[:, None]  # (B, 1)
     if not torch.isfinite(adv).all():
-        raise ValueError("advantages are NaN/inf on sequences with masked tokens; mask out invalid completions")
+        raise ValueError(
+            "advantages are NaN/inf on sequences with masked tokens: pass valid= (compute_advantages' second "
+            "output) or fold it into mask, so unscorable completions get no gradient"
+        )
 
     variant = LOSSES[cfg.name]
 

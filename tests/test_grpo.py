@@ -611,3 +611,99 @@ def test_stats_are_floats_and_mismatch_reported_without_correction():
     assert "is_weight_mean" not in stats  # correction off: reported, not applied
     d = (old - behav)[mask]
     assert close(stats["mismatch_abs_mean"], d.abs().mean()) and close(stats["mismatch_abs_max"], d.abs().max())
+
+
+# ---------------------------------------------------------------------------------------------
+# API edges: valid=, the Dr. GRPO paper's normaliser, what each KL estimator's gradient is
+
+KL_GRAD_ATOL = 1e-6  # float64 exact expectations over a 5-token vocabulary
+
+
+def test_valid_is_folded_into_the_mask():
+    cfg = LossConfig(kl_coef=0.1, entropy_coef=0.01)
+    lp, old, adv, mask, _, ref, ent = make_batch(11)
+    valid = torch.tensor([True, True, False, True])
+    adv = adv.clone()
+    adv[2] = 0.0  # compute_advantages' value for an invalid completion
+    folded = mask & valid[:, None]
+    tt, ts = normalisers(folded)
+    kw = {"ref_logprobs": ref, "entropy": ent, "total_tokens": tt, "total_seqs": ts}
+    want, want_stats = policy_loss(cfg, lp, old, adv, folded, **kw)
+    (g_want,) = torch.autograd.grad(want, lp)
+    got, got_stats = policy_loss(cfg, lp, old, adv, mask, valid=valid, **kw)
+    (g_got,) = torch.autograd.grad(got, lp)
+    assert close(got.detach(), want.detach()) and close(g_got, g_want) and got_stats == want_stats
+    assert g_got[2].abs().sum() == 0 and mask[2].any()  # row 2 had counted tokens; valid=False removed them
+    # negative control: forgetting valid keeps row 2 in the KL / entropy terms (and its normaliser)
+    t_all, s_all = normalisers(mask)
+    bad, _ = policy_loss(cfg, lp, old, adv, mask, ref_logprobs=ref, entropy=ent, total_tokens=t_all, total_seqs=s_all)
+    assert not close(bad.detach(), want.detach(), atol=1e-6)
+    # an unscorable completion's NaN advantage: fine with valid=False on its row, an error on a counted row
+    adv[2] = NAN
+    nan_ok, _ = policy_loss(cfg, lp, old, adv, mask, valid=valid, **kw)
+    assert close(nan_ok.detach(), want.detach())
+    with pytest.raises(ValueError, match="pass valid="):
+        policy_loss(cfg, lp, old, adv, mask, **kw | {"total_tokens": t_all, "total_seqs": s_all})
+    with pytest.raises(ValueError, match="valid must be a"):
+        policy_loss(cfg, lp, old, adv, mask, valid=valid.float(), **kw)
+
+
+def test_dr_grpo_paper_normaliser_counts_every_sequence():
+    """seq_count='all': sum_{i,t} m l / (B * max_len_norm), B = every row (masked ones too), vs a loop."""
+    L = 7
+    cfg = LossConfig(name="constant_norm", max_len_norm=L, seq_count="all", kl_coef=0.1)
+    lp, old, adv, mask, _, ref, _ = make_batch(12, B=6, T=4)
+    mask[4] = False  # a second fully masked completion (make_batch masks row 1)
+    B = mask.shape[0]
+    want = 0.0
+    for i in range(B):
+        for t in range(mask.shape[1]):
+            if mask[i, t]:
+                r = torch.exp(lp[i, t] - old[i, t])
+                a = float(adv[i])
+                pg = torch.maximum(-a * r, -a * r.clamp(1 - cfg.eps_low, 1 + cfg.eps_high))
+                x = ref[i, t] - lp[i, t]
+                want = want + (pg + 0.1 * (torch.exp(x) - 1 - x)) / (B * L)
+    (g_want,) = torch.autograd.grad(want, lp)
+    tt, ts = normalisers(mask, cfg)
+    assert ts == B and normalisers(mask)[1] == B - 2
+    grad = torch.zeros_like(lp)
+    total = 0.0
+    for rows in ([0, 1, 2], [3, 4, 5]):  # two micro-batches, whole-batch normalisers
+        i = torch.tensor(rows)
+        loss, _ = policy_loss(cfg, lp[i], old[i], adv[i], mask[i], ref_logprobs=ref[i], total_tokens=tt, total_seqs=ts)
+        total = total + float(loss.detach())
+        grad += torch.autograd.grad(loss, lp)[0]
+    assert close(total, float(want.detach())) and close(grad, g_want)
+    # summed per-micro-batch counts give the same B
+    assert sum(normalisers(mask[r], cfg)[1] for r in (slice(0, 3), slice(3, 6))) == B
+    # negative control: the default (non-empty sequences) divides by B - 2 instead
+    default = LossConfig(name="constant_norm", max_len_norm=L, kl_coef=0.1)
+    t2, s2 = normalisers(mask, default)
+    loss, _ = policy_loss(default, lp, old, adv, mask, ref_logprobs=ref, total_tokens=t2, total_seqs=s2)
+    assert close(float(loss.detach()) * (B - 2), total * B) and not close(float(loss.detach()), total)
+
+
+def test_kl_estimator_expected_gradients():
+    """As a loss on tokens from pi: E[grad k1] = 0, E[grad k2] = grad KL(pi||ref), E[grad k3] = grad KL(ref||pi).
+
+    Exact expectation over a 5-token vocabulary: sum_x sg(pi(x)) grad k(x) (the sample is not differentiated)."""
+    g = torch.Generator().manual_seed(5)
+    theta = torch.randn(5, generator=g, dtype=torch.float64).requires_grad_()
+    log_ref = torch.log_softmax(torch.randn(5, generator=g, dtype=torch.float64), -1)
+
+    def grad(f):
+        (d,) = torch.autograd.grad(f(torch.log_softmax(theta, -1)), theta)
+        return d
+
+    expected = {
+        k: grad(lambda lp, fn=fn: (lp.exp().detach() * fn(lp, log_ref)).sum()) for k, fn in KL_ESTIMATORS.items()
+    }
+    reverse = grad(lambda lp: (lp.exp() * (lp - log_ref)).sum())  # KL(pi || ref)
+    forward = grad(lambda lp: (log_ref.exp() * (log_ref - lp)).sum())  # KL(ref || pi)
+    assert close(expected["k1"], torch.zeros(5), atol=KL_GRAD_ATOL)
+    assert close(expected["k2"], reverse, atol=KL_GRAD_ATOL)
+    assert close(expected["k3"], forward, atol=KL_GRAD_ATOL)
+    # negative controls: the two KL directions have different gradients here, and neither is zero
+    assert not close(reverse, forward, atol=1e-3) and not close(reverse, torch.zeros(5), atol=1e-3)
+    assert not close(forward, torch.zeros(5), atol=1e-3)
