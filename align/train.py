@@ -33,6 +33,7 @@ from typing import Any
 from align.cli import from_dict
 from align.eval.config import EvalConfig
 from align.grpo import AdvantageConfig, LossConfig
+from align.presets import PRESET_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class TrainConfig:
     save_hf: str | None = field(default=None, metadata=_h("Also export the final model as an HF dir here."))
     eval_prompts: int = field(default=200, metadata=_h("Held-out prompts of the built-in task for eval."))
     warm_start_steps: int = field(default=800, metadata=_h("Supervised warm-start steps of the built-in task's model."))
+    preset: str = field(default="none", metadata=_h(f"Set loss + advantage options together: {', '.join(PRESET_NAMES)}; explicit flags / --config keys win (align/presets.py)."))
     loss: LossConfig = field(default_factory=LossConfig)
     adv: AdvantageConfig = field(default_factory=AdvantageConfig)
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(eval_interval=10, eval_n=4))
@@ -102,6 +104,7 @@ class TrainConfig:
             "behaviour_logprobs": ("sampled", "full"),
             "rollout_logprobs_mode": ("raw", "processed"),
             "logprob_backend": ("auto", "torch", "triton", "reference"),
+            "preset": PRESET_NAMES,
         }
         for k, allowed in choices.items():
             if getattr(self, k) not in allowed:
@@ -236,7 +239,7 @@ def backward_batch(policy, ref_model, cfg: TrainConfig, inputs, targets, mask, a
     from align.grpo import normalisers, policy_loss
     from align.kernels import token_logprobs
 
-    total_tokens, total_seqs = normalisers(mask)
+    total_tokens, total_seqs = normalisers(mask, cfg.loss)
     stats = []
     if total_tokens == 0:
         return stats
@@ -518,7 +521,7 @@ def print_summary(s: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from align.cli import parse
+    from align.presets import parse
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = parse(TrainConfig, argv, CLI_PREFIXES, description=__doc__.split("\n\n")[0])
