@@ -95,6 +95,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOSSES",
     "RHO_MODES",
+    "SEQ_COUNTS",
     "AdvantageConfig",
     "LossConfig",
     "compute_advantages",
