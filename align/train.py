@@ -84,7 +84,7 @@ class TrainConfig:
     save_hf: str | None = field(default=None, metadata=_h("Also export the final model as an HF dir here."))
     eval_prompts: int = field(default=200, metadata=_h("Held-out prompts of the built-in task for eval."))
     warm_start_steps: int = field(default=800, metadata=_h("Supervised warm-start steps of the built-in task's model."))
-    preset: str = field(default="none", metadata=_h(f"Set loss + advantage options together: {', '.join(PRESET_NAMES)}; explicit flags / --config keys win (align/presets.py)."))
+    preset: str = field(default="none", metadata=_h(f"Loss + advantage options of one algorithm: {', '.join(PRESET_NAMES)}; explicit flags / --config keys win. Applied by the CLI; in Python use align.presets.build."))
     loss: LossConfig = field(default_factory=LossConfig)
     adv: AdvantageConfig = field(default_factory=AdvantageConfig)
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(eval_interval=10, eval_n=4))
