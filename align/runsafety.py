@@ -77,15 +77,23 @@ def check_train_values(cfg: object) -> None:
             raise bad(key.replace("_", "-"), v, "must be a finite number >= 0 (0 = off)")
     if len(cfg.adam_betas) != 2 or not all(0 <= b < 1 for b in cfg.adam_betas):
         raise bad("adam-betas", cfg.adam_betas, "need two values in [0, 1), e.g. 0.9 0.99")
-    for key in ("top_k", "warmup_steps", "checkpoint_every", "keep_checkpoints", "threads", "eval_prompts",
-                "warm_start_steps"):
+    for key in (
+        "top_k",
+        "warmup_steps",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "threads",
+        "eval_prompts",
+        "warm_start_steps",
+    ):
         if getattr(cfg, key) < 0:
             raise bad(key.replace("_", "-"), getattr(cfg, key), "must be >= 0")
     if cfg.rollout_gpu is not None and cfg.rollout_gpu < 0:
         raise bad("rollout-gpu", cfg.rollout_gpu, "must be a GPU index >= 0 (or unset for the CPU build)")
     if cfg.group_size < 2:
         raise bad(
-            "group-size", cfg.group_size,
+            "group-size",
+            cfg.group_size,
             "a group of one completion has zero variance, so every group-relative advantage is exactly 0 and the "
             f"run cannot learn; no advantage baseline here ({', '.join(_baselines())}) makes it meaningful: 'mean' "
             "subtracts the completion's own reward and 'rloo' has no other completion to leave out. Use >= 2",
@@ -185,8 +193,9 @@ def check_export_target(target: str | os.PathLike, rid: str | None, overwrite: b
     )
 
 
-def export_hf(save_fn: Callable[[Path], object], target: str | os.PathLike, rid: str, overwrite: bool,
-              step: int) -> Path:
+def export_hf(
+    save_fn: Callable[[Path], object], target: str | os.PathLike, rid: str, overwrite: bool, step: int
+) -> Path:
     """Write an HF export with ``save_fn(tmp_dir)`` next to ``target`` and move it into place by rename.
 
     The old ``target`` (empty, an earlier export of this run, or anything with ``overwrite``) is renamed aside
@@ -239,8 +248,9 @@ def check_resume_config(saved_path: Path, new: dict) -> list[str]:
     except FileNotFoundError:
         return []
     except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read the resumed run's config {saved_path}: {e}; restore it or start a fresh "
-                         "run with a new --out") from None
+        raise ValueError(
+            f"cannot read the resumed run's config {saved_path}: {e}; restore it or start a fresh run with a new --out"
+        ) from None
     old, cur = _flat(saved), _flat(new)
     for d in (old, cur):  # the same dir spelled differently is no change; "out" is the dir being resumed
         d.pop("out", None)
