@@ -156,8 +156,21 @@ def load_model(ckpt: Path, dtype: torch.dtype) -> Transformer:
     try:
         return load_pretrained(ckpt / "model", dtype=dtype)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:  # truncated header / data, bad config
-        raise CheckpointError(f"the model of checkpoint {ckpt} cannot be read ({type(e).__name__}: {e}); "
-                              f"a file under {ckpt / 'model'} is truncated or corrupt: {_previous_hint(ckpt)}") from None
+        raise CheckpointError(f"{_unreadable_file(ckpt / 'model')} cannot be read ({type(e).__name__}: {e}); the "
+                              f"checkpoint's model is truncated or corrupt: {_previous_hint(ckpt)}") from None
+
+
+def _unreadable_file(model_dir: Path) -> Path:
+    """The first weight file whose safetensors header does not cover the file (or the dir if all parse)."""
+    from safetensors import SafetensorError, safe_open
+
+    for f in sorted(model_dir.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                sf.keys()
+        except (SafetensorError, OSError):
+            return f
+    return model_dir
 
 
 def restore_optimizer(opt: torch.optim.Optimizer, state: dict, ckpt: Path) -> None:
