@@ -100,6 +100,13 @@ def check_train_values(cfg: object) -> None:
         )
     if cfg.adv.overlong_buffer > cfg.max_tokens:
         raise bad("adv-overlong-buffer", cfg.adv.overlong_buffer, f"must be <= --max-tokens {cfg.max_tokens}")
+    if cfg.eval_prompts == 0 and cfg.eval.eval_interval > 0:
+        raise bad(
+            "eval-prompts",
+            0,
+            f"--eval-interval {cfg.eval.eval_interval} needs held-out prompts of the built-in "
+            "task (or --eval-interval 0 for no eval)",
+        )
     if cfg.resume_from is not None and not re.fullmatch(r"step_\d+", cfg.resume_from):
         raise bad("resume-from", cfg.resume_from, "name a committed checkpoint dir, 'step_N'")
     if cfg.eval.eval_temperature is not None and not math.isfinite(cfg.eval.eval_temperature):

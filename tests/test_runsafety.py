@@ -103,7 +103,9 @@ def truncate(path: Path) -> None:
 def test_truncated_latest_checkpoint_is_named_and_resume_from_previous_works(tmp_path, tiny_model, victim):
     out = two_checkpoints(tmp_path, tiny_model)
     truncate(out / "checkpoints" / "step_4" / victim)
-    with pytest.raises(ckpt.CheckpointError, match=rf"(?s)step_4/{victim} cannot be read.*truncated or corrupt.*--resume-from step_2"):
+    with pytest.raises(
+        ckpt.CheckpointError, match=rf"(?s)step_4/{victim} cannot be read.*truncated or corrupt.*--resume-from step_2"
+    ):
         run(cfg_for(out, steps=6, checkpoint_every=2), tiny_model)
     run(cfg_for(out, steps=6, checkpoint_every=2, resume_from="step_2"), tiny_model)
     assert [r["step"] for r in records(out) if "reward_mean" in r] == [1, 2, 3, 4, 5, 6]
@@ -211,6 +213,7 @@ def test_config_json_valid_types_still_load(tmp_path):
         (["--adv-overlong-buffer", "20", "--max-tokens", "10"], r"--adv-overlong-buffer 20 is invalid"),
         (["--resume-from", "latest"], r"--resume-from 'latest' is invalid"),
         (["--eval-temperature", "nan"], r"--eval-temperature nan is invalid"),
+        (["--eval-prompts", "0", "--eval-interval", "5"], r"--eval-prompts 0 is invalid: --eval-interval 5 needs"),
     ],
 )
 def test_bad_values_fail_before_anything_runs(capsys, flags, match):
