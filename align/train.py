@@ -34,7 +34,6 @@ from align.cli import from_dict
 from align.eval.config import EvalConfig
 from align.grpo import AdvantageConfig, LossConfig
 from align import runsafety
-from align.runsafety import check_train_values
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +111,7 @@ class TrainConfig:
                 raise ValueError(f"--{k.replace('_', '-')} must be one of {allowed}, got {getattr(self, k)!r}")
         if self.lr <= 0 or self.temperature <= 0:
             raise ValueError(f"--lr and --temperature must be > 0 for training, got {self.lr}, {self.temperature}")
-        check_train_values(self)
+        runsafety.check_train_values(self)
         self.eval.check_save_hf(self.save_hf)
 
 
