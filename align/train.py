@@ -30,10 +30,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from align import runsafety
 from align.cli import from_dict
 from align.eval.config import EvalConfig
 from align.grpo import AdvantageConfig, LossConfig
-from align import runsafety
 
 log = logging.getLogger(__name__)
 
