@@ -135,8 +135,9 @@ def load_state(ckpt: Path) -> dict:
             raise CheckpointError(f"{path} cannot be read ({e}); the file is truncated or corrupt: "
                                   f"{_previous_hint(ckpt)}") from None
         raise CheckpointError(
-            f"{path} holds objects other than tensors and plain data, refused (loading it could run code); "
-            f"if this run wrote it with an older align, {_previous_hint(ckpt)}. Details: {str(e).splitlines()[0]}"
+            f"{path} holds objects other than tensors and plain data, refused (loading it could run code): "
+            f"{_previous_hint(ckpt)}. (Trainer states written by align before weights-only checkpoints pickled the "
+            f"numpy RNG state and are refused too: start a fresh run.) Details: {str(e).splitlines()[0]}"
         ) from None
     except (RuntimeError, OSError, EOFError, ValueError) as e:  # truncated / corrupt zip, missing file
         raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}); the file is truncated or "
