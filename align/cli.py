@@ -84,8 +84,68 @@ def build_parser(cls: type, prefixes: dict[str, str], description: str = "") -> 
     return parser
 
 
-def from_dict(cls: type, data: dict[str, Any]) -> Any:
-    """Build a (nested) config dataclass from a dict, rejecting unknown keys by name."""
+def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "null"
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        args = typing.get_args(tp)
+        return f"list of {_type_name(args[0])}" if args else "list"
+    if dataclasses.is_dataclass(tp):
+        return f"object ({tp.__name__} section)"
+    return {bool: "bool (true/false)", int: "int", float: "float", str: "str", dict: "object"}.get(tp, str(tp))
+
+
+def check_value(key: str, value: Any, tp: Any) -> Any:
+    """``value`` checked against the annotation ``tp`` (JSON types: no implicit conversion); returns it with
+    an int widened to float where a float is expected. Raises ValueError naming the key, type and value."""
+
+    def fail() -> ValueError:
+        return ValueError(f"config key {key!r} must be {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            if arg is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return check_value(key, value, arg)
+            except ValueError:
+                pass
+        raise fail()
+    if origin is list or tp is list:
+        if not isinstance(value, list):
+            raise fail()
+        args = typing.get_args(tp)
+        return [check_value(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)] if args else value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise fail()
+    elif tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise fail()
+    elif tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise fail()
+        return float(value)
+    elif tp is str or tp is dict:
+        if not isinstance(value, tp):
+            raise fail()
+    elif dataclasses.is_dataclass(tp) and not isinstance(value, (dict, tp)):
+        raise fail()
+    return value
+
+
+def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    """Build a (nested) config dataclass from a dict, rejecting unknown keys and mistyped values by name.
+
+    Types come from the dataclass annotations: bool only from true/false, int not from a float or bool,
+    float from an int or float, lists item by item, ``X | None`` also from null, nested sections only from
+    objects. ``prefix`` names the section in messages ('loss.')."""
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
@@ -93,7 +153,8 @@ def from_dict(cls: type, data: dict[str, Any]) -> Any:
         raise ValueError(f"unknown {cls.__name__} field(s) {unknown}; known: {sorted(names)}")
     kw = {}
     for k, v in data.items():
-        kw[k] = from_dict(hints[k], v) if dataclasses.is_dataclass(hints[k]) and isinstance(v, dict) else v
+        v = check_value(prefix + k, v, hints[k])
+        kw[k] = from_dict(hints[k], v, f"{prefix}{k}.") if dataclasses.is_dataclass(hints[k]) and isinstance(v, dict) else v
     return cls(**kw)
 
 

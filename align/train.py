@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from align import runsafety
 from align.cli import from_dict
 from align.eval.config import EvalConfig
 from align.grpo import AdvantageConfig, LossConfig
@@ -81,7 +82,9 @@ class TrainConfig:
     sync_every: int = field(default=1, metadata=_h("Publish weights to the spool worker every N optimizer steps."))
     checkpoint_every: int = field(default=20, metadata=_h("Checkpoint every N steps (and at the end); 0 = only at the end."))
     keep_checkpoints: int = field(default=2, metadata=_h("Keep the last K checkpoints."))
-    save_hf: str | None = field(default=None, metadata=_h("Also export the final model as an HF dir here."))
+    save_hf: str | None = field(default=None, metadata=_h("Also export the final model as an HF dir here (replaced by atomic rename; refuses a non-empty dir that is not an export of this run)."))
+    overwrite: bool = field(default=False, metadata=_h("Let --save-hf replace a non-empty dir that is not an earlier export of this run."))
+    resume_from: str | None = field(default=None, metadata=_h("Resume from this committed checkpoint ('step_N') instead of the latest; later ones are moved aside."))
     eval_prompts: int = field(default=200, metadata=_h("Held-out prompts of the built-in task for eval."))
     warm_start_steps: int = field(default=800, metadata=_h("Supervised warm-start steps of the built-in task's model."))
     preset: str = field(default="none", metadata=_h(f"Loss + advantage options of one algorithm: {', '.join(PRESET_NAMES)}; explicit flags / --config keys win. Applied by the CLI; in Python use align.presets.build."))
@@ -92,7 +95,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name, cls in (("loss", LossConfig), ("adv", AdvantageConfig), ("eval", EvalConfig)):
             if isinstance(getattr(self, name), dict):
-                setattr(self, name, from_dict(cls, getattr(self, name)))
+                setattr(self, name, from_dict(cls, getattr(self, name), f"{name}."))
         positive = ("steps", "prompts_per_step", "group_size", "max_tokens", "micro_batch_size", "sync_every")
         for k in positive:
             if getattr(self, k) < 1:
@@ -111,6 +114,7 @@ class TrainConfig:
                 raise ValueError(f"--{k.replace('_', '-')} must be one of {allowed}, got {getattr(self, k)!r}")
         if self.lr <= 0 or self.temperature <= 0:
             raise ValueError(f"--lr and --temperature must be > 0 for training, got {self.lr}, {self.temperature}")
+        runsafety.check_train_values(self)
         self.eval.check_save_hf(self.save_hf)
 
 
@@ -289,7 +293,11 @@ def train(
         torch.set_num_threads(cfg.threads)
     stop_flag = stop_flag if stop_flag is not None else {}
     out = Path(cfg.out)
+    runsafety.check_paths(cfg.out, model or cfg.model, cfg.save_hf, cfg.eval.eval_hf_dir)
     out.mkdir(parents=True, exist_ok=True)
+    run_id = runsafety.run_id(out)
+    if cfg.save_hf:
+        runsafety.check_export_target(cfg.save_hf, run_id, cfg.overwrite)
     if (prompts is None) != (reward is None) or (prompts is not None and tokenizer is None):
         raise ValueError("pass prompts, tokenizer and reward together (or none of them for the built-in task)")
     if prompts is None:
@@ -301,11 +309,15 @@ def train(
             raise ValueError("no model: pass model=<HF checkpoint dir> or --model")
     import json
 
-    atomic_write_text(out / "config.json", json.dumps({**asdict(cfg), "model": model_path}, indent=2))
+    new_config = {**asdict(cfg), "model": model_path}
+    if ckpt.latest(out / "checkpoints"):  # resuming: refuse changed math, apply (and log) operational changes
+        for change in runsafety.check_resume_config(out / "config.json", new_config):
+            print(f"[align] resume: applying changed setting {change}", flush=True)
+    atomic_write_text(out / "config.json", json.dumps(new_config, indent=2))
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
-    resume = ckpt.latest(out / "checkpoints")
-    policy = load_pretrained(resume[1] / "model" if resume else model_path, dtype=dtype)
+    resume = ckpt.pick(out / "checkpoints", cfg.resume_from)
+    policy = ckpt.load_model(resume[1], dtype) if resume else load_pretrained(model_path, dtype=dtype)
     policy.gradient_checkpointing = cfg.gradient_checkpointing
     mcfg = policy.config
     ref_model = load_pretrained(model_path, dtype=dtype) if cfg.loss.kl_coef > 0 else None
@@ -325,7 +337,7 @@ def train(
     step, cursor = 0, {"epoch": 0, "index": 0}
     if resume:
         state = ckpt.load_state(resume[1])
-        opt.load_state_dict(state["optimizer"])
+        ckpt.restore_optimizer(opt, state, resume[1])
         sched.load_state_dict(state["scheduler"])
         ckpt.set_rng_state(state["rng"])
         step, cursor = state["step"], state["cursor"]
@@ -348,6 +360,9 @@ def train(
                                   logprobs_mode=cfg.rollout_logprobs_mode, in_process=cfg.rollout_in_process,
                                   dtype=cfg.dtype)
         client = make_rollout_client("spool", spool=spool, timeout_s=cfg.rollout_timeout_s, worker=worker)
+        if not cfg.spawn_worker:  # an attached worker holds whatever it loaded last: give it this run's weights
+            client.sync_weights(init_snapshot, step)
+    published = step  # the weights version every rollout must come from
     params = SamplingParams(n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                             max_tokens=cfg.max_tokens, stop_token_ids=stops)
     if cfg.rollout == "spool" and (warning := logprob_basis_warning(client.logprob_basis, params)):
@@ -410,6 +425,8 @@ def train(
             # 2. rollouts (the seed of a step depends only on (seed, step): resume replays it exactly)
             params.seed = cfg.seed * 1_000_003 + step
             completions = client.generate(batch_ids, params)
+            if cfg.rollout == "spool":
+                runsafety.check_weights_version(completions, published, client.spool.root)
             t_rollout = time.monotonic() - t0
             # 3. rewards
             errors: list[str] = []
@@ -451,6 +468,7 @@ def train(
                 snap = out / "rollout_snapshots" / f"v{step}"
                 save_pretrained(policy, snap)
                 sync_s = client.sync_weights(snap, step)
+                published = step
                 prev = out / "rollout_snapshots" / f"v{step - cfg.sync_every}"
                 if prev.exists():
                     import shutil
@@ -498,7 +516,7 @@ def train(
             if worker is not None:
                 worker.shutdown()
     if cfg.save_hf and step == cfg.steps:
-        save_pretrained(policy, cfg.save_hf)
+        runsafety.export_hf(lambda d: save_pretrained(policy, d), cfg.save_hf, run_id, cfg.overwrite, step)
     write_plot(out / "plot.svg", metrics.records, title=f"align GRPO: {out.name}")
     evals = [r for r in metrics.records if "eval/pass@1" in r]
     summary = {

@@ -40,3 +40,55 @@ def test_grpo_with_spool_rollout(tmp_path):
     # else the rollouts of later steps would still match the base model's logprobs and the mismatch would grow
     assert recs[0]["grad_norm"] > 0
     assert not any(p.is_dir() for p in (tmp_path / "run").iterdir() if p.name.startswith("spool-proc"))
+
+
+@pytest.mark.slow
+def test_resume_attached_to_a_running_worker_samples_the_resumed_weights(tmp_path):
+    """--no-spawn-worker: the worker keeps whatever it loaded last (here: the base model again, as after a
+    restart or another user's sync). The resumed run must sync its checkpoint before step 1 of the rerun,
+    or the rollouts come from the wrong policy and the sampler/trainer logprobs disagree."""
+    require_rollout_venv()
+    import torch
+
+    from align.model import load_pretrained
+    from align.rollout.client import make_rollout_client, spawn_worker
+    from align.rollout.native import generate
+    from align.rollout.protocol import SamplingParams
+
+    tok = reverse.tokenizer()
+    mcfg = reverse.model_config(tok)
+    base = save_pretrained(Transformer(mcfg).init_weights(seed=0), tmp_path / "base")
+    spool = tmp_path / "spool"
+    worker = spawn_worker(spool, model=base, weights_version=0, log_path=tmp_path / "worker.log", in_process=True,
+                          max_model_len=mcfg.max_position_embeddings, dtype="float32")
+    prompts = reverse.prompts(16, "train")
+
+    def run(steps: int) -> None:
+        cfg = TrainConfig(out=str(tmp_path / "run"), steps=steps, prompts_per_step=4, group_size=4, max_tokens=6,
+                          lr=1e-2, rollout="spool", spool=str(spool), spawn_worker=False, checkpoint_every=1,
+                          rollout_timeout_s=600)
+        cfg.eval.eval_interval = 0
+        train(cfg, model=str(base), tokenizer=tok, prompts=prompts,
+              reward=lambda prompt, completion, **_: completion.count("a") / 6)
+
+    try:
+        run(1)
+        make_rollout_client("spool", spool=spool, timeout_s=600, worker=worker).sync_weights(base, 0)  # stale
+        run(2)
+    finally:
+        worker.shutdown(grace_s=5)
+    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2]
+    assert recs[1]["mismatch_abs_max"] < MISMATCH_TOL, recs[1]["mismatch_abs_max"]
+    # negative control: the base and the step-1 policy differ by far more than the tolerance on these prompts,
+    # so sampling step 2 on the stale base weights would have failed the check above
+    step1 = load_pretrained(tmp_path / "run" / "checkpoints" / "step_1" / "model")
+    ids = [tok.encode(p["prompt"]) for p in prompts[:4]]
+    comps = generate(step1, ids, SamplingParams(n=2, max_tokens=6, seed=0))
+    base_model, diffs = load_pretrained(base), []
+    for c in comps:
+        seq = torch.tensor([ids[c.prompt_index] + c.token_ids])  # (1, L)
+        with torch.no_grad():
+            a, b = (torch.log_softmax(m(seq[:, :-1]), -1).gather(-1, seq[:, 1:, None])[0, :, 0] for m in (step1, base_model))
+        diffs.append(float((a - b)[-len(c.token_ids):].abs().max()))
+    assert max(diffs) > 10 * MISMATCH_TOL, diffs

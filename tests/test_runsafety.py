@@ -1,0 +1,352 @@
+"""Run safety (issue 19): resume never unpickles code, unreadable checkpoints are named with a way out,
+--config types and values are checked before anything runs, a resumed run never ignores a changed setting,
+and no path combination lets a run overwrite or delete data it did not create."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_train import PROMPTS, TOK, a_reward, cfg_for, records
+
+from align import checkpoint as ckpt
+from align.cli import from_dict, parse
+from align.runsafety import EXPORT_MARKER, RUN_ID_FILE, check_weights_version
+from align.train import CLI_PREFIXES, TrainConfig, train
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    from align.model import Transformer, save_pretrained
+    from align.tasks import reverse
+
+    cfg = reverse.model_config(TOK)
+    cfg.num_hidden_layers = 1
+    return str(save_pretrained(Transformer(cfg).init_weights(seed=0), tmp_path_factory.mktemp("tiny") / "m"))
+
+
+def run(cfg: TrainConfig, model: str) -> dict:
+    return train(cfg, model=model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward)
+
+
+def tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------------------------------------------ trainer state
+
+
+class MakesMarker:
+    """A pickle payload: unpickling it calls open(marker, 'w'), i.e. runs code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_trainer_state_is_plain_data_and_rng_round_trips(tmp_path):
+    random.seed(3)
+    np.random.seed(4)
+    torch.manual_seed(5)
+    np.random.standard_normal()  # a cached gaussian in the numpy state
+    state = ckpt.rng_state()
+    want = (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3).tolist())
+    torch.save({"rng": state}, tmp_path / "s.pt")
+    ckpt.set_rng_state(torch.load(tmp_path / "s.pt", weights_only=True)["rng"])
+    assert (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3).tolist()) == want
+    # negative control: other draws after a different state
+    np.random.seed(0)
+    assert np.random.standard_normal(3).tolist() != want[1]
+
+
+def test_pickle_payload_in_trainer_state_is_refused_and_never_runs(tmp_path, tiny_model):
+    out = tmp_path / "run"
+    run(cfg_for(out, steps=2, checkpoint_every=1), tiny_model)
+    state_file = out / "checkpoints" / "step_2" / "trainer_state.pt"
+    state = torch.load(state_file, weights_only=True)  # what align writes loads without unpickling
+    assert set(state) >= {"optimizer", "scheduler", "rng", "cursor", "step"}
+    marker = tmp_path / "pwned"
+    state["cursor"] = MakesMarker(marker)
+    torch.save(state, state_file)
+    with pytest.raises(
+        ckpt.CheckpointError,
+        match=r"(?s)step_2/trainer_state.pt holds objects other than.*"
+        r"--resume-from step_1",
+    ):
+        run(cfg_for(out, steps=3, checkpoint_every=1), tiny_model)
+    assert not marker.exists()
+    # negative control: the payload is real, an unrestricted load would have run it
+    torch.load(state_file, weights_only=False)
+    assert marker.exists()
+
+
+def two_checkpoints(tmp_path, tiny_model) -> Path:
+    out = tmp_path / "run"
+    run(cfg_for(out, steps=4, checkpoint_every=2), tiny_model)
+    assert [d.name for _, d in ckpt.committed(out / "checkpoints")] == ["step_2", "step_4"]
+    return out
+
+
+def truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize("victim", ["trainer_state.pt", "model/model.safetensors"])
+def test_truncated_latest_checkpoint_is_named_and_resume_from_previous_works(tmp_path, tiny_model, victim):
+    out = two_checkpoints(tmp_path, tiny_model)
+    truncate(out / "checkpoints" / "step_4" / victim)
+    with pytest.raises(
+        ckpt.CheckpointError, match=rf"(?s)step_4/{victim} cannot be read.*truncated or corrupt.*--resume-from step_2"
+    ):
+        run(cfg_for(out, steps=6, checkpoint_every=2), tiny_model)
+    run(cfg_for(out, steps=6, checkpoint_every=2, resume_from="step_2"), tiny_model)
+    assert [r["step"] for r in records(out) if "reward_mean" in r] == [1, 2, 3, 4, 5, 6]
+    assert [d.name for _, d in ckpt.committed(out / "checkpoints")] == ["step_4", "step_6"]
+    assert [p.name.split(".")[0] for p in (out / "checkpoints").iterdir() if p.name.startswith("abandoned_")] == [
+        "abandoned_step_4"
+    ]  # the broken checkpoint is kept aside, never deleted
+    with pytest.raises(ValueError, match=r"--resume-from 'step_3': no committed checkpoint.*step_4, step_6"):
+        run(cfg_for(out, steps=7, checkpoint_every=2, resume_from="step_3"), tiny_model)
+
+
+def test_optimizer_state_of_another_model_is_named(tmp_path, tiny_model):
+    out = two_checkpoints(tmp_path, tiny_model)
+    f = out / "checkpoints" / "step_4" / "trainer_state.pt"
+    state = torch.load(f, weights_only=True)
+    first = next(iter(state["optimizer"]["state"]))
+    state["optimizer"]["state"][first]["exp_avg"] = torch.zeros(3, 3)
+    torch.save(state, f)
+    with pytest.raises(ckpt.CheckpointError, match=r"optimizer state 'exp_avg'.*trainer_state.pt has shape \(3, 3\)"):
+        run(cfg_for(out, steps=6), tiny_model)
+    del state["optimizer"]["state"][first]
+    state["optimizer"]["param_groups"][0]["params"].pop()
+    torch.save(state, f)
+    with pytest.raises(ckpt.CheckpointError, match=r"is for \d+ parameters, the model has \d+"):
+        run(cfg_for(out, steps=6), tiny_model)
+
+
+# ------------------------------------------------------------------------------------------------ config
+
+
+@pytest.mark.parametrize(
+    "data,key,expected",
+    [
+        ({"loss": {"use_rho_correction": "false"}}, "loss.use_rho_correction", "bool"),
+        ({"steps": 2.5}, "steps", "int"),
+        ({"steps": True}, "steps", "int"),
+        ({"steps": "3"}, "steps", "int"),
+        ({"lr": "1e-3"}, "lr", "float"),
+        ({"lr": False}, "lr", "float"),
+        ({"gradient_checkpointing": 1}, "gradient_checkpointing", "bool"),
+        ({"out": 3}, "out", "str"),
+        ({"model": 1}, "model", "str or null"),
+        ({"adam_betas": 0.9}, "adam_betas", "list of float"),
+        ({"adam_betas": [0.9, "0.99"]}, "adam_betas[1]", "float"),
+        ({"loss": "token_mean"}, "loss", "object"),
+        ({"adv": {"filter_zero_variance": "yes"}}, "adv.filter_zero_variance", "bool"),
+        ({"eval": {"eval_interval": 1.0}}, "eval.eval_interval", "int"),
+        ({"eval": {"eval_temperature": "0"}}, "eval.eval_temperature", "float or null"),
+    ],
+)
+def test_config_json_types_are_checked(tmp_path, capsys, data, key, expected):
+    with pytest.raises(ValueError) as e:
+        from_dict(TrainConfig, data)
+    msg = str(e.value)
+    value = data[key.split(".")[0].split("[")[0]]
+    while isinstance(value, dict):
+        value = next(iter(value.values()))
+    if isinstance(value, list):
+        value = value[1]
+    assert f"{key!r}" in msg and f"must be {expected}" in msg and repr(value) in msg, msg
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps(data))
+    with pytest.raises(SystemExit) as e:
+        parse(TrainConfig, ["--config", str(f)], CLI_PREFIXES)
+    assert e.value.code == 2 and f"{key!r}" in capsys.readouterr().err
+
+
+def test_config_json_valid_types_still_load(tmp_path):
+    f = tmp_path / "c.json"
+    f.write_text(
+        json.dumps(
+            {
+                "lr": 1,
+                "steps": 3,
+                "model": None,
+                "adam_betas": [0.9, 1 / 2],
+                "loss": {"use_rho_correction": True, "dual_clip_c": 3},
+                "eval": {"eval_temperature": 0},
+            }
+        )
+    )
+    cfg = parse(TrainConfig, ["--config", str(f)], CLI_PREFIXES)
+    assert cfg.lr == 1.0 and isinstance(cfg.lr, float) and cfg.steps == 3 and cfg.loss.use_rho_correction is True
+    assert cfg.loss.dual_clip_c == 3.0 and cfg.eval.eval_temperature == 0.0 and cfg.adam_betas == [0.9, 0.5]
+
+
+@pytest.mark.parametrize(
+    "flags,match",
+    [
+        (["--top-p", "0"], r"--top-p 0.0 is invalid: the nucleus mass must be in \(0, 1\]"),
+        (["--top-p", "1.5"], r"--top-p 1.5 is invalid"),
+        (["--lr", "nan"], r"--lr nan is invalid: must be a finite number > 0"),
+        (["--lr", "inf"], r"--lr inf is invalid"),
+        (["--temperature", "inf"], r"--temperature inf is invalid"),
+        (["--temperature", "nan"], r"--temperature nan is invalid"),
+        (
+            ["--group-size", "1"],
+            r"(?s)--group-size 1 is invalid:.*every group-relative advantage is exactly 0.*\(mean, rloo\)",
+        ),
+        (["--grad-clip", "nan"], r"--grad-clip nan is invalid"),
+        (["--adam-betas", "0.9", "1.0"], r"--adam-betas \[0.9, 1.0\] is invalid"),
+        (["--min-lr-ratio", "2"], r"--min-lr-ratio 2.0 is invalid"),
+        (["--top-k", "-1"], r"--top-k -1 is invalid"),
+        (["--rollout-timeout-s", "0"], r"--rollout-timeout-s 0.0 is invalid"),
+        (["--adv-overlong-buffer", "20", "--max-tokens", "10"], r"--adv-overlong-buffer 20 is invalid"),
+        (["--resume-from", "latest"], r"--resume-from 'latest' is invalid"),
+        (["--eval-temperature", "nan"], r"--eval-temperature nan is invalid"),
+        (["--eval-prompts", "0", "--eval-interval", "5"], r"--eval-prompts 0 is invalid: --eval-interval 5 needs"),
+    ],
+)
+def test_bad_values_fail_before_anything_runs(capsys, flags, match):
+    import re
+
+    with pytest.raises(SystemExit) as e:
+        parse(TrainConfig, flags, CLI_PREFIXES)  # what main() runs first, before any file is written
+    assert e.value.code == 2
+    assert re.search(match, capsys.readouterr().err)
+
+
+def test_group_size_two_and_edge_values_are_accepted():
+    TrainConfig(group_size=2, top_p=1.0, lr=1e-9, temperature=0.01, min_lr_ratio=0.0, top_k=0)
+
+
+# ------------------------------------------------------------------------------------------------ resume settings
+
+
+def test_resume_refuses_changed_math_with_a_diff(tmp_path, tiny_model):
+    out = tmp_path / "run"
+    run(cfg_for(out, steps=2, checkpoint_every=1), tiny_model)
+    saved = (out / "config.json").read_text()
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)cannot resume .*lr: 0.01 -> 0.02.*loss.kl_coef: 0.0 -> 0.1.*"
+        r"start a fresh run with a new --out",
+    ):
+        cfg = cfg_for(out, steps=3, lr=0.02)
+        cfg.loss.kl_coef = 0.1
+        run(cfg, tiny_model)
+    other = tmp_path / "other_model"
+    shutil.copytree(tiny_model, other)
+    with pytest.raises(ValueError, match=r"(?s)model: '.*' -> '.*other_model'"):
+        run(cfg_for(out, steps=3), str(other))
+    assert (out / "config.json").read_text() == saved  # nothing recorded that the run did not use
+    assert [r["step"] for r in records(out)] == [1, 2]
+
+
+def test_resume_applies_and_logs_operational_changes(tmp_path, tiny_model, capsys):
+    out = tmp_path / "run"
+    run(cfg_for(out, steps=2, checkpoint_every=1), tiny_model)
+    cfg = cfg_for(out, steps=3, checkpoint_every=3, keep_checkpoints=1, micro_batch_size=3)
+    cfg.eval.eval_n = 2
+    run(cfg, str(Path(tiny_model) / "sub" / ".."))  # the same model dir, spelled differently
+    log = capsys.readouterr().out
+    for change in (
+        "steps: 2 -> 3",
+        "checkpoint_every: 1 -> 3",
+        "keep_checkpoints: 2 -> 1",
+        "micro_batch_size: 8 -> 3",
+        "eval.eval_n: 4 -> 2",
+    ):
+        assert f"applying changed setting {change}" in log, change
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["steps"] == 3 and saved["eval"]["eval_n"] == 2
+    assert [d.name for _, d in ckpt.committed(out / "checkpoints")] == ["step_3"]
+
+
+# ------------------------------------------------------------------------------------------------ paths
+
+
+def test_out_equal_to_or_overlapping_the_model_is_refused(tmp_path, tiny_model):
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model, model)
+    before = tree(model)
+    for out in (model, model / "run"):
+        with pytest.raises(ValueError, match=r"--model .* the run dir --out .*overwrite the model's config.json"):
+            run(cfg_for(out), str(model))
+    assert tree(model) == before and not (model / "run").exists()
+    outer = tmp_path / "outer"
+    inner = outer / "checkpoints" / "step_2" / "model"
+    shutil.copytree(tiny_model, inner)
+    with pytest.raises(ValueError, match=r"is inside the run dir"):
+        run(cfg_for(outer), str(inner))
+    assert not (outer / "config.json").exists()
+
+
+def test_eval_hf_dir_inside_checkpoints_is_refused(tmp_path, tiny_model):
+    out = tmp_path / "run"
+    for d in (out / "checkpoints", out / "checkpoints" / "eval"):
+        cfg = cfg_for(out)
+        cfg.eval.eval_hf_dir = str(d)
+        with pytest.raises(ValueError, match=r"--eval-hf-dir .* inside .*checkpoints: eval snapshots named step_N"):
+            run(cfg, tiny_model)
+    assert not out.exists()
+    cfg = cfg_for(out, steps=1)
+    cfg.eval.eval_hf_dir = str(tmp_path / "eval_hf")  # beside the run: fine
+    run(cfg, tiny_model)
+
+
+def test_save_hf_refuses_foreign_data_and_replaces_its_own_export(tmp_path, tiny_model):
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "precious.txt").write_text("keep me")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("keep me too")
+    for target, what in ((foreign, "not an align export of this run"), (a_file, "a file, not a directory")):
+        with pytest.raises(ValueError, match=rf"--save-hf .* exists and is {what}.*--overwrite"):
+            run(cfg_for(tmp_path / "run", steps=1, save_hf=str(target)), tiny_model)
+    assert (foreign / "precious.txt").read_text() == "keep me" and a_file.read_text() == "keep me too"
+    assert not (tmp_path / "run" / "checkpoints").exists()  # refused before any step
+    # overlap with --out / --model
+    for target, flag in (
+        (tmp_path / "run", "--out"),
+        (tmp_path / "run" / "export", "--out"),
+        (Path(tiny_model), "--model"),
+        (Path(tiny_model) / "export", "--model"),
+    ):
+        with pytest.raises(ValueError, match=rf"--save-hf .* overlaps {flag}"):
+            run(cfg_for(tmp_path / "run", steps=1, save_hf=str(target)), tiny_model)
+    # a fresh dir, then the same run's export is replaced on resume, without --overwrite
+    export = tmp_path / "export"
+    run(cfg_for(tmp_path / "run", steps=1, save_hf=str(export)), tiny_model)
+    rid = (tmp_path / "run" / RUN_ID_FILE).read_text().strip()
+    assert json.loads((export / EXPORT_MARKER).read_text()) == {"run_id": rid, "step": 1}
+    run(cfg_for(tmp_path / "run", steps=2, save_hf=str(export)), tiny_model)
+    assert json.loads((export / EXPORT_MARKER).read_text())["step"] == 2
+    from align.model import load_pretrained
+
+    load_pretrained(export, require_marker=True)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".export.")]  # no temp / old leftovers
+    # another run's export is foreign too
+    with pytest.raises(ValueError, match=rf"an export of another run \({rid}\)"):
+        run(cfg_for(tmp_path / "run2", steps=1, save_hf=str(export)), tiny_model)
+    # --overwrite forces it
+    run(cfg_for(tmp_path / "run3", steps=1, save_hf=str(foreign), overwrite=True), tiny_model)
+    assert not (foreign / "precious.txt").exists() and (foreign / EXPORT_MARKER).is_file()
+
+
+def test_rollouts_from_other_weights_are_refused():
+    from align.rollout.protocol import Completion
+
+    comps = [Completion(0, i, [1], [0.0], "stop", weights_version=v) for i, v in enumerate((3, 3, 2))]
+    with pytest.raises(RuntimeError, match=r"weights version\(s\) \[2\], this run published version 3"):
+        check_weights_version(comps, 3, "spool")
+    check_weights_version(comps[:2], 3, "spool")  # control: all from the published version
