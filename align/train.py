@@ -26,7 +26,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -373,7 +373,11 @@ def train(
     def export(path: str) -> None:
         save_pretrained(policy, path)
 
-    evaluator = make_evaluator(cfg.eval, eval_set, export_fn=export, blocking_eval_fn=blocking_eval if eval_set else None)
+    eval_cfg = cfg.eval
+    if eval_set is None and not eval_cfg.uses_snapshots and eval_cfg.eval_interval > 0:
+        log.info("no held-out prompts: in-process eval is off (pass eval_prompts=... or --eval-data to evaluate)")
+        eval_cfg = replace(eval_cfg, eval_interval=0)
+    evaluator = make_evaluator(eval_cfg, eval_set, export_fn=export, blocking_eval_fn=blocking_eval if eval_set else None)
     if eval_set and not resume and cfg.eval.eval_interval > 0:
         metrics.write({"step": 0, **blocking_eval(0), "eval/step": 0})  # the baseline, before any GRPO step
         print(format_line(metrics.records[-1]), flush=True)
