@@ -408,8 +408,11 @@ def collect_groups(
 # ------------------------------------------------------------------------------------------------ worker pool
 
 
+STARTUP_TIMEOUT_S = 120.0  # a worker's start (python + the reward modules) never counts against a call's timeout
+
+
 class _Worker:
-    def __init__(self, specs: list[str]):
+    def __init__(self, specs: list[str], sel: selectors.BaseSelector):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "align.rewards", "--worker"],
@@ -418,15 +421,17 @@ class _Worker:
             env=env,
             bufsize=0,
         )
-        self.buf = b""
+        self.sel, self.buf, self.ready = sel, b"", False
         self.task: int | None = None
-        self.deadline = math.inf
-        self.send({"specs": specs})
-
-    def send(self, msg: dict) -> None:
-        self.proc.stdin.write((json.dumps(msg) + "\n").encode())
+        self.deadline = time.monotonic() + STARTUP_TIMEOUT_S  # until ready: the start deadline
+        self.proc.stdin.write((json.dumps({"specs": specs}) + "\n").encode())
+        sel.register(self.proc.stdout, selectors.EVENT_READ, self)
 
     def kill(self) -> None:
+        try:
+            self.sel.unregister(self.proc.stdout)
+        except (KeyError, ValueError):
+            pass
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
@@ -438,11 +443,16 @@ class _Worker:
 
 
 class WorkerPool:
-    """N worker processes running reward calls with a per-call deadline; a late worker is killed and replaced."""
+    """N worker processes running reward calls with a per-call deadline; a late or dead worker is replaced."""
 
     def __init__(self, specs: list[str], n: int, timeout_s: float):
         self.specs, self.n, self.timeout_s = specs, n, timeout_s
+        self.sel = selectors.DefaultSelector()
         self.workers: list[_Worker] = []
+
+    def _replace(self, j: int) -> None:
+        self.workers[j].kill()
+        self.workers[j] = _Worker(self.specs, self.sel)
 
     def run(self, calls: list[tuple[int, str, str, dict]]) -> list[tuple[str, Any]]:
         """``calls``: (reward index, prompt, completion, fields) -> [("ok", float) | ("error", tb) | ("timeout", msg)]."""
@@ -457,57 +467,68 @@ class WorkerPool:
                     f"fields are not JSON values ({e}); use --reward-workers 1"
                 ) from None
         while len(self.workers) < self.n:
-            self.workers.append(_Worker(self.specs))
+            self.workers.append(_Worker(self.specs, self.sel))
         todo = list(range(len(calls)))[::-1]
-        sel = selectors.DefaultSelector()
-        try:
-            while todo or any(w.task is not None for w in self.workers):
-                for j, w in enumerate(self.workers):
-                    if w.task is None and todo:
-                        if w.proc.poll() is not None:
-                            w.kill()
-                            w = self.workers[j] = _Worker(self.specs)
-                        t = todo.pop()
-                        try:
-                            w.proc.stdin.write(f'{{"id": {t}, "call": {payloads[t]}}}\n'.encode())
-                        except (BrokenPipeError, OSError):
-                            results[t] = ("error", f"reward worker died (exit code {w.proc.poll()})")
-                            continue
-                        w.task = t
-                        w.deadline = time.monotonic() + self.timeout_s if self.timeout_s > 0 else math.inf
-                        sel.register(w.proc.stdout, selectors.EVENT_READ, w)
-                busy = [w for w in self.workers if w.task is not None]
-                if not busy:
+        while todo or any(w.task is not None for w in self.workers):
+            for w in self.workers:
+                if w.ready and w.task is None and todo:
+                    t = todo.pop()
+                    w.task, w.deadline = t, time.monotonic() + self.timeout_s if self.timeout_s > 0 else math.inf
+                    try:
+                        w.proc.stdin.write(f'{{"id": {t}, "call": {payloads[t]}}}\n'.encode())
+                    except OSError:  # died since its last answer: the read below sees EOF and reports it
+                        pass
+            wait = (
+                max(0.0, min(w.deadline for w in self.workers if w.task is not None or not w.ready) - time.monotonic())
+                if any(w.task is not None or not w.ready for w in self.workers)
+                else 0.0
+            )
+            for key, _ in self.sel.select(timeout=None if math.isinf(wait) else wait):
+                self._read(key.data, results)
+            now = time.monotonic()
+            for j, w in enumerate(self.workers):
+                if now < w.deadline:
                     continue
-                wait = max(0.0, min(w.deadline for w in busy) - time.monotonic())
-                for key, _ in sel.select(timeout=None if math.isinf(wait) else wait):
-                    w = key.data
-                    chunk = os.read(w.proc.stdout.fileno(), 1 << 16)
-                    if not chunk:  # the worker died mid-call
-                        sel.unregister(w.proc.stdout)
-                        w.kill()
-                        died = f"reward worker died (exit code {w.proc.returncode}) while scoring; see its stderr"
-                        results[w.task] = ("error", died)
-                        w.task = None
-                        continue
-                    w.buf += chunk
-                    while b"\n" in w.buf and w.task is not None:
-                        line, w.buf = w.buf.split(b"\n", 1)
-                        msg = json.loads(line)
-                        results[msg["id"]] = ("ok", _value(msg["value"])) if "value" in msg else ("error", msg["error"])
-                        sel.unregister(w.proc.stdout)
-                        w.task = None
-                now = time.monotonic()
-                for j, w in enumerate(self.workers):
-                    if w.task is not None and now >= w.deadline:
-                        sel.unregister(w.proc.stdout)
-                        w.kill()
-                        results[w.task] = ("timeout", f"reward call timed out after {self.timeout_s} s")
-                        self.workers[j] = _Worker(self.specs)
-        finally:
-            sel.close()
+                if not w.ready:
+                    w.kill()
+                    raise RuntimeError(
+                        f"a reward worker did not start within {STARTUP_TIMEOUT_S} s (loading {self.specs})"
+                    )
+                if w.task is not None:
+                    results[w.task] = ("timeout", f"reward call timed out after {self.timeout_s} s")
+                    self._replace(j)
+            for j, w in enumerate(self.workers):
+                if w.proc.poll() is not None and w.task is None and w.ready and not w.buf:
+                    self._replace(j)
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
+
+    def _read(self, w: _Worker, results: list) -> None:
+        chunk = os.read(w.proc.stdout.fileno(), 1 << 16)
+        if not chunk:
+            w.kill()
+            if not w.ready:
+                raise RuntimeError(
+                    f"a reward worker exited while loading {self.specs} (exit code "
+                    f"{w.proc.returncode}); its error is on stderr above"
+                )
+            if w.task is not None:
+                results[w.task] = (
+                    "error",
+                    f"reward worker died (exit code {w.proc.returncode}) while scoring; see its stderr",
+                )
+                w.task = None
+            w.ready, w.deadline = True, math.inf  # dead: replaced before its next task
+            return
+        w.buf += chunk
+        while b"\n" in w.buf:
+            line, w.buf = w.buf.split(b"\n", 1)
+            msg = json.loads(line)
+            if msg.get("ready"):
+                w.ready, w.deadline = True, math.inf
+            elif w.task is not None and msg["id"] == w.task:
+                results[w.task] = ("ok", _value(msg["value"])) if "value" in msg else ("error", msg["error"])
+                w.task, w.deadline = None, math.inf
 
     def close(self) -> None:
         for w in self.workers:
@@ -523,6 +544,7 @@ class WorkerPool:
                 pass
             w.kill()
         self.workers = []
+        self.sel.close()
 
 
 def _worker_main() -> None:
@@ -533,6 +555,7 @@ def _worker_main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which closes the pool
     init = json.loads(sys.stdin.readline())
     fns = [load_spec(s) for s in init["specs"]]
+    out.write(json.dumps({"ready": True}) + "\n")
     for line in sys.stdin:
         msg = json.loads(line)
         call = msg["call"]

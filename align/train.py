@@ -547,7 +547,7 @@ def train(
             if worker is not None:
                 worker.shutdown()
     if cfg.save_hf and step == cfg.steps:
-        save_pretrained(policy, cfg.save_hf)
+        save_pretrained(policy, cfg.save_hf, copy_tokenizer_from=cfg.data.tokenizer or model_path)
     write_plot(out / "plot.svg", metrics.records, title=f"align GRPO: {out.name}")
     evals = [r for r in metrics.records if "eval/pass@1" in r]
     summary = {
