@@ -7,9 +7,11 @@ importable (add it to the test extras to run it in CI) and is skipped otherwise,
 from __future__ import annotations
 
 import json
+import math
 import sys
 import types
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -42,11 +44,11 @@ def run(out: Path, model: str, logger: str, steps: int = 2) -> list[dict]:
 
 
 def scalars(rec: dict) -> dict:
-    return {k: v for k, v in rec.items() if k != "step" and isinstance(v, (int, float)) and v == v}
+    return {k: v for k, v in rec.items() if k != "step" and isinstance(v, (int, float)) and not math.isnan(v)}
 
 
 class FakeSummaryWriter:
-    instances: list = []
+    instances: ClassVar[list] = []
 
     def __init__(self, log_dir, purge_step=None):
         self.log_dir, self.purge_step, self.scalars, self.closed = log_dir, purge_step, [], False
