@@ -257,3 +257,61 @@ def test_adv_refill_fills_the_step_with_groups_that_have_signal(tmp_path, char_m
     recs, samples = run(tmp_path / "plain", False)
     assert "refill_rounds" not in recs[0]
     assert any(len(set(s["rewards"])) == 1 for s in samples)
+
+
+def test_readme_worked_example_runs(tmp_path, monkeypatch):
+    # README "Your own data, rewards and tokenizer": make_tiny.py, then the CLI on examples/own_data (2 steps)
+    import importlib.util
+
+    from align.data import HFTokenizer
+    from align.model import load_pretrained
+    from align.train import main
+
+    ex = Path(__file__).resolve().parents[1] / "examples" / "own_data"
+    spec = importlib.util.spec_from_file_location("make_tiny", ex / "make_tiny.py")
+    make_tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_tiny)
+    make_tiny.main(str(tmp_path / "tiny_model"))
+    args = [
+        "--model",
+        str(tmp_path / "tiny_model"),
+        "--out",
+        str(tmp_path / "own"),
+        "--train-data",
+        str(ex / "train.jsonl"),
+        "--eval-data",
+        str(ex / "eval.jsonl"),
+        "--reward",
+        f"{ex / 'rewards.py'}:answer_match",
+        "--reward",
+        f"{ex / 'rewards.py'}:short",
+        "--reward-weights",
+        "1",
+        "0.5",
+        "--reward-workers",
+        "2",
+        "--reward-timeout-s",
+        "10",
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "4",
+        "--max-tokens",
+        "12",
+        "--lr",
+        "3e-3",
+        "--eval-interval",
+        "0",
+        "--log-completions-every",
+        "1",
+        "--save-hf",
+        str(tmp_path / "own" / "final"),
+    ]
+    assert main(args) == 0
+    final = tmp_path / "own" / "final"
+    load_pretrained(final)
+    assert HFTokenizer(final).render_chat([{"role": "user", "content": "1 + 1?"}]).endswith("assistant\n")
+    rec = records(tmp_path / "own")[-1]
+    assert rec["step"] == 2 and {"reward/answer_match_mean", "reward/short_mean"} <= set(rec)
