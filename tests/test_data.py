@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -258,3 +259,13 @@ def test_parquet_rows_in_a_venv_with_pyarrow(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.splitlines()[-1]) == [{"prompt": "a?", "answer": 1}, {"prompt": "b?", "answer": 2}]
+
+
+def test_missing_hf_extra_names_it(tmp_path, monkeypatch):
+    d = make_bpe_tokenizer(tmp_path / "t")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # import raises ImportError, as when not installed
+    with pytest.raises(InputError, match=r"needs the optional package 'tokenizers': pip install 'align\[hf\]'"):
+        HFTokenizer(d)
+    monkeypatch.setitem(sys.modules, "jinja2", None)
+    with pytest.raises(InputError, match=r"needs the optional package 'jinja2': pip install 'align\[hf\]'"):
+        ChatTemplate("{{ messages }}")
