@@ -419,6 +419,23 @@ def train(
             metrics.write(r)
             print(format_line(r), flush=True)
 
+    def next_prompts(n: int) -> list[int]:
+        order = batch_order(len(task.prompts), cfg.seed, cursor["epoch"])
+        idx = []
+        while len(idx) < n:
+            if cursor["index"] >= len(order):
+                cursor["epoch"] += 1
+                cursor["index"] = 0
+                order = batch_order(len(task.prompts), cfg.seed, cursor["epoch"])
+            idx.append(order[cursor["index"]])
+            cursor["index"] += 1
+        return idx
+
+    def sample(idx: list[int], round_: int) -> list:
+        # the seed depends only on (seed, step, round): resume replays a step exactly
+        params.seed = cfg.seed * 1_000_003 + step + round_ * 100_000_007
+        return client.generate([encoded[i] for i in idx], params)
+
     progress = Progress(cfg.steps, start=step)
     first_error: list[str] = []
     try:
@@ -426,23 +443,6 @@ def train(
             t0 = time.monotonic()
             policy.train()
             # 1-3. prompts -> rollouts -> rewards (--adv-refill: more prompts until enough groups have signal)
-            def next_prompts(n: int) -> list[int]:
-                order = batch_order(len(task.prompts), cfg.seed, cursor["epoch"])
-                idx = []
-                while len(idx) < n:
-                    if cursor["index"] >= len(order):
-                        cursor["epoch"] += 1
-                        cursor["index"] = 0
-                        order = batch_order(len(task.prompts), cfg.seed, cursor["epoch"])
-                    idx.append(order[cursor["index"]])
-                    cursor["index"] += 1
-                return idx
-
-            def sample(idx: list[int], round_: int) -> list:
-                # the seed depends only on (seed, step, round): resume replays a step exactly
-                params.seed = cfg.seed * 1_000_003 + step + round_ * 100_000_007
-                return client.generate([encoded[i] for i in idx], params)
-
             batch = collect_groups(cfg.prompts_per_step, next_prompts, sample, completion_text,
                                    lambda i: task.prompts[i], scorer, cfg.adv_refill, cfg.max_refill_rounds)
             idx, completions, scores, errors = batch.idx, batch.completions, batch.scores, batch.scores.errors
