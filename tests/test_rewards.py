@@ -15,11 +15,11 @@ from align.rewards import (
     RewardConfig,
     RewardScorer,
     boxed_match,
+    check_signature,
     exact_match,
     last_number,
     last_number_match,
     load_rewards,
-    check_signature,
     parse_number,
     think_answer_format,
 )
