@@ -76,7 +76,9 @@ def build_parser(cls: type, prefixes: dict[str, str], description: str = "") -> 
         if tp is bool:
             parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, **kw)
         elif tp is list:
-            parser.add_argument(f"--{flag}", nargs="*", type=_list_item_type(hints_of(path, cls)), **kw)
+            # metadata {"action": "extend"}: the flag may be repeated (--reward a --reward b)
+            parser.add_argument(f"--{flag}", nargs="*", type=_list_item_type(hints_of(path, cls)),
+                                action=f.metadata.get("action", "store"), **kw)
         elif tp is dict:
             parser.add_argument(f"--{flag}", type=json.loads, **kw)
         else:

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from xml.sax.saxutils import escape
 
 from align.rollout.protocol import atomic_write_text
@@ -25,6 +28,7 @@ class MetricsLog:
     def __init__(self, path: Path, resume_step: int | None = None):
         self.path = path
         self.records: list[dict] = []
+        self.sinks: list[Any] = []  # optional mirrors (``make_logger``); this file stays the source of truth
         if path.exists():
             for line in path.read_text().splitlines():
                 try:
@@ -39,6 +43,12 @@ class MetricsLog:
         self.records.append(record)
         with open(self.path, "a") as fh:
             fh.write(json.dumps(record) + "\n")
+        for sink in self.sinks:
+            sink.log(record)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
 
 
 def format_line(rec: dict) -> str:
@@ -223,3 +233,100 @@ def write_plot(path: Path, records: list[dict], title: str = "align run") -> Non
         out += _panel(pid, name, series, (i % COLS) * PANEL_W, TITLE_H + (i // COLS) * PANEL_H, x0, x1)
     out.append("</svg>")
     atomic_write_text(path, "\n".join(out) + "\n")
+
+
+# ------------------------------------------------------------------------------------------------ sample logs, loggers
+
+
+@dataclass
+class LogConfig:
+    log_completions_every: int = field(default=10, metadata={"help": "Every N steps append a few groups (prompt, completions, rewards, advantages, lengths) to {out}/completions.jsonl; 0 = off."})
+    log_completions_groups: int = field(default=4, metadata={"help": "Groups per --log-completions-every sample."})
+    logger: str = field(default="none", metadata={"help": "Also send metrics to 'wandb' or 'tensorboard' (optional packages); metrics.jsonl stays the record."})
+
+    def __post_init__(self) -> None:
+        if self.logger not in LOGGERS:
+            raise ValueError(f"--logger must be one of {tuple(LOGGERS)}, got {self.logger!r}")
+        if self.log_completions_every < 0 or self.log_completions_groups < 1:
+            raise ValueError("--log-completions-every must be >= 0 and --log-completions-groups >= 1, got "
+                             f"{self.log_completions_every}, {self.log_completions_groups}")
+
+
+def sample_groups(step: int, prompts: list[str], completions: list, texts: list[str], rewards: Any,
+                  advantages: Any, terms: dict[str, Any], n: int) -> list[dict]:
+    """Records for ``completions.jsonl``: the first ``n`` groups of a step, one record per group, so a person can
+    read what the model does. ``completions`` / ``texts`` align (``prompt_index`` indexes ``prompts``); ``rewards``,
+    ``advantages`` and each ``terms`` value are (P, G) tensors; unscorable rewards are written as null."""
+
+    def row(x: Any, p: int) -> list:
+        return [None if isinstance(a, float) and math.isnan(a) else a for a in x[p].tolist()]
+
+    groups: dict[int, list[int]] = {}
+    for j, c in enumerate(completions):
+        groups.setdefault(c.prompt_index, []).append(j)
+    out = []
+    for p in sorted(groups)[:n]:
+        js = sorted(groups[p], key=lambda j: completions[j].sample_index)
+        out.append({"step": step, "group": p, "prompt": prompts[p], "completions": [texts[j] for j in js],
+                    "rewards": row(rewards, p), "advantages": row(advantages, p),
+                    "lengths": [len(completions[j].token_ids) for j in js],
+                    "finish_reasons": [completions[j].finish_reason for j in js],
+                    "reward_terms": {k: row(v, p) for k, v in terms.items()}})
+    return out
+
+
+class TensorBoardLogger:
+    """Scalars of each metrics record at its ``step`` (``torch.utils.tensorboard``, needs ``tensorboard``)."""
+
+    def __init__(self, log_dir: Path, resume_step: int = 0):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ValueError("--logger tensorboard needs the optional package 'tensorboard': "
+                             "pip install 'align[tensorboard]'") from None
+        # purge_step drops events a killed run wrote after the checkpoint it resumes from
+        self.writer = SummaryWriter(str(log_dir), purge_step=resume_step + 1 if resume_step else None)
+
+    def log(self, record: dict) -> None:
+        step = int(record.get("step", 0))
+        for k, v in record.items():
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbLogger:
+    """Each metrics record to a wandb run keyed by the run dir (resumed with the same id); x-axis ``step``."""
+
+    def __init__(self, out: Path, config: dict):
+        try:
+            import wandb
+        except ImportError:
+            raise ValueError("--logger wandb needs the optional package 'wandb': pip install 'align[wandb]'") from None
+        id_file = out / "wandb_id"
+        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        atomic_write_text(id_file, run_id)
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "align"), name=out.name, dir=str(out),
+                              id=run_id, resume="allow", config=config)
+        self.run.define_metric("*", step_metric="step")  # eval records arrive late for earlier steps
+
+    def log(self, record: dict) -> None:
+        self.run.log({k: v for k, v in record.items() if isinstance(v, (int, float))})
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+LOGGERS = {"none": None, "tensorboard": TensorBoardLogger, "wandb": WandbLogger}
+
+
+def make_logger(kind: str, out: Path, config: dict, resume_step: int = 0) -> Any:
+    """The optional metrics mirror for ``--logger`` (None for 'none'); its package is imported only here."""
+    if kind == "tensorboard":
+        return TensorBoardLogger(out / "tensorboard", resume_step)
+    if kind == "wandb":
+        return WandbLogger(out, config)
+    return None

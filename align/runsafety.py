@@ -52,6 +52,9 @@ RESUMABLE = (
     "rollout_timeout_s",
     "eval_prompts",
     "eval.",
+    "log.",  # sample logs and the optional metrics mirror
+    "rewards.reward_workers",  # how rewards are computed, not what they are
+    "rewards.reward_timeout_s",
 )
 
 

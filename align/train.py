@@ -26,15 +26,18 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from align import runsafety
 from align.cli import from_dict
+from align.data import DataConfig, InputError
 from align.eval.config import EvalConfig
 from align.grpo import AdvantageConfig, LossConfig
 from align.presets import PRESET_NAMES
+from align.rewards import RewardConfig
+from align.runlog import LogConfig
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +91,18 @@ class TrainConfig:
     eval_prompts: int = field(default=200, metadata=_h("Held-out prompts of the built-in task for eval."))
     warm_start_steps: int = field(default=800, metadata=_h("Supervised warm-start steps of the built-in task's model."))
     preset: str = field(default="none", metadata=_h(f"Loss + advantage options of one algorithm: {', '.join(PRESET_NAMES)}; explicit flags / --config keys win. Applied by the CLI; in Python use align.presets.build."))
+    adv_refill: bool = field(default=False, metadata=_h("DAPO dynamic sampling: sample more prompts until --prompts-per-step groups have non-zero reward variance (at most --max-refill-rounds extra rounds)."))
+    max_refill_rounds: int = field(default=4, metadata=_h("Max extra sampling rounds per step with --adv-refill."))
+    data: DataConfig = field(default_factory=DataConfig)
+    rewards: RewardConfig = field(default_factory=RewardConfig)
+    log: LogConfig = field(default_factory=LogConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     adv: AdvantageConfig = field(default_factory=AdvantageConfig)
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(eval_interval=10, eval_n=4))
 
     def __post_init__(self) -> None:
-        for name, cls in (("loss", LossConfig), ("adv", AdvantageConfig), ("eval", EvalConfig)):
+        for name, cls in (("loss", LossConfig), ("adv", AdvantageConfig), ("eval", EvalConfig), ("data", DataConfig),
+                          ("rewards", RewardConfig), ("log", LogConfig)):
             if isinstance(getattr(self, name), dict):
                 setattr(self, name, from_dict(cls, getattr(self, name), f"{name}."))
         positive = ("steps", "prompts_per_step", "group_size", "max_tokens", "micro_batch_size", "sync_every")
@@ -145,6 +154,10 @@ def builtin_task(cfg: TrainConfig) -> tuple[Task, str]:
                 reverse.prompts(cfg.eval_prompts, "eval", cfg.seed))
     base = Path(cfg.out) / "base_model"
     if cfg.model is not None:
+        if not (Path(cfg.model) / "align_tokenizer.json").is_file():
+            raise InputError(f"--model {cfg.model} is not a model of the built-in {cfg.task!r} task (it has no "
+                             "align_tokenizer.json); to train it on your data pass --train-data FILE.jsonl and "
+                             "--reward FILE.py:FUNCTION (and --eval-data FILE.jsonl to evaluate)")
         return task, cfg.model
     if not is_committed(base):
         print(f"[align] warm start: {cfg.warm_start_steps} supervised steps on the biased copy/reverse mixture "
@@ -286,7 +299,7 @@ def train(
     from align.model import load_pretrained, save_pretrained
     from align.rollout.client import make_rollout_client, spawn_worker
     from align.rollout.protocol import SamplingParams, atomic_write_text, logprob_basis_warning
-    from align.runlog import MetricsLog, Progress, format_line, write_plot
+    from align.runlog import MetricsLog, Progress, format_line, make_logger, sample_groups, write_plot
 
     t_start = time.monotonic()
     if cfg.threads:
@@ -298,8 +311,16 @@ def train(
     run_id = runsafety.run_id(out)
     if cfg.save_hf:
         runsafety.check_export_target(cfg.save_hf, run_id, cfg.overwrite)
-    if (prompts is None) != (reward is None) or (prompts is not None and tokenizer is None):
-        raise ValueError("pass prompts, tokenizer and reward together (or none of them for the built-in task)")
+    if prompts is None and cfg.data.train_data:  # your own data from files (align.data); rewards from --reward
+        if not (model or cfg.model):
+            raise InputError("--train-data needs --model DIR (a Hugging Face checkpoint directory)")
+        from align.data import load_data
+
+        tokenizer, prompts, eval_prompts = load_data(cfg.data, model or cfg.model, cfg.max_tokens)
+    has_reward = reward is not None or bool(cfg.rewards.reward)
+    if (prompts is None) == has_reward or (prompts is not None and tokenizer is None):
+        raise InputError("pass prompts, tokenizer and reward together (CLI: --train-data and --reward), or none of "
+                         "them for the built-in task")
     if prompts is None:
         task, model_path = builtin_task(cfg)
     else:
@@ -307,6 +328,9 @@ def train(
         model_path = model or cfg.model
         if model_path is None:
             raise ValueError("no model: pass model=<HF checkpoint dir> or --model")
+    from align.rewards import collect_groups, make_scorer
+
+    scorer = make_scorer(cfg.rewards, task.reward, task.prompts + task.eval_prompts)
     import json
 
     new_config = {**asdict(cfg), "model": model_path}
@@ -343,6 +367,9 @@ def train(
         step, cursor = state["step"], state["cursor"]
         print(f"[align] resuming from {resume[1]} (step {step})", flush=True)
     metrics = MetricsLog(out / "metrics.jsonl", resume_step=step if resume else 0)
+    samples = MetricsLog(out / "completions.jsonl", resume_step=step if resume else 0)
+    if (sink := make_logger(cfg.log.logger, out, asdict(cfg), step)) is not None:
+        metrics.sinks.append(sink)
     if not resume:
         torch.manual_seed(cfg.seed)
 
@@ -378,7 +405,8 @@ def train(
                                    seed=cfg.seed)
     eval_set = None
     if eval_encoded:
-        eval_set = EvalSet(eval_encoded, lambda i, ids: score(task.reward, task.eval_prompts[i], completion_text(ids), []),
+        eval_set = EvalSet(eval_encoded,
+                           lambda i, ids: scorer.score([(task.eval_prompts[i], completion_text(ids))]).totals[0],
                            eval_sampling, name=cfg.task if prompts is None else "eval")
 
     def blocking_eval(at_step: int) -> dict:
@@ -391,7 +419,11 @@ def train(
     def export(path: str) -> None:
         save_pretrained(policy, path)
 
-    evaluator = make_evaluator(cfg.eval, eval_set, export_fn=export, blocking_eval_fn=blocking_eval if eval_set else None)
+    eval_cfg = cfg.eval
+    if eval_set is None and not eval_cfg.uses_snapshots and eval_cfg.eval_interval > 0:
+        log.info("no held-out prompts: in-process eval is off (pass eval_prompts=... or --eval-data to evaluate)")
+        eval_cfg = replace(eval_cfg, eval_interval=0)
+    evaluator = make_evaluator(eval_cfg, eval_set, export_fn=export, blocking_eval_fn=blocking_eval if eval_set else None)
     if eval_set and not resume and cfg.eval.eval_interval > 0:
         metrics.write({"step": 0, **blocking_eval(0), "eval/step": 0})  # the baseline, before any GRPO step
         print(format_line(metrics.records[-1]), flush=True)
@@ -405,41 +437,51 @@ def train(
             metrics.write(r)
             print(format_line(r), flush=True)
 
+    def next_prompts(n: int) -> list[int]:
+        order = batch_order(len(task.prompts), cfg.seed, cursor["epoch"])
+        idx = []
+        while len(idx) < n:
+            if cursor["index"] >= len(order):
+                cursor["epoch"] += 1
+                cursor["index"] = 0
+                order = batch_order(len(task.prompts), cfg.seed, cursor["epoch"])
+            idx.append(order[cursor["index"]])
+            cursor["index"] += 1
+        return idx
+
+    def sample(idx: list[int], round_: int) -> list:
+        # the seed depends only on (seed, step, round): resume replays a step exactly
+        params.seed = cfg.seed * 1_000_003 + step + round_ * 100_000_007
+        comps = client.generate([encoded[i] for i in idx], params)
+        if cfg.rollout == "spool":
+            runsafety.check_weights_version(comps, published, client.spool.root)
+        return comps
+
     progress = Progress(cfg.steps, start=step)
     first_error: list[str] = []
     try:
         while step < cfg.steps:
             t0 = time.monotonic()
             policy.train()
-            # 1. prompts
-            order = batch_order(len(task.prompts), cfg.seed, cursor["epoch"])
-            idx = []
-            while len(idx) < cfg.prompts_per_step:
-                if cursor["index"] >= len(order):
-                    cursor["epoch"] += 1
-                    cursor["index"] = 0
-                    order = batch_order(len(task.prompts), cfg.seed, cursor["epoch"])
-                idx.append(order[cursor["index"]])
-                cursor["index"] += 1
+            # 1-3. prompts -> rollouts -> rewards (--adv-refill: more prompts until enough groups have signal)
+            batch = collect_groups(cfg.prompts_per_step, next_prompts, sample, completion_text,
+                                   lambda i: task.prompts[i], scorer, cfg.adv_refill, cfg.max_refill_rounds)
+            idx, completions, scores, errors = batch.idx, batch.completions, batch.scores, batch.scores.errors
             batch_ids = [encoded[i] for i in idx]
-            # 2. rollouts (the seed of a step depends only on (seed, step): resume replays it exactly)
-            params.seed = cfg.seed * 1_000_003 + step
-            completions = client.generate(batch_ids, params)
-            if cfg.rollout == "spool":
-                runsafety.check_weights_version(completions, published, client.spool.root)
             t_rollout = time.monotonic() - t0
-            # 3. rewards
-            errors: list[str] = []
             P, G = len(idx), cfg.group_size
             rewards = torch.full((P, G), math.nan)
-            for c in completions:
-                rewards[c.prompt_index, c.sample_index] = score(task.reward, task.prompts[idx[c.prompt_index]],
-                                                                completion_text(c.token_ids), errors)
-            if errors and not first_error:
-                first_error.append(errors[0])
-                log.warning("reward function raised; the completion counts as unscorable:\n%s", errors[0])
-            if len(errors) == P * G:
-                raise RuntimeError(f"the reward function raised on every completion of step {step + 1}; first error:\n{errors[0]}")
+            terms = {n: torch.full((P, G), math.nan) for n in scores.terms}
+            for j, c in enumerate(completions):
+                rewards[c.prompt_index, c.sample_index] = scores.totals[j]
+                for n, v in scores.terms.items():
+                    terms[n][c.prompt_index, c.sample_index] = v[j]
+            failures = errors or [f"{scores.timeouts} reward call(s) timed out (--reward-timeout-s)"]
+            if scores.failed and not first_error:
+                first_error.append(failures[0])
+                log.warning("a reward call failed; the completion counts as unscorable:\n%s", failures[0])
+            if scores.failed == batch.scored:
+                raise RuntimeError(f"the reward function raised on every completion of step {step + 1}; first error:\n{failures[0]}")
             # 4. advantages
             lengths = torch.zeros(P, G)
             truncated = torch.zeros(P, G, dtype=torch.bool)
@@ -488,6 +530,11 @@ def train(
                 **adv_stats,
                 "unscorable": int(rewards.isnan().sum()),
                 "reward_errors": len(errors),
+                "reward_timeouts": scores.timeouts,
+                **{f"reward/{n}_mean": float(v[~v.isnan()].mean()) if (~v.isnan()).any() else math.nan
+                   for n, v in terms.items()},
+                **({"refill_rounds": batch.rounds, "refill_prompts": batch.sampled_prompts - P,
+                    "signal_groups": batch.signal_groups} if cfg.adv_refill else {}),
                 "completion_len_mean": gen_tokens / len(completions),
                 "truncated_frac": float(truncated.float().mean()),
                 "tokens_per_s": gen_tokens / max(t_rollout, 1e-9),
@@ -499,6 +546,10 @@ def train(
             }
             metrics.write(rec)
             progress.update(step, format_line(rec))
+            if cfg.log.log_completions_every and step % cfg.log.log_completions_every == 0:
+                for r in sample_groups(step, [task.prompts[i]["prompt"] for i in idx], completions, batch.texts,
+                                       rewards, adv, terms, cfg.log.log_completions_groups):
+                    samples.write(r)
             # 8. eval and checkpoint
             is_final = step == cfg.steps
             emit_eval(evaluator.step(step, is_final) + evaluator.poll())
@@ -513,10 +564,13 @@ def train(
             emit_eval(evaluator.drain())
         finally:
             client.close()
+            scorer.close()
+            metrics.close()
             if worker is not None:
                 worker.shutdown()
     if cfg.save_hf and step == cfg.steps:
-        runsafety.export_hf(lambda d: save_pretrained(policy, d), cfg.save_hf, run_id, cfg.overwrite, step)
+        runsafety.export_hf(lambda d: save_pretrained(policy, d, copy_tokenizer_from=cfg.data.tokenizer or model_path),
+                            cfg.save_hf, run_id, cfg.overwrite, step)
     write_plot(out / "plot.svg", metrics.records, title=f"align GRPO: {out.name}")
     evals = [r for r in metrics.records if "eval/pass@1" in r]
     summary = {
@@ -554,6 +608,9 @@ def main(argv: list[str] | None = None) -> int:
     old = {s: signal.signal(s, on_signal) for s in SIGNAL_EXIT}
     try:
         summary = train(cfg, stop_flag=stop_flag)
+    except InputError as e:  # bad data / reward / tokenizer input, found before the model loads
+        print(f"align.train: error: {e}", file=sys.stderr, flush=True)
+        return 2
     finally:
         for s, h in old.items():
             signal.signal(s, h)

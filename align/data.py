@@ -1,0 +1,395 @@
+"""Your own data: JSONL / Parquet rows, the model's own tokenizer (``tokenizer.json``) and its chat template.
+
+A row is a JSON object (one per line) or a Parquet record. Its prompt is ``prompt`` (a string) or
+``messages`` (a chat list ``[{"role": ..., "content": ...}, ...]``, rendered with the model's chat template
+and ``add_generation_prompt=True``); ``--prompt-key`` names another column. Every other column reaches the
+reward as a keyword argument: ``reward(prompt, completion, **fields)``.
+
+Decisions:
+- Everything a user can get wrong (missing file, a line that is not JSON, a row without its prompt, a
+  prompt too long for ``--max-tokens``, a tokenizer directory without ``tokenizer.json``, a missing extra)
+  raises ``InputError`` naming the file / line / flag and the fix, before the model is loaded.
+- The tokenizer is the ``tokenizers`` package reading ``tokenizer.json`` and the chat template is rendered by
+  ``jinja2`` in the same sandboxed environment as transformers' ``apply_chat_template`` (trim_blocks,
+  lstrip_blocks, ``raise_exception``, ``tojson``, ``strftime_now``), so the text is byte-equal to it. Both are
+  the optional extra ``align[hf]``, imported inside the functions that need them; the core stays on its
+  four dependencies. Parquet needs ``pyarrow`` (``align[parquet]``).
+- A rendered chat prompt is a ``ChatPrompt`` (a ``str``): it already holds the template's special tokens, so
+  ``HFTokenizer.encode`` adds none to it, as ``apply_chat_template(tokenize=True)`` does; a plain ``prompt``
+  string gets the tokenizer's special tokens (e.g. Llama-3's BOS), as ``tokenizer(text)`` does.
+- Stop tokens are the union of ``generation_config.json``'s ``eos_token_id`` and the tokenizer config's
+  ``eos_token``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, ClassVar
+
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+RESERVED_FIELDS = ("prompt", "completion")  # the reward's positional parameters: no column may use these names
+
+
+class InputError(ValueError):
+    """Bad user input (data file, tokenizer, reward spec, flags), found before the model is loaded."""
+
+
+@dataclass
+class DataConfig:
+    train_data: str | None = field(
+        default=None,
+        metadata={
+            "help": "Training prompts: a .jsonl or .parquet file (rows with 'prompt' or 'messages'); needs --reward."
+        },
+    )
+    eval_data: str | None = field(
+        default=None, metadata={"help": "Held-out prompts for eval, same format as --train-data."}
+    )
+    prompt_key: str = field(
+        default="prompt",
+        metadata={
+            "help": "Column holding the prompt (a string, or a chat list like 'messages'); other columns reach the reward as **fields."
+        },
+    )
+    tokenizer: str | None = field(
+        default=None,
+        metadata={
+            "help": "Directory with tokenizer.json (+ tokenizer_config.json / chat_template.jinja); default: the model dir."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if not self.prompt_key or self.prompt_key in ("completion",):
+            raise ValueError(f"--prompt-key must name a prompt column, got {self.prompt_key!r}")
+
+
+def _need(module: str, extra: str, what: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise InputError(
+            f"{what} needs the optional package {module.split('.')[0]!r}: pip install 'align[{extra}]'"
+        ) from None
+
+
+# ------------------------------------------------------------------------------------------------ rows
+
+
+def read_rows(path: str | Path, flag: str = "--train-data") -> list[tuple[str, dict]]:
+    """[(where, row)] from a .jsonl / .json (one object per line) or .parquet file; ``where`` is ``file:line``."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{flag} {path}: no such file")
+    if path.suffix == ".parquet":
+        pq = _need("pyarrow.parquet", "parquet", f"{flag} {path} (Parquet)")
+        try:
+            table = pq.read_table(path)
+        except (OSError, ValueError) as e:  # ArrowInvalid is a ValueError; re-raised with the flag and file named
+            raise InputError(f"{flag} {path}: not a readable Parquet file ({e})") from None
+        return [(f"{path}:row {i}", row) for i, row in enumerate(table.to_pylist())]
+    rows = []
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(
+                    f"{path}:{n}: not valid JSON ({e.msg}); {flag} takes JSONL (one JSON object per line) or .parquet"
+                ) from None
+            if not isinstance(row, dict):
+                raise InputError(f"{path}:{n}: a JSONL row must be a JSON object, got {type(row).__name__}")
+            rows.append((f"{path}:{n}", row))
+    if not rows:
+        raise InputError(f"{flag} {path}: the file has no rows")
+    return rows
+
+
+def _check_messages(msgs: Any, where: str) -> list[dict]:
+    if not (
+        isinstance(msgs, list) and msgs and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs)
+    ):
+        raise InputError(f"{where}: a chat prompt must be a non-empty list of {{'role': ..., 'content': ...}} objects")
+    return msgs
+
+
+def to_record(row: dict, where: str, prompt_key: str, template: ChatTemplate | None) -> dict:
+    """A row as a prompt record ``{"prompt": str, **fields}``; chat lists are rendered with ``template``."""
+    key = prompt_key if prompt_key in row else ("messages" if "messages" in row else None)
+    if key is None:
+        raise InputError(
+            f"{where}: the row has no {prompt_key!r} (or 'messages') field; its fields are "
+            f"{sorted(row)}; name the prompt column with --prompt-key"
+        )
+    value = row[key]
+    if isinstance(value, list):
+        if template is None:
+            raise InputError(
+                f"{where}: a chat prompt ({key!r} is a list of messages) needs a chat template, and "
+                "the tokenizer has none (tokenizer_config.json 'chat_template' or chat_template.jinja); "
+                "give the tokenizer one with --tokenizer DIR, or use a 'prompt' string"
+            )
+        text: str = template.render(_check_messages(value, where))
+    elif isinstance(value, str):
+        text = value
+    else:
+        raise InputError(f"{where}: {key!r} must be a string or a list of chat messages, got {type(value).__name__}")
+    fields = {k: v for k, v in row.items() if k != key}
+    clash = [k for k in RESERVED_FIELDS if k in fields]
+    if clash:
+        raise InputError(
+            f"{where}: column(s) {clash} clash with the reward's (prompt, completion) parameters; "
+            "rename them in the data file"
+        )
+    return {"prompt": text, **fields}
+
+
+# ------------------------------------------------------------------------------------------------ chat template
+
+
+class ChatPrompt(str):
+    """A prompt rendered by a chat template: it holds its special tokens already (``encode`` adds none)."""
+
+
+def _token_text(v: Any) -> str | None:
+    if isinstance(v, dict):  # an AddedToken as serialised by transformers: {"content": "<s>", ...}
+        v = v.get("content")
+    return v if isinstance(v, str) else None
+
+
+class ChatTemplate:
+    """A Hugging Face chat template rendered as ``apply_chat_template(..., tokenize=False)`` renders it."""
+
+    def __init__(self, source: str, special_tokens: dict[str, str] | None = None):
+        _need("jinja2", "hf", "a chat template")
+        import jinja2
+        import jinja2.ext
+        import jinja2.sandbox
+
+        def raise_exception(message: str) -> None:
+            raise jinja2.exceptions.TemplateError(message)
+
+        def tojson(
+            x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+        ) -> str:  # transformers' override: no HTML escaping
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        class Generation(jinja2.ext.Extension):  # {% generation %}...{% endgeneration %}: renders its body
+            tags: ClassVar[set[str]] = {"generation"}
+
+            def parse(self, parser):
+                lineno = next(parser.stream).lineno
+                body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+                return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+            def _body(self, caller):
+                return caller()
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+        )
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self.source = source
+        self.special_tokens = dict(special_tokens or {})
+        self.template = env.from_string(source)
+        self._errors = (jinja2.exceptions.TemplateError,)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> ChatPrompt:
+        try:
+            text = self.template.render(
+                messages=messages,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **{**self.special_tokens, **kwargs},
+            )
+        except self._errors as e:
+            raise InputError(f"the chat template rejected the messages: {e}") from None
+        return ChatPrompt(text)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}: not valid JSON ({e})") from None
+    return data if isinstance(data, dict) else {}
+
+
+def load_chat_template(directory: str | Path) -> ChatTemplate | None:
+    """The template of a tokenizer directory: ``chat_template.jinja``, else tokenizer_config's ``chat_template``
+    (a string, or a list of named templates: the one named ``default``). None when there is none."""
+    d = Path(directory)
+    config = _read_json(d / "tokenizer_config.json")
+    source = None
+    if (d / "chat_template.jinja").is_file():
+        source = (d / "chat_template.jinja").read_text(encoding="utf-8")
+    elif isinstance(config.get("chat_template"), str):
+        source = config["chat_template"]
+    elif isinstance(config.get("chat_template"), list):
+        named = {t.get("name"): t.get("template") for t in config["chat_template"] if isinstance(t, dict)}
+        source = named.get("default")
+    if source is None:
+        return None
+    specials = {**_read_json(d / "special_tokens_map.json"), **config}
+    tokens = {k: t for k in SPECIAL_TOKEN_NAMES if (t := _token_text(specials.get(k))) is not None}
+    return ChatTemplate(source, tokens)
+
+
+# ------------------------------------------------------------------------------------------------ tokenizer
+
+
+def _clean_up_tokenization(s: str) -> str:  # transformers' clean_up_tokenization, for configs that ask for it
+    for a, b in (
+        (" .", "."),
+        (" ?", "?"),
+        (" !", "!"),
+        (" ,", ","),
+        (" ' ", "'"),
+        (" n't", "n't"),
+        (" 'm", "'m"),
+        (" 's", "'s"),
+        (" 've", "'ve"),
+        (" 're", "'re"),
+    ):
+        s = s.replace(a, b)
+    return s
+
+
+class HFTokenizer:
+    """A Hugging Face fast tokenizer (``tokenizer.json``) through the ``tokenizers`` package.
+
+    ``encode(text)`` adds the tokenizer's special tokens to a plain string (as ``tokenizer(text)``) and none to a
+    ``ChatPrompt`` (as ``apply_chat_template``); ``decode`` skips special tokens by default (the reward sees
+    the text). ``eos_token_id`` is the list of stop tokens; ``chat_template`` the directory's template or None."""
+
+    def __init__(self, directory: str | Path, stop_ids: list[int] | None = None):
+        d = Path(directory)
+        if not (d / "tokenizer.json").is_file():
+            raise InputError(
+                f"{d} has no tokenizer.json (a Hugging Face fast tokenizer); pass --tokenizer DIR "
+                "pointing at the model's tokenizer files"
+            )
+        tokenizers = _need("tokenizers", "hf", f"the tokenizer in {d}")
+        try:
+            self.backend = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
+        except Exception as e:  # noqa: BLE001 -- tokenizers raises a bare Exception for a malformed file
+            raise InputError(f"{d / 'tokenizer.json'}: not a tokenizers file ({e})") from None
+        self.directory = d
+        config = _read_json(d / "tokenizer_config.json")
+        self.clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+        self.chat_template = load_chat_template(d)
+        self.eos_token_id: list[int] = stop_ids if stop_ids is not None else stop_token_ids(d, self)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
+        if add_special_tokens is None:
+            add_special_tokens = not isinstance(text, ChatPrompt)
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        text = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return _clean_up_tokenization(text) if self.clean_up_spaces else text
+
+    def render_chat(self, messages: list[dict], **kwargs: Any) -> ChatPrompt:
+        if self.chat_template is None:
+            raise InputError(
+                f"{self.directory} has no chat template (tokenizer_config.json 'chat_template' or chat_template.jinja)"
+            )
+        return self.chat_template.render(messages, **kwargs)
+
+
+def stop_token_ids(directory: str | Path, tok: HFTokenizer, model_dir: str | Path | None = None) -> list[int]:
+    """Stop tokens: ``eos_token_id`` of generation_config.json (model dir, then tokenizer dir) plus the tokenizer
+    config's ``eos_token``, in that order, without repeats."""
+    out: list[int] = []
+    for d in [Path(p) for p in (model_dir, directory) if p is not None]:
+        eos = _read_json(d / "generation_config.json").get("eos_token_id")
+        out += [int(e) for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int)]
+    token = _token_text(_read_json(Path(directory) / "tokenizer_config.json").get("eos_token"))
+    if token is not None and (i := tok.token_to_id(token)) is not None:
+        out.append(i)
+    return list(dict.fromkeys(out))
+
+
+def load_tokenizer(directory: str | Path, model_dir: str | Path | None = None, flag: str = "--tokenizer") -> Any:
+    """``tokenizer.json`` -> ``HFTokenizer``; the built-in task's ``align_tokenizer.json`` -> ``CharTokenizer``."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise InputError(f"{flag} {d}: no such directory")
+    if (d / "tokenizer.json").is_file():
+        tok = HFTokenizer(d, stop_ids=[])
+        tok.eos_token_id = stop_token_ids(d, tok, model_dir)
+        return tok
+    if (d / "align_tokenizer.json").is_file():
+        from align.tasks.tokenizer import CharTokenizer
+
+        return CharTokenizer.load(d)
+    raise InputError(
+        f"{flag} {d}: no tokenizer.json (a Hugging Face fast tokenizer); pass --tokenizer DIR "
+        "pointing at the directory that holds the model's tokenizer.json"
+    )
+
+
+# ------------------------------------------------------------------------------------------------ a task
+
+
+def load_records(path: str | Path, tok: Any, prompt_key: str, flag: str) -> tuple[list[dict], list[str]]:
+    """The prompt records of a data file and where each came from (``file:line``)."""
+    template = getattr(tok, "chat_template", None)
+    rows = read_rows(path, flag)
+    return [to_record(row, where, prompt_key, template) for where, row in rows], [w for w, _ in rows]
+
+
+def check_prompt_lengths(
+    tok: Any, records: list[dict], wheres: list[str], model_dir: str | Path, max_tokens: int
+) -> None:
+    """Each prompt + ``max_tokens`` fits the model's context and every token id its vocabulary (config.json)."""
+    config = _read_json(Path(model_dir) / "config.json")
+    context, vocab = config.get("max_position_embeddings"), config.get("vocab_size")
+    for rec, where in zip(records, wheres):
+        ids = tok.encode(rec["prompt"])
+        if context and len(ids) + max_tokens > context:
+            raise InputError(
+                f"{where}: the prompt is {len(ids)} tokens; with --max-tokens {max_tokens} it does not "
+                f"fit the model's context of {context}; shorten it or lower --max-tokens"
+            )
+        if vocab and ids and max(ids) >= vocab:
+            raise InputError(
+                f"{where}: token id {max(ids)} is outside the model's vocabulary ({vocab}); is "
+                "--tokenizer the model's own tokenizer?"
+            )
+
+
+def load_data(cfg: DataConfig, model_dir: str, max_tokens: int) -> tuple[Any, list[dict], list[dict]]:
+    """(tokenizer, train records, eval records) for ``--train-data`` / ``--eval-data``; raises ``InputError``."""
+    if not cfg.train_data:
+        raise InputError("no --train-data: pass a .jsonl or .parquet file of prompts")
+    if not Path(model_dir).is_dir():
+        raise InputError(f"--model {model_dir}: no such directory")
+    tok = load_tokenizer(cfg.tokenizer or model_dir, model_dir, "--tokenizer" if cfg.tokenizer else "--model")
+    out = []
+    for path, flag in ((cfg.train_data, "--train-data"), (cfg.eval_data, "--eval-data")):
+        if path is None:
+            out.append([])
+            continue
+        records, wheres = load_records(path, tok, cfg.prompt_key, flag)
+        check_prompt_lengths(tok, records, wheres, model_dir, max_tokens)
+        out.append(records)
+    return tok, out[0], out[1]

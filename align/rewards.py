@@ -1,0 +1,660 @@
+"""Rewards: loading ``module:function`` / ``path/file.py:function`` specs, weighted sums, a worker pool with
+per-call timeouts, and a small stdlib library of verifiable rewards.
+
+A reward is ``fn(prompt, completion, **fields) -> float | None``; ``fields`` are the prompt row's other columns.
+Several rewards are combined as ``sum_i w_i * r_i`` (``--reward-weights``, default all 1) and each is logged as
+``reward/<name>_mean``.
+
+Failure semantics (a row that fails is counted, never lost silently):
+- a reward that raises or runs past ``--reward-timeout-s`` makes the completion *unscorable* (NaN total: no
+  gradient), counted in ``reward_errors`` / ``reward_timeouts``;
+- a reward that returns ``None`` / NaN abstains: the other rewards' weighted sum is the total, and the
+  completion is unscorable only when every reward abstains (TRL's convention for multi-task rewards).
+
+Execution: ``--reward-workers 1`` calls the rewards in this process; the timeout is then a SIGALRM timer
+(main thread only; it interrupts Python code and sleeps, not a C call that holds the GIL).
+``--reward-workers N > 1`` runs them in N worker processes (``python -m align.rewards``, JSON lines over pipes:
+nothing is pickled); a call past its deadline gets its worker killed and replaced, so a hung reward never
+hangs the run. Workers load the rewards from their specs, so ``fields`` must be JSON values.
+
+Built-ins (use as ``--reward align.rewards:boxed_match``; each takes the row's ``answer`` column):
+``exact_match``, ``boxed_match`` (the last ``\\boxed{...}``, nested braces allowed), ``last_number_match``
+(the last number: signs, ``1,234`` thousands separators, decimals, ``a/b`` fractions, compared exactly) and
+``think_answer_format`` (``<think>...</think>`` then an answer).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import json
+import math
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+from align.data import InputError
+
+
+@dataclass
+class RewardConfig:
+    reward: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Reward function 'module:fn' or 'path/file.py:fn', fn(prompt, completion, **fields) -> float | None; repeat the flag for several (built-ins: align.rewards:exact_match, boxed_match, last_number_match, think_answer_format).",
+            "action": "extend",
+        },
+    )
+    reward_weights: list[float] | None = field(
+        default=None,
+        metadata={"help": "One weight per --reward (default all 1); the step's reward is the weighted sum."},
+    )
+    reward_workers: int = field(
+        default=1, metadata={"help": "Reward worker processes; 1 = call the rewards in this process."}
+    )
+    reward_timeout_s: float = field(
+        default=60.0,
+        metadata={"help": "Per-call reward timeout in seconds (0 = none); a call past it is unscorable and counted."},
+    )
+
+    def __post_init__(self) -> None:
+        if self.reward_workers < 1:
+            raise ValueError(f"--reward-workers must be >= 1, got {self.reward_workers}")
+        if not self.reward_timeout_s >= 0:
+            raise ValueError(f"--reward-timeout-s must be >= 0 (0 = no timeout), got {self.reward_timeout_s}")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward):
+            raise ValueError(
+                f"--reward-weights has {len(self.reward_weights)} value(s) for {len(self.reward)} "
+                f"--reward function(s); give one weight per --reward"
+            )
+
+
+# ------------------------------------------------------------------------------------------------ loading
+
+
+@dataclass
+class RewardFn:
+    name: str
+    fn: Callable[..., Any]
+    spec: str | None  # how a worker process loads it; None = only callable in this process
+
+
+def _load_file_module(path: Path) -> Any:
+    digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]
+    name = f"align_reward_{path.stem}_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise InputError(f"--reward {path}: cannot load this file as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def load_spec(spec: str) -> Callable[..., Any]:
+    """The callable named by ``module:function`` or ``path/file.py:function``; ``InputError`` if there is none."""
+    mod_name, sep, fn_name = spec.rpartition(":")
+    if not sep or not mod_name or not fn_name:
+        raise InputError(f"--reward {spec!r}: expected 'module:function' or 'path/to/file.py:function'")
+    if mod_name.endswith(".py"):
+        path = Path(mod_name)
+        if not path.is_file():
+            raise InputError(f"--reward {spec!r}: no such file {path}")
+        module = _load_file_module(path)
+    else:
+        try:
+            module = importlib.import_module(mod_name)
+        except ModuleNotFoundError as e:
+            raise InputError(
+                f"--reward {spec!r}: no module {e.name!r} (is it on PYTHONPATH? a file needs the "
+                "'.py' path: --reward path/to/file.py:function)"
+            ) from None
+    fn = getattr(module, fn_name, None)
+    if fn is None:
+        raise InputError(f"--reward {spec!r}: {mod_name} has no attribute {fn_name!r}")
+    if not callable(fn):
+        raise InputError(f"--reward {spec!r}: {fn_name} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def check_signature(name: str, fn: Callable[..., Any], field_names: list[str]) -> None:
+    """``fn`` must accept ``(prompt, completion, **fields)`` for the data's columns."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: let the call decide
+    try:
+        sig.bind("prompt", "completion", **dict.fromkeys(field_names))
+    except TypeError as e:
+        cols = f" and the data's columns {field_names}" if field_names else ""
+        raise InputError(
+            f"reward {name!r} cannot be called as fn(prompt, completion, **fields){cols}: {e}; "
+            f"define it as def {getattr(fn, '__name__', 'fn')}(prompt, completion, **fields)"
+        ) from None
+
+
+def _spec_of(fn: Callable[..., Any]) -> str | None:
+    mod, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not mod or mod == "__main__" or "<" in qual or "." in qual:
+        return None
+    module = sys.modules.get(mod)
+    path = getattr(module, "__file__", None)
+    if mod.startswith("align_reward_") and path:  # loaded from a file spec
+        return f"{path}:{qual}"
+    return f"{mod}:{qual}"
+
+
+def load_rewards(specs: list[str] | None = None, fns: Any = None) -> list[RewardFn]:
+    """Rewards from CLI specs, or from the Python API (a callable, or a list of callables); unique names."""
+    out = []
+    for spec in specs or []:
+        fn = load_spec(spec)
+        out.append(RewardFn(getattr(fn, "__name__", spec.rpartition(":")[2]), fn, spec))
+    if fns is not None:
+        for fn in fns if isinstance(fns, (list, tuple)) else [fns]:
+            if not callable(fn):
+                raise InputError(f"reward {fn!r} is not callable")
+            out.append(RewardFn(getattr(fn, "__name__", "reward"), fn, _spec_of(fn)))
+    seen: dict[str, int] = {}
+    for r in out:
+        seen[r.name] = seen.get(r.name, 0) + 1
+        if seen[r.name] > 1:
+            r.name = f"{r.name}_{seen[r.name]}"
+    if not out:
+        raise InputError("no reward: pass --reward module:function (or path/file.py:function)")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ scoring
+
+
+class RewardTimeout(BaseException):
+    """Raised inside an in-process reward call by the SIGALRM timer."""
+
+
+@dataclass
+class Scores:
+    """One ``score`` call: per-item totals (NaN = unscorable), each reward's values, failures."""
+
+    totals: list[float]
+    terms: dict[str, list[float]]
+    errors: list[str] = field(default_factory=list)  # tracebacks of raising calls
+    timeouts: int = 0
+    failed: int = 0  # items with at least one raising or timed-out call
+
+
+def _value(v: Any) -> float:
+    if v is None:
+        return math.nan
+    return float(v)
+
+
+def _call_in_process(fn: Callable, args: tuple, kwargs: dict, timeout_s: float) -> Any:
+    use_alarm = timeout_s > 0 and hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+    if not use_alarm:
+        return fn(*args, **kwargs)
+
+    def on_alarm(signum, frame):
+        raise RewardTimeout
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+class RewardScorer:
+    """Scores (record, completion) pairs with every reward; in-process or in a pool of worker processes."""
+
+    def __init__(
+        self, rewards: list[RewardFn], weights: list[float] | None = None, workers: int = 1, timeout_s: float = 60.0
+    ):
+        if weights is not None and len(weights) != len(rewards):
+            raise InputError(
+                f"--reward-weights has {len(weights)} value(s) for {len(rewards)} reward(s); give one "
+                "weight per --reward"
+            )
+        self.rewards, self.weights = rewards, list(weights) if weights is not None else [1.0] * len(rewards)
+        self.timeout_s = timeout_s
+        self.pool = None
+        if workers > 1:
+            missing = [r.name for r in rewards if r.spec is None]
+            if missing:
+                raise InputError(
+                    f"reward(s) {missing} are defined in __main__ or inside a function, so worker "
+                    "processes cannot load them; define them in a module or file and pass "
+                    "'module:function' / 'path/file.py:function', or use --reward-workers 1"
+                )
+            self.pool = WorkerPool([r.spec for r in rewards], workers, timeout_s)
+        self._lock = threading.Lock()
+
+    @property
+    def names(self) -> list[str]:
+        return [r.name for r in self.rewards]
+
+    def score(self, items: list[tuple[dict, str]]) -> Scores:
+        """``items``: (prompt record, completion text). Thread-safe (eval may score from another thread)."""
+        with self._lock:
+            if self.pool is not None:
+                calls = [(k, i, rec, text) for i, (rec, text) in enumerate(items) for k in range(len(self.rewards))]
+                results = self.pool.run([(k, rec["prompt"], text, _fields(rec)) for k, _, rec, text in calls])
+            else:
+                results = []
+                for i, (rec, text) in enumerate(items):
+                    for k, r in enumerate(self.rewards):
+                        try:
+                            results.append(
+                                (
+                                    "ok",
+                                    _value(_call_in_process(r.fn, (rec["prompt"], text), _fields(rec), self.timeout_s)),
+                                )
+                            )
+                        except RewardTimeout:
+                            results.append(("timeout", f"reward {r.name!r} timed out after {self.timeout_s} s"))
+                        except Exception:  # noqa: BLE001 -- a user's reward: counted as unscorable, the run goes on
+                            results.append(("error", traceback.format_exc()))
+        return self._combine(len(items), results)
+
+    def _combine(self, n: int, results: list[tuple[str, Any]]) -> Scores:
+        R = len(self.rewards)
+        out = Scores(totals=[], terms={name: [] for name in self.names})
+        for i in range(n):
+            row, failed = results[i * R : (i + 1) * R], False
+            for (kind, v), name in zip(row, self.names):
+                if kind == "ok":
+                    out.terms[name].append(v)
+                    continue
+                failed = True
+                out.terms[name].append(math.nan)
+                if kind == "timeout":
+                    out.timeouts += 1
+                else:
+                    out.errors.append(v)
+            vals = [(w, v) for w, (kind, v) in zip(self.weights, row) if kind == "ok" and math.isfinite(v)]
+            out.failed += failed
+            out.totals.append(math.nan if failed or not vals else sum(w * v for w, v in vals))
+        return out
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+
+def _fields(rec: dict) -> dict:
+    return {k: v for k, v in rec.items() if k != "prompt"}
+
+
+def make_scorer(cfg: RewardConfig, fns: Any, records: list[dict]) -> RewardScorer:
+    """The scorer for a run: ``--reward`` specs and/or Python callables, signatures checked against the data's
+    columns (all before the model loads)."""
+    rewards = load_rewards(cfg.reward, fns)
+    columns = sorted({k for rec in records for k in rec if k != "prompt"})
+    for r in rewards:
+        check_signature(r.name, r.fn, columns)
+    return RewardScorer(rewards, cfg.reward_weights, cfg.reward_workers, cfg.reward_timeout_s)
+
+
+# ------------------------------------------------------------------------------------------------ dynamic sampling
+
+
+def has_signal(totals: list[float]) -> bool:
+    """A group teaches something only if its scorable rewards differ (DAPO's dynamic-sampling criterion)."""
+    finite = [t for t in totals if math.isfinite(t)]
+    return len(finite) >= 2 and max(finite) > min(finite)
+
+
+@dataclass
+class Batch:
+    """The groups of one step. ``completions[j].prompt_index`` indexes ``idx``; ``texts`` and ``scores`` align
+    with ``completions``; ``scores.errors`` / ``timeouts`` / ``failed`` count every round, ``scored`` the items."""
+
+    idx: list[int]
+    completions: list
+    texts: list[str]
+    scores: Scores
+    rounds: int = 0
+    sampled_prompts: int = 0
+    signal_groups: int = 0
+    scored: int = 0
+
+
+def collect_groups(
+    P: int,
+    next_prompts: Callable[[int], list[int]],
+    sample: Callable[[list[int], int], list],
+    text_of: Callable[[list[int]], str],
+    record: Callable[[int], dict],
+    scorer: RewardScorer,
+    refill: bool = False,
+    max_rounds: int = 0,
+) -> Batch:
+    """Sample and score ``P`` groups. With ``refill`` (DAPO dynamic sampling), groups without reward variance are
+    set aside and fresh prompts sampled (round r = 1..max_rounds) until ``P`` groups have signal; if the rounds
+    run out, set-aside groups fill the batch (their advantages are zero). ``sample(idx, round)`` returns
+    completions whose ``prompt_index`` indexes ``idx``."""
+    import dataclasses
+
+    kept, dropped, errors = [], [], []
+    timeouts = failed = scored = sampled = rounds = 0
+    need = P
+    while True:
+        idx = next_prompts(need)
+        sampled += len(idx)
+        comps = sample(idx, rounds)
+        texts = [text_of(c.token_ids) for c in comps]
+        s = scorer.score([(record(idx[c.prompt_index]), t) for c, t in zip(comps, texts)])
+        errors += s.errors
+        timeouts, failed, scored = timeouts + s.timeouts, failed + s.failed, scored + len(comps)
+        members: dict[int, list[int]] = {}
+        for j, c in enumerate(comps):
+            members.setdefault(c.prompt_index, []).append(j)
+        for p, i in enumerate(idx):
+            js = members.get(p, [])
+            group = (
+                i,
+                [comps[j] for j in js],
+                [texts[j] for j in js],
+                [s.totals[j] for j in js],
+                {n: [v[j] for j in js] for n, v in s.terms.items()},
+            )
+            (kept if not refill or has_signal(group[3]) else dropped).append(group)
+        if not refill or len(kept) >= P or rounds >= max_rounds:
+            break
+        rounds += 1
+        need = P - len(kept)
+    final = (kept + dropped)[:P]
+    out = Batch(
+        [],
+        [],
+        [],
+        Scores([], {n: [] for n in scorer.names}, errors, timeouts, failed),
+        rounds,
+        sampled,
+        sum(has_signal(g[3]) for g in final),
+        scored,
+    )
+    for p, (i, cs, ts, totals, terms) in enumerate(final):
+        out.idx.append(i)
+        out.completions += [dataclasses.replace(c, prompt_index=p) for c in cs]
+        out.texts += ts
+        out.scores.totals += totals
+        for n, v in terms.items():
+            out.scores.terms[n] += v
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ worker pool
+
+
+STARTUP_TIMEOUT_S = 120.0  # a worker's start (python + the reward modules) never counts against a call's timeout
+
+
+class _Worker:
+    def __init__(self, specs: list[str], sel: selectors.BaseSelector):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "align.rewards", "--worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            bufsize=0,
+        )
+        self.sel, self.buf, self.ready = sel, b"", False
+        self.task: int | None = None
+        self.deadline = time.monotonic() + STARTUP_TIMEOUT_S  # until ready: the start deadline
+        self.proc.stdin.write((json.dumps({"specs": specs}) + "\n").encode())
+        sel.register(self.proc.stdout, selectors.EVENT_READ, self)
+
+    def kill(self) -> None:
+        try:
+            self.sel.unregister(self.proc.stdout)
+        except (KeyError, ValueError):
+            pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+
+class WorkerPool:
+    """N worker processes running reward calls with a per-call deadline; a late or dead worker is replaced."""
+
+    def __init__(self, specs: list[str], n: int, timeout_s: float):
+        self.specs, self.n, self.timeout_s = specs, n, timeout_s
+        self.sel = selectors.DefaultSelector()
+        self.workers: list[_Worker] = []
+
+    def _replace(self, j: int) -> None:
+        self.workers[j].kill()
+        self.workers[j] = _Worker(self.specs, self.sel)
+
+    def run(self, calls: list[tuple[int, str, str, dict]]) -> list[tuple[str, Any]]:
+        """``calls``: (reward index, prompt, completion, fields) -> [("ok", float) | ("error", tb) | ("timeout", msg)]."""
+        results: list[tuple[str, Any] | None] = [None] * len(calls)
+        payloads = []
+        for k, prompt, completion, fields in calls:
+            try:
+                payloads.append(json.dumps({"r": k, "prompt": str(prompt), "completion": completion, "fields": fields}))
+            except (TypeError, ValueError) as e:
+                raise InputError(
+                    f"--reward-workers > 1 sends each row's fields to the workers as JSON, and a row's "
+                    f"fields are not JSON values ({e}); use --reward-workers 1"
+                ) from None
+        while len(self.workers) < self.n:
+            self.workers.append(_Worker(self.specs, self.sel))
+        todo = list(range(len(calls)))[::-1]
+        while todo or any(w.task is not None for w in self.workers):
+            for w in self.workers:
+                if w.ready and w.task is None and todo:
+                    t = todo.pop()
+                    w.task, w.deadline = t, time.monotonic() + self.timeout_s if self.timeout_s > 0 else math.inf
+                    try:
+                        w.proc.stdin.write(f'{{"id": {t}, "call": {payloads[t]}}}\n'.encode())
+                    except OSError:  # died since its last answer: the read below sees EOF and reports it
+                        pass
+            wait = (
+                max(0.0, min(w.deadline for w in self.workers if w.task is not None or not w.ready) - time.monotonic())
+                if any(w.task is not None or not w.ready for w in self.workers)
+                else 0.0
+            )
+            for key, _ in self.sel.select(timeout=None if math.isinf(wait) else wait):
+                self._read(key.data, results)
+            now = time.monotonic()
+            for j, w in enumerate(self.workers):
+                if now < w.deadline:
+                    continue
+                if not w.ready:
+                    w.kill()
+                    raise RuntimeError(
+                        f"a reward worker did not start within {STARTUP_TIMEOUT_S} s (loading {self.specs})"
+                    )
+                if w.task is not None:
+                    results[w.task] = ("timeout", f"reward call timed out after {self.timeout_s} s")
+                    self._replace(j)
+            for j, w in enumerate(self.workers):
+                if w.proc.poll() is not None and w.task is None and w.ready and not w.buf:
+                    self._replace(j)
+        assert all(r is not None for r in results)
+        return results  # type: ignore[return-value]
+
+    def _read(self, w: _Worker, results: list) -> None:
+        chunk = os.read(w.proc.stdout.fileno(), 1 << 16)
+        if not chunk:
+            w.kill()
+            if not w.ready:
+                raise RuntimeError(
+                    f"a reward worker exited while loading {self.specs} (exit code "
+                    f"{w.proc.returncode}); its error is on stderr above"
+                )
+            if w.task is not None:
+                results[w.task] = (
+                    "error",
+                    f"reward worker died (exit code {w.proc.returncode}) while scoring; see its stderr",
+                )
+                w.task = None
+            w.ready, w.deadline = True, math.inf  # dead: replaced before its next task
+            return
+        w.buf += chunk
+        while b"\n" in w.buf:
+            line, w.buf = w.buf.split(b"\n", 1)
+            msg = json.loads(line)
+            if msg.get("ready"):
+                w.ready, w.deadline = True, math.inf
+            elif w.task is not None and msg["id"] == w.task:
+                results[w.task] = ("ok", _value(msg["value"])) if "value" in msg else ("error", msg["error"])
+                w.task, w.deadline = None, math.inf
+
+    def close(self) -> None:
+        for w in self.workers:
+            try:
+                w.proc.stdin.close()
+            except OSError:
+                pass
+        deadline = time.monotonic() + 5
+        for w in self.workers:
+            try:
+                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            w.kill()
+        self.workers = []
+        self.sel.close()
+
+
+def _worker_main() -> None:
+    """A pool worker: JSON lines in on stdin, results out on the original stdout (the reward's prints go to stderr)."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which closes the pool
+    init = json.loads(sys.stdin.readline())
+    fns = [load_spec(s) for s in init["specs"]]
+    out.write(json.dumps({"ready": True}) + "\n")
+    for line in sys.stdin:
+        msg = json.loads(line)
+        call = msg["call"]
+        try:
+            v = fns[call["r"]](call["prompt"], call["completion"], **call["fields"])
+            reply = {"id": msg["id"], "value": None if v is None else float(v)}
+        except Exception:  # noqa: BLE001 -- reported to the trainer, which counts it
+            reply = {"id": msg["id"], "error": traceback.format_exc()}
+        out.write(json.dumps(reply) + "\n")
+
+
+# ------------------------------------------------------------------------------------------------ built-ins
+
+
+def _last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), nested braces balanced; None if none closes."""
+    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
+    for start in reversed(starts):
+        depth = 1
+        for i in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                return text[start:i]
+    return None
+
+
+_NUMBER = re.compile(
+    r"(?<![\w.])[-+−]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*[-+]?\d+(?:\.\d+)?)?|"
+    r"(?<![\w.])[-+−]?\.\d+"
+)
+
+
+def parse_number(text: str) -> Fraction | None:
+    """``text`` as an exact number: ``-1,234.50``, ``+3``, ``.5``, ``3/4``, ``\\frac{3}{4}``, ``-\\dfrac{1}{2}``,
+    ``$42$``, ``42.``, ``50%`` is not a number here (None). None if ``text`` is not one number."""
+    s = text.strip().strip("$").strip()
+    s = re.sub(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}", r"(\1)/(\2)", s)
+    s = s.replace("\\!", "").replace("\\,", "").replace("−", "-")
+    if re.search(r"\d\s+\d", s):  # "4 5" is two numbers, not 45
+        return None
+    s = re.sub(r"\s+", "", s)
+    s = s.rstrip(".")
+    m = re.fullmatch(r"([-+]?)\(?([-+]?[\d,]*\.?\d+)\)?(?:/\(?([-+]?[\d,]*\.?\d+)\)?)?", s)
+    if not m:
+        return None
+    sign, num, den = m.groups()
+    try:
+        value = Fraction(_plain(num)) / (Fraction(_plain(den)) if den else 1)
+    except (ValueError, ZeroDivisionError):
+        return None
+    return -value if sign == "-" else value
+
+
+def _plain(s: str) -> str:
+    if "," in s and not re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s):
+        raise ValueError(f"bad thousands separators in {s!r}")
+    return s.replace(",", "")
+
+
+def last_number(text: str) -> Fraction | None:
+    """The last number written in ``text`` (see ``parse_number``), or None."""
+    for m in reversed(list(_NUMBER.finditer(text))):
+        v = parse_number(m.group(0))
+        if v is not None:
+            return v
+    return None
+
+
+def _same_answer(got: str, want: Any) -> bool:
+    g, w = parse_number(got), parse_number(str(want))
+    if g is not None and w is not None:
+        return g == w
+    norm = lambda s: re.sub(r"\s+", "", str(s)).strip("$").replace("\\left", "").replace("\\right", "")
+    return norm(got) == norm(want)
+
+
+def exact_match(prompt: str, completion: str, answer: Any = None, **_: Any) -> float:
+    """1.0 if the completion equals ``answer`` after stripping surrounding whitespace, else 0.0."""
+    return float(answer is not None and completion.strip() == str(answer).strip())
+
+
+def boxed_match(prompt: str, completion: str, answer: Any = None, **_: Any) -> float:
+    """1.0 if the last ``\\boxed{...}`` equals ``answer`` (numerically when both are numbers), else 0.0."""
+    got = _last_boxed(completion)
+    return float(answer is not None and got is not None and _same_answer(got, answer))
+
+
+def last_number_match(prompt: str, completion: str, answer: Any = None, **_: Any) -> float:
+    """1.0 if the last number of the completion equals ``answer`` exactly (as fractions), else 0.0."""
+    want = parse_number(str(answer)) if answer is not None else None
+    got = last_number(completion)
+    return float(want is not None and got is not None and got == want)
+
+
+def think_answer_format(prompt: str, completion: str, **_: Any) -> float:
+    """1.0 for ``<think>...</think>`` followed by a non-empty answer (and no second think block), else 0.0."""
+    m = re.fullmatch(r"\s*<think>(.*?)</think>(.*)", completion, flags=re.DOTALL)
+    return float(bool(m) and "<think>" not in m.group(2) and bool(m.group(2).strip()))
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
+    _worker_main()

@@ -1,0 +1,84 @@
+"""A byte-level BPE tokenizer trained in the test (the ``tokenizers`` package, no downloads), saved as a Hugging
+Face tokenizer directory that transformers' ``AutoTokenizer`` and ``align.data.HFTokenizer`` both load."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+]
+CORPUS = [
+    "What is 12 + 30? The answer is 42.",
+    "Reverse the word abcd: dcba. Count the letters in banana.",
+    "You are a helpful assistant. Think step by step, then put the answer in \\boxed{}.",
+    "Hello, world! It's 3/4 of 1,000, i.e. 750; -5 is negative.",
+    "<think>\nLet me think.\n</think>\n\nThe capital of France is Paris.",
+] * 20
+
+
+def chat_template(name: str) -> str:
+    """A stored chat template text: 'qwen2.5', 'qwen3' or 'llama3' (tests/fixtures/chat_templates)."""
+    return (FIXTURES / "chat_templates" / f"{name}.jinja").read_text(encoding="utf-8")
+
+
+def make_bpe_tokenizer(
+    path: str | Path,
+    vocab_size: int = 400,
+    template: str | None = "qwen2.5",
+    bos: bool = False,
+    eos_token: str = "<|im_end|>",
+    template_in_config: bool = True,
+    generation_eos: list[int] | None = None,
+) -> Path:
+    """Train a byte-level BPE on ``CORPUS`` and write tokenizer.json + tokenizer_config.json (+ chat template).
+
+    ``bos`` adds a post-processor that prepends <|begin_of_text|> (as Llama-3's tokenizer does);
+    ``template_in_config=False`` writes the template to chat_template.jinja instead of tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    if bos:
+        bos_id = tok.token_to_id("<|begin_of_text|>")
+        tok.post_processor = processors.TemplateProcessing(
+            single="<|begin_of_text|> $A",
+            pair="<|begin_of_text|> $A $B",
+            special_tokens=[("<|begin_of_text|>", bos_id)],
+        )
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": eos_token,
+        "pad_token": "<|endoftext|>",
+        "bos_token": "<|begin_of_text|>" if bos else None,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 512,
+    }
+    if template is not None:
+        if template_in_config:
+            config["chat_template"] = chat_template(template)
+        else:
+            (path / "chat_template.jinja").write_text(chat_template(template), encoding="utf-8")
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    if generation_eos is not None:
+        (path / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos}))
+    return path
