@@ -27,6 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
+import fcntl
+import glob
 import inspect
 import json
 import logging
@@ -47,6 +50,9 @@ from align.rollout.protocol import fsync_dir
 logger = logging.getLogger(__name__)
 
 MARKER = ".complete"  # the commit marker, written last (same as align.model.COMMIT_MARKER)
+STOP_POLL_S = 0.2  # how often a blocked training-thread call checks should_stop()
+STOP_GRACE_S = 10.0  # after a stop request, how long drain() still waits for pending points before abandoning them
+UNATTRIBUTED = ("interrupted",)  # skip reasons that are the user's stop, not an eval failure (never fail --ci-test)
 
 Record = dict[str, Any]
 
@@ -58,6 +64,49 @@ def is_complete(path: str) -> bool:
 
 def snapshot_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step_{step}")
+
+
+def namespaced(metrics: dict) -> Record:
+    """An eval function's metrics with every key under ``eval/``: they can never overwrite ``step`` or a training
+    key of the same record (``loss`` becomes ``eval/loss``; ``eval/pass@1`` stays)."""
+    return {k if str(k).startswith("eval/") else f"eval/{k}": v for k, v in metrics.items()}
+
+
+def clean_leftovers(root: str) -> list[str]:
+    """Delete what crashed predecessors left under ``root`` (only our own names); returns what was removed.
+
+    ``.step_N.partial-*`` (an export that never committed), ``.step_N.stale-*`` (a replaced snapshot not yet
+    removed) and ``fleet-*`` dirs (fleet spools and logs) whose workers are gone: a fleet dir whose spool lock a
+    live worker still holds is kept. Committed ``step_N`` snapshots are left alone (replaced by name when that step
+    is exported again)."""
+    removed = []
+    pats = (".step_*.partial-*", ".step_*.stale-*", "fleet-*")
+    for path in sorted(p for pat in pats for p in glob.glob(os.path.join(glob.escape(root), pat))):
+        if not os.path.isdir(path) or os.path.islink(path):
+            continue
+        if os.path.basename(path).startswith("fleet-") and _fleet_in_use(path):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    if removed:
+        logger.info("removed %d leftover(s) of an earlier run under %s: %s", len(removed), root, removed)
+    return removed
+
+
+def _fleet_in_use(fleet_root: str) -> bool:
+    for lock in glob.glob(os.path.join(glob.escape(fleet_root), "engine_*", "worker.lock")):
+        try:
+            fd = os.open(lock, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        except BlockingIOError:
+            return True  # a live worker holds it
+        finally:
+            os.close(fd)
+    return False
 
 
 
@@ -140,6 +189,7 @@ class EvalRunner:
         self.cfg, self.eval_set, self.eval_fn, self.fleet = cfg, eval_set, eval_fn, fleet
         self.latest_step = 0  # the training loop's newest step, for eval/lag_steps
         self._lock: asyncio.Lock | None = None
+        self._abandoned: asyncio.Future | None = None  # an eval function call that timed out and still runs
 
     async def run(
         self, step: int, hf_dir: str, *, require_marker: bool, export_time: float | None, blocked_s: float | None = None
@@ -164,19 +214,13 @@ class EvalRunner:
                 generate_state=state,
                 export_time_seconds=export_time,
             )
-            if self.eval_fn is None:
+            if self.eval_fn is None:  # every fleet operation has its own --eval-timeout-s (spool client)
                 metrics = await run_in_daemon_thread(score_eval_set, self.eval_set, inp.sampling, state.generate)
-            elif inspect.iscoroutinefunction(getattr(self.eval_fn, "evaluate_checkpoint", None)) or (
-                inspect.iscoroutinefunction(self.eval_fn)
-            ):
-                metrics = await self.eval_fn(inp)
             else:
-                metrics = await run_in_daemon_thread(self.eval_fn, inp)
-                if inspect.isawaitable(metrics):
-                    metrics = await metrics
+                metrics = await self._call_eval_fn(inp)
         if not isinstance(metrics, dict):
             raise TypeError(f"eval function returned {type(metrics).__name__}, expected a dict of metrics")
-        record: Record = {"step": step, **metrics, "eval/step": step}
+        record: Record = {"step": step, **namespaced(metrics), "eval/step": step}
         record["eval/lag_steps"] = max(self.latest_step - step, 0)
         record["eval/duration_seconds"] = time.perf_counter() - t0
         if export_time is not None:
@@ -184,6 +228,39 @@ class EvalRunner:
         if blocked_s is not None:
             record["eval/train_blocked_seconds"] = blocked_s
         return record
+
+    async def _call_eval_fn(self, inp: EvalInput) -> Any:
+        """The eval function, bounded by ``--eval-timeout-s``: past it the point is ``EvalSkip("timeout")`` and the
+        call is abandoned (its daemon thread runs on). The next point first waits for an abandoned call within its
+        own timeout, so the eval function is never entered twice at once."""
+        timeout = self.cfg.eval_timeout_s
+        deadline = time.monotonic() + timeout
+        if self._abandoned is not None and not self._abandoned.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self._abandoned), timeout)
+            except asyncio.TimeoutError:
+                raise EvalSkip("timeout", f"an earlier eval call still runs after {timeout:g} s more") from None
+            except Exception as e:  # noqa: BLE001 - that call's point was already reported as timed out
+                logger.info("the eval call that timed out earlier ended with %s", e)
+        fn = self.eval_fn
+        is_async = inspect.iscoroutinefunction(getattr(fn, "evaluate_checkpoint", None)) or (
+            inspect.iscoroutinefunction(fn)
+        )
+
+        async def invoke() -> Any:
+            if is_async:
+                return await fn(inp)
+            out = await run_in_daemon_thread(fn, inp)
+            return await out if inspect.isawaitable(out) else out
+
+        fut = asyncio.ensure_future(invoke())
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), max(deadline - time.monotonic(), 0.0))
+        except asyncio.TimeoutError:
+            self._abandoned = fut
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved" noise
+            logger.error("eval %d: the eval function did not return within --eval-timeout-s %g", inp.step, timeout)
+            raise EvalSkip("timeout", f"no result within --eval-timeout-s {timeout:g}") from None
 
     def dispose(self) -> None:
         if self.fleet is not None:
@@ -206,10 +283,23 @@ class EvalDispatcher:
     retention ring are touched only on the dispatcher's own loop.
     """
 
-    def __init__(self, cfg: EvalConfig, runner: EvalRunner, export_fn: Callable[[str], None] | None) -> None:
+    def __init__(
+        self,
+        cfg: EvalConfig,
+        runner: EvalRunner,
+        export_fn: Callable[[str], None] | None,
+        *,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> None:
+        """``should_stop()``: True once the run was asked to stop (a signal). Then no training-thread call waits on
+        an eval: a backpressure wait gives up (the point is ``eval/skipped_interrupted``) and ``drain`` waits at most
+        ``STOP_GRACE_S`` before abandoning the points still running (also ``interrupted``)."""
         if not cfg.eval_hf_dir:
             raise ValueError("EvalDispatcher needs --eval-hf-dir, the staging dir for eval snapshots")
         self.cfg, self.runner, self.export_fn = cfg, runner, export_fn
+        self.should_stop = should_stop or (lambda: False)
+        clean_leftovers(cfg.eval_hf_dir)
+        self._abandoned: set[int] = set()  # steps given up at a stop; their late outcome is dropped
         self.pending: collections.deque[_Point] = collections.deque()
         self.exported: list[str] = []  # the retention ring: settled exported dirs, oldest first
         self._records: list[Record] = []
@@ -233,7 +323,12 @@ class EvalDispatcher:
         self._raise_ci()
         t_enter = time.perf_counter()
         self.runner.latest_step = max(self.runner.latest_step, step)
-        if not self._call(self._admit(force)):
+        try:
+            admitted = self._call(self._admit(force), interruptible=True)
+        except _Interrupted:
+            self._report_skip(step, "interrupted")
+            return
+        if not admitted:
             self._report_skip(step, "busy")
             self._raise_ci()
             return
@@ -261,7 +356,7 @@ class EvalDispatcher:
     def drain(self) -> list[Record]:
         """Settle every pending point (FIFO) and return the remaining records. Idempotent."""
         if not self._closed:
-            self._call(self._drain())
+            self._wait_drain()
         self._raise_ci()
         return self._take_records()
 
@@ -270,7 +365,7 @@ class EvalDispatcher:
         if self._closed:
             return
         try:
-            self._call(self._drain())
+            self._wait_drain()
         finally:
             self._closed = True
             try:
@@ -281,8 +376,43 @@ class EvalDispatcher:
 
     # ---- loop side ----
 
-    def _call(self, coro) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+    def _call(self, coro, *, interruptible: bool = False) -> Any:
+        """Run ``coro`` on the loop and wait for it; ``interruptible``: raise ``_Interrupted`` (and cancel it) as
+        soon as ``should_stop()`` is true."""
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        while True:
+            try:
+                return fut.result(timeout=STOP_POLL_S)
+            except concurrent.futures.TimeoutError:
+                if interruptible and self.should_stop():
+                    fut.cancel()
+                    raise _Interrupted from None
+
+    def _wait_drain(self) -> None:
+        """Settle every pending point; after a stop request, give them ``STOP_GRACE_S`` and abandon the rest."""
+        fut = asyncio.run_coroutine_threadsafe(self._drain(), self._loop)
+        deadline = None
+        while True:
+            try:
+                return fut.result(timeout=STOP_POLL_S)
+            except concurrent.futures.TimeoutError:
+                if not self.should_stop():
+                    continue
+                if deadline is None:
+                    deadline = time.monotonic() + STOP_GRACE_S
+                    logger.warning("stop requested: waiting up to %g s for %d pending eval point(s)", STOP_GRACE_S,
+                                   len(self.pending))  # fmt: skip
+                elif time.monotonic() >= deadline:
+                    fut.cancel()
+                    self._call(self._abandon())
+                    return
+
+    async def _abandon(self) -> None:
+        for p in self.pending:
+            if not p.task.done():
+                self._abandoned.add(p.step)
+                self._report_skip(p.step, "interrupted")
+        self.pending.clear()
 
     def _reap(self) -> None:
         while self.pending and self.pending[0].task.done():
@@ -320,11 +450,16 @@ class EvalDispatcher:
                 step, hf_dir, require_marker=require_marker, export_time=export_time, blocked_s=blocked_s
             )
         except EvalSkip as e:
-            self._report_skip(step, e.reason)
+            if step not in self._abandoned:
+                self._report_skip(step, e.reason)
         except Exception:
             logger.exception("Async eval for step %d raised", step)
-            self._report_skip(step, "crashed")
+            if step not in self._abandoned:
+                self._report_skip(step, "crashed")
         else:
+            if step in self._abandoned:
+                logger.info("eval %d finished after it was abandoned at a stop; its record is dropped", step)
+                return
             logger.info("eval %d: %s", step, {k: v for k, v in record.items() if k.startswith("eval/")})
             with self._mutex:
                 self._records.append(record)
@@ -351,7 +486,7 @@ class EvalDispatcher:
         logger.warning("eval %d skipped: %s", step, reason)
         with self._mutex:
             self._records.append({"step": step, f"eval/skipped_{reason}": 1, "eval/step": step})
-            if self.cfg.ci_test:
+            if self.cfg.ci_test and reason not in UNATTRIBUTED:
                 self._ci_failures.append(f"CI eval {step} skipped: {reason}")
 
     def _take_records(self) -> list[Record]:
@@ -364,6 +499,10 @@ class EvalDispatcher:
             failures, self._ci_failures = self._ci_failures, []
         if failures:
             raise RuntimeError("; ".join(failures) + " (--ci-test fails the run on any skipped eval point)")
+
+
+class _Interrupted(Exception):
+    """A training-thread wait given up because ``should_stop()`` became true."""
 
 
 class Evaluator:
@@ -400,41 +539,55 @@ class Evaluator:
                 self.dispatcher.dispatch(step, force=is_final)
             return self.dispatcher.poll()
         if self.cfg.is_due(step, is_final) and self.blocking_eval_fn is not None:
-            t0 = time.perf_counter()
-            metrics = self.blocking_eval_fn(step)
-            dt = time.perf_counter() - t0
-            return [
-                {
-                    "step": step,
-                    **metrics,
-                    "eval/step": step,
-                    "eval/duration_seconds": dt,
-                    "eval/train_blocked_seconds": dt,
-                }
-            ]
+            return [self._blocking(step)]
         return []
 
-    def baseline(self, hf_dir: str) -> list[Record]:
-        """Evaluate a caller-owned checkpoint (the base model) as step 0: no export, no marker gate, never GC'd."""
+    def _blocking(self, step: int) -> Record:
+        t0 = time.perf_counter()
+        metrics = namespaced(self.blocking_eval_fn(step))
+        dt = time.perf_counter() - t0
+        return {"step": step, **metrics, "eval/step": step, "eval/duration_seconds": dt, "eval/train_blocked_seconds": dt}
+
+    def baseline(self, hf_dir: str, *, written: list[Record] = (), resumed: bool = False) -> list[Record]:
+        """The step-0 point: the base checkpoint ``hf_dir`` (caller-owned: no export, no marker gate, never GC'd),
+        through the same path as every other point (snapshot posture: dispatched, non-blocking; blocking posture:
+        the in-process eval of the live, still untrained, policy).
+
+        Written once per run: nothing happens when ``written`` (the run's metrics so far) already holds a step-0
+        eval record. A resumed run whose baseline never landed (killed while it ran) evaluates it now in the
+        snapshot posture; the blocking posture cannot (the live policy is no longer the base weights), but there
+        the baseline always finishes before step 1."""
+        if self.cfg.eval_interval <= 0 or any(r.get("step") == 0 and "eval/step" in r for r in written):
+            return []
         if self.dispatcher is None:
-            return self.step(0, is_final=False) if self.cfg.eval_interval > 0 else []
-        self.dispatcher.dispatch(0, hf_dir=hf_dir)
+            return [] if resumed or self.blocking_eval_fn is None else [self._blocking(0)]
+        self.dispatcher.dispatch(0, hf_dir=str(hf_dir))
         return self.dispatcher.poll()
 
     def poll(self) -> list[Record]:
         return self.dispatcher.poll() if self.dispatcher is not None and not self._drained else []
 
-    def drain(self) -> list[Record]:
-        """Settle every pending point, release the backend, return the last records. Idempotent (then ``[]``)."""
+    def drain(self, after_error: BaseException | None = None) -> list[Record]:
+        """Settle every pending point, release the backend, return the last records. Idempotent (then ``[]``).
+
+        ``after_error``: the exception that is ending the run (call ``drain`` from the loop's ``finally``). A drain
+        failure (e.g. a ``--ci-test`` skip) then never replaces it: it is logged and added to that exception as a
+        note, and ``after_error`` stays the one that propagates."""
         if self._drained or self.dispatcher is None:
             self._drained = True
             return []
         self._drained = True
         try:
-            records = self.dispatcher.drain()
-        finally:
-            self.dispatcher.close()
-        return records
+            try:
+                return self.dispatcher.drain()
+            finally:
+                self.dispatcher.close()
+        except Exception as e:
+            if after_error is None:
+                raise
+            logger.error("eval drain failed while the run was already failing: %s", e)
+            after_error.add_note(f"(also, draining the evaluator failed: {type(e).__name__}: {e})")
+            return self.dispatcher._take_records()
 
 
 def make_evaluator(
@@ -445,13 +598,17 @@ def make_evaluator(
     blocking_eval_fn: Callable[[int], dict] | None,
     fleet: Any = None,
     eval_fn: CheckpointEvalFn | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    reserved_gpus: list[Any] = (),
 ) -> Evaluator:
     """Build the evaluator for ``cfg``'s posture.
 
     Snapshot eval (``eval_num_gpus > 0`` or ``eval_function_path``): an ``EvalDispatcher`` on its daemon loop with
     an ``EvalRunner`` over the fleet (spawned lazily on the first point, off the training loop) or the loaded
     ``CheckpointEvalFn``. Otherwise the blocking ``blocking_eval_fn(step) -> metrics`` runs in the loop.
-    ``fleet`` / ``eval_fn`` inject a ready backend (tests, or a fleet shared across runs).
+    ``fleet`` / ``eval_fn`` inject a ready backend (tests, or a fleet shared across runs). ``should_stop``: see
+    ``EvalDispatcher``. ``reserved_gpus``: GPUs (absolute ``CUDA_VISIBLE_DEVICES`` ids) the run already uses, e.g.
+    ``--rollout-gpu``; a fleet plan that overlaps them, or needs GPUs that are not visible, is a ``ValueError`` here.
     """
     if cfg.eval_interval <= 0:
         return Evaluator(cfg)
@@ -472,6 +629,6 @@ def make_evaluator(
         else:
             from align.eval.fleet import EvalFleet
 
-            fleet = EvalFleet.from_config(cfg)
+            fleet = EvalFleet.from_config(cfg, reserved_gpus=reserved_gpus)
     runner = EvalRunner(cfg, eval_set, eval_fn=eval_fn, fleet=fleet)
-    return Evaluator(cfg, dispatcher=EvalDispatcher(cfg, runner, export_fn))
+    return Evaluator(cfg, dispatcher=EvalDispatcher(cfg, runner, export_fn, should_stop=should_stop))
