@@ -371,12 +371,10 @@ def train(
         return score_completions(eval_encoded, comps, eval_set.score, eval_sampling.n)
 
     def export(path: str) -> None:
-        save_pretrained(policy, path)
+        save_pretrained(policy, path, copy_tokenizer_from=model_path)
 
-    evaluator = make_evaluator(cfg.eval, eval_set, export_fn=export, blocking_eval_fn=blocking_eval if eval_set else None)
-    if eval_set and not resume and cfg.eval.eval_interval > 0:
-        metrics.write({"step": 0, **blocking_eval(0), "eval/step": 0})  # the baseline, before any GRPO step
-        print(format_line(metrics.records[-1]), flush=True)
+    evaluator = make_evaluator(cfg.eval, eval_set, export_fn=export, blocking_eval_fn=blocking_eval if eval_set else None,
+                               should_stop=lambda: bool(stop_flag.get("signal")), reserved_gpus=[cfg.rollout_gpu])
 
     def save_checkpoint() -> None:
         ckpt.save(out / "checkpoints", step, policy, {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
@@ -389,7 +387,10 @@ def train(
 
     progress = Progress(cfg.steps, start=step)
     first_error: list[str] = []
+    train_error = None
     try:
+        if eval_set:  # the step-0 baseline, once per run, through the evaluator's own path
+            emit_eval(evaluator.baseline(model_path, written=metrics.records, resumed=bool(resume)))
         while step < cfg.steps:
             t0 = time.monotonic()
             policy.train()
@@ -486,16 +487,19 @@ def train(
                 write_plot(out / "plot.svg", metrics.records, title=f"align GRPO: {out.name}")
             if stop_flag.get("signal"):
                 break
+    except BaseException as e:
+        train_error = e
+        raise
     finally:
         progress.close()
         try:
-            emit_eval(evaluator.drain())
+            emit_eval(evaluator.drain(after_error=train_error))
         finally:
             client.close()
             if worker is not None:
                 worker.shutdown()
     if cfg.save_hf and step == cfg.steps:
-        save_pretrained(policy, cfg.save_hf)
+        save_pretrained(policy, cfg.save_hf, copy_tokenizer_from=model_path)
     write_plot(out / "plot.svg", metrics.records, title=f"align GRPO: {out.name}")
     evals = [r for r in metrics.records if "eval/pass@1" in r]
     summary = {
