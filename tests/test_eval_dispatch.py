@@ -833,14 +833,11 @@ def test_startup_removes_only_our_leftovers_of_a_crashed_run(tmp_path):
     (root / "fleet-old" / "engine_0" / "worker.lock").write_text("")
     (root / "step_4" / MARKER).write_text("{}")
     (root / ".step_9.partial-file").write_text("a file, not ours")
-    live = open(root / "fleet-live" / "engine_0" / "worker.lock", "w")  # a live worker of another run holds it
-    fcntl.flock(live.fileno(), fcntl.LOCK_EX)
-    try:
+    with open(root / "fleet-live" / "engine_0" / "worker.lock", "w") as live:  # a live worker of another run
+        fcntl.flock(live.fileno(), fcntl.LOCK_EX)
         c = cfg(tmp_path)
         d = EvalDispatcher(c, EvalRunner(c, toy_set(), eval_fn=FakeEvalFn()), Exporter())
         d.close()
-    finally:
-        live.close()
     assert sorted(os.listdir(root)) == [".step_9.partial-file", ".step_x", "fleet-live", "notes", "step_4"]
 
 

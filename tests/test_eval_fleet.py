@@ -30,8 +30,6 @@ TIMEOUT_S = 300.0  # engine start + first generate (inductor compile) on 2 share
 NOISE = 0.05  # per-"optimizer step" weight change: enough to change greedy continuations
 
 
-
-
 def fake_optimizer_step(model: torch.nn.Module, step: int) -> None:
     """Deterministic stand-in for one optimizer step: every weight moves (seeded by the step)."""
     g = torch.Generator().manual_seed(1000 + step)

@@ -109,7 +109,6 @@ def _fleet_in_use(fleet_root: str) -> bool:
     return False
 
 
-
 def export_snapshot(export_fn: Callable[[str], None], root: str, step: int) -> str:
     """Export via ``export_fn(tmp)`` and commit it at ``{root}/step_{step}``; on failure nothing is left behind.
 
@@ -546,7 +545,13 @@ class Evaluator:
         t0 = time.perf_counter()
         metrics = namespaced(self.blocking_eval_fn(step))
         dt = time.perf_counter() - t0
-        return {"step": step, **metrics, "eval/step": step, "eval/duration_seconds": dt, "eval/train_blocked_seconds": dt}
+        return {
+            "step": step,
+            **metrics,
+            "eval/step": step,
+            "eval/duration_seconds": dt,
+            "eval/train_blocked_seconds": dt,
+        }
 
     def baseline(self, hf_dir: str, *, written: list[Record] = (), resumed: bool = False) -> list[Record]:
         """The step-0 point: the base checkpoint ``hf_dir`` (caller-owned: no export, no marker gate, never GC'd),

@@ -60,7 +60,9 @@ def parallel_map(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
         except BaseException as e:  # noqa: BLE001 - handed back to the caller below
             errors[i] = e
 
-    threads = [threading.Thread(target=run, args=(i,), daemon=True, name=f"align-eval-fleet-{i}") for i in range(len(items))]
+    threads = [
+        threading.Thread(target=run, args=(i,), daemon=True, name=f"align-eval-fleet-{i}") for i in range(len(items))
+    ]
     for t in threads:
         t.start()
     for t in threads:
