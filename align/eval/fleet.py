@@ -43,8 +43,9 @@ PROBE_PROMPT = [1, 2, 3]
 MAX_MODEL_LEN = 4096
 
 
-def parallel_map(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
-    """``[fn(x) for x in items]``, one daemon thread per item; re-raises the first error (in item order).
+def parallel_map(fn: Callable[[Any], Any], items: Sequence[Any], max_workers: int | None = None) -> list[Any]:
+    """``[fn(x) for x in items]`` on up to ``max_workers`` (default: one per item) daemon threads; re-raises the
+    first error in item order.
 
     Not a ``ThreadPoolExecutor``: its threads are joined at interpreter exit *before* atexit handlers run, so one
     hung engine call would hold up exit (and the atexit ``EvalFleet.close`` that would unblock it). A daemon thread
@@ -53,16 +54,22 @@ def parallel_map(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
         return [fn(x) for x in items]
     results: list[Any] = [None] * len(items)
     errors: list[BaseException | None] = [None] * len(items)
+    todo = iter(range(len(items)))
+    todo_lock = threading.Lock()
 
-    def run(i: int) -> None:
-        try:
-            results[i] = fn(items[i])
-        except BaseException as e:  # noqa: BLE001 - handed back to the caller below
-            errors[i] = e
+    def work() -> None:
+        while True:
+            with todo_lock:
+                i = next(todo, None)
+            if i is None:
+                return
+            try:
+                results[i] = fn(items[i])
+            except BaseException as e:  # noqa: BLE001 - handed back to the caller below
+                errors[i] = e
 
-    threads = [
-        threading.Thread(target=run, args=(i,), daemon=True, name=f"align-eval-fleet-{i}") for i in range(len(items))
-    ]
+    n = min(len(items), max_workers or len(items))
+    threads = [threading.Thread(target=work, daemon=True, name=f"align-eval-fanout-{i}") for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
