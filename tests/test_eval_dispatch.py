@@ -926,3 +926,25 @@ def test_exit_does_not_wait_for_a_hung_fleet_engine(tmp_path):
     out.wait(timeout=HANG_S * 2)
     assert "engine hung\n" in lines, lines  # the health probe was hanging in the fan-out threads at exit
     assert time.monotonic() - t0 < EXIT_BOUND_S, "interpreter exit waited on a hung engine call"
+
+
+def test_docs_flag_defaults_match_the_cli():
+    """docs/eval.md's flag table states the defaults of `python -m align.train` (it used to say interval 0, n 1)."""
+    import re
+
+    from align.train import TrainConfig
+
+    cli = TrainConfig().eval
+    with open(os.path.join(REPO, "docs", "eval.md")) as f:
+        text = f.read()
+    rows = re.findall(r"^\| `--([a-z-]+)` \| `([^`]+)` \|", text, flags=re.MULTILINE)
+    checked = 0
+    for flag, default in rows:
+        name = flag.replace("-", "_")
+        if not hasattr(cli, name):
+            continue
+        value = getattr(cli, name)
+        want = str(value).lower() if isinstance(value, bool) else str(value)
+        assert default in (want, f"{value:g}" if isinstance(value, float) else want), (flag, default, value)
+        checked += 1
+    assert checked >= 8, rows  # the table was parsed (negative control against a silently empty match)
