@@ -18,7 +18,10 @@ One eval point (``EvalDispatcher.dispatch(step)``), on the training thread:
    neither the loop nor interpreter exit waits on a hung backend.
 
 Every settled exported snapshot enters the retention ring exactly once, whatever its outcome; the ring keeps
-``eval_keep_snapshots`` and deletes older ones. Dirs the dispatcher did not export are never deleted.
+``eval_keep_snapshots`` and deletes older ones. Dirs the dispatcher did not export are never deleted, except
+leftovers of crashed predecessors under our own names, removed at startup (``clean_leftovers``).
+A ``CheckpointEvalFn`` call is bounded by ``eval_timeout_s`` (then ``timeout``); once ``should_stop()`` (a signal)
+no training-thread call waits on an eval for long (``interrupted``).
 Every skipped point yields exactly one ``eval/skipped_{reason}`` record at its step; under ``ci_test`` the next
 training-thread call (``dispatch`` / ``poll`` / ``drain``) raises ``RuntimeError`` for it.
 """
@@ -38,7 +41,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -553,7 +556,7 @@ class Evaluator:
             "eval/train_blocked_seconds": dt,
         }
 
-    def baseline(self, hf_dir: str, *, written: list[Record] = (), resumed: bool = False) -> list[Record]:
+    def baseline(self, hf_dir: str, *, written: Sequence[Record] = (), resumed: bool = False) -> list[Record]:
         """The step-0 point: the base checkpoint ``hf_dir`` (caller-owned: no export, no marker gate, never GC'd),
         through the same path as every other point (snapshot posture: dispatched, non-blocking; blocking posture:
         the in-process eval of the live, still untrained, policy).
@@ -604,7 +607,7 @@ def make_evaluator(
     fleet: Any = None,
     eval_fn: CheckpointEvalFn | None = None,
     should_stop: Callable[[], bool] | None = None,
-    reserved_gpus: list[Any] = (),
+    reserved_gpus: Sequence[Any] = (),
 ) -> Evaluator:
     """Build the evaluator for ``cfg``'s posture.
 
