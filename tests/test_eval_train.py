@@ -158,9 +158,12 @@ def test_baseline_is_written_once_across_kills(tmp_path, builtin_model):
     out = tmp_path / "run"
     args = ["--out", str(out), "--model", builtin_model, "--steps", "6", "--prompts-per-step", "4", "--group-size",
             "4", "--max-tokens", "6", "--checkpoint-every", "0", "--eval-interval", "3", "--eval-prompts", "8"]  # fmt: skip
+    metrics = out / "metrics.jsonl"
     for _ in range(3):  # killed after a step, before any checkpoint: each rerun starts over
+        before = metrics.stat().st_ino if metrics.exists() else None
         proc = run_cli(args)
-        wait_for(lambda: train_steps(out) >= 1, proc)
+        # this run's own step: the file was rewritten (atomically: a new inode) at its start, then a step appended
+        wait_for(lambda b=before: metrics.exists() and metrics.stat().st_ino != b and train_steps(out) >= 1, proc)
         proc.kill()
         proc.wait()
     proc = run_cli(args)
