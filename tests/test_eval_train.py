@@ -154,6 +154,7 @@ def train_steps(out: Path) -> int:
     return sum(1 for r in records(out) if "reward_mean" in r) if path.exists() else 0
 
 
+@pytest.mark.slow
 def test_baseline_is_written_once_across_kills(tmp_path, builtin_model):
     out = tmp_path / "run"
     args = ["--out", str(out), "--model", builtin_model, "--steps", "6", "--prompts-per-step", "4", "--group-size",
@@ -174,6 +175,7 @@ def test_baseline_is_written_once_across_kills(tmp_path, builtin_model):
     assert [r["step"] for r in records(out) if "eval/step" in r] == [0, 3, 6]
 
 
+@pytest.mark.slow
 def test_sigterm_with_a_hung_eval_function_checkpoints_and_exits(tmp_path, builtin_model):
     fn_path = recording_eval_fn(tmp_path, "threading.Event().wait()  # a backend that never answers")
     out = tmp_path / "run"

@@ -594,7 +594,11 @@ class Evaluator:
             if after_error is None:
                 raise
             logger.error("eval drain failed while the run was already failing: %s", e)
-            after_error.add_note(f"(also, draining the evaluator failed: {type(e).__name__}: {e})")
+            note = f"(also, draining the evaluator failed: {type(e).__name__}: {e})"
+            if hasattr(after_error, "add_note"):  # Python >= 3.11 prints notes with the traceback
+                after_error.add_note(note)
+            else:
+                after_error.__notes__ = [*getattr(after_error, "__notes__", []), note]
             return self.dispatcher._take_records()
 
 
