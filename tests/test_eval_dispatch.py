@@ -714,7 +714,7 @@ def test_score_completions_pass_and_avg():
 
 def test_import_is_stdlib_only():
     code = (
-        f"import sys; sys.path.insert(0, {REPO!r}); import align.eval, align.eval.dispatcher, align.eval.fleet; "
+        f"import sys; sys.path.insert(0, {REPO!r}); import align.eval, align.eval.dispatcher, align.eval.evaluator, align.eval.fleet; "
         "bad = [m for m in ('torch', 'numpy', 'vllm', 'ray', 'transformers', 'requests') if m in sys.modules]; "
         "assert not bad, bad"
     )
@@ -783,14 +783,18 @@ def test_drain_after_a_training_error_keeps_that_error_primary(tmp_path):
     c = cfg(tmp_path, ci_test=True)
     fn = FakeEvalFn()
     fn.raise_at[1] = RuntimeError("eval boom")
+    fn.block[1] = threading.Event()  # the crash lands after step() returned (else step()'s poll would raise it)
     ev = make_evaluator(c, toy_set(), export_fn=Exporter(), blocking_eval_fn=None, eval_fn=fn)
     ev.step(1)
+    fn.block[1].set()
     training_error = ValueError("the training step failed")
     records = ev.drain(after_error=training_error)  # used to raise the CI failure, hiding the training error
     assert skips(records) == [(1, "crashed")]
     assert any("CI eval 1 skipped: crashed" in n for n in training_error.__notes__)
+    fn.block[1] = threading.Event()
     ev2 = make_evaluator(c, toy_set(), export_fn=Exporter(), blocking_eval_fn=None, eval_fn=fn)
     ev2.step(1)
+    fn.block[1].set()
     with pytest.raises(RuntimeError, match="CI eval 1 skipped: crashed"):  # without a training error: raised
         ev2.drain()
 
