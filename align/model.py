@@ -504,7 +504,7 @@ def save_pretrained(
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
         if copy_tokenizer_from is not None:
             for f in Path(copy_tokenizer_from).iterdir():
-                if f.is_file() and (f.name.startswith("tokenizer") or f.name in ("vocab.json", "merges.txt", "special_tokens_map.json", "chat_template.jinja")):
+                if f.is_file() and (f.name.startswith("tokenizer") or f.name in ("vocab.json", "merges.txt", "special_tokens_map.json", "chat_template.jinja", "added_tokens.json", "align_tokenizer.json")):
                     shutil.copy2(f, tmp / f.name)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)

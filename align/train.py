@@ -417,16 +417,14 @@ def train(
         return score_completions(eval_encoded, comps, eval_set.score, eval_sampling.n)
 
     def export(path: str) -> None:
-        save_pretrained(policy, path)
+        save_pretrained(policy, path, copy_tokenizer_from=cfg.data.tokenizer or model_path)
 
     eval_cfg = cfg.eval
     if eval_set is None and not eval_cfg.uses_snapshots and eval_cfg.eval_interval > 0:
         log.info("no held-out prompts: in-process eval is off (pass eval_prompts=... or --eval-data to evaluate)")
         eval_cfg = replace(eval_cfg, eval_interval=0)
-    evaluator = make_evaluator(eval_cfg, eval_set, export_fn=export, blocking_eval_fn=blocking_eval if eval_set else None)
-    if eval_set and not resume and cfg.eval.eval_interval > 0:
-        metrics.write({"step": 0, **blocking_eval(0), "eval/step": 0})  # the baseline, before any GRPO step
-        print(format_line(metrics.records[-1]), flush=True)
+    evaluator = make_evaluator(eval_cfg, eval_set, export_fn=export, blocking_eval_fn=blocking_eval if eval_set else None,
+                               should_stop=lambda: bool(stop_flag.get("signal")), reserved_gpus=[cfg.rollout_gpu])
 
     def save_checkpoint() -> None:
         ckpt.save(out / "checkpoints", step, policy, {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
@@ -459,7 +457,10 @@ def train(
 
     progress = Progress(cfg.steps, start=step)
     first_error: list[str] = []
+    train_error = None
     try:
+        if eval_set:  # the step-0 baseline, once per run, through the evaluator's own path
+            emit_eval(evaluator.baseline(model_path, written=metrics.records, resumed=bool(resume)))
         while step < cfg.steps:
             t0 = time.monotonic()
             policy.train()
@@ -558,10 +559,13 @@ def train(
                 write_plot(out / "plot.svg", metrics.records, title=f"align GRPO: {out.name}")
             if stop_flag.get("signal"):
                 break
+    except BaseException as e:
+        train_error = e
+        raise
     finally:
         progress.close()
         try:
-            emit_eval(evaluator.drain())
+            emit_eval(evaluator.drain(after_error=train_error))
         finally:
             client.close()
             scorer.close()

@@ -626,6 +626,7 @@ def test_any_skip_raises_under_ci_test(disp, cause):
         ({"eval_keep_snapshots": -1}, "eval-keep-snapshots"),
         ({"eval_num_gpus": 3, "eval_num_gpus_per_engine": 2, "eval_hf_dir": "/x", "eval_interval": 1}, "must divide"),
         ({"eval_n": 0}, "eval-n"),
+        ({"eval_hf_dir": "/x"}, "--eval-hf-dir '/x' requires --eval-interval"),  # seed 000: accepted and ignored before
     ],
 )
 def test_config_validation(kw, match):
@@ -713,8 +714,241 @@ def test_score_completions_pass_and_avg():
 
 def test_import_is_stdlib_only():
     code = (
-        f"import sys; sys.path.insert(0, {REPO!r}); import align.eval, align.eval.dispatcher, align.eval.fleet; "
+        f"import sys; sys.path.insert(0, {REPO!r}); import align.eval, align.eval.dispatcher, align.eval.evaluator, align.eval.fleet; "
         "bad = [m for m in ('torch', 'numpy', 'vllm', 'ray', 'transformers', 'requests') if m in sys.modules]; "
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# ---- audit of align/eval against seed 000 (issue 20) and eval hangs (issue 19) ----
+
+
+def test_eval_function_metrics_are_namespaced_under_eval(disp):
+    class Clobber(FakeEvalFn):
+        def __call__(self, inp):
+            super().__call__(inp)
+            return {"step": 99, "loss": 5.0, "eval/pass@1": 0.25}
+
+    d, _fn, ex = disp(fn=Clobber())
+    dispatch(d, ex, 3)
+    (r,) = d.drain()
+    assert r["step"] == 3 and r["eval/step"] == 3  # the user's "step" can no longer move the record
+    assert r["eval/loss"] == 5.0 and r["eval/pass@1"] == 0.25 and "loss" not in r
+    ev = make_evaluator(EvalConfig(eval_interval=1), toy_set(), export_fn=None, blocking_eval_fn=lambda s: {"step": 7})
+    (b,) = ev.step(1)
+    assert b["step"] == 1 and b["eval/step"] == 1  # the blocking path too
+
+
+def test_hung_eval_function_times_out_and_training_goes_on(disp):
+    fn = FakeEvalFn()
+    fn.block[1] = threading.Event()
+    d, fn, ex = disp(fn=fn, eval_timeout_s=0.5)
+    t0 = time.monotonic()
+    dispatch(d, ex, 1)
+    dispatch(d, ex, 2)
+    records = d.drain()  # used to wait for the hung call (here: until the fake gave up after WAIT_S, as 'crashed')
+    assert time.monotonic() - t0 < WAIT_S / 2
+    # point 2 waited for the abandoned call (never two calls into the eval function at once), within its own timeout
+    assert skips(records) == [(1, "timeout"), (2, "timeout")] and [c.step for c in fn.calls] == [1]
+    fn.block[1].set()  # the hung call returns at last: its late result is dropped, the next point runs normally
+    dispatch(d, ex, 3)
+    (r,) = d.drain()
+    assert r["step"] == 3 and r["eval/measured_step"] == 3 and fn.max_running == 1
+
+
+def test_stop_request_interrupts_backpressure_and_bounds_drain(tmp_path, monkeypatch):
+    import align.eval.dispatcher as dispatcher_mod
+
+    monkeypatch.setattr(dispatcher_mod, "STOP_GRACE_S", 0.5)
+    stop = threading.Event()
+    c = cfg(tmp_path, eval_max_in_flight=1, ci_test=True)
+    fn = FakeEvalFn()
+    fn.block[1] = threading.Event()
+    d = EvalDispatcher(c, EvalRunner(c, toy_set(), eval_fn=fn), Exporter(), should_stop=stop.is_set)
+    try:
+        d.dispatch(1)
+        threading.Timer(0.3, stop.set).start()  # a SIGTERM handler sets the run's stop flag
+        t0 = time.monotonic()
+        d.dispatch(2)  # backpressure on the hung point 1: gives up once stop is requested
+        assert time.monotonic() - t0 < WAIT_S / 2
+        records = d.drain()  # point 1 still hangs: abandoned after STOP_GRACE_S, no --ci-test failure for a stop
+        assert sorted(skips(records)) == [(1, "interrupted"), (2, "interrupted")]
+    finally:
+        fn.block[1].set()
+        d.close()
+
+
+def test_drain_after_a_training_error_keeps_that_error_primary(tmp_path):
+    c = cfg(tmp_path, ci_test=True)
+    fn = FakeEvalFn()
+    fn.raise_at[1] = RuntimeError("eval boom")
+    fn.block[1] = threading.Event()  # the crash lands after step() returned (else step()'s poll would raise it)
+    ev = make_evaluator(c, toy_set(), export_fn=Exporter(), blocking_eval_fn=None, eval_fn=fn)
+    ev.step(1)
+    fn.block[1].set()
+    training_error = ValueError("the training step failed")
+    records = ev.drain(after_error=training_error)  # used to raise the CI failure, hiding the training error
+    assert skips(records) == [(1, "crashed")]
+    assert any("CI eval 1 skipped: crashed" in n for n in training_error.__notes__)
+    fn.block[1] = threading.Event()
+    ev2 = make_evaluator(c, toy_set(), export_fn=Exporter(), blocking_eval_fn=None, eval_fn=fn)
+    ev2.step(1)
+    fn.block[1].set()
+    with pytest.raises(RuntimeError, match="CI eval 1 skipped: crashed"):  # without a training error: raised
+        ev2.drain()
+
+
+def test_baseline_is_dispatched_once_on_the_caller_dir(tmp_path):
+    c = cfg(tmp_path)
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "model.safetensors").write_text("0")  # a caller-owned checkpoint, no marker
+    fn = FakeEvalFn()
+    ev = make_evaluator(c, toy_set(), export_fn=Exporter(), blocking_eval_fn=lambda s: 1 / 0, eval_fn=fn)
+    records = ev.baseline(str(base)) + ev.drain()  # snapshot posture: through the dispatcher, never blocking
+    assert [(x.step, x.hf_dir) for x in fn.calls] == [(0, str(base))] and records[0]["step"] == 0
+    assert base.is_dir()
+    # written once: a rerun whose metrics already hold the step-0 record does not evaluate it again ...
+    fn2 = FakeEvalFn()
+    ev2 = make_evaluator(c, toy_set(), export_fn=Exporter(), blocking_eval_fn=None, eval_fn=fn2)
+    assert ev2.baseline(str(base), written=records) == [] and ev2.drain() == [] and fn2.calls == []
+    # ... and a resumed run whose baseline never landed (killed while it ran) evaluates it now
+    fn3 = FakeEvalFn()
+    ev3 = make_evaluator(c, toy_set(), export_fn=Exporter(), blocking_eval_fn=None, eval_fn=fn3)
+    ev3.baseline(str(base), written=[{"step": 1, "loss": 0.0}], resumed=True)
+    assert [r["step"] for r in ev3.drain()] == [0] and [x.step for x in fn3.calls] == [0]
+    # the blocking posture evaluates the live policy: only before the first step, never after a resume
+    calls = []
+    blocking = make_evaluator(EvalConfig(eval_interval=2), toy_set(), export_fn=None,
+                              blocking_eval_fn=lambda s: calls.append(s) or {"eval/pass@1": 1.0})  # fmt: skip
+    assert blocking.baseline(str(base), resumed=True) == [] and calls == []
+    assert [r["step"] for r in blocking.baseline(str(base))] == [0] and calls == [0]
+
+
+def test_startup_removes_only_our_leftovers_of_a_crashed_run(tmp_path):
+    import fcntl
+
+    root = tmp_path / "eval_hf"
+    for d in (".step_3.partial-1a2b3c4d", ".step_2.stale-deadbeef", "fleet-old/engine_0", "fleet-live/engine_0",
+              "step_4", "notes", ".step_x"):  # fmt: skip
+        (root / d).mkdir(parents=True)
+    (root / "fleet-old" / "engine_0.log").write_text("old log")
+    (root / "fleet-old" / "engine_0" / "worker.lock").write_text("")
+    (root / "step_4" / MARKER).write_text("{}")
+    (root / ".step_9.partial-file").write_text("a file, not ours")
+    with open(root / "fleet-live" / "engine_0" / "worker.lock", "w") as live:  # a live worker of another run
+        fcntl.flock(live.fileno(), fcntl.LOCK_EX)
+        c = cfg(tmp_path)
+        d = EvalDispatcher(c, EvalRunner(c, toy_set(), eval_fn=FakeEvalFn()), Exporter())
+        d.close()
+    assert sorted(os.listdir(root)) == [".step_9.partial-file", ".step_x", "fleet-live", "notes", "step_4"]
+
+
+@pytest.mark.parametrize(
+    "visible, kw, reserved, want",
+    [
+        ([], {"eval_num_gpus": 2}, (), None),  # no GPU: CPU workers
+        (["0", "1", "2", "3"], {"eval_num_gpus": 2}, (), ["2", "3"]),  # default: the last visible GPUs
+        (["4", "5"], {"eval_num_gpus": 1}, (), ["5"]),  # CUDA_VISIBLE_DEVICES=4,5: GPU 5, not GPU 1
+        (["4", "5"], {"eval_num_gpus": 1, "eval_first_gpu": 0}, (), ["4"]),  # first GPU counts in the visible list
+        (["4", "5", "6", "7"], {"eval_num_gpus": 4, "eval_num_gpus_per_engine": 2}, (), ["4,5", "6,7"]),
+        (["0", "1", "2", "3"], {"eval_num_gpus": 2, "eval_num_gpus_per_engine": 2, "eval_first_gpu": 1}, (), ["1,2"]),
+        (["GPU-a", "GPU-b"], {"eval_num_gpus": 1}, (), ["GPU-b"]),  # UUIDs pass through
+        (["0", "1"], {"eval_num_gpus": 1}, (0,), ["1"]),  # --rollout-gpu 0 elsewhere: fine
+        (["0", "1"], {"eval_num_gpus": 1}, (None,), ["1"]),  # no --rollout-gpu
+        (["0", "1"], {"eval_num_gpus": 1}, (1,), "overlap GPU"),
+        (["4", "5"], {"eval_num_gpus": 2}, (5,), "overlap GPU"),
+        (["0", "1"], {"eval_num_gpus": 3}, (), "only 2 are visible"),
+        (["0", "1"], {"eval_num_gpus": 1, "eval_first_gpu": 2}, (), "only 2 are visible"),
+        (["0", "1", "2"], {"eval_num_gpus": 2, "eval_first_gpu": 2}, (), "only 3 are visible"),
+    ],
+)
+def test_gpu_plan(visible, kw, reserved, want):
+    from align.eval.fleet import gpu_plan
+
+    c = EvalConfig(eval_interval=1, eval_hf_dir="/x", **kw)
+    if isinstance(want, str):
+        with pytest.raises(ValueError, match=want):
+            gpu_plan(c, visible, reserved)
+    else:
+        assert gpu_plan(c, visible, reserved) == want
+
+
+def test_bad_gpu_plan_fails_at_startup_not_at_every_point(tmp_path, monkeypatch):
+    import align.eval.fleet as fleet_mod
+
+    monkeypatch.setattr(fleet_mod, "visible_gpus", lambda: ["4", "5"])
+    c = EvalConfig(eval_interval=1, eval_num_gpus=1, eval_hf_dir=str(tmp_path / "eval_hf"))
+    with pytest.raises(ValueError, match="overlap GPU"):
+        make_evaluator(c, toy_set(), export_fn=Exporter(), blocking_eval_fn=None, reserved_gpus=[5])
+    assert not (tmp_path / "eval_hf").exists() or not os.listdir(tmp_path / "eval_hf")  # no fleet-* dir leaked
+
+
+HANG_S = 30.0  # how long the fake engine hangs; exit must not wait for it
+EXIT_BOUND_S = 12.0  # generous bound for a Python start + exit on a loaded machine
+
+
+def test_exit_does_not_wait_for_a_hung_fleet_engine(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import os, sys, time
+        sys.path.insert(0, {REPO!r})
+        from align.eval import EvalConfig, EvalFleet, EvalSet, make_evaluator
+        from align.eval.fleet import FleetEngine
+
+        class Hung:
+            version = -1
+            def sync_weights(self, d, v):
+                self.version = v
+            def weights_version(self):
+                return self.version
+            def generate(self, prompts, params):
+                print("engine hung", flush=True)
+                time.sleep({HANG_S})
+
+        cfg = EvalConfig(eval_interval=1, eval_num_gpus=2, eval_hf_dir={str(tmp_path / "hf")!r})
+        es = EvalSet(prompts=[[1]], score=lambda i, t: 1.0)
+        def export(path):
+            os.makedirs(path); open(os.path.join(path, "w"), "w").close()
+        fleet = EvalFleet([FleetEngine(Hung()), FleetEngine(Hung())], probe_retry_s=0)
+        ev = make_evaluator(cfg, es, export_fn=export, blocking_eval_fn=None, fleet=fleet)
+        ev.step(1)
+        while not os.path.exists({str(tmp_path / "hf" / "step_1")!r}):
+            time.sleep(0.05)
+        time.sleep(1.0)
+        print("exiting", flush=True)
+        """
+    )
+    out = subprocess.Popen([sys.executable, "-u", "-c", script], stdout=subprocess.PIPE, text=True)
+    lines = []
+    for line in out.stdout:
+        lines.append(line)
+        if line.startswith("exiting"):
+            break
+    t0 = time.monotonic()
+    out.wait(timeout=HANG_S * 2)
+    assert "engine hung\n" in lines, lines  # the health probe was hanging in the fan-out threads at exit
+    assert time.monotonic() - t0 < EXIT_BOUND_S, "interpreter exit waited on a hung engine call"
+
+
+def test_docs_flag_defaults_match_the_cli():
+    """docs/eval.md's flag table states the defaults of `python -m align.train` (it used to say interval 0, n 1)."""
+    import re
+
+    from align.train import TrainConfig
+
+    cli = TrainConfig().eval
+    with open(os.path.join(REPO, "docs", "eval.md")) as f:
+        text = f.read()
+    rows = re.findall(r"^\| `--([a-z-]+)` \| `([^`]+)` \|", text, flags=re.MULTILINE)
+    checked = 0
+    for flag, default in rows:
+        name = flag.replace("-", "_")
+        if not hasattr(cli, name):
+            continue
+        value = getattr(cli, name)
+        want = str(value).lower() if isinstance(value, bool) else str(value)
+        assert default in (want, f"{value:g}" if isinstance(value, float) else want), (flag, default, value)
+        checked += 1
+    assert checked >= 8, rows  # the table was parsed (negative control against a silently empty match)

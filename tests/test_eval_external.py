@@ -158,9 +158,46 @@ def test_example_reexports_retarget_args():
     assert mod is retarget_args
 
 
+HANG_S = 30.0  # the server's silence (the client's timeout); exit must not wait for it
+EXIT_BOUND_S = 12.0  # generous bound for a Python start + exit on a loaded machine
+
+
+def test_exit_does_not_wait_for_a_hung_server(tmp_path):
+    """A server that accepts connections and never answers: the client's request threads must not hold up exit."""
+    import socket
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    with socket.socket() as srv:  # listening, never accepting: every request waits for its timeout
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(16)
+        port = srv.getsockname()[1]
+        script = textwrap.dedent(
+            f"""
+            import sys, threading, time
+            sys.path.insert(0, {str(REPO)!r})
+            from align.eval.checkpoint_eval import _import_target
+            from align.rollout.protocol import SamplingParams
+            Gen = _import_target({str(EXAMPLE)!r} + ":OpenAICompletionsGenerate")
+            gen = Gen("http://127.0.0.1:{port}", "m", concurrency=2, timeout_s={HANG_S})
+            threading.Thread(target=gen.generate, args=([[1], [2], [3]], SamplingParams(max_tokens=2)),
+                             daemon=True).start()  # the dispatcher's daemon thread runs generate
+            time.sleep(1.0)
+            print("exiting", flush=True)
+            """
+        )
+        proc = subprocess.Popen([sys.executable, "-u", "-c", script], stdout=subprocess.PIPE, text=True)
+        for line in proc.stdout:
+            if line.startswith("exiting"):
+                break
+        t0 = time.monotonic()
+        proc.wait(timeout=HANG_S * 2)
+        assert time.monotonic() - t0 < EXIT_BOUND_S, "interpreter exit waited on a hung server request"
+
+
 # ---- the real server ----
-
-
 
 
 def fake_optimizer_step(model: torch.nn.Module, step: int) -> None:

@@ -30,8 +30,6 @@ TIMEOUT_S = 300.0  # engine start + first generate (inductor compile) on 2 share
 NOISE = 0.05  # per-"optimizer step" weight change: enough to change greedy continuations
 
 
-
-
 def fake_optimizer_step(model: torch.nn.Module, step: int) -> None:
     """Deterministic stand-in for one optimizer step: every weight moves (seeded by the step)."""
     g = torch.Generator().manual_seed(1000 + step)
@@ -148,7 +146,12 @@ def partial_credit(prompt: str, completion: str, answer: str | None = None, **_)
 
 
 def test_training_run_evaluates_on_a_real_fleet_while_it_trains(tmp_path):
-    """align.train's loop end to end: GRPO steps on CPU, evals on a real eval worker (vLLM CPU build)."""
+    """align.train's loop end to end: GRPO steps on CPU, evals on a real eval worker (vLLM CPU build).
+
+    ``--eval-keep-snapshots 0``: every snapshot is deleted as soon as its point settles, so the worker must never
+    touch a snapshot after loading it (it used to re-read the last one's config.json at the next load:
+    FileNotFoundError, worker dead, every later point unhealthy). The step-0 baseline goes through the fleet
+    too (the base checkpoint, caller-owned: evaluated in place, never deleted)."""
     require_rollout_venv()
     import json
 
@@ -166,7 +169,7 @@ def test_training_run_evaluates_on_a_real_fleet_while_it_trains(tmp_path):
         eval_interval=2,
         eval_num_gpus=1,
         eval_hf_dir=str(tmp_path / "eval_hf"),
-        eval_keep_snapshots=1,
+        eval_keep_snapshots=0,
         eval_temperature=0.0,  # greedy: the final point is re-scored below with align's own sampler
         eval_timeout_s=TIMEOUT_S,
         ci_test=True,  # any skipped or crashed point fails the run
@@ -186,16 +189,18 @@ def test_training_run_evaluates_on_a_real_fleet_while_it_trains(tmp_path):
     lines = (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines if line.strip()]
     train_at = {r["step"]: i for i, r in enumerate(records) if "step_time" in r}
-    evals = {r["step"]: (i, r) for i, r in enumerate(records) if "eval/avg@1" in r and r["step"] > 0}  # 0: baseline
-    assert sorted(evals) == [2, 4, 6], records
+    evals = {r["step"]: (i, r) for i, r in enumerate(records) if "eval/avg@1" in r}
+    assert sorted(evals) == [0, 2, 4, 6], records
     for s, (_, r) in evals.items():
         assert r["eval/weight_version"] == s and r["eval/mixed_version_ratio"] == 0.0, r  # read back from the engine
-    # training advanced while the first eval (fleet start + pin + eval) was in flight: its record was written after
-    # the records of later training steps, and it says how far training had moved on
-    i2, r2 = evals[2]
-    assert i2 > train_at[3], [(r["step"], "eval" if "eval/step" in r else "train") for r in records]
-    assert r2["eval/lag_steps"] >= 1
-    assert r2["eval/train_blocked_seconds"] < r2["eval/duration_seconds"]  # the loop paid the export, not the eval
+    # training advanced while the first eval (the baseline: fleet start + eval) was in flight: its record was
+    # written after the records of later training steps, and it says how far training had moved on
+    i0, r0 = evals[0]
+    assert i0 > train_at[1], [(r["step"], "eval" if "eval/step" in r else "train") for r in records]
+    assert r0["eval/lag_steps"] >= 1
+    assert r0["eval/train_blocked_seconds"] < r0["eval/duration_seconds"]  # the loop paid nothing for it
+    assert os.path.isfile(os.path.join(base, "config.json"))  # the caller-owned base is never deleted
+    assert not [d for d in os.listdir(eval_cfg.eval_hf_dir) if d.startswith(("step_", ".step_"))]  # keep 0
 
     # the step-6 record measured exactly the step-6 weights: re-score that policy with align's native sampler
     (last_step, last_dir), *_ = sorted(committed(Path(cfg.out) / "checkpoints"), reverse=True)

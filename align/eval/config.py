@@ -80,7 +80,10 @@ class EvalConfig:
     )
     eval_timeout_s: float = field(
         default=600.0,
-        metadata={"help": "Timeout of one fleet operation (worker start, snapshot load, generate), in seconds."},
+        metadata={
+            "help": "Timeout in seconds of one fleet operation (worker start, snapshot load, generate), or of one "
+            "CheckpointEvalFn call (past it the point is eval/skipped_timeout and training goes on)."
+        },
     )
 
     def __post_init__(self) -> None:
@@ -114,6 +117,11 @@ class EvalConfig:
             raise ValueError(
                 f"--eval-num-gpus {self.eval_num_gpus} and --eval-function-path {self.eval_function_path!r} are "
                 "mutually exclusive: the fleet and a CheckpointEvalFn each own weight delivery; pick one"
+            )
+        if self.eval_hf_dir and self.eval_interval <= 0:
+            raise ValueError(
+                f"--eval-hf-dir {self.eval_hf_dir!r} requires --eval-interval N > 0 (got {self.eval_interval}): "
+                "without eval points nothing is ever staged there; set --eval-interval or drop --eval-hf-dir"
             )
         if self.uses_snapshots:
             if not self.eval_hf_dir:

@@ -18,7 +18,10 @@ One eval point (``EvalDispatcher.dispatch(step)``), on the training thread:
    neither the loop nor interpreter exit waits on a hung backend.
 
 Every settled exported snapshot enters the retention ring exactly once, whatever its outcome; the ring keeps
-``eval_keep_snapshots`` and deletes older ones. Dirs the dispatcher did not export are never deleted.
+``eval_keep_snapshots`` and deletes older ones. Dirs the dispatcher did not export are never deleted, except
+leftovers of crashed predecessors under our own names, removed at startup (``clean_leftovers``).
+A ``CheckpointEvalFn`` call is bounded by ``eval_timeout_s`` (then ``timeout``); once ``should_stop()`` (a signal)
+no training-thread call waits on an eval for long (``interrupted``).
 Every skipped point yields exactly one ``eval/skipped_{reason}`` record at its step; under ``ci_test`` the next
 training-thread call (``dispatch`` / ``poll`` / ``drain``) raises ``RuntimeError`` for it.
 """
@@ -27,6 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
+import fcntl
+import glob
 import inspect
 import json
 import logging
@@ -39,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from align.eval.checkpoint_eval import CheckpointEvalFn, EvalInput, EvalSkip, load_eval_fn
+from align.eval.checkpoint_eval import CheckpointEvalFn, EvalInput, EvalSkip
 from align.eval.config import EvalConfig, EvalSet
 from align.eval.metrics import score_eval_set
 from align.rollout.protocol import fsync_dir
@@ -47,6 +53,9 @@ from align.rollout.protocol import fsync_dir
 logger = logging.getLogger(__name__)
 
 MARKER = ".complete"  # the commit marker, written last (same as align.model.COMMIT_MARKER)
+STOP_POLL_S = 0.2  # how often a blocked training-thread call checks should_stop()
+STOP_GRACE_S = 10.0  # after a stop request, how long drain() still waits for pending points before abandoning them
+UNATTRIBUTED = ("interrupted",)  # skip reasons that are the user's stop, not an eval failure (never fail --ci-test)
 
 Record = dict[str, Any]
 
@@ -59,6 +68,48 @@ def is_complete(path: str) -> bool:
 def snapshot_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step_{step}")
 
+
+def namespaced(metrics: dict) -> Record:
+    """An eval function's metrics with every key under ``eval/``: they can never overwrite ``step`` or a training
+    key of the same record (``loss`` becomes ``eval/loss``; ``eval/pass@1`` stays)."""
+    return {k if str(k).startswith("eval/") else f"eval/{k}": v for k, v in metrics.items()}
+
+
+def clean_leftovers(root: str) -> list[str]:
+    """Delete what crashed predecessors left under ``root`` (only our own names); returns what was removed.
+
+    ``.step_N.partial-*`` (an export that never committed), ``.step_N.stale-*`` (a replaced snapshot not yet
+    removed) and ``fleet-*`` dirs (fleet spools and logs) whose workers are gone: a fleet dir whose spool lock a
+    live worker still holds is kept. Committed ``step_N`` snapshots are left alone (replaced by name when that step
+    is exported again)."""
+    removed = []
+    pats = (".step_*.partial-*", ".step_*.stale-*", "fleet-*")
+    for path in sorted(p for pat in pats for p in glob.glob(os.path.join(glob.escape(root), pat))):
+        if not os.path.isdir(path) or os.path.islink(path):
+            continue
+        if os.path.basename(path).startswith("fleet-") and _fleet_in_use(path):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    if removed:
+        logger.info("removed %d leftover(s) of an earlier run under %s: %s", len(removed), root, removed)
+    return removed
+
+
+def _fleet_in_use(fleet_root: str) -> bool:
+    for lock in glob.glob(os.path.join(glob.escape(fleet_root), "engine_*", "worker.lock")):
+        try:
+            fd = os.open(lock, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        except BlockingIOError:
+            return True  # a live worker holds it
+        finally:
+            os.close(fd)
+    return False
 
 
 def export_snapshot(export_fn: Callable[[str], None], root: str, step: int) -> str:
@@ -140,6 +191,7 @@ class EvalRunner:
         self.cfg, self.eval_set, self.eval_fn, self.fleet = cfg, eval_set, eval_fn, fleet
         self.latest_step = 0  # the training loop's newest step, for eval/lag_steps
         self._lock: asyncio.Lock | None = None
+        self._abandoned: asyncio.Future | None = None  # an eval function call that timed out and still runs
 
     async def run(
         self, step: int, hf_dir: str, *, require_marker: bool, export_time: float | None, blocked_s: float | None = None
@@ -164,19 +216,13 @@ class EvalRunner:
                 generate_state=state,
                 export_time_seconds=export_time,
             )
-            if self.eval_fn is None:
+            if self.eval_fn is None:  # every fleet operation has its own --eval-timeout-s (spool client)
                 metrics = await run_in_daemon_thread(score_eval_set, self.eval_set, inp.sampling, state.generate)
-            elif inspect.iscoroutinefunction(getattr(self.eval_fn, "evaluate_checkpoint", None)) or (
-                inspect.iscoroutinefunction(self.eval_fn)
-            ):
-                metrics = await self.eval_fn(inp)
             else:
-                metrics = await run_in_daemon_thread(self.eval_fn, inp)
-                if inspect.isawaitable(metrics):
-                    metrics = await metrics
+                metrics = await self._call_eval_fn(inp)
         if not isinstance(metrics, dict):
             raise TypeError(f"eval function returned {type(metrics).__name__}, expected a dict of metrics")
-        record: Record = {"step": step, **metrics, "eval/step": step}
+        record: Record = {"step": step, **namespaced(metrics), "eval/step": step}
         record["eval/lag_steps"] = max(self.latest_step - step, 0)
         record["eval/duration_seconds"] = time.perf_counter() - t0
         if export_time is not None:
@@ -184,6 +230,39 @@ class EvalRunner:
         if blocked_s is not None:
             record["eval/train_blocked_seconds"] = blocked_s
         return record
+
+    async def _call_eval_fn(self, inp: EvalInput) -> Any:
+        """The eval function, bounded by ``--eval-timeout-s``: past it the point is ``EvalSkip("timeout")`` and the
+        call is abandoned (its daemon thread runs on). The next point first waits for an abandoned call within its
+        own timeout, so the eval function is never entered twice at once."""
+        timeout = self.cfg.eval_timeout_s
+        deadline = time.monotonic() + timeout
+        if self._abandoned is not None and not self._abandoned.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self._abandoned), timeout)
+            except asyncio.TimeoutError:
+                raise EvalSkip("timeout", f"an earlier eval call still runs after {timeout:g} s more") from None
+            except Exception as e:  # noqa: BLE001 - that call's point was already reported as timed out
+                logger.info("the eval call that timed out earlier ended with %s", e)
+        fn = self.eval_fn
+        is_async = inspect.iscoroutinefunction(getattr(fn, "evaluate_checkpoint", None)) or (
+            inspect.iscoroutinefunction(fn)
+        )
+
+        async def invoke() -> Any:
+            if is_async:
+                return await fn(inp)
+            out = await run_in_daemon_thread(fn, inp)
+            return await out if inspect.isawaitable(out) else out
+
+        fut = asyncio.ensure_future(invoke())
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), max(deadline - time.monotonic(), 0.0))
+        except asyncio.TimeoutError:
+            self._abandoned = fut
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved" noise
+            logger.error("eval %d: the eval function did not return within --eval-timeout-s %g", inp.step, timeout)
+            raise EvalSkip("timeout", f"no result within --eval-timeout-s {timeout:g}") from None
 
     def dispose(self) -> None:
         if self.fleet is not None:
@@ -206,10 +285,23 @@ class EvalDispatcher:
     retention ring are touched only on the dispatcher's own loop.
     """
 
-    def __init__(self, cfg: EvalConfig, runner: EvalRunner, export_fn: Callable[[str], None] | None) -> None:
+    def __init__(
+        self,
+        cfg: EvalConfig,
+        runner: EvalRunner,
+        export_fn: Callable[[str], None] | None,
+        *,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> None:
+        """``should_stop()``: True once the run was asked to stop (a signal). Then no training-thread call waits on
+        an eval: a backpressure wait gives up (the point is ``eval/skipped_interrupted``) and ``drain`` waits at most
+        ``STOP_GRACE_S`` before abandoning the points still running (also ``interrupted``)."""
         if not cfg.eval_hf_dir:
             raise ValueError("EvalDispatcher needs --eval-hf-dir, the staging dir for eval snapshots")
         self.cfg, self.runner, self.export_fn = cfg, runner, export_fn
+        self.should_stop = should_stop or (lambda: False)
+        clean_leftovers(cfg.eval_hf_dir)
+        self._abandoned: set[int] = set()  # steps given up at a stop; their late outcome is dropped
         self.pending: collections.deque[_Point] = collections.deque()
         self.exported: list[str] = []  # the retention ring: settled exported dirs, oldest first
         self._records: list[Record] = []
@@ -233,7 +325,12 @@ class EvalDispatcher:
         self._raise_ci()
         t_enter = time.perf_counter()
         self.runner.latest_step = max(self.runner.latest_step, step)
-        if not self._call(self._admit(force)):
+        try:
+            admitted = self._call(self._admit(force), interruptible=True)
+        except _Interrupted:
+            self._report_skip(step, "interrupted")
+            return
+        if not admitted:
             self._report_skip(step, "busy")
             self._raise_ci()
             return
@@ -261,7 +358,7 @@ class EvalDispatcher:
     def drain(self) -> list[Record]:
         """Settle every pending point (FIFO) and return the remaining records. Idempotent."""
         if not self._closed:
-            self._call(self._drain())
+            self._wait_drain()
         self._raise_ci()
         return self._take_records()
 
@@ -270,7 +367,7 @@ class EvalDispatcher:
         if self._closed:
             return
         try:
-            self._call(self._drain())
+            self._wait_drain()
         finally:
             self._closed = True
             try:
@@ -281,8 +378,43 @@ class EvalDispatcher:
 
     # ---- loop side ----
 
-    def _call(self, coro) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+    def _call(self, coro, *, interruptible: bool = False) -> Any:
+        """Run ``coro`` on the loop and wait for it; ``interruptible``: raise ``_Interrupted`` (and cancel it) as
+        soon as ``should_stop()`` is true."""
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        while True:
+            try:
+                return fut.result(timeout=STOP_POLL_S)
+            except concurrent.futures.TimeoutError:
+                if interruptible and self.should_stop():
+                    fut.cancel()
+                    raise _Interrupted from None
+
+    def _wait_drain(self) -> None:
+        """Settle every pending point; after a stop request, give them ``STOP_GRACE_S`` and abandon the rest."""
+        fut = asyncio.run_coroutine_threadsafe(self._drain(), self._loop)
+        deadline = None
+        while True:
+            try:
+                return fut.result(timeout=STOP_POLL_S)
+            except concurrent.futures.TimeoutError:
+                if not self.should_stop():
+                    continue
+                if deadline is None:
+                    deadline = time.monotonic() + STOP_GRACE_S
+                    logger.warning("stop requested: waiting up to %g s for %d pending eval point(s)", STOP_GRACE_S,
+                                   len(self.pending))  # fmt: skip
+                elif time.monotonic() >= deadline:
+                    fut.cancel()
+                    self._call(self._abandon())
+                    return
+
+    async def _abandon(self) -> None:
+        for p in self.pending:
+            if not p.task.done():
+                self._abandoned.add(p.step)
+                self._report_skip(p.step, "interrupted")
+        self.pending.clear()
 
     def _reap(self) -> None:
         while self.pending and self.pending[0].task.done():
@@ -320,11 +452,16 @@ class EvalDispatcher:
                 step, hf_dir, require_marker=require_marker, export_time=export_time, blocked_s=blocked_s
             )
         except EvalSkip as e:
-            self._report_skip(step, e.reason)
+            if step not in self._abandoned:
+                self._report_skip(step, e.reason)
         except Exception:
             logger.exception("Async eval for step %d raised", step)
-            self._report_skip(step, "crashed")
+            if step not in self._abandoned:
+                self._report_skip(step, "crashed")
         else:
+            if step in self._abandoned:
+                logger.info("eval %d finished after it was abandoned at a stop; its record is dropped", step)
+                return
             logger.info("eval %d: %s", step, {k: v for k, v in record.items() if k.startswith("eval/")})
             with self._mutex:
                 self._records.append(record)
@@ -351,7 +488,7 @@ class EvalDispatcher:
         logger.warning("eval %d skipped: %s", step, reason)
         with self._mutex:
             self._records.append({"step": step, f"eval/skipped_{reason}": 1, "eval/step": step})
-            if self.cfg.ci_test:
+            if self.cfg.ci_test and reason not in UNATTRIBUTED:
                 self._ci_failures.append(f"CI eval {step} skipped: {reason}")
 
     def _take_records(self) -> list[Record]:
@@ -366,112 +503,5 @@ class EvalDispatcher:
             raise RuntimeError("; ".join(failures) + " (--ci-test fails the run on any skipped eval point)")
 
 
-class Evaluator:
-    """What the training loop drives. ``step`` after each optimizer step, ``poll`` any time, ``drain`` at the end.
-
-    Each call returns the eval records finished since the previous call (each record exactly once), every one
-    stamped ``"step": N`` with the step whose weights it measured; write them to ``metrics.jsonl`` at that step.
-    """
-
-    def __init__(
-        self,
-        cfg: EvalConfig,
-        *,
-        dispatcher: EvalDispatcher | None = None,
-        blocking_eval_fn: Callable[[int], dict] | None = None,
-    ) -> None:
-        self.cfg, self.dispatcher, self.blocking_eval_fn = cfg, dispatcher, blocking_eval_fn
-        self._drained = False
-
-    @property
-    def posture(self) -> str:
-        """``off`` (no eval interval), ``blocking`` (in-process eval in the loop) or ``snapshot``."""
-        if self.cfg.eval_interval <= 0:
-            return "off"
-        return "snapshot" if self.dispatcher is not None else "blocking"
-
-    def step(self, step: int, is_final: bool = False) -> list[Record]:
-        """Call after optimizer step ``step`` (1-based). Runs the eval point if one is due, then returns."""
-        if self._drained:
-            raise RuntimeError("Evaluator.step after drain(); drain() is the last call of a run")
-        if self.dispatcher is not None:
-            self.dispatcher.runner.latest_step = max(self.dispatcher.runner.latest_step, step)
-            if self.cfg.is_due(step, is_final):
-                self.dispatcher.dispatch(step, force=is_final)
-            return self.dispatcher.poll()
-        if self.cfg.is_due(step, is_final) and self.blocking_eval_fn is not None:
-            t0 = time.perf_counter()
-            metrics = self.blocking_eval_fn(step)
-            dt = time.perf_counter() - t0
-            return [
-                {
-                    "step": step,
-                    **metrics,
-                    "eval/step": step,
-                    "eval/duration_seconds": dt,
-                    "eval/train_blocked_seconds": dt,
-                }
-            ]
-        return []
-
-    def baseline(self, hf_dir: str) -> list[Record]:
-        """Evaluate a caller-owned checkpoint (the base model) as step 0: no export, no marker gate, never GC'd."""
-        if self.dispatcher is None:
-            return self.step(0, is_final=False) if self.cfg.eval_interval > 0 else []
-        self.dispatcher.dispatch(0, hf_dir=hf_dir)
-        return self.dispatcher.poll()
-
-    def poll(self) -> list[Record]:
-        return self.dispatcher.poll() if self.dispatcher is not None and not self._drained else []
-
-    def drain(self) -> list[Record]:
-        """Settle every pending point, release the backend, return the last records. Idempotent (then ``[]``)."""
-        if self._drained or self.dispatcher is None:
-            self._drained = True
-            return []
-        self._drained = True
-        try:
-            records = self.dispatcher.drain()
-        finally:
-            self.dispatcher.close()
-        return records
-
-
-def make_evaluator(
-    cfg: EvalConfig,
-    eval_set: EvalSet | None,
-    *,
-    export_fn: Callable[[str], None] | None,
-    blocking_eval_fn: Callable[[int], dict] | None,
-    fleet: Any = None,
-    eval_fn: CheckpointEvalFn | None = None,
-) -> Evaluator:
-    """Build the evaluator for ``cfg``'s posture.
-
-    Snapshot eval (``eval_num_gpus > 0`` or ``eval_function_path``): an ``EvalDispatcher`` on its daemon loop with
-    an ``EvalRunner`` over the fleet (spawned lazily on the first point, off the training loop) or the loaded
-    ``CheckpointEvalFn``. Otherwise the blocking ``blocking_eval_fn(step) -> metrics`` runs in the loop.
-    ``fleet`` / ``eval_fn`` inject a ready backend (tests, or a fleet shared across runs).
-    """
-    if cfg.eval_interval <= 0:
-        return Evaluator(cfg)
-    if not cfg.uses_snapshots:
-        if blocking_eval_fn is None:
-            raise ValueError(
-                "--eval-interval is set without --eval-num-gpus or --eval-function-path, so eval is the blocking "
-                "in-process eval, but no blocking_eval_fn was given"
-            )
-        return Evaluator(cfg, blocking_eval_fn=blocking_eval_fn)
-    if eval_set is None:
-        raise ValueError("snapshot eval needs an eval set (--eval-interval is set but no EvalSet was given)")
-    if export_fn is None:
-        raise ValueError("snapshot eval needs export_fn(path), which writes an HF snapshot of the current weights")
-    if eval_fn is None and fleet is None:
-        if cfg.eval_function_path:
-            eval_fn = load_eval_fn(cfg.eval_function_path, cfg, eval_set)
-        else:
-            from align.eval.fleet import EvalFleet
-
-            fleet = EvalFleet.from_config(cfg)
-    runner = EvalRunner(cfg, eval_set, eval_fn=eval_fn, fleet=fleet)
-    return Evaluator(cfg, dispatcher=EvalDispatcher(cfg, runner, export_fn))
+class _Interrupted(Exception):
+    """A training-thread wait given up because ``should_stop()`` became true."""

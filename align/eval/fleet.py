@@ -27,8 +27,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +41,43 @@ PIN_ATTEMPTS = 2
 PROBE = SamplingParams(n=1, temperature=0.0, max_tokens=1)
 PROBE_PROMPT = [1, 2, 3]
 MAX_MODEL_LEN = 4096
+
+
+def parallel_map(fn: Callable[[Any], Any], items: Sequence[Any], max_workers: int | None = None) -> list[Any]:
+    """``[fn(x) for x in items]`` on up to ``max_workers`` (default: one per item) daemon threads; re-raises the
+    first error in item order.
+
+    Not a ``ThreadPoolExecutor``: its threads are joined at interpreter exit *before* atexit handlers run, so one
+    hung engine call would hold up exit (and the atexit ``EvalFleet.close`` that would unblock it). A daemon thread
+    left waiting on a hung engine never blocks exit."""
+    if len(items) <= 1:
+        return [fn(x) for x in items]
+    results: list[Any] = [None] * len(items)
+    errors: list[BaseException | None] = [None] * len(items)
+    todo = iter(range(len(items)))
+    todo_lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with todo_lock:
+                i = next(todo, None)
+            if i is None:
+                return
+            try:
+                results[i] = fn(items[i])
+            except BaseException as e:  # noqa: BLE001 - handed back to the caller below
+                errors[i] = e
+
+    n = min(len(items), max_workers or len(items))
+    threads = [threading.Thread(target=work, daemon=True, name=f"align-eval-fanout-{i}") for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
 
 
 @dataclass
@@ -62,8 +98,7 @@ class FleetState:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         e = len(self.engines)
         shards = [(i, prompts[i::e]) for i in range(e) if prompts[i::e]]
-        with ThreadPoolExecutor(max_workers=len(shards)) as pool:
-            results = list(pool.map(lambda s: self.engines[s[0]].client.generate(s[1], params), shards))
+        results = parallel_map(lambda s: self.engines[s[0]].client.generate(s[1], params), shards)
         out: list[Completion] = []
         for (i, _), completions in zip(shards, results):
             for c in completions:
@@ -74,13 +109,14 @@ class FleetState:
 
 
 class EvalFleet:
-    """Dedicated eval engines. ``engines`` given: use them; else ``spawn(model_dir) -> engines`` on the first pin."""
+    """Dedicated eval engines. ``engines`` given: use them; else ``spawn(model_dir, version) -> engines`` on the first
+    pin (engines that start on that snapshot already serve it: the pin then only verifies their version)."""
 
     def __init__(
         self,
         engines: list[FleetEngine] | None = None,
         *,
-        spawn: Callable[[str], list[FleetEngine]] | None = None,
+        spawn: Callable[[str, int], list[FleetEngine]] | None = None,
         attempts: int = PIN_ATTEMPTS,
         probe_retry_s: float = 5.0,
     ) -> None:
@@ -95,12 +131,17 @@ class EvalFleet:
         self._lock = threading.Lock()  # one pin at a time
         self._close_lock = threading.Lock()  # separate: close() at exit must not wait for a hung pin
         self._cleanup: list[Callable[[], None]] = []
+        self.root: str | None = None  # spools + logs of spawned workers (one dir per fleet, reused on a re-spawn)
 
     @classmethod
-    def from_config(cls, cfg: EvalConfig) -> EvalFleet:
-        """A fleet of ``cfg.num_engines`` spool vLLM workers, spawned on the first pin (see ``spawn_workers``)."""
-        fleet = cls(spawn=lambda model: [])  # placeholder, replaced below so the closure can see the fleet
-        fleet._spawn = lambda model: spawn_workers(cfg, model, fleet)
+    def from_config(cls, cfg: EvalConfig, reserved_gpus: Iterable[Any] = ()) -> EvalFleet:
+        """A fleet of ``cfg.num_engines`` spool vLLM workers, spawned on the first pin (see ``spawn_workers``).
+
+        The GPU plan is made here, at startup: GPUs that are not visible, or that overlap ``reserved_gpus`` (e.g.
+        ``--rollout-gpu``), are a ``ValueError`` now instead of an ``unhealthy`` skip at every eval point."""
+        gpus = gpu_plan(cfg, visible_gpus(), reserved_gpus)
+        fleet = cls(spawn=lambda model, version: [])  # placeholder, replaced below so the closure can see the fleet
+        fleet._spawn = lambda model, version: spawn_workers(cfg, model, fleet, gpus=gpus, version=version)
         atexit.register(fleet.close)  # never orphan worker processes, even without drain()
         return fleet
 
@@ -109,14 +150,16 @@ class EvalFleet:
         with self._lock:
             if self._closed:
                 raise RuntimeError("EvalFleet.pin after close()")
+            started_on_it = False
             if not self.engines:
                 try:
-                    self.engines = self._spawn(checkpoint_dir)
+                    self.engines = self._spawn(checkpoint_dir, version)
                 except Exception as e:
                     logger.error("Eval fleet unhealthy: could not start its workers: %s", e)
                     raise EvalSkip("unhealthy", str(e)) from e
+                started_on_it = True
             self._check_alive()
-            self._load_and_verify(checkpoint_dir, version)
+            self._load_and_verify(checkpoint_dir, version, loaded=started_on_it)
             self._probe()
             if self._state is None:
                 self._state = FleetState(self.engines)
@@ -129,11 +172,14 @@ class EvalFleet:
             logger.error("Eval fleet unhealthy: %d dead engine(s): %s", len(dead), tails)
             raise EvalSkip("unhealthy", f"{len(dead)} dead engine(s)")
 
-    def _load_and_verify(self, checkpoint_dir: str, version: int) -> None:
+    def _load_and_verify(self, checkpoint_dir: str, version: int, loaded: bool = False) -> None:
+        """``loaded``: the engines just started on ``checkpoint_dir`` as ``version``; the first attempt only verifies
+        (a caller-owned dir such as the base model at step 0 has no commit marker, which a load would require)."""
         versions: list[Any] = []
         for attempt in range(1, self.attempts + 1):
             try:
-                self._each(lambda e: e.client.sync_weights(checkpoint_dir, version))
+                if not (loaded and attempt == 1):
+                    self._each(lambda e: e.client.sync_weights(checkpoint_dir, version))
                 versions = self._each(read_version)
             except Exception as e:  # noqa: BLE001 - a failed load is a failed attempt (then pin_violation)
                 logger.warning("Weight pin to %s failed (attempt %d/%d): %s", checkpoint_dir, attempt, self.attempts, e)
@@ -159,10 +205,7 @@ class EvalFleet:
                 time.sleep(0.5)
 
     def _each(self, fn: Callable[[FleetEngine], Any]) -> list[Any]:
-        if len(self.engines) == 1:
-            return [fn(self.engines[0])]
-        with ThreadPoolExecutor(max_workers=len(self.engines)) as pool:
-            return list(pool.map(fn, self.engines))
+        return parallel_map(fn, self.engines)
 
     def close(self) -> None:
         """Shut down every engine this fleet owns (a pin in progress then fails). Idempotent."""
@@ -199,20 +242,25 @@ def _tail(e: FleetEngine) -> str:
         return f"<no log: {err}>"
 
 
-def spawn_workers(cfg: EvalConfig, model_dir: str, fleet: EvalFleet) -> list[FleetEngine]:
-    """Start ``cfg.num_engines`` spool vLLM workers, each on its own spool, serving ``model_dir``.
+def spawn_workers(
+    cfg: EvalConfig, model_dir: str, fleet: EvalFleet, *, gpus: list[str] | None, version: int = 0
+) -> list[FleetEngine]:
+    """Start ``cfg.num_engines`` spool vLLM workers, each on its own spool, serving ``model_dir`` as ``version``.
 
-    GPUs: engine ``i`` gets ``eval_num_gpus_per_engine`` GPUs from ``eval_first_gpu`` on (default: the last
-    ``eval_num_gpus`` GPUs of the machine, past the training GPUs). Without GPUs they run on the CPU build of vLLM,
-    with the engine in the worker process (starts in seconds instead of ~30 s). All engines start in parallel.
+    ``gpus``: the per-engine ``CUDA_VISIBLE_DEVICES`` from ``gpu_plan``; None: the CPU build of vLLM, with the engine
+    in the worker process (starts in seconds instead of ~30 s). All engines start in parallel. Spools and logs go to
+    one ``fleet-*`` dir under ``--eval-hf-dir`` per fleet (a re-spawn reuses it); the spools go at close, the logs
+    stay for post-mortems until the next run's startup removes them.
     """
     from align.rollout.client import make_rollout_client, spawn_worker
 
-    os.makedirs(cfg.eval_hf_dir, exist_ok=True)
-    root = tempfile.mkdtemp(prefix="fleet-", dir=cfg.eval_hf_dir)  # spools + logs; never a step_N name
-    for i in range(cfg.num_engines):  # the spools go at close, the logs stay for post-mortems
-        fleet._cleanup.append(lambda i=i: shutil.rmtree(os.path.join(root, f"engine_{i}"), ignore_errors=True))
-    gpus = _gpu_plan(cfg)
+    if fleet.root is None:
+        os.makedirs(cfg.eval_hf_dir, exist_ok=True)
+        fleet.root = tempfile.mkdtemp(prefix="fleet-", dir=cfg.eval_hf_dir)  # never a step_N name
+        for i in range(cfg.num_engines):
+            spool_dir = os.path.join(fleet.root, f"engine_{i}")
+            fleet._cleanup.append(lambda d=spool_dir: shutil.rmtree(d, ignore_errors=True))
+    root = fleet.root
     max_model_len, dtype = _model_info(model_dir)
     extra = ["--tensor-parallel-size", str(cfg.eval_num_gpus_per_engine)] if cfg.eval_num_gpus_per_engine > 1 else []
     engines: list[FleetEngine] = []
@@ -224,6 +272,7 @@ def spawn_workers(cfg: EvalConfig, model_dir: str, fleet: EvalFleet) -> list[Fle
                 gpu=gpus[i] if gpus else None,
                 log_path=os.path.join(root, f"engine_{i}.log"),
                 model=model_dir,
+                weights_version=version,
                 max_model_len=max_model_len,
                 dtype=dtype,
                 in_process=gpus is None,
@@ -252,19 +301,40 @@ def _model_info(model_dir: str) -> tuple[int, str]:
     return min(int(n), MAX_MODEL_LEN), dtype if dtype in ("float32", "bfloat16", "float16") else "auto"
 
 
-def _gpu_plan(cfg: EvalConfig) -> list[Any] | None:
-    """Per-engine GPU assignment (an index, or "i,j" for tensor parallel), or None: CPU workers (no GPU here)."""
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as absolute ``CUDA_VISIBLE_DEVICES`` ids, in CUDA index order."""
     import torch  # runtime only, never at import
 
     count = torch.cuda.device_count()
-    if count == 0:
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is None:
+        return [str(i) for i in range(count)]
+    return [g.strip() for g in env.split(",") if g.strip()][:count]
+
+
+def gpu_plan(cfg: EvalConfig, visible: Sequence[str], reserved: Iterable[Any] = ()) -> list[str] | None:
+    """Per-engine ``CUDA_VISIBLE_DEVICES`` values (``"4"``, or ``"4,5"`` for tensor parallel), or None: no GPU is
+    visible, the engines run the CPU build of vLLM. Pure: ``visible`` is ``visible_gpus()``.
+
+    ``--eval-first-gpu`` counts in the visible list (like ``cuda:N``; default: its last ``--eval-num-gpus``);
+    the values written are the ids at those positions, so ``CUDA_VISIBLE_DEVICES=4,5`` with first GPU 1 gives
+    ``"5"``, not GPU 1. Raises ``ValueError`` when the plan needs GPUs that are not visible or overlaps
+    ``reserved`` (absolute ids the run already uses, e.g. ``--rollout-gpu``)."""
+    visible = [str(g) for g in visible]
+    if not visible or cfg.eval_num_gpus <= 0:
         return None
-    first = cfg.eval_first_gpu if cfg.eval_first_gpu is not None else count - cfg.eval_num_gpus
-    if first < 0 or first + cfg.eval_num_gpus > count:
+    n, per = cfg.eval_num_gpus, cfg.eval_num_gpus_per_engine
+    first = cfg.eval_first_gpu if cfg.eval_first_gpu is not None else len(visible) - n
+    if first < 0 or first + n > len(visible):
         raise ValueError(
-            f"eval fleet needs GPUs {first}..{first + cfg.eval_num_gpus - 1} but this machine has {count}; "
-            "lower --eval-num-gpus or set --eval-first-gpu"
+            f"the eval fleet needs {n} GPU(s) from visible index {max(first, 0)} on, but only {len(visible)} are "
+            f"visible ({','.join(visible)}); lower --eval-num-gpus or --eval-first-gpu, or make more GPUs visible"
         )
-    per = cfg.eval_num_gpus_per_engine
-    plan = [list(range(first + i * per, first + (i + 1) * per)) for i in range(cfg.num_engines)]
-    return [p[0] if per == 1 else ",".join(map(str, p)) for p in plan]
+    mine = visible[first : first + n]
+    taken = sorted({str(g) for g in reserved if g is not None} & set(mine))
+    if taken:
+        raise ValueError(
+            f"the eval fleet's GPUs {','.join(mine)} overlap GPU(s) {','.join(taken)} this run already uses "
+            "(--rollout-gpu); set --eval-first-gpu to a free range or move the rollout worker"
+        )
+    return [",".join(mine[i * per : (i + 1) * per]) for i in range(cfg.num_engines)]

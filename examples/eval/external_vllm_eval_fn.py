@@ -16,6 +16,15 @@ Per eval point (``evaluate_checkpoint(checkpoint_dir, input)``):
    back with ``return_token_ids``, no detokenization); score with ``align.eval.metrics``;
 4. read the version back again: a server whose weights changed during the eval is a ``pin_violation``.
 
+Known limit of the pin: the version label is set by this client and read straight back, so it proves only that no
+other ``/update_weight_version`` came in between, not which weights the server holds. The evidence that the load
+happened is ``reload_weights`` answering 200: vLLM reads ``checkpoint_dir``'s safetensors into the running model and
+raises on a missing dir or a tensor that does not fit, but only *warns* (in the server log) about parameters the
+files did not contain. A server that accepts the RPC and keeps old weights would pass. A content check (the logprob
+of a fixed probe prompt, compared with one computed from the snapshot in the trainer) would need a second copy of
+the model in the training process; this example does not do it. The fleet path (``--eval-num-gpus``) does not have
+this gap: its version is stamped by the worker on each completion, after the load it answered for.
+
 The pin endpoints are vLLM's development API, so the server runs with ``VLLM_SERVER_DEV_MODE=1`` (set here when
 this class launches it; set it yourself for ``ALIGN_EVAL_VLLM_URL``). Keep the server private.
 
@@ -46,11 +55,11 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from align.eval.checkpoint_eval import CheckpointEvalFn, EvalInput, EvalSkip, retarget_args
+from align.eval.fleet import parallel_map
 from align.eval.metrics import score_eval_set
 from align.rollout.protocol import Completion, SamplingParams
 
@@ -108,8 +117,10 @@ class OpenAICompletionsGenerate:
         )
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(prompts))) as pool:
-            per_prompt = list(pool.map(lambda ip: self._one(ip[0], ip[1], params), enumerate(prompts)))
+        # daemon threads: a hung server never holds up interpreter exit (a ThreadPoolExecutor's threads would)
+        per_prompt = parallel_map(
+            lambda ip: self._one(ip[0], ip[1], params), list(enumerate(prompts)), self.concurrency
+        )
         return [c for cs in per_prompt for c in cs]
 
     def _one(self, i: int, prompt: list[int], params: SamplingParams) -> list[Completion]:

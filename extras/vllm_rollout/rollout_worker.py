@@ -101,6 +101,7 @@ class Worker:
         self.state, self.error = "starting", None
         self.llm = None
         self.vocab_size = int(json.loads((self.model_dir / "config.json").read_text()).get("vocab_size", 0))
+        self.arch = _arch(self.model_dir / "config.json")  # kept: the snapshot dir may be deleted once loaded
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat_loop, daemon=True, name="heartbeat")
 
@@ -239,7 +240,8 @@ class Worker:
         self.set_state("busy")
         t0 = time.perf_counter()
         method = "rebuild"
-        same_arch = _arch(path / "config.json") == _arch(self.model_dir / "config.json")
+        new_arch = _arch(path / "config.json")
+        same_arch = new_arch == self.arch  # never re-read the loaded snapshot: its owner may have deleted it
         if self.args.sync_mode != "rebuild" and same_arch:
             try:
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
@@ -259,7 +261,7 @@ class Worker:
                 raise
             self.vocab_size = int(json.loads((path / "config.json").read_text()).get("vocab_size", 0))
         seconds = time.perf_counter() - t0
-        self.model_dir, self.version = path, version
+        self.model_dir, self.version, self.arch = path, version, new_arch
         log.info("weights version %d from %s by %s in %.2f s", version, path, method, seconds)
         self.answer(P.Message("synced", msg.id, {"version": version, "seconds": seconds, "method": method}))
         self.set_state("ready")
