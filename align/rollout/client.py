@@ -23,13 +23,16 @@ import signal
 import subprocess
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 from align.rollout.protocol import (
+    AlreadyWaitingError,
     Completion,
     Message,
     SamplingParams,
     Spool,
+    check_completions,
     check_hf_dir,
     generate_request,
     heartbeat_problem,
@@ -140,14 +143,25 @@ class SpoolClient:
 
         With ``request_id`` of an earlier request (e.g. ``WorkerDiedError.request_id``) nothing is resubmitted:
         the call waits for that request's answer.
+
+        The answer is checked against the request (``protocol.check_completions``: one completion per prompt and
+        sample index, token ids in the worker's vocabulary, one logprob per token); a bad one raises
+        ``ProtocolError`` naming the response file (kept in the spool's rejected/).
         """
         msg = generate_request(prompts, params, id=request_id)
         self._submit_once(msg)
-        body = self.wait(msg.id, expect="completions")
+        checked: list[Completion] = []
+
+        def check(resp: Message, source: str) -> None:
+            hb = self.spool.read_heartbeat() or {}
+            vocab = hb.get("vocab_size") if isinstance(hb.get("vocab_size"), int) else None
+            checked[:] = check_completions(resp.body, msg.body["prompts"], params, source, vocab_size=vocab)
+
+        body = self.wait(msg.id, expect="completions", check=check)
         self._basis = body["logprob_basis"]
         self.weights_version = body["weights_version"]
         self.last_timings = body["timings"]
-        return [Completion.from_dict(c) for c in body["completions"]]
+        return checked
 
     def sync_weights(self, snapshot_dir: str | os.PathLike, version: int) -> float:
         """Tell the worker to load committed snapshot ``snapshot_dir`` as ``version``; returns the sync seconds."""
@@ -179,12 +193,29 @@ class SpoolClient:
         elif state == "done":
             raise RolloutError(f"request {msg.id} was already answered and its response consumed")
 
-    def wait(self, request_id: str, expect: str | None = None, timeout_s: float | None = None) -> dict:
-        """Block until the answer to ``request_id`` arrives; return its body. Never longer than the timeout."""
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+    def wait(
+        self,
+        request_id: str,
+        expect: str | None = None,
+        timeout_s: float | None = None,
+        check: Callable[[Message, str], None] | None = None,
+    ) -> dict:
+        """Block until the answer to ``request_id`` arrives; return its body. Never longer than the timeout.
+
+        One waiter per request id: a second client (or thread) waiting on the same id raises RolloutError at once.
+        ``check(msg, source)`` may refuse the answer with ProtocolError (see ``Spool.take_response``)."""
+        try:
+            with self.spool.waiting(request_id):
+                if self.spool.request_state(request_id) == "done":
+                    raise RolloutError(f"request {request_id} was already answered and its response consumed")
+                return self._wait(request_id, expect, self.timeout_s if timeout_s is None else timeout_s, check)
+        except AlreadyWaitingError as e:
+            raise RolloutError(str(e)) from None
+
+    def _wait(self, request_id: str, expect: str | None, timeout_s: float, check: Callable | None) -> dict:
         start = last_check = time.monotonic()
         while True:
-            msg = self.spool.take_response(request_id)
+            msg = self.spool.take_response(request_id, check)
             if msg is not None:
                 if msg.kind == "error":
                     b = msg.body

@@ -108,6 +108,7 @@ class Worker:
     def heartbeat(self) -> None:
         info = {"weights_version": self.version, "logprob_basis": self.basis, "model": str(self.model_dir)}
         info.update(log_path=self.args.log_path, max_model_len=self.args.max_model_len, error=self.error)
+        info.update(vocab_size=self.vocab_size)  # clients check answered token ids against it (0: unknown)
         self.spool.write_heartbeat(self.state, **info)
 
     def _heartbeat_loop(self) -> None:
