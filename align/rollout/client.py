@@ -286,9 +286,10 @@ def _tail(path: Path, n: int) -> str:
 class WorkerHandle:
     """A spawned rollout worker: its own process group, so ``shutdown()`` reaps the engine core too."""
 
-    def __init__(self, proc: subprocess.Popen, spool: Spool, log_path: Path) -> None:
+    def __init__(self, proc: subprocess.Popen, spool: Spool, log_path: Path, parent_fd: int | None = None) -> None:
         self.proc, self.spool, self.log_path = proc, spool, log_path
         self.pid = proc.pid
+        self._parent_fd = parent_fd  # write end of the worker's parent pipe: closing it (or dying) stops the worker
 
     @property
     def returncode(self) -> int | None:
@@ -348,6 +349,9 @@ class WorkerHandle:
                 time.sleep(0.05)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
+        if self._parent_fd is not None and not self.alive():
+            os.close(self._parent_fd)
+            self._parent_fd = None
         if self.group_alive():
             raise RuntimeError(f"rollout worker process group {self.pid} survived SIGKILL")
 
@@ -369,12 +373,16 @@ def spawn_worker(
     env: dict[str, str] | None = None,
     wait_ready: bool = True,
     ready_timeout_s: float = 900.0,
+    exit_with_parent: bool = True,
 ) -> WorkerHandle:
     """Launch ``rollout_worker.py`` under ``.venv-rollout`` on ``model`` serving ``spool``.
 
     Checks the venv, spool and model directory before starting anything. ``in_process`` runs vLLM's
     engine core in the worker process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; faster to start on CPU).
     With ``wait_ready`` it returns once the engine is up, or raises with the log tail and no process left.
+    With ``exit_with_parent`` (default) the worker exits within seconds when this process does, even by kill -9
+    (it watches a pipe this process holds open and its parent pid), so a rerun is not locked out of the spool;
+    pass False for a worker that must outlive its launcher (then stop it with ``shutdown_worker``).
     """
     venv = Path(venv) if venv is not None else Path(os.environ.get("ALIGN_ROLLOUT_VENV", DEFAULT_VENV))
     python = venv / "bin" / "python"
@@ -391,14 +399,25 @@ def spawn_worker(
     cmd += ["--weights-version", str(weights_version), "--max-model-len", str(max_model_len), "--dtype", dtype]
     cmd += ["--logprobs-mode", logprobs_mode, "--log-path", str(log_path.resolve()), *extra_args]
     wenv = worker_env(env, gpu=gpu, cache_dir=cache_dir, in_process=in_process)
-    with open(log_path, "ab") as logf:
-        logf.write(f"\n[spawn_worker] {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
-        logf.flush()
-        proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=wenv,
-            cwd=str(REPO_ROOT), start_new_session=True,
-        )  # fmt: skip
-    handle = WorkerHandle(proc, sp, log_path)
+    read_fd, write_fd = os.pipe() if exit_with_parent else (None, None)
+    if read_fd is not None:
+        cmd += ["--parent-pid", str(os.getpid()), "--parent-fd", str(read_fd)]
+    try:
+        with open(log_path, "ab") as logf:
+            logf.write(f"\n[spawn_worker] {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
+            logf.flush()
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=wenv,
+                cwd=str(REPO_ROOT), start_new_session=True, pass_fds=() if read_fd is None else (read_fd,),
+            )  # fmt: skip
+    except BaseException:
+        if write_fd is not None:
+            os.close(write_fd)
+        raise
+    finally:
+        if read_fd is not None:
+            os.close(read_fd)
+    handle = WorkerHandle(proc, sp, log_path, parent_fd=write_fd)
     log.info("spawned rollout worker pid %d on %s (log %s)", proc.pid, model, log_path)
     if wait_ready:
         handle.wait_ready(ready_timeout_s)

@@ -43,6 +43,8 @@ import json
 import math
 import os
 import re
+import select
+import signal
 import socket
 import stat
 import tempfile
@@ -672,6 +674,64 @@ def pid_alive(pid: int) -> bool:
         return stat.rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return True
+
+
+# ---------------------------------------------------------------------------------------------
+# A launched process exits with its launcher (issue 19: a kill -9'd trainer must not leave its worker behind)
+
+
+def watch_parent(
+    parent_pid: int, on_gone: Callable[[str], None], fd: int | None = None, poll_s: float = 0.5
+) -> threading.Thread:
+    """A daemon thread that calls ``on_gone(reason)`` once the process that launched this one is gone.
+
+    Two signals, either suffices: EOF on ``fd`` (the read end of a pipe whose write end the launcher holds and
+    never writes: the kernel closes it when the launcher dies, even by SIGKILL, which no handler sees), and
+    ``os.getppid()`` no longer being ``parent_pid`` (reparented to init or a subreaper), polled every ``poll_s``.
+    PR_SET_PDEATHSIG is not used: it fires when the launching *thread* exits, not the process.
+    """
+
+    def reason() -> str | None:
+        if os.getppid() != parent_pid:
+            return f"the launching process {parent_pid} exited (reparented to pid {os.getppid()})"
+        if fd is None:
+            time.sleep(poll_s)
+            return None
+        try:
+            readable = select.select([fd], [], [], poll_s)[0]
+            data = os.read(fd, 64) if readable else None
+        except OSError as e:
+            return f"the launching process {parent_pid} is gone (its pipe: {e})"
+        return f"the launching process {parent_pid} exited (its pipe closed)" if data == b"" else None
+
+    def loop() -> None:
+        while (why := reason()) is None:
+            pass
+        on_gone(why)
+
+    t = threading.Thread(target=loop, daemon=True, name="parent-watch")
+    t.start()
+    return t
+
+
+def exit_with_parent(
+    parent_pid: int, fd: int | None = None, grace_s: float = 10.0, note: Callable[[str], None] | None = None
+) -> threading.Thread:
+    """When the launcher is gone (``watch_parent``): ``note(reason)``, SIGTERM to this process (its normal,
+    clean exit path), and if it is still alive after ``grace_s`` (main thread stuck in native code), SIGKILL
+    to its process group when it leads one (engine children included), else to itself."""
+
+    def on_gone(why: str) -> None:
+        if note is not None:
+            note(why)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        with contextlib.suppress(OSError):
+            if os.getpgrp() == os.getpid():
+                os.killpg(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return watch_parent(parent_pid, on_gone, fd)
 
 
 # ---------------------------------------------------------------------------------------------

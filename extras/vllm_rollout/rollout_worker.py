@@ -72,6 +72,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--heartbeat-s", type=float, default=1.0)
     ap.add_argument("--poll-s", type=float, default=0.02)
     ap.add_argument("--log-path", default=None, help="this worker's log file (recorded in the heartbeat for clients)")
+    ap.add_argument(
+        "--parent-pid", type=int, default=None, help="exit when this process (the launcher) exits, even by kill -9"
+    )
+    ap.add_argument(
+        "--parent-fd", type=int, default=None, help="read end of a pipe the launcher holds open (EOF: it exited)"
+    )
+    ap.add_argument("--parent-grace-s", type=float, default=10.0, help="then SIGKILL the process group if still up")
     args = ap.parse_args(argv)
     if args.max_model_len < 2 or args.heartbeat_s <= 0 or args.poll_s <= 0 or args.max_batch_requests < 1:
         ap.error("--max-model-len >= 2, --heartbeat-s > 0, --poll-s > 0, --max-batch-requests >= 1")
@@ -344,9 +351,21 @@ def lock_spool(spool: P.Spool) -> int | None:
     return fd
 
 
+_PARENT_GONE: list[str] = []  # why the launcher is gone, once the watch saw it
+
+
+def _parent_gone(why: str) -> None:
+    _PARENT_GONE.append(why)
+    log.error("%s: shutting down (releasing worker.lock)", why)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     args = parse_args(argv)
+    if args.parent_pid is not None:  # spawn_worker: a kill -9'd trainer must not leave this worker holding the spool
+        if args.parent_fd is not None:
+            os.set_inheritable(args.parent_fd, False)  # engine children need not keep the pipe
+        P.exit_with_parent(args.parent_pid, args.parent_fd, args.parent_grace_s, note=_parent_gone)
     try:
         spool = P.Spool(args.spool).ensure()
     except RuntimeError as e:
@@ -371,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         return worker.run()
     except SystemExit as e:
         error = f"terminated by signal {int(e.code) - 128}" if isinstance(e.code, int) and e.code > 128 else None
+        error = _PARENT_GONE[0] if _PARENT_GONE else error
         raise
     except BaseException as e:  # noqa: BLE001 - recorded in the heartbeat and the log, exit 1
         error = f"{e.__class__.__name__}: {e}"
@@ -378,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         worker.close(error)
+        if _PARENT_GONE:  # nobody waits for the interpreter's teardown, which vLLM's threads can hold for seconds
+            logging.shutdown()
+            os._exit(128 + signal.SIGTERM)
 
 
 if __name__ == "__main__":  # required: vLLM's multiprocess engine spawns children that re-import this file
