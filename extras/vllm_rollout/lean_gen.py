@@ -342,7 +342,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
         return super()._get_help_string(action)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lean_gen.py",
         description=__doc__.split("\n")[0] + "\n\nRun it with .venv-rollout/bin/python (vllm, transformers).",
@@ -407,6 +407,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--parent-pid", type=int, default=None, help="exit (143) when this process exits, even by kill -9")
     p.add_argument("--parent-fd", type=int, default=None, help="read end of a pipe the launcher holds open")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = build_parser()
     a = p.parse_args(argv)
     if a.n < 1 or a.cap_tokens < 1:
         p.error("--n and --cap-tokens must be >= 1")
