@@ -176,7 +176,7 @@ def test_a_repeated_record_neither_completes_a_missing_sample_nor_blocks_complet
     assert "dropping 1 repeated record" in r.stderr
 
 
-ORPHAN_EXIT_S = 20.0  # lean_gen's watch polls every 0.5 s; a main thread stuck in flock is SIGKILLed after 10 s
+ORPHAN_EXIT_S = 20.0  # the watch sees the pipe's EOF at once; a main thread stuck for 10 s more is SIGKILLed
 
 
 @pytest.mark.slow  # lean_gen imports transformers and tokenizes before it waits: ~10-30 s on 2 shared cores
@@ -215,6 +215,8 @@ def test_generator_exits_when_the_pipeline_is_killed(w, tmp_path):
             time.sleep(0.1)
         print(f"\nlean_gen gone {time.monotonic() - t0:.1f} s after kill -9 of the pipeline")
         assert "launching process" in log.read_text()
+        session = json.loads((wd / "gen_r0.jsonl.manifest.json").read_text())["sessions"][-1]
+        assert session["status"] == "interrupted" and session["exit_code"] == 143  # the clean path, resumable
         fd = os.open(lock, os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a rerun gets the --out lock

@@ -153,6 +153,8 @@ class SpoolClient:
         checked: list[Completion] = []
 
         def check(resp: Message, source: str) -> None:
+            if resp.kind != "completions":
+                return  # wait() raises on the unexpected kind
             hb = self.spool.read_heartbeat() or {}
             vocab = hb.get("vocab_size") if isinstance(hb.get("vocab_size"), int) else None
             checked[:] = check_completions(resp.body, msg.body["prompts"], params, source, vocab_size=vocab)

@@ -177,7 +177,9 @@ class Stop:
         signal.signal(signal.SIGINT, self)
 
 
-def acquire_lock(path: str, wait: bool, what: str):
+def acquire_lock(path: str, wait: bool, what: str, stop: Stop | None = None):
+    """flock ``path`` (fd returned, held until exit). Held by another: RuntimeError, or with ``wait`` poll until it
+    is free; a signal (``stop``) ends the wait with None, so SIGTERM / a dead launcher exit cleanly."""
     import fcntl
 
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
@@ -190,7 +192,15 @@ def acquire_lock(path: str, wait: bool, what: str):
             os.close(fd)
             raise RuntimeError(f"{what} {path} is held by another launch ({holder or 'unknown holder'})") from None
         print(f"lean_gen: waiting for {what} {path} (held by {holder})", file=sys.stderr, flush=True)
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if stop is not None and stop.signum is not None:
+                    os.close(fd)
+                    return None
+                time.sleep(0.2)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} since {time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode(), 0)
     return fd
@@ -536,7 +546,7 @@ def run(args) -> int:
     code = EXIT_INCOMPLETE
     try:
         if todo:
-            heavy = acquire_lock(args.lock_file, True, "heavy-GPU lock") if args.wait_lock else None  # noqa: F841
+            heavy = acquire_lock(args.lock_file, True, "heavy-GPU lock", stop) if args.wait_lock else None  # noqa: F841
             t0 = time.monotonic()
             llm = None if stop.signum else build_engine(args, max_model_len, adapter)
             sess["load_wall_s"] = round(time.monotonic() - t0, 2)
