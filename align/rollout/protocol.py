@@ -717,15 +717,16 @@ def watch_parent(
 def exit_with_parent(
     parent_pid: int, fd: int | None = None, grace_s: float = 10.0, note: Callable[[str], None] | None = None
 ) -> threading.Thread:
-    """When the launcher is gone (``watch_parent``): ``note(reason)``, SIGTERM to this process (its normal,
-    clean exit path), and if it is still alive after ``grace_s`` (main thread stuck in native code), SIGKILL
+    """When the launcher is gone (``watch_parent``): ``note(reason)``; with ``grace_s > 0`` SIGTERM to this
+    process (its normal, clean exit path) and ``grace_s`` to finish; then (at once with ``grace_s == 0``) SIGKILL
     to its process group when it leads one (engine children included), else to itself."""
 
     def on_gone(why: str) -> None:
         if note is not None:
             note(why)
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(grace_s)
+        if grace_s > 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(grace_s)
         with contextlib.suppress(OSError):
             if os.getpgrp() == os.getpid():
                 os.killpg(os.getpid(), signal.SIGKILL)

@@ -78,7 +78,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--parent-fd", type=int, default=None, help="read end of a pipe the launcher holds open (EOF: it exited)"
     )
-    ap.add_argument("--parent-grace-s", type=float, default=10.0, help="then SIGKILL the process group if still up")
+    ap.add_argument(
+        "--parent-grace-s",
+        type=float,
+        default=0.0,
+        help="on the launcher's exit: seconds of clean shutdown (SIGTERM) before the process group is SIGKILLed; "
+        "0 kills at once (what this worker had claimed is served again by the next worker on the spool)",
+    )
     args = ap.parse_args(argv)
     if args.max_model_len < 2 or args.heartbeat_s <= 0 or args.poll_s <= 0 or args.max_batch_requests < 1:
         ap.error("--max-model-len >= 2, --heartbeat-s > 0, --poll-s > 0, --max-batch-requests >= 1")
@@ -352,16 +358,30 @@ def lock_spool(spool: P.Spool) -> int | None:
 
 
 _PARENT_GONE: list[str] = []  # why the launcher is gone, once the watch saw it
+_WORKER: list[Worker] = []
 
 
 def _parent_gone(why: str) -> None:
+    """Called from the parent-watch thread: record why in the log and the heartbeat, before the exit."""
     _PARENT_GONE.append(why)
-    log.error("%s: shutting down (releasing worker.lock)", why)
+    log.error("%s: exiting (releasing worker.lock)", why)
+    with contextlib.suppress(OSError):
+        if _WORKER:
+            w = _WORKER[0]
+            w._stop.set()  # no later "ready" beat over this record
+            w.state, w.error = "failed", why
+            w.heartbeat()
+        else:
+            P.Spool(_ARGS[0].spool).write_heartbeat("failed", error=why, log_path=_ARGS[0].log_path)
+
+
+_ARGS: list[argparse.Namespace] = []
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     args = parse_args(argv)
+    _ARGS.append(args)
     if args.parent_pid is not None:  # spawn_worker: a kill -9'd trainer must not leave this worker holding the spool
         if args.parent_fd is not None:
             os.set_inheritable(args.parent_fd, False)  # engine children need not keep the pipe
@@ -376,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     try:
         worker = Worker(args)
+        _WORKER.append(worker)
     except (ValueError, RuntimeError) as e:
         log.error("%s", e)
         spool.write_heartbeat("failed", error=str(e), log_path=args.log_path)
