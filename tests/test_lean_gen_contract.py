@@ -637,3 +637,77 @@ def test_repl_timeout_and_eof_are_system_errors(tmp_path):
         pgv.Repl(wrong, None, timeout=5, import_timeout=5)
     with pytest.raises(pgv.ReplError, match="TIMEOUT"):
         pgv.Repl("sleep 30", None, timeout=1, import_timeout=1)
+
+
+# --- records read back: types, duplicates, encodings (issue 19 "Lean driver records") ---------------------------------
+
+
+def _jsonl_file(tmp_path, name, rows):
+    p = tmp_path / name
+    p.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
+    return str(p)
+
+
+def test_problems_file_that_is_not_utf8_names_the_file(tmp_path):
+    p = tmp_path / "latin1.jsonl"
+    p.write_bytes(b'{"name": "a", "lean4_code": "theorem a : 1 = 1 := by\\n"}\n{"name": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"latin1.jsonl:2: not UTF-8 text .*save the file as UTF-8"):
+        lr.load_problems(str(p))
+
+
+@pytest.mark.parametrize(
+    ("row", "why"),
+    [
+        (
+            {"sample_id": "p_g0", "problem_id": "p", "accepted": "false"},
+            r"'accepted' is \"false\" \(str\), expected bool",
+        ),
+        ({"sample_id": "p_g0", "problem_id": "p", "accepted": 1}, r"'accepted' is 1 \(int\), expected bool"),
+        ({"problem_id": "p", "accepted": False}, r"no 'sample_id' field"),
+        ({"sample_id": 7, "problem_id": "p", "accepted": False}, r"'sample_id' is 7 \(int\), expected str"),
+        ({"sample_id": "p_g0", "problem_id": "p", "accepted": False, "repl_errors": "x"}, r"'repl_errors' is \"x\""),
+    ],
+)
+def test_verification_record_types_are_checked_naming_file_and_line(tmp_path, row, why):
+    path = _jsonl_file(tmp_path, "verif.jsonl", [_verif("q_g0", "q"), row])
+    with pytest.raises(ValueError, match=r"verif.jsonl:2: not a valid verif record: " + why):
+        lr.load_records(path, "verif")
+
+
+def test_generation_record_types_are_checked(tmp_path):
+    path = _jsonl_file(tmp_path, "gen.jsonl", [_gen("p_g0", "p", True)])
+    with pytest.raises(ValueError, match=r"gen.jsonl:1: .*'round' is true \(bool\), expected int"):
+        lr.load_records(path, "gen")
+
+
+def test_repeated_records_identical_are_dropped_conflicting_are_refused(tmp_path):
+    a, b = _verif("p_g0", "p", errors=[]), _verif("p_g1", "p", errors=[])
+    rows, dropped = lr.load_records(_jsonl_file(tmp_path, "v.jsonl", [a, b, {**a, "verify_time": 9.0}]), "verif")
+    assert [r["sample_id"] for r in rows] == ["p_g0", "p_g1"] and dropped == 1
+    bad = _jsonl_file(tmp_path, "v2.jsonl", [a, b, {**a, "accepted": True}])
+    with pytest.raises(ValueError, match=r"v2.jsonl:3: sample_id 'p_g0' repeats line 1 with different accepted"):
+        lr.load_records(bad, "verif")
+
+
+def test_plan_corrections_refuses_string_accepted_and_conflicts_across_files():
+    gen = [_gen("p_g0", "p", 0), _gen("p_g1", "p", 0)]
+    # "accepted": "false" was truthy: the problem counted as solved and its failures were never corrected
+    ver = [_verif("p_g0", "p", accepted="false", errors=EX["repl_errors_478"])]
+    with pytest.raises(ValueError, match=r"'accepted' is \"false\" \(str\), expected bool"):
+        lr.plan_corrections(PROBS, 1, 1, 0, [(ver, gen)])
+    v0 = _verif("p_g0", "p", errors=EX["repl_errors_478"])
+    with pytest.raises(ValueError, match=r"sample_id 'p_g0' appears twice .* different accepted"):
+        lr.plan_corrections(PROBS, 1, 1, 0, [([v0], gen), ([{**v0, "accepted": True}], gen)])
+    items, _ = lr.plan_corrections(PROBS, 1, 1, 0, [([v0], gen), ([v0], gen)])  # the same pair twice: harmless
+    assert [it["parent_id"] for it in items] == ["p_g0"]
+
+
+def test_resume_keeps_each_samples_first_record_and_rewrites_the_file(tmp_path):
+    first, other = _gen("p_g0", "p", 0, text="first"), _gen("p_g1", "p", 0)
+    again = {**first, "completion_text": "second"}  # a rerun that wrote p_g0 again
+    path = _jsonl_file(tmp_path, "out.jsonl", [first, other, again])
+    rows = lr.load_out_for_resume(path)
+    assert rows == [first, other]
+    assert lr.read_jsonl(path) == [first, other]  # the repeat is gone from the file too
+    todo, done = lr.resume_split([{"sample_id": s} for s in ("p_g0", "p_g1", "p_g2")], rows)
+    assert [t["sample_id"] for t in todo] == ["p_g2"] and len(done) == 2

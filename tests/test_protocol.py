@@ -249,8 +249,9 @@ def test_heartbeat_problem(tmp_path):
 class ScriptedWorker(threading.Thread):
     """Plays the worker side of the protocol with the worker's own Spool calls."""
 
-    def __init__(self, root: Path, answer, heartbeat: bool = True) -> None:
+    def __init__(self, root: Path, answer, heartbeat: bool = True, **info: object) -> None:
         super().__init__(daemon=True)
+        self.info = {"logprob_basis": "raw", **info}
         self.sp, self.answer, self.heartbeat = Spool(root).ensure(), answer, heartbeat
         self.stop = threading.Event()
         self.served: list[str] = []
@@ -258,7 +259,7 @@ class ScriptedWorker(threading.Thread):
     def run(self) -> None:
         while not self.stop.is_set():
             if self.heartbeat:
-                self.sp.write_heartbeat("ready", logprob_basis="raw")
+                self.sp.write_heartbeat("ready", **self.info)
             for path in self.sp.pending():
                 claimed = self.sp.claim(path)
                 if claimed is None:
@@ -266,9 +267,9 @@ class ScriptedWorker(threading.Thread):
                 msg = P.read_message(claimed)
                 reply = self.answer(msg)
                 if reply is not None:
+                    self.served.append(msg.id)  # before the answer: a client may read `served` once answered
                     self.sp.respond(reply)
                     self.sp.finish(msg.id)
-                    self.served.append(msg.id)
             time.sleep(0.01)
 
 
@@ -292,8 +293,8 @@ def _echo(msg: Message) -> Message:
 def scripted(tmp_path):
     workers = []
 
-    def start(answer=_echo, heartbeat=True):
-        w = ScriptedWorker(tmp_path / "spool", answer, heartbeat)
+    def start(answer=_echo, heartbeat=True, **info):
+        w = ScriptedWorker(tmp_path / "spool", answer, heartbeat, **info)
         w.start()
         workers.append(w)
         return w
@@ -369,6 +370,166 @@ def test_stale_heartbeat_is_detected_before_the_timeout(tmp_path):
     with pytest.raises(WorkerDiedError, match="stopped heart-beating"):
         client.generate([[1]], SamplingParams())
     assert time.monotonic() - t0 < 3.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Untrusted answers and spool entries (issue 19: "Spool responses are trusted")
+
+
+def _tamper(change):
+    """A scripted worker whose generate answers are _echo's, edited by ``change(completions, body)``."""
+
+    def answer(msg: Message) -> Message:
+        reply = _echo(msg)
+        if msg.kind == "generate":
+            body = json.loads(json.dumps(reply.body))
+            change(body["completions"], body)
+            return Message("completions", msg.id, body)
+        return reply
+
+    return answer
+
+
+def _set(key, value, k=0):
+    return lambda cs, body: cs[k].__setitem__(key, value)
+
+
+BAD_ANSWERS = {
+    "too_few": (lambda cs, body: cs.pop(), r"3 completions for 2 prompt\(s\) x n=2 = 4"),
+    "too_many": (lambda cs, body: cs.append(dict(cs[0])), r"5 completions for 2 prompt\(s\) x n=2 = 4"),
+    "duplicate_pair": (_set("sample_index", 0, k=1), r"completion 1: duplicates \(prompt_index, sample_index\)"),
+    "prompt_index_out_of_range": (_set("prompt_index", 2), r"completion 0: prompt_index 2 is not an int in \[0, 2\)"),
+    "sample_index_out_of_range": (_set("sample_index", -1), r"sample_index -1 is not an int in \[0, n=2\)"),
+    "short_logprobs": (_set("logprobs", []), r"logprobs must be 1 numbers"),
+    "long_sampled_logprobs": (_set("sampled_logprobs", [-1.0, -1.0]), r"sampled_logprobs must be 1 numbers"),
+    "positive_logprob": (_set("logprobs", [3.0]), r"logprobs must be 1 numbers <= 0"),
+    "str_token_ids": (_set("token_ids", ["11"]), r"token_ids must be a list of int token ids"),
+    "bool_token_ids": (_set("token_ids", [True]), r"token_ids must be a list of int token ids"),
+    "float_token_ids": (_set("token_ids", [11.0]), r"token_ids must be a list of int token ids"),
+    "negative_token_id": (_set("token_ids", [-3]), r"token ids outside the vocabulary"),
+    "too_many_tokens": (_set("token_ids", list(range(17))), r"17 token ids, expected 1..max_tokens=16"),
+    "bad_finish_reason": (_set("finish_reason", "abort"), r"finish_reason 'abort'"),
+    "bad_basis": (lambda cs, body: body.__setitem__("logprob_basis", "guess"), r"logprob_basis 'guess'"),
+}
+
+
+@pytest.mark.parametrize("defect", sorted(BAD_ANSWERS))
+def test_bad_answer_is_refused_naming_the_file(tmp_path, scripted, defect):
+    change, pattern = BAD_ANSWERS[defect]
+    scripted(answer=_tamper(change))
+    client = SpoolClient(tmp_path / "spool", timeout_s=FAST_TIMEOUT_S)
+    with pytest.raises(ProtocolError, match=r"responses/r\S+\.json: .*" + pattern) as err:
+        client.generate([[10, 11], [20]], SamplingParams(n=2, max_tokens=16))
+    rid = str(err.value).split("responses/", 1)[1].split(".json", 1)[0]
+    assert (tmp_path / "spool" / "rejected" / f"{rid}.json").is_file()  # kept for a look, not half-used
+
+
+def test_answer_in_order_and_ids_inside_the_announced_vocabulary(tmp_path, scripted):
+    # answers arrive shuffled: the client returns them in (prompt, sample) order
+    w = scripted(answer=_tamper(lambda cs, body: cs.reverse()), vocab_size=22)
+    client = SpoolClient(tmp_path / "spool", timeout_s=FAST_TIMEOUT_S)
+    out = client.generate([[10, 11], [20]], SamplingParams(n=2))
+    assert [(c.prompt_index, c.sample_index, c.token_ids) for c in out] == [
+        (0, 0, [11]),
+        (0, 1, [12]),
+        (1, 0, [20]),
+        (1, 1, [21]),
+    ]
+    w.info["vocab_size"] = 21  # the heartbeat announces the vocabulary (the real worker does): 21 is outside it
+    time.sleep(0.1)
+    with pytest.raises(ProtocolError, match=r"completion 0: token ids outside the vocabulary \[0, 21\): \[21\]"):
+        client.generate([[10, 11], [20]], SamplingParams(n=2))
+
+
+def test_answer_with_another_id_is_refused(tmp_path):
+    sp = Spool(tmp_path / "spool").ensure()
+    client = SpoolClient(sp.root, timeout_s=FAST_TIMEOUT_S)
+    msg = P.generate_request([[1]], SamplingParams())
+    sp.submit(msg)
+    bad = Message("completions", "someone-else", _echo(msg).body)
+    P.atomic_write_text(sp.root / "responses" / f"{msg.id}.json", bad.to_json())  # filed under the request's name
+    with pytest.raises(ProtocolError, match=rf"responses/{msg.id}.json: the response's id 'someone-else' is not"):
+        client.wait(msg.id)
+    assert (sp.root / "rejected" / f"{msg.id}.json").is_file()
+
+
+def test_message_id_with_a_trailing_newline_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="bad message id"):
+        Message("shutdown", "abc\n", {})
+    text = Message("shutdown", "abc", {}).to_json().replace('"id":"abc"', '"id":"abc\\n"')
+    with pytest.raises(ProtocolError, match="bad message id"):
+        P.read_message(_write(tmp_path / "m.json", text))
+
+
+def _load_worker_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "rollout_worker", REPO / "extras" / "vllm_rollout" / "rollout_worker.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # stdlib + align.rollout.protocol at import; vLLM only inside the engine calls
+    return mod
+
+
+def test_worker_rejects_a_directory_and_a_fifo_named_json_without_blocking(tmp_path):
+    """The real worker's request loop (Worker.next_batch; no engine needed to claim and read requests)."""
+    rw = _load_worker_module()
+    spool = tmp_path / "spool"
+    args = rw.parse_args(["--spool", str(spool), "--model", str(_fake_model_dir(tmp_path))])
+    worker = rw.Worker(args)
+    sp = worker.spool
+    (sp.root / "requests" / "r0-dir.json").mkdir()
+    fifo = sp.root / "requests" / "r1-fifo.json"
+    os.mkfifo(fifo)
+    good = P.generate_request([[1, 2]], SamplingParams())
+    sp.submit(good)
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(out=_catch(worker.next_batch)), daemon=True)
+    t.start()
+    t.join(FAST_TIMEOUT_S)
+    if t.is_alive():  # unblock the old code's open() of the FIFO so the thread can end
+        os.close(os.open(sp.root / "claimed" / "r1-fifo.json", os.O_WRONLY | os.O_NONBLOCK))
+        t.join(FAST_TIMEOUT_S)
+        pytest.fail("the worker blocked opening a FIFO named *.json in requests/")
+    batch, command = result["out"]
+    assert [m.id for m, _ in batch] == [good.id] and command is None
+    for name, kind in (("r0-dir", "a directory"), ("r1-fifo", "a FIFO")):
+        assert (sp.root / "rejected" / f"{name}.json").exists()
+        err = P.read_message(sp.root / "responses" / f"{name}.json")
+        assert err.kind == "error" and f"not a regular file ({kind})" in err.body["message"]
+    worker.heartbeat()
+    assert sp.read_heartbeat()["vocab_size"] == 0  # the fake config has none: the client then skips the id check
+
+
+def _catch(fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - reported by the assertion that reads it
+        return e
+
+
+def test_second_waiter_on_one_request_fails_at_once(tmp_path, scripted):
+    scripted(answer=lambda m: None)  # claims, never answers
+    sp = Spool(tmp_path / "spool").ensure()
+    first = SpoolClient(sp.root, timeout_s=2.0)
+    msg = P.generate_request([[1]], SamplingParams())
+    sp.submit(msg)
+    t = threading.Thread(target=lambda: _catch(lambda: first.wait(msg.id)), daemon=True)
+    t.start()
+    deadline = time.monotonic() + FAST_TIMEOUT_S
+    while not (sp.root / "waiters" / f"{msg.id}.lock").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    second = SpoolClient(sp.root, timeout_s=30.0)
+    t0 = time.monotonic()
+    with pytest.raises(
+        RolloutError, match=rf"another client \(pid {os.getpid()} .*\) is already waiting for request {msg.id}"
+    ):
+        second.wait(msg.id)
+    assert time.monotonic() - t0 < 1.0
+    t.join(FAST_TIMEOUT_S)
+    assert not (sp.root / "waiters" / f"{msg.id}.lock").exists()  # released with the first waiter
 
 
 # ---------------------------------------------------------------------------------------------

@@ -33,8 +33,6 @@ CALL_TIMEOUT_S = 180.0
 PROMPTS = [[5, 17, 99, 123], [7, 8], [300, 2, 44, 45, 46, 47]]
 
 
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     from helpers_models import load_hf, make_tiny_qwen2
@@ -255,3 +253,78 @@ def test_shutdown_leaves_no_process(fleet):
     handle.shutdown()
     assert handle.returncode == 0 and not handle.group_alive()
     assert P.Spool(fleet.spool).read_heartbeat()["state"] == "stopped"
+
+
+PARENT_EXIT_S = 10.0  # the watch sees the pipe's EOF at once, then SIGKILLs the worker's group (measured ~1 s)
+_LAUNCHER = """
+import sys, time
+from align.rollout.client import spawn_worker
+spawn_worker(sys.argv[1], model=sys.argv[2], log_path=sys.argv[3], in_process=True, max_model_len={mml},
+             dtype="float32", weights_version=4, ready_timeout_s={ready})
+print("ready", flush=True)
+time.sleep(3600)
+"""
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group ``pgid``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append(int(d.name))
+    return out
+
+
+@pytest.mark.slow
+def test_worker_exits_when_its_launcher_is_killed_and_a_rerun_gets_the_spool(models, tmp_path):
+    """kill -9 of the process that called spawn_worker (a trainer): the worker notices (pipe EOF / parent pid),
+    exits within PARENT_EXIT_S releasing worker.lock, and a new spawn_worker on the same spool serves."""
+    import subprocess
+    import sys
+
+    _require_rollout_venv()
+    spool, log = tmp_path / "spool", tmp_path / "worker.log"
+    code = _LAUNCHER.format(mml=MAX_MODEL_LEN, ready=READY_TIMEOUT_S)
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", code, str(spool), str(models["v1"]), str(log)], stdout=subprocess.PIPE, text=True
+    )
+    worker_pid = None
+    try:
+        assert launcher.stdout.readline().strip() == "ready", f"launcher failed; log:\n{log.read_text()[-3000:]}"
+        worker_pid = P.Spool(spool).read_heartbeat()["pid"]
+        assert P.pid_alive(worker_pid) and _group_members(worker_pid)
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        t0 = time.monotonic()
+        while _group_members(worker_pid):
+            assert time.monotonic() - t0 < PARENT_EXIT_S, (
+                f"worker outlived its launcher; log:\n{log.read_text()[-3000:]}"
+            )
+            time.sleep(0.1)
+        print(f"\nworker group gone {time.monotonic() - t0:.1f} s after kill -9 of its launcher")
+        hb = P.Spool(spool).read_heartbeat()
+        assert hb["state"] == "failed" and "launching process" in hb["error"], hb
+        # the rerun: a fresh worker takes the spool's lock and serves
+        h = spawn_worker(
+            spool, model=models["v1"], log_path=log, in_process=True, max_model_len=MAX_MODEL_LEN, dtype="float32",
+            weights_version=5, ready_timeout_s=READY_TIMEOUT_S,
+        )  # fmt: skip
+        try:
+            client = make_rollout_client("spool", spool=spool, timeout_s=CALL_TIMEOUT_S, worker=h)
+            out = client.generate(PROMPTS[:1], SamplingParams(max_tokens=4))
+            assert out[0].weights_version == 5 and len(out[0].token_ids) == 4
+        finally:
+            h.shutdown(grace_s=5)
+        assert not h.group_alive()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        if worker_pid is not None:
+            for pid in _group_members(worker_pid):
+                os.kill(pid, signal.SIGKILL)

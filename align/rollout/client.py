@@ -23,13 +23,16 @@ import signal
 import subprocess
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 from align.rollout.protocol import (
+    AlreadyWaitingError,
     Completion,
     Message,
     SamplingParams,
     Spool,
+    check_completions,
     check_hf_dir,
     generate_request,
     heartbeat_problem,
@@ -140,14 +143,27 @@ class SpoolClient:
 
         With ``request_id`` of an earlier request (e.g. ``WorkerDiedError.request_id``) nothing is resubmitted:
         the call waits for that request's answer.
+
+        The answer is checked against the request (``protocol.check_completions``: one completion per prompt and
+        sample index, token ids in the worker's vocabulary, one logprob per token); a bad one raises
+        ``ProtocolError`` naming the response file (kept in the spool's rejected/).
         """
         msg = generate_request(prompts, params, id=request_id)
         self._submit_once(msg)
-        body = self.wait(msg.id, expect="completions")
+        checked: list[Completion] = []
+
+        def check(resp: Message, source: str) -> None:
+            if resp.kind != "completions":
+                return  # wait() raises on the unexpected kind
+            hb = self.spool.read_heartbeat() or {}
+            vocab = hb.get("vocab_size") if isinstance(hb.get("vocab_size"), int) else None
+            checked[:] = check_completions(resp.body, msg.body["prompts"], params, source, vocab_size=vocab)
+
+        body = self.wait(msg.id, expect="completions", check=check)
         self._basis = body["logprob_basis"]
         self.weights_version = body["weights_version"]
         self.last_timings = body["timings"]
-        return [Completion.from_dict(c) for c in body["completions"]]
+        return checked
 
     def sync_weights(self, snapshot_dir: str | os.PathLike, version: int) -> float:
         """Tell the worker to load committed snapshot ``snapshot_dir`` as ``version``; returns the sync seconds."""
@@ -179,12 +195,29 @@ class SpoolClient:
         elif state == "done":
             raise RolloutError(f"request {msg.id} was already answered and its response consumed")
 
-    def wait(self, request_id: str, expect: str | None = None, timeout_s: float | None = None) -> dict:
-        """Block until the answer to ``request_id`` arrives; return its body. Never longer than the timeout."""
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+    def wait(
+        self,
+        request_id: str,
+        expect: str | None = None,
+        timeout_s: float | None = None,
+        check: Callable[[Message, str], None] | None = None,
+    ) -> dict:
+        """Block until the answer to ``request_id`` arrives; return its body. Never longer than the timeout.
+
+        One waiter per request id: a second client (or thread) waiting on the same id raises RolloutError at once.
+        ``check(msg, source)`` may refuse the answer with ProtocolError (see ``Spool.take_response``)."""
+        try:
+            with self.spool.waiting(request_id):
+                if self.spool.request_state(request_id) == "done":
+                    raise RolloutError(f"request {request_id} was already answered and its response consumed")
+                return self._wait(request_id, expect, self.timeout_s if timeout_s is None else timeout_s, check)
+        except AlreadyWaitingError as e:
+            raise RolloutError(str(e)) from None
+
+    def _wait(self, request_id: str, expect: str | None, timeout_s: float, check: Callable | None) -> dict:
         start = last_check = time.monotonic()
         while True:
-            msg = self.spool.take_response(request_id)
+            msg = self.spool.take_response(request_id, check)
             if msg is not None:
                 if msg.kind == "error":
                     b = msg.body
@@ -255,9 +288,10 @@ def _tail(path: Path, n: int) -> str:
 class WorkerHandle:
     """A spawned rollout worker: its own process group, so ``shutdown()`` reaps the engine core too."""
 
-    def __init__(self, proc: subprocess.Popen, spool: Spool, log_path: Path) -> None:
+    def __init__(self, proc: subprocess.Popen, spool: Spool, log_path: Path, parent_fd: int | None = None) -> None:
         self.proc, self.spool, self.log_path = proc, spool, log_path
         self.pid = proc.pid
+        self._parent_fd = parent_fd  # write end of the worker's parent pipe: closing it (or dying) stops the worker
 
     @property
     def returncode(self) -> int | None:
@@ -317,6 +351,9 @@ class WorkerHandle:
                 time.sleep(0.05)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
+        if self._parent_fd is not None and not self.alive():
+            os.close(self._parent_fd)
+            self._parent_fd = None
         if self.group_alive():
             raise RuntimeError(f"rollout worker process group {self.pid} survived SIGKILL")
 
@@ -338,12 +375,16 @@ def spawn_worker(
     env: dict[str, str] | None = None,
     wait_ready: bool = True,
     ready_timeout_s: float = 900.0,
+    exit_with_parent: bool = True,
 ) -> WorkerHandle:
     """Launch ``rollout_worker.py`` under ``.venv-rollout`` on ``model`` serving ``spool``.
 
     Checks the venv, spool and model directory before starting anything. ``in_process`` runs vLLM's
     engine core in the worker process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; faster to start on CPU).
     With ``wait_ready`` it returns once the engine is up, or raises with the log tail and no process left.
+    With ``exit_with_parent`` (default) the worker exits within seconds when this process does, even by kill -9
+    (it watches a pipe this process holds open and its parent pid), so a rerun is not locked out of the spool;
+    pass False for a worker that must outlive its launcher (then stop it with ``shutdown_worker``).
     """
     venv = Path(venv) if venv is not None else Path(os.environ.get("ALIGN_ROLLOUT_VENV", DEFAULT_VENV))
     python = venv / "bin" / "python"
@@ -360,14 +401,25 @@ def spawn_worker(
     cmd += ["--weights-version", str(weights_version), "--max-model-len", str(max_model_len), "--dtype", dtype]
     cmd += ["--logprobs-mode", logprobs_mode, "--log-path", str(log_path.resolve()), *extra_args]
     wenv = worker_env(env, gpu=gpu, cache_dir=cache_dir, in_process=in_process)
-    with open(log_path, "ab") as logf:
-        logf.write(f"\n[spawn_worker] {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
-        logf.flush()
-        proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=wenv,
-            cwd=str(REPO_ROOT), start_new_session=True,
-        )  # fmt: skip
-    handle = WorkerHandle(proc, sp, log_path)
+    read_fd, write_fd = os.pipe() if exit_with_parent else (None, None)
+    if read_fd is not None:
+        cmd += ["--parent-pid", str(os.getpid()), "--parent-fd", str(read_fd)]
+    try:
+        with open(log_path, "ab") as logf:
+            logf.write(f"\n[spawn_worker] {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
+            logf.flush()
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=wenv,
+                cwd=str(REPO_ROOT), start_new_session=True, pass_fds=() if read_fd is None else (read_fd,),
+            )  # fmt: skip
+    except BaseException:
+        if write_fd is not None:
+            os.close(write_fd)
+        raise
+    finally:
+        if read_fd is not None:
+            os.close(read_fd)
+    handle = WorkerHandle(proc, sp, log_path, parent_fd=write_fd)
     log.info("spawned rollout worker pid %d on %s (log %s)", proc.pid, model, log_path)
     if wait_ready:
         handle.wait_ready(ready_timeout_s)

@@ -36,14 +36,22 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
+import fcntl
 import itertools
 import json
+import math
 import os
 import re
+import select
+import signal
 import socket
+import stat
 import tempfile
+import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,13 +81,18 @@ _BODY_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "error": {"error": (str,), "message": (str,)},
     "stopped": {},
 }
-_ID_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
-_SPOOL_DIRS = ("tmp", "requests", "claimed", "done", "responses", "rejected")
+_ID_RE = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9._-]{0,127}\Z")  # \Z: "$" would accept a trailing newline
+_SPOOL_DIRS = ("tmp", "requests", "claimed", "done", "responses", "rejected", "waiters")
+FINISH_REASONS = ("stop", "length")
 _counter = itertools.count()
 
 
 class ProtocolError(ValueError):
     """A spool file that cannot be accepted (malformed, truncated, unknown version). Names the file."""
+
+
+class AlreadyWaitingError(RuntimeError):
+    """Another client already waits for this request id (only one can take its response)."""
 
 
 @dataclass
@@ -176,7 +189,7 @@ class Message:
     def __post_init__(self) -> None:
         if self.kind not in _BODY_FIELDS:
             raise ValueError(f"unknown message kind {self.kind!r}; expected one of {tuple(_BODY_FIELDS)}")
-        if not isinstance(self.id, str) or not _ID_RE.match(self.id):
+        if not isinstance(self.id, str) or not _ID_RE.fullmatch(self.id):
             raise ValueError(
                 f"bad message id {self.id!r}: use 1-128 characters of [A-Za-z0-9._-], not starting with '.'"
             )
@@ -233,6 +246,80 @@ def _check_generate(body: dict, source: str) -> None:
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+LOGPROB_SLACK = 1e-3  # a log-probability above this is not one (fp32 rounding may leave a hair above 0)
+
+
+def _is_logprob(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x) and x <= LOGPROB_SLACK
+
+
+def check_completions(
+    body: dict, prompts: list[list[int]], params: SamplingParams, source: str, vocab_size: int | None = None
+) -> list[Completion]:
+    """The completions of a ``completions`` response, checked against the request that asked for them.
+
+    Exactly one completion per (prompt_index in [0, len(prompts)), sample_index in [0, params.n)); token ids
+    are ints (not bool / float / str) in [0, vocab_size) when ``vocab_size`` is known; 1 <= len <= max_tokens;
+    ``logprobs`` (and ``sampled_logprobs`` unless None) are one number <= 0 per token; finish_reason is
+    'stop' | 'length'. Any defect raises ProtocolError naming ``source``. Returns them in (prompt, sample) order.
+    """
+    items = body["completions"]
+    if body.get("logprob_basis") not in LOGPROB_BASES:
+        raise ProtocolError(f"{source}: logprob_basis {body.get('logprob_basis')!r} is not one of {LOGPROB_BASES}")
+    want = len(prompts) * params.n
+    if len(items) != want:
+        raise ProtocolError(
+            f"{source}: {len(items)} completions for {len(prompts)} prompt(s) x n={params.n} = {want}; rejected"
+        )
+    seen: dict[tuple[int, int], int] = {}
+    out = []
+    for k, c in enumerate(items):
+        problem = _completion_problem(c, len(prompts), params, vocab_size)
+        if problem is None and (c["prompt_index"], c["sample_index"]) in seen:
+            problem = (
+                f"duplicates (prompt_index, sample_index) of completion {seen[c['prompt_index'], c['sample_index']]}"
+            )
+        if problem is not None:
+            raise ProtocolError(f"{source}: completion {k}: {problem}; rejected")
+        seen[c["prompt_index"], c["sample_index"]] = k
+        sampled = c.get("sampled_logprobs")
+        out.append(
+            Completion(
+                c["prompt_index"], c["sample_index"], list(c["token_ids"]), [float(x) for x in c["logprobs"]],
+                c["finish_reason"], None if sampled is None else [float(x) for x in sampled], c["weights_version"],
+            )
+        )  # fmt: skip
+    return sorted(out, key=lambda c: (c.prompt_index, c.sample_index))
+
+
+def _completion_problem(c: object, n_prompts: int, params: SamplingParams, vocab_size: int | None) -> str | None:
+    if not isinstance(c, dict):
+        return f"not a JSON object ({type(c).__name__})"
+    pi, si, ids = c.get("prompt_index"), c.get("sample_index"), c.get("token_ids")
+    if not _is_int(pi) or not 0 <= pi < n_prompts:
+        return f"prompt_index {pi!r} is not an int in [0, {n_prompts})"
+    if not _is_int(si) or not 0 <= si < params.n:
+        return f"sample_index {si!r} is not an int in [0, n={params.n})"
+    if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+        return f"token_ids must be a list of int token ids, got {str(ids)[:80]}"
+    if not 1 <= len(ids) <= params.max_tokens:
+        return f"{len(ids)} token ids, expected 1..max_tokens={params.max_tokens}"
+    bad = [t for t in ids if t < 0 or (vocab_size and t >= vocab_size)]
+    if bad:
+        return f"token ids outside the vocabulary [0, {vocab_size or 'inf'}): {bad[:5]}"
+    for key in ("logprobs", "sampled_logprobs"):
+        v = c.get(key)
+        if key == "sampled_logprobs" and v is None:
+            continue
+        if not isinstance(v, list) or len(v) != len(ids) or not all(_is_logprob(x) for x in v):
+            return f"{key} must be {len(ids)} numbers <= 0 (one per token), got {str(v)[:80]}"
+    if c.get("finish_reason") not in FINISH_REASONS:
+        return f"finish_reason {c.get('finish_reason')!r} is not one of {FINISH_REASONS}"
+    if not _is_int(c.get("weights_version")):
+        return f"weights_version {c.get('weights_version')!r} is not an int"
+    return None
 
 
 def generate_request(prompts: list[list[int]], params: SamplingParams, id: str | None = None) -> Message:
@@ -332,12 +419,40 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 
 def read_message(path: str | os.PathLike) -> Message:
-    """Read and validate one message file; ProtocolError names the file on any defect."""
+    """Read and validate one message file; ProtocolError names the file on any defect.
+
+    Only a regular file is read: a directory, FIFO, socket or device named ``*.json`` is refused without
+    blocking (opened ``O_NONBLOCK``, checked with ``fstat`` before any read)."""
+    return Message.from_json(_read_text(path, path), source=str(path))
+
+
+def _read_text(path: str | os.PathLike, source: str | os.PathLike) -> str:
+    """The UTF-8 text of regular file ``path``; anything else raises ProtocolError naming ``source``."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+            raise ProtocolError(f"{source}: not a regular file ({e.strerror}); rejected") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ProtocolError(f"{source}: not a regular file ({_file_kind(mode)}); rejected")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read()
+    finally:
+        os.close(fd)
+    try:
+        return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ProtocolError(f"{path}: not UTF-8 text ({e}); rejected") from None
-    return Message.from_json(text, source=str(path))
+        raise ProtocolError(f"{source}: not UTF-8 text ({e}); rejected") from None
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "a device or special file"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -398,8 +513,11 @@ class Spool:
                 return state
         return None
 
-    def take_response(self, msg_id: str) -> Message | None:
-        """Claim (rename) and read the response to ``msg_id``, then delete it; None if not there yet."""
+    def take_response(self, msg_id: str, check: Callable[[Message, str], None] | None = None) -> Message | None:
+        """Claim (rename) and read the response to ``msg_id``, then delete it; None if not there yet.
+
+        The response must be a response kind whose ``id`` is ``msg_id``; ``check(msg, source)`` may refuse it
+        further (raising ProtocolError naming ``source``). A refused response is kept in rejected/."""
         src = self._path("responses", msg_id)
         taken = self.root / "tmp" / f"{msg_id}.taken-{os.getpid()}-{uuid.uuid4().hex[:6]}.json"
         try:
@@ -407,14 +525,50 @@ class Spool:
         except FileNotFoundError:
             return None
         try:
-            msg = read_message(taken)
+            msg = Message.from_json(_read_text(taken, src), source=str(src))
+            if msg.kind not in RESPONSE_KINDS:
+                raise ProtocolError(f"{src}: a {msg.kind!r} message in responses/; rejected")
+            if msg.id != msg_id:
+                raise ProtocolError(f"{src}: the response's id {msg.id!r} is not the request id {msg_id!r}; rejected")
+            if check is not None and msg.kind not in ("error", "stopped"):
+                check(msg, str(src))
         except ProtocolError:
-            os.replace(taken, self._path("rejected", msg_id))
+            self.reject(taken, name=f"{msg_id}.json")
             raise
         os.unlink(taken)
-        if msg.kind not in RESPONSE_KINDS:
-            raise ProtocolError(f"{src}: a {msg.kind!r} message in responses/; rejected")
         return msg
+
+    @contextlib.contextmanager
+    def waiting(self, msg_id: str) -> Iterator[None]:
+        """Register this process as the one waiter for ``msg_id`` (a flock on waiters/<id>.lock, released at exit
+        even on kill -9). A second waiter raises AlreadyWaitingError at once: only one can take the response."""
+        path = self._path("waiters", msg_id).with_suffix(".lock")
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+                os.close(fd)
+                raise AlreadyWaitingError(
+                    f"another client ({holder or 'unknown'}) is already waiting for request {msg_id} in {self.root}: "
+                    f"only one can take its response; wait in that process or use a new request id"
+                ) from None
+            try:  # the holder unlinks the file before unlocking: a lock on an unlinked inode is no lock
+                same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} thread {threading.get_ident()}".encode(), 0)
+            yield
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            os.close(fd)
 
     # -- worker side ----------------------------------------------------------------------------
     def pending(self) -> list[Path]:
@@ -444,10 +598,12 @@ class Spool:
         with contextlib.suppress(FileNotFoundError):
             os.replace(self._path("claimed", msg_id), self._path("done", msg_id))
 
-    def reject(self, path: Path) -> Path:
-        """Move a malformed file aside (never half-read, never retried)."""
-        dst = self.root / "rejected" / path.name
-        os.replace(path, dst)
+    def reject(self, path: Path, name: str | None = None) -> Path:
+        """Move a malformed file (or a directory / FIFO named ``*.json``) aside: never half-read, never retried."""
+        dst = self.root / "rejected" / (name or path.name)
+        if dst.exists() or dst.is_symlink():
+            dst = dst.with_name(f"{dst.stem}.{time.time_ns()}-{uuid.uuid4().hex[:6]}{dst.suffix}")
+        os.rename(path, dst)
         return dst
 
     def recover(self) -> list[str]:
@@ -518,6 +674,65 @@ def pid_alive(pid: int) -> bool:
         return stat.rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return True
+
+
+# ---------------------------------------------------------------------------------------------
+# A launched process exits with its launcher (issue 19: a kill -9'd trainer must not leave its worker behind)
+
+
+def watch_parent(
+    parent_pid: int, on_gone: Callable[[str], None], fd: int | None = None, poll_s: float = 0.5
+) -> threading.Thread:
+    """A daemon thread that calls ``on_gone(reason)`` once the process that launched this one is gone.
+
+    Two signals, either suffices: EOF on ``fd`` (the read end of a pipe whose write end the launcher holds and
+    never writes: the kernel closes it when the launcher dies, even by SIGKILL, which no handler sees), and
+    ``os.getppid()`` no longer being ``parent_pid`` (reparented to init or a subreaper), polled every ``poll_s``.
+    PR_SET_PDEATHSIG is not used: it fires when the launching *thread* exits, not the process.
+    """
+
+    def reason() -> str | None:
+        if os.getppid() != parent_pid:
+            return f"the launching process {parent_pid} exited (reparented to pid {os.getppid()})"
+        if fd is None:
+            time.sleep(poll_s)
+            return None
+        try:
+            readable = select.select([fd], [], [], poll_s)[0]
+            data = os.read(fd, 64) if readable else None
+        except OSError as e:
+            return f"the launching process {parent_pid} is gone (its pipe: {e})"
+        return f"the launching process {parent_pid} exited (its pipe closed)" if data == b"" else None
+
+    def loop() -> None:
+        while (why := reason()) is None:
+            pass
+        on_gone(why)
+
+    t = threading.Thread(target=loop, daemon=True, name="parent-watch")
+    t.start()
+    return t
+
+
+def exit_with_parent(
+    parent_pid: int, fd: int | None = None, grace_s: float = 10.0, note: Callable[[str], None] | None = None
+) -> threading.Thread:
+    """When the launcher is gone (``watch_parent``): ``note(reason)``; with ``grace_s > 0`` SIGTERM to this
+    process (its normal, clean exit path) and ``grace_s`` to finish; then (at once with ``grace_s == 0``) SIGKILL
+    to its process group when it leads one (engine children included), else to itself."""
+
+    def on_gone(why: str) -> None:
+        if note is not None:
+            note(why)
+        if grace_s > 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(grace_s)
+        with contextlib.suppress(OSError):
+            if os.getpgrp() == os.getpid():
+                os.killpg(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return watch_parent(parent_pid, on_gone, fd)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,9 @@ Key decisions (see LEAN.md):
 * the driver steps the engine itself (``add_request`` / ``step``) and keeps a refill window of waiting
   requests, so one long straggler never leaves the engine idle.
 * exit 0 only when every planned sample exists; 143 on SIGTERM/SIGINT (the file stays resumable).
+* the model repository's own code (``auto_map``) runs only with ``--trust-remote-code``; a local ``--model``
+  directory puts the Hugging Face hub offline (no network wait); launched with ``--parent-pid`` (by
+  ``pipeline_gen_verify.py``) it exits when its launcher does, even by kill -9.
 """
 
 from __future__ import annotations
@@ -33,11 +36,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from lean_records import (
     NO_FEEDBACK_POLICIES,
     PROMPT_FIT,
+    load_out_for_resume,
     load_problems,
+    load_records,
     make_record,
     plan_corrections,
     plan_round0,
-    read_jsonl,
     resume_split,
     token_budget,
     write_json_atomic,
@@ -49,7 +53,40 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), 
 DEFAULT_LOCK = os.path.join(REPO, ".cache", "heavy_gpu.lock")
 DEFAULT_MODEL = "Goedel-LM/Goedel-Prover-V2-8B"
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's MaxLoRARanks
+RUN_HINT = "run lean_gen.py with .venv-rollout/bin/python (vllm + transformers) and pass a local --model snapshot dir"
+EXIT_CODES = f"""exit codes:
+  {EXIT_OK:<4} every planned sample is in --out (manifest status "complete")
+  {EXIT_INCOMPLETE:<4} some planned samples are missing: rerun the same command to resume
+  {EXIT_BAD_INPUT:<4} bad input or environment (one line on stderr says what and how to fix it)
+  {EXIT_LOCKED:<4} --out is being written by another launch (its .lock is held)
+  {EXIT_SIGNAL:<4} stopped by SIGTERM / SIGINT or because its launcher exited; --out stays resumable"""
 
+
+class SetupError(Exception):
+    """The environment cannot run lean_gen (missing package, unreachable model): one line, exit 2."""
+
+
+def hub_offline_env(model: str, tokenizer: str | None) -> dict[str, str]:
+    """HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE = 1 when the model (and tokenizer) are local directories: nothing
+    needs the network, and transformers would otherwise spend ~60 s retrying an unreachable hub."""
+    if os.path.isdir(model) and (tokenizer is None or os.path.isdir(tokenizer)):
+        return {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return {}
+
+
+def load_tokenizer(args):
+    """The model's tokenizer; a missing transformers or an unreachable model is a SetupError (one line)."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as exc:
+        raise SetupError(f"cannot import transformers ({exc.name or exc}) in {sys.executable}: {RUN_HINT}") from None
+    name = args.tokenizer or args.model
+    try:
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
+    except OSError as exc:
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        where = "a local directory" if os.path.isdir(name) else "not a local directory (needs the hub)"
+        raise SetupError(f"cannot load the tokenizer of {name!r} ({where}): {first}; {RUN_HINT}") from None
 
 
 def sha256_dir(path: str) -> str:
@@ -93,7 +130,10 @@ def model_max_len(model: str) -> int | None:
 def resolve_max_model_len(requested: int | None, model_limit: int | None) -> int:
     if requested is None:
         if model_limit is None:
-            raise ValueError("--max-model-len is required when the model's config.json is not local")
+            raise ValueError(
+                "--max-model-len is required when the model's config.json is not local "
+                "(pass a local --model snapshot directory, or --max-model-len)"
+            )
         return model_limit
     if model_limit is not None and requested > model_limit:
         raise ValueError(
@@ -137,7 +177,9 @@ class Stop:
         signal.signal(signal.SIGINT, self)
 
 
-def acquire_lock(path: str, wait: bool, what: str):
+def acquire_lock(path: str, wait: bool, what: str, stop: Stop | None = None):
+    """flock ``path`` (fd returned, held until exit). Held by another: RuntimeError, or with ``wait`` poll until it
+    is free; a signal (``stop``) ends the wait with None, so SIGTERM / a dead launcher exit cleanly."""
     import fcntl
 
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
@@ -150,7 +192,15 @@ def acquire_lock(path: str, wait: bool, what: str):
             os.close(fd)
             raise RuntimeError(f"{what} {path} is held by another launch ({holder or 'unknown holder'})") from None
         print(f"lean_gen: waiting for {what} {path} (held by {holder})", file=sys.stderr, flush=True)
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if stop is not None and stop.signum is not None:
+                    os.close(fd)
+                    return None
+                time.sleep(0.2)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} since {time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode(), 0)
     return fd
@@ -212,7 +262,10 @@ def _gpu_mem_used_mib() -> int | None:
 
 
 def build_engine(args, max_model_len: int, adapter: dict | None):
-    from vllm import LLM
+    try:
+        from vllm import LLM
+    except ImportError as exc:
+        raise SetupError(f"cannot import vllm ({exc.name or exc}) in {sys.executable}: {RUN_HINT}") from None
 
     kw = dict(  # noqa: C408 - reads as the LLM(...) call it feeds
         model=args.model,
@@ -223,7 +276,7 @@ def build_engine(args, max_model_len: int, adapter: dict | None):
         enable_prefix_caching=True,
         gpu_memory_utilization=args.gpu_memory_utilization,
         seed=args.seed,
-        trust_remote_code=True,
+        trust_remote_code=args.trust_remote_code,
         enforce_eager=args.enforce_eager,
         dtype=args.dtype,
     )
@@ -290,13 +343,27 @@ def generate(llm, todo: list[dict], args, out_f, stop: Stop, make) -> dict:
 # --- CLI ---------------------------------------------------------------------------------------------------------------
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="lean_gen.py", description=__doc__.split("\n")[0])
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults after every option's help; the description and the exit-code epilog keep their line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.required or action.default is None or action.default is False or action.default == []:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lean_gen.py",
+        description=__doc__.split("\n")[0] + "\n\nRun it with .venv-rollout/bin/python (vllm, transformers).",
+        epilog=EXIT_CODES,
+        formatter_class=_HelpFormatter,
+    )
     p.add_argument("--problems", required=True, help="JSONL with lean4_code and name / problem_id")
     p.add_argument("--out", required=True, help="Generation record JSONL (resumed when it exists)")
     p.add_argument("--n", type=int, default=1, help="samples per problem (round 0) or per failed parent")
     p.add_argument("--cap-tokens", type=int, required=True, help="completion-token cap, the label of every number")
-    p.add_argument("--round", type=int, default=0)
+    p.add_argument("--round", type=int, default=0, help="0: initial proofs; k >= 1: corrections of round k-1")
     p.add_argument(
         "--corrections-from",
         nargs=2,
@@ -305,18 +372,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=[],
         help="verification JSONL and the Generation JSONL it verified; repeat for every earlier round",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default=os.environ.get("ALIGN_LEAN_MODEL", DEFAULT_MODEL))
+    p.add_argument("--seed", type=int, default=0, help="base seed; each sample's seed derives from it (resume-stable)")
+    p.add_argument(
+        "--model",
+        default=os.environ.get("ALIGN_LEAN_MODEL", DEFAULT_MODEL),
+        help="local HF snapshot directory (or a hub id, which needs network); env ALIGN_LEAN_MODEL sets the default",
+    )
     p.add_argument("--tokenizer", default=None, help="defaults to --model")
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run Python code shipped in the model/tokenizer repo (auto_map); only for repos you trust",
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     p.add_argument("--max-model-len", type=int, default=None, help="defaults to the model's position limit")
-    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=128, help="sequences the engine runs at once")
     p.add_argument("--refill-window", type=int, default=None, help="requests kept in the engine (2 x max-num-seqs)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.90, help="vLLM's share of GPU memory")
+    p.add_argument("--dtype", default="auto", help="vLLM dtype: auto | bfloat16 | float16 | float32")
+    p.add_argument(
+        "--enforce-eager", action=argparse.BooleanOptionalAction, default=False, help="no CUDA graphs (faster start)"
+    )
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling threshold")
     p.add_argument("--trajectory-cap-tokens", type=int, default=None, help="class-B cumulative completion-token cap")
     p.add_argument(
         "--no-feedback-policy",
@@ -329,12 +407,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--repair-solved", action="store_true", help="also correct problems that already have an accepted sample"
     )
     p.add_argument("--lora-adapter", default=None, help="PEFT adapter dir served un-merged (vLLM LoRARequest)")
-    p.add_argument("--lora-name", default="adapter")
+    p.add_argument("--lora-name", default="adapter", help="the adapter's name in vLLM")
     p.add_argument("--wait-lock", action="store_true", help="wait for the heavy-GPU lock (flock) before loading")
-    p.add_argument("--lock-file", default=os.environ.get("ALIGN_HEAVY_LOCK", DEFAULT_LOCK))
+    p.add_argument(
+        "--lock-file", default=os.environ.get("ALIGN_HEAVY_LOCK", DEFAULT_LOCK), help="the heavy-GPU lock (--wait-lock)"
+    )
     p.add_argument(
         "--dry-run", action="store_true", help="plan + prompts only (<out>.dry_run.jsonl); no engine, no lock"
     )
+    p.add_argument("--parent-pid", type=int, default=None, help="exit (143) when this process exits, even by kill -9")
+    p.add_argument("--parent-fd", type=int, default=None, help="read end of a pipe the launcher holds open")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = build_parser()
     a = p.parse_args(argv)
     if a.n < 1 or a.cap_tokens < 1:
         p.error("--n and --cap-tokens must be >= 1")
@@ -351,7 +438,7 @@ def plan(args) -> tuple[list[dict], list[dict]]:
         return plan_round0(problems, args.n, args.seed), skips
     pairs = []
     for verif, gen in args.corrections_from:
-        pairs.append((read_jsonl(verif), read_jsonl(gen)))
+        pairs.append((load_records(verif, "verif")[0], load_records(gen, "gen")[0]))
     items, more = plan_corrections(
         problems,
         args.round,
@@ -365,9 +452,27 @@ def plan(args) -> tuple[list[dict], list[dict]]:
     return items, skips + more
 
 
+def watch_launcher(args) -> None:
+    """With --parent-pid: SIGTERM this process (-> exit 143, resumable) when the launcher exits, even by kill -9;
+    SIGKILL its process group if it has not exited 10 s later (stuck loading the engine)."""
+    if args.parent_pid is None:
+        return
+    sys.path.insert(0, REPO)
+    from align.rollout.protocol import exit_with_parent  # stdlib only
+
+    if args.parent_fd is not None:
+        os.set_inheritable(args.parent_fd, False)
+
+    def note(why: str) -> None:
+        print(f"lean_gen: {why}; stopping (--out stays resumable)", file=sys.stderr, flush=True)
+
+    exit_with_parent(args.parent_pid, args.parent_fd, grace_s=10.0, note=note)
+
+
 def run(args) -> int:
     stop = Stop()
     stop.install()
+    watch_launcher(args)
     out_lock = None if args.dry_run else acquire_lock(args.out + ".lock", False, "output lock")  # noqa: F841 held
     adapter = None
     if args.lora_adapter:
@@ -384,9 +489,9 @@ def run(args) -> int:
     rev = model_rev(args.model, adapter["sha256"] if adapter else None)
     max_model_len = resolve_max_model_len(args.max_model_len, model_max_len(args.model))
     items, skips = plan(args)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(args.tokenizer or args.model, trust_remote_code=True)
+    for key, value in hub_offline_env(args.model, args.tokenizer).items():  # before transformers / vllm import
+        os.environ.setdefault(key, value)  # an explicit setting wins
+    tok = load_tokenizer(args)
     ready, fit_skips = prepare(items, tok, args, max_model_len)
     skips += fit_skips
     if args.dry_run:
@@ -412,7 +517,7 @@ def run(args) -> int:
                 k: (manifest.get("plan", {}).get(k), v) for k, v in fp.items() if manifest.get("plan", {}).get(k) != v
             }
             raise ValueError(f"{args.out} was made with other settings {diff} (old, new); use a new --out")
-    existing = read_jsonl(args.out, repair_tail=True) if os.path.exists(args.out) else []
+    existing = load_out_for_resume(args.out) if os.path.exists(args.out) else []
     todo, done = resume_split(ready, existing)
     write_jsonl_atomic(args.out + ".skipped.jsonl", skips)
     open(args.out, "a").close()  # an empty --out means "nothing to generate", never "not run"
@@ -441,7 +546,7 @@ def run(args) -> int:
     code = EXIT_INCOMPLETE
     try:
         if todo:
-            heavy = acquire_lock(args.lock_file, True, "heavy-GPU lock") if args.wait_lock else None  # noqa: F841
+            heavy = acquire_lock(args.lock_file, True, "heavy-GPU lock", stop) if args.wait_lock else None  # noqa: F841
             t0 = time.monotonic()
             llm = None if stop.signum else build_engine(args, max_model_len, adapter)
             sess["load_wall_s"] = round(time.monotonic() - t0, 2)
@@ -471,7 +576,9 @@ def run(args) -> int:
                     sess.update(generate(llm, todo, args, out_f, stop, make))
                 sess["generate_wall_s"] = round(time.monotonic() - t1, 2)
                 sess["tok_per_s"] = round(sess["completion_tokens"] / max(sess["generate_wall_s"], 1e-9), 1)
-        n_done = len(read_jsonl(args.out)) if os.path.exists(args.out) else 0
+        planned_ids = {it["sample_id"] for it in ready}
+        written = load_out_for_resume(args.out) if os.path.exists(args.out) else []
+        n_done = len({r["sample_id"] for r in written} & planned_ids)  # distinct samples, never lines
         complete = n_done == len(ready)
         code = EXIT_SIGNAL if stop.signum else (EXIT_OK if complete else EXIT_INCOMPLETE)
         sess["status"] = "interrupted" if stop.signum else ("complete" if complete else "incomplete")
@@ -498,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     try:
         return run(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, SetupError) as exc:
         print(f"lean_gen: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except RuntimeError as exc:

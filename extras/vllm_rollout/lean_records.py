@@ -24,6 +24,11 @@ NO_FEEDBACK_POLICIES = ("skip", "resample", "goedel")
 def read_jsonl(path: str, repair_tail: bool = False) -> list[dict]:
     """Read a JSONL file; a bad line raises ``ValueError`` naming it. With ``repair_tail`` an unterminated
     last line (a write cut by a kill) is dropped from the file instead: that sample is generated again."""
+    return [row for _, row in read_jsonl_numbered(path, repair_tail)]
+
+
+def read_jsonl_numbered(path: str, repair_tail: bool = False) -> list[tuple[int, dict]]:
+    """``read_jsonl`` with each row's 1-based line number (for errors that name ``file:line``)."""
     with open(path, "rb") as f:
         data = f.read()
     if repair_tail and data and not data.endswith(b"\n"):
@@ -32,8 +37,15 @@ def read_jsonl(path: str, repair_tail: bool = False) -> list[dict]:
         with open(path, "r+b") as f:
             f.truncate(keep)
         data = data[:keep]
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line_no = data[: exc.start].count(b"\n") + 1
+        raise ValueError(
+            f"{path}:{line_no}: not UTF-8 text ({exc.reason} at byte {exc.start}); save the file as UTF-8"
+        ) from None
     rows = []
-    for i, line in enumerate(data.decode("utf-8").split("\n"), 1):
+    for i, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -42,7 +54,93 @@ def read_jsonl(path: str, repair_tail: bool = False) -> list[dict]:
             raise ValueError(f"{path}:{i}: not valid JSON ({exc.msg}); fix or remove the line") from None
         if not isinstance(row, dict):
             raise ValueError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")  # noqa: TRY004 bad file
-        rows.append(row)
+        rows.append((i, row))
+    return rows
+
+
+# --- Generation / Verification records read back: types checked, duplicates resolved or refused -------------------
+
+# field -> (accepted JSON types, required); bool is never an int here and an int never a bool
+RECORD_FIELDS = {
+    "gen": {
+        "sample_id": ((str,), True),
+        "problem_id": ((str,), True),
+        "round": ((int,), True),
+        "parent_id": ((str, type(None)), False),
+        "messages": ((list,), False),
+        "completion_text": ((str,), False),
+        "completion_tokens": ((int,), False),
+        "trajectory": ((dict,), False),
+    },
+    "verif": {
+        "sample_id": ((str,), True),
+        "problem_id": ((str,), True),
+        "accepted": ((bool,), True),
+        "round": ((int,), False),
+        "repl_errors": ((list, type(None)), False),
+        "repl_code": ((str, type(None)), False),
+    },
+}
+# two records of one sample_id that differ in any of these are a conflict (timings and sessions may differ)
+CONFLICT_KEYS = {
+    "gen": ("problem_id", "round", "parent_id", "messages", "completion_text", "trajectory"),
+    "verif": ("problem_id", "accepted", "repl_errors", "repl_code"),
+}
+
+
+def record_problem(row: dict, kind: str) -> str | None:
+    """Why ``row`` is not a valid ``kind`` ('gen' | 'verif') record, or None."""
+    for key, (types, required) in RECORD_FIELDS[kind].items():
+        if key not in row:
+            if required:
+                return f"no {key!r} field"
+            continue
+        v = row[key]
+        empty_id = key.endswith("_id") and v == ""
+        if (isinstance(v, bool) and bool not in types) or not isinstance(v, types) or empty_id:
+            want = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+            return f"{key!r} is {json.dumps(v)[:60]} ({type(v).__name__}), expected {want}"
+    return None
+
+
+def _conflict(a: dict, b: dict, kind: str) -> list[str]:
+    return [k for k in CONFLICT_KEYS[kind] if a.get(k) != b.get(k)]
+
+
+def load_records(path: str, kind: str, repair_tail: bool = False, keep_first: bool = False) -> tuple[list[dict], int]:
+    """The ``kind`` records of JSONL ``path``, type-checked (errors name ``file:line``), one per sample_id.
+
+    A repeated sample_id that agrees with the first on ``CONFLICT_KEYS`` is dropped (the first is kept);
+    one that disagrees raises ``ValueError`` naming both lines, unless ``keep_first`` (lean_gen's own --out,
+    where a repeat is the same sample generated twice). Returns (records, repeats dropped)."""
+    first: dict[str, tuple[int, dict]] = {}
+    dropped = 0
+    for i, row in read_jsonl_numbered(path, repair_tail):
+        why = record_problem(row, kind)
+        if why is not None:
+            raise ValueError(f"{path}:{i}: not a valid {kind} record: {why}; fix or remove the line")
+        sid = row["sample_id"]
+        if sid in first:
+            j, kept = first[sid]
+            diff = _conflict(kept, row, kind)
+            if diff and not keep_first:
+                raise ValueError(
+                    f"{path}:{i}: sample_id {sid!r} repeats line {j} with different {', '.join(diff)}; "
+                    "keep the right one and remove the other"
+                )
+            dropped += 1
+            continue
+        first[sid] = (i, row)
+    return [row for _, row in first.values()], dropped
+
+
+def load_out_for_resume(path: str) -> list[dict]:
+    """lean_gen's own --out before a resume: a cut last line is dropped, a repeated sample (a rerun that wrote it
+    twice) keeps its first complete record and the file is rewritten atomically without the repeats."""
+    rows, dropped = load_records(path, "gen", repair_tail=True, keep_first=True)
+    if dropped:
+        print(f"lean_gen: {path}: dropping {dropped} repeated record(s), keeping each sample's first", file=sys.stderr)
+        write_jsonl_atomic(path, rows)
     return rows
 
 
@@ -159,8 +257,8 @@ def plan_corrections(
         raise ValueError(f"--corrections-from needs --round >= 1, got {round_k}")
     if policy not in NO_FEEDBACK_POLICIES:
         raise ValueError(f"--no-feedback-policy must be one of {NO_FEEDBACK_POLICIES}, got {policy!r}")
-    gen = {r["sample_id"]: r for _, g in pairs for r in g}
-    verif = {v["sample_id"]: v for vs, _ in pairs for v in vs}
+    gen = _unique((r for _, g in pairs for r in g), "gen")
+    verif = _unique((v for vs, _ in pairs for v in vs), "verif")
     missing = sorted(set(verif) - set(gen))
     if verif and len(missing) == len(verif):
         raise ValueError(
@@ -220,6 +318,23 @@ def plan_corrections(
             sid = f"{par['sample_id']}_corr{round_k}_g{i}"
             items.append(_item(prob, round_k, idx, seed, sid, messages, par, lineage + [sid], ancestors, state, kind))
     return items, skips
+
+
+def _unique(rows, kind: str) -> dict[str, dict]:
+    """Records by sample_id: each type-checked; a repeat must agree with the first (else ValueError naming it)."""
+    out: dict[str, dict] = {}
+    for r in rows:
+        why = record_problem(r, kind)
+        if why is not None:
+            raise ValueError(f"a {kind} record ({str(r.get('sample_id'))[:80]}) is not valid: {why}")
+        kept = out.setdefault(r["sample_id"], r)
+        diff = _conflict(kept, r, kind)
+        if diff:
+            raise ValueError(
+                f"sample_id {r['sample_id']!r} appears twice in the --corrections-from {kind} files with different "
+                f"{', '.join(diff)}; pass each round's files once"
+            )
+    return out
 
 
 def token_budget(

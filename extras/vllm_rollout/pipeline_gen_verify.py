@@ -328,14 +328,28 @@ def _group_pids(pgid: int) -> set[int]:
 
 
 def run_generator(cmd: list[str], log_path: str, drain_s: float, stop: dict) -> tuple[int, dict]:
+    """Run lean_gen in its own process group. It gets this process's pid and the read end of a pipe only this
+    process holds open (``--parent-pid`` / ``--parent-fd``): if this process dies, even by kill -9, the generator
+    stops within seconds and releases its --out lock instead of running on, orphaned."""
     before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        stop["pgid"] = proc.pid
-        seen: set[int] = set()
-        while proc.poll() is None:
-            seen |= _group_pids(proc.pid)
-            time.sleep(0.5)
+    read_fd, write_fd = os.pipe()
+    cmd = [*cmd, "--parent-pid", str(os.getpid()), "--parent-fd", str(read_fd)]
+    try:
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(read_fd,)
+            )
+            os.close(read_fd)
+            read_fd = None
+            stop["pgid"] = proc.pid
+            seen: set[int] = set()
+            while proc.poll() is None:
+                seen |= _group_pids(proc.pid)
+                time.sleep(0.5)
+    finally:
+        for fd in (read_fd, write_fd):
+            if fd is not None:
+                os.close(fd)
     stop["pgid"] = None
     reap_group(proc.pid)
     info = {"rc": proc.returncode, "shm_removed": sweep_shm(before), "gpu": wait_gpu_drain(seen | {proc.pid}, drain_s)}

@@ -72,6 +72,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--heartbeat-s", type=float, default=1.0)
     ap.add_argument("--poll-s", type=float, default=0.02)
     ap.add_argument("--log-path", default=None, help="this worker's log file (recorded in the heartbeat for clients)")
+    ap.add_argument(
+        "--parent-pid", type=int, default=None, help="exit when this process (the launcher) exits, even by kill -9"
+    )
+    ap.add_argument(
+        "--parent-fd", type=int, default=None, help="read end of a pipe the launcher holds open (EOF: it exited)"
+    )
+    ap.add_argument(
+        "--parent-grace-s",
+        type=float,
+        default=0.0,
+        help="on the launcher's exit: seconds of clean shutdown (SIGTERM) before the process group is SIGKILLed; "
+        "0 kills at once (what this worker had claimed is served again by the next worker on the spool)",
+    )
     args = ap.parse_args(argv)
     if args.max_model_len < 2 or args.heartbeat_s <= 0 or args.poll_s <= 0 or args.max_batch_requests < 1:
         ap.error("--max-model-len >= 2, --heartbeat-s > 0, --poll-s > 0, --max-batch-requests >= 1")
@@ -109,6 +122,7 @@ class Worker:
     def heartbeat(self) -> None:
         info = {"weights_version": self.version, "logprob_basis": self.basis, "model": str(self.model_dir)}
         info.update(log_path=self.args.log_path, max_model_len=self.args.max_model_len, error=self.error)
+        info.update(vocab_size=self.vocab_size)  # clients check answered token ids against it (0: unknown)
         self.spool.write_heartbeat(self.state, **info)
 
     def _heartbeat_loop(self) -> None:
@@ -345,9 +359,35 @@ def lock_spool(spool: P.Spool) -> int | None:
     return fd
 
 
+_PARENT_GONE: list[str] = []  # why the launcher is gone, once the watch saw it
+_WORKER: list[Worker] = []
+
+
+def _parent_gone(why: str) -> None:
+    """Called from the parent-watch thread: record why in the log and the heartbeat, before the exit."""
+    _PARENT_GONE.append(why)
+    log.error("%s: exiting (releasing worker.lock)", why)
+    with contextlib.suppress(OSError):
+        if _WORKER:
+            w = _WORKER[0]
+            w._stop.set()  # no later "ready" beat over this record
+            w.state, w.error = "failed", why
+            w.heartbeat()
+        else:
+            P.Spool(_ARGS[0].spool).write_heartbeat("failed", error=why, log_path=_ARGS[0].log_path)
+
+
+_ARGS: list[argparse.Namespace] = []
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     args = parse_args(argv)
+    _ARGS.append(args)
+    if args.parent_pid is not None:  # spawn_worker: a kill -9'd trainer must not leave this worker holding the spool
+        if args.parent_fd is not None:
+            os.set_inheritable(args.parent_fd, False)  # engine children need not keep the pipe
+        P.exit_with_parent(args.parent_pid, args.parent_fd, args.parent_grace_s, note=_parent_gone)
     try:
         spool = P.Spool(args.spool).ensure()
     except RuntimeError as e:
@@ -358,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     try:
         worker = Worker(args)
+        _WORKER.append(worker)
     except (ValueError, RuntimeError) as e:
         log.error("%s", e)
         spool.write_heartbeat("failed", error=str(e), log_path=args.log_path)
@@ -372,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         return worker.run()
     except SystemExit as e:
         error = f"terminated by signal {int(e.code) - 128}" if isinstance(e.code, int) and e.code > 128 else None
+        error = _PARENT_GONE[0] if _PARENT_GONE else error
         raise
     except BaseException as e:  # noqa: BLE001 - recorded in the heartbeat and the log, exit 1
         error = f"{e.__class__.__name__}: {e}"
@@ -379,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         worker.close(error)
+        if _PARENT_GONE:  # nobody waits for the interpreter's teardown, which vLLM's threads can hold for seconds
+            logging.shutdown()
+            os._exit(128 + signal.SIGTERM)
 
 
 if __name__ == "__main__":  # required: vLLM's multiprocess engine spawns children that re-import this file

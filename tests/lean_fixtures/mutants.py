@@ -59,6 +59,19 @@ MUTANTS = [
     (R, 'keep = data.rfind(b"\\n") + 1', 'keep = data.rfind(b"\\n")'),
     (R, 'cumulative = item["ancestor_tokens"] + len(completion_ids)', "cumulative = len(completion_ids)"),
     (R, 'state = "complete" if traj and all(a in gen for a in lineage) else "partial"', 'state = "complete"'),
+    # records read back (issue 19): bool is no int, conflicts are refused, repeats across files checked, UTF-8 named
+    (
+        R,
+        "if (isinstance(v, bool) and bool not in types) or not isinstance(v, types) or empty_id:",
+        "if not isinstance(v, types) or empty_id:",
+    ),
+    (R, "            if diff and not keep_first:", "            if False:"),
+    (
+        R,
+        '    verif = _unique((v for vs, _ in pairs for v in vs), "verif")',
+        '    verif = {v["sample_id"]: v for vs, _ in pairs for v in vs}',
+    ),
+    (R, '        line_no = data[: exc.start].count(b"\\n") + 1', "        line_no = 1"),
     (V, "r\"(?<![\\w.'])(sorry|admit|sorryAx)", "r\"(?<![\\w.'])(sorry|sorryAx)"),
     (V, 'if "env" not in reply:', "if False:"),
     (V, "(prefix is None or not code.startswith(prefix))", "(prefix is None)"),
