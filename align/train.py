@@ -33,6 +33,7 @@ from typing import Any
 from align.cli import from_dict
 from align.eval.config import EvalConfig
 from align.grpo import AdvantageConfig, LossConfig
+from align.lora import LoraConfig
 
 log = logging.getLogger(__name__)
 
@@ -80,15 +81,17 @@ class TrainConfig:
     sync_every: int = field(default=1, metadata=_h("Publish weights to the spool worker every N optimizer steps."))
     checkpoint_every: int = field(default=20, metadata=_h("Checkpoint every N steps (and at the end); 0 = only at the end."))
     keep_checkpoints: int = field(default=2, metadata=_h("Keep the last K checkpoints."))
-    save_hf: str | None = field(default=None, metadata=_h("Also export the final model as an HF dir here."))
+    save_hf: str | None = field(default=None, metadata=_h("Also export the final model as an HF dir here (LoRA: the PEFT adapter dir)."))
+    merge_lora: bool = field(default=False, metadata=_h("With LoRA, --save-hf writes a merged full HF checkpoint instead of the adapter."))
     eval_prompts: int = field(default=200, metadata=_h("Held-out prompts of the built-in task for eval."))
     warm_start_steps: int = field(default=800, metadata=_h("Supervised warm-start steps of the built-in task's model."))
     loss: LossConfig = field(default_factory=LossConfig)
     adv: AdvantageConfig = field(default_factory=AdvantageConfig)
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(eval_interval=10, eval_n=4))
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
-        for name, cls in (("loss", LossConfig), ("adv", AdvantageConfig), ("eval", EvalConfig)):
+        for name, cls in (("loss", LossConfig), ("adv", AdvantageConfig), ("eval", EvalConfig), ("lora", LoraConfig)):
             if isinstance(getattr(self, name), dict):
                 setattr(self, name, from_dict(cls, getattr(self, name)))
         positive = ("steps", "prompts_per_step", "group_size", "max_tokens", "micro_batch_size", "sync_every")
@@ -109,9 +112,11 @@ class TrainConfig:
         if self.lr <= 0 or self.temperature <= 0:
             raise ValueError(f"--lr and --temperature must be > 0 for training, got {self.lr}, {self.temperature}")
         self.eval.check_save_hf(self.save_hf)
+        if self.merge_lora and not self.lora.enabled:
+            raise ValueError("--merge-lora needs --lora-rank > 0 (it merges the adapter into the --save-hf export)")
 
 
-CLI_PREFIXES = {"adv": "adv-"}  # loss fields are flat (--eps-low, --kl-coef, --loss NAME); eval fields are eval_*
+CLI_PREFIXES = {"adv": "adv-", "lora": "lora-"}  # loss fields are flat (--eps-low, --kl-coef, --loss NAME); eval fields are eval_*
 
 
 # ------------------------------------------------------------------------------------------------ data
