@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from align.model import COMMIT_MARKER, Linear, Transformer, rope_inv_freq
+from align.model import COMMIT_MARKER, Linear, Transformer, rope_inv_freq, save_pretrained
 from align.rollout.protocol import fsync_dir
 
 DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -356,3 +356,16 @@ def load_adapter(
 
 def is_adapter_dir(path: str | os.PathLike) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def save_policy(model: Transformer, path: str | os.PathLike, *, merge: bool = False) -> Path:
+    """Export a policy: a full model as an HF dir; a LoRA model as its PEFT adapter dir, or with ``merge`` as a
+    merged full HF dir (``--save-hf`` / ``--merge-lora``, eval snapshots, rollout weight sync)."""
+    if not is_lora(model):
+        return save_pretrained(model, path)
+    return save_pretrained(merged_model(model), path) if merge else save_adapter(model, path)
+
+
+def worker_args(model: Transformer) -> list[str]:
+    """Extra ``rollout_worker.py`` flags: ``--max-lora-rank r`` for a LoRA policy (vLLM's ``enable_lora``)."""
+    return ["--max-lora-rank", str(model.lora_config.rank)] if is_lora(model) else []

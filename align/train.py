@@ -278,10 +278,11 @@ def train(
     import torch
 
     from align import checkpoint as ckpt
+    from align import lora
     from align.eval import EvalSet, make_evaluator
     from align.eval.metrics import score_completions
     from align.grpo import compute_advantages, merge_stats
-    from align.model import load_pretrained, save_pretrained
+    from align.model import load_pretrained
     from align.rollout.client import make_rollout_client, spawn_worker
     from align.rollout.protocol import SamplingParams, atomic_write_text, logprob_basis_warning
     from align.runlog import MetricsLog, Progress, format_line, write_plot
@@ -307,7 +308,11 @@ def train(
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
     resume = ckpt.latest(out / "checkpoints")
-    policy = load_pretrained(resume[1] / "model" if resume else model_path, dtype=dtype)
+    policy = load_pretrained(resume[1] / "model" if resume and not cfg.lora.enabled else model_path, dtype=dtype)
+    if cfg.lora.enabled:  # frozen base + trainable adapters; a LoRA checkpoint holds only the adapter
+        lora.apply_lora(policy, cfg.lora, base_model=model_path, seed=cfg.seed)
+        if resume:
+            lora.load_adapter(policy, resume[1] / "adapter")
     policy.gradient_checkpointing = cfg.gradient_checkpointing
     mcfg = policy.config
     ref_model = load_pretrained(model_path, dtype=dtype) if cfg.loss.kl_coef > 0 else None
@@ -322,7 +327,7 @@ def train(
                 f"of {mcfg.max_position_embeddings}; shorten it or lower --max-tokens"
             )
 
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(lora.trainable_parameters(policy), lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     step, cursor = 0, {"epoch": 0, "index": 0}
     if resume:
@@ -343,13 +348,16 @@ def train(
     else:
         spool = Path(cfg.spool or out / "spool")
         init_snapshot = out / "rollout_snapshots" / f"v{step}"
-        save_pretrained(policy, init_snapshot)
+        lora.save_policy(policy, init_snapshot)  # LoRA: the adapter only, served on the base model
         if cfg.spawn_worker:
-            worker = spawn_worker(spool, gpu=cfg.rollout_gpu, log_path=out / "rollout_worker.log", model=init_snapshot,
+            worker = spawn_worker(spool, gpu=cfg.rollout_gpu, log_path=out / "rollout_worker.log",
+                                  model=model_path if cfg.lora.enabled else init_snapshot,
                                   weights_version=step, max_model_len=mcfg.max_position_embeddings,
                                   logprobs_mode=cfg.rollout_logprobs_mode, in_process=cfg.rollout_in_process,
-                                  dtype=cfg.dtype)
+                                  dtype=cfg.dtype, extra_args=lora.worker_args(policy))
         client = make_rollout_client("spool", spool=spool, timeout_s=cfg.rollout_timeout_s, worker=worker)
+        if cfg.lora.enabled:
+            client.sync_weights(init_snapshot, step)
     params = SamplingParams(n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                             max_tokens=cfg.max_tokens, stop_token_ids=stops)
     if cfg.rollout == "spool" and (warning := logprob_basis_warning(client.logprob_basis, params)):
@@ -376,7 +384,7 @@ def train(
         return score_completions(eval_encoded, comps, eval_set.score, eval_sampling.n)
 
     def export(path: str) -> None:
-        save_pretrained(policy, path)
+        lora.save_policy(policy, path, merge=True)  # LoRA: a merged full snapshot (eval engines load HF dirs)
 
     evaluator = make_evaluator(cfg.eval, eval_set, export_fn=export, blocking_eval_fn=blocking_eval if eval_set else None)
     if eval_set and not resume and cfg.eval.eval_interval > 0:
@@ -451,7 +459,7 @@ def train(
             # 6. weights to the rollout worker
             if cfg.rollout == "spool" and step % cfg.sync_every == 0:
                 snap = out / "rollout_snapshots" / f"v{step}"
-                save_pretrained(policy, snap)
+                lora.save_policy(policy, snap)
                 sync_s = client.sync_weights(snap, step)
                 prev = out / "rollout_snapshots" / f"v{step - cfg.sync_every}"
                 if prev.exists():
@@ -500,7 +508,7 @@ def train(
             if worker is not None:
                 worker.shutdown()
     if cfg.save_hf and step == cfg.steps:
-        save_pretrained(policy, cfg.save_hf)
+        lora.save_policy(policy, cfg.save_hf, merge=cfg.merge_lora)
     write_plot(out / "plot.svg", metrics.records, title=f"align GRPO: {out.name}")
     evals = [r for r in metrics.records if "eval/pass@1" in r]
     summary = {
