@@ -384,7 +384,8 @@ def train(
         return score_completions(eval_encoded, comps, eval_set.score, eval_sampling.n)
 
     def export(path: str) -> None:
-        lora.save_policy(policy, path, merge=True)  # LoRA: a merged full snapshot (eval engines load HF dirs)
+        # LoRA: the adapter (the fleet serves it on the base model); merged for a CheckpointEvalFn's own backend
+        lora.save_policy(policy, path, merge=cfg.eval.eval_function_path is not None)
 
     evaluator = make_evaluator(cfg.eval, eval_set, export_fn=export, blocking_eval_fn=blocking_eval if eval_set else None)
     if eval_set and not resume and cfg.eval.eval_interval > 0:

@@ -123,3 +123,53 @@ def test_grpo_with_adapter_only_sync(tmp_path):
     assert log.count("as LoRA") == 4 and log.count("engine up") == 1  # v0 + 3 steps, one engine
     ckpt = run / "checkpoints" / "step_3"
     assert (ckpt / "adapter" / "adapter_config.json").is_file() and not (ckpt / "model").exists()
+
+
+def test_eval_fleet_serves_adapter_snapshots(tmp_path):
+    """LoRA + --eval-num-gpus: each eval snapshot is the adapter (+ its base named inside); the fleet's engines run
+    the base model with LoRA enabled and pin each adapter; the final point equals align's own score of it."""
+    from test_eval_fleet import TIMEOUT_S, partial_credit
+
+    from align.eval.config import EvalConfig
+    from align.eval.metrics import score_completions
+    from align.rollout.native import generate
+    from align.tasks import reverse
+    from align.train import TrainConfig, score, stop_ids, train
+
+    require_rollout_venv()
+    base = reverse.warm_start(tmp_path / "base", steps=30, log=None)
+    tok = reverse.tokenizer()
+    eval_prompts = reverse.prompts(24, "eval", 0)
+    eval_cfg = EvalConfig(
+        eval_interval=2,
+        eval_num_gpus=1,
+        eval_hf_dir=str(tmp_path / "eval_hf"),
+        eval_keep_snapshots=1,
+        eval_temperature=0.0,
+        eval_timeout_s=TIMEOUT_S,
+        ci_test=True,
+    )
+    cfg = TrainConfig(out=str(tmp_path / "run"), steps=4, prompts_per_step=8, group_size=4, checkpoint_every=0,
+                      lr=2e-2, eval=eval_cfg, lora={"rank": 8, "alpha": 16.0})  # fmt: skip
+    train(cfg, model=str(base), tokenizer=tok, prompts=reverse.prompts(200, "train", 0), reward=partial_credit,
+          eval_prompts=eval_prompts)  # fmt: skip
+    recs = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r for r in recs if "eval/avg@1" in r and r["step"] > 0}
+    assert sorted(evals) == [2, 4] and all(r["eval/weight_version"] == s for s, r in evals.items()), recs
+    kept = [p for p in (tmp_path / "eval_hf").iterdir() if p.name.startswith("step_")]
+    assert [p.name for p in kept] == ["step_4"] and (kept[0] / "adapter_config.json").is_file()
+    assert not (kept[0] / "config.json").exists()  # the adapter only, no full snapshot
+    assert lora.adapter_base(kept[0]) == str(base)
+    policy = lora.load_adapter(load_pretrained(base), kept[0])
+    stops = stop_ids(tok, policy.config)
+    encoded = [tok.encode(r["prompt"]) for r in eval_prompts]
+    comps = generate(policy, encoded, SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, stop_token_ids=stops))
+
+    def reward(i, ids):
+        return score(partial_credit, eval_prompts[i], tok.decode(ids[:-1] if ids and ids[-1] in stops else ids), [])
+
+    native = score_completions(encoded, comps, reward, 1)
+    assert evals[4]["eval/avg@1"] == pytest.approx(native["eval/avg@1"], abs=1e-9), (evals[4], native)
+    base_comps = generate(load_pretrained(base), encoded, SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens,
+                                                                         stop_token_ids=stops))  # fmt: skip
+    assert [c.token_ids for c in base_comps] != [c.token_ids for c in comps]  # negative control: the adapter matters

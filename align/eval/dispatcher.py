@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from align.eval.checkpoint_eval import CheckpointEvalFn, EvalInput, EvalSkip, load_eval_fn
+from align.eval.checkpoint_eval import CheckpointEvalFn, EvalInput, EvalSkip, adapter_base_model, load_eval_fn
 from align.eval.config import EvalConfig, EvalSet
 from align.eval.metrics import score_eval_set
 from align.rollout.protocol import fsync_dir
@@ -163,6 +163,7 @@ class EvalRunner:
                 config=self.cfg,
                 generate_state=state,
                 export_time_seconds=export_time,
+                base_model=adapter_base_model(hf_dir),
             )
             if self.eval_fn is None:
                 metrics = await run_in_daemon_thread(score_eval_set, self.eval_set, inp.sampling, state.generate)

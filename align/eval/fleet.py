@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from align.eval.checkpoint_eval import EvalSkip
+from align.eval.checkpoint_eval import EvalSkip, adapter_base_model
 from align.eval.config import EvalConfig
 from align.rollout.protocol import Completion, SamplingParams
 
@@ -213,8 +213,10 @@ def spawn_workers(cfg: EvalConfig, model_dir: str, fleet: EvalFleet) -> list[Fle
     for i in range(cfg.num_engines):  # the spools go at close, the logs stay for post-mortems
         fleet._cleanup.append(lambda i=i: shutil.rmtree(os.path.join(root, f"engine_{i}"), ignore_errors=True))
     gpus = _gpu_plan(cfg)
+    model_dir, extra = _serving_base(model_dir)
     max_model_len, dtype = _model_info(model_dir)
-    extra = ["--tensor-parallel-size", str(cfg.eval_num_gpus_per_engine)] if cfg.eval_num_gpus_per_engine > 1 else []
+    if cfg.eval_num_gpus_per_engine > 1:
+        extra += ["--tensor-parallel-size", str(cfg.eval_num_gpus_per_engine)]
     engines: list[FleetEngine] = []
     try:
         for i in range(cfg.num_engines):
@@ -240,6 +242,17 @@ def spawn_workers(cfg: EvalConfig, model_dir: str, fleet: EvalFleet) -> list[Fle
         raise
     logger.info("eval fleet up: %d engine(s), logs under %s", len(engines), root)
     return engines
+
+
+def _serving_base(model_dir: str) -> tuple[str, list[str]]:
+    """The model the engines start on and their extra flags: a LoRA adapter snapshot (PEFT dir) is served on its
+    base model with ``--max-lora-rank`` (each pin then loads the adapter as a new LoRARequest); else itself."""
+    base = adapter_base_model(model_dir)
+    if base is None:
+        return model_dir, []
+    with open(os.path.join(model_dir, "adapter_config.json")) as f:
+        rank = int(json.load(f)["r"])
+    return base, ["--max-lora-rank", str(rank)]
 
 
 def _model_info(model_dir: str) -> tuple[int, str]:
