@@ -358,12 +358,13 @@ def is_adapter_dir(path: str | os.PathLike) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
-def save_policy(model: Transformer, path: str | os.PathLike, *, merge: bool = False) -> Path:
+def save_policy(model: Transformer, path: str | os.PathLike, *, merge: bool = False, **hf_kw: Any) -> Path:
     """Export a policy: a full model as an HF dir; a LoRA model as its PEFT adapter dir, or with ``merge`` as a
-    merged full HF dir (``--save-hf`` / ``--merge-lora``, eval snapshots, rollout weight sync)."""
+    merged full HF dir (``--save-hf`` / ``--merge-lora``, eval snapshots, rollout weight sync). ``hf_kw`` go to
+    ``save_pretrained`` (e.g. ``copy_tokenizer_from``) when a full HF dir is written."""
     if not is_lora(model):
-        return save_pretrained(model, path)
-    return save_pretrained(merged_model(model), path) if merge else save_adapter(model, path)
+        return save_pretrained(model, path, **hf_kw)
+    return save_pretrained(merged_model(model), path, **hf_kw) if merge else save_adapter(model, path)
 
 
 def worker_args(model: Transformer) -> list[str]:

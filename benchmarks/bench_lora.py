@@ -10,7 +10,8 @@ Random-weight Qwen2 models of the 31M shape and the Qwen2.5-0.5B shape (fp32, no
 times are medians over repeats after a warm-up step.
 ``sync``: what the trainer does every ``--sync-every`` steps with ``--rollout spool``: export (full HF
 snapshot vs PEFT adapter dir) + ``sync_weights`` round trip to the real vLLM CPU worker (``.venv-rollout``,
-in-process engine; full: ``reload_weights``; adapter: a new ``LoRARequest``), median over repeats.
+in-process engine; full: ``reload_weights``; adapter: a new ``LoRARequest``), median over repeats after one
+untimed warm-up sync (first-use costs, paid once per run).
 """
 
 from __future__ import annotations
@@ -137,17 +138,18 @@ def bench_sync(name: str, rank: int, repeats: int, root: Path) -> list[dict]:
         try:
             client = make_rollout_client("spool", spool=spool, timeout_s=900, worker=handle)
             export_s, sync_s, total_s, nbytes, method = [], [], [], 0, ""
-            for v in range(1, repeats + 1):
+            for v in range(repeats + 1):  # v0: a warm-up sync (first-use costs), not timed
                 t0 = time.perf_counter()
                 snap = lora.save_policy(policy, root / f"snap-{mode[:4]}-v{v}")
                 t1 = time.perf_counter()
                 client.sync_weights(snap, v)
                 t2 = time.perf_counter()
-                export_s.append(t1 - t0)
-                sync_s.append(t2 - t1)
-                total_s.append(t2 - t0)
+                if v:
+                    export_s.append(t1 - t0)
+                    sync_s.append(t2 - t1)
+                    total_s.append(t2 - t0)
                 nbytes, method = dir_bytes(snap), client.last_timings["sync_method"]
-                if v > 1:
+                if v:
                     shutil.rmtree(root / f"snap-{mode[:4]}-v{v - 1}")
         finally:
             handle.shutdown(grace_s=10)
