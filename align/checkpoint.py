@@ -1,7 +1,7 @@
 """Training checkpoints: atomic directories committed by a marker, keep-last-K, exact resume.
 
-``{run}/checkpoints/step_{N}/`` holds ``model/`` (an HF snapshot, loadable by transformers and vLLM)
-and ``trainer_state.pt`` (optimizer, scheduler, RNG states, data cursor). It is written under a
+``{run}/checkpoints/step_{N}/`` holds ``model/`` (an HF snapshot, loadable by transformers and vLLM;
+with LoRA ``adapter/`` instead, a PEFT adapter dir on the run's base model) and ``trainer_state.pt`` (optimizer, scheduler, RNG states, data cursor). It is written under a
 temporary name and renamed into place after its ``.complete`` marker; a directory without the
 marker (a crash mid-write) is never loaded and is removed on the next save.
 
@@ -74,7 +74,12 @@ def save(root: Path, step: int, model: Transformer, trainer_state: dict, keep: i
     tmp = root / f".step_{step}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        save_pretrained(model, tmp / "model")
+        if getattr(model, "lora_config", None) is not None:  # LoRA: the adapter only; the base is the run's model
+            from align.lora import save_adapter
+
+            save_adapter(model, tmp / "adapter")
+        else:
+            save_pretrained(model, tmp / "model")
         torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / "trainer_state.pt")
         with open(tmp / "trainer_state.pt", "rb+") as fh:
             os.fsync(fh.fileno())

@@ -233,7 +233,11 @@ class Linear(nn.Linear):
     packed: Any = None  # a callable x -> x @ W.T + b, set only while sampling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.packed(x) if self.packed is not None else F.linear(x, self.weight, self.bias)
+        return self.packed(x) if self.packed is not None else self.unpacked(x)
+
+    def unpacked(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer on its own weights (``align.lora.LoRALinear`` adds its low-rank path here)."""
+        return F.linear(x, self.weight, self.bias)
 
 
 class Attention(nn.Module):

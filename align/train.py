@@ -38,6 +38,7 @@ from align.grpo import AdvantageConfig, LossConfig
 from align.presets import PRESET_NAMES
 from align.rewards import RewardConfig
 from align.runlog import LogConfig
+from align.lora import LoraConfig
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +86,10 @@ class TrainConfig:
     sync_every: int = field(default=1, metadata=_h("Publish weights to the spool worker every N optimizer steps."))
     checkpoint_every: int = field(default=20, metadata=_h("Checkpoint every N steps (and at the end); 0 = only at the end."))
     keep_checkpoints: int = field(default=2, metadata=_h("Keep the last K checkpoints."))
-    save_hf: str | None = field(default=None, metadata=_h("Also export the final model as an HF dir here (replaced by atomic rename; refuses a non-empty dir that is not an export of this run)."))
+    save_hf: str | None = field(default=None, metadata=_h("Also export the final model as an HF dir here (replaced by atomic rename; refuses a non-empty dir that is not an export of this run; LoRA: the PEFT adapter dir)."))
     overwrite: bool = field(default=False, metadata=_h("Let --save-hf replace a non-empty dir that is not an earlier export of this run."))
     resume_from: str | None = field(default=None, metadata=_h("Resume from this committed checkpoint ('step_N') instead of the latest; later ones are moved aside."))
+    merge_lora: bool = field(default=False, metadata=_h("With LoRA, --save-hf writes a merged full HF checkpoint instead of the adapter."))
     eval_prompts: int = field(default=200, metadata=_h("Held-out prompts of the built-in task for eval."))
     warm_start_steps: int = field(default=800, metadata=_h("Supervised warm-start steps of the built-in task's model."))
     preset: str = field(default="none", metadata=_h(f"Loss + advantage options of one algorithm: {', '.join(PRESET_NAMES)}; explicit flags / --config keys win. Applied by the CLI; in Python use align.presets.build."))
@@ -99,10 +101,12 @@ class TrainConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     adv: AdvantageConfig = field(default_factory=AdvantageConfig)
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(eval_interval=10, eval_n=4))
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         for name, cls in (("loss", LossConfig), ("adv", AdvantageConfig), ("eval", EvalConfig), ("data", DataConfig),
-                          ("rewards", RewardConfig), ("log", LogConfig)):
+                          ("rewards", RewardConfig), ("log", LogConfig),
+                          ("lora", LoraConfig)):
             if isinstance(getattr(self, name), dict):
                 setattr(self, name, from_dict(cls, getattr(self, name), f"{name}."))
         positive = ("steps", "prompts_per_step", "group_size", "max_tokens", "micro_batch_size", "sync_every")
@@ -125,9 +129,11 @@ class TrainConfig:
             raise ValueError(f"--lr and --temperature must be > 0 for training, got {self.lr}, {self.temperature}")
         runsafety.check_train_values(self)
         self.eval.check_save_hf(self.save_hf)
+        if self.merge_lora and not self.lora.enabled:
+            raise ValueError("--merge-lora needs --lora-rank > 0 (it merges the adapter into the --save-hf export)")
 
 
-CLI_PREFIXES = {"adv": "adv-"}  # loss fields are flat (--eps-low, --kl-coef, --loss NAME); eval fields are eval_*
+CLI_PREFIXES = {"adv": "adv-", "lora": "lora-"}  # loss fields are flat (--eps-low, --kl-coef, --loss NAME); eval fields are eval_*
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -293,10 +299,11 @@ def train(
     import torch
 
     from align import checkpoint as ckpt
+    from align import lora
     from align.eval import EvalSet, make_evaluator
     from align.eval.metrics import score_completions
     from align.grpo import compute_advantages, merge_stats
-    from align.model import load_pretrained, save_pretrained
+    from align.model import load_pretrained
     from align.rollout.client import make_rollout_client, spawn_worker
     from align.rollout.protocol import SamplingParams, atomic_write_text, logprob_basis_warning
     from align.runlog import MetricsLog, Progress, format_line, make_logger, sample_groups, write_plot
@@ -341,7 +348,13 @@ def train(
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
     resume = ckpt.pick(out / "checkpoints", cfg.resume_from)
-    policy = ckpt.load_model(resume[1], dtype) if resume else load_pretrained(model_path, dtype=dtype)
+    if cfg.lora.enabled:  # frozen base + trainable adapters; a LoRA checkpoint holds only the adapter
+        policy = load_pretrained(model_path, dtype=dtype)
+        lora.apply_lora(policy, cfg.lora, base_model=model_path, seed=cfg.seed)
+        if resume:
+            lora.load_adapter(policy, resume[1] / "adapter")
+    else:
+        policy = ckpt.load_model(resume[1], dtype) if resume else load_pretrained(model_path, dtype=dtype)
     policy.gradient_checkpointing = cfg.gradient_checkpointing
     mcfg = policy.config
     ref_model = load_pretrained(model_path, dtype=dtype) if cfg.loss.kl_coef > 0 else None
@@ -356,7 +369,7 @@ def train(
                 f"of {mcfg.max_position_embeddings}; shorten it or lower --max-tokens"
             )
 
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(lora.trainable_parameters(policy), lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     step, cursor = 0, {"epoch": 0, "index": 0}
     if resume:
@@ -380,14 +393,15 @@ def train(
     else:
         spool = Path(cfg.spool or out / "spool")
         init_snapshot = out / "rollout_snapshots" / f"v{step}"
-        save_pretrained(policy, init_snapshot)
+        lora.save_policy(policy, init_snapshot)  # LoRA: the adapter only, served on the base model
         if cfg.spawn_worker:
-            worker = spawn_worker(spool, gpu=cfg.rollout_gpu, log_path=out / "rollout_worker.log", model=init_snapshot,
+            worker = spawn_worker(spool, gpu=cfg.rollout_gpu, log_path=out / "rollout_worker.log",
+                                  model=model_path if cfg.lora.enabled else init_snapshot,
                                   weights_version=step, max_model_len=mcfg.max_position_embeddings,
                                   logprobs_mode=cfg.rollout_logprobs_mode, in_process=cfg.rollout_in_process,
-                                  dtype=cfg.dtype)
+                                  dtype=cfg.dtype, extra_args=lora.worker_args(policy))
         client = make_rollout_client("spool", spool=spool, timeout_s=cfg.rollout_timeout_s, worker=worker)
-        if not cfg.spawn_worker:  # an attached worker holds whatever it loaded last: give it this run's weights
+        if not cfg.spawn_worker or cfg.lora.enabled:  # an attached worker holds whatever it loaded last; LoRA: the adapter
             client.sync_weights(init_snapshot, step)
     published = step  # the weights version every rollout must come from
     params = SamplingParams(n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
@@ -417,7 +431,8 @@ def train(
         return score_completions(eval_encoded, comps, eval_set.score, eval_sampling.n)
 
     def export(path: str) -> None:
-        save_pretrained(policy, path, copy_tokenizer_from=cfg.data.tokenizer or model_path)
+        # LoRA: the adapter (the fleet serves it on the base model); merged for a CheckpointEvalFn's own backend
+        lora.save_policy(policy, path, merge=cfg.eval.eval_function_path is not None, copy_tokenizer_from=cfg.data.tokenizer or model_path)
 
     eval_cfg = cfg.eval
     if eval_set is None and not eval_cfg.uses_snapshots and eval_cfg.eval_interval > 0:
@@ -509,7 +524,7 @@ def train(
             # 6. weights to the rollout worker
             if cfg.rollout == "spool" and step % cfg.sync_every == 0:
                 snap = out / "rollout_snapshots" / f"v{step}"
-                save_pretrained(policy, snap)
+                lora.save_policy(policy, snap)
                 sync_s = client.sync_weights(snap, step)
                 published = step
                 prev = out / "rollout_snapshots" / f"v{step - cfg.sync_every}"
@@ -573,7 +588,7 @@ def train(
             if worker is not None:
                 worker.shutdown()
     if cfg.save_hf and step == cfg.steps:
-        runsafety.export_hf(lambda d: save_pretrained(policy, d, copy_tokenizer_from=cfg.data.tokenizer or model_path),
+        runsafety.export_hf(lambda d: lora.save_policy(policy, d, merge=cfg.merge_lora, copy_tokenizer_from=cfg.data.tokenizer or model_path),
                             cfg.save_hf, run_id, cfg.overwrite, step)
     write_plot(out / "plot.svg", metrics.records, title=f"align GRPO: {out.name}")
     evals = [r for r in metrics.records if "eval/pass@1" in r]

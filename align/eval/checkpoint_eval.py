@@ -51,6 +51,21 @@ class EvalInput:
     config: EvalConfig
     generate_state: Any = None
     export_time_seconds: float | None = None
+    base_model: str | None = None  # LoRA: hf_dir is a PEFT adapter dir on this base model (else None)
+
+
+def adapter_base_model(path: str) -> str | None:
+    """``base_model_name_or_path`` when ``path`` is a PEFT adapter dir (LoRA training), else None."""
+    import json
+
+    cfg = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(cfg):
+        return None
+    with open(cfg) as f:
+        base = json.load(f).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"adapter snapshot {path} names no base_model_name_or_path: it cannot be served")
+    return base
 
 
 class CheckpointEvalFn(abc.ABC):

@@ -45,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from align.eval.checkpoint_eval import CheckpointEvalFn, EvalInput, EvalSkip
+from align.eval.checkpoint_eval import CheckpointEvalFn, EvalInput, EvalSkip, adapter_base_model
 from align.eval.config import EvalConfig, EvalSet
 from align.eval.metrics import score_eval_set
 from align.rollout.protocol import fsync_dir
@@ -215,6 +215,7 @@ class EvalRunner:
                 config=self.cfg,
                 generate_state=state,
                 export_time_seconds=export_time,
+                base_model=adapter_base_model(hf_dir),
             )
             if self.eval_fn is None:  # every fleet operation has its own --eval-timeout-s (spool client)
                 metrics = await run_in_daemon_thread(score_eval_set, self.eval_set, inp.sampling, state.generate)

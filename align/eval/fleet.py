@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from align.eval.checkpoint_eval import EvalSkip
+from align.eval.checkpoint_eval import EvalSkip, adapter_base_model
 from align.eval.config import EvalConfig
 from align.rollout.protocol import Completion, SamplingParams
 
@@ -261,8 +261,10 @@ def spawn_workers(
             spool_dir = os.path.join(fleet.root, f"engine_{i}")
             fleet._cleanup.append(lambda d=spool_dir: shutil.rmtree(d, ignore_errors=True))
     root = fleet.root
+    model_dir, extra = _serving_base(model_dir)
     max_model_len, dtype = _model_info(model_dir)
-    extra = ["--tensor-parallel-size", str(cfg.eval_num_gpus_per_engine)] if cfg.eval_num_gpus_per_engine > 1 else []
+    if cfg.eval_num_gpus_per_engine > 1:
+        extra += ["--tensor-parallel-size", str(cfg.eval_num_gpus_per_engine)]
     engines: list[FleetEngine] = []
     try:
         for i in range(cfg.num_engines):
@@ -289,6 +291,17 @@ def spawn_workers(
         raise
     logger.info("eval fleet up: %d engine(s), logs under %s", len(engines), root)
     return engines
+
+
+def _serving_base(model_dir: str) -> tuple[str, list[str]]:
+    """The model the engines start on and their extra flags: a LoRA adapter snapshot (PEFT dir) is served on its
+    base model with ``--max-lora-rank`` (each pin then loads the adapter as a new LoRARequest); else itself."""
+    base = adapter_base_model(model_dir)
+    if base is None:
+        return model_dir, []
+    with open(os.path.join(model_dir, "adapter_config.json")) as f:
+        rank = int(json.load(f)["r"])
+    return base, ["--max-lora-rank", str(rank)]
 
 
 def _model_info(model_dir: str) -> tuple[int, str]:

@@ -166,10 +166,13 @@ class SpoolClient:
         return checked
 
     def sync_weights(self, snapshot_dir: str | os.PathLike, version: int) -> float:
-        """Tell the worker to load committed snapshot ``snapshot_dir`` as ``version``; returns the sync seconds."""
+        """Tell the worker to load committed snapshot ``snapshot_dir`` as ``version``; returns the sync seconds.
+
+        A PEFT adapter dir (``adapter_config.json``) is served on the worker's base model as a new LoRA
+        (worker started with ``--max-lora-rank``)."""
         path = Path(snapshot_dir)
-        if not (path / "config.json").is_file():
-            raise ValueError(f"snapshot {path} has no config.json: not an HF checkpoint directory")
+        if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
+            raise ValueError(f"snapshot {path} has no config.json / adapter_config.json: not an HF or PEFT directory")
         if snapshot_marker(path) is None:
             raise ValueError(f"snapshot {path} is not committed (no .complete / STABLE marker): publish it first")
         msg = sync_request(path, version)

@@ -57,7 +57,8 @@ class PackedLinear:
     rows than a layout takes (the prefill, compute-bound) run the original layers."""
 
     def __init__(self, linears: list[nn.Linear], rows: int):
-        weight = torch.cat([m.weight.detach() for m in linears]) if len(linears) > 1 else linears[0].weight.detach()
+        weights = [_effective_weight(m) for m in linears]
+        weight = torch.cat(weights) if len(weights) > 1 else weights[0]
         biases = [m.bias for m in linears]
         self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
         self.linears, self.rows, self.out_features = linears, rows, weight.shape[0]
@@ -78,7 +79,7 @@ class PackedLinear:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         m = x.numel() // x.shape[-1]
         if m > (cpu_kernel.MAX_ROWS if self.kind == "avx512" else self.rows):
-            return torch.cat([F.linear(x, lin.weight, lin.bias) for lin in self.linears], dim=-1)
+            return torch.cat([_unpacked(lin, x) for lin in self.linears], dim=-1)
         x2 = x.reshape(m, x.shape[-1])
         if self.kind == "avx512":
             y = torch.ops.align_cpu.linear(x2, self.weight, self.out_features, self.bias)
@@ -87,6 +88,17 @@ class PackedLinear:
             x2 = torch.cat([x2, x2.new_zeros(self.rows - m, x2.shape[-1])])
         y = torch.ops.mkl._mkl_linear(x2, self.weight, self.sizes, self.bias, self.rows)
         return y[:m].view(*x.shape[:-1], y.shape[-1])
+
+
+def _effective_weight(m: nn.Linear) -> torch.Tensor:
+    """The weight a layer computes with: a LoRA layer's ``W + scaling * B @ A`` (``align.lora``) as a new
+    tensor, so the packed copy carries the adapter and the frozen weight is never written."""
+    merged = getattr(m, "merged_weight", None)
+    return merged() if merged is not None else m.weight.detach()
+
+
+def _unpacked(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return m.unpacked(x) if isinstance(m, Linear) else F.linear(x, m.weight, m.bias)
 
 
 def _kernel_ops():

@@ -9,7 +9,9 @@ by hand:
 Loop: claim requests in file-name order; consecutive generate requests are served as one vLLM batch;
 ``sync_weights`` reloads the committed snapshot into the running engine
 (``collective_rpc("reload_weights", weights_path=...)``), rebuilding the engine when the architecture
-changed or reload fails; ``shutdown`` answers and exits. A heartbeat thread rewrites
+changed or reload fails; a committed PEFT adapter dir (LoRA training, worker started with
+``--max-lora-rank``) is loaded as a new ``LoRARequest`` on the unchanged base model (no engine rebuild, no
+base reload) and serves every later request; ``shutdown`` answers and exits. A heartbeat thread rewrites
 ``heartbeat.json`` every ``--heartbeat-s``. One worker per spool (``worker.lock``). On start,
 requests a dead predecessor had claimed but not answered are served again (answers are keyed by
 request id, so none is answered twice).
@@ -45,6 +47,7 @@ log = logging.getLogger("rollout_worker")
 VLLM_LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
 # config.json keys that do not change the architecture (a reload suffices when only these differ).
 _NON_ARCH_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache", "architectures"}
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's MaxLoRARanks
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sync-mode", choices=("auto", "reload", "rebuild"), default="auto", help="auto: reload, else rebuild"
     )
     ap.add_argument("--seed", type=int, default=0, help="engine seed (requests carry their own sampling seeds)")
+    ap.add_argument("--max-lora-rank", type=int, default=0, help="serve LoRA adapters up to this rank (0 = off)")
     ap.add_argument("--max-batch-requests", type=int, default=64, help="generate requests served in one engine call")
     ap.add_argument("--heartbeat-s", type=float, default=1.0)
     ap.add_argument("--poll-s", type=float, default=0.02)
@@ -113,6 +117,8 @@ class Worker:
         self.basis = args.logprobs_mode
         self.state, self.error = "starting", None
         self.llm = None
+        self.lora = None  # the LoRARequest serving the current adapter version (LoRA training)
+        self.lora_ids = 0
         self.vocab_size = int(json.loads((self.model_dir / "config.json").read_text()).get("vocab_size", 0))
         self.arch = _arch(self.model_dir / "config.json")  # kept: the snapshot dir may be deleted once loaded
         self._stop = threading.Event()
@@ -152,6 +158,11 @@ class Worker:
             kw["gpu_memory_utilization"] = a.gpu_memory_utilization
         if a.enable_prefix_caching is not None:
             kw["enable_prefix_caching"] = a.enable_prefix_caching
+        if a.max_lora_rank:
+            rank = next((r for r in LORA_RANKS if r >= a.max_lora_rank), None)
+            if rank is None:
+                raise ValueError(f"--max-lora-rank {a.max_lora_rank} exceeds vLLM's largest LoRA rank {LORA_RANKS[-1]}")
+            kw.update(enable_lora=True, max_lora_rank=rank, max_loras=1)
         t0 = time.perf_counter()
         llm = LLM(**kw)
         log.info("engine up on %s in %.1f s (%s)", model_dir, time.perf_counter() - t0, kw)
@@ -207,7 +218,7 @@ class Worker:
         self.set_state("busy")
         t0 = time.perf_counter()
         try:
-            outs = self.llm.generate(inputs, sps, use_tqdm=False)
+            outs = self.llm.generate(inputs, sps, use_tqdm=False, lora_request=self.lora)
         except Exception as e:
             log.exception("engine failed on %d requests", len(owners))
             for msg, _, _, _ in owners:
@@ -244,6 +255,8 @@ class Worker:
 
     def serve_sync(self, msg: P.Message) -> None:
         path, version = Path(msg.body["path"]), msg.body["version"]
+        if (path / "adapter_config.json").is_file():
+            return self.serve_adapter_sync(msg, path, version)
         try:
             P.check_hf_dir(path)
         except ValueError as e:
@@ -279,6 +292,42 @@ class Worker:
         log.info("weights version %d from %s by %s in %.2f s", version, path, method, seconds)
         self.answer(P.Message("synced", msg.id, {"version": version, "seconds": seconds, "method": method}))
         self.set_state("ready")
+
+    def serve_adapter_sync(self, msg: P.Message, path: Path, version: int) -> None:
+        """Load a committed PEFT adapter as a new LoRARequest (a fresh id per version) and drop the previous one."""
+        from vllm.lora.request import LoRARequest
+
+        problem = None
+        if not self.args.max_lora_rank:
+            problem = f"{path} is a LoRA adapter but this worker was started without --max-lora-rank"
+        elif P.snapshot_marker(path) is None:
+            problem = f"adapter {path} is not committed (no {' / '.join(P.SNAPSHOT_MARKERS)} marker)"
+        else:
+            rank = json.loads((path / "adapter_config.json").read_text()).get("r", 0)
+            if not isinstance(rank, int) or not 0 < rank <= self.args.max_lora_rank:
+                problem = f"adapter {path} has rank {rank!r}; this worker serves ranks up to --max-lora-rank"
+        if problem:
+            return self.answer(P.error_response(msg.id, "bad_snapshot", problem))
+        self.set_state("busy")
+        t0 = time.perf_counter()
+        self.lora_ids += 1
+        request = LoRARequest(f"v{version}", self.lora_ids, str(path))
+        try:
+            self.llm.llm_engine.add_lora(request)  # load now: errors surface on the sync, not the next generate
+        except Exception as e:  # noqa: BLE001 - answered; the previous adapter keeps serving
+            self.answer(P.error_response(msg.id, "sync_failed", f"loading adapter {path} failed: {e}"))
+            self.set_state("ready")
+            return None
+        old, self.lora = self.lora, request
+        if old is not None and old.lora_int_id in self.llm.llm_engine.list_loras():
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+        self.llm.reset_prefix_cache()
+        seconds = time.perf_counter() - t0
+        self.version = version
+        log.info("weights version %d: adapter %s as LoRA %d in %.2f s", version, path, request.lora_int_id, seconds)
+        self.answer(P.Message("synced", msg.id, {"version": version, "seconds": seconds, "method": "lora"}))
+        self.set_state("ready")
+        return None
 
     def answer(self, msg: P.Message) -> None:
         self.spool.respond(msg)
