@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKER_SCRIPT = REPO_ROOT / "extras" / "vllm_rollout" / "rollout_worker.py"
+FLEET_SCRIPT = REPO_ROOT / "extras" / "vllm_rollout" / "fleet.py"  # N engines on Ray behind one spool
 DEFAULT_VENV = REPO_ROOT / ".venv-rollout"
 SETUP_HINT = "bash scripts/setup_rollout_venv.sh"
 
@@ -338,13 +339,26 @@ def spawn_worker(
     env: dict[str, str] | None = None,
     wait_ready: bool = True,
     ready_timeout_s: float = 900.0,
+    engines: int = 1,
+    gpus_per_engine: int = 1,
+    engine_restarts: int = 1,
+    ray_address: str | None = None,
 ) -> WorkerHandle:
     """Launch ``rollout_worker.py`` under ``.venv-rollout`` on ``model`` serving ``spool``.
 
     Checks the venv, spool and model directory before starting anything. ``in_process`` runs vLLM's
     engine core in the worker process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; faster to start on CPU).
     With ``wait_ready`` it returns once the engine is up, or raises with the log tail and no process left.
+
+    ``engines > 1`` (or a ``ray_address``) starts ``extras/vllm_rollout/fleet.py`` instead: that many vLLM engines
+    (``gpus_per_engine`` each, tensor parallel) as Ray actors behind the same spool, a dead engine restarted at most
+    ``engine_restarts`` times in total; ``gpu`` then does not apply (Ray places the engines).
     """
+    if engines < 1 or gpus_per_engine < 1 or engine_restarts < 0:
+        raise ValueError(
+            f"engines >= 1, gpus_per_engine >= 1, engine_restarts >= 0 needed; got {engines}, {gpus_per_engine}, "
+            f"{engine_restarts}"
+        )
     venv = Path(venv) if venv is not None else Path(os.environ.get("ALIGN_ROLLOUT_VENV", DEFAULT_VENV))
     python = venv / "bin" / "python"
     if not python.exists():
@@ -356,10 +370,16 @@ def spawn_worker(
     log_path = Path(log_path) if log_path is not None else sp.root / "worker.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cache_dir = cache_dir or os.environ.get("ALIGN_ROLLOUT_CACHE") or REPO_ROOT / ".cache" / "rollout"
-    cmd = [str(python), str(WORKER_SCRIPT), "--spool", str(sp.root.resolve()), "--model", str(model.resolve())]
+    fleet = engines > 1 or ray_address is not None
+    cmd = [str(python), str(FLEET_SCRIPT if fleet else WORKER_SCRIPT), "--spool", str(sp.root.resolve())]
+    cmd += ["--model", str(model.resolve())]
+    if fleet:
+        cmd += ["--rollout-engines", str(engines), "--rollout-gpus-per-engine", str(gpus_per_engine)]
+        cmd += ["--rollout-engine-restarts", str(engine_restarts), "--engine-start-timeout-s", str(ready_timeout_s)]
+        cmd += ["--ray-address", ray_address] if ray_address else []
     cmd += ["--weights-version", str(weights_version), "--max-model-len", str(max_model_len), "--dtype", dtype]
     cmd += ["--logprobs-mode", logprobs_mode, "--log-path", str(log_path.resolve()), *extra_args]
-    wenv = worker_env(env, gpu=gpu, cache_dir=cache_dir, in_process=in_process)
+    wenv = worker_env(env, gpu=None if fleet else gpu, cache_dir=cache_dir, in_process=in_process)
     with open(log_path, "ab") as logf:
         logf.write(f"\n[spawn_worker] {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
         logf.flush()
