@@ -77,6 +77,8 @@ class TrainConfig:
     rollout_logprobs_mode: str = field(default="raw", metadata=_h("vLLM worker logprobs: 'raw' (before temperature; exact at T=1) or 'processed' (after temperature/top-p/top-k)."))
     rollout_in_process: bool = field(default=False, metadata=_h("Run the spawned vLLM engine in the worker's own process (faster start on CPU; the default is vLLM's multiprocess engine)."))
     rollout_timeout_s: float = field(default=600.0, metadata=_h("Max seconds to wait for a rollout answer."))
+    rollout_num_engines: int = field(default=1, metadata=_h("vLLM engines behind the spool; > 1 runs them as Ray actors (extras/vllm_rollout/fleet.py)."))
+    rollout_engine_restarts: int = field(default=1, metadata=_h("With --rollout-num-engines > 1: restarts of dead engines, fleet total."))
     sync_every: int = field(default=1, metadata=_h("Publish weights to the spool worker every N optimizer steps."))
     checkpoint_every: int = field(default=20, metadata=_h("Checkpoint every N steps (and at the end); 0 = only at the end."))
     keep_checkpoints: int = field(default=2, metadata=_h("Keep the last K checkpoints."))
@@ -91,7 +93,8 @@ class TrainConfig:
         for name, cls in (("loss", LossConfig), ("adv", AdvantageConfig), ("eval", EvalConfig)):
             if isinstance(getattr(self, name), dict):
                 setattr(self, name, from_dict(cls, getattr(self, name)))
-        positive = ("steps", "prompts_per_step", "group_size", "max_tokens", "micro_batch_size", "sync_every")
+        positive = ("steps", "prompts_per_step", "group_size", "max_tokens", "micro_batch_size", "sync_every",
+                    "rollout_num_engines")
         for k in positive:
             if getattr(self, k) < 1:
                 raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(self, k)}")
@@ -343,7 +346,8 @@ def train(
             worker = spawn_worker(spool, gpu=cfg.rollout_gpu, log_path=out / "rollout_worker.log", model=init_snapshot,
                                   weights_version=step, max_model_len=mcfg.max_position_embeddings,
                                   logprobs_mode=cfg.rollout_logprobs_mode, in_process=cfg.rollout_in_process,
-                                  dtype=cfg.dtype)
+                                  dtype=cfg.dtype, engines=cfg.rollout_num_engines,
+                                  engine_restarts=cfg.rollout_engine_restarts)
         client = make_rollout_client("spool", spool=spool, timeout_s=cfg.rollout_timeout_s, worker=worker)
     params = SamplingParams(n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                             max_tokens=cfg.max_tokens, stop_token_ids=stops)

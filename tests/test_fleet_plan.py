@@ -130,3 +130,45 @@ def test_plan_command_under_plain_python3_fails_with_the_numbers():
     ok = _run(["python3", str(FLEET), "plan", "--train-gpus", "2", "--rollout-engines", "2"], env=plain)
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["rollout"] == [2, 3]
+
+
+def test_rollout_num_engines_flag_reaches_spawn_worker(tmp_path, monkeypatch):
+    """``--rollout-num-engines`` / ``--rollout-engine-restarts`` go from the CLI through train() to spawn_worker.
+    spawn_worker is replaced by a recorder that stops the run (the real fleet start is tests/test_fleet.py's)."""
+    from align.cli import parse
+    from align.model import Transformer, save_pretrained
+    from align.rollout import client as client_mod
+    from align.tasks import reverse
+    from align.train import CLI_PREFIXES, TrainConfig, train
+
+    class Stop(Exception):
+        pass
+
+    seen: dict = {}
+
+    def record(spool, **kw):
+        seen.update(kw)
+        raise Stop
+
+    argv = ["--out", str(tmp_path / "run"), "--rollout", "spool", "--rollout-num-engines", "2",
+            "--rollout-engine-restarts", "3", "--steps", "1", "--eval-interval", "0"]  # fmt: skip
+    cfg = parse(TrainConfig, argv, CLI_PREFIXES)
+    assert (cfg.rollout_num_engines, cfg.rollout_engine_restarts) == (2, 3)
+    tok = reverse.tokenizer()
+    model = save_pretrained(Transformer(reverse.model_config(tok)).init_weights(seed=0), tmp_path / "base")
+    monkeypatch.setattr(client_mod, "spawn_worker", record)
+    with pytest.raises(Stop):
+        train(cfg, model=str(model), tokenizer=tok, prompts=reverse.prompts(4, "train"), reward=lambda *a, **k: 0.0)
+    assert (seen["engines"], seen["engine_restarts"]) == (2, 3)
+    with pytest.raises(ValueError, match="rollout-num-engines must be >= 1, got 0"):
+        TrainConfig(rollout_num_engines=0)
+
+
+def test_spawn_worker_rejects_a_bad_fleet_size(tmp_path):
+    from align.rollout.client import spawn_worker
+
+    venv = ROOT / ".venv-rollout"
+    if not (venv / "bin" / "python").exists():
+        pytest.skip("spawn_worker checks the rollout venv first")
+    with pytest.raises(ValueError, match="engines >= 1"):
+        spawn_worker(tmp_path / "spool", model=tmp_path, engines=0, venv=venv)

@@ -343,6 +343,7 @@ def spawn_worker(
     gpus_per_engine: int = 1,
     engine_restarts: int = 1,
     ray_address: str | None = None,
+    use_fleet: bool | None = None,
 ) -> WorkerHandle:
     """Launch ``rollout_worker.py`` under ``.venv-rollout`` on ``model`` serving ``spool``.
 
@@ -352,7 +353,8 @@ def spawn_worker(
 
     ``engines > 1`` (or a ``ray_address``) starts ``extras/vllm_rollout/fleet.py`` instead: that many vLLM engines
     (``gpus_per_engine`` each, tensor parallel) as Ray actors behind the same spool, a dead engine restarted at most
-    ``engine_restarts`` times in total; ``gpu`` then does not apply (Ray places the engines).
+    ``engine_restarts`` times in total; ``gpu`` then does not apply (Ray places the engines). ``use_fleet=True``
+    forces the Ray fleet for one engine too (e.g. to place it on a remote node).
     """
     if engines < 1 or gpus_per_engine < 1 or engine_restarts < 0:
         raise ValueError(
@@ -370,7 +372,7 @@ def spawn_worker(
     log_path = Path(log_path) if log_path is not None else sp.root / "worker.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cache_dir = cache_dir or os.environ.get("ALIGN_ROLLOUT_CACHE") or REPO_ROOT / ".cache" / "rollout"
-    fleet = engines > 1 or ray_address is not None
+    fleet = use_fleet if use_fleet is not None else engines > 1 or ray_address is not None
     cmd = [str(python), str(FLEET_SCRIPT if fleet else WORKER_SCRIPT), "--spool", str(sp.root.resolve())]
     cmd += ["--model", str(model.resolve())]
     if fleet:
