@@ -396,7 +396,9 @@ class FleetWorker(rw.Worker):
                 if not refs:
                     time.sleep(self.args.poll_s)
                     continue
-                done, _ = ray.wait(refs, num_returns=len(refs), timeout=self.args.poll_s)
+                done, rest = ray.wait(refs, num_returns=1, timeout=self.args.poll_s)  # returns at the first answer
+                if done and rest:
+                    done += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
                 for ref in done:
                     self._on_done(ref)
             except Exception as e:  # noqa: BLE001 - a bug here must fail the fleet visibly, not hang the trainer
@@ -430,7 +432,8 @@ class FleetWorker(rw.Worker):
                 if call.actor is e.actor and e.state in ("ready", "restarting"):
                     self._engine_died(e, f"{err.__class__.__name__}: {str(err).strip().splitlines()[-1][:300]}")
                 if call.kind == "generate":
-                    e.outstanding = max(0, e.outstanding - sum(call.job.work(i) for i in call.prompts))
+                    if call.actor is e.actor:
+                        e.outstanding = max(0, e.outstanding - sum(call.job.work(i) for i in call.prompts))
                     self._route(call.job, call.prompts)
                 return
             if call.kind == "ping":
