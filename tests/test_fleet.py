@@ -41,10 +41,12 @@ def fleet(tmp_path_factory):
     tok = reverse.tokenizer()
     base = save_pretrained(Transformer(reverse.model_config(tok)).init_weights(seed=0), root / "base")
     handle = spawn_worker(root / "spool", model=base, engines=2, engine_restarts=1, in_process=True,
+                          eval_engines=1, eval_spool=root / "eval_spool",
                           dtype="float32", max_model_len=reverse.model_config(tok).max_position_embeddings,
                           ready_timeout_s=READY_TIMEOUT_S, log_path=root / "fleet.log")  # fmt: skip
     try:
-        yield {"root": root, "handle": handle, "base": base, "tok": tok, "spool": root / "spool"}
+        yield {"root": root, "handle": handle, "base": base, "tok": tok, "spool": root / "spool",
+               "eval_spool": root / "eval_spool"}  # fmt: skip
     finally:
         handle.shutdown(grace_s=30)
         assert not handle.group_alive(), "a fleet process survived teardown"
@@ -73,13 +75,53 @@ class HeartbeatLog:
         return self.seen
 
 
+def test_eval_fleet_on_ray_is_pinned_per_point(fleet):
+    """One eval engine in the bundle appended after the rollout region, behind its own router (the eval spool),
+    pinned per eval point by align.eval.fleet.EvalFleet as today; training syncs never reach it."""
+    from align.eval.checkpoint_eval import EvalSkip
+    from align.eval.fleet import EvalFleet, FleetEngine
+    from align.model import Transformer, save_pretrained
+    from align.tasks import reverse
+
+    cfg = reverse.model_config(fleet["tok"])
+    snaps = [save_pretrained(Transformer(cfg).init_weights(seed=s), fleet["root"] / f"eval_v{s}") for s in (1, 2)]
+    client = make_rollout_client("spool", spool=fleet["eval_spool"], timeout_s=CALL_TIMEOUT_S)
+    deadline = time.monotonic() + READY_TIMEOUT_S  # the eval engine starts after the rollout engines
+    while (client.spool.read_heartbeat() or {}).get("state") != "ready" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    hb = client.spool.read_heartbeat()
+    assert hb["state"] == "ready" and [e["bundles"] for e in hb["engines"]] == [[2]]  # after rollout's [0], [1]
+    rollout_gpus = {g for e in fleet["handle"].spool.read_heartbeat()["engines"] for g in e["gpu_ids"]}
+    assert len(hb["engines"][0]["gpu_ids"]) == 1 and not set(hb["engines"][0]["gpu_ids"]) & rollout_gpus
+    evf = EvalFleet([FleetEngine(client, name="ray-eval")])
+    prompts, params = [[3, 4, 5], [6, 7]], SamplingParams(n=2, max_tokens=4, seed=0)
+    outs = {}
+    for version, snap in zip((101, 102), snaps):
+        state = evf.pin(str(snap), version)
+        out = state.generate(prompts, params)
+        assert {c.weights_version for c in out} == {version}
+        outs[version] = [c.token_ids for c in out]
+    assert outs[101] != outs[102]  # the pins loaded different weights
+    rollout_versions = {e["version"] for e in fleet["handle"].spool.read_heartbeat()["engines"]}
+    assert not rollout_versions & {101, 102}  # the rollout engines never saw the eval snapshots
+    partial = fleet["root"] / "eval_partial"
+    save_pretrained(Transformer(cfg).init_weights(seed=3), partial)
+    for marker in (".complete", "STABLE"):
+        (partial / marker).unlink(missing_ok=True)
+    with pytest.raises(EvalSkip) as skip:
+        evf.pin(str(partial), 103)
+    assert skip.value.reason == "pin_violation"
+    assert {e["version"] for e in client.spool.read_heartbeat()["engines"]} == {102}
+
+
 def test_grpo_on_two_engines_survives_an_engine_kill(fleet, monkeypatch):
     from align.tasks import reverse
     from align.train import TrainConfig, train
 
     hb0 = fleet["handle"].spool.read_heartbeat()
     assert hb0["state"] == "ready" and [e["state"] for e in hb0["engines"]] == ["ready", "ready"]
-    assert sorted(g for e in hb0["engines"] for g in e["gpu_ids"]) == ["0", "1"]  # one logical GPU per bundle
+    gpus = [g for e in hb0["engines"] for g in e["gpu_ids"]]
+    assert len(gpus) == 2 and len(set(gpus)) == 2  # one logical GPU per engine's bundle, distinct
     victim = hb0["engines"][0]["pid"]
     calls: list[dict] = []
     real_generate = client_mod.SpoolClient.generate

@@ -22,6 +22,11 @@ Design:
   engines, and it is restarted on the current snapshot, at most ``--rollout-engine-restarts`` times per fleet
   (in total). With every engine dead and no restart left the driver fails (heartbeat ``failed``, exit 1), so
   the trainer's client raises ``WorkerDiedError`` within its timeout.
+- Eval fleet: with ``--eval-spool`` the ``--eval-num-gpus`` engines run in the bundles appended after every
+  other region, behind their own router on that spool (a second ``FleetWorker`` on a thread of this driver),
+  and never see training weight syncs: each eval point pins them through that spool
+  (``align.eval.fleet.EvalFleet`` with one ``FleetEngine`` on it: reload, version read-back, probe). Dead eval
+  engines are restarted (``--eval-engine-restarts``), so the next eval point finds them back.
 - Multi-node: ``--ray-address`` joins an existing cluster; the spool must then be on a filesystem that the
   trainer and the driver share (the engine actors never touch the spool). Without it a local Ray instance is
   started; on a machine without GPUs it declares logical GPUs so placement is exercised and runs vLLM's CPU build.
@@ -81,6 +86,9 @@ def fleet_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     add_plan_args(ap)
     ap.add_argument("--rollout-engine-restarts", type=int, default=1, help="restarts of dead engines, fleet total")
+    ap.add_argument("--eval-spool", default=None, help="serve --eval-num-gpus engines (the appended bundles) on "
+                    "this spool: their own router, never in training weight sync")  # fmt: skip
+    ap.add_argument("--eval-engine-restarts", type=int, default=1, help="restarts of dead eval engines, total")
     ap.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
     ap.add_argument("--ray-num-gpus", type=int, default=None, help="GPUs a local Ray declares (default: detect; "
                     "logical GPUs for the plan when the machine has none)")  # fmt: skip
@@ -234,22 +242,34 @@ class FleetSpool(P.Spool):
 class FleetWorker(rw.Worker):
     """``rollout_worker.Worker``'s main loop (claiming, recovery, heartbeat, shutdown) over a fleet of engines."""
 
-    def __init__(self, args: argparse.Namespace, fargs: argparse.Namespace, engine_argv: list[str]) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        fargs: argparse.Namespace,
+        engine_argv: list[str],
+        region: str = "rollout",
+        owner: FleetWorker | None = None,
+    ) -> None:
         super().__init__(args)
-        self.fargs, self.engine_argv = fargs, engine_argv
+        self.fargs, self.engine_argv, self.region, self.owner = fargs, engine_argv, region, owner
         self.plan = plan_from_args(fargs)
         self.lock = threading.RLock()
-        self.engines = [EngineSlot(k, b) for k, b in enumerate(self.plan.rollout_engines)]
+        bundles = self.plan.rollout_engines if region == "rollout" else self.plan.eval_engines
+        self.engines = [EngineSlot(k, b) for k, b in enumerate(bundles)]
         self.spool = FleetSpool(self.spool.root, self.report)
         self.jobs: dict[str, Job] = {}
         self.inflight: dict[object, Call] = {}
         self.backlog: list[tuple[Job, list[int]]] = []
         self.deaths: list[dict] = []
-        self.restarts_left = fargs.rollout_engine_restarts
+        self.restarts_left = fargs.rollout_engine_restarts if region == "rollout" else fargs.eval_engine_restarts
+        self.eval_worker: FleetWorker | None = None  # the eval router (its own spool), run by the rollout one
+        self.stopping = False
+        self._eval_thread: threading.Thread | None = None
         self.target = (self.model_dir, self.version)  # the snapshot a (re)started engine loads
         self.fatal: str | None = None
         self.pg = self.actor_cls = None
         self.ray_up = False
+        self.cpu_build = False  # local Ray on a machine without GPUs (set when Ray starts)
         self._halt = threading.Event()
         self._loop = threading.Thread(target=self._fleet_loop, daemon=True, name="fleet")
 
@@ -267,14 +287,18 @@ class FleetWorker(rw.Worker):
         from ray.util.placement_group import placement_group
 
         f = self.fargs
+        if self.owner is not None:  # the eval router: the rollout router's Ray and placement group
+            self.pg, self.actor_cls, self.cpu_build = self.owner.pg, self.owner.actor_cls, self.owner.cpu_build
+            return self._start_all()
         if f.ray_address:
             ray.init(address=f.ray_address, log_to_driver=True)
         else:
             num_gpus = f.ray_num_gpus if f.ray_num_gpus is not None else _local_gpus(self.plan)
+            self.cpu_build = num_gpus is not None and f.ray_num_gpus is None
             ray.init(address="local", num_gpus=num_gpus, include_dashboard=False, log_to_driver=True,
                      object_store_memory=LOCAL_OBJECT_STORE_BYTES)  # fmt: skip
         self.ray_up = True
-        n = self.plan.num_bundles - len(self.plan.eval)  # the eval region is appended by whoever runs the eval
+        n = self.plan.num_bundles if self.eval_worker else self.plan.num_bundles - len(self.plan.eval)
         self.pg = placement_group([{"GPU": 1.0}] * n, strategy="PACK")
         ready, _ = ray.wait([self.pg.ready()], timeout=f.engine_start_timeout_s)
         if not ready:
@@ -283,6 +307,17 @@ class FleetWorker(rw.Worker):
                 f"cluster resources: {ray.cluster_resources()}, available: {ray.available_resources()}"
             )
         self.actor_cls = engine_actor_class()
+        self._start_all()
+        if self.eval_worker is not None:
+            self._eval_thread = threading.Thread(target=self._run_eval, daemon=True, name="eval-router")
+            self._eval_thread.start()
+        return self
+
+    def _start_all(self):
+        """Start every engine of this router and wait for all; raise if one fails."""
+        import ray
+
+        f = self.fargs
         with self.lock:
             calls = [self._start_engine(e) for e in self.engines]
         refs = list(calls)
@@ -293,9 +328,22 @@ class FleetWorker(rw.Worker):
             except Exception as err:
                 raise RuntimeError(f"engine {e.index} (bundles {e.bundles}) failed to start: {err}") from err
             self._engine_up(e, info)
-        log.info("fleet of %d engines up: %s", len(self.engines), [e.report() for e in self.engines])
+        log.info("%s fleet of %d engines up: %s", self.region, len(self.engines), [e.report() for e in self.engines])
         self._loop.start()
         return self
+
+    def _run_eval(self) -> None:
+        """The eval router's own serving loop (claims from the eval spool), on a thread of this driver."""
+        w, error = self.eval_worker, None
+        try:
+            w.run()
+        except _Stopped:
+            pass
+        except BaseException as e:  # noqa: BLE001 - the eval router fails alone; its heartbeat says why
+            error = f"{e.__class__.__name__}: {e}"
+            log.error("eval router failed:\n%s", traceback.format_exc())
+        finally:
+            w.close(error)
 
     def _start_engine(self, e: EngineSlot):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -303,6 +351,10 @@ class FleetWorker(rw.Worker):
         env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
         env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parents[1])])
         tp = len(e.bundles)
+        if self.cpu_build and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+            # vLLM CPU binds every engine's OpenMP threads to the same cores by default: spread them instead
+            cores = sorted(os.sched_getaffinity(0))
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cores[b % len(cores)]) for b in e.bundles)
         if tp > 1:  # vLLM's Ray executor places its TP workers on these bundles of the captured group
             env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, e.bundles))
         strategy = PlacementGroupSchedulingStrategy(
@@ -324,10 +376,13 @@ class FleetWorker(rw.Worker):
         log.info("engine %d ready: %s", e.index, e.report())
 
     def drop_engine(self) -> None:
+        if self.eval_worker is not None and self._eval_thread is not None:
+            self.eval_worker.stopping = True
+            self._eval_thread.join(timeout=60)
         self._halt.set()
         if self._loop.is_alive():
             self._loop.join(timeout=10)
-        if not self.ray_up:
+        if not self.ray_up and not (self.owner is not None and self.actor_cls is not None):
             return
         import ray
 
@@ -338,8 +393,10 @@ class FleetWorker(rw.Worker):
             if e.actor is not None:
                 with contextlib.suppress(Exception):
                     ray.kill(e.actor, no_restart=True)
-        with contextlib.suppress(Exception):
-            ray.shutdown()
+        self.actor_cls = None
+        if self.ray_up:
+            with contextlib.suppress(Exception):
+                ray.shutdown()
         self.ray_up = False
 
     # -- routing --------------------------------------------------------------------------------
@@ -376,6 +433,8 @@ class FleetWorker(rw.Worker):
             self.inflight[ref] = Call("generate", e, e.actor, job, idx)
 
     def next_batch(self):
+        if self.stopping:
+            raise _Stopped
         if self.fatal:
             raise RuntimeError(f"rollout fleet failed: {self.fatal}")
         return super().next_batch()
@@ -566,6 +625,10 @@ class FleetWorker(rw.Worker):
             time.sleep(self.args.poll_s)
 
 
+class _Stopped(Exception):
+    """The driver is shutting down: the eval router's loop ends cleanly."""
+
+
 def _left(deadline: float) -> float:
     return max(1.0, deadline - time.monotonic())
 
@@ -600,6 +663,12 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     try:
         worker = FleetWorker(args, fargs, engine_argv)
+        if fargs.eval_spool and fargs.eval_num_gpus:
+            eval_spool = P.Spool(fargs.eval_spool).ensure()
+            if rw.lock_spool(eval_spool) is None:
+                raise RuntimeError(f"another rollout worker already serves the eval spool {eval_spool.root}")
+            eval_args = rw.parse_args([*rest, "--spool", str(eval_spool.root)])
+            worker.eval_worker = FleetWorker(eval_args, fargs, engine_argv, region="eval", owner=worker)
     except (ValueError, RuntimeError) as e:
         log.error("%s", e)
         spool.write_heartbeat("failed", error=str(e), log_path=args.log_path)
