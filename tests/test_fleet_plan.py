@@ -172,3 +172,28 @@ def test_spawn_worker_rejects_a_bad_fleet_size(tmp_path):
         pytest.skip("spawn_worker checks the rollout venv first")
     with pytest.raises(ValueError, match="engines >= 1"):
         spawn_worker(tmp_path / "spool", model=tmp_path, engines=0, venv=venv)
+
+
+def test_the_worker_hooks_the_fleet_overrides_exist():
+    """fleet.py reuses rollout_worker.Worker by subclassing it: its loop calls these methods, which the fleet
+    overrides (driver) or relies on (engine actors). A rename in rollout_worker.py must fail here, in seconds,
+    not only in the slow real-Ray tests."""
+    import inspect
+
+    sys.path.insert(0, str(FLEET.parent))
+    try:
+        import fleet
+        import rollout_worker as rw
+    finally:
+        sys.path.remove(str(FLEET.parent))
+    assert issubclass(fleet.FleetWorker, rw.Worker)
+    hooks = {"build_engine": ["model_dir"], "drop_engine": [], "serve_generate": ["batch"], "serve_sync": ["msg"],
+             "next_batch": [], "answer": ["msg"], "heartbeat": [], "check_generate": ["prompts", "params"],
+             "set_state": ["state", "error"], "run": [], "close": ["error"]}  # fmt: skip
+    for name, params in hooks.items():
+        assert callable(getattr(rw.Worker, name, None)), f"rollout_worker.Worker.{name} is gone"
+        assert list(inspect.signature(getattr(rw.Worker, name)).parameters)[1:] == params, name
+    assert callable(rw.parse_args) and callable(rw.lock_spool) and callable(rw.sample_seed)
+    src = inspect.getsource(rw.Worker.run)
+    for call in ("self.build_engine(", "self.next_batch(", "self.serve_generate(", "self.serve_sync("):
+        assert call in src, f"Worker.run no longer calls {call}...): the fleet's overrides would be bypassed"
