@@ -9,7 +9,8 @@ medians over rounds of the paired differences / ratios:
 - routing overhead: sequential tiny requests (1 prompt, 1 token); the fleet's extra ms per request over the
   plain worker is the cost of the driver + Ray hop (target <= 5 ms);
 - throughput: ``--requests`` requests (4 prompts x n=2 x 32 tokens) submitted at once, requests/s.
-On a 2-core CPU two engines get one core each (the fleet spreads vLLM's OpenMP binding); on a GPU machine each
+On a 2-core CPU two engines get one core each (the fleet spreads vLLM's OpenMP binding; the plain worker is
+bound to the core of the fleet's engine 0, so the pair differs only by the routing); on a GPU machine each
 engine has its own GPU(s).
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import sys
 import tempfile
@@ -87,7 +89,10 @@ def main() -> None:
     kw = {"in_process": True, "dtype": "float32", "max_model_len": MAX_MODEL_LEN, "ready_timeout_s": 900}
     with tempfile.TemporaryDirectory(prefix="bench_fleet_") as d:
         model = save_pretrained(Transformer(cfg).init_weights(seed=0), Path(d) / "model")
-        plain_h = spawn_worker(Path(d) / "plain", model=model, **kw)
+        # bound to core 0 like the fleet's engine 0: vLLM CPU's default binding puts every engine of the machine on
+        # one core, which alone made the plain worker ~5x slower than the fleet here (measured under load)
+        bind = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(min(os.sched_getaffinity(0)))}
+        plain_h = spawn_worker(Path(d) / "plain", model=model, env=bind, **kw)
         plain = make_rollout_client("spool", spool=Path(d) / "plain", timeout_s=900, worker=plain_h)
         res = {}
         try:

@@ -168,21 +168,21 @@ def test_all_engines_dead_raises_worker_died_with_the_log_tail(fleet):
     client = make_rollout_client("spool", spool=fleet["spool"], timeout_s=CALL_TIMEOUT_S, worker=fleet["handle"])
     result: list = []
 
+    rid = "kill-all-request"
+
     def request() -> None:
-        try:  # 64 prompts x 4 samples x 28 tokens: seconds of work for both engines (max_model_len is 32)
-            result.append(client.generate([[5, 6, 7]] * 64, SamplingParams(n=4, max_tokens=28, seed=1)))
+        try:  # 256 prompts x 4 samples x 28 tokens: many seconds of work for both engines (max_model_len is 32)
+            result.append(client.generate([[5, 6, 7]] * 256, SamplingParams(n=4, max_tokens=28, seed=1), rid))
         except Exception as e:  # noqa: BLE001 - the test inspects it
             result.append(e)
 
     t = threading.Thread(target=request, daemon=True)
     t.start()
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # until the heartbeat shows work routed to both engines
-        engines = fleet["handle"].spool.read_heartbeat()["engines"]
-        if all(e["outstanding"] > 0 for e in engines):
-            break
-        time.sleep(0.1)
-    assert all(e["outstanding"] > 0 for e in engines), engines
+    while client.spool.request_state(rid) != "claimed" and time.monotonic() < deadline:
+        time.sleep(0.01)  # claimed = routed to the engines (the driver dispatches at once)
+    assert client.spool.request_state(rid) == "claimed" and not result, result
+    engines = fleet["handle"].spool.read_heartbeat()["engines"]
     t0 = time.monotonic()
     pids = [e["pid"] for e in engines]
     for pid in pids:
