@@ -9,9 +9,9 @@ medians over rounds of the paired differences / ratios:
 - routing overhead: sequential tiny requests (1 prompt, 1 token); the fleet's extra ms per request over the
   plain worker is the cost of the driver + Ray hop (target <= 5 ms);
 - throughput: ``--requests`` requests (4 prompts x n=2 x 32 tokens) submitted at once, requests/s.
-On a 2-core CPU two engines get one core each (the fleet spreads vLLM's OpenMP binding; the plain worker is
-bound to the core of the fleet's engine 0, so the pair differs only by the routing); on a GPU machine each
-engine has its own GPU(s).
+On a 2-core CPU two engines get one core each (the fleet spreads vLLM's OpenMP binding); the plain worker runs
+in the environment of the fleet's engine 0 (same core, one OpenMP thread: see ``spawn_plain``), so a pair
+differs only by the routing. On a GPU machine each engine has its own GPU(s).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -29,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from align.model import Transformer, save_pretrained
-from align.rollout.client import make_rollout_client, spawn_worker
-from align.rollout.protocol import SamplingParams, generate_request
+from align.rollout.client import DEFAULT_VENV, REPO_ROOT, WORKER_SCRIPT, WorkerHandle, make_rollout_client, spawn_worker
+from align.rollout.protocol import SamplingParams, Spool, generate_request, worker_env
 from align.tasks import reverse
 
 MAX_MODEL_LEN = 128  # the tiny reverse-task Qwen2 shape (3 layers, hidden 128) with room for 4 + 32 tokens
@@ -55,6 +56,22 @@ def requests_per_s(client, k: int) -> float:
     for m in msgs:
         client.wait(m.id, expect="completions")
     return k / (time.perf_counter() - t0)
+
+
+def spawn_plain(spool: Path, model: Path) -> WorkerHandle:
+    """The plain worker, started as spawn_worker does, but in the environment of a fleet's engine actor: one
+    OpenMP thread (Ray sets OMP_NUM_THREADS=1 in actors; worker_env drops the variable, and without it a 1-token
+    request took 147 ms instead of 43 ms here) and bound to the core of the fleet's engine 0."""
+    sp = Spool(spool).ensure()
+    env = worker_env(None, cache_dir=REPO_ROOT / ".cache" / "rollout", in_process=True)
+    env.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND=str(min(os.sched_getaffinity(0))))
+    cmd = [str(DEFAULT_VENV / "bin" / "python"), str(WORKER_SCRIPT), "--spool", str(sp.root), "--model", str(model),
+           "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32"]  # fmt: skip
+    with open(spool.parent / "plain.log", "ab") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    handle = WorkerHandle(proc, sp, spool.parent / "plain.log")
+    handle.wait_ready(900)
+    return handle
 
 
 def paired(plain, fleet, args: argparse.Namespace) -> dict:
@@ -89,10 +106,7 @@ def main() -> None:
     kw = {"in_process": True, "dtype": "float32", "max_model_len": MAX_MODEL_LEN, "ready_timeout_s": 900}
     with tempfile.TemporaryDirectory(prefix="bench_fleet_") as d:
         model = save_pretrained(Transformer(cfg).init_weights(seed=0), Path(d) / "model")
-        # bound to core 0 like the fleet's engine 0: vLLM CPU's default binding puts every engine of the machine on
-        # one core, which alone made the plain worker ~5x slower than the fleet here (measured under load)
-        bind = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(min(os.sched_getaffinity(0)))}
-        plain_h = spawn_worker(Path(d) / "plain", model=model, env=bind, **kw)
+        plain_h = spawn_plain(Path(d) / "plain", model)
         plain = make_rollout_client("spool", spool=Path(d) / "plain", timeout_s=900, worker=plain_h)
         res = {}
         try:

@@ -122,6 +122,8 @@ def test_grpo_on_two_engines_survives_an_engine_kill(fleet, monkeypatch):
     assert hb0["state"] == "ready" and [e["state"] for e in hb0["engines"]] == ["ready", "ready"]
     gpus = [g for e in hb0["engines"] for g in e["gpu_ids"]]
     assert len(gpus) == 2 and len(set(gpus)) == 2  # one logical GPU per engine's bundle, distinct
+    binds = [e["cpu_bind"] for e in hb0["engines"]]  # CPU build: one core each (vLLM's default: the same core)
+    assert None not in binds and len(set(binds)) == 2, binds
     victim = hb0["engines"][0]["pid"]
     calls: list[dict] = []
     real_generate = client_mod.SpoolClient.generate

@@ -48,7 +48,7 @@ def engine_actor_class():
 
         def info(self) -> dict:
             return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-                    "version": self.w.version}  # fmt: skip
+                    "cpu_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), "version": self.w.version}  # fmt: skip
 
         def _serve(self, fn, arg) -> list[str]:
             self.w.answers = []
