@@ -140,7 +140,7 @@ class FleetWorker(rw.Worker):
         self.spool = FleetSpool(self.spool.root, self.report)
         self.jobs: dict[str, Job] = {}
         self.inflight: dict[object, Call] = {}
-        self.backlog: list[tuple[Job, list[int]]] = []
+        self.backlog: list[tuple[Job, int]] = []
         self.deaths: list[dict] = []
         self.restarts_left = fargs.rollout_engine_restarts if region == "rollout" else fargs.eval_engine_restarts
         self.eval_worker: FleetWorker | None = None  # the eval router (its own spool), run by the rollout one
@@ -282,36 +282,44 @@ class FleetWorker(rw.Worker):
 
     # -- routing --------------------------------------------------------------------------------
     def serve_generate(self, batch: list[tuple[P.Message, float]]) -> None:
-        """Route each request's prompts to engines and return at once; the fleet loop answers."""
+        """Route the prompts of the claimed requests to engines and return at once; the fleet loop answers.
+
+        One call per engine carries all its prompts of the batch, so the engine serves them as one vLLM batch.
+        """
+        items: list[tuple[Job, int]] = []
         for msg, claimed_at in batch:
             params = P.SamplingParams.from_dict(msg.body["params"])
             problem = self.check_generate(msg.body["prompts"], params)
             if problem is not None:
                 self.answer(P.error_response(msg.id, "bad_request", problem))
                 continue
-            prompts = list(range(len(msg.body["prompts"])))
-            job = Job(msg, params, claimed_at, set(prompts))
-            with self.lock:
-                self.jobs[msg.id] = job
-                self._route(job, prompts)
+            job = Job(msg, params, claimed_at, set(range(len(msg.body["prompts"]))))
+            items += [(job, i) for i in sorted(job.remaining)]
+        with self.lock:
+            for job, _ in items:
+                self.jobs[job.msg.id] = job
+            self._route(items)
 
-    def _route(self, job: Job, prompts: list[int]) -> None:
+    def _route(self, items: list[tuple[Job, int]]) -> None:
+        items = [(job, i) for job, i in items if job.msg.id in self.jobs]  # not those of a request answered meanwhile
+        if not items:
+            return
         healthy = [e for e in self.engines if e.state == "ready"]
         if not healthy:
             if any(e.state in ("starting", "restarting") for e in self.engines):
-                self.backlog.append((job, prompts))
+                self.backlog += items
             else:
                 self._fail("every engine is dead and no restart is left")
             return
-        chosen: dict[int, list[int]] = {}
-        for i in prompts:
+        chosen: dict[int, list[tuple[Job, int]]] = {}
+        for job, i in items:
             e = min(healthy, key=lambda x: (x.outstanding, x.index))
             e.outstanding += job.work(i)
-            chosen.setdefault(e.index, []).append(i)
-        for k, idx in chosen.items():
+            chosen.setdefault(e.index, []).append((job, i))
+        for k, its in chosen.items():
             e = self.engines[k]
-            ref = e.actor.generate.remote([job.sub_message(i) for i in idx])
-            self.inflight[ref] = Call("generate", e, e.actor, job, idx)
+            ref = e.actor.generate.remote([job.sub_message(i, f"p{n}") for n, (job, i) in enumerate(its)])
+            self.inflight[ref] = Call("generate", e, e.actor, its)
 
     def next_batch(self):
         if self.stopping:
@@ -373,8 +381,8 @@ class FleetWorker(rw.Worker):
                     self._engine_died(e, f"{err.__class__.__name__}: {str(err).strip().splitlines()[-1][:300]}")
                 if call.kind == "generate":
                     if call.actor is e.actor:
-                        e.outstanding = max(0, e.outstanding - sum(call.job.work(i) for i in call.prompts))
-                    self._route(call.job, call.prompts)
+                        e.outstanding = max(0, e.outstanding - call.work())
+                    self._route(call.items)
                 return
             if call.kind == "ping":
                 e.pinging = False
@@ -382,10 +390,9 @@ class FleetWorker(rw.Worker):
                 if call.actor is e.actor:
                     self._engine_up(e, result)
                     backlog, self.backlog = self.backlog, []
-                    for job, prompts in backlog:
-                        self._route(job, prompts)
+                    self._route(backlog)
             else:
-                e.outstanding = max(0, e.outstanding - sum(call.job.work(i) for i in call.prompts))
+                e.outstanding = max(0, e.outstanding - call.work())
                 self._collect(call, [P.Message.from_json(m) for m in result])
 
     def _engine_died(self, e: EngineSlot, why: str) -> None:
@@ -413,22 +420,22 @@ class FleetWorker(rw.Worker):
             self.fatal = why
 
     def _collect(self, call: Call, answers: list[P.Message]) -> None:
-        job = call.job
-        if job.msg.id not in self.jobs:  # already answered (an error in another part)
-            return
+        k = call.engine.index
         for ans in answers:
+            job, i = call.items[int(ans.id[1:])]
+            if job.msg.id not in self.jobs:  # already answered (an error in another part)
+                continue
             if ans.kind == "error":
                 self.jobs.pop(job.msg.id)
                 b = ans.body
-                self.answer(P.error_response(job.msg.id, b["error"], f"engine {call.engine.index}: {b['message']}"))
-                return
-            i = int(ans.id[1:])
+                self.answer(P.error_response(job.msg.id, b["error"], f"engine {k}: {b['message']}"))
+                continue
             job.parts[i] = [{**c, "prompt_index": i} for c in ans.body["completions"]]
             job.remaining.discard(i)
-            job.engines[call.engine.index] = job.engines.get(call.engine.index, 0) + 1
+            job.engines[k] = job.engines.get(k, 0) + 1
             call.engine.served += 1
-        if not job.remaining:
-            self._answer_job(self.jobs.pop(job.msg.id))
+            if not job.remaining:
+                self._answer_job(self.jobs.pop(job.msg.id))
 
     def _answer_job(self, job: Job) -> None:
         comps = [c for i in sorted(job.parts) for c in job.parts[i]]

@@ -117,10 +117,11 @@ class Job:
     def work(self, i: int) -> int:
         return self.params.n * (len(self.msg.body["prompts"][i]) + self.params.max_tokens)
 
-    def sub_message(self, i: int) -> str:
+    def sub_message(self, i: int, sub_id: str) -> str:
+        """Prompt ``i`` with its n samples as a one-prompt request for an engine (``sub_id``: its id in the call)."""
         seed = None if self.params.seed is None else rw.sample_seed(self.params.seed, i, 0)
         params = dataclasses.replace(self.params, seed=seed)  # a per-prompt seed: same samples on any engine
-        return P.generate_request([self.msg.body["prompts"][i]], params, id=f"p{i}").to_json()
+        return P.generate_request([self.msg.body["prompts"][i]], params, id=sub_id).to_json()
 
 
 @dataclasses.dataclass
@@ -128,5 +129,7 @@ class Call:
     kind: str  # generate | start | ping
     engine: EngineSlot
     actor: object = None
-    job: Job | None = None
-    prompts: list[int] = dataclasses.field(default_factory=list)
+    items: list[tuple[Job, int]] = dataclasses.field(default_factory=list)  # (request, prompt index), in call order
+
+    def work(self) -> int:
+        return sum(job.work(i) for job, i in self.items)
