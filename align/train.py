@@ -83,6 +83,8 @@ class TrainConfig:
     rollout_logprobs_mode: str = field(default="raw", metadata=_h("vLLM worker logprobs: 'raw' (before temperature; exact at T=1) or 'processed' (after temperature/top-p/top-k)."))
     rollout_in_process: bool = field(default=False, metadata=_h("Run the spawned vLLM engine in the worker's own process (faster start on CPU; the default is vLLM's multiprocess engine)."))
     rollout_timeout_s: float = field(default=600.0, metadata=_h("Max seconds to wait for a rollout answer."))
+    rollout_num_engines: int = field(default=1, metadata=_h("vLLM engines behind the spool; > 1 runs them as Ray actors (extras/vllm_rollout/fleet.py)."))
+    rollout_engine_restarts: int = field(default=1, metadata=_h("With --rollout-num-engines > 1: restarts of dead engines, fleet total."))
     sync_every: int = field(default=1, metadata=_h("Publish weights to the spool worker every N optimizer steps."))
     checkpoint_every: int = field(default=20, metadata=_h("Checkpoint every N steps (and at the end); 0 = only at the end."))
     keep_checkpoints: int = field(default=2, metadata=_h("Keep the last K checkpoints."))
@@ -109,7 +111,8 @@ class TrainConfig:
                           ("lora", LoraConfig)):
             if isinstance(getattr(self, name), dict):
                 setattr(self, name, from_dict(cls, getattr(self, name), f"{name}."))
-        positive = ("steps", "prompts_per_step", "group_size", "max_tokens", "micro_batch_size", "sync_every")
+        positive = ("steps", "prompts_per_step", "group_size", "max_tokens", "micro_batch_size", "sync_every",
+                    "rollout_num_engines")
         for k in positive:
             if getattr(self, k) < 1:
                 raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(self, k)}")
@@ -399,7 +402,8 @@ def train(
                                   model=model_path if cfg.lora.enabled else init_snapshot,
                                   weights_version=step, max_model_len=mcfg.max_position_embeddings,
                                   logprobs_mode=cfg.rollout_logprobs_mode, in_process=cfg.rollout_in_process,
-                                  dtype=cfg.dtype, extra_args=lora.worker_args(policy))
+                                  dtype=cfg.dtype, extra_args=lora.worker_args(policy),
+                                  engines=cfg.rollout_num_engines, engine_restarts=cfg.rollout_engine_restarts)
         client = make_rollout_client("spool", spool=spool, timeout_s=cfg.rollout_timeout_s, worker=worker)
         if not cfg.spawn_worker or cfg.lora.enabled:  # an attached worker holds whatever it loaded last; LoRA: the adapter
             client.sync_weights(init_snapshot, step)

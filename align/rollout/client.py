@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKER_SCRIPT = REPO_ROOT / "extras" / "vllm_rollout" / "rollout_worker.py"
+FLEET_SCRIPT = REPO_ROOT / "extras" / "vllm_rollout" / "fleet.py"  # N engines on Ray behind one spool
 DEFAULT_VENV = REPO_ROOT / ".venv-rollout"
 SETUP_HINT = "bash scripts/setup_rollout_venv.sh"
 
@@ -379,6 +380,14 @@ def spawn_worker(
     wait_ready: bool = True,
     ready_timeout_s: float = 900.0,
     exit_with_parent: bool = True,
+    engines: int = 1,
+    gpus_per_engine: int = 1,
+    engine_restarts: int = 1,
+    ray_address: str | None = None,
+    use_fleet: bool | None = None,
+    eval_engines: int = 0,
+    eval_gpus_per_engine: int = 1,
+    eval_spool: str | os.PathLike | None = None,
 ) -> WorkerHandle:
     """Launch ``rollout_worker.py`` under ``.venv-rollout`` on ``model`` serving ``spool``.
 
@@ -388,7 +397,19 @@ def spawn_worker(
     With ``exit_with_parent`` (default) the worker exits within seconds when this process does, even by kill -9
     (it watches a pipe this process holds open and its parent pid), so a rerun is not locked out of the spool;
     pass False for a worker that must outlive its launcher (then stop it with ``shutdown_worker``).
+
+    ``engines > 1`` (or a ``ray_address``) starts ``extras/vllm_rollout/fleet.py`` instead: that many vLLM engines
+    (``gpus_per_engine`` each, tensor parallel) as Ray actors behind the same spool, a dead engine restarted at most
+    ``engine_restarts`` times in total; ``gpu`` then does not apply (Ray places the engines). ``use_fleet=True``
+    forces the Ray fleet for one engine too (e.g. to place it on a remote node). ``eval_engines`` more engines
+    (``eval_gpus_per_engine`` each, in bundles appended after every other region) serve ``eval_spool`` behind
+    their own router; they never see training weight syncs (pin them per eval point with ``sync_weights``).
     """
+    if engines < 1 or gpus_per_engine < 1 or engine_restarts < 0:
+        raise ValueError(
+            f"engines >= 1, gpus_per_engine >= 1, engine_restarts >= 0 needed; got {engines}, {gpus_per_engine}, "
+            f"{engine_restarts}"
+        )
     venv = Path(venv) if venv is not None else Path(os.environ.get("ALIGN_ROLLOUT_VENV", DEFAULT_VENV))
     python = venv / "bin" / "python"
     if not python.exists():
@@ -400,10 +421,22 @@ def spawn_worker(
     log_path = Path(log_path) if log_path is not None else sp.root / "worker.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cache_dir = cache_dir or os.environ.get("ALIGN_ROLLOUT_CACHE") or REPO_ROOT / ".cache" / "rollout"
-    cmd = [str(python), str(WORKER_SCRIPT), "--spool", str(sp.root.resolve()), "--model", str(model.resolve())]
+    if eval_engines and eval_spool is None:
+        raise ValueError(f"eval_engines={eval_engines} needs eval_spool=<directory> for the eval router")
+    fleet = use_fleet if use_fleet is not None else engines > 1 or ray_address is not None or eval_engines > 0
+    cmd = [str(python), str(FLEET_SCRIPT if fleet else WORKER_SCRIPT), "--spool", str(sp.root.resolve())]
+    cmd += ["--model", str(model.resolve())]
+    if fleet:
+        cmd += ["--rollout-engines", str(engines), "--rollout-gpus-per-engine", str(gpus_per_engine)]
+        cmd += ["--rollout-engine-restarts", str(engine_restarts), "--engine-start-timeout-s", str(ready_timeout_s)]
+        cmd += ["--ray-address", ray_address] if ray_address else []
+        if eval_engines:
+            cmd += ["--eval-num-gpus", str(eval_engines * eval_gpus_per_engine)]
+            cmd += ["--eval-num-gpus-per-engine", str(eval_gpus_per_engine)]
+            cmd += ["--eval-spool", str(Spool(eval_spool).ensure().root.resolve())]
     cmd += ["--weights-version", str(weights_version), "--max-model-len", str(max_model_len), "--dtype", dtype]
     cmd += ["--logprobs-mode", logprobs_mode, "--log-path", str(log_path.resolve()), *extra_args]
-    wenv = worker_env(env, gpu=gpu, cache_dir=cache_dir, in_process=in_process)
+    wenv = worker_env(env, gpu=None if fleet else gpu, cache_dir=cache_dir, in_process=in_process)
     read_fd, write_fd = os.pipe() if exit_with_parent else (None, None)
     if read_fd is not None:
         cmd += ["--parent-pid", str(os.getpid()), "--parent-fd", str(read_fd)]

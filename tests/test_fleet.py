@@ -1,0 +1,200 @@
+"""The rollout fleet for real: 2 vLLM CPU engines as actors of a local Ray cluster (logical GPUs declared, so
+the placement group is exercised) behind one spool (extras/vllm_rollout/fleet.py).
+
+One fleet serves the module (engine starts are the cost on 2 shared cores): a GRPO run of a few steps attaches
+to it, one engine actor is SIGKILLed before step 2's rollouts and the run completes (every completion stamped
+with the synced version, the heartbeat reports the death and the restart); then, with the restart budget spent,
+both engines are killed while a request is in flight and the trainer's client raises WorkerDiedError with the
+log tail, well within its timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+from helpers_models import require_rollout_venv
+
+from align.rollout import client as client_mod
+from align.rollout.client import WorkerDiedError, make_rollout_client, spawn_worker
+from align.rollout.protocol import SamplingParams, pid_alive
+
+pytestmark = [pytest.mark.rollout, pytest.mark.slow]
+
+READY_TIMEOUT_S = 900.0  # two engines start side by side on 2 shared cores (measured ~100-130 s, cold cache)
+CALL_TIMEOUT_S = 600.0  # a restart during a sync is waited for (~60 s measured)
+DEATH_TIMEOUT_S = 120.0  # all engines killed -> WorkerDiedError well within the client's timeout
+MISMATCH_TOL = 1e-3  # as tests/test_train_spool.py: fp32 vLLM CPU vs align, on-policy at T=1
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    require_rollout_venv()
+    from align.model import Transformer, save_pretrained
+    from align.tasks import reverse
+
+    root = tmp_path_factory.mktemp("fleet")
+    tok = reverse.tokenizer()
+    base = save_pretrained(Transformer(reverse.model_config(tok)).init_weights(seed=0), root / "base")
+    handle = spawn_worker(root / "spool", model=base, engines=2, engine_restarts=1, in_process=True,
+                          eval_engines=1, eval_spool=root / "eval_spool",
+                          dtype="float32", max_model_len=reverse.model_config(tok).max_position_embeddings,
+                          ready_timeout_s=READY_TIMEOUT_S, log_path=root / "fleet.log")  # fmt: skip
+    try:
+        yield {"root": root, "handle": handle, "base": base, "tok": tok, "spool": root / "spool",
+               "eval_spool": root / "eval_spool"}  # fmt: skip
+    finally:
+        handle.shutdown(grace_s=30)
+        assert not handle.group_alive(), "a fleet process survived teardown"
+
+
+class HeartbeatLog:
+    """Polls the fleet's heartbeat in a thread and keeps every distinct engine-state picture seen."""
+
+    def __init__(self, spool) -> None:
+        self.client = make_rollout_client("spool", spool=spool)
+        self.seen: list[list[tuple]] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            hb = self.client.spool.read_heartbeat() or {}
+            picture = [(e["index"], e["state"], e.get("pid")) for e in hb.get("engines", [])]
+            if picture and (not self.seen or self.seen[-1] != picture):
+                self.seen.append(picture)
+
+    def stop(self) -> list[list[tuple]]:
+        self._stop.set()
+        self._t.join()
+        return self.seen
+
+
+def test_eval_fleet_on_ray_is_pinned_per_point(fleet):
+    """One eval engine in the bundle appended after the rollout region, behind its own router (the eval spool),
+    pinned per eval point by align.eval.fleet.EvalFleet as today; training syncs never reach it."""
+    from align.eval.checkpoint_eval import EvalSkip
+    from align.eval.fleet import EvalFleet, FleetEngine
+    from align.model import Transformer, save_pretrained
+    from align.tasks import reverse
+
+    cfg = reverse.model_config(fleet["tok"])
+    snaps = [save_pretrained(Transformer(cfg).init_weights(seed=s), fleet["root"] / f"eval_v{s}") for s in (1, 2)]
+    client = make_rollout_client("spool", spool=fleet["eval_spool"], timeout_s=CALL_TIMEOUT_S)
+    deadline = time.monotonic() + READY_TIMEOUT_S  # the eval engine starts after the rollout engines
+    while (client.spool.read_heartbeat() or {}).get("state") != "ready" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    hb = client.spool.read_heartbeat()
+    assert hb["state"] == "ready" and [e["bundles"] for e in hb["engines"]] == [[2]]  # after rollout's [0], [1]
+    rollout_gpus = {g for e in fleet["handle"].spool.read_heartbeat()["engines"] for g in e["gpu_ids"]}
+    assert len(hb["engines"][0]["gpu_ids"]) == 1 and not set(hb["engines"][0]["gpu_ids"]) & rollout_gpus
+    evf = EvalFleet([FleetEngine(client, name="ray-eval")])
+    prompts, params = [[3, 4, 5], [6, 7]], SamplingParams(n=2, max_tokens=4, seed=0)
+    outs = {}
+    for version, snap in zip((101, 102), snaps):
+        state = evf.pin(str(snap), version)
+        out = state.generate(prompts, params)
+        assert {c.weights_version for c in out} == {version}
+        outs[version] = [c.token_ids for c in out]
+    assert outs[101] != outs[102]  # the pins loaded different weights
+    rollout_versions = {e["version"] for e in fleet["handle"].spool.read_heartbeat()["engines"]}
+    assert not rollout_versions & {101, 102}  # the rollout engines never saw the eval snapshots
+    partial = fleet["root"] / "eval_partial"
+    save_pretrained(Transformer(cfg).init_weights(seed=3), partial)
+    for marker in (".complete", "STABLE"):
+        (partial / marker).unlink(missing_ok=True)
+    with pytest.raises(EvalSkip) as skip:
+        evf.pin(str(partial), 103)
+    assert skip.value.reason == "pin_violation"
+    assert {e["version"] for e in client.spool.read_heartbeat()["engines"]} == {102}
+
+
+def test_grpo_on_two_engines_survives_an_engine_kill(fleet, monkeypatch):
+    from align.tasks import reverse
+    from align.train import TrainConfig, train
+
+    hb0 = fleet["handle"].spool.read_heartbeat()
+    assert hb0["state"] == "ready" and [e["state"] for e in hb0["engines"]] == ["ready", "ready"]
+    gpus = [g for e in hb0["engines"] for g in e["gpu_ids"]]
+    assert len(gpus) == 2 and len(set(gpus)) == 2  # one logical GPU per engine's bundle, distinct
+    binds = [e["cpu_bind"] for e in hb0["engines"]]  # CPU build: one core each (vLLM's default: the same core)
+    assert None not in binds and len(set(binds)) == 2, binds
+    victim = hb0["engines"][0]["pid"]
+    calls: list[dict] = []
+    real_generate = client_mod.SpoolClient.generate
+
+    def spy_generate(self, prompts, params, request_id=None):
+        if len(calls) == 1:  # before step 2's rollouts: kill engine 0's actor process
+            os.kill(victim, signal.SIGKILL)
+        out = real_generate(self, prompts, params, request_id)
+        calls.append({"versions": {c.weights_version for c in out}, "engines": self.last_timings["engines"]})
+        return out
+
+    monkeypatch.setattr(client_mod.SpoolClient, "generate", spy_generate)
+    beats = HeartbeatLog(fleet["spool"])
+    run = fleet["root"] / "run"
+    cfg = TrainConfig(out=str(run), steps=4, prompts_per_step=4, group_size=4, max_tokens=6, lr=1e-2,
+                      rollout="spool", spawn_worker=False, spool=str(fleet["spool"]), rollout_num_engines=2,
+                      rollout_timeout_s=CALL_TIMEOUT_S, checkpoint_every=0)  # fmt: skip
+    cfg.eval.eval_interval = 0
+    try:
+        summary = train(cfg, model=str(fleet["base"]), tokenizer=fleet["tok"], prompts=reverse.prompts(16, "train"),
+                        reward=lambda prompt, completion, **_: completion.count("a") / 6)  # fmt: skip
+    finally:
+        seen = beats.stop()
+    assert summary["steps"] == 4
+    # every completion of step s was produced by the weights synced after step s - 1 (version s - 1)
+    assert [c["versions"] for c in calls] == [{0}, {1}, {2}, {3}]
+    assert calls[0]["engines"] == {"0": 2, "1": 2}  # least outstanding work: 4 prompts split 2 / 2
+    assert "0" not in calls[1]["engines"]  # the killed engine's prompts were served by engine 1
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["mismatch_abs_max"] < MISMATCH_TOL for r in recs), [r["mismatch_abs_max"] for r in recs]
+    # the heartbeat showed the death, then the restarted engine (a new actor process)
+    assert any(state in ("restarting", "dead") for pic in seen for i, state, _ in pic if i == 0), seen
+    hb = fleet["handle"].spool.read_heartbeat()
+    assert [d["pid"] for d in hb["engine_deaths"]] == [victim]
+    assert [e["state"] for e in hb["engines"]] == ["ready", "ready"] and hb["engine_restarts_left"] == 0
+    assert hb["engines"][0]["pid"] != victim and hb["engines"][0]["restarts"] == 1
+    assert {e["version"] for e in hb["engines"]} == {4}
+
+
+def test_all_engines_dead_raises_worker_died_with_the_log_tail(fleet):
+    hb = fleet["handle"].spool.read_heartbeat()
+    if hb.get("engine_restarts_left") != 0:
+        pytest.skip("needs the previous test to have spent the fleet's restart budget")
+    client = make_rollout_client("spool", spool=fleet["spool"], timeout_s=CALL_TIMEOUT_S, worker=fleet["handle"])
+    result: list = []
+
+    rid = "kill-all-request"
+
+    def request() -> None:
+        try:  # 256 prompts x 4 samples x 28 tokens: many seconds of work for both engines (max_model_len is 32)
+            result.append(client.generate([[5, 6, 7]] * 256, SamplingParams(n=4, max_tokens=28, seed=1), rid))
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            result.append(e)
+
+    t = threading.Thread(target=request, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 60
+    while client.spool.request_state(rid) != "claimed" and time.monotonic() < deadline:
+        time.sleep(0.01)  # claimed = routed to the engines (the driver dispatches at once)
+    assert client.spool.request_state(rid) == "claimed" and not result, result
+    engines = fleet["handle"].spool.read_heartbeat()["engines"]
+    t0 = time.monotonic()
+    pids = [e["pid"] for e in engines]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    t.join(DEATH_TIMEOUT_S)
+    elapsed = time.monotonic() - t0
+    assert not t.is_alive(), f"the client hung for {DEATH_TIMEOUT_S} s after every engine was killed"
+    err = result[0]
+    assert isinstance(err, WorkerDiedError), err
+    assert "all 2 engines are dead" in str(err) and "last lines" in str(err), str(err)[-2000:]
+    assert elapsed < DEATH_TIMEOUT_S < CALL_TIMEOUT_S
+    assert not any(pid_alive(p) for p in pids)
+    print(f"\nall engines killed -> WorkerDiedError after {elapsed:.1f} s")
