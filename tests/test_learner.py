@@ -20,6 +20,7 @@ from align.train import TrainConfig
 
 FP32_TOL = {"rtol": 1e-5, "atol": 1e-6}  # fp32, the same math summed in a different order
 BF16_TOL = {"rtol": 2e-2, "atol": 2e-3}  # bf16 forward/backward vs the same in bf16 by another path
+SAMPLER_TOL = 1e-3  # sampler logprob vs the trainer's teacher-forced recompute in the same precision
 CPU = Placement(torch.device("cpu"), "fp32")
 
 
@@ -67,8 +68,8 @@ def grads(model: Transformer) -> dict[str, torch.Tensor]:
 
 def assert_grads_close(a: dict, b: dict, **tol) -> None:
     assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], **tol, msg=lambda m, k=k: f"{k}: {m}")
+    for k, v in a.items():
+        torch.testing.assert_close(v, b[k], **tol, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -384,3 +385,33 @@ def test_training_loop_runs_and_resumes_in_each_precision(tmp_path, precision):
     assert weights == ("bfloat16" if precision == "bf16" else "float32")
     moments = [s["exp_avg"].dtype for s in ckpt.load_state(last)["optimizer"]["state"].values()]
     assert set(moments) == {torch.float32}
+
+
+def test_sampler_under_bf16_mixed_computes_like_the_trainer(monkeypatch):
+    """The loop samples inside ``place.autocast()``: the CPU packing path steps aside, the KV cache is bf16, and the
+    sampler's logprobs are the trainer's bf16-mixed recompute (to bf16 rounding), not the fp32 ones."""
+    from align import model as model_mod
+    from align.rollout import native
+    from align.rollout.protocol import SamplingParams
+
+    model = tiny(tied=True)
+    prompts = [[1, 2, 3], [4, 5]]
+    caches = []
+    real_cache = model_mod.KVCache
+
+    def spy(*a, **k):
+        caches.append(real_cache(*a, **k))
+        return caches[-1]
+
+    monkeypatch.setattr(native, "KVCache", spy)
+    place = Placement(torch.device("cpu"), "bf16-mixed")
+    with place.autocast():
+        comps = native.generate(model, prompts, SamplingParams(n=2, max_tokens=6, seed=0))
+    assert caches[0].k.dtype == torch.bfloat16
+    inputs, targets, mask, full_lp, _ = learner.sequence_batch(prompts, comps, 2, "cpu")
+    with torch.no_grad():
+        lp16, _ = learner.token_logprobs(model, inputs, targets, 1.0, place=place, with_entropy=False)
+        lp32, _ = learner.token_logprobs(model, inputs, targets, 1.0, place=CPU, with_entropy=False)
+    err16 = (lp16 - full_lp)[mask].abs().max()
+    err32 = (lp32 - full_lp)[mask].abs().max()
+    assert err16 < SAMPLER_TOL < err32  # control: the fp32 recompute is another basis

@@ -233,6 +233,8 @@ def _generate(model: Transformer, prompts: list[list[int]], params: SamplingPara
     validate_prompts(prompts, cfg.vocab_size, context)
     device = model.lm_head.weight.device
     dtype = model.lm_head.weight.dtype
+    if torch.is_autocast_enabled(device.type):  # bf16-mixed: the cache holds what the autocast matmuls make
+        dtype = torch.get_autocast_dtype(device.type)
     P, n = len(prompts), params.n
     lens = torch.tensor([len(p) for p in prompts], device=device)
     L = int(lens.max())
