@@ -138,8 +138,8 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return [b + 3 for b in text.encode()]
 
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i - 3 for i in ids if 3 <= i < 259).decode(errors="replace")
+    def decode(self, ids: list[int]) -> str:  # any id of the 151936 prints (the reward hashes the text)
+        return "".join(chr(32 + i % 95) for i in ids)
 
 
 def train_run(args) -> None:
