@@ -3,6 +3,7 @@
 #   1. the tests marked `gpu` (tests/test_gpu.py; they skip without CUDA) and the Triton kernel tests on the GPU
 #   2. a 3-step align.train run of the Qwen2.5-0.5B shape (random weights) in bf16-mixed: peak memory, step time
 #   3. one forward + backward, plain logits vs the fused lm_head, at 8 x 512 tokens: memory beyond weights + grads
+#      (without and with gradient checkpointing: the 24 layers' activations are the same in both paths)
 # Needs a python3 with torch (CUDA), triton, transformers and pytest; installs nothing, downloads nothing, writes
 # only under $TMPDIR. PYTHON=/path/to/python picks another interpreter. Takes ~5 minutes on one GPU (<= 10).
 set -euo pipefail
@@ -33,4 +34,6 @@ timeout 180 "$PY" benchmarks/bench_train_step.py --train --device cuda --precisi
 
 echo "== 3/3 one step, plain vs fused, Qwen2.5-0.5B shape, 8 x 512 tokens, bf16-mixed"
 timeout 150 "$PY" benchmarks/bench_train_step.py --device cuda --precision bf16-mixed --batch 8 --seq 512 --reps 3
+timeout 150 "$PY" benchmarks/bench_train_step.py --device cuda --precision bf16-mixed --batch 8 --seq 512 --reps 3 \
+    --gradient-checkpointing
 echo "gpu_check: done"
