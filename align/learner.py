@@ -10,11 +10,12 @@ Key decisions
   and packs at most T tokens per micro-batch counting padding (rows x its longest row); ``--micro-batch-size``
   takes consecutive rows. Each micro-batch is cut to its longest row; rows with no token to learn from are skipped.
 - ``--updates-per-batch K`` x ``--mini-batches M`` optimizer steps per batch (PPO epochs, TRL ``num_iterations``):
-  the M mini-batches are consecutive slices of the rows (groups stay together), visited in order K times. With
-  K * M > 1 the old logprobs are computed once, before the first update, so the ratio and the clipping act from the
-  second update on; with K = M = 1 the old logprobs are the current ones, detached (no extra forward pass; the
-  ratio is 1 and rho = pi_old / mu measures exactly the sampler-trainer mismatch). Reference logprobs (KL) are
-  computed once per batch, before any update.
+  the M mini-batches are consecutive slices of the rows (ordered by prompt: whole groups when M divides the
+  prompts), visited in order K times; each optimizer step is normalised by its own mini-batch's counts. With
+  K * M > 1 the old logprobs are computed once, before the first update, so the ratio and the clipping act from
+  the second update on; with K = M = 1 the old logprobs are the current ones, detached (no extra forward pass;
+  the ratio is 1 and rho = pi_old / mu measures exactly the sampler-trainer mismatch). Reference logprobs (KL)
+  are computed once per batch, before any update.
 
 Shapes: N completions of the step, L padded row length (prompt + completion - 1), E hidden size, V vocabulary.
 """
