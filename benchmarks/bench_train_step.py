@@ -57,6 +57,10 @@ def build(args):
     from align.model import ModelConfig, Transformer, rope_inv_freq
 
     place = resolve(args.device, args.precision)
+    if args.linear_rows:
+        from align import kernels
+
+        kernels.LINEAR_ROWS = args.linear_rows
     cfg = ModelConfig(**{**QWEN25_05B, "num_hidden_layers": args.layers})
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -195,6 +199,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--micro-batch-tokens", type=int, default=4096)
+    p.add_argument("--linear-rows", type=int, default=0, help="override align.kernels.LINEAR_ROWS (fused path)")
+    p.add_argument("--no-time", action="store_true", help="memory only")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.train:
@@ -219,9 +225,10 @@ def main(argv: list[str] | None = None) -> None:
     place = resolve(args.device, args.precision)
     load = f" | load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus" if place.device.type == "cpu" else ""
     print(f"Qwen2.5-0.5B shape, {args.layers} layers, V {QWEN25_05B['vocab_size']} | {args.batch} x {args.seq} tokens | "
-          f"{place.device} {place.precision} | checkpointing {args.gradient_checkpointing}{load}")  # fmt: skip
+          f"{place.device} {place.precision} | checkpointing {args.gradient_checkpointing} | "
+          f"LINEAR_ROWS {args.linear_rows or 'default'}{load}")  # fmt: skip
     mem = {path: run_child(path) for path in PATHS}
-    t = run_child("time")
+    t = {path: float("nan") for path in PATHS} if args.no_time else run_child("time")
     print(f"weights {mem['plain']['weights_mb']:.0f} MB, grads {mem['plain']['grads_mb']:.0f} MB")
     print(f"{'path':>6} {'extra MB':>9} {'vs plain':>9} {'step s':>8} {'vs plain':>9}")
     for path in PATHS:
