@@ -153,14 +153,14 @@ def load_state(ckpt: Path) -> dict:
     return state
 
 
-def load_model(ckpt: Path, dtype: torch.dtype) -> Transformer:
+def load_model(ckpt: Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> Transformer:
     """The policy of a committed checkpoint; an unreadable ``model/`` names its file and the way out."""
     from safetensors import SafetensorError
 
     from align.model import load_pretrained
 
     try:
-        return load_pretrained(ckpt / "model", dtype=dtype)
+        return load_pretrained(ckpt / "model", dtype=dtype, device=device)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:  # truncated header / data, bad config
         raise CheckpointError(f"{_unreadable_file(ckpt / 'model')} cannot be read ({type(e).__name__}: {e}); the "
                               f"checkpoint's model is truncated or corrupt: {_previous_hint(ckpt)}") from None

@@ -72,9 +72,14 @@ class TrainConfig:
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.99], metadata=_h("AdamW betas."))
     grad_clip: float = field(default=1.0, metadata=_h("Max global grad norm (0 = off)."))
     micro_batch_size: int = field(default=64, metadata=_h("Completions per forward/backward; never changes the result."))
+    micro_batch_tokens: int = field(default=0, metadata=_h("Token budget per forward/backward (rows sorted by length, padding counted); replaces --micro-batch-size when > 0; never changes the result."))
+    updates_per_batch: int = field(default=1, metadata=_h("Passes over each batch (PPO epochs, TRL num_iterations); old logprobs are computed once before the first."))
+    mini_batches: int = field(default=1, metadata=_h("Optimizer steps per pass: the batch is split into this many mini-batches."))
+    device: str = field(default="auto", metadata=_h("Training device: auto (CUDA when available), cpu, cuda or cuda:N."))
+    precision: str = field(default="auto", metadata=_h("fp32, bf16-mixed (fp32 master weights, bf16 autocast) or bf16 (bf16 weights, fp32 AdamW moments); auto = bf16-mixed on CUDA, fp32 on CPU."))
     gradient_checkpointing: bool = field(default=False, metadata=_h("Recompute layer activations in backward."))
     threads: int = field(default=1, metadata=_h("torch CPU threads (0 = torch's default). 1 is fastest for small models and never oversubscribes a shared CPU."))
-    dtype: str = field(default="float32", metadata=_h("Training weights dtype: 'float32' or 'bfloat16'."))
+    dtype: str | None = field(default=None, metadata=_h("Deprecated alias of --precision: float32 = fp32, bfloat16 = bf16."))
     logprob_backend: str = field(default="auto", metadata=_h("Token logprob kernel: auto (triton on CUDA, chunked torch elsewhere), torch, triton, reference."))
     rollout: str = field(default="native", metadata=_h("Rollout backend: 'native' (in-process) or 'spool' (vLLM worker)."))
     spool: str | None = field(default=None, metadata=_h("Spool dir for --rollout spool (default {out}/spool)."))
@@ -112,14 +117,13 @@ class TrainConfig:
             if isinstance(getattr(self, name), dict):
                 setattr(self, name, from_dict(cls, getattr(self, name), f"{name}."))
         positive = ("steps", "prompts_per_step", "group_size", "max_tokens", "micro_batch_size", "sync_every",
-                    "rollout_num_engines")
+                    "rollout_num_engines", "updates_per_batch", "mini_batches")
         for k in positive:
             if getattr(self, k) < 1:
                 raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(self, k)}")
         choices = {
             "rollout": ("native", "spool"),
             "lr_schedule": ("constant", "linear", "cosine"),
-            "dtype": ("float32", "bfloat16"),
             "behaviour_logprobs": ("sampled", "full"),
             "rollout_logprobs_mode": ("raw", "processed"),
             "logprob_backend": ("auto", "torch", "triton", "reference"),
@@ -134,6 +138,9 @@ class TrainConfig:
         self.eval.check_save_hf(self.save_hf)
         if self.merge_lora and not self.lora.enabled:
             raise ValueError("--merge-lora needs --lora-rank > 0 (it merges the adapter into the --save-hf export)")
+        from align.learner import check_config
+
+        check_config(self)
 
 
 CLI_PREFIXES = {"adv": "adv-", "lora": "lora-"}  # loss fields are flat (--eps-low, --kl-coef, --loss NAME); eval fields are eval_*
@@ -229,62 +236,6 @@ def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
     return f
 
 
-def sequence_batch(prompt_ids: list[list[int]], completions: list, G: int, device) -> tuple:
-    """Right-padded teacher-forcing tensors for the P*G completions:
-    inputs (N, L), targets (N, L), mask (N, L) over completion tokens, behaviour logprobs (N, L) x2."""
-    import torch
-
-    N = len(completions)
-    seqs = [prompt_ids[c.prompt_index] + c.token_ids for c in completions]
-    L = max(len(s) for s in seqs) - 1
-    inputs = torch.zeros(N, L, dtype=torch.long)
-    targets = torch.zeros(N, L, dtype=torch.long)
-    mask = torch.zeros(N, L, dtype=torch.bool)
-    full_lp = torch.zeros(N, L)
-    sampled_lp = torch.zeros(N, L)
-    for i, (s, c) in enumerate(zip(seqs, completions)):
-        p, k = len(prompt_ids[c.prompt_index]), len(c.token_ids)
-        inputs[i, : len(s) - 1] = torch.tensor(s[:-1])
-        targets[i, : len(s) - 1] = torch.tensor(s[1:])
-        mask[i, p - 1 : p - 1 + k] = True
-        full_lp[i, p - 1 : p - 1 + k] = torch.tensor(c.logprobs)
-        sampled = c.sampled_logprobs if c.sampled_logprobs is not None else c.logprobs
-        sampled_lp[i, p - 1 : p - 1 + k] = torch.tensor(sampled)
-    return tuple(t.to(device) for t in (inputs, targets, mask, full_lp, sampled_lp))
-
-
-def backward_batch(policy, ref_model, cfg: TrainConfig, inputs, targets, mask, advantages, behav) -> list[dict]:
-    """Loss and backward over micro-batches of ``cfg.micro_batch_size`` completions, accumulating into ``.grad``.
-
-    The normalisers (token and sequence counts) are those of the whole batch, so the accumulated gradient
-    is the whole-batch gradient whatever the micro-batch size. ``old_logprobs`` is the current policy's
-    logprob, detached: one update per batch, so the PPO ratio is 1 and rho = pi_old / mu measures exactly
-    the sampler-trainer mismatch. Returns the per-micro-batch stats (merge with ``merge_stats``)."""
-    import torch
-
-    from align.grpo import normalisers, policy_loss
-    from align.kernels import token_logprobs
-
-    total_tokens, total_seqs = normalisers(mask, cfg.loss)
-    stats = []
-    if total_tokens == 0:
-        return stats
-    for s in range(0, inputs.shape[0], cfg.micro_batch_size):
-        sl = slice(s, s + cfg.micro_batch_size)
-        logits = policy(inputs[sl])  # (mb, L, V)
-        lp, ent = token_logprobs(logits, targets[sl], cfg.temperature, backend=cfg.logprob_backend)
-        ref_lp = None
-        if ref_model is not None:
-            with torch.no_grad():
-                ref_lp, _ = token_logprobs(ref_model(inputs[sl]), targets[sl], cfg.temperature, with_entropy=False,
-                                           backend=cfg.logprob_backend)
-        loss, st = policy_loss(cfg.loss, lp, lp.detach(), advantages[sl], mask[sl], behav_logprobs=behav[sl],
-                               ref_logprobs=ref_lp, entropy=ent, total_tokens=total_tokens, total_seqs=total_seqs)
-        loss.backward()
-        stats.append(st)
-    return stats
-
-
 def train(
     cfg: TrainConfig,
     *,
@@ -302,16 +253,19 @@ def train(
     import torch
 
     from align import checkpoint as ckpt
-    from align import lora
+    from align import learner, lora
+    from align.device import make_optimizer
+    from align.device import resolve as resolve_placement
     from align.eval import EvalSet, make_evaluator
     from align.eval.metrics import score_completions
-    from align.grpo import compute_advantages, merge_stats
+    from align.grpo import compute_advantages
     from align.model import load_pretrained
     from align.rollout.client import make_rollout_client, spawn_worker
     from align.rollout.protocol import SamplingParams, atomic_write_text, logprob_basis_warning
     from align.runlog import MetricsLog, Progress, format_line, make_logger, sample_groups, write_plot
 
     t_start = time.monotonic()
+    place = resolve_placement(cfg.device, cfg.precision)  # bad --device / --precision fail here, before any load
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     stop_flag = stop_flag if stop_flag is not None else {}
@@ -349,18 +303,21 @@ def train(
             print(f"[align] resume: applying changed setting {change}", flush=True)
     atomic_write_text(out / "config.json", json.dumps(new_config, indent=2))
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
     resume = ckpt.pick(out / "checkpoints", cfg.resume_from)
     if cfg.lora.enabled:  # frozen base + trainable adapters; a LoRA checkpoint holds only the adapter
-        policy = load_pretrained(model_path, dtype=dtype)
+        policy = load_pretrained(model_path, dtype=place.param_dtype, device=place.device)
         lora.apply_lora(policy, cfg.lora, base_model=model_path, seed=cfg.seed)
         if resume:
             lora.load_adapter(policy, resume[1] / "adapter")
+    elif resume:
+        policy = ckpt.load_model(resume[1], place.param_dtype, device=place.device)
     else:
-        policy = ckpt.load_model(resume[1], dtype) if resume else load_pretrained(model_path, dtype=dtype)
+        policy = load_pretrained(model_path, dtype=place.param_dtype, device=place.device)
     policy.gradient_checkpointing = cfg.gradient_checkpointing
     mcfg = policy.config
-    ref_model = load_pretrained(model_path, dtype=dtype) if cfg.loss.kl_coef > 0 else None
+    ref_model = None
+    if cfg.loss.kl_coef > 0:
+        ref_model = load_pretrained(model_path, dtype=place.frozen_dtype, device=place.device).requires_grad_(False)
     tok = task.tokenizer
     stops = stop_ids(tok, mcfg)
     encoded = [tok.encode(r["prompt"]) for r in task.prompts]
@@ -371,8 +328,10 @@ def train(
                 f"prompt {i} ({len(ids)} tokens) + --max-tokens {cfg.max_tokens} does not fit the model's context "
                 f"of {mcfg.max_position_embeddings}; shorten it or lower --max-tokens"
             )
+    learner.check_token_budget(cfg, [len(ids) for ids in encoded])
 
-    opt = torch.optim.AdamW(lora.trainable_parameters(policy), lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay)
+    opt = make_optimizer(lora.trainable_parameters(policy), place, lr=cfg.lr, betas=cfg.adam_betas,
+                         weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     step, cursor = 0, {"epoch": 0, "index": 0}
     if resume:
@@ -402,7 +361,7 @@ def train(
                                   model=model_path if cfg.lora.enabled else init_snapshot,
                                   weights_version=step, max_model_len=mcfg.max_position_embeddings,
                                   logprobs_mode=cfg.rollout_logprobs_mode, in_process=cfg.rollout_in_process,
-                                  dtype=cfg.dtype, extra_args=lora.worker_args(policy),
+                                  dtype=place.compute_dtype_name, extra_args=lora.worker_args(policy),
                                   engines=cfg.rollout_num_engines, engine_restarts=cfg.rollout_engine_restarts)
         client = make_rollout_client("spool", spool=spool, timeout_s=cfg.rollout_timeout_s, worker=worker)
         if not cfg.spawn_worker or cfg.lora.enabled:  # an attached worker holds whatever it loaded last; LoRA: the adapter
@@ -469,7 +428,8 @@ def train(
     def sample(idx: list[int], round_: int) -> list:
         # the seed depends only on (seed, step, round): resume replays a step exactly
         params.seed = cfg.seed * 1_000_003 + step + round_ * 100_000_007
-        comps = client.generate([encoded[i] for i in idx], params)
+        with place.autocast():  # the sampler computes like the trainer (bf16-mixed: bf16 matmuls)
+            comps = client.generate([encoded[i] for i in idx], params)
         if cfg.rollout == "spool":
             runsafety.check_weights_version(comps, published, client.spool.root)
         return comps
@@ -510,19 +470,9 @@ def train(
                 truncated[c.prompt_index, c.sample_index] = c.finish_reason == "length"
             adv, valid, adv_stats = compute_advantages(rewards, cfg.adv, lengths=lengths, truncated=truncated,
                                                        max_tokens=cfg.max_tokens)
-            # 5. micro-batched loss / backward, global normalisers
-            inputs, targets, mask, full_lp, sampled_lp = sequence_batch(batch_ids, completions, G, "cpu")
-            flat_valid = torch.stack([valid[c.prompt_index, c.sample_index] for c in completions])
-            flat_adv = torch.stack([adv[c.prompt_index, c.sample_index] for c in completions]).float()
-            mask &= flat_valid[:, None]
-            behav = sampled_lp if cfg.behaviour_logprobs == "sampled" else full_lp
-            opt.zero_grad(set_to_none=True)
-            mb_stats = backward_batch(policy, ref_model, cfg, inputs, targets, mask, flat_adv, behav)
-            grad_norm = 0.0
-            if mb_stats:
-                if cfg.grad_clip > 0:
-                    grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip))
-                opt.step()
+            # 5. loss / backward / optimizer step(s) on the device (align.learner: fused logprobs, micro-batches
+            #    with global normalisers, updates per batch)
+            upd = learner.update(policy, ref_model, opt, cfg, place, batch_ids, completions, adv, valid)
             sched.step()
             step += 1
             # 6. weights to the rollout worker
@@ -546,7 +496,7 @@ def train(
                 "step": step,
                 "reward_mean": float(finite.mean()) if finite.numel() else math.nan,
                 "reward_std": float(finite.std()) if finite.numel() > 1 else 0.0,
-                **(merge_stats(mb_stats) if mb_stats else {"loss": 0.0}),
+                **upd.stats,
                 **adv_stats,
                 "unscorable": int(rewards.isnan().sum()),
                 "reward_errors": len(errors),
@@ -562,7 +512,7 @@ def train(
                 "sync_time": sync_s,
                 "step_time": dt,
                 "lr": sched.get_last_lr()[0],
-                "grad_norm": grad_norm,
+                "grad_norm": upd.grad_norm,
             }
             metrics.write(rec)
             progress.update(step, format_line(rec))

@@ -21,3 +21,14 @@ from skip_policy import (  # noqa: F401  (hooks re-exported for pytest)
     pytest_sessionfinish,
     pytest_terminal_summary,
 )
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` skip, by name, where CUDA is absent (``bash scripts/gpu_check.sh`` runs them on a GPU)."""
+    import pytest
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: run bash scripts/gpu_check.sh on a GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -76,7 +76,7 @@ def test_python_api_learns_and_leaves_run_files(tmp_path, tiny_model):
 def test_micro_batch_size_does_not_change_the_gradient(tiny_model):
     from align.rollout.native import generate
     from align.rollout.protocol import SamplingParams
-    from align.train import backward_batch, sequence_batch
+    from align.learner import backward_batch, sequence_batch
 
     policy = load_pretrained(tiny_model)
     prompts = [TOK.encode(p["prompt"]) for p in PROMPTS]
@@ -100,9 +100,7 @@ def test_micro_batch_size_does_not_change_the_gradient(tiny_model):
             for k in whole:
                 torch.testing.assert_close(split[k], whole[k], atol=1e-7, rtol=1e-5)
     # negative control: a micro-batch-local normaliser (the common bug) gives a different gradient
-    import align.train as train_mod
-
-    real = train_mod.backward_batch
+    real = backward_batch
     whole = grads(len(comps), name="token_mean")
     local = {k: torch.zeros_like(v) for k, v in whole.items()}
     for s in range(0, len(comps), 5):

@@ -118,12 +118,14 @@ def packed_weights(model: nn.Module, rows: int) -> Iterator[bool]:
     a sampler sharing the training model always sees the latest step). Re-entrant: inside an active
     context (same model) it reuses the copy, so wrapping several ``generate`` calls over unchanged weights
     packs once (packing the 0.5B shape takes ~1 s here). Do not update the weights inside the context.
-    No-op (yields False) off the CPU, under autograd, or without oneDNN."""
+    No-op (yields False) off the CPU (CUDA runs the model's own layers), under autograd or CPU autocast (bf16-mixed
+    samples in bf16 like the trainer computes), or without oneDNN."""
     w = model.lm_head.weight
     usable = (
         w.device.type == "cpu"
         and w.dtype in (torch.float32, torch.bfloat16)
         and not torch.is_grad_enabled()
+        and not torch.is_autocast_enabled("cpu")
         and torch.backends.mkldnn.is_available()
     )
     if not usable:
@@ -243,6 +245,8 @@ def _generate(model: Transformer, prompts: list[list[int]], params: SamplingPara
     validate_prompts(prompts, cfg.vocab_size, context)
     device = model.lm_head.weight.device
     dtype = model.lm_head.weight.dtype
+    if torch.is_autocast_enabled(device.type):  # bf16-mixed: the cache holds what the autocast matmuls make
+        dtype = torch.get_autocast_dtype(device.type)
     P, n = len(prompts), params.n
     lens = torch.tensor([len(p) for p in prompts], device=device)
     L = int(lens.max())

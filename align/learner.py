@@ -1,0 +1,276 @@
+"""The loss/backward part of a GRPO step: batch tensors on the device, fused token logprobs, micro-batches,
+several updates per batch. ``align.train`` calls ``update`` once per step.
+
+Key decisions
+- No (N, V) logits: the model returns its final hidden states and ``align.kernels.linear_token_logprobs`` fuses the
+  lm_head (a tied embedding is the same weight) with the log-softmax, LINEAR_ROWS tokens at a time. Under
+  ``bf16-mixed`` the head runs in bf16 like the rest of the forward; the logprobs and the loss are float32.
+- Micro-batches never change the result: every micro-batch's loss is divided by the normalisers of its whole
+  (mini-)batch (``align.grpo.normalisers``). ``--micro-batch-tokens T`` sorts the rows by length (longest first)
+  and packs at most T tokens per micro-batch counting padding (rows x its longest row); ``--micro-batch-size``
+  takes consecutive rows. Each micro-batch is cut to its longest row; rows with no token to learn from are skipped.
+- ``--updates-per-batch K`` x ``--mini-batches M`` optimizer steps per batch (PPO epochs, TRL ``num_iterations``):
+  the M mini-batches are consecutive slices of the rows (ordered by prompt: whole groups when M divides the
+  prompts), visited in order K times; each optimizer step is normalised by its own mini-batch's counts. With
+  K * M > 1 the old logprobs are computed once, before the first update, so the ratio and the clipping act from
+  the second update on; with K = M = 1 the old logprobs are the current ones, detached (no extra forward pass;
+  the ratio is 1 and rho = pi_old / mu measures exactly the sampler-trainer mismatch). Reference logprobs (KL)
+  are computed once per batch, before any update.
+
+Shapes: N completions of the step, L padded row length (prompt + completion - 1), E hidden size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from align.device import PRECISIONS, Placement, precision_from_legacy
+from align.grpo import SUM_STATS, merge_stats, normalisers, policy_loss
+from align.kernels import linear_token_logprobs
+
+LOSS_SUMS = SUM_STATS - {"num_tokens", "num_seqs"}
+
+
+class Batch(NamedTuple):
+    """One step's teacher-forcing tensors, on the training device."""
+
+    inputs: Tensor  # (N, L) int64
+    targets: Tensor  # (N, L) int64
+    mask: Tensor  # (N, L) bool, True = a completion token that counts
+    advantages: Tensor  # (N,) float32
+    behav: Tensor  # (N, L) float32, the sampler's logprobs (mu)
+
+
+class Update(NamedTuple):
+    stats: dict[str, float]  # merged over micro-batches and optimizer steps (loss: mean per optimizer step)
+    grad_norm: float  # mean over optimizer steps (0 when --grad-clip 0)
+    per_update: list[dict[str, float]]  # the merged stats of each optimizer step, in order
+
+
+def sequence_batch(prompt_ids: list[list[int]], completions: list, G: int, device: torch.device | str) -> tuple:
+    """Right-padded teacher-forcing tensors for the P*G completions, made on ``device``:
+    inputs (N, L), targets (N, L), mask (N, L) over completion tokens, behaviour logprobs (N, L) x2 (full, sampled)."""
+    seqs = [prompt_ids[c.prompt_index] + c.token_ids for c in completions]
+    L = max(len(s) for s in seqs) - 1
+    inputs, targets, mask, full_lp, sampled_lp = [], [], [], [], []
+    for s, c in zip(seqs, completions):
+        p, k, pad = len(prompt_ids[c.prompt_index]), len(c.token_ids), L - len(s) + 1
+        inputs.append(s[:-1] + [0] * pad)
+        targets.append(s[1:] + [0] * pad)
+        mask.append([False] * (p - 1) + [True] * k + [False] * pad)
+        sampled = c.sampled_logprobs if c.sampled_logprobs is not None else c.logprobs
+        full_lp.append([0.0] * (p - 1) + list(c.logprobs) + [0.0] * pad)
+        sampled_lp.append([0.0] * (p - 1) + list(sampled) + [0.0] * pad)
+    as_long = {"dtype": torch.long, "device": device}
+    return (
+        torch.tensor(inputs, **as_long),  # (N, L)
+        torch.tensor(targets, **as_long),  # (N, L)
+        torch.tensor(mask, dtype=torch.bool, device=device),  # (N, L)
+        torch.tensor(full_lp, dtype=torch.float32, device=device),  # (N, L)
+        torch.tensor(sampled_lp, dtype=torch.float32, device=device),  # (N, L)
+    )
+
+
+def make_batch(prompt_ids: list[list[int]], completions: list, adv: Tensor, valid: Tensor, cfg: Any,
+               device: torch.device) -> Batch:  # fmt: skip
+    """The step's ``Batch``: invalid completions (``valid`` False, (P, G)) are masked out; ``adv`` is (P, G)."""
+    inputs, targets, mask, full_lp, sampled_lp = sequence_batch(prompt_ids, completions, cfg.group_size, device)
+    pi = torch.tensor([c.prompt_index for c in completions])
+    si = torch.tensor([c.sample_index for c in completions])
+    flat_valid = valid[pi, si].to(device)  # (N,)
+    flat_adv = adv[pi, si].float().to(device)  # (N,)
+    behav = sampled_lp if cfg.behaviour_logprobs == "sampled" else full_lp
+    return Batch(inputs, targets, mask & flat_valid[:, None], flat_adv, behav)
+
+
+def check_config(cfg: Any) -> None:
+    """``TrainConfig.__post_init__``'s checks of the fields this module and ``align.device`` read (no device probe:
+    ``align.device.resolve`` checks availability when the run starts). Folds the deprecated ``dtype`` into
+    ``precision``."""
+    cfg.precision = precision_from_legacy(cfg.precision, cfg.dtype)
+    cfg.dtype = None
+    if cfg.precision not in ("auto", *PRECISIONS):
+        raise ValueError(f"--precision must be one of {('auto', *PRECISIONS)}, got {cfg.precision!r}")
+    d = cfg.device
+    if d not in ("auto", "cpu", "cuda") and not (d.startswith("cuda:") and d[5:].isdigit()):
+        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {d!r}")
+    if cfg.micro_batch_tokens < 0:
+        raise ValueError(f"--micro-batch-tokens must be >= 0 (0 = use --micro-batch-size), got {cfg.micro_batch_tokens}")
+    if 0 < cfg.micro_batch_tokens < cfg.max_tokens:
+        raise ValueError(f"--micro-batch-tokens {cfg.micro_batch_tokens} is smaller than --max-tokens {cfg.max_tokens}: "
+                         "a full-length completion could not fit; raise it to at least the longest prompt + --max-tokens")  # fmt: skip
+    n = cfg.prompts_per_step * cfg.group_size
+    if cfg.mini_batches > n:
+        raise ValueError(f"--mini-batches {cfg.mini_batches} exceeds the {n} completions of a step "
+                         "(--prompts-per-step x --group-size); lower it")  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------ logprobs
+
+
+def token_logprobs(model: torch.nn.Module, inputs: Tensor, targets: Tensor, temperature: float, *,
+                   place: Placement | None = None, backend: str = "auto",
+                   with_entropy: bool = True) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """Token logprobs (and entropy) of ``targets`` under ``softmax(logits / T)``, float32 (B, L), with the lm_head
+    fused into the log-softmax: the (B, L, V) logits never exist. Differentiable w.r.t. every parameter, the
+    (tied or not) lm_head included. Use under ``torch.no_grad()`` for old / reference logprobs."""
+    place = place or placement_of(model)
+    with place.autocast():
+        hidden = model(inputs, return_hidden=True)  # (B, L, E)
+    weight = model.lm_head.weight  # (V, E); the embedding itself when tied
+    if place.precision == "bf16-mixed":  # the head in bf16 like every other matmul of the forward
+        hidden, weight = hidden.to(torch.bfloat16), weight.to(torch.bfloat16)
+    return linear_token_logprobs(hidden, weight, targets, temperature, with_entropy=with_entropy, backend=backend)
+
+
+def placement_of(model: torch.nn.Module) -> Placement:
+    """The placement a model's weights imply (no autocast): for callers that pass none."""
+    w = model.lm_head.weight
+    return Placement(w.device, "bf16" if w.dtype == torch.bfloat16 else "fp32")
+
+
+# ------------------------------------------------------------------------------------------------ micro-batches
+
+
+def row_lengths(mask: Tensor) -> list[int]:
+    """Tokens each row needs: up to its last masked position (0 for a row with nothing to learn from)."""
+    L = mask.shape[1]
+    last = torch.where(mask.any(1), L - mask.flip(1).int().argmax(1), 0)  # (N,)
+    return last.tolist()
+
+
+def micro_batches(lengths: Sequence[int], cfg: Any) -> list[list[int]]:
+    """Row indices of each micro-batch (rows of length 0 are left out).
+
+    ``cfg.micro_batch_tokens`` set: rows sorted longest first, packed while rows x longest row <= the budget.
+    Otherwise ``cfg.micro_batch_size`` consecutive rows."""
+    rows = [i for i, n in enumerate(lengths) if n > 0]
+    budget = getattr(cfg, "micro_batch_tokens", None)
+    if not budget:
+        size = cfg.micro_batch_size
+        return [rows[s : s + size] for s in range(0, len(rows), size)]
+    rows.sort(key=lambda i: -lengths[i])  # stable: equal lengths keep their order
+    if rows and lengths[rows[0]] > budget:
+        raise ValueError(f"--micro-batch-tokens {budget} is smaller than the longest sequence of this step "
+                         f"({lengths[rows[0]]} tokens); raise it to at least the longest prompt + --max-tokens")  # fmt: skip
+    out: list[list[int]] = []
+    for i in rows:
+        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= budget:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def check_token_budget(cfg: Any, prompt_lengths: Sequence[int]) -> None:
+    """Refuse a ``--micro-batch-tokens`` budget smaller than the longest row a step can hold."""
+    budget = getattr(cfg, "micro_batch_tokens", None)
+    if budget and prompt_lengths and max(prompt_lengths) + cfg.max_tokens - 1 > budget:
+        longest = max(prompt_lengths) + cfg.max_tokens - 1
+        raise ValueError(f"--micro-batch-tokens {budget} is smaller than the longest sequence a step can hold "
+                         f"(longest prompt {max(prompt_lengths)} + --max-tokens {cfg.max_tokens} - 1 = {longest}); "
+                         f"raise it to >= {longest}")  # fmt: skip
+
+
+def _rows(t: Tensor, idx: list[int], L: int) -> Tensor:
+    return t[torch.tensor(idx, device=t.device), :L] if t.dim() == 2 else t[torch.tensor(idx, device=t.device)]
+
+
+@torch.no_grad()
+def batch_logprobs(model: torch.nn.Module, batch: Batch, cfg: Any, place: Placement | None = None) -> Tensor:
+    """Logprobs (N, L) of the batch's targets under ``model``, no graph, by the step's micro-batches (0 elsewhere)."""
+    lengths = row_lengths(batch.mask)
+    out = torch.zeros(batch.mask.shape, dtype=torch.float32, device=batch.mask.device)  # (N, L)
+    for idx in micro_batches(lengths, cfg):
+        L = max(lengths[i] for i in idx)
+        lp, _ = token_logprobs(model, _rows(batch.inputs, idx, L), _rows(batch.targets, idx, L), cfg.temperature,
+                               place=place, backend=cfg.logprob_backend, with_entropy=False)  # fmt: skip
+        out[torch.tensor(idx, device=out.device), :L] = lp
+    return out
+
+
+def backward_batch(policy: torch.nn.Module, ref_model: torch.nn.Module | None, cfg: Any, inputs: Tensor,
+                   targets: Tensor, mask: Tensor, advantages: Tensor, behav: Tensor, *,
+                   place: Placement | None = None, old_logprobs: Tensor | None = None,
+                   ref_logprobs: Tensor | None = None) -> list[dict]:  # fmt: skip
+    """Loss and backward over micro-batches, accumulating into ``.grad``; returns the per-micro-batch stats.
+
+    The normalisers (token and sequence counts) are those of all the rows given, so the accumulated gradient is
+    the whole-batch gradient whatever the micro-batching. ``old_logprobs`` (N, L): the policy's logprobs before
+    the first update of this batch; None = the current ones, detached (one update per batch: ratio 1).
+    ``ref_logprobs`` (N, L), else computed per micro-batch from ``ref_model`` when given."""
+    total_tokens, total_seqs = normalisers(mask, cfg.loss)
+    stats: list[dict] = []
+    if total_tokens == 0:
+        return stats
+    lengths = row_lengths(mask)
+    for idx in micro_batches(lengths, cfg):
+        L = max(lengths[i] for i in idx)
+        x, y, m = _rows(inputs, idx, L), _rows(targets, idx, L), _rows(mask, idx, L)  # (mb, L)
+        lp, ent = token_logprobs(policy, x, y, cfg.temperature, place=place, backend=cfg.logprob_backend)
+        ref = None
+        if ref_logprobs is not None:
+            ref = _rows(ref_logprobs, idx, L)
+        elif ref_model is not None:
+            with torch.no_grad():
+                ref, _ = token_logprobs(ref_model, x, y, cfg.temperature, place=place, backend=cfg.logprob_backend,
+                                        with_entropy=False)  # fmt: skip
+        old = lp.detach() if old_logprobs is None else _rows(old_logprobs, idx, L)
+        loss, st = policy_loss(cfg.loss, lp, old, _rows(advantages, idx, L), m, behav_logprobs=_rows(behav, idx, L),
+                               ref_logprobs=ref, entropy=ent, total_tokens=total_tokens, total_seqs=total_seqs)  # fmt: skip
+        loss.backward()
+        stats.append(st)
+    return stats
+
+
+# ------------------------------------------------------------------------------------------------ the update
+
+
+def optimize(policy: torch.nn.Module, ref_model: torch.nn.Module | None, opt: torch.optim.Optimizer, cfg: Any,
+             place: Placement, batch: Batch) -> Update:  # fmt: skip
+    """``cfg.updates_per_batch`` x ``cfg.mini_batches`` optimizer steps on one batch (see the module docstring)."""
+    K, M = getattr(cfg, "updates_per_batch", 1), getattr(cfg, "mini_batches", 1)
+    ref = batch_logprobs(ref_model, batch, cfg, place) if ref_model is not None else None
+    old = batch_logprobs(policy, batch, cfg, place) if K * M > 1 else None
+    minis = torch.arange(batch.inputs.shape[0], device=batch.inputs.device).tensor_split(M)
+    per_update, norms = [], []
+    for _ in range(K):
+        for rows in minis:
+            opt.zero_grad(set_to_none=True)
+            b = batch if M == 1 else Batch(*(t[rows] for t in batch))
+            o = old if old is None or M == 1 else old[rows]
+            r = ref if ref is None or M == 1 else ref[rows]
+            stats = backward_batch(policy, ref_model, cfg, *b, place=place, old_logprobs=o, ref_logprobs=r)
+            if not stats:  # nothing to learn from in these rows
+                continue
+            if cfg.grad_clip > 0:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)))
+            opt.step()
+            per_update.append(merge_stats(stats))
+    return Update(summarise(per_update, K), sum(norms) / len(norms) if norms else 0.0, per_update)
+
+
+def summarise(per_update: list[dict[str, float]], K: int) -> dict[str, float]:
+    """One record for the step: loss terms averaged over optimizer steps, token/sequence counts of the batch (the
+    K passes counted once), ``*_max`` the max, other statistics token-weighted means over all updates."""
+    if not per_update:
+        return {"loss": 0.0}
+    if len(per_update) == 1:
+        return dict(per_update[0])
+    out = merge_stats(per_update)
+    for k in LOSS_SUMS & out.keys():
+        out[k] /= len(per_update)
+    for k in ("num_tokens", "num_seqs"):
+        out[k] /= K
+    return out
+
+
+def update(policy: torch.nn.Module, ref_model: torch.nn.Module | None, opt: torch.optim.Optimizer, cfg: Any,
+           place: Placement, prompt_ids: list[list[int]], completions: list, adv: Tensor, valid: Tensor) -> Update:  # fmt: skip
+    """The learning part of one training step: the step's batch on ``place.device``, then ``optimize``."""
+    return optimize(policy, ref_model, opt, cfg, place, make_batch(prompt_ids, completions, adv, valid, cfg,
+                                                                   place.device))  # fmt: skip

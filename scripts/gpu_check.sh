@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The GPU check (issue 13), one command on a CUDA machine:   bash scripts/gpu_check.sh
+#   1. the tests marked `gpu` (tests/test_gpu.py; they skip without CUDA) and the Triton kernel tests on the GPU
+#   2. a 3-step align.train run of the Qwen2.5-0.5B shape (random weights) in bf16-mixed: peak memory, step time
+#   3. one forward + backward, plain logits vs the fused lm_head, at 8 x 512 tokens: memory beyond weights + grads
+#      (without and with gradient checkpointing: the 24 layers' activations are the same in both paths)
+# Needs a python3 with torch (CUDA), triton, transformers and pytest; installs nothing, downloads nothing, writes
+# only under $TMPDIR. PYTHON=/path/to/python picks another interpreter. Takes ~5 minutes on one GPU (<= 10).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=.
+PY="${PYTHON:-python3}"
+
+"$PY" - <<'PYEOF'
+import sys
+
+try:
+    import torch
+except ImportError:
+    sys.exit(f"gpu_check: {sys.executable} has no torch; set PYTHON= to an interpreter with torch (CUDA), triton, pytest")
+
+if not torch.cuda.is_available():
+    sys.exit(f"gpu_check: CUDA is not available to {sys.executable} (torch {torch.__version__}); run it on a GPU machine")
+print(f"gpu_check: {torch.cuda.get_device_name(0)} | torch {torch.__version__} | CUDA {torch.version.cuda}")
+PYEOF
+
+echo "== 1/3 tests: pytest -m gpu tests/test_gpu.py, then tests/test_kernels.py on the GPU"
+timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
+timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py
+
+echo "== 2/3 3-step training, Qwen2.5-0.5B shape, bf16-mixed (8 prompts x G 4, 64 + 128 tokens)"
+timeout 180 "$PY" benchmarks/bench_train_step.py --train --device cuda --precision bf16-mixed --steps 3 --batch 32 \
+    --group 4 --prompt-tokens 64 --max-tokens 128
+
+echo "== 3/3 one step, plain vs fused, Qwen2.5-0.5B shape, 8 x 512 tokens, bf16-mixed"
+timeout 150 "$PY" benchmarks/bench_train_step.py --device cuda --precision bf16-mixed --batch 8 --seq 512 --reps 3
+timeout 150 "$PY" benchmarks/bench_train_step.py --device cuda --precision bf16-mixed --batch 8 --seq 512 --reps 3 \
+    --gradient-checkpointing
+echo "gpu_check: done"
