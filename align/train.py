@@ -390,7 +390,8 @@ def train(
         policy.eval()
         from align.rollout.native import generate
 
-        comps = generate(policy, eval_encoded, eval_sampling)
+        with place.autocast():  # as the training rollouts (bf16-mixed: bf16 matmuls)
+            comps = generate(policy, eval_encoded, eval_sampling)
         return score_completions(eval_encoded, comps, eval_set.score, eval_sampling.n)
 
     def export(path: str) -> None:
