@@ -55,8 +55,12 @@ class AdvantageConfig:
     scale: str = field(default="group", metadata={"help": "'group' (GRPO) | 'batch' | 'none' (Dr. GRPO)"})
     baseline: str = field(default="mean", metadata={"help": "'mean' (GRPO) | 'rloo' (leave-one-out)"})
     eps: float = field(default=1e-6, metadata={"help": "added to the std (verl: 1e-6, TRL: 1e-4)"})
-    filter_zero_variance: bool = field(default=False, metadata={"help": "mark completions of zero-variance groups invalid"})
-    mask_truncated: bool = field(default=False, metadata={"help": "DAPO overlong filtering: truncated completions get no gradient"})
+    filter_zero_variance: bool = field(
+        default=False, metadata={"help": "mark completions of zero-variance groups invalid"}
+    )
+    mask_truncated: bool = field(
+        default=False, metadata={"help": "DAPO overlong filtering: truncated completions get no gradient"}
+    )
     overlong_buffer: int = field(default=0, metadata={"help": "DAPO L_cache in tokens; 0 = no soft overlong penalty"})
     overlong_penalty: float = field(default=1.0, metadata={"help": "scale of the soft overlong penalty (reward units)"})
 

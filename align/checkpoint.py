@@ -40,8 +40,13 @@ def rng_state() -> dict:
     return {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),  # (int, tuple of 625 ints, float | None)
-        "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
     }
 
 
@@ -49,8 +54,9 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
+    np.random.set_state(
+        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
 
 
 def committed(root: Path) -> list[tuple[int, Path]]:
@@ -111,8 +117,9 @@ def pick(root: Path, resume_from: str | None) -> tuple[int, Path] | None:
     chosen = [(n, d) for n, d in found if d.name == resume_from]
     if not chosen:
         names = ", ".join(d.name for _, d in found) or "none"
-        raise ValueError(f"--resume-from {resume_from!r}: no committed checkpoint of that name in {root} "
-                         f"(committed: {names})")
+        raise ValueError(
+            f"--resume-from {resume_from!r}: no committed checkpoint of that name in {root} (committed: {names})"
+        )
     for n, d in found:
         if n > chosen[0][0]:
             aside = d.with_name(f"abandoned_{d.name}.{uuid.uuid4().hex[:6]}")
@@ -137,16 +144,18 @@ def load_state(ckpt: Path) -> dict:
         state = torch.load(path, weights_only=True)
     except pickle.UnpicklingError as e:
         if "weights only" not in str(e).lower():
-            raise CheckpointError(f"{path} cannot be read ({e}); the file is truncated or corrupt: "
-                                  f"{_previous_hint(ckpt)}") from None
+            raise CheckpointError(
+                f"{path} cannot be read ({e}); the file is truncated or corrupt: {_previous_hint(ckpt)}"
+            ) from None
         raise CheckpointError(
             f"{path} holds objects other than tensors and plain data, refused (loading it could run code): "
             f"{_previous_hint(ckpt)}. (Trainer states written by align before weights-only checkpoints pickled the "
             f"numpy RNG state and are refused too: start a fresh run.) Details: {str(e).splitlines()[0]}"
         ) from None
     except (RuntimeError, OSError, EOFError, ValueError) as e:  # truncated / corrupt zip, missing file
-        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}); the file is truncated or "
-                              f"corrupt: {_previous_hint(ckpt)}") from None
+        raise CheckpointError(
+            f"{path} cannot be read ({type(e).__name__}: {e}); the file is truncated or corrupt: {_previous_hint(ckpt)}"
+        ) from None
     missing = [k for k in ("optimizer", "scheduler", "rng", "cursor", "step") if k not in state]
     if missing:
         raise CheckpointError(f"{path} lacks {missing}: not an align trainer state; {_previous_hint(ckpt)}")
@@ -162,8 +171,10 @@ def load_model(ckpt: Path, dtype: torch.dtype, device: torch.device | str = "cpu
     try:
         return load_pretrained(ckpt / "model", dtype=dtype, device=device)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:  # truncated header / data, bad config
-        raise CheckpointError(f"{_unreadable_file(ckpt / 'model')} cannot be read ({type(e).__name__}: {e}); the "
-                              f"checkpoint's model is truncated or corrupt: {_previous_hint(ckpt)}") from None
+        raise CheckpointError(
+            f"{_unreadable_file(ckpt / 'model')} cannot be read ({type(e).__name__}: {e}); the "
+            f"checkpoint's model is truncated or corrupt: {_previous_hint(ckpt)}"
+        ) from None
 
 
 def _unreadable_file(model_dir: Path) -> Path:
@@ -186,13 +197,17 @@ def restore_optimizer(opt: torch.optim.Optimizer, state: dict, ckpt: Path) -> No
     params = [p for g in opt.param_groups for p in g["params"]]
     n_saved = sum(len(g["params"]) for g in saved.get("param_groups", []))
     if n_saved != len(params):
-        raise CheckpointError(f"the optimizer state in {path} is for {n_saved} parameters, the model has "
-                              f"{len(params)}: the checkpoint belongs to another model; {_previous_hint(ckpt)}")
+        raise CheckpointError(
+            f"the optimizer state in {path} is for {n_saved} parameters, the model has "
+            f"{len(params)}: the checkpoint belongs to another model; {_previous_hint(ckpt)}"
+        )
     ids = [i for g in saved["param_groups"] for i in g["params"]]
     for i, p in zip(ids, params):
         for k, t in saved["state"].get(i, {}).items():
             if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape != p.shape:
-                raise CheckpointError(f"the optimizer state {k!r} of parameter {i} in {path} has shape "
-                                      f"{tuple(t.shape)}, the model's parameter has {tuple(p.shape)}: the checkpoint "
-                                      f"belongs to another model; {_previous_hint(ckpt)}")
+                raise CheckpointError(
+                    f"the optimizer state {k!r} of parameter {i} in {path} has shape "
+                    f"{tuple(t.shape)}, the model's parameter has {tuple(p.shape)}: the checkpoint "
+                    f"belongs to another model; {_previous_hint(ckpt)}"
+                )
     opt.load_state_dict(saved)

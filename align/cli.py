@@ -70,15 +70,24 @@ def build_parser(cls: type, prefixes: dict[str, str], description: str = "") -> 
         default = defaults
         for p in path:
             default = default[p]
-        kw: dict[str, Any] = dict(dest="/".join(path), default=argparse.SUPPRESS, help=f.metadata.get("help", ""),
-                                  metavar=None if tp is bool else f.name.upper())
+        kw: dict[str, Any] = {
+            "dest": "/".join(path),
+            "default": argparse.SUPPRESS,
+            "help": f.metadata.get("help", ""),
+            "metavar": None if tp is bool else f.name.upper(),
+        }
         kw["help"] += f" (default: {default!r})"
         if tp is bool:
             parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, **kw)
         elif tp is list:
             # metadata {"action": "extend"}: the flag may be repeated (--reward a --reward b)
-            parser.add_argument(f"--{flag}", nargs="*", type=_list_item_type(hints_of(path, cls)),
-                                action=f.metadata.get("action", "store"), **kw)
+            parser.add_argument(
+                f"--{flag}",
+                nargs="*",
+                type=_list_item_type(hints_of(path, cls)),
+                action=f.metadata.get("action", "store"),
+                **kw,
+            )
         elif tp is dict:
             parser.add_argument(f"--{flag}", type=json.loads, **kw)
         else:
@@ -156,7 +165,9 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     kw = {}
     for k, v in data.items():
         v = check_value(prefix + k, v, hints[k])
-        kw[k] = from_dict(hints[k], v, f"{prefix}{k}.") if dataclasses.is_dataclass(hints[k]) and isinstance(v, dict) else v
+        kw[k] = (
+            from_dict(hints[k], v, f"{prefix}{k}.") if dataclasses.is_dataclass(hints[k]) and isinstance(v, dict) else v
+        )
     return cls(**kw)
 
 

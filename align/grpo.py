@@ -263,13 +263,21 @@ class LossConfig:
     name: str = field(default="token_mean", metadata={"help": f"loss variant: {', '.join(LOSSES)}"})
     eps_low: float = field(default=0.2, metadata={"help": "clip ratio below at 1 - eps_low"})
     eps_high: float = field(default=0.2, metadata={"help": "clip ratio above at 1 + eps_high (DAPO clip-higher: 0.28)"})
-    dual_clip_c: float | None = field(default=None, metadata={"help": "dual clip for A < 0 (> 1, typically 3); None = off"})
+    dual_clip_c: float | None = field(
+        default=None, metadata={"help": "dual clip for A < 0 (> 1, typically 3); None = off"}
+    )
     kl_coef: float = field(default=0.0, metadata={"help": "0 = no KL term and no ref_logprobs needed"})
     kl_estimator: str = field(default="k3", metadata={"help": "KL estimator: k1 (no gradient in expectation), k2, k3"})
-    entropy_coef: float = field(default=0.0, metadata={"help": "entropy bonus (subtracted from the loss); needs entropy="})
-    max_len_norm: int | None = field(default=None, metadata={"help": "constant normaliser for 'constant_norm' (max completion tokens)"})
+    entropy_coef: float = field(
+        default=0.0, metadata={"help": "entropy bonus (subtracted from the loss); needs entropy="}
+    )
+    max_len_norm: int | None = field(
+        default=None, metadata={"help": "constant normaliser for 'constant_norm' (max completion tokens)"}
+    )
     seq_count: str = field(default="nonempty", metadata={"help": "total_seqs counts 'nonempty' sequences or 'all' (B)"})
-    use_rho_correction: bool = field(default=False, metadata={"help": "reweight by pi_old / mu (needs behav_logprobs=)"})
+    use_rho_correction: bool = field(
+        default=False, metadata={"help": "reweight by pi_old / mu (needs behav_logprobs=)"}
+    )
     rho_mode: str = field(default="token_tis", metadata={"help": f"off-policy correction mode: {', '.join(RHO_MODES)}"})
     rho_cap: float = field(default=2.0, metadata={"help": "truncation cap for the *_tis modes"})
     rho_low: float = field(default=0.5, metadata={"help": "lower bound kept by the *_mis modes"})

@@ -99,7 +99,9 @@ def check_config(cfg: Any) -> None:
     if d not in ("auto", "cpu", "cuda") and not (d.startswith("cuda:") and d[5:].isdigit()):
         raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {d!r}")
     if cfg.micro_batch_tokens < 0:
-        raise ValueError(f"--micro-batch-tokens must be >= 0 (0 = use --micro-batch-size), got {cfg.micro_batch_tokens}")
+        raise ValueError(
+            f"--micro-batch-tokens must be >= 0 (0 = use --micro-batch-size), got {cfg.micro_batch_tokens}"
+        )
     if 0 < cfg.micro_batch_tokens < cfg.max_tokens:
         raise ValueError(f"--micro-batch-tokens {cfg.micro_batch_tokens} is smaller than --max-tokens {cfg.max_tokens}: "
                          "a full-length completion could not fit; raise it to at least the longest prompt + --max-tokens")  # fmt: skip

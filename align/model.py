@@ -435,7 +435,7 @@ def load_pretrained(
     state: dict[str, torch.Tensor] = {}
     for f in _weight_files(path):
         with safe_open(str(f), framework="pt", device=str(device)) as sf:
-            for name in sf.keys():
+            for name in sf:
                 if name not in expected:
                     if cfg.tie_word_embeddings and name == "lm_head.weight":
                         continue  # some exporters write the tied head anyway; it is the embedding
@@ -449,13 +449,14 @@ def load_pretrained(
                 state[name] = t.to(dtype)
     missing = sorted(set(expected) - set(state))
     if missing:
-        raise ValueError(f"checkpoint {path} is missing tensors: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        raise ValueError(
+            f"checkpoint {path} is missing tensors: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
+        )
     model.load_state_dict(state, strict=not cfg.tie_word_embeddings, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg).to(device)
     return model.eval()
-
 
 
 def save_pretrained(
@@ -508,7 +509,18 @@ def save_pretrained(
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
         if copy_tokenizer_from is not None:
             for f in Path(copy_tokenizer_from).iterdir():
-                if f.is_file() and (f.name.startswith("tokenizer") or f.name in ("vocab.json", "merges.txt", "special_tokens_map.json", "chat_template.jinja", "added_tokens.json", "align_tokenizer.json")):
+                if f.is_file() and (
+                    f.name.startswith("tokenizer")
+                    or f.name
+                    in (
+                        "vocab.json",
+                        "merges.txt",
+                        "special_tokens_map.json",
+                        "chat_template.jinja",
+                        "added_tokens.json",
+                        "align_tokenizer.json",
+                    )
+                ):
                     shutil.copy2(f, tmp / f.name)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)

@@ -240,20 +240,40 @@ def write_plot(path: Path, records: list[dict], title: str = "align run") -> Non
 
 @dataclass
 class LogConfig:
-    log_completions_every: int = field(default=10, metadata={"help": "Every N steps append a few groups (prompt, completions, rewards, advantages, lengths) to {out}/completions.jsonl; 0 = off."})
+    log_completions_every: int = field(
+        default=10,
+        metadata={
+            "help": "Every N steps append a few groups (prompt, completions, rewards, advantages, lengths) to {out}/completions.jsonl; 0 = off."
+        },
+    )
     log_completions_groups: int = field(default=4, metadata={"help": "Groups per --log-completions-every sample."})
-    logger: str = field(default="none", metadata={"help": "Also send metrics to 'wandb' or 'tensorboard' (optional packages); metrics.jsonl stays the record."})
+    logger: str = field(
+        default="none",
+        metadata={
+            "help": "Also send metrics to 'wandb' or 'tensorboard' (optional packages); metrics.jsonl stays the record."
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.logger not in LOGGERS:
             raise ValueError(f"--logger must be one of {tuple(LOGGERS)}, got {self.logger!r}")
         if self.log_completions_every < 0 or self.log_completions_groups < 1:
-            raise ValueError("--log-completions-every must be >= 0 and --log-completions-groups >= 1, got "
-                             f"{self.log_completions_every}, {self.log_completions_groups}")
+            raise ValueError(
+                "--log-completions-every must be >= 0 and --log-completions-groups >= 1, got "
+                f"{self.log_completions_every}, {self.log_completions_groups}"
+            )
 
 
-def sample_groups(step: int, prompts: list[str], completions: list, texts: list[str], rewards: Any,
-                  advantages: Any, terms: dict[str, Any], n: int) -> list[dict]:
+def sample_groups(
+    step: int,
+    prompts: list[str],
+    completions: list,
+    texts: list[str],
+    rewards: Any,
+    advantages: Any,
+    terms: dict[str, Any],
+    n: int,
+) -> list[dict]:
     """Records for ``completions.jsonl``: the first ``n`` groups of a step, one record per group, so a person can
     read what the model does. ``completions`` / ``texts`` align (``prompt_index`` indexes ``prompts``); ``rewards``,
     ``advantages`` and each ``terms`` value are (P, G) tensors; unscorable rewards are written as null."""
@@ -267,11 +287,19 @@ def sample_groups(step: int, prompts: list[str], completions: list, texts: list[
     out = []
     for p in sorted(groups)[:n]:
         js = sorted(groups[p], key=lambda j: completions[j].sample_index)
-        out.append({"step": step, "group": p, "prompt": prompts[p], "completions": [texts[j] for j in js],
-                    "rewards": row(rewards, p), "advantages": row(advantages, p),
-                    "lengths": [len(completions[j].token_ids) for j in js],
-                    "finish_reasons": [completions[j].finish_reason for j in js],
-                    "reward_terms": {k: row(v, p) for k, v in terms.items()}})
+        out.append(
+            {
+                "step": step,
+                "group": p,
+                "prompt": prompts[p],
+                "completions": [texts[j] for j in js],
+                "rewards": row(rewards, p),
+                "advantages": row(advantages, p),
+                "lengths": [len(completions[j].token_ids) for j in js],
+                "finish_reasons": [completions[j].finish_reason for j in js],
+                "reward_terms": {k: row(v, p) for k, v in terms.items()},
+            }
+        )
     return out
 
 
@@ -282,8 +310,9 @@ class TensorBoardLogger:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ValueError("--logger tensorboard needs the optional package 'tensorboard': "
-                             "pip install 'align[tensorboard]'") from None
+            raise ValueError(
+                "--logger tensorboard needs the optional package 'tensorboard': pip install 'align[tensorboard]'"
+            ) from None
         # purge_step drops events a killed run wrote after the checkpoint it resumes from
         self.writer = SummaryWriter(str(log_dir), purge_step=resume_step + 1 if resume_step else None)
 
@@ -309,8 +338,14 @@ class WandbLogger:
         id_file = out / "wandb_id"
         run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
         atomic_write_text(id_file, run_id)
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "align"), name=out.name, dir=str(out),
-                              id=run_id, resume="allow", config=config)
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "align"),
+            name=out.name,
+            dir=str(out),
+            id=run_id,
+            resume="allow",
+            config=config,
+        )
         self.run.define_metric("*", step_metric="step")  # eval records arrive late for earlier steps
 
     def log(self, record: dict) -> None:

@@ -35,10 +35,10 @@ from align.cli import from_dict
 from align.data import DataConfig, InputError
 from align.eval.config import EvalConfig
 from align.grpo import AdvantageConfig, LossConfig
+from align.lora import LoraConfig
 from align.presets import PRESET_NAMES
 from align.rewards import RewardConfig
 from align.runlog import LogConfig
-from align.lora import LoraConfig
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +53,13 @@ def _h(text: str) -> Any:
 @dataclass
 class TrainConfig:
     out: str = field(default="runs/reverse", metadata=_h("Run directory: config, metrics, checkpoints, plot."))
-    model: str | None = field(default=None, metadata=_h("HF checkpoint dir (Llama/Qwen2/Qwen3). None: the built-in task's warm-started model."))
-    task: str = field(default="reverse", metadata=_h("Built-in task used when no prompts/reward are passed ('reverse')."))
+    model: str | None = field(
+        default=None,
+        metadata=_h("HF checkpoint dir (Llama/Qwen2/Qwen3). None: the built-in task's warm-started model."),
+    )
+    task: str = field(
+        default="reverse", metadata=_h("Built-in task used when no prompts/reward are passed ('reverse').")
+    )
     seed: int = field(default=0, metadata=_h("Seed for data order, sampling and init."))
     steps: int = field(default=100, metadata=_h("Optimizer steps."))
     prompts_per_step: int = field(default=32, metadata=_h("Prompts per step (each sampled group_size times)."))
@@ -63,44 +68,127 @@ class TrainConfig:
     temperature: float = field(default=1.0, metadata=_h("Sampling temperature (also the training logprob basis)."))
     top_p: float = field(default=1.0, metadata=_h("Nucleus sampling mass."))
     top_k: int = field(default=0, metadata=_h("Top-k sampling (0 = off)."))
-    behaviour_logprobs: str = field(default="sampled", metadata=_h("Sampler logprob used as mu for rho: 'sampled' (the truncated distribution actually sampled from) or 'full' (full-vocabulary)."))
+    behaviour_logprobs: str = field(
+        default="sampled",
+        metadata=_h(
+            "Sampler logprob used as mu for rho: 'sampled' (the truncated distribution actually sampled from) or 'full' (full-vocabulary)."
+        ),
+    )
     lr: float = field(default=5e-4, metadata=_h("Peak AdamW learning rate."))
     warmup_steps: int = field(default=3, metadata=_h("Linear LR warm-up steps."))
-    lr_schedule: str = field(default="constant", metadata=_h("After warm-up: 'constant', 'linear' or 'cosine' decay to min_lr_ratio."))
+    lr_schedule: str = field(
+        default="constant", metadata=_h("After warm-up: 'constant', 'linear' or 'cosine' decay to min_lr_ratio.")
+    )
     min_lr_ratio: float = field(default=0.1, metadata=_h("Final LR as a fraction of lr for linear/cosine."))
     weight_decay: float = field(default=0.0, metadata=_h("AdamW weight decay."))
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.99], metadata=_h("AdamW betas."))
     grad_clip: float = field(default=1.0, metadata=_h("Max global grad norm (0 = off)."))
-    micro_batch_size: int = field(default=64, metadata=_h("Completions per forward/backward; never changes the result."))
-    micro_batch_tokens: int = field(default=0, metadata=_h("Token budget per forward/backward (rows sorted by length, padding counted); replaces --micro-batch-size when > 0; never changes the result."))
-    updates_per_batch: int = field(default=1, metadata=_h("Passes over each batch (PPO epochs, TRL num_iterations); old logprobs are computed once before the first."))
-    mini_batches: int = field(default=1, metadata=_h("Optimizer steps per pass: the batch is split into this many mini-batches."))
-    device: str = field(default="auto", metadata=_h("Training device: auto (CUDA when available), cpu, cuda or cuda:N."))
-    precision: str = field(default="auto", metadata=_h("fp32, bf16-mixed (fp32 master weights, bf16 autocast) or bf16 (bf16 weights, fp32 AdamW moments); auto = bf16-mixed on CUDA, fp32 on CPU."))
+    micro_batch_size: int = field(
+        default=64, metadata=_h("Completions per forward/backward; never changes the result.")
+    )
+    micro_batch_tokens: int = field(
+        default=0,
+        metadata=_h(
+            "Token budget per forward/backward (rows sorted by length, padding counted); replaces --micro-batch-size when > 0; never changes the result."
+        ),
+    )
+    updates_per_batch: int = field(
+        default=1,
+        metadata=_h(
+            "Passes over each batch (PPO epochs, TRL num_iterations); old logprobs are computed once before the first."
+        ),
+    )
+    mini_batches: int = field(
+        default=1, metadata=_h("Optimizer steps per pass: the batch is split into this many mini-batches.")
+    )
+    device: str = field(
+        default="auto", metadata=_h("Training device: auto (CUDA when available), cpu, cuda or cuda:N.")
+    )
+    precision: str = field(
+        default="auto",
+        metadata=_h(
+            "fp32, bf16-mixed (fp32 master weights, bf16 autocast) or bf16 (bf16 weights, fp32 AdamW moments); auto = bf16-mixed on CUDA, fp32 on CPU."
+        ),
+    )
     gradient_checkpointing: bool = field(default=False, metadata=_h("Recompute layer activations in backward."))
-    threads: int = field(default=1, metadata=_h("torch CPU threads (0 = torch's default). 1 is fastest for small models and never oversubscribes a shared CPU."))
-    dtype: str | None = field(default=None, metadata=_h("Deprecated alias of --precision: float32 = fp32, bfloat16 = bf16."))
-    logprob_backend: str = field(default="auto", metadata=_h("Token logprob kernel: auto (triton on CUDA, chunked torch elsewhere), torch, triton, reference."))
-    rollout: str = field(default="native", metadata=_h("Rollout backend: 'native' (in-process) or 'spool' (vLLM worker)."))
+    threads: int = field(
+        default=1,
+        metadata=_h(
+            "torch CPU threads (0 = torch's default). 1 is fastest for small models and never oversubscribes a shared CPU."
+        ),
+    )
+    dtype: str | None = field(
+        default=None, metadata=_h("Deprecated alias of --precision: float32 = fp32, bfloat16 = bf16.")
+    )
+    logprob_backend: str = field(
+        default="auto",
+        metadata=_h("Token logprob kernel: auto (triton on CUDA, chunked torch elsewhere), torch, triton, reference."),
+    )
+    rollout: str = field(
+        default="native", metadata=_h("Rollout backend: 'native' (in-process) or 'spool' (vLLM worker).")
+    )
     spool: str | None = field(default=None, metadata=_h("Spool dir for --rollout spool (default {out}/spool)."))
-    spawn_worker: bool = field(default=True, metadata=_h("With --rollout spool, start the vLLM worker (else attach to a running one)."))
+    spawn_worker: bool = field(
+        default=True, metadata=_h("With --rollout spool, start the vLLM worker (else attach to a running one).")
+    )
     rollout_gpu: int | None = field(default=None, metadata=_h("GPU for the spawned vLLM worker (None = CPU build)."))
-    rollout_logprobs_mode: str = field(default="raw", metadata=_h("vLLM worker logprobs: 'raw' (before temperature; exact at T=1) or 'processed' (after temperature/top-p/top-k)."))
-    rollout_in_process: bool = field(default=False, metadata=_h("Run the spawned vLLM engine in the worker's own process (faster start on CPU; the default is vLLM's multiprocess engine)."))
+    rollout_logprobs_mode: str = field(
+        default="raw",
+        metadata=_h(
+            "vLLM worker logprobs: 'raw' (before temperature; exact at T=1) or 'processed' (after temperature/top-p/top-k)."
+        ),
+    )
+    rollout_in_process: bool = field(
+        default=False,
+        metadata=_h(
+            "Run the spawned vLLM engine in the worker's own process (faster start on CPU; the default is vLLM's multiprocess engine)."
+        ),
+    )
     rollout_timeout_s: float = field(default=600.0, metadata=_h("Max seconds to wait for a rollout answer."))
-    rollout_num_engines: int = field(default=1, metadata=_h("vLLM engines behind the spool; > 1 runs them as Ray actors (extras/vllm_rollout/fleet.py)."))
-    rollout_engine_restarts: int = field(default=1, metadata=_h("With --rollout-num-engines > 1: restarts of dead engines, fleet total."))
+    rollout_num_engines: int = field(
+        default=1,
+        metadata=_h("vLLM engines behind the spool; > 1 runs them as Ray actors (extras/vllm_rollout/fleet.py)."),
+    )
+    rollout_engine_restarts: int = field(
+        default=1, metadata=_h("With --rollout-num-engines > 1: restarts of dead engines, fleet total.")
+    )
     sync_every: int = field(default=1, metadata=_h("Publish weights to the spool worker every N optimizer steps."))
-    checkpoint_every: int = field(default=20, metadata=_h("Checkpoint every N steps (and at the end); 0 = only at the end."))
+    checkpoint_every: int = field(
+        default=20, metadata=_h("Checkpoint every N steps (and at the end); 0 = only at the end.")
+    )
     keep_checkpoints: int = field(default=2, metadata=_h("Keep the last K checkpoints."))
-    save_hf: str | None = field(default=None, metadata=_h("Also export the final model as an HF dir here (replaced by atomic rename; refuses a non-empty dir that is not an export of this run; LoRA: the PEFT adapter dir)."))
-    overwrite: bool = field(default=False, metadata=_h("Let --save-hf replace a non-empty dir that is not an earlier export of this run."))
-    resume_from: str | None = field(default=None, metadata=_h("Resume from this committed checkpoint ('step_N') instead of the latest; later ones are moved aside."))
-    merge_lora: bool = field(default=False, metadata=_h("With LoRA, --save-hf writes a merged full HF checkpoint instead of the adapter."))
+    save_hf: str | None = field(
+        default=None,
+        metadata=_h(
+            "Also export the final model as an HF dir here (replaced by atomic rename; refuses a non-empty dir that is not an export of this run; LoRA: the PEFT adapter dir)."
+        ),
+    )
+    overwrite: bool = field(
+        default=False, metadata=_h("Let --save-hf replace a non-empty dir that is not an earlier export of this run.")
+    )
+    resume_from: str | None = field(
+        default=None,
+        metadata=_h(
+            "Resume from this committed checkpoint ('step_N') instead of the latest; later ones are moved aside."
+        ),
+    )
+    merge_lora: bool = field(
+        default=False, metadata=_h("With LoRA, --save-hf writes a merged full HF checkpoint instead of the adapter.")
+    )
     eval_prompts: int = field(default=200, metadata=_h("Held-out prompts of the built-in task for eval."))
     warm_start_steps: int = field(default=800, metadata=_h("Supervised warm-start steps of the built-in task's model."))
-    preset: str = field(default="none", metadata=_h(f"Loss + advantage options of one algorithm: {', '.join(PRESET_NAMES)}; explicit flags / --config keys win. Applied by the CLI; in Python use align.presets.build."))
-    adv_refill: bool = field(default=False, metadata=_h("DAPO dynamic sampling: sample more prompts until --prompts-per-step groups have non-zero reward variance (at most --max-refill-rounds extra rounds)."))
+    preset: str = field(
+        default="none",
+        metadata=_h(
+            f"Loss + advantage options of one algorithm: {', '.join(PRESET_NAMES)}; explicit flags / --config keys win. Applied by the CLI; in Python use align.presets.build."
+        ),
+    )
+    adv_refill: bool = field(
+        default=False,
+        metadata=_h(
+            "DAPO dynamic sampling: sample more prompts until --prompts-per-step groups have non-zero reward variance (at most --max-refill-rounds extra rounds)."
+        ),
+    )
     max_refill_rounds: int = field(default=4, metadata=_h("Max extra sampling rounds per step with --adv-refill."))
     data: DataConfig = field(default_factory=DataConfig)
     rewards: RewardConfig = field(default_factory=RewardConfig)
@@ -111,13 +199,28 @@ class TrainConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
-        for name, cls in (("loss", LossConfig), ("adv", AdvantageConfig), ("eval", EvalConfig), ("data", DataConfig),
-                          ("rewards", RewardConfig), ("log", LogConfig),
-                          ("lora", LoraConfig)):
+        for name, cls in (
+            ("loss", LossConfig),
+            ("adv", AdvantageConfig),
+            ("eval", EvalConfig),
+            ("data", DataConfig),
+            ("rewards", RewardConfig),
+            ("log", LogConfig),
+            ("lora", LoraConfig),
+        ):
             if isinstance(getattr(self, name), dict):
                 setattr(self, name, from_dict(cls, getattr(self, name), f"{name}."))
-        positive = ("steps", "prompts_per_step", "group_size", "max_tokens", "micro_batch_size", "sync_every",
-                    "rollout_num_engines", "updates_per_batch", "mini_batches")
+        positive = (
+            "steps",
+            "prompts_per_step",
+            "group_size",
+            "max_tokens",
+            "micro_batch_size",
+            "sync_every",
+            "rollout_num_engines",
+            "updates_per_batch",
+            "mini_batches",
+        )
         for k in positive:
             if getattr(self, k) < 1:
                 raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(self, k)}")
@@ -143,7 +246,10 @@ class TrainConfig:
         check_config(self)
 
 
-CLI_PREFIXES = {"adv": "adv-", "lora": "lora-"}  # loss fields are flat (--eps-low, --kl-coef, --loss NAME); eval fields are eval_*
+CLI_PREFIXES = {
+    "adv": "adv-",
+    "lora": "lora-",
+}  # loss fields are flat (--eps-low, --kl-coef, --loss NAME); eval fields are eval_*
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -166,20 +272,29 @@ def builtin_task(cfg: TrainConfig) -> tuple[Task, str]:
     from align.model import is_committed
     from align.tasks import reverse
 
-    task = Task(reverse.prompts(5000, "train", cfg.seed), reverse.tokenizer(), reverse.reward,
-                reverse.prompts(cfg.eval_prompts, "eval", cfg.seed))
+    task = Task(
+        reverse.prompts(5000, "train", cfg.seed),
+        reverse.tokenizer(),
+        reverse.reward,
+        reverse.prompts(cfg.eval_prompts, "eval", cfg.seed),
+    )
     base = Path(cfg.out) / "base_model"
     if cfg.model is not None:
         if not (Path(cfg.model) / "align_tokenizer.json").is_file():
-            raise InputError(f"--model {cfg.model} is not a model of the built-in {cfg.task!r} task (it has no "
-                             "align_tokenizer.json); to train it on your data pass --train-data FILE.jsonl and "
-                             "--reward FILE.py:FUNCTION (and --eval-data FILE.jsonl to evaluate)")
+            raise InputError(
+                f"--model {cfg.model} is not a model of the built-in {cfg.task!r} task (it has no "
+                "align_tokenizer.json); to train it on your data pass --train-data FILE.jsonl and "
+                "--reward FILE.py:FUNCTION (and --eval-data FILE.jsonl to evaluate)"
+            )
         return task, cfg.model
     if not is_committed(base):
-        print(f"[align] warm start: {cfg.warm_start_steps} supervised steps on the biased copy/reverse mixture "
-              f"-> {base}", flush=True)
-        reverse.warm_start(base, steps=cfg.warm_start_steps, seed=cfg.seed,
-                           log=lambda s: print(f"[align] {s}", flush=True))
+        print(
+            f"[align] warm start: {cfg.warm_start_steps} supervised steps on the biased copy/reverse mixture -> {base}",
+            flush=True,
+        )
+        reverse.warm_start(
+            base, steps=cfg.warm_start_steps, seed=cfg.seed, log=lambda s: print(f"[align] {s}", flush=True)
+        )
     return task, str(base)
 
 
@@ -188,7 +303,7 @@ def as_records(prompts: list) -> list[dict]:
     for i, p in enumerate(prompts):
         rec = {"prompt": p} if isinstance(p, str) else dict(p)
         if not isinstance(rec.get("prompt"), str):
-            raise ValueError(f"prompt {i} must be a str or a dict with a 'prompt' str, got {type(p).__name__}")
+            raise ValueError(f"prompt {i} must be a str or a dict with a 'prompt' str, got {type(p).__name__}")  # noqa: TRY004
         out.append(rec)
     if not out:
         raise ValueError("no prompts to train on")
@@ -214,7 +329,7 @@ def score(reward: Callable, rec: dict, completion: str, errors: list[str]) -> fl
     fields = {k: v for k, v in rec.items() if k not in RESERVED_PROMPT_KEYS}
     try:
         r = reward(rec["prompt"], completion, **fields)
-    except Exception:  # a user's reward function: counted as unscorable, the run goes on
+    except Exception:  # noqa: BLE001 - a user's reward function: counted as unscorable, the run goes on
         errors.append(traceback.format_exc())
         return math.nan
     return math.nan if r is None else float(r)
@@ -283,8 +398,10 @@ def train(
         tokenizer, prompts, eval_prompts = load_data(cfg.data, model or cfg.model, cfg.max_tokens)
     has_reward = reward is not None or bool(cfg.rewards.reward)
     if (prompts is None) == has_reward or (prompts is not None and tokenizer is None):
-        raise InputError("pass prompts, tokenizer and reward together (CLI: --train-data and --reward), or none of "
-                         "them for the built-in task")
+        raise InputError(
+            "pass prompts, tokenizer and reward together (CLI: --train-data and --reward), or none of "
+            "them for the built-in task"
+        )
     if prompts is None:
         task, model_path = builtin_task(cfg)
     else:
@@ -330,8 +447,9 @@ def train(
             )
     learner.check_token_budget(cfg, [len(ids) for ids in encoded])
 
-    opt = make_optimizer(lora.trainable_parameters(policy), place, lr=cfg.lr, betas=cfg.adam_betas,
-                         weight_decay=cfg.weight_decay)
+    opt = make_optimizer(
+        lora.trainable_parameters(policy), place, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     step, cursor = 0, {"epoch": 0, "index": 0}
     if resume:
@@ -357,18 +475,34 @@ def train(
         init_snapshot = out / "rollout_snapshots" / f"v{step}"
         lora.save_policy(policy, init_snapshot)  # LoRA: the adapter only, served on the base model
         if cfg.spawn_worker:
-            worker = spawn_worker(spool, gpu=cfg.rollout_gpu, log_path=out / "rollout_worker.log",
-                                  model=model_path if cfg.lora.enabled else init_snapshot,
-                                  weights_version=step, max_model_len=mcfg.max_position_embeddings,
-                                  logprobs_mode=cfg.rollout_logprobs_mode, in_process=cfg.rollout_in_process,
-                                  dtype=place.compute_dtype_name, extra_args=lora.worker_args(policy),
-                                  engines=cfg.rollout_num_engines, engine_restarts=cfg.rollout_engine_restarts)
+            worker = spawn_worker(
+                spool,
+                gpu=cfg.rollout_gpu,
+                log_path=out / "rollout_worker.log",
+                model=model_path if cfg.lora.enabled else init_snapshot,
+                weights_version=step,
+                max_model_len=mcfg.max_position_embeddings,
+                logprobs_mode=cfg.rollout_logprobs_mode,
+                in_process=cfg.rollout_in_process,
+                dtype=place.compute_dtype_name,
+                extra_args=lora.worker_args(policy),
+                engines=cfg.rollout_num_engines,
+                engine_restarts=cfg.rollout_engine_restarts,
+            )
         client = make_rollout_client("spool", spool=spool, timeout_s=cfg.rollout_timeout_s, worker=worker)
-        if not cfg.spawn_worker or cfg.lora.enabled:  # an attached worker holds whatever it loaded last; LoRA: the adapter
+        if (
+            not cfg.spawn_worker or cfg.lora.enabled
+        ):  # an attached worker holds whatever it loaded last; LoRA: the adapter
             client.sync_weights(init_snapshot, step)
     published = step  # the weights version every rollout must come from
-    params = SamplingParams(n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                            max_tokens=cfg.max_tokens, stop_token_ids=stops)
+    params = SamplingParams(
+        n=cfg.group_size,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        max_tokens=cfg.max_tokens,
+        stop_token_ids=stops,
+    )
     if cfg.rollout == "spool" and (warning := logprob_basis_warning(client.logprob_basis, params)):
         log.warning(warning)
 
@@ -377,14 +511,23 @@ def train(
         return tok.decode(ids[:-1] if ids and ids[-1] in stops else ids)
 
     eval_t = cfg.temperature if cfg.eval.eval_temperature is None else cfg.eval.eval_temperature
-    eval_sampling = SamplingParams(n=cfg.eval.eval_n, temperature=eval_t, top_p=cfg.top_p, top_k=cfg.top_k,
-                                   max_tokens=cfg.eval.eval_max_tokens or cfg.max_tokens, stop_token_ids=stops,
-                                   seed=cfg.seed)
+    eval_sampling = SamplingParams(
+        n=cfg.eval.eval_n,
+        temperature=eval_t,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        max_tokens=cfg.eval.eval_max_tokens or cfg.max_tokens,
+        stop_token_ids=stops,
+        seed=cfg.seed,
+    )
     eval_set = None
     if eval_encoded:
-        eval_set = EvalSet(eval_encoded,
-                           lambda i, ids: scorer.score([(task.eval_prompts[i], completion_text(ids))]).totals[0],
-                           eval_sampling, name=cfg.task if prompts is None else "eval")
+        eval_set = EvalSet(
+            eval_encoded,
+            lambda i, ids: scorer.score([(task.eval_prompts[i], completion_text(ids))]).totals[0],
+            eval_sampling,
+            name=cfg.task if prompts is None else "eval",
+        )
 
     def blocking_eval(at_step: int) -> dict:
         policy.eval()
@@ -396,18 +539,34 @@ def train(
 
     def export(path: str) -> None:
         # LoRA: the adapter (the fleet serves it on the base model); merged for a CheckpointEvalFn's own backend
-        lora.save_policy(policy, path, merge=cfg.eval.eval_function_path is not None, copy_tokenizer_from=cfg.data.tokenizer or model_path)
+        lora.save_policy(
+            policy,
+            path,
+            merge=cfg.eval.eval_function_path is not None,
+            copy_tokenizer_from=cfg.data.tokenizer or model_path,
+        )
 
     eval_cfg = cfg.eval
     if eval_set is None and not eval_cfg.uses_snapshots and eval_cfg.eval_interval > 0:
         log.info("no held-out prompts: in-process eval is off (pass eval_prompts=... or --eval-data to evaluate)")
         eval_cfg = replace(eval_cfg, eval_interval=0)
-    evaluator = make_evaluator(eval_cfg, eval_set, export_fn=export, blocking_eval_fn=blocking_eval if eval_set else None,
-                               should_stop=lambda: bool(stop_flag.get("signal")), reserved_gpus=[cfg.rollout_gpu])
+    evaluator = make_evaluator(
+        eval_cfg,
+        eval_set,
+        export_fn=export,
+        blocking_eval_fn=blocking_eval if eval_set else None,
+        should_stop=lambda: bool(stop_flag.get("signal")),
+        reserved_gpus=[cfg.rollout_gpu],
+    )
 
     def save_checkpoint() -> None:
-        ckpt.save(out / "checkpoints", step, policy, {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                                                      "cursor": dict(cursor)}, cfg.keep_checkpoints)
+        ckpt.save(
+            out / "checkpoints",
+            step,
+            policy,
+            {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "cursor": dict(cursor)},
+            cfg.keep_checkpoints,
+        )
 
     def emit_eval(records: list[dict]) -> None:
         for r in records:
@@ -445,8 +604,16 @@ def train(
             t0 = time.monotonic()
             policy.train()
             # 1-3. prompts -> rollouts -> rewards (--adv-refill: more prompts until enough groups have signal)
-            batch = collect_groups(cfg.prompts_per_step, next_prompts, sample, completion_text,
-                                   lambda i: task.prompts[i], scorer, cfg.adv_refill, cfg.max_refill_rounds)
+            batch = collect_groups(
+                cfg.prompts_per_step,
+                next_prompts,
+                sample,
+                completion_text,
+                lambda i: task.prompts[i],
+                scorer,
+                cfg.adv_refill,
+                cfg.max_refill_rounds,
+            )
             idx, completions, scores, errors = batch.idx, batch.completions, batch.scores, batch.scores.errors
             batch_ids = [encoded[i] for i in idx]
             t_rollout = time.monotonic() - t0
@@ -462,15 +629,18 @@ def train(
                 first_error.append(failures[0])
                 log.warning("a reward call failed; the completion counts as unscorable:\n%s", failures[0])
             if scores.failed == batch.scored:
-                raise RuntimeError(f"the reward function raised on every completion of step {step + 1}; first error:\n{failures[0]}")
+                raise RuntimeError(
+                    f"the reward function raised on every completion of step {step + 1}; first error:\n{failures[0]}"
+                )
             # 4. advantages
             lengths = torch.zeros(P, G)
             truncated = torch.zeros(P, G, dtype=torch.bool)
             for c in completions:
                 lengths[c.prompt_index, c.sample_index] = len(c.token_ids)
                 truncated[c.prompt_index, c.sample_index] = c.finish_reason == "length"
-            adv, valid, adv_stats = compute_advantages(rewards, cfg.adv, lengths=lengths, truncated=truncated,
-                                                       max_tokens=cfg.max_tokens)
+            adv, valid, adv_stats = compute_advantages(
+                rewards, cfg.adv, lengths=lengths, truncated=truncated, max_tokens=cfg.max_tokens
+            )
             # 5. loss / backward / optimizer step(s) on the device (align.learner: fused logprobs, micro-batches
             #    with global normalisers, updates per batch)
             upd = learner.update(policy, ref_model, opt, cfg, place, batch_ids, completions, adv, valid)
@@ -502,10 +672,19 @@ def train(
                 "unscorable": int(rewards.isnan().sum()),
                 "reward_errors": len(errors),
                 "reward_timeouts": scores.timeouts,
-                **{f"reward/{n}_mean": float(v[~v.isnan()].mean()) if (~v.isnan()).any() else math.nan
-                   for n, v in terms.items()},
-                **({"refill_rounds": batch.rounds, "refill_prompts": batch.sampled_prompts - P,
-                    "signal_groups": batch.signal_groups} if cfg.adv_refill else {}),
+                **{
+                    f"reward/{n}_mean": float(v[~v.isnan()].mean()) if (~v.isnan()).any() else math.nan
+                    for n, v in terms.items()
+                },
+                **(
+                    {
+                        "refill_rounds": batch.rounds,
+                        "refill_prompts": batch.sampled_prompts - P,
+                        "signal_groups": batch.signal_groups,
+                    }
+                    if cfg.adv_refill
+                    else {}
+                ),
                 "completion_len_mean": gen_tokens / len(completions),
                 "truncated_frac": float(truncated.float().mean()),
                 "tokens_per_s": gen_tokens / max(t_rollout, 1e-9),
@@ -518,8 +697,16 @@ def train(
             metrics.write(rec)
             progress.update(step, format_line(rec))
             if cfg.log.log_completions_every and step % cfg.log.log_completions_every == 0:
-                for r in sample_groups(step, [task.prompts[i]["prompt"] for i in idx], completions, batch.texts,
-                                       rewards, adv, terms, cfg.log.log_completions_groups):
+                for r in sample_groups(
+                    step,
+                    [task.prompts[i]["prompt"] for i in idx],
+                    completions,
+                    batch.texts,
+                    rewards,
+                    adv,
+                    terms,
+                    cfg.log.log_completions_groups,
+                ):
                     samples.write(r)
             # 8. eval and checkpoint
             is_final = step == cfg.steps
@@ -543,8 +730,15 @@ def train(
             if worker is not None:
                 worker.shutdown()
     if cfg.save_hf and step == cfg.steps:
-        runsafety.export_hf(lambda d: lora.save_policy(policy, d, merge=cfg.merge_lora, copy_tokenizer_from=cfg.data.tokenizer or model_path),
-                            cfg.save_hf, run_id, cfg.overwrite, step)
+        runsafety.export_hf(
+            lambda d: lora.save_policy(
+                policy, d, merge=cfg.merge_lora, copy_tokenizer_from=cfg.data.tokenizer or model_path
+            ),
+            cfg.save_hf,
+            run_id,
+            cfg.overwrite,
+            step,
+        )
     write_plot(out / "plot.svg", metrics.records, title=f"align GRPO: {out.name}")
     evals = [r for r in metrics.records if "eval/pass@1" in r]
     summary = {
@@ -562,8 +756,11 @@ def print_summary(s: dict) -> None:
     acc = ""
     if s["eval_start"] is not None:
         acc = f"held-out pass@1 {s['eval_start']:.3f} -> {s['eval_end']:.3f} | "
-    print(f"[align] done: {s['steps']} steps | {acc}wall {s['wall_s']:.0f}s | run dir {s['out']} "
-          f"(config.json, metrics.jsonl, plot.svg, checkpoints/)", flush=True)
+    print(
+        f"[align] done: {s['steps']} steps | {acc}wall {s['wall_s']:.0f}s | run dir {s['out']} "
+        f"(config.json, metrics.jsonl, plot.svg, checkpoints/)",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

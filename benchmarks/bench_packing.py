@@ -36,8 +36,16 @@ from align.rollout import native
 from align.rollout.native import PackedLinear
 
 CASES = [  # (rows, out_features, in_features): 31M shape at 16 rows, Qwen2.5-0.5B shape at 8 rows
-    (16, 768, 512), (16, 512, 512), (16, 2816, 512), (16, 512, 1408), (16, 8192, 512),
-    (8, 1152, 896), (8, 896, 896), (8, 9728, 896), (8, 896, 4864), (8, 151936, 896),
+    (16, 768, 512),
+    (16, 512, 512),
+    (16, 2816, 512),
+    (16, 512, 1408),
+    (16, 8192, 512),
+    (8, 1152, 896),
+    (8, 896, 896),
+    (8, 9728, 896),
+    (8, 896, 4864),
+    (8, 151936, 896),
 ]
 
 
@@ -78,8 +86,9 @@ def step_case(name: str, rows: int, shapes: list[tuple[int, int]], vllm_ops, rep
         "align PackedLinear": lambda: [p(x) for p, x in zip(ours, xs)],
         "align, 2nd copy": lambda: [p(x) for p, x in zip(ours2, xs)],
         "align, MKL/oneDNN only": lambda: [p(x) for p, x in zip(library, xs)],
-        "oneDNN for all": lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-                                   for w, x in zip(onednn, xs)],
+        "oneDNN for all": lambda: [
+            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w, x in zip(onednn, xs)
+        ],
         "F.linear (unpacked)": lambda: [F.linear(x, lin.weight) for lin, x in zip(linears, xs)],
     }
     if vllm_ops is not None:
@@ -97,8 +106,10 @@ def step_case(name: str, rows: int, shapes: list[tuple[int, int]], vllm_ops, rep
                 fns[k]()
                 times[k].append(time.perf_counter() - t)
     ceiling = statistics.median(times["streaming read (sum)"])
-    print(f"\n## {name}: {len(shapes)} GEMMs, {nbytes / 1e6:.0f} MB of fp32 weights per step; "
-          f"align layouts: {sorted({p.kind for p in ours})}, without the kernel: {sorted({p.kind for p in library})}")
+    print(
+        f"\n## {name}: {len(shapes)} GEMMs, {nbytes / 1e6:.0f} MB of fp32 weights per step; "
+        f"align layouts: {sorted({p.kind for p in ours})}, without the kernel: {sorted({p.kind for p in library})}"
+    )
     print(f"{'kernel':<24}{'ms/step':>9}{'GB/s':>7}{'of ceiling':>12}")
     for k, ts in times.items():
         med = statistics.median(ts)
@@ -110,8 +121,10 @@ def step_chain(repeats: int) -> None:
         from vllm import _custom_ops as vllm_ops
     except ImportError:
         vllm_ops = None
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"vLLM kernel: {'yes' if vllm_ops else 'no (run with .venv-rollout/bin/python)'}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"vLLM kernel: {'yes' if vllm_ops else 'no (run with .venv-rollout/bin/python)'}"
+    )
     for name, (rows, layer, layers, head) in STEPS.items():
         step_case(name, rows, layer * layers + [head], vllm_ops, repeats)
 
@@ -127,11 +140,15 @@ def layout_case(m: int, n: int, k: int) -> None:
     del weights
     t_dnn = t_mkl = float("inf")
     for _ in range(3):
-        t_dnn = min(t_dnn, best_of(lambda: [torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "") for w in onednn]))
+        t_dnn = min(
+            t_dnn, best_of(lambda: [torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "") for w in onednn])
+        )
         t_mkl = min(t_mkl, best_of(lambda: [torch.ops.mkl._mkl_linear(x, w, sizes, bias, m) for w in mkl]))
     gb = n * k * 4 * copies / 1e9
-    print(f"{m:>4} {f'{n}x{k}':>12} {n * k * 4 / 1e6:>7.1f} {gb / t_dnn:>12.1f} {gb / t_mkl:>9.1f} {t_mkl / t_dnn:>16.2f}",
-          flush=True)
+    print(
+        f"{m:>4} {f'{n}x{k}':>12} {n * k * 4 / 1e6:>7.1f} {gb / t_dnn:>12.1f} {gb / t_mkl:>9.1f} {t_mkl / t_dnn:>16.2f}",
+        flush=True,
+    )
 
 
 def main() -> None:

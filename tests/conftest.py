@@ -22,6 +22,7 @@ from skip_policy import (  # noqa: F401  (hooks re-exported for pytest)
     pytest_terminal_summary,
 )
 
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` skip, by name, where CUDA is absent (``bash scripts/gpu_check.sh`` runs them on a GPU)."""
     import pytest

@@ -6,26 +6,26 @@ import torch
 
 # Architecture features each config exercises (the parity tests are parametrised over these).
 FEATURES = {
-    "qwen2_gqa_qkv_bias_untied": ("qwen2", dict(tie_word_embeddings=False)),
-    "qwen2_tied": ("qwen2", dict(tie_word_embeddings=True, num_key_value_heads=4)),
-    "llama_mha_untied": ("llama", dict(num_key_value_heads=4)),
+    "qwen2_gqa_qkv_bias_untied": ("qwen2", {"tie_word_embeddings": False}),
+    "qwen2_tied": ("qwen2", {"tie_word_embeddings": True, "num_key_value_heads": 4}),
+    "llama_mha_untied": ("llama", {"num_key_value_heads": 4}),
     "llama3_rope_scaling_bias": (
         "llama",
-        dict(
-            rope_scaling={
+        {
+            "rope_scaling": {
                 "rope_type": "llama3",
                 "factor": 8.0,
                 "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 16,
             },
-            rope_theta=500000.0,
-            attention_bias=True,
-            mlp_bias=True,
-            rms_norm_eps=1e-5,
-        ),
+            "rope_theta": 500000.0,
+            "attention_bias": True,
+            "mlp_bias": True,
+            "rms_norm_eps": 1e-5,
+        },
     ),
-    "qwen3_qk_norm_head_dim_tied": ("qwen3", dict(head_dim=24, tie_word_embeddings=True)),
+    "qwen3_qk_norm_head_dim_tied": ("qwen3", {"head_dim": 24, "tie_word_embeddings": True}),
 }
 
 
@@ -40,19 +40,19 @@ def hf_model(model_type: str, seed: int = 0, vocab_size: int = 97, std: float = 
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }
     cfg_cls, model_cls = classes[model_type]
-    kw = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rope_theta=5000.0,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    kw = {
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "rope_theta": 5000.0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+    }
     kw.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**kw)).float().eval()

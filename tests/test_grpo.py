@@ -246,7 +246,9 @@ LOSS_CASES = [(n, e) for e in CONFIGS for n in LOSSES if not (n == "cispo" and "
 
 
 @pytest.mark.parametrize(
-    "name,extra", LOSS_CASES, ids=[f"{n}-" + ("-".join(f"{k}={v}" for k, v in e.items()) or "default") for n, e in LOSS_CASES]
+    "name,extra",
+    LOSS_CASES,
+    ids=[f"{n}-" + ("-".join(f"{k}={v}" for k, v in e.items()) or "default") for n, e in LOSS_CASES],
 )
 def test_loss_matches_loop_reference(name, extra):
     cfg = LossConfig(name=name, max_len_norm=7, **extra)

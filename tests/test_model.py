@@ -26,7 +26,7 @@ def pair(request, tmp_path_factory):
 
 
 def test_fp32_logits_match_transformers(pair):
-    name, hf, path = pair
+    _name, hf, path = pair
     ours = load_pretrained(path)
     ids = torch.randint(0, 97, (3, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -64,7 +64,7 @@ def test_architecture_feature_matters_negative_control(pair):
 
 
 def test_greedy_generation_matches_transformers(pair):
-    name, hf, path = pair
+    _name, hf, path = pair
     ours = load_pretrained(path)
     prompts = [[1, 5, 9, 13], [7, 3], [11, 12, 13, 14, 15, 16, 17]]
     outs = generate(ours, prompts, SamplingParams(temperature=0, max_tokens=12))
@@ -74,7 +74,7 @@ def test_greedy_generation_matches_transformers(pair):
 
 
 def test_bf16_loads_and_runs(pair):
-    name, hf, path = pair
+    _name, hf, path = pair
     ours = load_pretrained(path, dtype=torch.bfloat16)
     assert ours.lm_head.weight.dtype == torch.bfloat16
     ids = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(3))
@@ -165,8 +165,16 @@ def test_save_failure_leaves_nothing_and_marker_gate(tmp_path, monkeypatch):
 
 def test_fresh_model_config_roundtrip(tmp_path):
     cfg = ModelConfig(
-        model_type="qwen2", vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, qkv_bias=True, eos_token_id=2,
+        model_type="qwen2",
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        qkv_bias=True,
+        eos_token_id=2,
     )
     m = Transformer(cfg).init_weights(seed=0)
     path = save_pretrained(m, tmp_path / "m")

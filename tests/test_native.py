@@ -53,7 +53,9 @@ def test_ragged_batch_equals_one_by_one(model):
     for i, p in enumerate(PROMPTS):
         alone = generate(model, [p], params)[0]
         assert batched[i].token_ids == alone.token_ids
-        torch.testing.assert_close(torch.tensor(batched[i].logprobs), torch.tensor(alone.logprobs), atol=LOGPROB_ATOL, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(batched[i].logprobs), torch.tensor(alone.logprobs), atol=LOGPROB_ATOL, rtol=0
+        )
 
 
 def test_negative_control_padding_mask_matters(model, monkeypatch):
@@ -166,7 +168,9 @@ def test_bad_prompts(model, prompts, kwargs, match):
         generate(model, prompts, SamplingParams(**kwargs))
 
 
-@pytest.mark.parametrize("kwargs,match", [({"n": 0}, "n must be >= 1"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p")])
+@pytest.mark.parametrize(
+    "kwargs,match", [({"n": 0}, "n must be >= 1"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p")]
+)
 def test_bad_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
@@ -201,7 +205,9 @@ def _require_kernel():
     ops = cpu_kernel.load()
     if ops is None:
         if platform.machine() in ("x86_64", "AMD64") and torch.backends.cpu.get_cpu_capability() == "AVX512":
-            pytest.fail(f"this machine has AVX-512 but the decode kernel is unavailable: {cpu_kernel.unavailable_reason()}")
+            pytest.fail(
+                f"this machine has AVX-512 but the decode kernel is unavailable: {cpu_kernel.unavailable_reason()}"
+            )
         pytest.skip(f"no AVX-512 decode kernel here ({cpu_kernel.unavailable_reason()})")
     return ops
 

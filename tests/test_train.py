@@ -39,8 +39,17 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 def cfg_for(out, **kw) -> TrainConfig:
-    base = dict(out=str(out), steps=4, prompts_per_step=4, group_size=4, max_tokens=4, lr=1e-2, warmup_steps=0,
-                checkpoint_every=2, micro_batch_size=8)
+    base = {
+        "out": str(out),
+        "steps": 4,
+        "prompts_per_step": 4,
+        "group_size": 4,
+        "max_tokens": 4,
+        "lr": 1e-2,
+        "warmup_steps": 0,
+        "checkpoint_every": 2,
+        "micro_batch_size": 8,
+    }
     base.update(kw)
     c = TrainConfig(**base)
     c.eval.eval_interval = 0
@@ -54,8 +63,7 @@ def records(out) -> list[dict]:
 def test_python_api_learns_and_leaves_run_files(tmp_path, tiny_model):
     cfg = cfg_for(tmp_path / "run", steps=12, checkpoint_every=5, keep_checkpoints=2)
     cfg.eval.eval_interval = 6
-    summary = train(cfg, model=tiny_model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward,
-                    eval_prompts=PROMPTS[:4])
+    summary = train(cfg, model=tiny_model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward, eval_prompts=PROMPTS[:4])
     recs = [r for r in records(tmp_path / "run") if "reward_mean" in r]
     assert [r["step"] for r in recs] == list(range(1, 13))
     first, last = sum(r["reward_mean"] for r in recs[:3]) / 3, sum(r["reward_mean"] for r in recs[-3:]) / 3
@@ -74,14 +82,14 @@ def test_python_api_learns_and_leaves_run_files(tmp_path, tiny_model):
 
 
 def test_micro_batch_size_does_not_change_the_gradient(tiny_model):
+    from align.learner import backward_batch, sequence_batch
     from align.rollout.native import generate
     from align.rollout.protocol import SamplingParams
-    from align.learner import backward_batch, sequence_batch
 
     policy = load_pretrained(tiny_model)
     prompts = [TOK.encode(p["prompt"]) for p in PROMPTS]
     comps = generate(policy, prompts, SamplingParams(n=3, max_tokens=4, seed=0, stop_token_ids=[TOK.eos_token_id]))
-    inputs, targets, mask, full_lp, sampled_lp = sequence_batch(prompts, comps, 3, "cpu")
+    inputs, targets, mask, _full_lp, sampled_lp = sequence_batch(prompts, comps, 3, "cpu")
     adv = torch.randn(len(comps), generator=torch.Generator().manual_seed(0))
     mask[2] = False  # an all-masked row inside some micro-batch
 
@@ -106,8 +114,16 @@ def test_micro_batch_size_does_not_change_the_gradient(tiny_model):
     for s in range(0, len(comps), 5):
         sl = slice(s, s + 5)
         policy.zero_grad(set_to_none=True)
-        real(policy, None, cfg_for("unused", micro_batch_size=5), inputs[sl], targets[sl], mask[sl], adv[sl],
-             sampled_lp[sl])
+        real(
+            policy,
+            None,
+            cfg_for("unused", micro_batch_size=5),
+            inputs[sl],
+            targets[sl],
+            mask[sl],
+            adv[sl],
+            sampled_lp[sl],
+        )
         for k, p in policy.named_parameters():
             local[k] += p.grad if p.grad is not None else 0
     assert max((local[k] - whole[k]).abs().max() for k in whole) > 1e-5
@@ -115,13 +131,37 @@ def test_micro_batch_size_does_not_change_the_gradient(tiny_model):
 
 def run_cli(args: list[str], **kw) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "align.train", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "align.train", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
+    )
 
 
 def cli_args(out, model) -> list[str]:
-    return ["--out", str(out), "--model", model, "--steps", "8", "--prompts-per-step", "8", "--group-size", "4",
-            "--max-tokens", "6", "--checkpoint-every", "2", "--eval-interval", "4", "--eval-prompts", "16"]
+    return [
+        "--out",
+        str(out),
+        "--model",
+        model,
+        "--steps",
+        "8",
+        "--prompts-per-step",
+        "8",
+        "--group-size",
+        "4",
+        "--max-tokens",
+        "6",
+        "--checkpoint-every",
+        "2",
+        "--eval-interval",
+        "4",
+        "--eval-prompts",
+        "16",
+    ]
 
 
 def wait_for_steps(out: Path, n: int, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -136,8 +176,7 @@ def wait_for_steps(out: Path, n: int, proc: subprocess.Popen, timeout: float = 3
 
 
 def comparable(out) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in TIMING_KEYS and not k.endswith("seconds")}
-            for r in records(out)]
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS and not k.endswith("seconds")} for r in records(out)]
 
 
 @pytest.fixture(scope="module")
@@ -201,8 +240,19 @@ def test_help_lists_every_flag_with_help(capsys):
         main(["--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
-    for flag in ("--eval-hf-dir", "--eval-max-in-flight", "--eval-overflow-policy", "--ci-test", "--loss",
-                 "--eps-low", "--use-rho-correction", "--adv-scale", "--micro-batch-size", "--rollout", "--config"):
+    for flag in (
+        "--eval-hf-dir",
+        "--eval-max-in-flight",
+        "--eval-overflow-policy",
+        "--ci-test",
+        "--loss",
+        "--eps-low",
+        "--use-rho-correction",
+        "--adv-scale",
+        "--micro-batch-size",
+        "--rollout",
+        "--config",
+    ):
         assert flag in text, flag
     from align.cli import _flags
     from align.train import CLI_PREFIXES

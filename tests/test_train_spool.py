@@ -18,18 +18,31 @@ pytestmark = pytest.mark.rollout
 MISMATCH_TOL = 1e-3  # |log pi_old - log mu| per token, fp32 vLLM CPU vs align (measured ~1e-5)
 
 
-
-
 def test_grpo_with_spool_rollout(tmp_path):
     require_rollout_venv()
     tok = reverse.tokenizer()
     model = save_pretrained(Transformer(reverse.model_config(tok)).init_weights(seed=0), tmp_path / "base")
-    cfg = TrainConfig(out=str(tmp_path / "run"), steps=3, prompts_per_step=4, group_size=4, max_tokens=6, lr=1e-2,
-                      rollout="spool", rollout_in_process=True, rollout_timeout_s=600, checkpoint_every=0)
+    cfg = TrainConfig(
+        out=str(tmp_path / "run"),
+        steps=3,
+        prompts_per_step=4,
+        group_size=4,
+        max_tokens=6,
+        lr=1e-2,
+        rollout="spool",
+        rollout_in_process=True,
+        rollout_timeout_s=600,
+        checkpoint_every=0,
+    )
     cfg.eval.eval_interval = 0
     prompts = reverse.prompts(16, "train")
-    summary = train(cfg, model=str(model), tokenizer=tok, prompts=prompts,
-                    reward=lambda prompt, completion, **_: completion.count("a") / 6)  # dense: learnable from scratch
+    summary = train(
+        cfg,
+        model=str(model),
+        tokenizer=tok,
+        prompts=prompts,
+        reward=lambda prompt, completion, **_: completion.count("a") / 6,
+    )  # dense: learnable from scratch
     assert summary["steps"] == 3
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2, 3]
@@ -59,17 +72,39 @@ def test_resume_attached_to_a_running_worker_samples_the_resumed_weights(tmp_pat
     mcfg = reverse.model_config(tok)
     base = save_pretrained(Transformer(mcfg).init_weights(seed=0), tmp_path / "base")
     spool = tmp_path / "spool"
-    worker = spawn_worker(spool, model=base, weights_version=0, log_path=tmp_path / "worker.log", in_process=True,
-                          max_model_len=mcfg.max_position_embeddings, dtype="float32")
+    worker = spawn_worker(
+        spool,
+        model=base,
+        weights_version=0,
+        log_path=tmp_path / "worker.log",
+        in_process=True,
+        max_model_len=mcfg.max_position_embeddings,
+        dtype="float32",
+    )
     prompts = reverse.prompts(16, "train")
 
     def run(steps: int) -> None:
-        cfg = TrainConfig(out=str(tmp_path / "run"), steps=steps, prompts_per_step=4, group_size=4, max_tokens=6,
-                          lr=1e-2, rollout="spool", spool=str(spool), spawn_worker=False, checkpoint_every=1,
-                          rollout_timeout_s=600)
+        cfg = TrainConfig(
+            out=str(tmp_path / "run"),
+            steps=steps,
+            prompts_per_step=4,
+            group_size=4,
+            max_tokens=6,
+            lr=1e-2,
+            rollout="spool",
+            spool=str(spool),
+            spawn_worker=False,
+            checkpoint_every=1,
+            rollout_timeout_s=600,
+        )
         cfg.eval.eval_interval = 0
-        train(cfg, model=str(base), tokenizer=tok, prompts=prompts,
-              reward=lambda prompt, completion, **_: completion.count("a") / 6)
+        train(
+            cfg,
+            model=str(base),
+            tokenizer=tok,
+            prompts=prompts,
+            reward=lambda prompt, completion, **_: completion.count("a") / 6,
+        )
 
     try:
         run(1)
@@ -89,6 +124,8 @@ def test_resume_attached_to_a_running_worker_samples_the_resumed_weights(tmp_pat
     for c in comps:
         seq = torch.tensor([ids[c.prompt_index] + c.token_ids])  # (1, L)
         with torch.no_grad():
-            a, b = (torch.log_softmax(m(seq[:, :-1]), -1).gather(-1, seq[:, 1:, None])[0, :, 0] for m in (step1, base_model))
-        diffs.append(float((a - b)[-len(c.token_ids):].abs().max()))
+            a, b = (
+                torch.log_softmax(m(seq[:, :-1]), -1).gather(-1, seq[:, 1:, None])[0, :, 0] for m in (step1, base_model)
+            )
+        diffs.append(float((a - b)[-len(c.token_ids) :].abs().max()))
     assert max(diffs) > 10 * MISMATCH_TOL, diffs

@@ -145,9 +145,16 @@ def _compiler() -> str | None:
 def _build(cxx: str) -> Path:
     torch_dir = Path(torch.__file__).resolve().parent
     flags = [
-        "-O3", "-std=c++20", "-shared", "-fPIC", "-mavx512f", "-mfma", "-fopenmp",
+        "-O3",
+        "-std=c++20",
+        "-shared",
+        "-fPIC",
+        "-mavx512f",
+        "-mfma",
+        "-fopenmp",
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-        f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+        f"-I{torch_dir / 'include'}",
+        f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
     ]
     libs = [f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_dir / 'lib'}"]
     key = hashlib.sha256("\0".join([SOURCE, torch.__version__, str(torch_dir), *flags]).encode()).hexdigest()[:16]
@@ -167,8 +174,9 @@ def _build(cxx: str) -> Path:
         tmp = cache / f"align_cpu_{key}.{os.getpid()}.so.tmp"
         try:
             src.write_text(SOURCE)
-            proc = subprocess.run([cxx, *flags, str(src), "-o", str(tmp), *libs], capture_output=True, text=True,
-                                  timeout=600, check=False)
+            proc = subprocess.run(
+                [cxx, *flags, str(src), "-o", str(tmp), *libs], capture_output=True, text=True, timeout=600, check=False
+            )
             if proc.returncode != 0:
                 tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
                 raise RuntimeError(f"{cxx} exited with {proc.returncode}" + (f": {tail}" if tail else ""))
@@ -204,8 +212,9 @@ def load():
             if lib is not None and lib.exists():  # built but unloadable (e.g. damaged): the next process rebuilds
                 lib.unlink(missing_ok=True)
                 why = f"{lib} did not load ({e}); removed it, the next run rebuilds"
-            warnings.warn(f"align: the AVX-512 decode GEMM is unavailable ({why}); sampling uses MKL/oneDNN",
-                          stacklevel=2)
+            warnings.warn(
+                f"align: the AVX-512 decode GEMM is unavailable ({why}); sampling uses MKL/oneDNN", stacklevel=2
+            )
     _state["error"] = why
     return None
 

@@ -298,11 +298,10 @@ def _generate(model: Transformer, prompts: list[list[int]], params: SamplingPara
             done |= finished
         if t == max_new - 1 or bool(done.all()):
             break
-        if finished.any():
-            if done.sum() >= max(1, int(COMPACT_FRACTION * done.numel())):
-                keep = (~done).nonzero().squeeze(-1)
-                cache.select(keep)
-                tok, pos, row_id, done = tok[keep], pos[keep], row_id[keep], done[keep]
+        if finished.any() and done.sum() >= max(1, int(COMPACT_FRACTION * done.numel())):
+            keep = (~done).nonzero().squeeze(-1)
+            cache.select(keep)
+            tok, pos, row_id, done = tok[keep], pos[keep], row_id[keep], done[keep]
         cache.valid[:, cache.length] = True
         logits = model(tok[:, None], positions=pos[:, None], cache=cache)[:, -1]  # (R, V)
         cache.length += 1

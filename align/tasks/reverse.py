@@ -55,15 +55,26 @@ def reward(prompt: str, completion: str, answer: str | None = None, **_) -> floa
 
 def model_config(tok: CharTokenizer) -> ModelConfig:
     return ModelConfig(
-        model_type="qwen2", vocab_size=tok.vocab_size, hidden_size=128, intermediate_size=256,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32, qkv_bias=True,
-        max_position_embeddings=32, rope_theta=1000.0, bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        model_type="qwen2",
+        vocab_size=tok.vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        qkv_bias=True,
+        max_position_embeddings=32,
+        rope_theta=1000.0,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
     )
 
 
-def warm_start(path: str | Path, *, steps: int = 400, batch: int = 64, lr: float = 3e-3, seed: int = 0,
-               log=print) -> Path:
+def warm_start(
+    path: str | Path, *, steps: int = 400, batch: int = 64, lr: float = 3e-3, seed: int = 0, log=print
+) -> Path:
     """Supervised warm start on the biased copy/reverse mixture; saves an HF checkpoint at ``path``."""
     tok = tokenizer()
     torch.manual_seed(seed)

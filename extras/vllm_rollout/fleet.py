@@ -586,8 +586,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def _engine_argv(rest: list[str]) -> list[str]:
     """The worker flags each engine gets: everything but the driver-only spool/model/version/TP/log flags."""
-    drop = {"--spool", "--model", "--weights-version", "--tensor-parallel-size", "--log-path", "--parent-pid",
-            "--parent-fd", "--parent-grace-s"}
+    drop = {
+        "--spool",
+        "--model",
+        "--weights-version",
+        "--tensor-parallel-size",
+        "--log-path",
+        "--parent-pid",
+        "--parent-fd",
+        "--parent-grace-s",
+    }
     out, skip = [], False
     for tok in rest:
         if skip:
