@@ -435,7 +435,7 @@ def load_pretrained(
     state: dict[str, torch.Tensor] = {}
     for f in _weight_files(path):
         with safe_open(str(f), framework="pt", device=str(device)) as sf:
-            for name in sf:
+            for name in sf.keys():  # noqa: SIM118 - safe_open is not iterable
                 if name not in expected:
                     if cfg.tie_word_embeddings and name == "lm_head.weight":
                         continue  # some exporters write the tied head anyway; it is the embedding

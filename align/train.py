@@ -596,10 +596,20 @@ def train(
 
     progress = Progress(cfg.steps, start=step)
     first_error: list[str] = []
+    def baseline_dir() -> str:
+        """The step-0 snapshot: the base model; in LoRA mode with an eval fleet the untrained adapter (written once,
+        atomically, before step 1), so the fleet starts its engines with LoRA enabled for every later point."""
+        if not (cfg.lora.enabled and cfg.eval.eval_num_gpus > 0 and not cfg.eval.eval_function_path):
+            return model_path
+        step0 = out / "lora_step0_adapter"
+        if not resume and not (step0 / "adapter_config.json").exists():
+            lora.save_policy(policy, step0)
+        return str(step0) if (step0 / "adapter_config.json").exists() else model_path
+
     train_error = None
     try:
         if eval_set:  # the step-0 baseline, once per run, through the evaluator's own path
-            emit_eval(evaluator.baseline(model_path, written=metrics.records, resumed=bool(resume)))
+            emit_eval(evaluator.baseline(baseline_dir(), written=metrics.records, resumed=bool(resume)))
         while step < cfg.steps:
             t0 = time.monotonic()
             policy.train()
