@@ -596,6 +596,7 @@ def train(
 
     progress = Progress(cfg.steps, start=step)
     first_error: list[str] = []
+
     def baseline_dir() -> str:
         """The step-0 snapshot: the base model; in LoRA mode with an eval fleet the untrained adapter (written once,
         atomically, before step 1), so the fleet starts its engines with LoRA enabled for every later point."""
