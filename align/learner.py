@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from align import dist
 from align.device import PRECISIONS, Placement, precision_from_legacy
 from align.grpo import SUM_STATS, merge_stats, normalisers, policy_loss
 from align.kernels import linear_token_logprobs
@@ -202,13 +203,24 @@ def backward_batch(policy: torch.nn.Module, ref_model: torch.nn.Module | None, c
     The normalisers (token and sequence counts) are those of all the rows given, so the accumulated gradient is
     the whole-batch gradient whatever the micro-batching. ``old_logprobs`` (N, L): the policy's logprobs before
     the first update of this batch; None = the current ones, detached (one update per batch: ratio 1).
-    ``ref_logprobs`` (N, L), else computed per micro-batch from ``ref_model`` when given."""
-    total_tokens, total_seqs = normalisers(mask, cfg.loss)
+    ``ref_logprobs`` (N, L), else computed per micro-batch from ``ref_model`` when given.
+
+    Under torchrun (``align.dist``) the rows are this rank's share: the normalisers are summed over ranks, every
+    rank runs as many micro-batches as the busiest one (empty ones: a zero loss on one token, for FSDP's
+    collectives) and the returned stats are the merged record of all ranks."""
+    total_tokens, total_seqs = dist.reduce_counts(normalisers(mask, cfg.loss))
     stats: list[dict] = []
     if total_tokens == 0:
         return stats
     lengths = row_lengths(mask)
-    for idx in micro_batches(lengths, cfg):
+    mbs = micro_batches(lengths, cfg)
+    mbs += [[]] * (dist.max_int(len(mbs)) - len(mbs))
+    for idx in mbs:
+        if not idx:  # padding micro-batch (torchrun): same forward/backward collectives, no gradient
+            lp, _ = token_logprobs(policy, inputs[:1, :1], targets[:1, :1], cfg.temperature, place=place,
+                                   backend=cfg.logprob_backend, with_entropy=False)  # fmt: skip
+            (lp.sum() * 0.0).backward()
+            continue
         L = max(lengths[i] for i in idx)
         x, y, m = _rows(inputs, idx, L), _rows(targets, idx, L), _rows(mask, idx, L)  # (mb, L)
         lp, ent = token_logprobs(policy, x, y, cfg.temperature, place=place, backend=cfg.logprob_backend)
@@ -224,7 +236,7 @@ def backward_batch(policy: torch.nn.Module, ref_model: torch.nn.Module | None, c
                                ref_logprobs=ref, entropy=ent, total_tokens=total_tokens, total_seqs=total_seqs)  # fmt: skip
         loss.backward()
         stats.append(st)
-    return stats
+    return dist.merge_rank_stats(stats, merge_stats)
 
 
 # ------------------------------------------------------------------------------------------------ the update
@@ -237,18 +249,20 @@ def optimize(policy: torch.nn.Module, ref_model: torch.nn.Module | None, opt: to
     ref = batch_logprobs(ref_model, batch, cfg, place) if ref_model is not None else None
     old = batch_logprobs(policy, batch, cfg, place) if K * M > 1 else None
     minis = torch.arange(batch.inputs.shape[0], device=batch.inputs.device).tensor_split(M)
+    minis = [rows[slice(*dist.share(len(rows)))] for rows in minis]  # torchrun: this rank's share of each
     per_update, norms = [], []
     for _ in range(K):
         for rows in minis:
             opt.zero_grad(set_to_none=True)
-            b = batch if M == 1 else Batch(*(t[rows] for t in batch))
-            o = old if old is None or M == 1 else old[rows]
-            r = ref if ref is None or M == 1 else ref[rows]
+            whole = M == 1 and len(rows) == batch.inputs.shape[0]
+            b = batch if whole else Batch(*(t[rows] for t in batch))
+            o = old if old is None or whole else old[rows]
+            r = ref if ref is None or whole else ref[rows]
             stats = backward_batch(policy, ref_model, cfg, *b, place=place, old_logprobs=o, ref_logprobs=r)
             if not stats:  # nothing to learn from in these rows
                 continue
             if cfg.grad_clip > 0:
-                norms.append(float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)))
+                norms.append(dist.scalar(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)))
             opt.step()
             per_update.append(merge_stats(stats))
     return Update(summarise(per_update, K), sum(norms) / len(norms) if norms else 0.0, per_update)

@@ -78,6 +78,7 @@ class TrainConfig:
     device: str = field(default="auto", metadata=_h("Training device: auto (CUDA when available), cpu, cuda or cuda:N."))
     precision: str = field(default="auto", metadata=_h("fp32, bf16-mixed (fp32 master weights, bf16 autocast) or bf16 (bf16 weights, fp32 AdamW moments); auto = bf16-mixed on CUDA, fp32 on CPU."))
     gradient_checkpointing: bool = field(default=False, metadata=_h("Recompute layer activations in backward."))
+    dist_timeout_s: float = field(default=600.0, metadata=_h("Under torchrun: seconds a collective waits for the other ranks before failing."))
     threads: int = field(default=1, metadata=_h("torch CPU threads (0 = torch's default). 1 is fastest for small models and never oversubscribes a shared CPU."))
     dtype: str | None = field(default=None, metadata=_h("Deprecated alias of --precision: float32 = fp32, bfloat16 = bf16."))
     logprob_backend: str = field(default="auto", metadata=_h("Token logprob kernel: auto (triton on CUDA, chunked torch elsewhere), torch, triton, reference."))
@@ -253,7 +254,7 @@ def train(
     import torch
 
     from align import checkpoint as ckpt
-    from align import learner, lora
+    from align import dist, learner, lora
     from align.device import make_optimizer
     from align.device import resolve as resolve_placement
     from align.eval import EvalSet, make_evaluator
@@ -265,6 +266,7 @@ def train(
     from align.runlog import MetricsLog, Progress, format_line, make_logger, sample_groups, write_plot
 
     t_start = time.monotonic()
+    dist.setup(cfg)  # torchrun: the process group (no-op in one process)
     place = resolve_placement(cfg.device, cfg.precision)  # bad --device / --precision fail here, before any load
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -272,7 +274,7 @@ def train(
     out = Path(cfg.out)
     runsafety.check_paths(cfg.out, model or cfg.model, cfg.save_hf, cfg.eval.eval_hf_dir)
     out.mkdir(parents=True, exist_ok=True)
-    run_id = runsafety.run_id(out)
+    run_id = dist.main_first(lambda: runsafety.run_id(out))
     if cfg.save_hf:
         runsafety.check_export_target(cfg.save_hf, run_id, cfg.overwrite)
     if prompts is None and cfg.data.train_data:  # your own data from files (align.data); rewards from --reward
@@ -286,7 +288,7 @@ def train(
         raise InputError("pass prompts, tokenizer and reward together (CLI: --train-data and --reward), or none of "
                          "them for the built-in task")
     if prompts is None:
-        task, model_path = builtin_task(cfg)
+        task, model_path = dist.main_first(lambda: builtin_task(cfg))
     else:
         task = Task(as_records(prompts), tokenizer, reward, as_records(eval_prompts) if eval_prompts else [])
         model_path = model or cfg.model
@@ -301,9 +303,13 @@ def train(
     if ckpt.latest(out / "checkpoints"):  # resuming: refuse changed math, apply (and log) operational changes
         for change in runsafety.check_resume_config(out / "config.json", new_config):
             print(f"[align] resume: applying changed setting {change}", flush=True)
-    atomic_write_text(out / "config.json", json.dumps(new_config, indent=2))
+    if dist.is_main():
+        atomic_write_text(out / "config.json", json.dumps(new_config, indent=2))
 
     resume = ckpt.pick(out / "checkpoints", cfg.resume_from)
+    if resume and dist.active():
+        raise ValueError(f"{out} has checkpoints: resuming under torchrun is not supported yet; resume in one "
+                         "process or pick a new --out")
     if cfg.lora.enabled:  # frozen base + trainable adapters; a LoRA checkpoint holds only the adapter
         policy = load_pretrained(model_path, dtype=place.param_dtype, device=place.device)
         lora.apply_lora(policy, cfg.lora, base_model=model_path, seed=cfg.seed)
@@ -330,6 +336,7 @@ def train(
             )
     learner.check_token_budget(cfg, [len(ids) for ids in encoded])
 
+    policy, ref_model = dist.shard(policy, place.precision), ref_model and dist.shard(ref_model, place.precision)
     opt = make_optimizer(lora.trainable_parameters(policy), place, lr=cfg.lr, betas=cfg.adam_betas,
                          weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
@@ -341,9 +348,10 @@ def train(
         ckpt.set_rng_state(state["rng"])
         step, cursor = state["step"], state["cursor"]
         print(f"[align] resuming from {resume[1]} (step {step})", flush=True)
-    metrics = MetricsLog(out / "metrics.jsonl", resume_step=step if resume else 0)
-    samples = MetricsLog(out / "completions.jsonl", resume_step=step if resume else 0)
-    if (sink := make_logger(cfg.log.logger, out, asdict(cfg), step)) is not None:
+    logs = (MetricsLog(out / n, resume_step=step if resume else 0) if dist.is_main() else dist.RankLog()
+            for n in ("metrics.jsonl", "completions.jsonl"))  # torchrun: rank 0 alone writes run files
+    metrics, samples = logs
+    if dist.is_main() and (sink := make_logger(cfg.log.logger, out, asdict(cfg), step)) is not None:
         metrics.sinks.append(sink)
     if not resume:
         torch.manual_seed(cfg.seed)
@@ -351,7 +359,7 @@ def train(
     # Rollout client.
     worker = None
     if cfg.rollout == "native":
-        client = make_rollout_client("native", model=policy)
+        client = dist.ShardedNativeClient(policy) if dist.active() else make_rollout_client("native", model=policy)
     else:
         spool = Path(cfg.spool or out / "spool")
         init_snapshot = out / "rollout_snapshots" / f"v{step}"
@@ -434,7 +442,7 @@ def train(
             runsafety.check_weights_version(comps, published, client.spool.root)
         return comps
 
-    progress = Progress(cfg.steps, start=step)
+    progress = Progress(cfg.steps, start=step) if dist.is_main() else dist.RankLog()
     first_error: list[str] = []
     train_error = None
     try:
@@ -523,7 +531,9 @@ def train(
             # 8. eval and checkpoint
             is_final = step == cfg.steps
             emit_eval(evaluator.step(step, is_final) + evaluator.poll())
-            if is_final or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stop_flag.get("signal"):
+            if dist.active():
+                pass  # torchrun: no checkpoints yet (README: Multi-process training)
+            elif is_final or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stop_flag.get("signal"):
                 save_checkpoint()
                 write_plot(out / "plot.svg", metrics.records, title=f"align GRPO: {out.name}")
             if stop_flag.get("signal"):
@@ -541,10 +551,11 @@ def train(
             metrics.close()
             if worker is not None:
                 worker.shutdown()
-    if cfg.save_hf and step == cfg.steps:
-        runsafety.export_hf(lambda d: lora.save_policy(policy, d, merge=cfg.merge_lora, copy_tokenizer_from=cfg.data.tokenizer or model_path),
+    if cfg.save_hf and step == cfg.steps and (full := dist.full_model(policy)) and dist.is_main():
+        runsafety.export_hf(lambda d: lora.save_policy(full, d, merge=cfg.merge_lora, copy_tokenizer_from=cfg.data.tokenizer or model_path),
                             cfg.save_hf, run_id, cfg.overwrite, step)
-    write_plot(out / "plot.svg", metrics.records, title=f"align GRPO: {out.name}")
+    if dist.is_main():
+        write_plot(out / "plot.svg", metrics.records, title=f"align GRPO: {out.name}")
     evals = [r for r in metrics.records if "eval/pass@1" in r]
     summary = {
         "steps": step,
