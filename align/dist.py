@@ -28,6 +28,7 @@ Key decisions (issue 14)
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -73,7 +74,6 @@ def check_supported(cfg: Any, n: int) -> None:
         "--lora-rank > 0": cfg.lora.enabled,
         "--adv-refill": cfg.adv_refill,
         "--eval-interval > 0 (in-process or snapshot eval)": cfg.eval.eval_interval > 0,
-        "--resume-from": cfg.resume_from is not None,
     }
     bad = [k for k, v in unsupported.items() if v]
     if bad:
@@ -180,6 +180,13 @@ def max_int(n: int) -> int:
     return int(t[0])
 
 
+def agree_on_signal(stop_flag: dict) -> None:
+    """Under torchrun, a signal any rank caught (``stop_flag["signal"]``) is set on every rank (no-op in one process):
+    the ranks leave the loop after the same step and checkpoint together."""
+    if active() and (signum := max_int(stop_flag.get("signal") or 0)):
+        stop_flag["signal"] = signum
+
+
 def gather(obj: T) -> list[T]:
     """Every rank's ``obj``, in rank order (``[obj]`` in one process)."""
     if not active():
@@ -271,3 +278,54 @@ def share_of(n: int, r: int) -> tuple[int, int]:
     base, extra = divmod(n, world())
     lo = r * base + min(r, extra)
     return lo, lo + base + (1 if r < extra else 0)
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+
+
+def barrier() -> None:
+    if active():
+        torch.distributed.barrier()
+
+
+def optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """``opt.state_dict()`` in one process. Under torchrun (a collective): the full, unsharded state on rank 0's
+    CPU in the same layout (parameter ids in ``opt.param_groups`` order), so one checkpoint format serves every
+    world size; the other ranks get {}."""
+    if not active():
+        return opt.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not is_main():
+        return {}
+    ids = dict(zip(_optimizer_fqns(model, opt), itertools.count()))
+    groups = [{**g, "params": [ids[f] for f in g["params"]]} for g in full["param_groups"]]
+    return {"state": {ids[f]: s for f, s in full["state"].items()}, "param_groups": groups}
+
+
+def restore_optimizer(model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict, ckpt: Any) -> None:
+    """Load a checkpoint's optimizer state (written by any world size) into ``opt``, sharded like ``model``."""
+    from align import checkpoint
+
+    if not active():
+        return checkpoint.restore_optimizer(opt, state, ckpt)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    saved = state["optimizer"]
+    fqns = _optimizer_fqns(model, opt)
+    ids = [i for g in saved.get("param_groups", []) for i in g["params"]]
+    if len(ids) != len(fqns):
+        raise checkpoint.CheckpointError(f"the optimizer state in {ckpt} is for {len(ids)} parameters, the model has "
+                                         f"{len(fqns)}: the checkpoint belongs to another model")  # fmt: skip
+    name = dict(zip(ids, fqns))
+    full = {
+        "state": {name[i]: s for i, s in saved["state"].items()},
+        "param_groups": [{**g, "params": [name[i] for i in g["params"]]} for g in saved["param_groups"]],
+    }
+    set_optimizer_state_dict(model, opt, full, options=StateDictOptions(full_state_dict=True))
+
+
+def _optimizer_fqns(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[str]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for g in opt.param_groups for p in g["params"]]

@@ -307,9 +307,6 @@ def train(
         atomic_write_text(out / "config.json", json.dumps(new_config, indent=2))
 
     resume = ckpt.pick(out / "checkpoints", cfg.resume_from)
-    if resume and dist.active():
-        raise ValueError(f"{out} has checkpoints: resuming under torchrun is not supported yet; resume in one "
-                         "process or pick a new --out")
     if cfg.lora.enabled:  # frozen base + trainable adapters; a LoRA checkpoint holds only the adapter
         policy = load_pretrained(model_path, dtype=place.param_dtype, device=place.device)
         lora.apply_lora(policy, cfg.lora, base_model=model_path, seed=cfg.seed)
@@ -343,7 +340,7 @@ def train(
     step, cursor = 0, {"epoch": 0, "index": 0}
     if resume:
         state = ckpt.load_state(resume[1])
-        ckpt.restore_optimizer(opt, state, resume[1])
+        dist.restore_optimizer(policy, opt, state, resume[1])
         sched.load_state_dict(state["scheduler"])
         ckpt.set_rng_state(state["rng"])
         step, cursor = state["step"], state["cursor"]
@@ -412,9 +409,12 @@ def train(
     evaluator = make_evaluator(eval_cfg, eval_set, export_fn=export, blocking_eval_fn=blocking_eval if eval_set else None,
                                should_stop=lambda: bool(stop_flag.get("signal")), reserved_gpus=[cfg.rollout_gpu])
 
-    def save_checkpoint() -> None:
-        ckpt.save(out / "checkpoints", step, policy, {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                                                      "cursor": dict(cursor)}, cfg.keep_checkpoints)
+    def save_checkpoint() -> None:  # torchrun: every rank gathers, rank 0 writes, the others wait for the marker
+        model, opt_state = dist.full_model(policy), dist.optimizer_state(policy, opt)
+        if dist.is_main():
+            ckpt.save(out / "checkpoints", step, model, {"optimizer": opt_state, "scheduler": sched.state_dict(),
+                                                         "cursor": dict(cursor)}, cfg.keep_checkpoints)  # fmt: skip
+        dist.barrier()
 
     def emit_eval(records: list[dict]) -> None:
         for r in records:
@@ -531,11 +531,11 @@ def train(
             # 8. eval and checkpoint
             is_final = step == cfg.steps
             emit_eval(evaluator.step(step, is_final) + evaluator.poll())
-            if dist.active():
-                pass  # torchrun: no checkpoints yet (README: Multi-process training)
-            elif is_final or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stop_flag.get("signal"):
+            dist.agree_on_signal(stop_flag)  # torchrun: a signal seen by any rank stops every rank after this step
+            if is_final or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stop_flag.get("signal"):
                 save_checkpoint()
-                write_plot(out / "plot.svg", metrics.records, title=f"align GRPO: {out.name}")
+                if dist.is_main():
+                    write_plot(out / "plot.svg", metrics.records, title=f"align GRPO: {out.name}")
             if stop_flag.get("signal"):
                 break
     except BaseException as e:

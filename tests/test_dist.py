@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from align.model import Transformer, load_pretrained, save_pretrained
 from align.rollout.native import generate
@@ -75,7 +76,7 @@ def _run(tmp_path: Path, name: str, model: str, nproc: int, per_rank_normaliser:
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     recs = [r for r in recs if "reward_mean" in r]
-    params = dict(load_pretrained(tmp_path / f"{name}.hf").named_parameters())
+    params = dict(load_pretrained(cfg["save_hf"]).named_parameters())
     return {"recs": recs, "calls": json.loads((tmp_path / f"{name}.calls.json").read_text()), "params": params}
 
 
@@ -118,3 +119,33 @@ def test_two_ranks_give_the_single_process_result(tmp_path, tiny_model, extra):
     bad = _run(tmp_path, "bad", tiny_model, 2, per_rank_normaliser=True, **extra)
     assert bad["recs"][0]["reward_mean"] == one["recs"][0]["reward_mean"]  # same first rollouts...
     assert _max_param_diff(one["params"], bad["params"]) > PARAM_TOL  # ...but not the whole-batch gradient
+
+
+def _resume(tmp_path: Path, name: str, model: str, first: int, second: int) -> tuple[dict, dict]:
+    """``first`` ranks run 3 steps (checkpoints at steps 2 and 3), then ``second`` ranks resume the same run
+    from step_2 and redo step 3: (uninterrupted, resumed)."""
+    whole = _run(tmp_path, name, model, first, checkpoint_every=2)
+    assert sorted(p.name for p in (tmp_path / name / "checkpoints").iterdir()) == ["step_2", "step_3"]
+    again = _run(tmp_path, name, model, second, resume_from="step_2", save_hf=str(tmp_path / f"{name}.again.hf"))
+    return whole, again
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("first", "second"), [(2, 1), (1, 2)], ids=["2to1", "1to2"])
+def test_resume_with_another_world_size(tmp_path, tiny_model, first, second):
+    """A checkpoint written by 2 ranks resumes in 1 process and vice versa: the redone step is the same step."""
+    whole, again = _resume(tmp_path, "run", tiny_model, first, second)
+    assert [r["step"] for r in again["recs"]] == [1, 2, 3]  # metrics.jsonl kept steps 1-2, then the redone step 3
+    a, b = whole["recs"][-1], again["recs"][-1]
+    assert a["reward_mean"] == b["reward_mean"]
+    for k in ("loss", "grad_norm"):
+        assert abs(a[k] - b[k]) <= LOSS_TOL, (k, a[k], b[k])
+    assert _max_param_diff(whole["params"], again["params"]) <= PARAM_TOL
+    # negative control: the optimizer state is restored (step 3 redone with its second moments scaled differs)
+    state_path = tmp_path / "run" / "checkpoints" / "step_2" / "trainer_state.pt"
+    state = torch.load(state_path, weights_only=True)
+    for s in state["optimizer"]["state"].values():
+        s["exp_avg_sq"] *= 4
+    torch.save(state, state_path)
+    bad = _run(tmp_path, "run", tiny_model, second, resume_from="step_2", save_hf=str(tmp_path / "run.bad.hf"))
+    assert _max_param_diff(whole["params"], bad["params"]) > PARAM_TOL
