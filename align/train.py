@@ -598,7 +598,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    print_summary(summary)
+    from align.dist import is_main
+
+    if is_main():  # torchrun: one summary line
+        print_summary(summary)
     if summary["interrupted"]:
         return SIGNAL_EXIT[summary["interrupted"]]
     return 0

@@ -149,3 +149,23 @@ def test_resume_with_another_world_size(tmp_path, tiny_model, first, second):
     torch.save(state, state_path)
     bad = _run(tmp_path, "run", tiny_model, second, resume_from="step_2", save_hf=str(tmp_path / "run.bad.hf"))
     assert _max_param_diff(whole["params"], bad["params"]) > PARAM_TOL
+
+
+def test_unsupported_settings_are_refused_before_any_collective(tiny_model):
+    """Under torchrun (WORLD_SIZE > 1) the config checks run before the process group exists: a clear error on
+    every rank instead of a hang."""
+    from align.dist import check_supported
+    from align.train import TrainConfig
+
+    def cfg(**kw) -> TrainConfig:
+        c = TrainConfig(prompts_per_step=4, **kw)
+        c.eval.eval_interval = 0
+        return c
+
+    check_supported(cfg(), 2)  # control: the plain config passes
+    with pytest.raises(ValueError, match="--prompts-per-step 4 is not divisible by the world size 3"):
+        check_supported(cfg(), 3)
+    with pytest.raises(ValueError, match="--rollout spool"):
+        check_supported(cfg(rollout="spool"), 2)
+    with pytest.raises(ValueError, match="--eval-interval"):
+        check_supported(TrainConfig(prompts_per_step=4), 2)  # eval on by default
