@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -169,3 +171,58 @@ def test_unsupported_settings_are_refused_before_any_collective(tiny_model):
         check_supported(cfg(rollout="spool"), 2)
     with pytest.raises(ValueError, match="--eval-interval"):
         check_supported(TrainConfig(prompts_per_step=4), 2)  # eval on by default
+
+
+def _start_cli(out: Path) -> subprocess.Popen:
+    """``torchrun --nproc-per-node 2 -m align.train`` on the built-in task (a 20-step warm start), endless steps."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "align.train",
+           "--device", "cpu", "--eval-interval", "0", "--prompts-per-step", "4", "--group-size", "4",
+           "--steps", "100000", "--warm-start-steps", "20", "--checkpoint-every", "0", "--dist-timeout-s", "60",
+           "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_steps(out: Path, n: int, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    metrics = out / "metrics.jsonl"
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"no {n} steps in {timeout_s}s: {proc.communicate()[0][-3000:]}")
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_commits_one_checkpoint(tmp_path):
+    """Every rank finishes the same step; rank 0 commits its checkpoint once (torchrun itself then exits 1: its own
+    SignalException, not ours)."""
+    out = tmp_path / "run"
+    proc = _start_cli(out)
+    _wait_for_steps(out, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    log = proc.communicate(timeout=120)[0]
+    assert log.count("got signal 15") == 2, log[-3000:]  # both ranks
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, steps[-1] + 1))
+    ckpts = [p.name for p in (out / "checkpoints").iterdir()]
+    assert ckpts == [f"step_{steps[-1]}"], ckpts  # one, committed at the last logged step
+    assert (out / "checkpoints" / ckpts[0] / ".complete").is_file()
+    assert log.count("[align] done:") == 1
+
+
+@pytest.mark.slow
+def test_a_killed_rank_fails_the_run(tmp_path):
+    """kill -9 of one rank: torchrun stops the other and exits non-zero, no hang."""
+    out = tmp_path / "run"
+    proc = _start_cli(out)
+    _wait_for_steps(out, 2, proc)
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True, check=False)
+    pids = [int(p) for p in workers.stdout.split()]
+    assert len(pids) == 2, workers.stdout
+    os.kill(pids[-1], signal.SIGKILL)
+    t0 = time.monotonic()
+    log = proc.communicate(timeout=120)[0]
+    assert proc.returncode != 0, log[-3000:]
+    assert time.monotonic() - t0 < 60
