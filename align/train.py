@@ -306,7 +306,7 @@ def train(
     if dist.is_main():
         atomic_write_text(out / "config.json", json.dumps(new_config, indent=2))
 
-    resume = ckpt.pick(out / "checkpoints", cfg.resume_from)
+    resume = dist.main_first(lambda: ckpt.pick(out / "checkpoints", cfg.resume_from))  # rank 0 moves later ones aside
     if cfg.lora.enabled:  # frozen base + trainable adapters; a LoRA checkpoint holds only the adapter
         policy = load_pretrained(model_path, dtype=place.param_dtype, device=place.device)
         lora.apply_lora(policy, cfg.lora, base_model=model_path, seed=cfg.seed)

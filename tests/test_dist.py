@@ -123,6 +123,21 @@ def test_two_ranks_give_the_single_process_result(tmp_path, tiny_model, extra):
     assert _max_param_diff(one["params"], bad["params"]) > PARAM_TOL  # ...but not the whole-batch gradient
 
 
+BF16_LOSS_TOL = 2e-3  # bf16 weights: 1 vs 2 ranks round the summed gradients differently
+
+
+@pytest.mark.slow
+def test_two_ranks_bf16_weights(tmp_path, tiny_model):
+    """--precision bf16 (bf16 shards, AdamW32's fp32 moments sharded like them, fp32 gradient reduction): the same
+    completions at step 1, losses within BF16_LOSS_TOL over 3 steps; a per-rank normaliser is caught."""
+    one = _run(tmp_path, "one", tiny_model, 1, precision="bf16")
+    two = _run(tmp_path, "two", tiny_model, 2, precision="bf16")
+    bad = _run(tmp_path, "bad", tiny_model, 2, per_rank_normaliser=True, precision="bf16")
+    assert one["calls"][:16] == two["calls"][:16]
+    assert all(abs(a["loss"] - b["loss"]) <= BF16_LOSS_TOL for a, b in zip(one["recs"], two["recs"]))
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(one["recs"], bad["recs"])) > BF16_LOSS_TOL
+
+
 def _resume(tmp_path: Path, name: str, model: str, first: int, second: int) -> tuple[dict, dict]:
     """``first`` ranks run 3 steps (checkpoints at steps 2 and 3), then ``second`` ranks resume the same run
     from step_2 and redo step 3: (uninterrupted, resumed)."""
