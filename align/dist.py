@@ -101,10 +101,10 @@ def setup(cfg: Any) -> None:
         if cfg.device.startswith("cuda:"):
             raise ValueError(f"--device {cfg.device} under torchrun: every rank would use the same GPU; pass "
                              "--device cuda (each local rank takes GPU LOCAL_RANK)")  # fmt: skip
-        count = torch.cuda.device_count()
-        if local >= count:
-            raise ValueError(f"local rank {local} has no GPU: this machine has {count} CUDA device(s); lower "
-                             f"torchrun --nproc-per-node to <= {count} or pass --device cpu")  # fmt: skip
+        count, local_ranks = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", local + 1))
+        if max(local + 1, local_ranks) > count:  # every rank refuses, not only those without a GPU
+            raise ValueError(f"{local_ranks} local ranks but this machine has {count} CUDA device(s) (one GPU per "
+                             f"rank); lower torchrun --nproc-per-node to <= {count} or pass --device cpu")  # fmt: skip
         torch.cuda.set_device(local)
     timeout = datetime.timedelta(seconds=getattr(cfg, "dist_timeout_s", 600.0))
     torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=timeout,

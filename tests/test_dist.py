@@ -168,7 +168,7 @@ def test_resume_with_another_world_size(tmp_path, tiny_model, first, second):
     assert _max_param_diff(whole["params"], bad["params"]) > PARAM_TOL
 
 
-def test_unsupported_settings_are_refused_before_any_collective(tiny_model):
+def test_unsupported_settings_are_refused_before_any_collective(monkeypatch):
     """Under torchrun (WORLD_SIZE > 1) the config checks run before the process group exists: a clear error on
     every rank instead of a hang."""
     from align.dist import check_supported
@@ -186,6 +186,17 @@ def test_unsupported_settings_are_refused_before_any_collective(tiny_model):
         check_supported(cfg(rollout="spool"), 2)
     with pytest.raises(ValueError, match="--eval-interval"):
         check_supported(TrainConfig(prompts_per_step=4), 2)  # eval on by default
+    # more local ranks than GPUs: rank 0 (which has a GPU when there is one) refuses too, before the process group
+    from align.dist import setup
+
+    for k, v in {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="2 local ranks but this machine has 1 CUDA device"):
+        setup(cfg(device="cuda"))
+    with pytest.raises(ValueError, match="every rank would use the same GPU"):
+        setup(cfg(device="cuda:0"))
+    assert not torch.distributed.is_initialized()
 
 
 def _start_cli(out: Path) -> subprocess.Popen:
