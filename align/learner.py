@@ -182,15 +182,24 @@ def _rows(t: Tensor, idx: list[int], L: int) -> Tensor:
 
 
 @torch.no_grad()
-def batch_logprobs(model: torch.nn.Module, batch: Batch, cfg: Any, place: Placement | None = None) -> Tensor:
-    """Logprobs (N, L) of the batch's targets under ``model``, no graph, by the step's micro-batches (0 elsewhere)."""
-    lengths = row_lengths(batch.mask)
+def batch_logprobs(model: torch.nn.Module, batch: Batch, cfg: Any, place: Placement | None = None,
+                   rows: Tensor | None = None) -> Tensor:  # fmt: skip
+    """Logprobs (N, L) of the batch's targets under ``model``, no graph, by the step's micro-batches (0 elsewhere).
+    ``rows``: only these rows (torchrun: this rank's; every rank runs as many forwards as the busiest)."""
     out = torch.zeros(batch.mask.shape, dtype=torch.float32, device=batch.mask.device)  # (N, L)
-    for idx in micro_batches(lengths, cfg):
-        L = max(lengths[i] for i in idx)
-        lp, _ = token_logprobs(model, _rows(batch.inputs, idx, L), _rows(batch.targets, idx, L), cfg.temperature,
+    sel = list(range(batch.mask.shape[0])) if rows is None else rows.tolist()
+    lengths = row_lengths(batch.mask if rows is None else batch.mask[rows])
+    mbs = micro_batches(lengths, cfg)
+    mbs += [[]] * (dist.max_int(len(mbs)) - len(mbs))
+    for idx in mbs:
+        if not idx:  # padding forward (torchrun): FSDP's all-gathers need every rank
+            token_logprobs(model, batch.inputs[:1, :1], batch.targets[:1, :1], cfg.temperature, place=place,
+                           backend=cfg.logprob_backend, with_entropy=False)  # fmt: skip
+            continue
+        L, g = max(lengths[i] for i in idx), [sel[i] for i in idx]
+        lp, _ = token_logprobs(model, _rows(batch.inputs, g, L), _rows(batch.targets, g, L), cfg.temperature,
                                place=place, backend=cfg.logprob_backend, with_entropy=False)  # fmt: skip
-        out[torch.tensor(idx, device=out.device), :L] = lp
+        out[torch.tensor(g, device=out.device), :L] = lp
     return out
 
 
@@ -246,10 +255,11 @@ def optimize(policy: torch.nn.Module, ref_model: torch.nn.Module | None, opt: to
              place: Placement, batch: Batch) -> Update:  # fmt: skip
     """``cfg.updates_per_batch`` x ``cfg.mini_batches`` optimizer steps on one batch (see the module docstring)."""
     K, M = getattr(cfg, "updates_per_batch", 1), getattr(cfg, "mini_batches", 1)
-    ref = batch_logprobs(ref_model, batch, cfg, place) if ref_model is not None else None
-    old = batch_logprobs(policy, batch, cfg, place) if K * M > 1 else None
     minis = torch.arange(batch.inputs.shape[0], device=batch.inputs.device).tensor_split(M)
     minis = [rows[slice(*dist.share(len(rows)))] for rows in minis]  # torchrun: this rank's share of each
+    mine = torch.cat(minis) if dist.active() else None  # torchrun: ref / old logprobs of this rank's rows only
+    ref = batch_logprobs(ref_model, batch, cfg, place, mine) if ref_model is not None else None
+    old = batch_logprobs(policy, batch, cfg, place, mine) if K * M > 1 else None
     per_update, norms = [], []
     for _ in range(K):
         for rows in minis:
