@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 from align import dist
 from align.tasks.tokenizer import CharTokenizer
@@ -17,8 +18,13 @@ PROMPTS = [{"prompt": w + "="} for w in ("ab", "cd", "bca", "dd", "abc", "cab", 
 CALLS: list[list[str]] = []
 
 
+HANG = {}
+
+
 def reward(prompt: str, completion: str, **_) -> float:
     CALLS.append([prompt, completion])
+    if HANG and dist.rank() == HANG["rank"] and len(CALLS) > HANG["after_calls"]:
+        time.sleep(3600)  # a rank that hangs (tests/test_dist.py: the others must fail within --dist-timeout-s)
     return completion.count("a") / 4
 
 
@@ -26,6 +32,7 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     if spec.get("per_rank_normaliser"):  # the negative control: each rank divides by its own counts
         dist.reduce_counts = lambda counts: counts
+    HANG.update(spec.get("hang", {}))
     cfg = TrainConfig(**spec["cfg"])
     cfg.eval.eval_interval = 0
     cfg.log.log_completions_every = 0

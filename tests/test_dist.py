@@ -48,7 +48,8 @@ def test_generate_rows_samples_what_the_whole_call_samples(tiny_model):
         generate(model, prompts, params, rows=(3, 12))
 
 
-def _run(tmp_path: Path, name: str, model: str, nproc: int, per_rank_normaliser: bool = False, **extra) -> dict:
+def _run(tmp_path: Path, name: str, model: str, nproc: int, per_rank_normaliser: bool = False, hang: dict | None = None,
+         **extra) -> dict:  # fmt: skip
     out = tmp_path / name
     cfg = {
         "out": str(out),
@@ -70,11 +71,14 @@ def _run(tmp_path: Path, name: str, model: str, nproc: int, per_rank_normaliser:
         "model": model,
         "calls": str(tmp_path / f"{name}.calls.json"),
         "per_rank_normaliser": per_rank_normaliser,
+        "hang": hang or {},
     }
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd = (launcher if nproc > 1 else [sys.executable]) + [str(DRIVER), json.dumps(spec)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)
+    if hang:
+        return {"returncode": p.returncode, "log": p.stdout + p.stderr}
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     recs = [r for r in recs if "reward_mean" in r]
@@ -252,3 +256,14 @@ def test_a_killed_rank_fails_the_run(tmp_path):
     log = proc.communicate(timeout=120)[0]
     assert proc.returncode != 0, log[-3000:]
     assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.slow
+def test_a_hung_rank_fails_the_others_within_the_timeout(tmp_path, tiny_model):
+    """Rank 1 hangs in its reward call at step 2: rank 0's next collective gives up after --dist-timeout-s and the
+    run exits non-zero (no silent hang)."""
+    t0 = time.monotonic()
+    res = _run(tmp_path, "hang", tiny_model, 2, hang={"rank": 1, "after_calls": 16}, dist_timeout_s=10)
+    assert res["returncode"] != 0
+    assert "Timed out" in res["log"], res["log"][-3000:]
+    assert time.monotonic() - t0 < 120
