@@ -410,9 +410,9 @@ def train(
                                should_stop=lambda: bool(stop_flag.get("signal")), reserved_gpus=[cfg.rollout_gpu])
 
     def save_checkpoint() -> None:  # torchrun: every rank gathers, rank 0 writes, the others wait for the marker
-        model, opt_state = dist.full_model(policy), dist.optimizer_state(policy, opt)
+        weights, opt_state = dist.full_model(policy), dist.optimizer_state(policy, opt)
         if dist.is_main():
-            ckpt.save(out / "checkpoints", step, model, {"optimizer": opt_state, "scheduler": sched.state_dict(),
+            ckpt.save(out / "checkpoints", step, weights, {"optimizer": opt_state, "scheduler": sched.state_dict(),
                                                          "cursor": dict(cursor)}, cfg.keep_checkpoints)  # fmt: skip
         dist.barrier()
 
@@ -551,9 +551,11 @@ def train(
             metrics.close()
             if worker is not None:
                 worker.shutdown()
-    if cfg.save_hf and step == cfg.steps and (full := dist.full_model(policy)) and dist.is_main():
-        runsafety.export_hf(lambda d: lora.save_policy(full, d, merge=cfg.merge_lora, copy_tokenizer_from=cfg.data.tokenizer or model_path),
-                            cfg.save_hf, run_id, cfg.overwrite, step)
+    if cfg.save_hf and step == cfg.steps:
+        full = dist.full_model(policy)  # torchrun: gathered by every rank, written by rank 0
+        if dist.is_main():
+            runsafety.export_hf(lambda d: lora.save_policy(full, d, merge=cfg.merge_lora, copy_tokenizer_from=cfg.data.tokenizer or model_path),
+                                cfg.save_hf, run_id, cfg.overwrite, step)
     if dist.is_main():
         write_plot(out / "plot.svg", metrics.records, title=f"align GRPO: {out.name}")
     evals = [r for r in metrics.records if "eval/pass@1" in r]
