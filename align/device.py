@@ -139,8 +139,8 @@ class AdamW32(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-                    state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)  # FSDP2: sharded like p
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
                 state["step"] += 1
                 t = float(state["step"])
                 g, m, v = p.grad.float(), state["exp_avg"], state["exp_avg_sq"]

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from align import dist
 from align.device import PRECISIONS, Placement, precision_from_legacy
 from align.grpo import SUM_STATS, merge_stats, normalisers, policy_loss
 from align.kernels import linear_token_logprobs
@@ -183,15 +184,24 @@ def _rows(t: Tensor, idx: list[int], L: int) -> Tensor:
 
 
 @torch.no_grad()
-def batch_logprobs(model: torch.nn.Module, batch: Batch, cfg: Any, place: Placement | None = None) -> Tensor:
-    """Logprobs (N, L) of the batch's targets under ``model``, no graph, by the step's micro-batches (0 elsewhere)."""
-    lengths = row_lengths(batch.mask)
+def batch_logprobs(model: torch.nn.Module, batch: Batch, cfg: Any, place: Placement | None = None,
+                   rows: Tensor | None = None) -> Tensor:  # fmt: skip
+    """Logprobs (N, L) of the batch's targets under ``model``, no graph, by the step's micro-batches (0 elsewhere).
+    ``rows``: only these rows (torchrun: this rank's; every rank runs as many forwards as the busiest)."""
     out = torch.zeros(batch.mask.shape, dtype=torch.float32, device=batch.mask.device)  # (N, L)
-    for idx in micro_batches(lengths, cfg):
-        L = max(lengths[i] for i in idx)
-        lp, _ = token_logprobs(model, _rows(batch.inputs, idx, L), _rows(batch.targets, idx, L), cfg.temperature,
+    sel = list(range(batch.mask.shape[0])) if rows is None else rows.tolist()
+    lengths = row_lengths(batch.mask if rows is None else batch.mask[rows])
+    mbs = micro_batches(lengths, cfg)
+    mbs += [[]] * (dist.max_int(len(mbs)) - len(mbs))
+    for idx in mbs:
+        if not idx:  # padding forward (torchrun): FSDP's all-gathers need every rank
+            token_logprobs(model, batch.inputs[:1, :1], batch.targets[:1, :1], cfg.temperature, place=place,
+                           backend=cfg.logprob_backend, with_entropy=False)  # fmt: skip
+            continue
+        L, g = max(lengths[i] for i in idx), [sel[i] for i in idx]
+        lp, _ = token_logprobs(model, _rows(batch.inputs, g, L), _rows(batch.targets, g, L), cfg.temperature,
                                place=place, backend=cfg.logprob_backend, with_entropy=False)  # fmt: skip
-        out[torch.tensor(idx, device=out.device), :L] = lp
+        out[torch.tensor(g, device=out.device), :L] = lp
     return out
 
 
@@ -204,13 +214,24 @@ def backward_batch(policy: torch.nn.Module, ref_model: torch.nn.Module | None, c
     The normalisers (token and sequence counts) are those of all the rows given, so the accumulated gradient is
     the whole-batch gradient whatever the micro-batching. ``old_logprobs`` (N, L): the policy's logprobs before
     the first update of this batch; None = the current ones, detached (one update per batch: ratio 1).
-    ``ref_logprobs`` (N, L), else computed per micro-batch from ``ref_model`` when given."""
-    total_tokens, total_seqs = normalisers(mask, cfg.loss)
+    ``ref_logprobs`` (N, L), else computed per micro-batch from ``ref_model`` when given.
+
+    Under torchrun (``align.dist``) the rows are this rank's share: the normalisers are summed over ranks, every
+    rank runs as many micro-batches as the busiest one (empty ones: a zero loss on one token, for FSDP's
+    collectives) and the returned stats are the merged record of all ranks."""
+    total_tokens, total_seqs = dist.reduce_counts(normalisers(mask, cfg.loss))
     stats: list[dict] = []
     if total_tokens == 0:
         return stats
     lengths = row_lengths(mask)
-    for idx in micro_batches(lengths, cfg):
+    mbs = micro_batches(lengths, cfg)
+    mbs += [[]] * (dist.max_int(len(mbs)) - len(mbs))
+    for idx in mbs:
+        if not idx:  # padding micro-batch (torchrun): same forward/backward collectives, no gradient
+            lp, _ = token_logprobs(policy, inputs[:1, :1], targets[:1, :1], cfg.temperature, place=place,
+                                   backend=cfg.logprob_backend, with_entropy=False)  # fmt: skip
+            (lp.sum() * 0.0).backward()
+            continue
         L = max(lengths[i] for i in idx)
         x, y, m = _rows(inputs, idx, L), _rows(targets, idx, L), _rows(mask, idx, L)  # (mb, L)
         lp, ent = token_logprobs(policy, x, y, cfg.temperature, place=place, backend=cfg.logprob_backend)
@@ -226,7 +247,7 @@ def backward_batch(policy: torch.nn.Module, ref_model: torch.nn.Module | None, c
                                ref_logprobs=ref, entropy=ent, total_tokens=total_tokens, total_seqs=total_seqs)  # fmt: skip
         loss.backward()
         stats.append(st)
-    return stats
+    return dist.merge_rank_stats(stats, merge_stats)
 
 
 # ------------------------------------------------------------------------------------------------ the update
@@ -236,21 +257,24 @@ def optimize(policy: torch.nn.Module, ref_model: torch.nn.Module | None, opt: to
              place: Placement, batch: Batch) -> Update:  # fmt: skip
     """``cfg.updates_per_batch`` x ``cfg.mini_batches`` optimizer steps on one batch (see the module docstring)."""
     K, M = getattr(cfg, "updates_per_batch", 1), getattr(cfg, "mini_batches", 1)
-    ref = batch_logprobs(ref_model, batch, cfg, place) if ref_model is not None else None
-    old = batch_logprobs(policy, batch, cfg, place) if K * M > 1 else None
     minis = torch.arange(batch.inputs.shape[0], device=batch.inputs.device).tensor_split(M)
+    minis = [rows[slice(*dist.share(len(rows)))] for rows in minis]  # torchrun: this rank's share of each
+    mine = torch.cat(minis) if dist.active() else None  # torchrun: ref / old logprobs of this rank's rows only
+    ref = batch_logprobs(ref_model, batch, cfg, place, mine) if ref_model is not None else None
+    old = batch_logprobs(policy, batch, cfg, place, mine) if K * M > 1 else None
     per_update, norms = [], []
     for _ in range(K):
         for rows in minis:
             opt.zero_grad(set_to_none=True)
-            b = batch if M == 1 else Batch(*(t[rows] for t in batch))
-            o = old if old is None or M == 1 else old[rows]
-            r = ref if ref is None or M == 1 else ref[rows]
+            whole = M == 1 and len(rows) == batch.inputs.shape[0]
+            b = batch if whole else Batch(*(t[rows] for t in batch))
+            o = old if old is None or whole else old[rows]
+            r = ref if ref is None or whole else ref[rows]
             stats = backward_batch(policy, ref_model, cfg, *b, place=place, old_logprobs=o, ref_logprobs=r)
             if not stats:  # nothing to learn from in these rows
                 continue
             if cfg.grad_clip > 0:
-                norms.append(float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)))
+                norms.append(dist.scalar(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)))
             opt.step()
             per_update.append(merge_stats(stats))
     return Update(summarise(per_update, K), sum(norms) / len(norms) if norms else 0.0, per_update)

@@ -111,6 +111,9 @@ class TrainConfig:
         ),
     )
     gradient_checkpointing: bool = field(default=False, metadata=_h("Recompute layer activations in backward."))
+    dist_timeout_s: float = field(
+        default=600.0, metadata=_h("Under torchrun: seconds a collective waits for the other ranks before failing.")
+    )
     threads: int = field(
         default=1,
         metadata=_h(
@@ -368,7 +371,7 @@ def train(
     import torch
 
     from align import checkpoint as ckpt
-    from align import learner, lora
+    from align import dist, learner, lora
     from align.device import make_optimizer
     from align.device import resolve as resolve_placement
     from align.eval import EvalSet, make_evaluator
@@ -380,6 +383,7 @@ def train(
     from align.runlog import MetricsLog, Progress, format_line, make_logger, sample_groups, write_plot
 
     t_start = time.monotonic()
+    dist.setup(cfg)  # torchrun: the process group (no-op in one process)
     place = resolve_placement(cfg.device, cfg.precision)  # bad --device / --precision fail here, before any load
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -387,7 +391,7 @@ def train(
     out = Path(cfg.out)
     runsafety.check_paths(cfg.out, model or cfg.model, cfg.save_hf, cfg.eval.eval_hf_dir)
     out.mkdir(parents=True, exist_ok=True)
-    run_id = runsafety.run_id(out)
+    run_id = dist.main_first(lambda: runsafety.run_id(out))
     if cfg.save_hf:
         runsafety.check_export_target(cfg.save_hf, run_id, cfg.overwrite)
     if prompts is None and cfg.data.train_data:  # your own data from files (align.data); rewards from --reward
@@ -403,7 +407,7 @@ def train(
             "them for the built-in task"
         )
     if prompts is None:
-        task, model_path = builtin_task(cfg)
+        task, model_path = dist.main_first(lambda: builtin_task(cfg))
     else:
         task = Task(as_records(prompts), tokenizer, reward, as_records(eval_prompts) if eval_prompts else [])
         model_path = model or cfg.model
@@ -418,9 +422,10 @@ def train(
     if ckpt.latest(out / "checkpoints"):  # resuming: refuse changed math, apply (and log) operational changes
         for change in runsafety.check_resume_config(out / "config.json", new_config):
             print(f"[align] resume: applying changed setting {change}", flush=True)
-    atomic_write_text(out / "config.json", json.dumps(new_config, indent=2))
+    if dist.is_main():
+        atomic_write_text(out / "config.json", json.dumps(new_config, indent=2))
 
-    resume = ckpt.pick(out / "checkpoints", cfg.resume_from)
+    resume = dist.main_first(lambda: ckpt.pick(out / "checkpoints", cfg.resume_from))  # rank 0 moves later ones aside
     if cfg.lora.enabled:  # frozen base + trainable adapters; a LoRA checkpoint holds only the adapter
         policy = load_pretrained(model_path, dtype=place.param_dtype, device=place.device)
         lora.apply_lora(policy, cfg.lora, base_model=model_path, seed=cfg.seed)
@@ -447,6 +452,7 @@ def train(
             )
     learner.check_token_budget(cfg, [len(ids) for ids in encoded])
 
+    policy, ref_model = dist.shard(policy, place.precision), ref_model and dist.shard(ref_model, place.precision)
     opt = make_optimizer(
         lora.trainable_parameters(policy), place, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay
     )
@@ -454,14 +460,17 @@ def train(
     step, cursor = 0, {"epoch": 0, "index": 0}
     if resume:
         state = ckpt.load_state(resume[1])
-        ckpt.restore_optimizer(opt, state, resume[1])
+        dist.restore_optimizer(policy, opt, state, resume[1])
         sched.load_state_dict(state["scheduler"])
         ckpt.set_rng_state(state["rng"])
         step, cursor = state["step"], state["cursor"]
         print(f"[align] resuming from {resume[1]} (step {step})", flush=True)
-    metrics = MetricsLog(out / "metrics.jsonl", resume_step=step if resume else 0)
-    samples = MetricsLog(out / "completions.jsonl", resume_step=step if resume else 0)
-    if (sink := make_logger(cfg.log.logger, out, asdict(cfg), step)) is not None:
+    logs = (
+        MetricsLog(out / n, resume_step=step if resume else 0) if dist.is_main() else dist.RankLog()
+        for n in ("metrics.jsonl", "completions.jsonl")
+    )  # torchrun: rank 0 alone writes run files
+    metrics, samples = logs
+    if dist.is_main() and (sink := make_logger(cfg.log.logger, out, asdict(cfg), step)) is not None:
         metrics.sinks.append(sink)
     if not resume:
         torch.manual_seed(cfg.seed)
@@ -469,7 +478,7 @@ def train(
     # Rollout client.
     worker = None
     if cfg.rollout == "native":
-        client = make_rollout_client("native", model=policy)
+        client = dist.ShardedNativeClient(policy) if dist.active() else make_rollout_client("native", model=policy)
     else:
         spool = Path(cfg.spool or out / "spool")
         init_snapshot = out / "rollout_snapshots" / f"v{step}"
@@ -559,14 +568,12 @@ def train(
         reserved_gpus=[cfg.rollout_gpu],
     )
 
-    def save_checkpoint() -> None:
-        ckpt.save(
-            out / "checkpoints",
-            step,
-            policy,
-            {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "cursor": dict(cursor)},
-            cfg.keep_checkpoints,
-        )
+    def save_checkpoint() -> None:  # torchrun: every rank gathers, rank 0 writes, the others wait for the marker
+        weights, opt_state = dist.full_model(policy), dist.optimizer_state(policy, opt)
+        if dist.is_main():
+            ckpt.save(out / "checkpoints", step, weights, {"optimizer": opt_state, "scheduler": sched.state_dict(),
+                                                         "cursor": dict(cursor)}, cfg.keep_checkpoints)  # fmt: skip
+        dist.barrier()
 
     def emit_eval(records: list[dict]) -> None:
         for r in records:
@@ -594,7 +601,7 @@ def train(
             runsafety.check_weights_version(comps, published, client.spool.root)
         return comps
 
-    progress = Progress(cfg.steps, start=step)
+    progress = Progress(cfg.steps, start=step) if dist.is_main() else dist.RankLog()
     first_error: list[str] = []
 
     def baseline_dir() -> str:
@@ -722,9 +729,11 @@ def train(
             # 8. eval and checkpoint
             is_final = step == cfg.steps
             emit_eval(evaluator.step(step, is_final) + evaluator.poll())
+            dist.agree_on_signal(stop_flag)  # torchrun: a signal seen by any rank stops every rank after this step
             if is_final or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stop_flag.get("signal"):
                 save_checkpoint()
-                write_plot(out / "plot.svg", metrics.records, title=f"align GRPO: {out.name}")
+                if dist.is_main():
+                    write_plot(out / "plot.svg", metrics.records, title=f"align GRPO: {out.name}")
             if stop_flag.get("signal"):
                 break
     except BaseException as e:
@@ -741,16 +750,19 @@ def train(
             if worker is not None:
                 worker.shutdown()
     if cfg.save_hf and step == cfg.steps:
-        runsafety.export_hf(
-            lambda d: lora.save_policy(
-                policy, d, merge=cfg.merge_lora, copy_tokenizer_from=cfg.data.tokenizer or model_path
-            ),
-            cfg.save_hf,
-            run_id,
-            cfg.overwrite,
-            step,
-        )
-    write_plot(out / "plot.svg", metrics.records, title=f"align GRPO: {out.name}")
+        full = dist.full_model(policy)  # torchrun: gathered by every rank, written by rank 0
+        if dist.is_main():
+            runsafety.export_hf(
+                lambda d: lora.save_policy(
+                    full, d, merge=cfg.merge_lora, copy_tokenizer_from=cfg.data.tokenizer or model_path
+                ),
+                cfg.save_hf,
+                run_id,
+                cfg.overwrite,
+                step,
+            )
+    if dist.is_main():
+        write_plot(out / "plot.svg", metrics.records, title=f"align GRPO: {out.name}")
     evals = [r for r in metrics.records if "eval/pass@1" in r]
     summary = {
         "steps": step,
@@ -796,7 +808,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    print_summary(summary)
+    from align.dist import is_main
+
+    if is_main():  # torchrun: one summary line
+        print_summary(summary)
     if summary["interrupted"]:
         return SIGNAL_EXIT[summary["interrupted"]]
     return 0

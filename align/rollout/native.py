@@ -223,7 +223,12 @@ def sample_next(
 
 
 def generate(
-    model: Transformer, prompts: list[list[int]], params: SamplingParams, *, pack_weights: bool = True
+    model: Transformer,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    *,
+    pack_weights: bool = True,
+    rows: tuple[int, int] | None = None,
 ) -> list[Completion]:
     """Sample ``params.n`` completions per prompt. Returns them ordered by (prompt_index, sample_index).
 
@@ -232,14 +237,20 @@ def generate(
     runs the linear layers on a prepacked copy of the weights for the call (``packed_weights``: faster
     decode for one extra copy of the weights while sampling). To sample repeatedly from unchanged weights,
     enter ``packed_weights(model, rows)`` once around the calls; any row count stays correct (fewer rows
-    are padded, more rows run the original layers), the fastest is ``rows == len(prompts) * n``."""
-    with torch.inference_mode():
-        rows = len(prompts) * params.n
-        with packed_weights(model, rows) if pack_weights else contextlib.nullcontext():
-            return _generate(model, prompts, params)
+    are padded, more rows run the original layers), the fastest is ``rows == len(prompts) * n``.
+
+    ``rows=(first, total)``: these prompts' ``len(prompts) * n`` rows are rows ``first, first + 1, ...`` of a
+    larger call of ``total`` rows with the same seed (``align.dist``: one rank's share of a step); each decode step
+    draws the uniforms of all ``total`` rows and keeps its own, so every row samples exactly what it samples in the
+    one large call."""
+    packing = packed_weights(model, len(prompts) * params.n) if pack_weights else contextlib.nullcontext()
+    with torch.inference_mode(), packing:
+        return _generate(model, prompts, params, rows)
 
 
-def _generate(model: Transformer, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+def _generate(
+    model: Transformer, prompts: list[list[int]], params: SamplingParams, rows_of: tuple[int, int] | None = None
+) -> list[Completion]:
     cfg = model.config
     context = cfg.max_position_embeddings
     validate_prompts(prompts, cfg.vocab_size, context)
@@ -272,6 +283,9 @@ def _generate(model: Transformer, prompts: list[list[int]], params: SamplingPara
     cache.select(rows)
     logits = logits[rows]
     R = P * n
+    first, total = rows_of if rows_of is not None else (0, R)
+    if not 0 <= first <= total - R:
+        raise ValueError(f"rows={rows_of}: {R} rows starting at {first} do not fit in {total} rows")
     row_id = torch.arange(R, device=device)  # original row of each live row
     pos = lens[rows].clone()  # next position of each live row
     out_tok = torch.zeros(R, max_new, dtype=torch.long, device=device)
@@ -283,7 +297,7 @@ def _generate(model: Transformer, prompts: list[list[int]], params: SamplingPara
     done = torch.zeros(R, dtype=torch.bool, device=device)  # per live row: finished, awaiting compaction
 
     for t in range(max_new):
-        tok, lp, slp = sample_next(logits, params, generator, row_id, R)
+        tok, lp, slp = sample_next(logits, params, generator, row_id + first, total)
         # Rows already done (awaiting compaction) write past their length; the final slicing drops it.
         out_tok[row_id, t] = tok
         out_lp[row_id, t] = lp

@@ -1,0 +1,335 @@
+"""Multi-process training under ``torchrun``: process group, FSDP2 sharding, the batch split, all-reduces, rank 0.
+
+``torchrun --nproc-per-node N -m align.train ...`` (or ``train()`` called by a script torchrun starts) gives every
+rank the same config. Without torchrun's environment (``WORLD_SIZE`` unset or 1) every helper here is a no-op and a
+run is exactly the single-process run: no process group, no wrapping.
+
+Key decisions (issue 14)
+- One process per device: NCCL on CUDA (``LOCAL_RANK`` picks the GPU), gloo on the CPU. ``init_process_group``
+  gets ``--dist-timeout-s``, so a dead or hung rank fails the others instead of hanging them forever.
+- The policy (and the frozen reference model) is sharded with ``torch.distributed.fsdp.fully_shard``: one unit per
+  decoder layer plus the root (embedding, final norm, lm_head). ``MixedPrecisionPolicy`` follows ``--precision``:
+  bf16-mixed all-gathers bf16 copies of the fp32 master shards and reduces gradients in fp32; fp32 and bf16 keep
+  the weights' dtype, reducing in fp32. The gradient divide factor is 1: every rank's loss is already divided by
+  the whole batch's normalisers, so the gradient is the *sum* over ranks.
+- Same numbers as one process: every rank samples its contiguous share of the step's prompts (``share``); the
+  sampler draws the uniforms of all the step's rows and keeps its own (``align.rollout.native.generate(rows=)``),
+  so a completion depends only on (seed, step, global row), and the shares are gathered so every rank holds the
+  whole batch: rewards, advantages and logged statistics are computed from the full group set on every rank
+  (reward calls are therefore repeated on each rank: not split yet). The learner takes the rank's share of each
+  mini-batch, all-reduces the token and sequence counts (``reduce_counts``), pads the micro-batch count to the
+  largest rank's (FSDP's collectives need every rank to run the same forwards) and merges the loss statistics.
+- Generation with sharded weights: ``full_model`` all-gathers the parameters into a plain, unsharded
+  ``Transformer`` (meta-initialised, the gathered tensors assigned, no second copy) that the native sampler runs;
+  it is dropped after the step's generation. Peak memory per rank while sampling: the shards (1/N of weights,
+  gradients, optimizer state) + one full copy of the weights in the parameter dtype + the KV cache.
+- Checkpoints keep the single-process format (``align.checkpoint``): every rank gathers the full model and
+  optimizer state (``full_model``, ``optimizer_state``: parameter ids in ``opt.param_groups`` order), rank 0 writes
+  and commits them, the others wait at a barrier; ``restore_optimizer`` shards a saved state for this world size,
+  so any world size resumes any checkpoint. Sharded DCP checkpoints (no full copy on rank 0) are not done yet.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+def env_world_size() -> int:
+    """The world size torchrun announces (1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def active() -> bool:
+    """True inside an initialised process group of more than one rank."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and world() > 1
+
+
+def world() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def is_main() -> bool:
+    """Rank 0 (or the single process): the one that writes run files."""
+    return rank() == 0
+
+
+# ------------------------------------------------------------------------------------------------ setup
+
+
+def check_supported(cfg: Any, n: int) -> None:
+    """What this first slice of multi-process training refuses, before any collective could hang."""
+    if cfg.prompts_per_step % n:
+        raise ValueError(f"--prompts-per-step {cfg.prompts_per_step} is not divisible by the world size {n} "
+                         f"(torchrun --nproc-per-node x nodes); make it a multiple of {n}")  # fmt: skip
+    unsupported = {
+        "--rollout spool": cfg.rollout != "native",
+        "--lora-rank > 0": cfg.lora.enabled,
+        "--adv-refill": cfg.adv_refill,
+        "--eval-interval > 0 (in-process or snapshot eval)": cfg.eval.eval_interval > 0,
+    }
+    bad = [k for k, v in unsupported.items() if v]
+    if bad:
+        raise ValueError(f"not supported under torchrun yet: {', '.join(bad)}; run without them (e.g. "
+                         "--eval-interval 0) or in one process")  # fmt: skip
+
+
+def setup(cfg: Any) -> None:
+    """Join torchrun's process group (gloo on the CPU, NCCL with one GPU per local rank). No-op without torchrun
+    or when the caller already initialised the group. Call before ``align.device.resolve``: on CUDA it makes the
+    local rank's GPU current, so ``--device auto|cuda`` resolves to it."""
+    n = env_world_size()
+    if n <= 1:
+        return
+    check_supported(cfg, n)
+    if torch.distributed.is_initialized():
+        return
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
+    if cuda:
+        if cfg.device.startswith("cuda:"):
+            raise ValueError(f"--device {cfg.device} under torchrun: every rank would use the same GPU; pass "
+                             "--device cuda (each local rank takes GPU LOCAL_RANK)")  # fmt: skip
+        count, local_ranks = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", local + 1))
+        if max(local + 1, local_ranks) > count:  # every rank refuses, not only those without a GPU
+            raise ValueError(f"{local_ranks} local ranks but this machine has {count} CUDA device(s) (one GPU per "
+                             f"rank); lower torchrun --nproc-per-node to <= {count} or pass --device cpu")  # fmt: skip
+        torch.cuda.set_device(local)
+    timeout = datetime.timedelta(seconds=getattr(cfg, "dist_timeout_s", 600.0))
+    torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=timeout,
+                                         device_id=torch.device("cuda", local) if cuda else None)  # fmt: skip
+
+
+def shard(model: torch.nn.Module, precision: str) -> torch.nn.Module:
+    """FSDP2: ``fully_shard`` every decoder layer, then the root. Returns ``model`` (unchanged in one process)."""
+    if not active():
+        return model
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    param_dtype = torch.bfloat16 if precision == "bf16-mixed" else None
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)  # the per-rank losses are parts of one sum (see the docstring)
+            m.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+    return model
+
+
+def main_first(fn: Callable[[], T]) -> T:
+    """Rank 0 runs ``fn`` (e.g. creates a file), then the others do (they find it made)."""
+    if not active():
+        return fn()
+    if is_main():
+        out = fn()
+    torch.distributed.barrier()
+    if not is_main():
+        out = fn()
+    return out
+
+
+class RankLog:
+    """What a rank other than 0 keeps instead of a run file or a progress bar: the records, in memory."""
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+        self.sinks: list = []
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+
+    def update(self, step: int, line: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+# ------------------------------------------------------------------------------------------------ collectives
+
+
+def share(n: int) -> tuple[int, int]:
+    """[lo, hi) of this rank's contiguous share of ``n`` items (the first ``n % world`` ranks take one more)."""
+    return share_of(n, rank())
+
+
+def reduce_counts(counts: tuple[int, int]) -> tuple[int, int]:
+    """Sum the (tokens, sequences) normalisers over ranks."""
+    if not active():
+        return counts
+    t = torch.tensor(counts, dtype=torch.float64)
+    torch.distributed.all_reduce(t)
+    return int(t[0]), int(t[1])
+
+
+def max_int(n: int) -> int:
+    """The largest ``n`` over ranks."""
+    if not active():
+        return n
+    t = torch.tensor([n], dtype=torch.int64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return int(t[0])
+
+
+def agree_on_signal(stop_flag: dict) -> None:
+    """Under torchrun, a signal any rank caught (``stop_flag["signal"]``) is set on every rank (no-op in one process):
+    the ranks leave the loop after the same step and checkpoint together."""
+    if active() and (signum := max_int(stop_flag.get("signal") or 0)):
+        stop_flag["signal"] = signum
+
+
+def gather(obj: T) -> list[T]:
+    """Every rank's ``obj``, in rank order (``[obj]`` in one process)."""
+    if not active():
+        return [obj]
+    out: list = [None] * world()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def merge_rank_stats(stats: list[dict], merge: Callable[[list[dict]], dict]) -> list[dict]:
+    """The per-micro-batch stats of every rank merged into one record (unchanged in one process)."""
+    if not active():
+        return stats
+    parts = [s for s in gather(merge(stats) if stats else {}) if s]
+    return [merge(parts)] if parts else []
+
+
+def scalar(t: torch.Tensor | float) -> float:
+    """A float from a (possibly DTensor) scalar, e.g. ``clip_grad_norm_``'s total norm."""
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return float(t)
+
+
+# ------------------------------------------------------------------------------------------------ full weights
+
+
+def full_model(model: torch.nn.Module) -> torch.nn.Module:
+    """An unsharded ``Transformer`` with the current weights (a collective every rank enters); ``model`` itself in
+    one process. The parameters are all-gathered one by one and assigned, never copied twice."""
+    if not active():
+        return model
+    from torch.distributed.fsdp import FSDPModule
+
+    from align.model import Transformer, rope_inv_freq
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()  # the root stays unsharded after a forward; gather from the shards
+    cfg = model.config
+    state = {}
+    for name, p in model.named_parameters():  # tied: the embedding once
+        state[name] = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+    with torch.device("meta"):
+        full = Transformer(cfg)
+    full.load_state_dict(state, strict=not cfg.tie_word_embeddings, assign=True)
+    if cfg.tie_word_embeddings:
+        full.lm_head.weight = full.model.embed_tokens.weight
+    device = next(iter(state.values())).device
+    full.inv_freq = rope_inv_freq(cfg).to(device)
+    return full.requires_grad_(False).eval()
+
+
+class ShardedNativeClient:
+    """The native sampler under torchrun: each rank generates its share of the prompts with full weights
+    (``full_model``), and every rank gets all the completions, in prompt order (see the module docstring)."""
+
+    logprob_basis = "training"
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.weights_version = 0
+
+    def generate(self, prompts: list[list[int]], params: Any) -> list:
+        from align.rollout.native import generate
+
+        lo, hi = share(len(prompts))
+        full = full_model(self.model)
+        mine = generate(full, prompts[lo:hi], params, rows=(lo * params.n, len(prompts) * params.n)) if hi > lo else []
+        del full
+        out = []
+        for start, part in zip((share_of(len(prompts), r)[0] for r in range(world())), gather(mine)):
+            for c in part:
+                c.prompt_index += start
+                c.weights_version = self.weights_version
+                out.append(c)
+        return out
+
+    def sync_weights(self, snapshot_dir: Any, version: int) -> float:
+        self.weights_version = int(version)
+        return 0.0
+
+    def close(self) -> None:
+        pass
+
+
+def share_of(n: int, r: int) -> tuple[int, int]:
+    """``share`` of rank ``r``."""
+    base, extra = divmod(n, world())
+    lo = r * base + min(r, extra)
+    return lo, lo + base + (1 if r < extra else 0)
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+
+
+def barrier() -> None:
+    if active():
+        torch.distributed.barrier()
+
+
+def optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """``opt.state_dict()`` in one process. Under torchrun (a collective): the full, unsharded state on rank 0's
+    CPU in the same layout (parameter ids in ``opt.param_groups`` order), so one checkpoint format serves every
+    world size; the other ranks get {}."""
+    if not active():
+        return opt.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not is_main():
+        return {}
+    ids = dict(zip(_optimizer_fqns(model, opt), itertools.count()))
+    groups = [{**g, "params": [ids[f] for f in g["params"]]} for g in full["param_groups"]]
+    return {"state": {ids[f]: s for f, s in full["state"].items()}, "param_groups": groups}
+
+
+def restore_optimizer(model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict, ckpt: Any) -> None:
+    """Load a checkpoint's optimizer state (written by any world size) into ``opt``, sharded like ``model``."""
+    from align import checkpoint
+
+    if not active():
+        return checkpoint.restore_optimizer(opt, state, ckpt)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    saved = state["optimizer"]
+    fqns = _optimizer_fqns(model, opt)
+    ids = [i for g in saved.get("param_groups", []) for i in g["params"]]
+    if len(ids) != len(fqns):
+        raise checkpoint.CheckpointError(f"the optimizer state in {ckpt} is for {len(ids)} parameters, the model has "
+                                         f"{len(fqns)}: the checkpoint belongs to another model")  # fmt: skip
+    name = dict(zip(ids, fqns))
+    full = {
+        "state": {name[i]: s for i, s in saved["state"].items()},
+        "param_groups": [{**g, "params": [name[i] for i in g["params"]]} for g in saved["param_groups"]],
+    }
+    set_optimizer_state_dict(model, opt, full, options=StateDictOptions(full_state_dict=True))
+
+
+def _optimizer_fqns(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[str]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for g in opt.param_groups for p in g["params"]]
