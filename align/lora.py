@@ -32,8 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from align.model import COMMIT_MARKER, Linear, Transformer, rope_inv_freq, save_pretrained
-from align.rollout.protocol import fsync_dir
+from align.model import Linear, Transformer, commit_dir, rope_inv_freq, save_pretrained
 
 DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ALL_LINEAR = "all-linear"  # PEFT's spelling: every linear layer of the decoder (not embeddings, not lm_head)
@@ -238,19 +237,7 @@ def save_adapter(model: Transformer, path: str | os.PathLike) -> Path:
     try:
         save_file(adapter_state_dict(model), str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(model), indent=2))
-        for f in tmp.iterdir():
-            with open(f, "rb+") as fh:
-                os.fsync(fh.fileno())
-        (tmp / COMMIT_MARKER).write_text(json.dumps({"format": "align-lora"}))
-        fsync_dir(tmp)
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-        fsync_dir(path.parent)
+        commit_dir(tmp, path, {"format": "align-lora"})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -524,26 +524,31 @@ def save_pretrained(
                     shutil.copy2(f, tmp / f.name)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
-        for f in tmp.iterdir():
-            with open(f, "rb+") as fh:
-                os.fsync(fh.fileno())
-        marker = tmp / COMMIT_MARKER
-        marker.write_text(json.dumps({"format": "align-hf", "dtype": str(dtype)}))
-        with open(marker, "rb+") as fh:
-            os.fsync(fh.fileno())
-        fsync_dir(tmp)
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-        fsync_dir(path.parent)
+        commit_dir(tmp, path, {"format": "align-hf", "dtype": str(dtype)})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def commit_dir(tmp: Path, path: Path, marker: dict) -> None:
+    """Commit a directory written under the temporary name ``tmp``: fsync its files, write the commit marker last,
+    then rename it onto ``path`` (an existing directory there is moved aside first and removed after)."""
+    for f in tmp.iterdir():
+        with open(f, "rb+") as fh:
+            os.fsync(fh.fileno())
+    (tmp / COMMIT_MARKER).write_text(json.dumps(marker))
+    with open(tmp / COMMIT_MARKER, "rb+") as fh:
+        os.fsync(fh.fileno())
+    fsync_dir(tmp)
+    if path.exists():
+        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 def is_committed(path: str | os.PathLike) -> bool:
