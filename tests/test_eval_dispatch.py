@@ -928,9 +928,8 @@ def test_exit_does_not_wait_for_a_hung_fleet_engine(tmp_path):
             break
     t0 = time.monotonic()
     out.wait(timeout=HANG_S * 2)
-    assert any(line.startswith("engine hung") for line in lines), (
-        lines
-    )  # the health probe was hanging in the fan-out threads at exit
+    # the health probe was hanging in the fan-out threads at exit
+    assert any(line.startswith("engine hung") for line in lines), lines
     assert time.monotonic() - t0 < EXIT_BOUND_S, "interpreter exit waited on a hung engine call"
 
 
