@@ -548,7 +548,12 @@ class Spool:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+                holder = ""
+                for _ in range(50):  # the holder writes who it is just after taking the lock
+                    holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+                    if holder:
+                        break
+                    time.sleep(0.01)
                 os.close(fd)
                 raise AlreadyWaitingError(
                     f"another client ({holder or 'unknown'}) is already waiting for request {msg_id} in {self.root}: "
