@@ -1,0 +1,229 @@
+"""``TrainConfig``: every setting of a GRPO run, the single source of the ``python -m align.train`` flags.
+
+Validation happens in ``__post_init__`` (values, choices, cross-field rules) so a bad setting fails before
+anything loads; ``align.cli`` checks the types of ``--config`` JSON from these annotations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from align import runsafety
+from align.cli import from_dict
+from align.data import DataConfig
+from align.eval.config import EvalConfig
+from align.grpo import AdvantageConfig, LossConfig
+from align.lora import LoraConfig
+from align.presets import PRESET_NAMES
+from align.rewards import RewardConfig
+from align.runlog import LogConfig
+
+
+def _h(text: str) -> Any:
+    return {"help": text}
+
+
+@dataclass
+class TrainConfig:
+    out: str = field(default="runs/reverse", metadata=_h("Run directory: config, metrics, checkpoints, plot."))
+    model: str | None = field(
+        default=None,
+        metadata=_h("HF checkpoint dir (Llama/Qwen2/Qwen3). None: the built-in task's warm-started model."),
+    )
+    task: str = field(
+        default="reverse", metadata=_h("Built-in task used when no prompts/reward are passed ('reverse').")
+    )
+    seed: int = field(default=0, metadata=_h("Seed for data order, sampling and init."))
+    steps: int = field(default=100, metadata=_h("Optimizer steps."))
+    prompts_per_step: int = field(default=32, metadata=_h("Prompts per step (each sampled group_size times)."))
+    group_size: int = field(default=8, metadata=_h("Completions per prompt (G)."))
+    max_tokens: int = field(default=10, metadata=_h("Max new tokens per completion."))
+    temperature: float = field(default=1.0, metadata=_h("Sampling temperature (also the training logprob basis)."))
+    top_p: float = field(default=1.0, metadata=_h("Nucleus sampling mass."))
+    top_k: int = field(default=0, metadata=_h("Top-k sampling (0 = off)."))
+    behaviour_logprobs: str = field(
+        default="sampled",
+        metadata=_h(
+            "Sampler logprob used as mu for rho: 'sampled' (the truncated distribution actually sampled from) or 'full' (full-vocabulary)."
+        ),
+    )
+    lr: float = field(default=5e-4, metadata=_h("Peak AdamW learning rate."))
+    warmup_steps: int = field(default=3, metadata=_h("Linear LR warm-up steps."))
+    lr_schedule: str = field(
+        default="constant", metadata=_h("After warm-up: 'constant', 'linear' or 'cosine' decay to min_lr_ratio.")
+    )
+    min_lr_ratio: float = field(default=0.1, metadata=_h("Final LR as a fraction of lr for linear/cosine."))
+    weight_decay: float = field(default=0.0, metadata=_h("AdamW weight decay."))
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.99], metadata=_h("AdamW betas."))
+    grad_clip: float = field(default=1.0, metadata=_h("Max global grad norm (0 = off)."))
+    micro_batch_size: int = field(
+        default=64, metadata=_h("Completions per forward/backward; never changes the result.")
+    )
+    micro_batch_tokens: int = field(
+        default=0,
+        metadata=_h(
+            "Token budget per forward/backward (rows sorted by length, padding counted); replaces --micro-batch-size when > 0; never changes the result."
+        ),
+    )
+    updates_per_batch: int = field(
+        default=1,
+        metadata=_h(
+            "Passes over each batch (PPO epochs, TRL num_iterations); old logprobs are computed once before the first."
+        ),
+    )
+    mini_batches: int = field(
+        default=1, metadata=_h("Optimizer steps per pass: the batch is split into this many mini-batches.")
+    )
+    device: str = field(
+        default="auto", metadata=_h("Training device: auto (CUDA when available), cpu, cuda or cuda:N.")
+    )
+    precision: str = field(
+        default="auto",
+        metadata=_h(
+            "fp32, bf16-mixed (fp32 master weights, bf16 autocast) or bf16 (bf16 weights, fp32 AdamW moments); auto = bf16-mixed on CUDA, fp32 on CPU."
+        ),
+    )
+    gradient_checkpointing: bool = field(default=False, metadata=_h("Recompute layer activations in backward."))
+    dist_timeout_s: float = field(
+        default=600.0, metadata=_h("Under torchrun: seconds a collective waits for the other ranks before failing.")
+    )
+    threads: int = field(
+        default=1,
+        metadata=_h(
+            "torch CPU threads (0 = torch's default). 1 is fastest for small models and never oversubscribes a shared CPU."
+        ),
+    )
+    dtype: str | None = field(
+        default=None, metadata=_h("Deprecated alias of --precision: float32 = fp32, bfloat16 = bf16.")
+    )
+    logprob_backend: str = field(
+        default="auto",
+        metadata=_h("Token logprob kernel: auto (triton on CUDA, chunked torch elsewhere), torch, triton, reference."),
+    )
+    rollout: str = field(
+        default="native", metadata=_h("Rollout backend: 'native' (in-process) or 'spool' (vLLM worker).")
+    )
+    spool: str | None = field(default=None, metadata=_h("Spool dir for --rollout spool (default {out}/spool)."))
+    spawn_worker: bool = field(
+        default=True, metadata=_h("With --rollout spool, start the vLLM worker (else attach to a running one).")
+    )
+    rollout_gpu: int | None = field(default=None, metadata=_h("GPU for the spawned vLLM worker (None = CPU build)."))
+    rollout_logprobs_mode: str = field(
+        default="raw",
+        metadata=_h(
+            "vLLM worker logprobs: 'raw' (before temperature; exact at T=1) or 'processed' (after temperature/top-p/top-k)."
+        ),
+    )
+    rollout_in_process: bool = field(
+        default=False,
+        metadata=_h(
+            "Run the spawned vLLM engine in the worker's own process (faster start on CPU; the default is vLLM's multiprocess engine)."
+        ),
+    )
+    rollout_timeout_s: float = field(default=600.0, metadata=_h("Max seconds to wait for a rollout answer."))
+    rollout_num_engines: int = field(
+        default=1,
+        metadata=_h("vLLM engines behind the spool; > 1 runs them as Ray actors (extras/vllm_rollout/fleet.py)."),
+    )
+    rollout_engine_restarts: int = field(
+        default=1, metadata=_h("With --rollout-num-engines > 1: restarts of dead engines, fleet total.")
+    )
+    sync_every: int = field(default=1, metadata=_h("Publish weights to the spool worker every N optimizer steps."))
+    checkpoint_every: int = field(
+        default=20, metadata=_h("Checkpoint every N steps (and at the end); 0 = only at the end.")
+    )
+    keep_checkpoints: int = field(default=2, metadata=_h("Keep the last K checkpoints."))
+    save_hf: str | None = field(
+        default=None,
+        metadata=_h(
+            "Also export the final model as an HF dir here (replaced by atomic rename; refuses a non-empty dir that is not an export of this run; LoRA: the PEFT adapter dir)."
+        ),
+    )
+    overwrite: bool = field(
+        default=False, metadata=_h("Let --save-hf replace a non-empty dir that is not an earlier export of this run.")
+    )
+    resume_from: str | None = field(
+        default=None,
+        metadata=_h(
+            "Resume from this committed checkpoint ('step_N') instead of the latest; later ones are moved aside."
+        ),
+    )
+    merge_lora: bool = field(
+        default=False, metadata=_h("With LoRA, --save-hf writes a merged full HF checkpoint instead of the adapter.")
+    )
+    eval_prompts: int = field(default=200, metadata=_h("Held-out prompts of the built-in task for eval."))
+    warm_start_steps: int = field(default=800, metadata=_h("Supervised warm-start steps of the built-in task's model."))
+    preset: str = field(
+        default="none",
+        metadata=_h(
+            f"Loss + advantage options of one algorithm: {', '.join(PRESET_NAMES)}; explicit flags / --config keys win. Applied by the CLI; in Python use align.presets.build."
+        ),
+    )
+    adv_refill: bool = field(
+        default=False,
+        metadata=_h(
+            "DAPO dynamic sampling: sample more prompts until --prompts-per-step groups have non-zero reward variance (at most --max-refill-rounds extra rounds)."
+        ),
+    )
+    max_refill_rounds: int = field(default=4, metadata=_h("Max extra sampling rounds per step with --adv-refill."))
+    data: DataConfig = field(default_factory=DataConfig)
+    rewards: RewardConfig = field(default_factory=RewardConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    adv: AdvantageConfig = field(default_factory=AdvantageConfig)
+    eval: EvalConfig = field(default_factory=lambda: EvalConfig(eval_interval=10, eval_n=4))
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+    def __post_init__(self) -> None:
+        for name, cls in (
+            ("loss", LossConfig),
+            ("adv", AdvantageConfig),
+            ("eval", EvalConfig),
+            ("data", DataConfig),
+            ("rewards", RewardConfig),
+            ("log", LogConfig),
+            ("lora", LoraConfig),
+        ):
+            if isinstance(getattr(self, name), dict):
+                setattr(self, name, from_dict(cls, getattr(self, name), f"{name}."))
+        positive = (
+            "steps",
+            "prompts_per_step",
+            "group_size",
+            "max_tokens",
+            "micro_batch_size",
+            "sync_every",
+            "rollout_num_engines",
+            "updates_per_batch",
+            "mini_batches",
+        )
+        for k in positive:
+            if getattr(self, k) < 1:
+                raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(self, k)}")
+        choices = {
+            "rollout": ("native", "spool"),
+            "lr_schedule": ("constant", "linear", "cosine"),
+            "behaviour_logprobs": ("sampled", "full"),
+            "rollout_logprobs_mode": ("raw", "processed"),
+            "logprob_backend": ("auto", "torch", "triton", "reference"),
+            "preset": PRESET_NAMES,
+        }
+        for k, allowed in choices.items():
+            if getattr(self, k) not in allowed:
+                raise ValueError(f"--{k.replace('_', '-')} must be one of {allowed}, got {getattr(self, k)!r}")
+        if self.lr <= 0 or self.temperature <= 0:
+            raise ValueError(f"--lr and --temperature must be > 0 for training, got {self.lr}, {self.temperature}")
+        runsafety.check_train_values(self)
+        self.eval.check_save_hf(self.save_hf)
+        if self.merge_lora and not self.lora.enabled:
+            raise ValueError("--merge-lora needs --lora-rank > 0 (it merges the adapter into the --save-hf export)")
+        from align.learner import check_config
+
+        check_config(self)
+
+
+CLI_PREFIXES = {
+    "adv": "adv-",
+    "lora": "lora-",
+}  # loss fields are flat (--eps-low, --kl-coef, --loss NAME); eval fields are eval_*
