@@ -129,6 +129,20 @@ class TrainConfig:
     rollout_engine_restarts: int = field(
         default=1, metadata=_h("With --rollout-num-engines > 1: restarts of dead engines, fleet total.")
     )
+    rollout_ray: bool = field(
+        default=False,
+        metadata=_h(
+            "Serve the spool with the Ray fleet even for one engine (implied by --rollout-num-engines > 1 or "
+            "--ray-address). With it, --eval-num-gpus engines are Ray actors in the same placement group's appended "
+            "bundles behind their own router, instead of separate spool workers."
+        ),
+    )
+    ray_address: str | None = field(
+        default=None,
+        metadata=_h(
+            "Ray cluster for the rollout fleet (multi-node; the run directory must be on a shared filesystem)."
+        ),
+    )
     sync_every: int = field(default=1, metadata=_h("Publish weights to the spool worker every N optimizer steps."))
     checkpoint_every: int = field(
         default=20, metadata=_h("Checkpoint every N steps (and at the end); 0 = only at the end.")
@@ -221,6 +235,15 @@ class TrainConfig:
         from align.learner import check_config
 
         check_config(self)
+
+    @property
+    def uses_ray(self) -> bool:
+        """The spawned rollout worker (``--rollout spool --spawn-worker``) is the Ray fleet (``fleet.py``)."""
+        return (
+            self.rollout == "spool"
+            and self.spawn_worker
+            and (self.rollout_num_engines > 1 or self.rollout_ray or self.ray_address is not None)
+        )
 
 
 CLI_PREFIXES = {

@@ -160,6 +160,7 @@ def train(
     from align.device import make_optimizer
     from align.device import resolve as resolve_placement
     from align.eval import EvalSet, make_evaluator
+    from align.eval.fleet import EvalFleet
     from align.eval.metrics import score_completions
     from align.grpo import compute_advantages
     from align.model import load_pretrained
@@ -262,6 +263,7 @@ def train(
 
     # Rollout client.
     worker = None
+    ray_eval = out / "eval_spool" if cfg.uses_ray and cfg.eval.eval_num_gpus > 0 else None  # eval engines on Ray
     if cfg.rollout == "native":
         client = dist.ShardedNativeClient(policy) if dist.active() else make_rollout_client("native", model=policy)
     else:
@@ -282,6 +284,11 @@ def train(
                 extra_args=lora.worker_args(policy),
                 engines=cfg.rollout_num_engines,
                 engine_restarts=cfg.rollout_engine_restarts,
+                use_fleet=cfg.uses_ray,
+                ray_address=cfg.ray_address,
+                eval_engines=cfg.eval.num_engines if ray_eval else 0,
+                eval_gpus_per_engine=cfg.eval.eval_num_gpus_per_engine,
+                eval_spool=ray_eval,
             )
         client = make_rollout_client("spool", spool=spool, timeout_s=cfg.rollout_timeout_s, worker=worker)
         if (
@@ -351,6 +358,7 @@ def train(
         blocking_eval_fn=blocking_eval if eval_set else None,
         should_stop=lambda: bool(stop_flag.get("signal")),
         reserved_gpus=[cfg.rollout_gpu],
+        fleet=EvalFleet.on_ray_router(cfg.eval, ray_eval, worker) if ray_eval else None,
     )
 
     def save_checkpoint() -> None:  # torchrun: every rank gathers, rank 0 writes, the others wait for the marker

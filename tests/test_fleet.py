@@ -114,6 +114,44 @@ def test_eval_fleet_on_ray_is_pinned_per_point(fleet):
     assert {e["version"] for e in client.spool.read_heartbeat()["engines"]} == {102}
 
 
+def test_eval_router_runs_on_its_runner_actor_and_never_blocks_rollout(fleet):
+    """The eval router is a driver-owned actor (its own process): while the eval engine serves a long eval request,
+    a training weight sync and a rollout generate on the rollout spool are answered, before the eval is."""
+    from align.model import Transformer, save_pretrained
+    from align.rollout.protocol import generate_request
+    from align.tasks import reverse
+
+    driver = fleet["handle"].pid
+    eval_client = make_rollout_client("spool", spool=fleet["eval_spool"], timeout_s=CALL_TIMEOUT_S)
+    roll = make_rollout_client("spool", spool=fleet["spool"], timeout_s=CALL_TIMEOUT_S, worker=fleet["handle"])
+    eval_hb = eval_client.spool.read_heartbeat()
+    assert eval_hb["region"] == "eval" and roll.spool.read_heartbeat()["pid"] == driver
+    assert eval_hb["pid"] != driver and pid_alive(eval_hb["pid"])  # written by the EvalRunner actor's process
+    eval_versions = {e["version"] for e in eval_hb["engines"]}
+    snap = save_pretrained(Transformer(reverse.model_config(fleet["tok"])).init_weights(seed=7), fleet["root"] / "v7")
+    # one eval engine: 128 prompts x 4 samples x 28 tokens, several seconds (max_model_len is 32)
+    big = generate_request([[5, 6, 7]] * 128, SamplingParams(n=4, max_tokens=28, seed=3))
+    t0 = time.monotonic()
+    eval_client.spool.submit(big)
+    while eval_client.spool.request_state(big.id) != "claimed" and time.monotonic() - t0 < 60:
+        time.sleep(0.01)
+    assert eval_client.spool.request_state(big.id) == "claimed"
+    t_claimed = time.monotonic()
+    roll.sync_weights(snap, 7)
+    out = roll.generate([[3, 4, 5], [6, 7]], SamplingParams(n=2, max_tokens=4, seed=0))
+    t_rollout = time.monotonic()
+    eval_state = eval_client.spool.request_state(big.id)
+    body = eval_client.wait(big.id, expect="completions")
+    t_eval = time.monotonic()
+    print(f"\nrollout sync + generate answered {t_rollout - t_claimed:.2f} s after the eval request was claimed; "
+          f"the eval took {t_eval - t_claimed:.2f} s")  # fmt: skip
+    assert eval_state == "claimed", "the eval finished before the rollout calls: it did not overlap them"
+    assert {c.weights_version for c in out} == {7} and len(out) == 4
+    assert len(body["completions"]) == 128 * 4
+    assert {e["version"] for e in roll.spool.read_heartbeat()["engines"]} == {7}
+    assert {e["version"] for e in eval_client.spool.read_heartbeat()["engines"]} == eval_versions  # not synced
+
+
 def test_grpo_on_two_engines_survives_an_engine_kill(fleet, monkeypatch):
     from align.tasks import reverse
     from align.train import TrainConfig, train

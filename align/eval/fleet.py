@@ -145,6 +145,23 @@ class EvalFleet:
         atexit.register(fleet.close)  # never orphan worker processes, even without drain()
         return fleet
 
+    @classmethod
+    def on_ray_router(cls, cfg: EvalConfig, eval_spool: str | os.PathLike, worker: Any = None) -> EvalFleet:
+        """The eval engines of a Ray rollout fleet (``spawn_worker(..., eval_engines=M, eval_spool=eval_spool)``):
+        one ``FleetEngine`` on the fleet's eval router, which spreads requests over its M engines. The first pin
+        waits for the router (its engines start after the rollout engines, on the run's initial snapshot: the
+        step-0 weights, so that pin only verifies). ``worker``: the fleet's handle (a dead driver fails a pin at
+        once); the fleet is not this object's to stop (``close`` leaves it running)."""
+
+        def connect(model_dir: str, version: int) -> list[FleetEngine]:
+            from align.rollout.client import make_rollout_client
+
+            client = make_rollout_client("spool", spool=eval_spool, timeout_s=cfg.eval_timeout_s, worker=worker)
+            wait_router_ready(client.spool, cfg.eval_timeout_s, worker)
+            return [FleetEngine(RouterClient(client), name="ray-eval-router")]
+
+        return cls(spawn=connect)
+
     def pin(self, checkpoint_dir: str, version: int) -> FleetState:
         """Load ``checkpoint_dir`` as ``version`` on every engine and verify it; see the module docstring."""
         with self._lock:
@@ -223,6 +240,47 @@ class EvalFleet:
                         logger.warning("closing eval engine %s: %s", e.name, err)
             for fn in self._cleanup:
                 fn()
+
+
+class RouterClient:
+    """A Ray fleet's eval router as one eval engine's client. ``weights_version()`` is the version of every eval
+    engine as the router read it back from the engine itself after the last load (its heartbeat, which it writes
+    before answering the load); one that is not ready or not on the same version makes it a list of all of them,
+    which equals no pinned version (``pin_violation``)."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        return self.client.generate(prompts, params)
+
+    def sync_weights(self, snapshot_dir: str, version: int) -> float:
+        return self.client.sync_weights(snapshot_dir, version)
+
+    def weights_version(self) -> Any:
+        engines = (self.client.spool.read_heartbeat() or {}).get("engines") or []
+        versions = [e.get("version") if e.get("state") == "ready" else e.get("state") for e in engines]
+        return versions[0] if versions and all(v == versions[0] for v in versions) else versions
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def wait_router_ready(spool: Any, timeout_s: float, worker: Any = None) -> dict:
+    """Wait until the eval router on ``spool`` reports ``ready``; ``RuntimeError`` (with why) when it failed, its
+    fleet exited, or ``timeout_s`` passed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        hb = spool.read_heartbeat() or {}
+        if hb.get("state") in ("ready", "busy"):
+            return hb
+        if hb.get("state") == "failed":
+            raise RuntimeError(f"the eval router on {spool.root} failed: {hb.get('error')}")
+        if worker is not None and not worker.alive():
+            raise RuntimeError(f"the rollout fleet exited before its eval router was ready:\n{worker.log_tail(20)}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the eval router on {spool.root} was not ready within {timeout_s:.0f} s (last: {hb})")
+        time.sleep(0.5)
 
 
 def read_version(engine: FleetEngine) -> Any:

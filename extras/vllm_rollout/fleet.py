@@ -23,10 +23,13 @@ Design:
   (in total). With every engine dead and no restart left the driver fails (heartbeat ``failed``, exit 1), so
   the trainer's client raises ``WorkerDiedError`` within its timeout.
 - Eval fleet: with ``--eval-spool`` the ``--eval-num-gpus`` engines run in the bundles appended after every
-  other region, behind their own router on that spool (a second ``FleetWorker`` on a thread of this driver),
-  and never see training weight syncs: each eval point pins them through that spool
-  (``align.eval.fleet.EvalFleet`` with one ``FleetEngine`` on it: reload, version read-back, probe). Dead eval
-  engines are restarted (``--eval-engine-restarts``), so the next eval point finds them back.
+  other region, behind their own router on that spool, and never see training weight syncs: each eval point
+  pins them through that spool (``align.eval.fleet.EvalFleet``: reload, version read-back, probe). The eval
+  router runs in ``EvalRunner``, a Ray actor this driver owns (on its node, so the eval spool needs no other
+  filesystem), so an eval point's snapshot load or long generate never occupies the rollout router: rollout
+  requests and training weight syncs go on meanwhile. A dead eval engine is reported in the eval heartbeat and
+  restarted at the next eval point, on that point's snapshot (each point restarts every dead eval engine once);
+  requests it leaves with no live eval engine are answered with an error (the point is skipped), never a hang.
 - Multi-node: ``--ray-address`` joins an existing cluster; the spool must then be on a filesystem that the
   trainer and the driver share (the engine actors never touch the spool). Without it a local Ray instance is
   started; on a machine without GPUs it declares logical GPUs so placement is exercised and runs vLLM's CPU build.
@@ -49,7 +52,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import rollout_worker as rw  # stdlib only at import; puts the repo root on sys.path
-from fleet_engine import Call, EngineSlot, Job, engine_actor_class
+from fleet_engine import Call, EngineSlot, Job, engine_actor_class, eval_runner_class
 from placement import Plan, plan
 
 from align.rollout import protocol as P
@@ -88,7 +91,6 @@ def fleet_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rollout-engine-restarts", type=int, default=1, help="restarts of dead engines, fleet total")
     ap.add_argument("--eval-spool", default=None, help="serve --eval-num-gpus engines (the appended bundles) on "
                     "this spool: their own router, never in training weight sync")  # fmt: skip
-    ap.add_argument("--eval-engine-restarts", type=int, default=1, help="restarts of dead eval engines, total")
     ap.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
     ap.add_argument("--ray-num-gpus", type=int, default=None, help="GPUs a local Ray declares (default: detect; "
                     "logical GPUs for the plan when the machine has none)")  # fmt: skip
@@ -129,10 +131,11 @@ class FleetWorker(rw.Worker):
         fargs: argparse.Namespace,
         engine_argv: list[str],
         region: str = "rollout",
-        owner: FleetWorker | None = None,
+        pg: object = None,
+        cpu_build: bool = False,
     ) -> None:
         super().__init__(args)
-        self.fargs, self.engine_argv, self.region, self.owner = fargs, engine_argv, region, owner
+        self.fargs, self.engine_argv, self.region = fargs, engine_argv, region
         self.plan = plan_from_args(fargs)
         self.lock = threading.RLock()
         bundles = self.plan.rollout_engines if region == "rollout" else self.plan.eval_engines
@@ -142,15 +145,15 @@ class FleetWorker(rw.Worker):
         self.inflight: dict[object, Call] = {}
         self.backlog: list[tuple[Job, int]] = []
         self.deaths: list[dict] = []
-        self.restarts_left = fargs.rollout_engine_restarts if region == "rollout" else fargs.eval_engine_restarts
-        self.eval_worker: FleetWorker | None = None  # the eval router (its own spool), run by the rollout one
+        self.restarts_left = fargs.rollout_engine_restarts  # rollout only: eval engines restart per eval point
+        self.eval_argv: list[str] | None = None  # the eval router's worker flags (--eval-spool): run by EvalRunner
+        self.eval_runner = None  # the EvalRunner actor (rollout router only)
         self.stopping = False
-        self._eval_thread: threading.Thread | None = None
         self.target = (self.model_dir, self.version)  # the snapshot a (re)started engine loads
         self.fatal: str | None = None
-        self.pg = self.actor_cls = None
+        self.pg, self.actor_cls = pg, None  # pg given: the eval router, in the rollout router's placement group
         self.ray_up = False
-        self.cpu_build = False  # local Ray on a machine without GPUs (set when Ray starts)
+        self.cpu_build = cpu_build  # local Ray on a machine without GPUs (set when Ray starts)
         self._halt = threading.Event()
         self._loop = threading.Thread(target=self._fleet_loop, daemon=True, name="fleet")
 
@@ -158,8 +161,11 @@ class FleetWorker(rw.Worker):
     def report(self) -> dict:
         with self.lock:
             engines = [e.report() for e in self.engines]
-            return {"engines": engines, "engine_deaths": list(self.deaths), "engine_restarts_left": self.restarts_left,
-                    "engines_ready": sum(e["state"] == "ready" for e in engines)}  # fmt: skip
+            out = {"region": self.region, "engines": engines, "engine_deaths": list(self.deaths),
+                   "engines_ready": sum(e["state"] == "ready" for e in engines)}  # fmt: skip
+            if self.region == "rollout":
+                out["engine_restarts_left"] = self.restarts_left
+            return out
 
     # -- Ray --------------------------------------------------------------------------------------
     def build_engine(self, model_dir: Path):
@@ -168,8 +174,8 @@ class FleetWorker(rw.Worker):
         from ray.util.placement_group import placement_group
 
         f = self.fargs
-        if self.owner is not None:  # the eval router: the rollout router's Ray and placement group
-            self.pg, self.actor_cls, self.cpu_build = self.owner.pg, self.owner.actor_cls, self.owner.cpu_build
+        if self.region == "eval":  # in the EvalRunner actor: Ray is up, the placement group is the driver's
+            self.actor_cls = engine_actor_class()
             return self._start_all()
         if f.ray_address:
             ray.init(address=f.ray_address, log_to_driver=True)
@@ -179,7 +185,7 @@ class FleetWorker(rw.Worker):
             ray.init(address="local", num_gpus=num_gpus, include_dashboard=False, log_to_driver=True,
                      object_store_memory=LOCAL_OBJECT_STORE_BYTES)  # fmt: skip
         self.ray_up = True
-        n = self.plan.num_bundles if self.eval_worker else self.plan.num_bundles - len(self.plan.eval)
+        n = self.plan.num_bundles if self.eval_argv else self.plan.num_bundles - len(self.plan.eval)
         self.pg = placement_group([{"GPU": 1.0}] * n, strategy="PACK")
         ready, _ = ray.wait([self.pg.ready()], timeout=f.engine_start_timeout_s)
         if not ready:
@@ -189,9 +195,8 @@ class FleetWorker(rw.Worker):
             )
         self.actor_cls = engine_actor_class()
         self._start_all()
-        if self.eval_worker is not None:
-            self._eval_thread = threading.Thread(target=self._run_eval, daemon=True, name="eval-router")
-            self._eval_thread.start()
+        if self.eval_argv is not None:
+            self._start_eval_runner()
         return self
 
     def _start_all(self):
@@ -213,24 +218,23 @@ class FleetWorker(rw.Worker):
         self._loop.start()
         return self
 
-    def _run_eval(self) -> None:
-        """The eval router's own serving loop (claims from the eval spool), on a thread of this driver."""
-        w, error = self.eval_worker, None
-        try:
-            w.run()
-        except _Stopped:
-            pass
-        except BaseException as e:  # noqa: BLE001 - the eval router fails alone; its heartbeat says why
-            error = f"{e.__class__.__name__}: {e}"
-            log.error("eval router failed:\n%s", traceback.format_exc())
-        finally:
-            w.close(error)
+    def _start_eval_runner(self) -> None:
+        """The eval router in its own actor, on this driver's node (the eval spool is local to the driver)."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.eval_runner = (
+            eval_runner_class()
+            .options(num_cpus=0, scheduling_strategy=here, runtime_env={"env_vars": _actor_env()})
+            .remote(self.eval_argv, vars(self.fargs), self.engine_argv, self.pg, self.cpu_build)
+        )
+        log.info("eval router started in its runner actor (pid %s)", ray.get(self.eval_runner.pid.remote()))
 
     def _start_engine(self, e: EngineSlot):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
-        env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parents[1])])
+        env = _actor_env()
         tp = len(e.bundles)
         if self.cpu_build and "VLLM_CPU_OMP_THREADS_BIND" not in env:
             # vLLM CPU binds every engine's OpenMP threads to the same cores by default: spread them instead
@@ -257,13 +261,18 @@ class FleetWorker(rw.Worker):
         log.info("engine %d ready: %s", e.index, e.report())
 
     def drop_engine(self) -> None:
-        if self.eval_worker is not None and self._eval_thread is not None:
-            self.eval_worker.stopping = True
-            self._eval_thread.join(timeout=60)
+        if self.eval_runner is not None:
+            import ray
+
+            with contextlib.suppress(Exception):
+                ray.get(self.eval_runner.stop.remote(), timeout=90)
+            with contextlib.suppress(Exception):
+                ray.kill(self.eval_runner, no_restart=True)
+            self.eval_runner = None
         self._halt.set()
         if self._loop.is_alive():
             self._loop.join(timeout=10)
-        if not self.ray_up and not (self.owner is not None and self.actor_cls is not None):
+        if self.actor_cls is None and not self.ray_up:
             return
         import ray
 
@@ -308,6 +317,11 @@ class FleetWorker(rw.Worker):
         if not healthy:
             if any(e.state in ("starting", "restarting") for e in self.engines):
                 self.backlog += items
+            elif self.region == "eval":  # the eval point fails (skipped); the next one restarts the engines
+                for job in {id(job): job for job, _ in items}.values():
+                    if self.jobs.pop(job.msg.id, None) is not None:
+                        why = "every eval engine is dead; they are restarted at the next eval point's weight load"
+                        self.answer(P.error_response(job.msg.id, "engine_dead", why))
             else:
                 self._fail("every engine is dead and no restart is left")
             return
@@ -403,16 +417,22 @@ class FleetWorker(rw.Worker):
         with contextlib.suppress(Exception):
             ray.kill(e.actor, no_restart=True)
         e.error, e.outstanding, e.pinging = why, 0, False
-        if self.restarts_left > 0:
+        if self.region == "eval":
+            e.state = "dead"
+            log.info("eval engine %d is restarted at the next eval point's weight load", e.index)
+        elif self.restarts_left > 0:
             self.restarts_left -= 1
-            e.restarts += 1
-            e.state = "restarting"
+            self._restart(e)
             log.info("restarting engine %d on %s (%d restart(s) left)", e.index, self.target[0], self.restarts_left)
-            self._start_engine(e)
         else:
             e.state = "dead"
             if not any(x.state in ("ready", "starting", "restarting") for x in self.engines):
                 self._fail(f"all {len(self.engines)} engines are dead and no restart is left (last: {why})")
+
+    def _restart(self, e: EngineSlot) -> None:
+        e.restarts += 1
+        e.state = "restarting"
+        self._start_engine(e)
 
     def _fail(self, why: str) -> None:
         if self.fatal is None:
@@ -468,7 +488,12 @@ class FleetWorker(rw.Worker):
         self._wait_idle(deadline)  # requests submitted before the sync are served by the old weights
         with self.lock:
             self.target = (path, version)  # an engine restarted from now on loads the new snapshot
-        methods = []
+            if self.region == "eval":  # eval point: every dead eval engine comes back on this snapshot
+                for e in self.engines:
+                    if e.state == "dead":
+                        log.info("eval point: restarting dead eval engine %d on %s", e.index, path)
+                        self._restart(e)
+        methods, stale = [], []
         for e in list(self.engines):
             if e.state != "ready":
                 continue
@@ -482,8 +507,6 @@ class FleetWorker(rw.Worker):
                 with self.lock:
                     self._engine_died(e, f"failed during weight sync: {err.__class__.__name__}")
                 continue
-            if read_back != version:
-                raise RuntimeError(f"engine {e.index} reports weights version {read_back} after loading {version}")
             e.version = read_back
             methods.append(answer.body["method"])
         self._wait_idle(deadline)  # engines restarted meanwhile come up on the new snapshot
@@ -491,14 +514,18 @@ class FleetWorker(rw.Worker):
             live = [e for e in self.engines if e.state == "ready"]
             stale = [(e.index, e.version) for e in live if e.version != version]
         if stale or not live:
-            raise RuntimeError(f"weight sync to version {version} incomplete: stale engines {stale}, {len(live)} live")
+            problem = f"weight sync to version {version} incomplete: stale engines {stale}, {len(live)} live"
+            if self.region != "eval":
+                raise RuntimeError(problem)
+            self.set_state("ready")  # the eval point is skipped (pin_violation); the router goes on serving
+            return self.answer(P.error_response(msg.id, "sync_incomplete", problem))
         seconds = time.perf_counter() - t0
         self.model_dir, self.version = path, version
         self.vocab_size = int(json.loads((path / "config.json").read_text()).get("vocab_size", 0))
         log.info("weights version %d from %s on %d engines in %.2f s", version, path, len(live), seconds)
         method = "+".join(sorted(set(methods))) or "restart"
+        self.set_state("ready")  # the heartbeat shows every engine's read-back version before the answer does
         self.answer(P.Message("synced", msg.id, {"version": version, "seconds": seconds, "method": method}))
-        self.set_state("ready")
 
     def _wait_idle(self, deadline: float) -> None:
         """Until no request is in flight and no engine is (re)starting; raises on fleet failure or timeout."""
@@ -515,6 +542,27 @@ class FleetWorker(rw.Worker):
 
 class _Stopped(Exception):
     """The driver is shutting down: the eval router's loop ends cleanly."""
+
+
+def serve_eval_router(w: FleetWorker) -> None:
+    """The eval router's serving loop (in the EvalRunner actor) until the driver stops it."""
+    error = None
+    try:
+        w.run()
+    except _Stopped:
+        pass
+    except BaseException as e:  # noqa: BLE001 - the eval router fails alone; its heartbeat says why
+        error = f"{e.__class__.__name__}: {e}"
+        log.error("eval router failed:\n%s", traceback.format_exc())
+    finally:
+        w.close(error)
+
+
+def _actor_env() -> dict[str, str]:
+    """The environment of an actor this driver starts: its own VLLM_/HF_/... variables and the import path."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parents[1])])
+    return env
 
 
 def _left(deadline: float) -> float:
@@ -557,10 +605,10 @@ def main(argv: list[str] | None = None) -> int:
         worker = FleetWorker(args, fargs, engine_argv)
         if fargs.eval_spool and fargs.eval_num_gpus:
             eval_spool = P.Spool(fargs.eval_spool).ensure()
-            if rw.lock_spool(eval_spool) is None:
+            if rw.lock_spool(eval_spool) is None:  # held by this driver: its EvalRunner actor serves the spool
                 raise RuntimeError(f"another rollout worker already serves the eval spool {eval_spool.root}")
-            eval_args = rw.parse_args([*rest, "--spool", str(eval_spool.root)])
-            worker.eval_worker = FleetWorker(eval_args, fargs, engine_argv, region="eval", owner=worker)
+            worker.eval_argv = [*rest, "--spool", str(eval_spool.root)]
+            rw.parse_args(worker.eval_argv)  # bad flags fail here, not in the actor
     except (ValueError, RuntimeError) as e:
         log.error("%s", e)
         spool.write_heartbeat("failed", error=str(e), log_path=args.log_path)
