@@ -128,27 +128,35 @@ def test_eval_router_runs_on_its_runner_actor_and_never_blocks_rollout(fleet):
     assert eval_hb["region"] == "eval" and roll.spool.read_heartbeat()["pid"] == driver
     assert eval_hb["pid"] != driver and pid_alive(eval_hb["pid"])  # written by the EvalRunner actor's process
     eval_versions = {e["version"] for e in eval_hb["engines"]}
-    snap = save_pretrained(Transformer(reverse.model_config(fleet["tok"])).init_weights(seed=7), fleet["root"] / "v7")
-    # one eval engine: 128 prompts x 4 samples x 28 tokens, several seconds (max_model_len is 32)
-    big = generate_request([[5, 6, 7]] * 128, SamplingParams(n=4, max_tokens=28, seed=3))
+    cfg = reverse.model_config(fleet["tok"])
+    snaps = [save_pretrained(Transformer(cfg).init_weights(seed=s), fleet["root"] / f"v{s}") for s in (7, 8)]
+    small = ([[3, 4, 5], [6, 7]], SamplingParams(n=2, max_tokens=4, seed=0))
+
+    def rollout_sync_and_generate(snap, version) -> float:
+        t = time.monotonic()
+        roll.sync_weights(snap, version)
+        assert {c.weights_version for c in roll.generate(*small)} == {version}
+        return time.monotonic() - t
+
+    rollout_sync_and_generate(snaps[0], 7)  # warm-up: a fresh engine's first calls take seconds
+    idle_s = rollout_sync_and_generate(snaps[1], 8)  # control: the eval engine idle
+    # the eval engine: 384 prompts x 4 samples x 28 tokens (max_model_len is 32), many times the rollout calls
+    big = generate_request([[5, 6, 7]] * 384, SamplingParams(n=4, max_tokens=28, seed=3))
     t0 = time.monotonic()
     eval_client.spool.submit(big)
     while eval_client.spool.request_state(big.id) != "claimed" and time.monotonic() - t0 < 60:
         time.sleep(0.01)
     assert eval_client.spool.request_state(big.id) == "claimed"
     t_claimed = time.monotonic()
-    roll.sync_weights(snap, 7)
-    out = roll.generate([[3, 4, 5], [6, 7]], SamplingParams(n=2, max_tokens=4, seed=0))
-    t_rollout = time.monotonic()
+    busy_s = rollout_sync_and_generate(snaps[0], 9)
     eval_state = eval_client.spool.request_state(big.id)
     body = eval_client.wait(big.id, expect="completions")
-    t_eval = time.monotonic()
-    print(f"\nrollout sync + generate answered {t_rollout - t_claimed:.2f} s after the eval request was claimed; "
-          f"the eval took {t_eval - t_claimed:.2f} s")  # fmt: skip
-    assert eval_state == "claimed", "the eval finished before the rollout calls: it did not overlap them"
-    assert {c.weights_version for c in out} == {7} and len(out) == 4
-    assert len(body["completions"]) == 128 * 4
-    assert {e["version"] for e in roll.spool.read_heartbeat()["engines"]} == {7}
+    eval_s = time.monotonic() - t_claimed
+    print(f"\nrollout sync + generate: {idle_s:.2f} s with the eval engine idle, {busy_s:.2f} s while it served an "
+          f"eval request of {eval_s:.2f} s")  # fmt: skip
+    assert eval_state == "claimed", f"the eval ({eval_s:.1f} s) was answered before the rollout calls ({busy_s:.1f} s)"
+    assert len(body["completions"]) == 384 * 4
+    assert {e["version"] for e in roll.spool.read_heartbeat()["engines"]} == {9}
     assert {e["version"] for e in eval_client.spool.read_heartbeat()["engines"]} == eval_versions  # not synced
 
 

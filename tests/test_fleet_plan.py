@@ -197,3 +197,67 @@ def test_the_worker_hooks_the_fleet_overrides_exist():
     src = inspect.getsource(rw.Worker.run)
     for call in ("self.build_engine(", "self.next_batch(", "self.serve_generate(", "self.serve_sync("):
         assert call in src, f"Worker.run no longer calls {call}...): the fleet's overrides would be bypassed"
+
+
+@pytest.mark.parametrize(
+    ("flags", "fleet", "eval_engines"),
+    [
+        (["--rollout-ray"], True, 1),  # one rollout engine on Ray: the eval engine joins its placement group
+        (["--rollout-num-engines", "2"], True, 1),
+        (["--ray-address", "10.0.0.1:6379"], True, 1),
+        ([], False, 0),  # the plain worker: --eval-num-gpus keeps its separate spool-worker eval fleet
+    ],
+)
+def test_eval_on_ray_flags_reach_spawn_worker(tmp_path, monkeypatch, flags, fleet, eval_engines):
+    """``--eval-num-gpus`` with the Ray fleet asks spawn_worker for the eval engines and the eval spool (the real
+    run is tests/test_fleet_eval_train.py's); spawn_worker is replaced by a recorder that stops the run."""
+    from align.cli import parse
+    from align.model import Transformer, save_pretrained
+    from align.rollout import client as client_mod
+    from align.tasks import reverse
+    from align.train import CLI_PREFIXES, TrainConfig, train
+
+    class Stop(Exception):
+        pass
+
+    seen: dict = {}
+
+    def record(spool, **kw):
+        seen.update(kw)
+        raise Stop
+
+    run = tmp_path / "run"
+    argv = ["--out", str(run), "--rollout", "spool", "--steps", "1", "--eval-interval", "2", "--eval-num-gpus", "1",
+            "--eval-hf-dir", str(tmp_path / "eval_hf"), *flags]  # fmt: skip
+    cfg = parse(TrainConfig, argv, CLI_PREFIXES)
+    tok = reverse.tokenizer()
+    model = save_pretrained(Transformer(reverse.model_config(tok)).init_weights(seed=0), tmp_path / "base")
+    monkeypatch.setattr(client_mod, "spawn_worker", record)
+    with pytest.raises(Stop):
+        train(cfg, model=str(model), tokenizer=tok, prompts=reverse.prompts(4, "train"), reward=lambda *a, **k: 0.0)
+    assert seen["use_fleet"] is fleet and seen["eval_engines"] == eval_engines
+    assert seen["eval_spool"] == (run / "eval_spool" if fleet else None)
+    assert seen["ray_address"] == (flags[1] if flags[:1] == ["--ray-address"] else None)
+
+
+def test_router_client_version_is_every_eval_engines_read_back(tmp_path):
+    """The pin's version read-back through the eval router: one common version, or the list of all of them (never
+    equal to a pinned version) when an engine is stale or not ready."""
+    from types import SimpleNamespace
+
+    from align.eval.fleet import RouterClient
+    from align.rollout.protocol import Spool
+
+    spool = Spool(tmp_path / "eval_spool").ensure()
+    client = RouterClient(SimpleNamespace(spool=spool))
+    cases = [
+        ([("ready", 5), ("ready", 5)], 5),
+        ([("ready", 5), ("ready", 4)], [5, 4]),  # negative control: one stale engine
+        ([("ready", 5), ("dead", 5)], [5, "dead"]),  # a dead engine is no read-back
+        ([], []),
+    ]
+    for engines, expected in cases:
+        spool.write_heartbeat(
+            "ready", engines=[{"index": i, "state": s, "version": v} for i, (s, v) in enumerate(engines)]
+        )
+        assert client.weights_version() == expected, engines

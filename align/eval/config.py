@@ -29,8 +29,8 @@ class EvalConfig:
         default=0,
         metadata={
             "help": "Size of the dedicated eval fleet: >0 runs eval on its own rollout workers (CPU workers on a "
-            "machine without GPUs), synced only by loading exported snapshots, never by training weight sync. "
-            "0 = no fleet."
+            "machine without GPUs), synced only by loading exported snapshots, never by training weight sync; with "
+            "the Ray rollout fleet, Ray actors in its placement group's appended bundles. 0 = no fleet."
         },
     )
     eval_num_gpus_per_engine: int = field(

@@ -15,6 +15,11 @@ loop's weight sync never reaches them: they only ever load exported snapshots, h
 
 Workers start lazily on the first pin, with that snapshot as their model, on the dispatcher's runner thread: a
 slow start or snapshot load never occupies the training loop. Uses only stdlib + ``align.rollout.client``.
+
+With the Ray rollout fleet (``align.train --rollout-num-engines N > 1`` / ``--rollout-ray``) the eval engines are
+Ray actors of that fleet instead, behind its eval router on one spool: ``EvalFleet.on_ray_router`` pins them the
+same way (the router restarts dead engines, loads and reads every engine's version back; see
+``extras/vllm_rollout/fleet.py``).
 """
 
 from __future__ import annotations
