@@ -493,7 +493,7 @@ class FleetWorker(rw.Worker):
                     if e.state == "dead":
                         log.info("eval point: restarting dead eval engine %d on %s", e.index, path)
                         self._restart(e)
-        methods, stale = [], []
+        methods = []
         for e in list(self.engines):
             if e.state != "ready":
                 continue
