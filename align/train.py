@@ -289,6 +289,8 @@ def train(
                 eval_engines=cfg.eval.num_engines if ray_eval else 0,
                 eval_gpus_per_engine=cfg.eval.eval_num_gpus_per_engine,
                 eval_spool=ray_eval,
+                eval_model=model_path,  # the step-0 weights, version 0: never deleted by the run (its snapshots are)
+                eval_weights_version=0,
             )
         client = make_rollout_client("spool", spool=spool, timeout_s=cfg.rollout_timeout_s, worker=worker)
         if (

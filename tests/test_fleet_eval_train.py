@@ -82,6 +82,9 @@ def test_train_evals_on_the_ray_fleet_and_a_dead_eval_engine_restarts_at_the_nex
     assert [p["version"] for p in (first, second, third)] == [0, 2, 4]
     e0, e2 = first["hb"]["engines"][0], second["hb"]["engines"][0]
     assert e0["bundles"] == [1] and e0["version"] == 0 and e0["restarts"] == 0  # appended after rollout's [0]
+    # started on the base model (caller-owned), not on the run's first rollout snapshot, which the run deletes
+    # after the first sync (seen: the eval engine, starting later than the rollout one, found it gone)
+    assert first["hb"]["model"] == str(base.resolve())
     assert killed["seen"] == "dead" and killed["killed"] == e0["pid"]  # the heartbeat showed the death
     assert e2["state"] == "ready" and e2["version"] == 2 and e2["restarts"] == 1 and e2["pid"] != e0["pid"]
     assert third["hb"]["engines"][0]["version"] == 4

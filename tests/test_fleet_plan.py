@@ -237,6 +237,8 @@ def test_eval_on_ray_flags_reach_spawn_worker(tmp_path, monkeypatch, flags, flee
         train(cfg, model=str(model), tokenizer=tok, prompts=reverse.prompts(4, "train"), reward=lambda *a, **k: 0.0)
     assert seen["use_fleet"] is fleet and seen["eval_engines"] == eval_engines
     assert seen["eval_spool"] == (run / "eval_spool" if fleet else None)
+    # the eval engines start on the base model as version 0 (the run deletes its rollout snapshots as it goes)
+    assert (str(seen["eval_model"]), seen["eval_weights_version"]) == (str(model), 0)
     assert seen["ray_address"] == (flags[1] if flags[:1] == ["--ray-address"] else None)
 
 

@@ -154,8 +154,9 @@ class EvalFleet:
     def on_ray_router(cls, cfg: EvalConfig, eval_spool: str | os.PathLike, worker: Any = None) -> EvalFleet:
         """The eval engines of a Ray rollout fleet (``spawn_worker(..., eval_engines=M, eval_spool=eval_spool)``):
         one ``FleetEngine`` on the fleet's eval router, which spreads requests over its M engines. The first pin
-        waits for the router (its engines start after the rollout engines, on the run's initial snapshot: the
-        step-0 weights, so that pin only verifies). ``worker``: the fleet's handle (a dead driver fails a pin at
+        waits for the router (its engines start after the rollout engines, on the fleet's ``eval_model`` as
+        ``eval_weights_version``: ``align.train`` starts them on the base model as version 0, the step-0 baseline,
+        which that pin then only verifies; a first pin of any other version loads its snapshot). ``worker``: the fleet's handle (a dead driver fails a pin at
         once); the fleet is not this object's to stop (``close`` leaves it running)."""
 
         def connect(model_dir: str, version: int) -> list[FleetEngine]:

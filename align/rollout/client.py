@@ -388,6 +388,8 @@ def spawn_worker(
     eval_engines: int = 0,
     eval_gpus_per_engine: int = 1,
     eval_spool: str | os.PathLike | None = None,
+    eval_model: str | os.PathLike | None = None,
+    eval_weights_version: int | None = None,
 ) -> WorkerHandle:
     """Launch ``rollout_worker.py`` under ``.venv-rollout`` on ``model`` serving ``spool``.
 
@@ -403,7 +405,9 @@ def spawn_worker(
     ``engine_restarts`` times in total; ``gpu`` then does not apply (Ray places the engines). ``use_fleet=True``
     forces the Ray fleet for one engine too (e.g. to place it on a remote node). ``eval_engines`` more engines
     (``eval_gpus_per_engine`` each, in bundles appended after every other region) serve ``eval_spool`` behind
-    their own router; they never see training weight syncs (pin them per eval point with ``sync_weights``).
+    their own router; they never see training weight syncs (pin them per eval point with ``sync_weights``). They
+    start (after the rollout engines) on ``eval_model`` (default: ``model``), which must therefore outlive the
+    start, reporting ``eval_weights_version`` (default: ``weights_version``) until their first load.
     """
     if engines < 1 or gpus_per_engine < 1 or engine_restarts < 0:
         raise ValueError(
@@ -434,6 +438,8 @@ def spawn_worker(
             cmd += ["--eval-num-gpus", str(eval_engines * eval_gpus_per_engine)]
             cmd += ["--eval-num-gpus-per-engine", str(eval_gpus_per_engine)]
             cmd += ["--eval-spool", str(Spool(eval_spool).ensure().root.resolve())]
+            cmd += ["--eval-model", str(check_hf_dir(eval_model).resolve())] if eval_model is not None else []
+            cmd += ["--eval-weights-version", str(eval_weights_version)] if eval_weights_version is not None else []
     cmd += ["--weights-version", str(weights_version), "--max-model-len", str(max_model_len), "--dtype", dtype]
     cmd += ["--logprobs-mode", logprobs_mode, "--log-path", str(log_path.resolve()), *extra_args]
     wenv = worker_env(env, gpu=None if fleet else gpu, cache_dir=cache_dir, in_process=in_process)

@@ -91,6 +91,10 @@ def fleet_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rollout-engine-restarts", type=int, default=1, help="restarts of dead engines, fleet total")
     ap.add_argument("--eval-spool", default=None, help="serve --eval-num-gpus engines (the appended bundles) on "
                     "this spool: their own router, never in training weight sync")  # fmt: skip
+    ap.add_argument("--eval-model", default=None, help="HF dir the eval engines start on (default: --model); "
+                    "it must outlive the fleet (e.g. the base model, not a training snapshot)")  # fmt: skip
+    ap.add_argument("--eval-weights-version", type=int, default=None, help="version the eval engines report until "
+                    "their first load (default: --weights-version)")  # fmt: skip
     ap.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
     ap.add_argument("--ray-num-gpus", type=int, default=None, help="GPUs a local Ray declares (default: detect; "
                     "logical GPUs for the plan when the machine has none)")  # fmt: skip
@@ -608,6 +612,10 @@ def main(argv: list[str] | None = None) -> int:
             if rw.lock_spool(eval_spool) is None:  # held by this driver: its EvalRunner actor serves the spool
                 raise RuntimeError(f"another rollout worker already serves the eval spool {eval_spool.root}")
             worker.eval_argv = [*rest, "--spool", str(eval_spool.root)]
+            if fargs.eval_model is not None:
+                worker.eval_argv += ["--model", fargs.eval_model]
+            if fargs.eval_weights_version is not None:
+                worker.eval_argv += ["--weights-version", str(fargs.eval_weights_version)]
             rw.parse_args(worker.eval_argv)  # bad flags fail here, not in the actor
     except (ValueError, RuntimeError) as e:
         log.error("%s", e)
