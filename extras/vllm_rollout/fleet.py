@@ -53,7 +53,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import rollout_worker as rw  # stdlib only at import; puts the repo root on sys.path
 from fleet_engine import Call, EngineSlot, Job, engine_actor_class, eval_runner_class
-from placement import Plan, plan
+from placement import Plan, add_plan_args, main_plan, plan_from_args
 
 from align.rollout import protocol as P
 
@@ -66,23 +66,6 @@ _ENV_PREFIXES = ("VLLM_", "TORCHINDUCTOR_", "TRITON_", "HF_", "OMP_", "PYTHONUNB
 
 # ---------------------------------------------------------------------------------------------
 # Command line
-
-
-def add_plan_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--train-gpus", type=int, default=0, help="trainer GPUs (region 1; 0 = trainer not in Ray)")
-    ap.add_argument("--rollout-engines", type=int, default=1, help="vLLM engines behind the spool")
-    ap.add_argument("--rollout-gpus-per-engine", type=int, default=1, help="tensor-parallel size of each engine")
-    ap.add_argument("--eval-num-gpus", type=int, default=0, help="eval GPUs appended after every other region")
-    ap.add_argument("--eval-num-gpus-per-engine", type=int, default=1)
-    ap.add_argument("--colocate", action="store_true", help="rollout bundles overlap the trainer's")
-    ap.add_argument("--available-gpus", type=int, default=None, help="GPUs the node/cluster has (checked if set)")
-
-
-def plan_from_args(a: argparse.Namespace) -> Plan:
-    return plan(
-        a.train_gpus, a.rollout_engines, a.rollout_gpus_per_engine, a.eval_num_gpus, a.eval_num_gpus_per_engine,
-        colocate=a.colocate, available_gpus=a.available_gpus,
-    )  # fmt: skip
 
 
 def fleet_parser() -> argparse.ArgumentParser:
@@ -101,18 +84,6 @@ def fleet_parser() -> argparse.ArgumentParser:
     ap.add_argument("--engine-start-timeout-s", type=float, default=900.0)
     ap.add_argument("--call-timeout-s", type=float, default=900.0, help="bound on one sync / version read-back")
     return ap
-
-
-def main_plan(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="fleet.py plan", description="Print the bundle layout as JSON.")
-    add_plan_args(ap)
-    a = ap.parse_args(argv)
-    try:
-        print(plan_from_args(a).to_json())
-    except ValueError as e:
-        print(f"fleet.py plan: {e}", file=sys.stderr)
-        return 2
-    return 0
 
 
 class FleetSpool(P.Spool):

@@ -11,8 +11,10 @@ removing an eval fleet never shifts a trainer or rollout offset, in either layou
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import sys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,3 +92,36 @@ def plan(
         rollout_engines=_engines(rollout, rollout_gpus_per_engine),
         eval_engines=_engines(evals, eval_num_gpus_per_engine), colocate=colocate,
     )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line (``fleet.py plan`` and the fleet driver's plan flags)
+
+
+def add_plan_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--train-gpus", type=int, default=0, help="trainer GPUs (region 1; 0 = trainer not in Ray)")
+    ap.add_argument("--rollout-engines", type=int, default=1, help="vLLM engines behind the spool")
+    ap.add_argument("--rollout-gpus-per-engine", type=int, default=1, help="tensor-parallel size of each engine")
+    ap.add_argument("--eval-num-gpus", type=int, default=0, help="eval GPUs appended after every other region")
+    ap.add_argument("--eval-num-gpus-per-engine", type=int, default=1)
+    ap.add_argument("--colocate", action="store_true", help="rollout bundles overlap the trainer's")
+    ap.add_argument("--available-gpus", type=int, default=None, help="GPUs the node/cluster has (checked if set)")
+
+
+def plan_from_args(a: argparse.Namespace) -> Plan:
+    return plan(
+        a.train_gpus, a.rollout_engines, a.rollout_gpus_per_engine, a.eval_num_gpus, a.eval_num_gpus_per_engine,
+        colocate=a.colocate, available_gpus=a.available_gpus,
+    )  # fmt: skip
+
+
+def main_plan(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="fleet.py plan", description="Print the bundle layout as JSON.")
+    add_plan_args(ap)
+    a = ap.parse_args(argv)
+    try:
+        print(plan_from_args(a).to_json())
+    except ValueError as e:
+        print(f"fleet.py plan: {e}", file=sys.stderr)
+        return 2
+    return 0
