@@ -244,7 +244,7 @@ def test_a_backend_without_version_stamps_is_refused(tmp_path):
 def cli(out: Path, model: str, *extra: str) -> subprocess.Popen:
     args = ["--out", str(out), "--model", model, "--steps", "7", "--prompts-per-step", "4", "--group-size", "4"]
     args += ["--max-tokens", "6", "--checkpoint-every", "2", "--eval-interval", "0", "--max-async-steps", "2"]
-    args += ["--log-completions-every", "1", *extra]
+    args += ["--log-completions-every", "1", "--keep-checkpoints", "10", *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "align.train", *args]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -285,6 +285,7 @@ def wait_steps(out: Path, n: int, proc: subprocess.Popen) -> None:
     raise AssertionError("timed out waiting for steps")
 
 
+@pytest.mark.slow
 def test_kill_9_then_rerun_logs_exactly_the_uninterrupted_run(tmp_path, builtin_model, uninterrupted):
     out = tmp_path / "killed"
     proc = cli(out, builtin_model)
@@ -319,6 +320,7 @@ def test_kill_9_then_rerun_logs_exactly_the_uninterrupted_run(tmp_path, builtin_
     assert logged(lost)[0][2:] != logged(uninterrupted)[0][2:]
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_and_exits_then_resumes_exactly(tmp_path, builtin_model, uninterrupted):
     out = tmp_path / "sig"
     proc = cli(out, builtin_model, "--checkpoint-every", "0")
