@@ -44,7 +44,15 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 def run(out, model, **kw) -> list[dict]:
-    base = dict(out=str(out), steps=5, prompts_per_step=4, group_size=4, max_tokens=4, lr=1e-2, warmup_steps=0)
+    base = {
+        "out": str(out),
+        "steps": 5,
+        "prompts_per_step": 4,
+        "group_size": 4,
+        "max_tokens": 4,
+        "lr": 1e-2,
+        "warmup_steps": 0,
+    }
     base.update(checkpoint_every=0, micro_batch_size=8)
     base.update(kw)
     cfg = TrainConfig(**base)
