@@ -138,6 +138,7 @@ class NativeEngine:
         self.client.weights_version = self.version = int(version)
         self._states: dict[int, dict] = {}
         self._lock = threading.Lock()
+        self.lock = threading.RLock()  # the policy lock (the eval lease): held to change versions
 
     def publish(self, version: int, policy: Any) -> float:
         t0 = time.perf_counter()
@@ -157,6 +158,13 @@ class NativeEngine:
             raise RuntimeError(f"weights version {version} was never published to the generation thread")
         self.model.load_state_dict(state)
         self.client.weights_version = self.version = version
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams, permits: int | None) -> Any:
+        """Eval cohort on the generation copy: generated at once (the native engine has no request queue)."""
+        return generate_groups(self.client, prompts, params, permits)
+
+    def wait(self, handle: Any) -> list:
+        return handle
 
     def close(self) -> None:
         self._states.clear()
@@ -250,6 +258,14 @@ class SpoolEngine:
         self.watcher.version = int(version)
         self.should_stop: Callable[[], bool] = lambda: False
 
+    @property
+    def lock(self) -> threading.RLock:
+        return self.watcher.lock
+
+    @property
+    def version(self) -> int | None:
+        return self.watcher.version
+
     def _load(self, path: Path, version: int) -> None:
         self.sync_s += self.client.sync_weights(path, version)
 
@@ -263,6 +279,27 @@ class SpoolEngine:
         if got != version:
             raise RuntimeError(f"rollouts need weights version {version} but its snapshot is gone (got v{got})")
         self.watcher.collect_garbage()
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams, permits: int | None) -> Any:
+        """Queue an eval cohort on the worker (whole groups per request) without waiting; ``wait`` collects it."""
+        from align.rollout.protocol import generate_request
+
+        per = len(prompts) if permits is None else max(1, permits // params.n)
+        handles = []
+        for i, first in enumerate(range(0, len(prompts), per)):
+            seed = None if params.seed is None else params.seed + i * CHUNK_SEED_STRIDE
+            p = dataclasses.replace(params, seed=seed)
+            msg = generate_request(prompts[first : first + per], p)
+            self.client.spool.submit(msg)
+            handles.append((first, prompts[first : first + per], p, msg.id))
+        return handles
+
+    def wait(self, handles: Any) -> list:
+        out = []
+        for first, prompts, p, rid in handles:
+            comps = self.client.generate(prompts, p, request_id=rid)
+            out += [dataclasses.replace(c, prompt_index=c.prompt_index + first) for c in comps]
+        return out
 
     def close(self) -> None:
         pass
@@ -300,6 +337,15 @@ class RolloutPipeline:
             self.ready[p.step] = p
         self.next_t = max([start_step, *self.ready]) + 1
         self.producing: int | None = None
+        self.eval_queue: list[int] = []  # due eval steps, in order; the head runs once the lease is free
+        self.cohort_sent: set[int] = set()  # queued eval steps whose complete cohort is dispatched
+        self.pin_eval = True  # False only for the negative control of the tests: no lease, no drain
+        self.eval_due: Callable[[int], bool] | None = None
+        self.eval_error: BaseException | None = None
+        self.eval_records: list[dict] = []
+        self.events: list[tuple] = []  # (what, step, version): the order tests check (train / drained / cohort / ...)
+        self._eval_fn: Callable[[], tuple] | None = None
+        self._eval_thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.idle_s = 0.0
         self._stop = False
@@ -308,6 +354,10 @@ class RolloutPipeline:
         if self.K > 0:
             self.engine.should_stop = lambda: self._stop
             self._thread = threading.Thread(target=self._produce, name="align-rollout-producer", daemon=True)
+
+    def start(self) -> None:
+        """Start the producer (``next`` does it on first use; a step-0 eval runs before it)."""
+        if self._thread is not None and self._thread.ident is None:
             self._thread.start()
 
     @property
@@ -323,15 +373,8 @@ class RolloutPipeline:
                 if t > self.last_step:
                     return
                 v = version_for(t, self.K, self.floor)
-                t0 = time.monotonic()
-                with self._cond:
-                    while not self._stop and (self.published < v or t > self.taken + self.K + 1):
-                        self._cond.wait(WAIT_POLL_S)
-                    self.idle_s += time.monotonic() - t0
-                    if self._stop:
-                        return
-                    self.producing = t
-                self.engine.use(v)
+                if not self._claim(t, v):
+                    return
                 batch = self.collect(t, v, self.engine.client)
                 stale = sorted({c.weights_version for c in batch.completions} - {v})
                 if stale:
@@ -349,6 +392,42 @@ class RolloutPipeline:
                 self.producing = None
                 self._cond.notify_all()
 
+    def _blocked(self, t: int, v: int) -> bool:
+        """Step t may not start yet: its version is unpublished, it is too far ahead, an eval of its version (or an
+        older one) has not dispatched its cohort yet, or it needs a newer version while an older eval is queued."""
+        return (
+            self.published < v
+            or t > self.taken + self.K + 1
+            or any(e <= v for e in self.eval_queue if e not in self.cohort_sent)
+            or (v != self.engine.version and any(e < v for e in self.eval_queue))
+        )
+
+    def _claim(self, t: int, v: int) -> bool:
+        """Wait until step t may start on version v, switch the engine under the policy lock if needed, mark t as
+        producing. False when stopping."""
+        t0 = time.monotonic()
+        while True:
+            with self._cond:
+                while not self._stop and self._blocked(t, v):
+                    self._cond.wait(WAIT_POLL_S)
+                if self._stop:
+                    return False
+                if v == self.engine.version:  # same weights: no lock needed (a refill during a pinned eval tail)
+                    self.producing = t
+                    self.idle_s += time.monotonic() - t0
+                    self.events.append(("train", t, v))
+                    return True
+            with self.engine.lock:  # a version change: waits while an eval lease is held
+                with self._cond:
+                    if self._blocked(t, v):
+                        continue
+                    self.producing = t
+                    self.idle_s += time.monotonic() - t0
+                self.engine.use(v)
+                with self._cond:
+                    self.events.append(("train", t, v))
+                return True
+
     # -------------------------------------------------------------------------- trainer side
 
     def _wait_for(self, steps: range) -> None:
@@ -356,7 +435,7 @@ class RolloutPipeline:
             while not all(t in self.ready for t in steps):
                 if self.error is not None:
                     raise self.error
-                if self._thread is None or not self._thread.is_alive():
+                if self._thread is None or (self._thread.ident is not None and not self._thread.is_alive()):
                     raise RuntimeError(f"the rollout producer stopped before producing steps {list(steps)}")
                 self._cond.wait(WAIT_POLL_S)
 
@@ -364,6 +443,7 @@ class RolloutPipeline:
         """The batch of step ``t`` and its async metrics (empty with K = 0)."""
         if not self.is_async:
             return Produced(t, self.published, self.collect(t, self.published, self.client)), {}
+        self.start()
         t0 = time.monotonic()
         self._wait_for(range(t, t + 1))
         with self._cond:
@@ -382,12 +462,116 @@ class RolloutPipeline:
         }
 
     def publish(self, step: int, policy: Any) -> float:
-        """After optimizer step ``step``: hand its weights to the engine (K >= 1); returns the seconds it took."""
+        """After optimizer step ``step``: hand its weights to the engine (K >= 1); returns the seconds it took.
+        An eval due at ``step`` (``eval_due``) is queued in the same breath, so no rollout of that version starts
+        before its eval cohort is dispatched."""
         seconds = self.engine.publish(step, policy)
         with self._cond:
             self.published = step
+            if self.eval_due is not None and self.eval_due(step):
+                self._queue_eval(step)
             self._cond.notify_all()
         return seconds
+
+    # -------------------------------------------------------------------------- pinned eval (seed 002)
+
+    def _queue_eval(self, step: int) -> None:  # with self._cond held
+        self.eval_queue.append(step)
+        if self._eval_thread is None:
+            self._eval_thread = threading.Thread(target=self._eval_loop, name="align-eval-lease", daemon=True)
+            self._eval_thread.start()
+        self._cond.notify_all()
+
+    def request_eval(self, step: int) -> None:
+        """Queue an eval epoch of weights version ``step`` (a second one waits for the first to release its lease)."""
+        with self._cond:
+            self._queue_eval(step)
+
+    def _eval_loop(self) -> None:
+        """The supervised side task: one epoch per queued step, in order; a failure ends the loop and reaches the
+        trainer through ``take_eval_records``, the lease released on the way out."""
+        while True:
+            with self._cond:
+                while not self._stop and not self.eval_queue:
+                    self._cond.wait(WAIT_POLL_S)
+                if self._stop:
+                    return
+                e = self.eval_queue[0]
+            try:
+                self._eval_epoch(e)
+            except BaseException as err:  # noqa: BLE001 - handed to the trainer thread
+                with self._cond:
+                    self.eval_error = err
+                    self.eval_queue.clear()
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self.eval_queue.pop(0)
+                self.cohort_sent.discard(e)
+                self._cond.notify_all()
+
+    def _eval_epoch(self, e: int) -> None:
+        t0 = time.monotonic()
+        if self.pin_eval:
+            with self._cond:  # pre-existing train work of older versions finishes first (no lease held meanwhile)
+                while not self._stop and not (
+                    self.producing is None
+                    and (self.next_t > self.last_step or version_for(self.next_t, self.K, self.floor) >= e)
+                ):
+                    self._cond.wait(WAIT_POLL_S)
+                if self._stop:
+                    return
+            self.engine.lock.acquire()  # the eval lease (the watcher's policy lock); waits for an update in progress
+        try:
+            if self.pin_eval:
+                with self._cond:
+                    self.events.append(("lease", e, self.engine.version))
+                    while self.producing is not None and not self._stop:  # the train group being scheduled
+                        self._cond.wait(WAIT_POLL_S)
+                    self.events.append(("drained", e, self.engine.version))
+                if self.engine.version != e:
+                    self.engine.use(e)
+            prompts, params, permits, score = self._eval_fn()
+            handle = self.engine.submit(prompts, params, permits)  # the complete cohort
+            with self._cond:
+                self.events.append(("cohort", e, self.engine.version))
+                self.cohort_sent.add(e)  # spare capacity back to train, at the pinned version only
+                self._cond.notify_all()
+            comps = self.engine.wait(handle)
+            wrong = sum(c.weights_version != e for c in comps)
+            rec = {
+                "step": e,
+                **score(comps),
+                "eval/step": e,
+                "eval/weight_version": e,
+                "eval/mixed_version_ratio": wrong / max(1, len(comps)),
+                "eval/duration_seconds": time.monotonic() - t0,
+                "eval/train_blocked_seconds": 0.0,
+            }
+            with self._cond:
+                self.eval_records.append(rec)
+                self.events.append(("released", e, self.engine.version))
+        finally:
+            if self.pin_eval:
+                self.engine.lock.release()
+
+    def take_eval_records(self) -> list[dict]:
+        """Finished eval records (each once); raises the eval side task's failure."""
+        with self._cond:
+            if self.eval_error is not None:
+                err, self.eval_error = self.eval_error, None
+                raise err
+            out, self.eval_records = self.eval_records, []
+        return out
+
+    def wait_evals(self, timeout_s: float) -> None:
+        """Until every queued eval epoch has released its lease (or failed)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self.eval_queue and self.eval_error is None:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"eval epochs {self.eval_queue} did not finish within {timeout_s:.0f} s")
+                self._cond.wait(WAIT_POLL_S)
 
     def checkpoint_state(self, step: int, cursor: dict) -> dict:
         """What a checkpoint after ``step`` keeps: the data cursor and (K >= 1) the pending batches
@@ -395,6 +579,7 @@ class RolloutPipeline:
         if not self.is_async:
             return {"cursor": dict(cursor)}
         todo = range(step + 1, min(step + self.K, self.last_step) + 1)
+        self.start()
         self._wait_for(todo)
         with self._cond:
             pending = [self.ready[t] for t in todo]
@@ -413,7 +598,9 @@ class RolloutPipeline:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        if self._thread is not None:
+        if self._eval_thread is not None:
+            self._eval_thread.join(timeout_s)
+        if self._thread is not None and self._thread.ident is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 log.warning("the rollout producer did not stop within %.0f s (a request still pending)", timeout_s)
@@ -448,3 +635,65 @@ def make_pipeline(
     return RolloutPipeline(
         K, collect, engine=engine, start_step=step, last_step=cfg.steps, cursor=cursor, pending=pending
     )
+
+
+# ------------------------------------------------------------------------------------------------ pinned eval
+
+
+class PinnedEvaluator:
+    """The shared-engine eval posture with K >= 1 (seed 002): eval runs on the rollout engine, each due step pinned
+    to exactly its weights version by the eval lease. Same calls as ``align.eval.Evaluator``."""
+
+    posture = "pinned"
+
+    def __init__(self, cfg: Any, pipe: RolloutPipeline, eval_set: Any, permits: int | None, timeout_s: float) -> None:
+        from align.eval.metrics import score_completions
+
+        if permits is not None and eval_set.sampling.n > permits:
+            raise ValueError(
+                f"an eval group of --eval-n {eval_set.sampling.n} completions is larger than --max-inflight-requests "
+                f"{permits}: the eval epoch could never dispatch its cohort and release its lease; lower --eval-n "
+                "or raise --max-inflight-requests"
+            )
+        self.cfg, self.pipe, self.timeout_s = cfg, pipe, timeout_s
+        prompts = [list(p) for p in eval_set.prompts]
+
+        def eval_fn() -> tuple:
+            def score(comps: list) -> dict:
+                m = score_completions(prompts, comps, eval_set.score, eval_set.sampling.n)
+                return {k: v for k, v in m.items() if k not in ("eval/weight_version", "eval/mixed_version_ratio")}
+
+            return prompts, eval_set.sampling, permits, score
+
+        pipe._eval_fn = eval_fn
+        pipe.eval_due = lambda step: cfg.is_due(step, step == pipe.last_step)
+
+    def baseline(self, hf_dir: str, *, written: Any = (), resumed: bool = False) -> list[dict]:
+        """Step 0 through the same epoch path, before the producer starts (a resumed run no longer has version 0)."""
+        if self.cfg.eval_interval <= 0 or resumed or any(r.get("step") == 0 and "eval/step" in r for r in written):
+            return []
+        self.pipe.request_eval(0)
+        self.pipe.wait_evals(self.timeout_s)
+        return self.poll()
+
+    def step(self, step: int, is_final: bool = False) -> list[dict]:
+        return self.poll()  # due steps were queued by ``publish``, atomically with the version
+
+    def poll(self) -> list[dict]:
+        return self.pipe.take_eval_records()
+
+    def drain(self, after_error: BaseException | None = None) -> list[dict]:
+        if after_error is None:
+            self.pipe.wait_evals(self.timeout_s)
+            return self.poll()
+        with contextlib.suppress(Exception):
+            return self.poll()
+        return []
+
+
+def pinned_evaluator(pipe: RolloutPipeline, evaluator: Any, eval_set: Any, cfg: Any) -> Any:
+    """``evaluator`` unless this run evaluates on the shared rollout engine with K >= 1 (no eval fleet, no
+    ``CheckpointEvalFn``): then the ``PinnedEvaluator``."""
+    if not pipe.is_async or getattr(evaluator, "posture", None) != "blocking" or eval_set is None:
+        return evaluator
+    return PinnedEvaluator(evaluator.cfg, pipe, eval_set, cfg.max_inflight_requests, cfg.rollout_timeout_s)

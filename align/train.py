@@ -163,7 +163,7 @@ def train(
     from align.eval.metrics import score_completions
     from align.grpo import compute_advantages
     from align.model import load_pretrained
-    from align.pipeline import generate_groups, make_pipeline
+    from align.pipeline import generate_groups, make_pipeline, pinned_evaluator
     from align.rollout.client import make_rollout_client, spawn_worker
     from align.rollout.protocol import SamplingParams, atomic_write_text, logprob_basis_warning
     from align.runlog import MetricsLog, Progress, format_line, make_logger, sample_groups, write_plot
@@ -402,6 +402,7 @@ def train(
         )
 
     pipe = make_pipeline(cfg, collect, policy, client, step, cursor, pending, out / "rollout_snapshots")
+    evaluator = pinned_evaluator(pipe, evaluator, eval_set, cfg)  # K >= 1: eval on the engine, one version each
 
     progress = Progress(cfg.steps, start=step) if dist.is_main() else dist.RankLog()
     first_error: list[str] = []
