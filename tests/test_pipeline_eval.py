@@ -85,7 +85,7 @@ def drive(pipe, ev, last=8) -> list[dict]:
 
 @pytest.mark.parametrize("K", [1, 2])
 def test_every_eval_point_is_pinned_to_its_version(K):
-    pipe, ev, engine = make(K=K)
+    pipe, ev, _engine = make(K=K)
     try:
         recs = drive(pipe, ev)
     finally:
@@ -97,7 +97,7 @@ def test_every_eval_point_is_pinned_to_its_version(K):
 
 def test_without_the_lease_an_update_lands_mid_cohort():
     """Negative control: the same run with the lease off (no pin, no drain) mixes versions inside a cohort."""
-    pipe, ev, engine = make(K=1, pin=False)
+    pipe, ev, _engine = make(K=1, pin=False)
     try:
         recs = drive(pipe, ev)
     finally:
@@ -112,7 +112,7 @@ def test_lease_held_across_the_epoch_and_drain_cohort_refill_order():
     finally:
         pipe.close()
     ev3 = [i for i, e in enumerate(pipe.events) if e[1] == 3 and e[0] in ("lease", "drained", "cohort", "released")]
-    lease, drained, cohort, released = ev3
+    _lease, drained, cohort, released = ev3
     assert [pipe.events[i][0] for i in ev3] == ["lease", "drained", "cohort", "released"]
     # every train batch of an older version started before the drain; the batch of the pinned version (step 6 with
     # K = 2) started only after the complete cohort was dispatched, and during the eval tail (refill)
@@ -125,7 +125,7 @@ def test_lease_held_across_the_epoch_and_drain_cohort_refill_order():
 
 
 def test_a_second_due_step_while_an_epoch_is_active_is_queued():
-    pipe, ev, engine = make(K=1, last=4, interval=1)
+    pipe, ev, _engine = make(K=1, last=4, interval=1)
     try:
         recs = drive(pipe, ev, last=4)
     finally:
@@ -161,7 +161,7 @@ def test_the_lease_is_released_on_failure():
 
 
 def test_the_lease_is_released_on_shutdown():
-    pipe, ev, engine = make(K=1)
+    pipe, _ev, engine = make(K=1)
     pipe.request_eval(0)
     deadline = time.monotonic() + JOIN_S
     while not any(e[0] == "cohort" for e in pipe.events):  # the epoch is in its tail, holding the lease
