@@ -255,6 +255,8 @@ class SpoolEngine:
         self.client, self.root, self.save, self.timeout_s = client, Path(root), save, timeout_s
         self.sync_s = 0.0
         self.watcher = WeightWatcher(self.root, self._load)
+        # the worker may hold other weights (requests a killed predecessor run left in the spool): load ours, once
+        self.sync_s = client.sync_weights(self.root / f"v{version}", version)
         self.watcher.version = int(version)
         self.should_stop: Callable[[], bool] = lambda: False
 

@@ -339,3 +339,17 @@ def test_sigterm_checkpoints_and_exits_then_resumes_exactly(tmp_path, builtin_mo
     rerun = cli(out, builtin_model, "--checkpoint-every", "0")
     assert rerun.wait(timeout=600) == 0, rerun.stdout.read()[-3000:]
     assert logged(out) == logged(uninterrupted)
+
+
+def test_a_shutdown_the_dead_worker_never_served_is_withdrawn(tmp_path):
+    """Regression: a worker killed mid-pipeline left the trainer's shutdown message in the spool, and the rerun's
+    new worker served it and stopped ('worker ... is stopped' on the rerun). The process here stands in for a worker
+    that never reads its spool (no vLLM needed to show the message handling)."""
+    from align.rollout.client import WorkerHandle
+    from align.rollout.protocol import Spool
+
+    spool = Spool(tmp_path / "spool").ensure()
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    WorkerHandle(proc, spool, tmp_path / "log").shutdown(grace_s=0.2)
+    assert spool.pending() == []
+    assert not list((spool.root / "claimed").iterdir())
