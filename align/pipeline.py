@@ -397,10 +397,10 @@ class RolloutPipeline:
     def _blocked(self, t: int, v: int) -> bool:
         """Step t may not start yet: its version is unpublished, it is too far ahead, an eval of its version (or an
         older one) has not dispatched its cohort yet, or it needs a newer version while an older eval is queued."""
-        return (
-            self.published < v
-            or t > self.taken + self.K + 1
-            or any(e <= v for e in self.eval_queue if e not in self.cohort_sent)
+        if self.published < v or t > self.taken + self.K + 1:
+            return True
+        return self.pin_eval and (
+            any(e <= v for e in self.eval_queue if e not in self.cohort_sent)
             or (v != self.engine.version and any(e < v for e in self.eval_queue))
         )
 
