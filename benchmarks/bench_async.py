@@ -118,7 +118,7 @@ def main() -> None:
             rows = [run(int(k), args, model, tmp / "spool", tmp) for k in args.ks.split(",")]
         finally:
             worker.shutdown(grace_s=5)
-    base = rows[0]["steps_per_s"]
+    base = next((r for r in rows if r["K"] == 0), rows[0])["steps_per_s"]
     print(
         f"model: hidden {args.hidden}, layers {args.layers}; batch {args.prompts}x{args.group}, {args.max_tokens} tokens"
     )
