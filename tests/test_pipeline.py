@@ -141,8 +141,11 @@ class NullEngine:
     reports_version = True
     client = None
 
+    def __init__(self):
+        self.version, self.lock = 0, threading.RLock()
+
     def use(self, version):
-        pass
+        self.version = version
 
     def publish(self, version, policy):
         return 0.0
