@@ -30,17 +30,16 @@ import copy
 import dataclasses
 import logging
 import re
-import shutil
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from align.rewards import Batch, Scores
-from align.rollout.protocol import Completion, SamplingParams, snapshot_marker
+from align.rollout.protocol import Completion, SamplingParams
+from align.rollout.watcher import WeightWatcher
 
 log = logging.getLogger(__name__)
 
@@ -168,78 +167,6 @@ class NativeEngine:
 
     def close(self) -> None:
         self._states.clear()
-
-
-class WeightWatcher:
-    """Rollout-side weight loading from committed ``v{N}`` snapshot dirs under ``root`` (seed 002).
-
-    ``update(wanted)`` waits for a STABLE snapshot of version >= ``wanted`` WITHOUT holding ``lock`` (the policy lock,
-    also the eval lease), then takes the lock, re-resolves (``wanted`` if it is still there, else the latest stable
-    one: a retarget when it was deleted meanwhile), loads it through ``load(path, version)`` and returns that one
-    version, used for the path, the engine and every stamp. ``pin``/``unpin`` count the in-flight work on a version;
-    ``collect_garbage`` deletes only unpinned snapshots older than the loaded one."""
-
-    def __init__(self, root: Path, load: Callable[[Path, int], Any], lock: threading.RLock | None = None) -> None:
-        self.root, self.load = Path(root), load
-        self.lock = lock if lock is not None else threading.RLock()
-        self.version: int | None = None
-        self.refs: Counter[int] = Counter()
-        self._refs_lock = threading.Lock()
-
-    def stable(self) -> dict[int, Path]:
-        out = {}
-        for p in self.root.iterdir() if self.root.is_dir() else ():
-            m = SNAPSHOT_RE.match(p.name)
-            if m and snapshot_marker(p) is not None:
-                out[int(m.group(1))] = p
-        return out
-
-    def _resolve(self, wanted: int) -> tuple[int, Path] | None:
-        found = self.stable()
-        if wanted in found:
-            return wanted, found[wanted]
-        newer = [v for v in found if v > wanted]
-        return (max(newer), found[max(newer)]) if newer else None
-
-    def update(self, wanted: int, timeout_s: float, should_stop: Callable[[], bool] = lambda: False) -> int:
-        deadline = time.monotonic() + timeout_s
-        while self._resolve(wanted) is None:  # publication wait: the policy lock is NOT held here
-            if should_stop():
-                raise RuntimeError(f"stopped while waiting for snapshot v{wanted} under {self.root}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"no committed snapshot v{wanted} (or newer) under {self.root} within {timeout_s:.0f} s"
-                )
-            time.sleep(WAIT_POLL_S / 10)
-        with self.lock:
-            target = self._resolve(wanted)  # again: a newer one may have replaced the first while we waited
-            if target is None:
-                raise RuntimeError(f"snapshot v{wanted} and every newer one under {self.root} were deleted")
-            version, path = target
-            if version != wanted:
-                log.info(
-                    "weight watcher: v%d was deleted; retargeting to the latest stable snapshot v%d", wanted, version
-                )
-            if version != self.version:
-                self.load(path, version)
-                self.version = version
-            return version
-
-    def pin(self, version: int) -> None:
-        with self._refs_lock:
-            self.refs[version] += 1
-
-    def unpin(self, version: int) -> None:
-        with self._refs_lock:
-            self.refs[version] -= 1
-            if self.refs[version] <= 0:
-                del self.refs[version]
-
-    def collect_garbage(self) -> None:
-        with self._refs_lock:
-            for v, p in self.stable().items():
-                if self.version is not None and v < self.version and self.refs[v] == 0:
-                    shutil.rmtree(p, ignore_errors=True)
 
 
 class SpoolEngine:
@@ -637,65 +564,3 @@ def make_pipeline(
     return RolloutPipeline(
         K, collect, engine=engine, start_step=step, last_step=cfg.steps, cursor=cursor, pending=pending
     )
-
-
-# ------------------------------------------------------------------------------------------------ pinned eval
-
-
-class PinnedEvaluator:
-    """The shared-engine eval posture with K >= 1 (seed 002): eval runs on the rollout engine, each due step pinned
-    to exactly its weights version by the eval lease. Same calls as ``align.eval.Evaluator``."""
-
-    posture = "pinned"
-
-    def __init__(self, cfg: Any, pipe: RolloutPipeline, eval_set: Any, permits: int | None, timeout_s: float) -> None:
-        from align.eval.metrics import score_completions
-
-        if permits is not None and eval_set.sampling.n > permits:
-            raise ValueError(
-                f"an eval group of --eval-n {eval_set.sampling.n} completions is larger than --max-inflight-requests "
-                f"{permits}: the eval epoch could never dispatch its cohort and release its lease; lower --eval-n "
-                "or raise --max-inflight-requests"
-            )
-        self.cfg, self.pipe, self.timeout_s = cfg, pipe, timeout_s
-        prompts = [list(p) for p in eval_set.prompts]
-
-        def eval_fn() -> tuple:
-            def score(comps: list) -> dict:
-                m = score_completions(prompts, comps, eval_set.score, eval_set.sampling.n)
-                return {k: v for k, v in m.items() if k not in ("eval/weight_version", "eval/mixed_version_ratio")}
-
-            return prompts, eval_set.sampling, permits, score
-
-        pipe._eval_fn = eval_fn
-        pipe.eval_due = lambda step: cfg.is_due(step, step == pipe.last_step)
-
-    def baseline(self, hf_dir: str, *, written: Any = (), resumed: bool = False) -> list[dict]:
-        """Step 0 through the same epoch path, before the producer starts (a resumed run no longer has version 0)."""
-        if self.cfg.eval_interval <= 0 or resumed or any(r.get("step") == 0 and "eval/step" in r for r in written):
-            return []
-        self.pipe.request_eval(0)
-        self.pipe.wait_evals(self.timeout_s)
-        return self.poll()
-
-    def step(self, step: int, is_final: bool = False) -> list[dict]:
-        return self.poll()  # due steps were queued by ``publish``, atomically with the version
-
-    def poll(self) -> list[dict]:
-        return self.pipe.take_eval_records()
-
-    def drain(self, after_error: BaseException | None = None) -> list[dict]:
-        if after_error is None:
-            self.pipe.wait_evals(self.timeout_s)
-            return self.poll()
-        with contextlib.suppress(Exception):
-            return self.poll()
-        return []
-
-
-def pinned_evaluator(pipe: RolloutPipeline, evaluator: Any, eval_set: Any, cfg: Any) -> Any:
-    """``evaluator`` unless this run evaluates on the shared rollout engine with K >= 1 (no eval fleet, no
-    ``CheckpointEvalFn``): then the ``PinnedEvaluator``."""
-    if not pipe.is_async or getattr(evaluator, "posture", None) != "blocking" or eval_set is None:
-        return evaluator
-    return PinnedEvaluator(evaluator.cfg, pipe, eval_set, cfg.max_inflight_requests, cfg.rollout_timeout_s)

@@ -161,9 +161,10 @@ def train(
     from align.device import resolve as resolve_placement
     from align.eval import EvalSet, make_evaluator
     from align.eval.metrics import score_completions
+    from align.eval.pinned import pinned_evaluator
     from align.grpo import compute_advantages
     from align.model import load_pretrained
-    from align.pipeline import generate_groups, make_pipeline, pinned_evaluator
+    from align.pipeline import generate_groups, make_pipeline
     from align.rollout.client import make_rollout_client, spawn_worker
     from align.rollout.protocol import SamplingParams, atomic_write_text, logprob_basis_warning
     from align.runlog import MetricsLog, Progress, format_line, make_logger, sample_groups, write_plot

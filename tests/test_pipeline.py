@@ -21,6 +21,7 @@ from align.model import Transformer, save_pretrained
 from align.rewards import Batch, Scores
 from align.rollout.client import NativeClient, WorkerDiedError
 from align.rollout.protocol import Completion, SamplingParams
+from align.rollout.watcher import WeightWatcher
 from align.tasks import reverse
 from align.tasks.tokenizer import CharTokenizer
 from align.train import TrainConfig, train
@@ -193,7 +194,7 @@ def commit(path: Path) -> Path:
 
 def test_watcher_waits_without_the_lock_and_retargets_a_deleted_snapshot(tmp_path):
     loaded = []
-    w = pipeline.WeightWatcher(tmp_path, lambda p, v: loaded.append((p.name, v)))
+    w = WeightWatcher(tmp_path, lambda p, v: loaded.append((p.name, v)))
     got = []
     th = threading.Thread(target=lambda: got.append(w.update(3, timeout_s=30)))
     th.start()
@@ -212,7 +213,7 @@ def test_watcher_waits_without_the_lock_and_retargets_a_deleted_snapshot(tmp_pat
 
 
 def test_watcher_never_deletes_a_pinned_snapshot(tmp_path):
-    w = pipeline.WeightWatcher(tmp_path, lambda p, v: None)
+    w = WeightWatcher(tmp_path, lambda p, v: None)
     for v in (1, 2, 3):
         commit(tmp_path / f"v{v}")
     w.pin(1)

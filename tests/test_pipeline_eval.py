@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from align import pipeline
+from align.eval import pinned
 from align.eval.config import EvalConfig, EvalSet
 from align.rewards import Batch, Scores
 from align.rollout.protocol import Completion, SamplingParams
@@ -68,7 +69,7 @@ def make(K=1, last=8, interval=2, engine=None, pin=True):
     pipe = pipeline.RolloutPipeline(K, collect, engine=engine, last_step=last, cursor={})
     pipe.pin_eval = pin
     eval_set = EvalSet([[1]] * EVAL_REQUESTS, lambda i, ids: 1.0, SamplingParams(n=1), name="fake")
-    ev = pipeline.PinnedEvaluator(EvalConfig(eval_interval=interval), pipe, eval_set, None, timeout_s=60)
+    ev = pinned.PinnedEvaluator(EvalConfig(eval_interval=interval), pipe, eval_set, None, timeout_s=60)
     return pipe, ev, engine
 
 
@@ -179,7 +180,7 @@ def test_fail_fast_configs():
     try:
         eval_set = EvalSet([[1]], lambda i, ids: 1.0, SamplingParams(n=8))
         with pytest.raises(ValueError, match="could never dispatch its cohort"):
-            pipeline.PinnedEvaluator(EvalConfig(eval_interval=1), pipe, eval_set, 4, timeout_s=60)
+            pinned.PinnedEvaluator(EvalConfig(eval_interval=1), pipe, eval_set, 4, timeout_s=60)
     finally:
         pipe.close()
 
@@ -207,9 +208,9 @@ def test_pinned_eval_measures_what_the_blocking_eval_measures(tmp_path, monkeypa
             {k: v for k, v in r.items() if k.startswith("eval/pass") or k == "step"} for r in rows if "eval/step" in r
         ]
 
-    pinned = run(tmp_path / "pinned")
-    monkeypatch.setattr(pipeline, "pinned_evaluator", lambda pipe, evaluator, eval_set, cfg: evaluator)
+    pinned_recs = run(tmp_path / "pinned")
+    monkeypatch.setattr(pinned, "pinned_evaluator", lambda pipe, evaluator, eval_set, cfg: evaluator)
     blocking = run(tmp_path / "blocking")
-    assert [r["step"] for r in pinned] == [0, 2, 4]
-    assert pinned == blocking
-    assert pinned[0] != pinned[-1]  # negative control: the points differ, so equal records are not vacuous
+    assert [r["step"] for r in pinned_recs] == [0, 2, 4]
+    assert pinned_recs == blocking
+    assert pinned_recs[0] != pinned_recs[-1]  # negative control: the points differ, so equal records are not vacuous
