@@ -198,19 +198,22 @@ def test_pinned_eval_measures_what_the_blocking_eval_measures(tmp_path, monkeypa
     mcfg.num_hidden_layers = 1
     model = str(save_pretrained(Transformer(mcfg).init_weights(seed=0), tmp_path / "m"))
 
+    kinds = []
+
     def run(out) -> list[dict]:
         cfg = TrainConfig(out=str(out), steps=4, prompts_per_step=4, group_size=4, max_tokens=4, lr=1e-2)
         cfg.warmup_steps, cfg.checkpoint_every, cfg.max_async_steps = 0, 0, 1
         cfg.eval.eval_interval = 2
         train(cfg, model=model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward, eval_prompts=PROMPTS[:4])
         rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-        return [
-            {k: v for k, v in r.items() if k.startswith("eval/pass") or k == "step"} for r in rows if "eval/step" in r
-        ]
+        evals = [r for r in rows if "eval/step" in r]
+        kinds.append({r["eval/train_blocked_seconds"] > 0 for r in evals})  # blocking eval: > 0; pinned: 0
+        return [{k: v for k, v in r.items() if k.startswith("eval/pass") or k == "step"} for r in evals]
 
     pinned_recs = run(tmp_path / "pinned")
     monkeypatch.setattr(pinned, "pinned_evaluator", lambda pipe, evaluator, eval_set, cfg: evaluator)
     blocking = run(tmp_path / "blocking")
     assert [r["step"] for r in pinned_recs] == [0, 2, 4]
+    assert kinds == [{False}, {True}]  # the first run evaluated on the engine, the second in the loop
     assert pinned_recs == blocking
     assert pinned_recs[0] != pinned_recs[-1]  # negative control: the points differ, so equal records are not vacuous
