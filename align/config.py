@@ -144,6 +144,18 @@ class TrainConfig:
         ),
     )
     sync_every: int = field(default=1, metadata=_h("Publish weights to the spool worker every N optimizer steps."))
+    max_async_steps: int = field(
+        default=0,
+        metadata=_h(
+            "Asynchronous rollouts: generate up to K steps ahead of the trainer; step t trains on rollouts of the weights after step max(0, t-1-K). 0 = synchronous."
+        ),
+    )
+    max_inflight_requests: int | None = field(
+        default=None,
+        metadata=_h(
+            "Max completions outstanding at the rollout engine per request (whole groups; a group is never split). None = one request per batch."
+        ),
+    )
     checkpoint_every: int = field(
         default=20, metadata=_h("Checkpoint every N steps (and at the end); 0 = only at the end.")
     )
@@ -229,6 +241,14 @@ class TrainConfig:
         if self.lr <= 0 or self.temperature <= 0:
             raise ValueError(f"--lr and --temperature must be > 0 for training, got {self.lr}, {self.temperature}")
         runsafety.check_train_values(self)
+        from align.pipeline import check_config as check_async
+
+        check_async(self.max_async_steps, self.max_inflight_requests, self.group_size)
+        if self.max_async_steps and self.sync_every != 1:
+            raise ValueError(
+                f"--max-async-steps {self.max_async_steps} publishes the weights after every step; "
+                f"--sync-every {self.sync_every} does not apply: drop it (or use --max-async-steps 0)"
+            )
         self.eval.check_save_hf(self.save_hf)
         if self.merge_lora and not self.lora.enabled:
             raise ValueError("--merge-lora needs --lora-rank > 0 (it merges the adapter into the --save-hf export)")

@@ -162,8 +162,10 @@ def train(
     from align.eval import EvalSet, make_evaluator
     from align.eval.fleet import EvalFleet
     from align.eval.metrics import score_completions
+    from align.eval.pinned import pinned_evaluator
     from align.grpo import compute_advantages
     from align.model import load_pretrained
+    from align.pipeline import generate_groups, make_pipeline
     from align.rollout.client import make_rollout_client, spawn_worker
     from align.rollout.protocol import SamplingParams, atomic_write_text, logprob_basis_warning
     from align.runlog import MetricsLog, Progress, format_line, make_logger, sample_groups, write_plot
@@ -243,13 +245,13 @@ def train(
         lora.trainable_parameters(policy), place, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
-    step, cursor = 0, {"epoch": 0, "index": 0}
+    step, cursor, pending = 0, {"epoch": 0, "index": 0}, []
     if resume:
         state = ckpt.load_state(resume[1])
         dist.restore_optimizer(policy, opt, state, resume[1])
         sched.load_state_dict(state["scheduler"])
         ckpt.set_rng_state(state["rng"])
-        step, cursor = state["step"], state["cursor"]
+        step, cursor, pending = state["step"], state["cursor"], state.get("pending_batches", [])
         print(f"[align] resuming from {resume[1]} (step {step})", flush=True)
     logs = (
         MetricsLog(out / n, resume_step=step if resume else 0) if dist.is_main() else dist.RankLog()
@@ -297,7 +299,6 @@ def train(
             not cfg.spawn_worker or cfg.lora.enabled
         ):  # an attached worker holds whatever it loaded last; LoRA: the adapter
             client.sync_weights(init_snapshot, step)
-    published = step  # the weights version every rollout must come from
     params = SamplingParams(
         n=cfg.group_size,
         temperature=cfg.temperature,
@@ -367,7 +368,7 @@ def train(
         weights, opt_state = dist.full_model(policy), dist.optimizer_state(policy, opt)
         if dist.is_main():
             ckpt.save(out / "checkpoints", step, weights, {"optimizer": opt_state, "scheduler": sched.state_dict(),
-                                                         "cursor": dict(cursor)}, cfg.keep_checkpoints)  # fmt: skip
+                                                         **pipe.checkpoint_state(step, cursor)}, cfg.keep_checkpoints)  # fmt: skip
         dist.barrier()
 
     def emit_eval(records: list[dict]) -> None:
@@ -387,14 +388,32 @@ def train(
             cursor["index"] += 1
         return idx
 
-    def sample(idx: list[int], round_: int) -> list:
-        # the seed depends only on (seed, step, round): resume replays a step exactly
-        params.seed = cfg.seed * 1_000_003 + step + round_ * 100_000_007
-        with place.autocast():  # the sampler computes like the trainer (bf16-mixed: bf16 matmuls)
-            comps = client.generate([encoded[i] for i in idx], params)
-        if cfg.rollout == "spool":
-            runsafety.check_weights_version(comps, published, client.spool.root)
-        return comps
+    def collect(t: int, version: int, gen: Any) -> Any:
+        """1-3 of step t: prompts -> rollouts (from weights ``version`` on client ``gen``) -> rewards."""
+
+        def sample(idx: list[int], round_: int) -> list:
+            # the seed depends only on (seed, step, round): resume replays a step exactly
+            p = replace(params, seed=cfg.seed * 1_000_003 + t - 1 + round_ * 100_000_007)
+            with place.autocast():  # the sampler computes like the trainer (bf16-mixed: bf16 matmuls)
+                comps = generate_groups(gen, [encoded[i] for i in idx], p, cfg.max_inflight_requests)
+            if cfg.rollout == "spool":
+                runsafety.check_weights_version(comps, version, gen.spool.root)
+            return comps
+
+        # --adv-refill: more prompts until enough groups have signal
+        return collect_groups(
+            cfg.prompts_per_step,
+            next_prompts,
+            sample,
+            completion_text,
+            lambda i: task.prompts[i],
+            scorer,
+            cfg.adv_refill,
+            cfg.max_refill_rounds,
+        )
+
+    pipe = make_pipeline(cfg, collect, policy, client, step, cursor, pending, out / "rollout_snapshots")
+    evaluator = pinned_evaluator(pipe, evaluator, eval_set, cfg)  # K >= 1: eval on the engine, one version each
 
     progress = Progress(cfg.steps, start=step) if dist.is_main() else dist.RankLog()
     first_error: list[str] = []
@@ -416,17 +435,9 @@ def train(
         while step < cfg.steps:
             t0 = time.monotonic()
             policy.train()
-            # 1-3. prompts -> rollouts -> rewards (--adv-refill: more prompts until enough groups have signal)
-            batch = collect_groups(
-                cfg.prompts_per_step,
-                next_prompts,
-                sample,
-                completion_text,
-                lambda i: task.prompts[i],
-                scorer,
-                cfg.adv_refill,
-                cfg.max_refill_rounds,
-            )
+            # 1-3. prompts -> rollouts -> rewards (align.pipeline: this thread, or K steps ahead on a producer)
+            batch, async_stats = pipe.next(step + 1)
+            batch = batch.batch
             idx, completions, scores, errors = batch.idx, batch.completions, batch.scores, batch.scores.errors
             batch_ids = [encoded[i] for i in idx]
             t_rollout = time.monotonic() - t0
@@ -460,11 +471,13 @@ def train(
             sched.step()
             step += 1
             # 6. weights to the rollout worker
-            if cfg.rollout == "spool" and step % cfg.sync_every == 0:
+            if pipe.is_async:
+                sync_s = pipe.publish(step, policy)
+            elif cfg.rollout == "spool" and step % cfg.sync_every == 0:
                 snap = out / "rollout_snapshots" / f"v{step}"
                 lora.save_policy(policy, snap)
                 sync_s = client.sync_weights(snap, step)
-                published = step
+                pipe.published = step
                 prev = out / "rollout_snapshots" / f"v{step - cfg.sync_every}"
                 if prev.exists():
                     import shutil
@@ -506,6 +519,7 @@ def train(
                 "step_time": dt,
                 "lr": sched.get_last_lr()[0],
                 "grad_norm": upd.grad_norm,
+                **async_stats,
             }
             metrics.write(rec)
             progress.update(step, format_line(rec))
@@ -539,6 +553,7 @@ def train(
         try:
             emit_eval(evaluator.drain(after_error=train_error))
         finally:
+            pipe.close()
             client.close()
             scorer.close()
             metrics.close()

@@ -337,9 +337,11 @@ class WorkerHandle:
     def shutdown(self, grace_s: float = 30.0) -> None:
         """Stop the worker: a shutdown message (served after queued requests), then SIGTERM, then SIGKILL
         of the whole process group. Returns when no process of the group is left."""
+        stop = None
         if self.alive() and grace_s > 0:
+            stop = shutdown_request()
             with contextlib.suppress(OSError, ValueError):
-                self.spool.submit(shutdown_request())
+                self.spool.submit(stop)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=grace_s)
         for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
@@ -355,6 +357,10 @@ class WorkerHandle:
                 time.sleep(0.05)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
+        if stop is not None:  # a worker that died before serving it: the next worker on this spool must not stop
+            for folder in ("requests", "claimed"):
+                with contextlib.suppress(OSError):
+                    self.spool._path(folder, stop.id).unlink()
         if self._parent_fd is not None and not self.alive():
             os.close(self._parent_fd)
             self._parent_fd = None

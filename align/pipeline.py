@@ -1,0 +1,566 @@
+"""Asynchronous rollouts with bounded staleness (``--max-async-steps K``): a producer thread generates and scores the
+batches of the next steps while the trainer trains on the current one.
+
+Staleness rule: the rollouts of trainer step ``t`` (1-based) come from exactly the weights after step
+``v(t) = max(0, t - 1 - K)`` (``version_for``); every completion carries that ``weights_version`` and the pipeline
+checks it. ``K = 0`` is the synchronous loop (the trainer collects its own batch; no thread). The producer runs the
+trainer's own ``collect(t, version, client)`` (prompts -> rollouts -> rewards, seeds from (seed, step, round)), so
+prompt order, sampling seeds and rewards do not depend on K or on timing: a run is deterministic for a given K.
+
+Engines (what the producer samples with, swapped at version boundaries):
+- ``NativeEngine``: the native sampler on the generation thread's own copy of the weights; ``publish`` clones the
+  policy's state after a step, ``use(v)`` loads it.
+- ``SpoolEngine``: a vLLM worker behind the spool. ``publish`` writes the committed snapshot ``v{N}``; ``use(v)`` goes
+  through the ``WeightWatcher`` (waits for the STABLE snapshot without the policy lock, then loads it under the lock)
+  and ``sync_weights``. The worker serves the spool in submission order and stamps every answer with its version.
+
+Checkpoints (``checkpoint_state``): after step ``s`` the batches ``s+1 .. s+K`` come from versions older than the
+checkpoint's weights, so they are finished and stored in the checkpoint as plain data (token ids, logprobs, finish
+reasons, versions, rewards: ``weights_only``-safe) with the data cursor after them; a resumed run replays them and
+generates ``s+K+1`` on from the checkpoint's weights, exactly as the uninterrupted run did.
+
+In-flight permits (``--max-inflight-requests``, in completions): a request carries whole groups (the n samples of a
+prompt), at most ``permits // n`` prompts, so a group never spans two requests, engines or versions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from align.rewards import Batch, Scores
+from align.rollout.protocol import Completion, SamplingParams
+from align.rollout.watcher import WeightWatcher
+
+log = logging.getLogger(__name__)
+
+CHUNK_SEED_STRIDE = 7_919  # seed offset of request i when --max-inflight-requests splits a batch
+WAIT_POLL_S = 0.1  # how often a blocked wait re-checks the other side's health
+SNAPSHOT_RE = re.compile(r"\Av(\d+)\Z")
+
+
+def version_for(step: int, max_async_steps: int, floor: int = 0) -> int:
+    """The weights version the rollouts of trainer step ``step`` (1-based) come from: ``max(floor, step-1-K)``.
+
+    ``floor`` is the oldest version the run still has (the resumed checkpoint's step): batches before it were stored
+    in the checkpoint, so this only matters when a finished run is extended past its last step."""
+    return max(floor, step - 1 - max_async_steps)
+
+
+def check_config(max_async_steps: int, max_inflight_requests: int | None, group_size: int) -> None:
+    """Value checks of the async flags (``TrainConfig.__post_init__``)."""
+    if max_async_steps < 0:
+        raise ValueError(f"--max-async-steps must be >= 0 (0 = synchronous), got {max_async_steps}")
+    if max_inflight_requests is not None:
+        if max_inflight_requests < 1:
+            raise ValueError(
+                f"--max-inflight-requests must be >= 1 (or unset = unbounded), got {max_inflight_requests}"
+            )
+        if group_size > max_inflight_requests:
+            raise ValueError(
+                f"a group of --group-size {group_size} completions is larger than --max-inflight-requests "
+                f"{max_inflight_requests}: it could never be in flight at once (groups are never split); raise "
+                "--max-inflight-requests or lower --group-size"
+            )
+
+
+def generate_groups(client: Any, prompts: list[list[int]], params: SamplingParams, permits: int | None) -> list:
+    """``client.generate`` in requests of whole groups, at most ``permits`` completions each (None: one request).
+
+    Request ``i`` samples with seed ``params.seed + i * CHUNK_SEED_STRIDE``; completions come back in (prompt, sample)
+    order with ``prompt_index`` indexing ``prompts``."""
+    per = len(prompts) if permits is None else max(1, permits // params.n)
+    if per >= len(prompts):
+        return client.generate(prompts, params)
+    out = []
+    for i, first in enumerate(range(0, len(prompts), per)):
+        p = dataclasses.replace(params, seed=None if params.seed is None else params.seed + i * CHUNK_SEED_STRIDE)
+        out += [
+            dataclasses.replace(c, prompt_index=c.prompt_index + first)
+            for c in client.generate(prompts[first : first + per], p)
+        ]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ batches
+
+
+@dataclass
+class Produced:
+    """The scored batch of trainer step ``step``, generated from weights ``version``; ``cursor``: the data cursor
+    right after its prompts were drawn (what a checkpoint stores when this is the last pending batch)."""
+
+    step: int
+    version: int
+    batch: Batch
+    cursor: dict | None = None
+
+    def to_state(self) -> dict:
+        """Plain data (lists, dicts, str, int, float, None) that ``torch.load(weights_only=True)`` reads back."""
+        return {
+            "step": self.step,
+            "version": self.version,
+            "cursor": self.cursor,
+            "batch": dataclasses.asdict(self.batch),
+        }
+
+    @classmethod
+    def from_state(cls, d: dict) -> Produced:
+        b = dict(d["batch"])
+        b["completions"] = [Completion(**c) for c in b["completions"]]
+        b["scores"] = Scores(**b["scores"])
+        return cls(int(d["step"]), int(d["version"]), Batch(**b), d["cursor"])
+
+
+# ------------------------------------------------------------------------------------------------ engines
+
+
+class NativeEngine:
+    """The native sampler on its own copy of the policy (the generation thread never reads the live weights)."""
+
+    reports_version = True
+
+    def __init__(self, policy: Any, version: int) -> None:
+        from align.rollout.client import NativeClient
+
+        self.model = copy.deepcopy(policy).requires_grad_(False).eval()
+        self.client = NativeClient(self.model)
+        self.client.weights_version = self.version = int(version)
+        self._states: dict[int, dict] = {}
+        self._lock = threading.Lock()
+        self.lock = threading.RLock()  # the policy lock (the eval lease): held to change versions
+
+    def publish(self, version: int, policy: Any) -> float:
+        t0 = time.perf_counter()
+        state = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+        with self._lock:
+            self._states[version] = state
+        return time.perf_counter() - t0
+
+    def use(self, version: int) -> None:
+        if version == self.version:
+            return
+        with self._lock:
+            state = self._states.get(version)
+            for v in [v for v in self._states if v <= version]:
+                del self._states[v]  # versions only grow: older copies are never needed again
+        if state is None:
+            raise RuntimeError(f"weights version {version} was never published to the generation thread")
+        self.model.load_state_dict(state)
+        self.client.weights_version = self.version = version
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams, permits: int | None) -> Any:
+        """Eval cohort on the generation copy: generated at once (the native engine has no request queue)."""
+        return generate_groups(self.client, prompts, params, permits)
+
+    def wait(self, handle: Any) -> list:
+        return handle
+
+    def close(self) -> None:
+        self._states.clear()
+
+
+class SpoolEngine:
+    """A spool worker (one engine or a fleet): snapshots ``{root}/v{N}`` loaded through a ``WeightWatcher``."""
+
+    def __init__(
+        self, client: Any, root: Path, version: int, save: Callable[[Any, Path], Any], timeout_s: float
+    ) -> None:
+        if not getattr(client, "reports_version", True):
+            raise ValueError(
+                "--max-async-steps > 0 needs a rollout backend that stamps weights_version on every answer"
+            )
+        self.client, self.root, self.save, self.timeout_s = client, Path(root), save, timeout_s
+        self.sync_s = 0.0
+        self.watcher = WeightWatcher(self.root, self._load)
+        # the worker may hold other weights (requests a killed predecessor run left in the spool): load ours, once
+        self.sync_s = client.sync_weights(self.root / f"v{version}", version)
+        self.watcher.version = int(version)
+        self.should_stop: Callable[[], bool] = lambda: False
+
+    @property
+    def lock(self) -> threading.RLock:
+        return self.watcher.lock
+
+    @property
+    def version(self) -> int | None:
+        return self.watcher.version
+
+    def _load(self, path: Path, version: int) -> None:
+        self.sync_s += self.client.sync_weights(path, version)
+
+    def publish(self, version: int, policy: Any) -> float:
+        t0 = time.perf_counter()
+        self.save(policy, self.root / f"v{version}")
+        return time.perf_counter() - t0
+
+    def use(self, version: int) -> None:
+        got = self.watcher.update(version, self.timeout_s, self.should_stop)
+        if got != version:
+            raise RuntimeError(f"rollouts need weights version {version} but its snapshot is gone (got v{got})")
+        self.watcher.collect_garbage()
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams, permits: int | None) -> Any:
+        """Queue an eval cohort on the worker (whole groups per request) without waiting; ``wait`` collects it."""
+        from align.rollout.protocol import generate_request
+
+        per = len(prompts) if permits is None else max(1, permits // params.n)
+        handles = []
+        for i, first in enumerate(range(0, len(prompts), per)):
+            seed = None if params.seed is None else params.seed + i * CHUNK_SEED_STRIDE
+            p = dataclasses.replace(params, seed=seed)
+            msg = generate_request(prompts[first : first + per], p)
+            self.client.spool.submit(msg)
+            handles.append((first, prompts[first : first + per], p, msg.id))
+        return handles
+
+    def wait(self, handles: Any) -> list:
+        out = []
+        for first, prompts, p, rid in handles:
+            comps = self.client.generate(prompts, p, request_id=rid)
+            out += [dataclasses.replace(c, prompt_index=c.prompt_index + first) for c in comps]
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+# ------------------------------------------------------------------------------------------------ the pipeline
+
+
+class RolloutPipeline:
+    """Serves the trainer one scored batch per step: ``next(t)``, ``publish(t, policy)`` after the step,
+    ``checkpoint_state(t)`` for a checkpoint, ``close()``.
+
+    ``collect(t, version, client) -> Batch`` is the trainer's prompts -> rollouts -> rewards for step ``t``; with K >= 1
+    a producer thread calls it for steps ahead (at most K + 1 ahead of the trainer's current step), on the
+    ``engine`` set to ``version_for(t)``. A producer failure (e.g. ``WorkerDiedError``) is raised by ``next``."""
+
+    def __init__(
+        self,
+        max_async_steps: int,
+        collect: Callable[[int, int, Any], Batch],
+        *,
+        engine: Any = None,
+        client: Any = None,
+        start_step: int = 0,
+        last_step: int,
+        cursor: dict | None = None,
+        pending: list[dict] = (),
+    ) -> None:
+        self.K, self.collect, self.engine, self.client = max_async_steps, collect, engine, client
+        self.taken = self.published = self.floor = start_step
+        self.last_step, self.cursor = last_step, cursor
+        self.ready: dict[int, Produced] = {}
+        for d in pending:
+            p = Produced.from_state(d)
+            self.ready[p.step] = p
+        self.next_t = max([start_step, *self.ready]) + 1
+        self.producing: int | None = None
+        self.eval_queue: list[int] = []  # due eval steps, in order; the head runs once the lease is free
+        self.cohort_sent: set[int] = set()  # queued eval steps whose complete cohort is dispatched
+        self.pin_eval = True  # False only for the negative control of the tests: no lease, no drain
+        self.eval_due: Callable[[int], bool] | None = None
+        self.eval_error: BaseException | None = None
+        self.eval_records: list[dict] = []
+        self.events: list[tuple] = []  # (what, step, version): the order tests check (train / drained / cohort / ...)
+        self._eval_fn: Callable[[], tuple] | None = None
+        self._eval_thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.idle_s = 0.0
+        self._stop = False
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        if self.K > 0:
+            self.engine.should_stop = lambda: self._stop
+            self._thread = threading.Thread(target=self._produce, name="align-rollout-producer", daemon=True)
+
+    def start(self) -> None:
+        """Start the producer (``next`` does it on first use; a step-0 eval runs before it)."""
+        if self._thread is not None and self._thread.ident is None:
+            self._thread.start()
+
+    @property
+    def is_async(self) -> bool:
+        return self.K > 0
+
+    # -------------------------------------------------------------------------- producer (thread)
+
+    def _produce(self) -> None:
+        try:
+            while True:
+                t = self.next_t
+                if t > self.last_step:
+                    return
+                v = version_for(t, self.K, self.floor)
+                if not self._claim(t, v):
+                    return
+                batch = self.collect(t, v, self.engine.client)
+                stale = sorted({c.weights_version for c in batch.completions} - {v})
+                if stale:
+                    raise RuntimeError(
+                        f"the rollouts of step {t} must come from weights version {v} (--max-async-steps {self.K}) "
+                        f"but some carry version(s) {stale}: the engine missed a weight update"
+                    )
+                with self._cond:
+                    self.ready[t] = Produced(t, v, batch, None if self.cursor is None else dict(self.cursor))
+                    self.producing, self.next_t = None, t + 1
+                    self._cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 - handed to the trainer thread, which raises it
+            with self._cond:
+                self.error = e
+                self.producing = None
+                self._cond.notify_all()
+
+    def _blocked(self, t: int, v: int) -> bool:
+        """Step t may not start yet: its version is unpublished, it is too far ahead, an eval of its version (or an
+        older one) has not dispatched its cohort yet, or it needs a newer version while an older eval is queued."""
+        if self.published < v or t > self.taken + self.K + 1:
+            return True
+        return self.pin_eval and (
+            any(e <= v for e in self.eval_queue if e not in self.cohort_sent)
+            or (v != self.engine.version and any(e < v for e in self.eval_queue))
+        )
+
+    def _claim(self, t: int, v: int) -> bool:
+        """Wait until step t may start on version v, switch the engine under the policy lock if needed, mark t as
+        producing. False when stopping."""
+        t0 = time.monotonic()
+        while True:
+            with self._cond:
+                while not self._stop and self._blocked(t, v):
+                    self._cond.wait(WAIT_POLL_S)
+                if self._stop:
+                    return False
+                if v == self.engine.version:  # same weights: no lock needed (a refill during a pinned eval tail)
+                    self.producing = t
+                    self.idle_s += time.monotonic() - t0
+                    self.events.append(("train", t, v))
+                    return True
+            with self.engine.lock:  # a version change: waits while an eval lease is held
+                with self._cond:
+                    if self._blocked(t, v):
+                        continue
+                    self.producing = t
+                    self.idle_s += time.monotonic() - t0
+                self.engine.use(v)
+                with self._cond:
+                    self.events.append(("train", t, v))
+                return True
+
+    # -------------------------------------------------------------------------- trainer side
+
+    def _wait_for(self, steps: range) -> None:
+        with self._cond:
+            while not all(t in self.ready for t in steps):
+                if self.error is not None:
+                    raise self.error
+                if self._thread is None or (self._thread.ident is not None and not self._thread.is_alive()):
+                    raise RuntimeError(f"the rollout producer stopped before producing steps {list(steps)}")
+                self._cond.wait(WAIT_POLL_S)
+
+    def next(self, t: int) -> tuple[Produced, dict]:
+        """The batch of step ``t`` and its async metrics (empty with K = 0)."""
+        if not self.is_async:
+            return Produced(t, self.published, self.collect(t, self.published, self.client)), {}
+        self.start()
+        t0 = time.monotonic()
+        self._wait_for(range(t, t + 1))
+        with self._cond:
+            p = self.ready.pop(t)
+            self.taken = t
+            idle, self.idle_s = self.idle_s, 0.0
+            inflight = len(self.ready) + (self.producing is not None)
+            self._cond.notify_all()
+        off = [(t - 1) - c.weights_version for c in p.batch.completions]
+        return p, {
+            "async/off_policy_steps_mean": sum(off) / max(1, len(off)),
+            "async/off_policy_steps_max": max(off, default=0),
+            "async/trainer_wait_s": time.monotonic() - t0,
+            "async/generator_idle_s": idle,
+            "async/inflight": inflight,
+        }
+
+    def publish(self, step: int, policy: Any) -> float:
+        """After optimizer step ``step``: hand its weights to the engine (K >= 1); returns the seconds it took.
+        An eval due at ``step`` (``eval_due``) is queued in the same breath, so no rollout of that version starts
+        before its eval cohort is dispatched."""
+        seconds = self.engine.publish(step, policy)
+        with self._cond:
+            self.published = step
+            if self.eval_due is not None and self.eval_due(step):
+                self._queue_eval(step)
+            self._cond.notify_all()
+        return seconds
+
+    # -------------------------------------------------------------------------- pinned eval (seed 002)
+
+    def _queue_eval(self, step: int) -> None:  # with self._cond held
+        self.eval_queue.append(step)
+        if self._eval_thread is None:
+            self._eval_thread = threading.Thread(target=self._eval_loop, name="align-eval-lease", daemon=True)
+            self._eval_thread.start()
+        self._cond.notify_all()
+
+    def request_eval(self, step: int) -> None:
+        """Queue an eval epoch of weights version ``step`` (a second one waits for the first to release its lease)."""
+        with self._cond:
+            self._queue_eval(step)
+
+    def _eval_loop(self) -> None:
+        """The supervised side task: one epoch per queued step, in order; a failure ends the loop and reaches the
+        trainer through ``take_eval_records``, the lease released on the way out."""
+        while True:
+            with self._cond:
+                while not self._stop and not self.eval_queue:
+                    self._cond.wait(WAIT_POLL_S)
+                if self._stop:
+                    return
+                e = self.eval_queue[0]
+            try:
+                self._eval_epoch(e)
+            except BaseException as err:  # noqa: BLE001 - handed to the trainer thread
+                with self._cond:
+                    self.eval_error = err
+                    self.eval_queue.clear()
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self.eval_queue.pop(0)
+                self.cohort_sent.discard(e)
+                self._cond.notify_all()
+
+    def _eval_epoch(self, e: int) -> None:
+        t0 = time.monotonic()
+        if self.pin_eval:
+            with self._cond:  # pre-existing train work of older versions finishes first (no lease held meanwhile)
+                while not self._stop and not (
+                    self.producing is None
+                    and (self.next_t > self.last_step or version_for(self.next_t, self.K, self.floor) >= e)
+                ):
+                    self._cond.wait(WAIT_POLL_S)
+                if self._stop:
+                    return
+            self.engine.lock.acquire()  # the eval lease (the watcher's policy lock); waits for an update in progress
+        try:
+            if self.pin_eval:
+                with self._cond:
+                    self.events.append(("lease", e, self.engine.version))
+                    while self.producing is not None and not self._stop:  # the train group being scheduled
+                        self._cond.wait(WAIT_POLL_S)
+                    self.events.append(("drained", e, self.engine.version))
+                if self.engine.version != e:
+                    self.engine.use(e)
+            prompts, params, permits, score = self._eval_fn()
+            handle = self.engine.submit(prompts, params, permits)  # the complete cohort
+            with self._cond:
+                self.events.append(("cohort", e, self.engine.version))
+                self.cohort_sent.add(e)  # spare capacity back to train, at the pinned version only
+                self._cond.notify_all()
+            comps = self.engine.wait(handle)
+            wrong = sum(c.weights_version != e for c in comps)
+            rec = {
+                "step": e,
+                **score(comps),
+                "eval/step": e,
+                "eval/weight_version": e,
+                "eval/mixed_version_ratio": wrong / max(1, len(comps)),
+                "eval/duration_seconds": time.monotonic() - t0,
+                "eval/train_blocked_seconds": 0.0,
+            }
+            with self._cond:
+                self.eval_records.append(rec)
+                self.events.append(("released", e, self.engine.version))
+        finally:
+            if self.pin_eval:
+                self.engine.lock.release()
+
+    def take_eval_records(self) -> list[dict]:
+        """Finished eval records (each once); raises the eval side task's failure."""
+        with self._cond:
+            if self.eval_error is not None:
+                err, self.eval_error = self.eval_error, None
+                raise err
+            out, self.eval_records = self.eval_records, []
+        return out
+
+    def wait_evals(self, timeout_s: float) -> None:
+        """Until every queued eval epoch has released its lease (or failed)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self.eval_queue and self.eval_error is None:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"eval epochs {self.eval_queue} did not finish within {timeout_s:.0f} s")
+                self._cond.wait(WAIT_POLL_S)
+
+    def checkpoint_state(self, step: int, cursor: dict) -> dict:
+        """What a checkpoint after ``step`` keeps: the data cursor and (K >= 1) the pending batches
+        ``step+1 .. step+K`` (finished first), so a resumed run replays exactly what this run trains on."""
+        if not self.is_async:
+            return {"cursor": dict(cursor)}
+        todo = range(step + 1, min(step + self.K, self.last_step) + 1)
+        self.start()
+        self._wait_for(todo)
+        with self._cond:
+            pending = [self.ready[t] for t in todo]
+        cur = pending[-1].cursor if pending else self._cursor_before(step + 1)
+        return {"cursor": dict(cur), "pending_batches": [p.to_state() for p in pending]}
+
+    def _cursor_before(self, t: int) -> dict:
+        # no pending batch (the last steps): the cursor after the last batch drawn, i.e. that of step t-1's batch,
+        # which the producer (stopped at last_step) no longer moves
+        with self._cond:
+            if self.producing is not None or self.next_t != t:
+                raise RuntimeError(f"internal: cursor of step {t - 1} asked while the producer is at {self.next_t}")
+        return dict(self.cursor)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._eval_thread is not None:
+            self._eval_thread.join(timeout_s)
+        if self._thread is not None and self._thread.ident is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("the rollout producer did not stop within %.0f s (a request still pending)", timeout_s)
+        with contextlib.suppress(Exception):
+            if self.engine is not None:
+                self.engine.close()
+
+
+def make_pipeline(
+    cfg: Any,
+    collect: Callable[[int, int, Any], Batch],
+    policy: Any,
+    client: Any,
+    step: int,
+    cursor: dict,
+    pending: list[dict],
+    snapshots: Path,
+) -> RolloutPipeline:
+    """The pipeline of a ``TrainConfig``: synchronous for ``max_async_steps == 0``, else a producer on the
+    backend's engine (native: a copy of ``policy``; spool: ``client`` loading ``{snapshots}/v{N}``)."""
+    K = cfg.max_async_steps
+    if K == 0:
+        return RolloutPipeline(0, collect, client=client, start_step=step, last_step=cfg.steps)
+    from align import dist, lora
+
+    if dist.active():
+        raise ValueError("--max-async-steps > 0 is not supported under torchrun yet; use --max-async-steps 0")
+    if cfg.rollout == "native":
+        engine: Any = NativeEngine(policy, step)
+    else:
+        engine = SpoolEngine(client, snapshots, step, lambda m, p: lora.save_policy(m, p), cfg.rollout_timeout_s)
+    return RolloutPipeline(
+        K, collect, engine=engine, start_step=step, last_step=cfg.steps, cursor=cursor, pending=pending
+    )

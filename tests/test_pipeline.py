@@ -1,0 +1,359 @@
+"""Asynchronous rollouts (align.pipeline, --max-async-steps K): the staleness rule, version stamps, in-flight
+permits, checkpoint/resume after kill -9, producer failures, the weight watcher, bad input. Native backend on CPU;
+the real vLLM worker runs in tests/test_pipeline_spool.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from align import pipeline
+from align.model import Transformer, save_pretrained
+from align.rewards import Batch, Scores
+from align.rollout.client import NativeClient, WorkerDiedError
+from align.rollout.protocol import Completion, SamplingParams
+from align.rollout.watcher import WeightWatcher
+from align.tasks import reverse
+from align.tasks.tokenizer import CharTokenizer
+from align.train import TrainConfig, train
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMING_KEYS = {"tokens_per_s", "rollout_time", "sync_time", "step_time"}
+TOK = CharTokenizer("abcd=")
+PROMPTS = [{"prompt": w + "="} for w in ("ab", "cd", "bca", "dd", "abc", "cab", "dab", "bb")]
+PRODUCER_FAILURE_TIMEOUT_S = 10.0  # a producer exception reaches the trainer well within this
+
+
+def a_reward(prompt: str, completion: str, **_) -> float:
+    return completion.count("a") / 4
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    cfg = reverse.model_config(TOK)
+    cfg.num_hidden_layers = 1
+    return str(save_pretrained(Transformer(cfg).init_weights(seed=0), tmp_path_factory.mktemp("tiny") / "m"))
+
+
+def run(out, model, **kw) -> list[dict]:
+    base = {
+        "out": str(out),
+        "steps": 5,
+        "prompts_per_step": 4,
+        "group_size": 4,
+        "max_tokens": 4,
+        "lr": 1e-2,
+        "warmup_steps": 0,
+    }
+    base.update(checkpoint_every=0, micro_batch_size=8)
+    base.update(kw)
+    cfg = TrainConfig(**base)
+    cfg.eval.eval_interval = 0
+    cfg.log.log_completions_every = 1
+    train(cfg, model=model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward)
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def strip(recs: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS and not k.startswith("async/")} for r in recs]
+
+
+# ------------------------------------------------------------------------------------------------ the rule
+
+
+def test_version_rule():
+    assert [pipeline.version_for(t, 0) for t in range(1, 6)] == [0, 1, 2, 3, 4]
+    assert [pipeline.version_for(t, 2) for t in range(1, 6)] == [0, 0, 0, 1, 2]
+    assert pipeline.version_for(5, 2, floor=4) == 4  # a resumed run never goes below its checkpoint's weights
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_rollouts_of_step_t_come_from_version_t_minus_1_minus_k(tmp_path, tiny_model, K):
+    recs = run(tmp_path / "a", tiny_model, max_async_steps=K)
+    for r in recs:
+        t = r["step"]
+        assert r["async/off_policy_steps_max"] == min(t - 1, K) == r["async/off_policy_steps_mean"]
+        assert r["async/inflight"] <= K + 1 and r["async/trainer_wait_s"] >= 0 and r["async/generator_idle_s"] >= 0
+    sync = run(tmp_path / "sync", tiny_model)
+    assert not any(k.startswith("async/") for r in sync for k in r)  # K = 0 logs exactly what it logged before
+    # step 1 (version 0 either way) is the same batch; from step 2 the rollouts come from older weights, so they differ
+    assert strip(recs)[0] == strip(sync)[0]
+    assert strip(recs)[1]["reward_mean"] != strip(sync)[1]["reward_mean"] or strip(recs)[1] != strip(sync)[1]
+
+
+def test_async_runs_are_deterministic(tmp_path, tiny_model):
+    a = run(tmp_path / "a", tiny_model, max_async_steps=1, steps=4)
+    b = run(tmp_path / "b", tiny_model, max_async_steps=1, steps=4)
+    assert strip(a) == strip(b)
+    c = run(tmp_path / "c", tiny_model, max_async_steps=2, steps=4)  # negative control: K changes the log
+    assert strip(a) != strip(c)
+
+
+# ------------------------------------------------------------------------------------------------ permits
+
+
+class Recording(NativeClient):
+    def __init__(self, model):
+        super().__init__(model)
+        self.requests: list[int] = []
+
+    def generate(self, prompts, params):
+        self.requests.append(len(prompts) * params.n)
+        return super().generate(prompts, params)
+
+
+def test_permits_split_a_batch_into_whole_groups(tiny_model):
+    from align.model import load_pretrained
+
+    client = Recording(load_pretrained(tiny_model))
+    prompts = [TOK.encode(p["prompt"]) for p in PROMPTS[:5]]
+    params = SamplingParams(n=3, max_tokens=3, seed=1)
+    comps = pipeline.generate_groups(client, prompts, params, permits=7)  # 2 groups of 3 per request
+    assert client.requests == [6, 6, 3]
+    assert [(c.prompt_index, c.sample_index) for c in comps] == [(p, s) for p in range(5) for s in range(3)]
+    client.requests.clear()
+    whole = pipeline.generate_groups(client, prompts, params, permits=None)
+    assert client.requests == [15] and len(whole) == 15
+
+
+# ------------------------------------------------------------------------------------------------ plumbing
+
+
+def test_pending_batches_survive_a_weights_only_round_trip(tmp_path):
+    c = Completion(1, 0, [3, 4], [-0.5, -1.25], "length", [-0.4, -1.0], weights_version=3)
+    b = Batch([7, 2], [c], ["xy"], Scores([float("nan")], {"r": [0.5]}, ["tb"], 1, 1), 1, 3, 1, 2)
+    p = pipeline.Produced(5, 3, b, {"epoch": 1, "index": 4})
+    torch.save({"pending_batches": [p.to_state()]}, tmp_path / "s.pt")
+    back = pipeline.Produced.from_state(torch.load(tmp_path / "s.pt", weights_only=True)["pending_batches"][0])
+    assert back.batch.completions == [c] and back.cursor == p.cursor and back.version == 3
+    assert back.batch.idx == b.idx and back.batch.scores.terms == b.scores.terms
+
+
+class NullEngine:
+    reports_version = True
+    client = None
+
+    def __init__(self):
+        self.version, self.lock = 0, threading.RLock()
+
+    def use(self, version):
+        self.version = version
+
+    def publish(self, version, policy):
+        return 0.0
+
+    def close(self):
+        pass
+
+
+def test_a_producer_failure_reaches_the_trainer(tmp_path):
+    def collect(t, version, client):
+        if t == 2:
+            raise WorkerDiedError("rollout worker failed while request r2 was pending", "r2")
+        return Batch([0], [Completion(0, 0, [1], [0.0], "stop", weights_version=version)], ["x"], Scores([1.0], {}))
+
+    pipe = pipeline.RolloutPipeline(1, collect, engine=NullEngine(), last_step=5, cursor={})
+    try:
+        pipe.next(1)
+        pipe.publish(1, None)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="r2"):
+            pipe.next(2)
+        assert time.monotonic() - t0 < PRODUCER_FAILURE_TIMEOUT_S
+    finally:
+        pipe.close()
+
+
+def test_a_wrong_version_stamp_is_refused():
+    def collect(t, version, client):  # an engine that missed its update: stamps the previous version
+        return Batch([0], [Completion(0, 0, [1], [0.0], "stop", weights_version=version - 1)], ["x"], Scores([1.0], {}))
+
+    pipe = pipeline.RolloutPipeline(1, collect, engine=NullEngine(), start_step=3, last_step=5, cursor={})
+    try:
+        with pytest.raises(RuntimeError, match="must come from weights version 3"):
+            pipe.next(4)
+    finally:
+        pipe.close()
+
+
+def commit(path: Path) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text("{}")
+    (path / "STABLE").write_text("")
+    return path
+
+
+def test_watcher_waits_without_the_lock_and_retargets_a_deleted_snapshot(tmp_path):
+    loaded = []
+    w = WeightWatcher(tmp_path, lambda p, v: loaded.append((p.name, v)))
+    got = []
+    th = threading.Thread(target=lambda: got.append(w.update(3, timeout_s=30)))
+    th.start()
+    time.sleep(0.3)
+    assert w.lock.acquire(blocking=False)  # the watcher waits for publication without holding the policy lock
+    commit(tmp_path / "v3")
+    time.sleep(0.3)
+    assert loaded == []  # ... and loads only once it has the lock
+    commit(tmp_path / "v4")
+    import shutil
+
+    shutil.rmtree(tmp_path / "v3")  # the trainer moved on and deleted v3 while the watcher waited behind the lock
+    w.lock.release()
+    th.join(10)
+    assert got == [4] and loaded == [("v4", 4)] and w.version == 4  # one version for the path, the load, the stamp
+
+
+def test_watcher_never_deletes_a_pinned_snapshot(tmp_path):
+    w = WeightWatcher(tmp_path, lambda p, v: None)
+    for v in (1, 2, 3):
+        commit(tmp_path / f"v{v}")
+    w.pin(1)
+    assert w.update(3, timeout_s=5) == 3
+    w.collect_garbage()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v1", "v3"]
+    w.unpin(1)
+    w.collect_garbage()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v3"]
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"max_async_steps": -1}, "--max-async-steps must be >= 0"),
+        ({"max_inflight_requests": 0}, "--max-inflight-requests must be >= 1"),
+        ({"max_inflight_requests": 3, "group_size": 4}, "larger than --max-inflight-requests"),
+        ({"max_async_steps": 1, "sync_every": 2}, "--sync-every 2 does not apply"),
+    ],
+)
+def test_bad_async_settings_fail_before_training(kw, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**kw)
+
+
+def test_a_backend_without_version_stamps_is_refused(tmp_path):
+    class NoStamps:
+        reports_version = False
+
+    with pytest.raises(ValueError, match="stamps weights_version"):
+        pipeline.SpoolEngine(NoStamps(), tmp_path, 0, lambda m, p: None, 10)
+
+
+# ------------------------------------------------------------------------------------------------ kill -9 / SIGTERM
+
+
+def cli(out: Path, model: str, *extra: str) -> subprocess.Popen:
+    args = ["--out", str(out), "--model", model, "--steps", "7", "--prompts-per-step", "4", "--group-size", "4"]
+    args += ["--max-tokens", "6", "--checkpoint-every", "2", "--eval-interval", "0", "--max-async-steps", "2"]
+    args += ["--log-completions-every", "1", "--keep-checkpoints", "10", *extra]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "align.train", *args]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def logged(out: Path) -> tuple[list[dict], list[dict]]:
+    def load(name):
+        p = out / name
+        rows = [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
+        return [{k: v for k, v in r.items() if k not in TIMING_KEYS and k not in TIMED_ASYNC} for r in rows]
+
+    return load("metrics.jsonl"), load("completions.jsonl")
+
+
+TIMED_ASYNC = {"async/trainer_wait_s", "async/generator_idle_s", "async/inflight"}  # timings, not records
+
+
+@pytest.fixture(scope="module")
+def builtin_model(tmp_path_factory) -> str:
+    return str(reverse.warm_start(tmp_path_factory.mktemp("ws") / "m", steps=20, batch=16, log=None))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, builtin_model) -> Path:
+    out = tmp_path_factory.mktemp("full")
+    proc = cli(out, builtin_model)
+    assert proc.wait(timeout=600) == 0, proc.stdout.read()[-3000:]
+    return out
+
+
+def wait_steps(out: Path, n: int, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if len(logged(out)[0]) >= n:
+            return
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.02)
+    raise AssertionError("timed out waiting for steps")
+
+
+@pytest.mark.slow
+def test_kill_9_then_rerun_logs_exactly_the_uninterrupted_run(tmp_path, builtin_model, uninterrupted):
+    out = tmp_path / "killed"
+    proc = cli(out, builtin_model)
+    wait_steps(out, 3, proc)  # checkpoint 2 holds the pending batches of steps 3 and 4 (from versions 0 and 1)
+    proc.kill()
+    proc.wait()
+    rerun = cli(out, builtin_model)
+    text = rerun.communicate(timeout=600)[0]
+    assert rerun.returncode == 0, text[-3000:]
+    assert "resuming from" in text
+    assert logged(out) == logged(uninterrupted)
+    assert len(logged(out)[0]) == 7 and logged(out)[0][-1]["async/off_policy_steps_max"] == 2
+    # negative control: the same run resumed WITHOUT its pending batches (regenerated from the checkpoint's weights,
+    # i.e. what a checkpoint of only the cursor would give) logs something else, so the equality above is not vacuous
+    from align import checkpoint as ckpt
+
+    lost = tmp_path / "lost"
+    import shutil
+
+    shutil.copytree(out, lost)
+    for p in (lost / "checkpoints").iterdir():
+        if p.name != "step_2":
+            shutil.rmtree(p)
+    state = torch.load(lost / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=True)
+    state["cursor"] = pipeline.Produced.from_state(state.pop("pending_batches")[0]).cursor  # before step 3's prompts
+    state["cursor"]["index"] -= 4
+    torch.save(state, lost / "checkpoints" / "step_2" / "trainer_state.pt")
+    assert ckpt.latest(lost / "checkpoints")[0] == 2
+    again = cli(lost, builtin_model)
+    assert again.wait(timeout=600) == 0, again.stdout.read()[-3000:]
+    assert logged(lost)[0][:2] == logged(uninterrupted)[0][:2]
+    assert logged(lost)[0][2:] != logged(uninterrupted)[0][2:]
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_and_exits_then_resumes_exactly(tmp_path, builtin_model, uninterrupted):
+    out = tmp_path / "sig"
+    proc = cli(out, builtin_model, "--checkpoint-every", "0")
+    wait_steps(out, 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    text = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 143, text[-3000:]
+    rerun = cli(out, builtin_model, "--checkpoint-every", "0")
+    assert rerun.wait(timeout=600) == 0, rerun.stdout.read()[-3000:]
+    assert logged(out) == logged(uninterrupted)
+
+
+def test_a_shutdown_the_dead_worker_never_served_is_withdrawn(tmp_path):
+    """Regression: a worker killed mid-pipeline left the trainer's shutdown message in the spool, and the rerun's
+    new worker served it and stopped ('worker ... is stopped' on the rerun). The process here stands in for a worker
+    that never reads its spool (no vLLM needed to show the message handling)."""
+    from align.rollout.client import WorkerHandle
+    from align.rollout.protocol import Spool
+
+    spool = Spool(tmp_path / "spool").ensure()
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    WorkerHandle(proc, spool, tmp_path / "log").shutdown(grace_s=0.2)
+    assert spool.pending() == []
+    assert not list((spool.root / "claimed").iterdir())

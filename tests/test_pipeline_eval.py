@@ -1,0 +1,219 @@
+"""Eval epochs pinned to one policy version (seed 002) in the shared-engine posture with --max-async-steps K >= 1:
+the lease (the watcher's policy lock) held across the epoch, drain -> cohort -> refill, a queued second eval step,
+release on failure and shutdown, fail-fast configs, and the pinned records against the blocking eval of the same
+weights. The engine here is a fake where the order of events matters (its requests are served one by one while the
+producer would like to update the weights); the native sampler and the real vLLM worker run in
+tests/test_pipeline.py and tests/test_pipeline_spool.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from align import pipeline
+from align.eval import pinned
+from align.eval.config import EvalConfig, EvalSet
+from align.rewards import Batch, Scores
+from align.rollout.protocol import Completion, SamplingParams
+
+SERVE_S = 0.08  # the fake engine serves one eval request this long: long enough for the producer to want an update
+EVAL_REQUESTS = 4
+JOIN_S = 10.0
+
+
+class FakeEngine:
+    """Stamps each completion with the version loaded WHEN THE REQUEST IS SERVED (as an engine updated mid-cohort
+    would), so a weight update during a cohort shows up as a mixed version ratio."""
+
+    reports_version = True
+    client = None
+
+    def __init__(self, fail_eval: bool = False) -> None:
+        self.version, self.lock, self.fail_eval = 0, threading.RLock(), fail_eval
+        self.loads: list[int] = []
+
+    def publish(self, version, policy):
+        return 0.0
+
+    def use(self, version):
+        self.version = version
+        self.loads.append(version)
+
+    def submit(self, prompts, params, permits):
+        if self.fail_eval:
+            raise RuntimeError("eval engine failure")
+        return list(range(len(prompts)))
+
+    def wait(self, handles):
+        out = []
+        for i in handles:
+            time.sleep(SERVE_S)
+            out.append(Completion(i, 0, [1], [0.0], "stop", weights_version=self.version))
+        return out
+
+    def close(self):
+        pass
+
+
+def collect(t, version, client):
+    time.sleep(0.01)
+    return Batch([0], [Completion(0, 0, [1], [0.0], "stop", weights_version=version)], ["x"], Scores([1.0], {}))
+
+
+def make(K=1, last=8, interval=2, engine=None, pin=True):
+    engine = engine or FakeEngine()
+    pipe = pipeline.RolloutPipeline(K, collect, engine=engine, last_step=last, cursor={})
+    pipe.pin_eval = pin
+    eval_set = EvalSet([[1]] * EVAL_REQUESTS, lambda i, ids: 1.0, SamplingParams(n=1), name="fake")
+    ev = pinned.PinnedEvaluator(EvalConfig(eval_interval=interval), pipe, eval_set, None, timeout_s=60)
+    return pipe, ev, engine
+
+
+def drive(pipe, ev, last=8) -> list[dict]:
+    """The training loop's calls: baseline, then next -> (train) -> publish -> evaluator.step, then drain."""
+    recs = ev.baseline("unused")
+    for t in range(1, last + 1):
+        pipe.next(t)
+        time.sleep(0.01)
+        pipe.publish(t, None)
+        recs += ev.step(t, t == last)
+    return recs + ev.drain()
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_every_eval_point_is_pinned_to_its_version(K):
+    pipe, ev, _engine = make(K=K)
+    try:
+        recs = drive(pipe, ev)
+    finally:
+        pipe.close()
+    assert [r["step"] for r in recs] == [0, 2, 4, 6, 8]
+    for r in recs:
+        assert r["eval/weight_version"] == r["step"] and r["eval/mixed_version_ratio"] == 0.0
+
+
+def test_without_the_lease_an_update_lands_mid_cohort():
+    """Negative control: the same run with the lease off (no pin, no drain) mixes versions inside a cohort."""
+    pipe, ev, _engine = make(K=1, pin=False)
+    try:
+        recs = drive(pipe, ev)
+    finally:
+        pipe.close()
+    assert max(r["eval/mixed_version_ratio"] for r in recs) > 0
+
+
+def test_lease_held_across_the_epoch_and_drain_cohort_refill_order():
+    pipe, ev, engine = make(K=2, last=6, interval=3)
+    try:
+        drive(pipe, ev, last=6)
+    finally:
+        pipe.close()
+    ev3 = [i for i, e in enumerate(pipe.events) if e[1] == 3 and e[0] in ("lease", "drained", "cohort", "released")]
+    _lease, drained, cohort, released = ev3
+    assert [pipe.events[i][0] for i in ev3] == ["lease", "drained", "cohort", "released"]
+    # every train batch of an older version started before the drain; the batch of the pinned version (step 6 with
+    # K = 2) started only after the complete cohort was dispatched, and during the eval tail (refill)
+    train = {e[1]: (i, e[2]) for i, e in enumerate(pipe.events) if e[0] == "train"}
+    assert all(i < drained for t, (i, v) in train.items() if v < 3)
+    assert cohort < train[6][0] < released and train[6][1] == 3
+    # after the drain the engine loads the pinned version and nothing loads another one until the release
+    assert all(e[2] == 3 for e in pipe.events[cohort : released + 1])
+    assert engine.loads.count(4) == 0 or engine.loads.index(4) > engine.loads.index(3)
+
+
+def test_a_second_due_step_while_an_epoch_is_active_is_queued():
+    pipe, ev, _engine = make(K=1, last=4, interval=1)
+    try:
+        recs = drive(pipe, ev, last=4)
+    finally:
+        pipe.close()
+    assert [r["step"] for r in recs] == [0, 1, 2, 3, 4]
+    order = [(e[0], e[1]) for e in pipe.events if e[0] in ("lease", "released")]
+    assert order == [(w, s) for s in range(5) for w in ("lease", "released")]  # one epoch at a time, in order
+
+
+def lock_is_free(lock) -> bool:
+    got = []
+
+    def probe():
+        got.append(lock.acquire(blocking=False))
+        if got[0]:
+            lock.release()
+
+    th = threading.Thread(target=probe)
+    th.start()
+    th.join(JOIN_S)
+    return got[0]
+
+
+def test_the_lease_is_released_on_failure():
+    engine = FakeEngine(fail_eval=True)
+    pipe, ev, _ = make(engine=engine)
+    try:
+        with pytest.raises(RuntimeError, match="eval engine failure"):
+            drive(pipe, ev)
+        assert lock_is_free(engine.lock)
+    finally:
+        pipe.close()
+
+
+def test_the_lease_is_released_on_shutdown():
+    pipe, _ev, engine = make(K=1)
+    pipe.request_eval(0)
+    deadline = time.monotonic() + JOIN_S
+    while not any(e[0] == "cohort" for e in pipe.events):  # the epoch is in its tail, holding the lease
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert not lock_is_free(engine.lock)
+    pipe.close()
+    assert lock_is_free(engine.lock)
+
+
+def test_fail_fast_configs():
+    with pytest.raises(ValueError, match="has no prompts"):
+        EvalSet([], lambda i, ids: 1.0, SamplingParams(n=1))
+    pipe = pipeline.RolloutPipeline(1, collect, engine=FakeEngine(), last_step=2, cursor={})
+    try:
+        eval_set = EvalSet([[1]], lambda i, ids: 1.0, SamplingParams(n=8))
+        with pytest.raises(ValueError, match="could never dispatch its cohort"):
+            pinned.PinnedEvaluator(EvalConfig(eval_interval=1), pipe, eval_set, 4, timeout_s=60)
+    finally:
+        pipe.close()
+
+
+def test_pinned_eval_measures_what_the_blocking_eval_measures(tmp_path, monkeypatch):
+    """The native engine's pinned eval of version N equals the trainer's blocking eval of the live weights after
+    step N (same sampler, seed and scoring): only where eval runs changed, not what it measures."""
+    from test_pipeline import PROMPTS, TOK, a_reward
+
+    from align.model import Transformer, save_pretrained
+    from align.tasks import reverse
+    from align.train import TrainConfig, train
+
+    mcfg = reverse.model_config(TOK)
+    mcfg.num_hidden_layers = 1
+    model = str(save_pretrained(Transformer(mcfg).init_weights(seed=0), tmp_path / "m"))
+
+    kinds = []
+
+    def run(out) -> list[dict]:
+        cfg = TrainConfig(out=str(out), steps=4, prompts_per_step=4, group_size=4, max_tokens=4, lr=1e-2)
+        cfg.warmup_steps, cfg.checkpoint_every, cfg.max_async_steps = 0, 0, 1
+        cfg.eval.eval_interval = 2
+        train(cfg, model=model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward, eval_prompts=PROMPTS[:4])
+        rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+        evals = [r for r in rows if "eval/step" in r]
+        kinds.append({r["eval/train_blocked_seconds"] > 0 for r in evals})  # blocking eval: > 0; pinned: 0
+        return [{k: v for k, v in r.items() if k.startswith("eval/pass") or k == "step"} for r in evals]
+
+    pinned_recs = run(tmp_path / "pinned")
+    monkeypatch.setattr(pinned, "pinned_evaluator", lambda pipe, evaluator, eval_set, cfg: evaluator)
+    blocking = run(tmp_path / "blocking")
+    assert [r["step"] for r in pinned_recs] == [0, 2, 4]
+    assert kinds == [{False}, {True}]  # the first run evaluated on the engine, the second in the loop
+    assert pinned_recs == blocking
+    assert pinned_recs[0] != pinned_recs[-1]  # negative control: the points differ, so equal records are not vacuous
