@@ -224,7 +224,9 @@ def train(
     policy.gradient_checkpointing = cfg.gradient_checkpointing
     mcfg = policy.config
     ref_model = None
-    if cfg.loss.kl_coef > 0:
+    if cfg.loss.kl_coef > 0 and cfg.lora.enabled:  # the policy with its adapters off is the frozen base: no 2nd copy
+        ref_model = policy  # (align.learner.reference_logprobs runs it inside align.lora.adapters_disabled)
+    elif cfg.loss.kl_coef > 0:
         ref_model = load_pretrained(model_path, dtype=place.frozen_dtype, device=place.device).requires_grad_(False)
     tok = task.tokenizer
     stops = stop_ids(tok, mcfg)
