@@ -161,7 +161,7 @@ def train(
     from align.device import resolve as resolve_placement
     from align.eval import EvalSet, make_evaluator
     from align.eval.fleet import EvalFleet
-    from align.eval.metrics import score_completions
+    from align.eval.metrics import score_completions, scored
     from align.grpo import compute_advantages
     from align.model import load_pretrained
     from align.rollout.client import make_rollout_client, spawn_worker
@@ -199,9 +199,12 @@ def train(
         model_path = model or cfg.model
         if model_path is None:
             raise ValueError("no model: pass model=<HF checkpoint dir> or --model")
-    from align.rewards import collect_groups, make_scorer
+    from align.rewards import collect_groups, make_scorer, pass_reward_for
 
     scorer = make_scorer(cfg.rewards, task.reward, task.prompts + task.eval_prompts)
+    pass_reward = None  # the reward that decides pass@k (--eval-pass-reward); refused before the model loads
+    if task.eval_prompts and cfg.eval.eval_interval > 0:
+        pass_reward = pass_reward_for(scorer.names, cfg.eval.eval_pass_reward)
     import json
 
     new_config = {**asdict(cfg), "model": model_path}
@@ -329,7 +332,7 @@ def train(
     if eval_encoded:
         eval_set = EvalSet(
             eval_encoded,
-            lambda i, ids: scorer.score([(task.eval_prompts[i], completion_text(ids))]).totals[0],
+            lambda i, ids: scored(*scorer.score([(task.eval_prompts[i], completion_text(ids))]).item(0), pass_reward),
             eval_sampling,
             name=cfg.task if prompts is None else "eval",
         )
