@@ -15,7 +15,8 @@ Key decisions
   K * M > 1 the old logprobs are computed once, before the first update, so the ratio and the clipping act from
   the second update on; with K = M = 1 the old logprobs are the current ones, detached (no extra forward pass;
   the ratio is 1 and rho = pi_old / mu measures exactly the sampler-trainer mismatch). Reference logprobs (KL)
-  are computed once per batch, before any update.
+  are computed once per batch, before any update. A LoRA reference model (in LoRA runs: the policy itself) runs
+  with its adapters off (``align.lora.adapters_disabled``): the frozen base, held once.
 
 Shapes: N completions of the step, L padded row length (prompt + completion - 1), E hidden size, V vocabulary.
 """
@@ -32,6 +33,7 @@ from align import dist
 from align.device import PRECISIONS, Placement, precision_from_legacy
 from align.grpo import SUM_STATS, merge_stats, normalisers, policy_loss
 from align.kernels import linear_token_logprobs
+from align.lora import adapters_disabled
 
 LOSS_SUMS = SUM_STATS - {"num_tokens", "num_seqs"}
 
@@ -205,6 +207,13 @@ def batch_logprobs(model: torch.nn.Module, batch: Batch, cfg: Any, place: Placem
     return out
 
 
+def reference_logprobs(ref_model: torch.nn.Module, batch: Batch, cfg: Any, place: Placement | None = None,
+                       rows: Tensor | None = None) -> Tensor:  # fmt: skip
+    """``batch_logprobs`` of the KL reference: a LoRA model (the policy of a LoRA run) with its adapters off."""
+    with adapters_disabled(ref_model):
+        return batch_logprobs(ref_model, batch, cfg, place, rows)
+
+
 def backward_batch(policy: torch.nn.Module, ref_model: torch.nn.Module | None, cfg: Any, inputs: Tensor,
                    targets: Tensor, mask: Tensor, advantages: Tensor, behav: Tensor, *,
                    place: Placement | None = None, old_logprobs: Tensor | None = None,
@@ -239,7 +248,7 @@ def backward_batch(policy: torch.nn.Module, ref_model: torch.nn.Module | None, c
         if ref_logprobs is not None:
             ref = _rows(ref_logprobs, idx, L)
         elif ref_model is not None:
-            with torch.no_grad():
+            with torch.no_grad(), adapters_disabled(ref_model):
                 ref, _ = token_logprobs(ref_model, x, y, cfg.temperature, place=place, backend=cfg.logprob_backend,
                                         with_entropy=False)  # fmt: skip
         old = lp.detach() if old_logprobs is None else _rows(old_logprobs, idx, L)
@@ -260,7 +269,7 @@ def optimize(policy: torch.nn.Module, ref_model: torch.nn.Module | None, opt: to
     minis = torch.arange(batch.inputs.shape[0], device=batch.inputs.device).tensor_split(M)
     minis = [rows[slice(*dist.share(len(rows)))] for rows in minis]  # torchrun: this rank's share of each
     mine = torch.cat(minis) if dist.active() else None  # torchrun: ref / old logprobs of this rank's rows only
-    ref = batch_logprobs(ref_model, batch, cfg, place, mine) if ref_model is not None else None
+    ref = reference_logprobs(ref_model, batch, cfg, place, mine) if ref_model is not None else None
     old = batch_logprobs(policy, batch, cfg, place, mine) if K * M > 1 else None
     per_update, norms = [], []
     for _ in range(K):

@@ -13,6 +13,8 @@ Key decisions
   PEFT's key names (``base_model.model.<align name>``, e.g.
   ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), committed by ``.complete``
   written last (vLLM's ``LoRARequest`` and ``peft.PeftModel.from_pretrained`` read it unchanged).
+- The KL reference of a LoRA run is the policy itself inside ``adapters_disabled`` (the frozen base, PEFT's
+  ``disable_adapter``): no second copy of the base weights.
 
 Shapes: E in_features, O out_features, r rank.
 """
@@ -24,6 +26,8 @@ import math
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,6 +110,8 @@ class LoraConfig:
 class LoRALinear(Linear):
     """A frozen linear (the original ``weight`` / ``bias`` Parameters, same names) plus a rank-r adapter."""
 
+    adapter_enabled = True  # False inside ``adapters_disabled``: the layer is its frozen base
+
     def __init__(self, base: nn.Linear, rank: int, scaling: float, dropout: float, generator=None):
         super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
         self.weight, self.bias = base.weight, base.bias  # the same Parameters: nothing is copied
@@ -125,6 +131,8 @@ class LoRALinear(Linear):
 
     def unpacked(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
+        if not self.adapter_enabled:
+            return y
         h = F.dropout(x, self.dropout) if self.dropout and self.training and torch.is_grad_enabled() else x
         return y + self.lora_B(self.lora_A(h)) * self.scaling
 
@@ -177,6 +185,21 @@ def is_lora(model: nn.Module) -> bool:
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """Inside the block ``model`` is its frozen base: every adapter's low-rank path is off (PEFT's
+    ``disable_adapter``). The KL reference of a LoRA run. A model without adapters is unchanged."""
+    mods = list(lora_modules(model).values())
+    before = [m.adapter_enabled for m in mods]
+    for m in mods:
+        m.adapter_enabled = False
+    try:
+        yield model
+    finally:
+        for m, was in zip(mods, before):
+            m.adapter_enabled = was
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:

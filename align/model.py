@@ -57,6 +57,8 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     hf_config: dict = field(default_factory=dict, repr=False)  # the original config.json, written back on save
+    # the original generation_config.json (sampling defaults, stop ids, ...), written back on save
+    generation_config: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -393,6 +395,32 @@ def _read_config(path: Path) -> dict:
         raise ValueError(f"{cfg_path} is not valid JSON ({e}); re-export the checkpoint") from e
 
 
+def _read_generation_config(path: Path) -> dict:
+    gen_path = path / "generation_config.json"
+    if not gen_path.is_file():
+        return {}
+    try:
+        gen = json.loads(gen_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{gen_path} is not valid JSON ({e}); fix or delete it") from e
+    if isinstance(gen, dict):
+        return gen
+    raise ValueError(f"{gen_path} must hold a JSON object, got {type(gen).__name__}; fix or delete it")
+
+
+def generation_config(cfg: ModelConfig) -> dict:
+    """The ``generation_config.json`` a save writes: the loaded checkpoint's own (its sampling defaults such as
+    temperature / top_p, its stop-id list and any other key, unchanged), with the config's bos / eos / pad ids
+    added where it has none and overriding it where they were changed after loading (differ from the original
+    config.json). A model built from scratch writes only its ids."""
+    gen = dict(cfg.generation_config)
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        v = getattr(cfg, k)
+        if v is not None and (k not in gen or v != cfg.hf_config.get(k)):
+            gen[k] = v
+    return gen
+
+
 def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -427,6 +455,7 @@ def load_pretrained(
     if require_marker and not (path / COMMIT_MARKER).exists():
         raise ValueError(f"{path} has no {COMMIT_MARKER} marker: it is an uncommitted (partial) snapshot")
     cfg = ModelConfig.from_hf_config(_read_config(path))
+    cfg.generation_config = _read_generation_config(path)
     with torch.device("meta"):
         model = Transformer(cfg)
     expected = {k: v for k, v in model.state_dict().items()}
@@ -470,8 +499,8 @@ def save_pretrained(
     """Write an HF directory atomically: into a temporary sibling, commit marker last, then rename.
 
     Writes config.json, model.safetensors (or shards + model.safetensors.index.json beyond
-    ``max_shard_bytes``), generation_config.json, tokenizer files from ``copy_tokenizer_from`` when
-    given, then ``.complete``. An existing directory at ``path`` is replaced."""
+    ``max_shard_bytes``), generation_config.json (the loaded checkpoint's, see ``generation_config``), tokenizer
+    files from ``copy_tokenizer_from`` when given, then ``.complete``. An existing directory at ``path`` is replaced."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -505,8 +534,7 @@ def save_pretrained(
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         (tmp / "config.json").write_text(json.dumps(cfg.to_hf_config(dtype), indent=2))
-        gen = {k: v for k in ("bos_token_id", "eos_token_id", "pad_token_id") if (v := getattr(cfg, k)) is not None}
-        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        (tmp / "generation_config.json").write_text(json.dumps(generation_config(cfg), indent=2))
         if copy_tokenizer_from is not None:
             for f in Path(copy_tokenizer_from).iterdir():
                 if f.is_file() and (
@@ -560,4 +588,5 @@ def config_dict(cfg: ModelConfig) -> dict:
     """A JSON-safe dict of the align-side config (for logs)."""
     d = asdict(cfg)
     d.pop("hf_config", None)
+    d.pop("generation_config", None)
     return d

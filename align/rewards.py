@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from align.data import InputError
+from align.eval.metrics import TOTAL
 
 
 @dataclass
@@ -201,6 +202,10 @@ class Scores:
     timeouts: int = 0
     failed: int = 0  # items with at least one raising or timed-out call
 
+    def item(self, j: int) -> tuple[float, dict[str, float]]:
+        """Item ``j``'s total and each reward's value (NaN: unscorable / abstained)."""
+        return self.totals[j], {name: values[j] for name, values in self.terms.items()}
+
 
 def _value(v: Any) -> float:
     if v is None:
@@ -314,6 +319,27 @@ def make_scorer(cfg: RewardConfig, fns: Any, records: list[dict]) -> RewardScore
     for r in rewards:
         check_signature(r.name, r.fn, columns)
     return RewardScorer(rewards, cfg.reward_weights, cfg.reward_workers, cfg.reward_timeout_s)
+
+
+def pass_reward_for(names: list[str], choice: str | None) -> str:
+    """The reward whose value > 0 makes an eval completion correct (``--eval-pass-reward``): ``choice`` (a reward
+    name, or ``total``); with one reward the default is that reward, with several the flag is required."""
+    listed = ", ".join(names)
+    if choice is None:
+        if len(names) == 1:
+            return names[0]
+        raise InputError(
+            f"{len(names)} rewards are configured ({listed}): name the one whose value > 0 means a correct answer "
+            f"for the eval's pass@k with --eval-pass-reward NAME (e.g. --eval-pass-reward {names[0]}), or "
+            f"--eval-pass-reward {TOTAL} to count the weighted sum > 0 (e.g. per-task rewards that abstain)"
+        )
+    if choice == TOTAL:
+        if TOTAL in names:
+            raise InputError(f"--eval-pass-reward {TOTAL} is ambiguous: a reward is named {TOTAL!r}; rename it")
+        return TOTAL
+    if choice not in names:
+        raise InputError(f"--eval-pass-reward {choice!r} names no reward; choose one of {listed} (or {TOTAL})")
+    return choice
 
 
 # ------------------------------------------------------------------------------------------------ dynamic sampling

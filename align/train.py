@@ -161,7 +161,7 @@ def train(
     from align.device import resolve as resolve_placement
     from align.eval import EvalSet, make_evaluator
     from align.eval.fleet import EvalFleet
-    from align.eval.metrics import score_completions
+    from align.eval.metrics import score_completions, scored
     from align.eval.pinned import pinned_evaluator
     from align.grpo import compute_advantages
     from align.model import load_pretrained
@@ -201,9 +201,12 @@ def train(
         model_path = model or cfg.model
         if model_path is None:
             raise ValueError("no model: pass model=<HF checkpoint dir> or --model")
-    from align.rewards import collect_groups, make_scorer
+    from align.rewards import collect_groups, make_scorer, pass_reward_for
 
     scorer = make_scorer(cfg.rewards, task.reward, task.prompts + task.eval_prompts)
+    pass_reward = None  # the reward that decides pass@k (--eval-pass-reward); refused before the model loads
+    if task.eval_prompts and cfg.eval.eval_interval > 0:
+        pass_reward = pass_reward_for(scorer.names, cfg.eval.eval_pass_reward)
     import json
 
     new_config = {**asdict(cfg), "model": model_path}
@@ -226,7 +229,9 @@ def train(
     policy.gradient_checkpointing = cfg.gradient_checkpointing
     mcfg = policy.config
     ref_model = None
-    if cfg.loss.kl_coef > 0:
+    if cfg.loss.kl_coef > 0 and cfg.lora.enabled:  # the policy with its adapters off is the frozen base: no 2nd copy
+        ref_model = policy  # (align.learner.reference_logprobs runs it inside align.lora.adapters_disabled)
+    elif cfg.loss.kl_coef > 0:
         ref_model = load_pretrained(model_path, dtype=place.frozen_dtype, device=place.device).requires_grad_(False)
     tok = task.tokenizer
     stops = stop_ids(tok, mcfg)
@@ -328,7 +333,7 @@ def train(
     if eval_encoded:
         eval_set = EvalSet(
             eval_encoded,
-            lambda i, ids: scorer.score([(task.eval_prompts[i], completion_text(ids))]).totals[0],
+            lambda i, ids: scored(*scorer.score([(task.eval_prompts[i], completion_text(ids))]).item(0), pass_reward),
             eval_sampling,
             name=cfg.task if prompts is None else "eval",
         )

@@ -33,7 +33,7 @@ from align.eval import (
 )
 from align.eval.dispatcher import MARKER, EvalDispatcher, EvalRunner, export_snapshot, is_complete
 from align.eval.fleet import FleetEngine
-from align.eval.metrics import ks_for, score_completions
+from align.eval.metrics import Scored, ks_for, score_completions, scored
 from align.rollout.protocol import Completion, SamplingParams
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -710,6 +710,20 @@ def test_score_completions_pass_and_avg():
     assert m["eval/weight_version"] == 7 and m["eval/mixed_version_ratio"] == 0.0
     with pytest.raises(RuntimeError, match="expected n=4"):
         score_completions(prompts, comps[:-1], lambda i, t: 1.0, 4)
+
+
+def test_score_completions_correctness_is_separate_from_the_reward():
+    prompts = [[1], [2]]
+    comps = [Completion(i, j, [j], [0.0], "length") for i in range(2) for j in range(2)]
+    # a shaping term makes every total > 0; only prompt 0's first sample is correct; prompt 1's second unscorable
+    terms = {(0, 0): (1.5, 1.0), (0, 1): (0.5, 0.0), (1, 0): (0.5, 0.0), (1, 1): (float("nan"), float("nan"))}
+    m = score_completions(prompts, comps, lambda i, t: scored(*terms[i, t[0]][:1], {"ok": terms[i, t[0]][1]}, "ok"), 2)
+    assert m["eval/pass@1"] == pytest.approx(0.25) and m["eval/pass@2"] == pytest.approx(0.5)
+    assert m["eval/avg@2"] == pytest.approx((1.5 + 0.5 + 0.5 + 0.0) / 4)  # the unscorable one is reward 0, not NaN
+    # control: the plain total as the score counts every scorable completion correct (shaping inflates pass@1)
+    m = score_completions(prompts, comps, lambda i, t: terms[i, t[0]][0], 2)
+    assert m["eval/pass@1"] == pytest.approx(0.75)
+    assert scored(0.5, {"ok": 0.0}, "total") == Scored(0.5, True)
 
 
 def test_import_is_stdlib_only():

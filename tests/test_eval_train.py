@@ -220,3 +220,36 @@ def test_eval_timeout_turns_a_hung_point_into_a_skip_and_training_goes_on(tmp_pa
     assert evals[2].get("eval/skipped_timeout") == 1, evals
     # point 4 first waits for the abandoned call (never two calls at once), then runs normally
     assert [evals[s]["eval/pass@1"] for s in (0, 4, 6)] == [1.0] * 3, evals
+
+
+def correct(prompt: str, completion: str, **_) -> float:
+    """Correctness that depends on the prompt only, so the expected pass@1 is known: 1 of PROMPTS[:4]."""
+    return float(prompt.startswith("a"))
+
+
+def fmt(prompt: str, completion: str, **_) -> float:
+    """A shaping reward any completion earns (e.g. a format bonus)."""
+    return 0.5
+
+
+def test_pass_at_k_counts_the_named_reward_not_shaping(tmp_path, tiny_model):
+    def run(name: str, pass_reward: str | None) -> dict:
+        cfg = TrainConfig(out=str(tmp_path / name), steps=1, prompts_per_step=4, group_size=2, max_tokens=4,
+                          checkpoint_every=0, micro_batch_size=8, eval=EvalConfig(eval_interval=1, eval_n=2))  # fmt: skip
+        cfg.eval.eval_pass_reward = pass_reward  # --eval-pass-reward
+        train(cfg, model=tiny_model, tokenizer=TOK, prompts=PROMPTS, reward=[correct, fmt], eval_prompts=PROMPTS[:4])
+        return records(tmp_path / name)[-1]
+
+    expected = sum(correct(p["prompt"], "") for p in PROMPTS[:4]) / 4  # 0.25
+    m = run("named", "correct")
+    assert m["eval/pass@1"] == expected and m["eval/pass@2"] == expected
+    assert m["eval/avg@2"] == pytest.approx(expected + 0.5)  # avg@n stays the mean total (weighted sum)
+    # control: the weighted sum > 0 (the old rule, now --eval-pass-reward total) counts every completion
+    m = run("total", "total")
+    assert m["eval/pass@1"] == 1.0 and m["eval/avg@2"] == pytest.approx(expected + 0.5)
+    # several rewards and no choice: refused by name before the model loads (a single reward is the default)
+    with pytest.raises(ValueError, match="--eval-pass-reward NAME.*correct"):
+        run("unset", None)
+    with pytest.raises(ValueError, match="'nope' names no reward; choose one of correct, fmt"):
+        run("unknown", "nope")
+    assert not (tmp_path / "unset" / "config.json").exists()

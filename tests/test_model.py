@@ -184,3 +184,29 @@ def test_fresh_model_config_roundtrip(tmp_path):
     ids = torch.randint(0, 50, (1, 9))
     with torch.no_grad():
         torch.testing.assert_close(back(ids), m(ids), atol=0, rtol=0)
+
+
+def test_save_keeps_the_base_generation_config(tmp_path):
+    from align import lora
+
+    cfg = ModelConfig(model_type="qwen2", vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, qkv_bias=True, bos_token_id=1,
+                      eos_token_id=2)  # fmt: skip
+    base = save_pretrained(Transformer(cfg).init_weights(seed=0), tmp_path / "base")
+    # negative control: a model built from scratch writes only its token ids
+    assert json.loads((base / "generation_config.json").read_text()) == {"bos_token_id": 1, "eos_token_id": 2}
+    gen = {"bos_token_id": 1, "eos_token_id": [2, 7], "do_sample": True, "temperature": 0.6, "top_p": 0.95,
+           "top_k": 20, "repetition_penalty": 1.05, "custom_key": {"x": [1, 2]}, "transformers_version": "4.51.0"}  # fmt: skip
+    (base / "generation_config.json").write_text(json.dumps(gen))
+    model = load_pretrained(base)
+    for out in (save_pretrained(model, tmp_path / "snap"), save_pretrained(load_pretrained(tmp_path / "snap"),
+                tmp_path / "again")):  # fmt: skip
+        assert json.loads((out / "generation_config.json").read_text()) == gen  # the stop-id list [2, 7] kept too
+    # a LoRA policy merged for export (--save-hf --merge-lora, eval / rollout snapshots) keeps it as well
+    policy = lora.apply_lora(load_pretrained(base), lora.LoraConfig(rank=2), base_model=base)
+    merged = lora.save_policy(policy, tmp_path / "merged", merge=True)
+    assert json.loads((merged / "generation_config.json").read_text()) == gen
+    # an id changed after loading is ours: it overrides the base's; everything else stays
+    model.config.eos_token_id, model.config.pad_token_id = 9, 0
+    out = json.loads((save_pretrained(model, tmp_path / "changed") / "generation_config.json").read_text())
+    assert out == {**gen, "eos_token_id": 9, "pad_token_id": 0}

@@ -113,6 +113,8 @@ def cli(inp, out, steps) -> list[str]:
         "--reward-weights",
         "1",
         "0.5",
+        "--eval-pass-reward",
+        "graded",
         "--reward-workers",
         "2",
         "--reward-timeout-s",
@@ -211,6 +213,11 @@ def test_bad_input_is_one_message_before_the_model_loads(tmp_path, bpe_run_input
             ["--train-data", inp["train"], "--reward", "align.rewards:exact_match", "--max-tokens", "120"],
             "train.jsonl:1: the prompt is \\d+ tokens; with --max-tokens 120 it does not fit",
         ),
+        (
+            ["--train-data", inp["train"], "--eval-data", inp["eval"], "--reward", inp["rewards"] + ":graded"]
+            + ["--reward", inp["rewards"] + ":short"],
+            "2 rewards are configured \\(graded, short\\): .* --eval-pass-reward NAME",
+        ),
     ]
     import re
 
@@ -288,6 +295,8 @@ def test_readme_worked_example_runs(tmp_path, monkeypatch):
         "--reward-weights",
         "1",
         "0.5",
+        "--eval-pass-reward",
+        "answer_match",
         "--reward-workers",
         "2",
         "--reward-timeout-s",

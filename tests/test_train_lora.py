@@ -1,19 +1,26 @@
 """LoRA in the training loop: adapter-only checkpoints and optimizer, --save-hf / --merge-lora, exact resume
-after kill -9, gradient checkpointing unchanged."""
+after kill -9, gradient checkpointing unchanged, the KL reference is the policy with its adapters off."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
-from test_train import PROMPTS, TOK, a_reward, cfg_for, cli_args, comparable, run_cli, wait_for_steps
+from test_learner import CPU, batch_for
+from test_learner import cfg as learner_cfg
+from test_train import PROMPTS, TOK, a_reward, cfg_for, cli_args, comparable, records, run_cli, wait_for_steps
 
+import align.model
 from align import checkpoint as ckpt
-from align import lora
+from align import learner, lora
 from align.model import Transformer, load_pretrained, save_pretrained
 from align.tasks import reverse
 from align.train import train
 
 MERGE_TOL = 1e-4  # merged export vs base + adapter (reassociated fp32 sums)
+KL_TOL = 1e-6  # the same KL computed against two copies of the same base weights (fp32, same ops)
+MOVED_MIN = 1e-3  # one update must move the adapted policy's logprobs at least this much off the base
 LORA = {"rank": 4, "alpha": 8.0}
 
 
@@ -59,6 +66,48 @@ def test_gradient_checkpointing_unchanged_with_lora(tiny_model):
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 14
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-7)
+
+
+def test_lora_kl_reference_is_the_policy_with_adapters_off(tiny_model):
+    base = load_pretrained(tiny_model).requires_grad_(False)
+    policy = lora.apply_lora(load_pretrained(tiny_model), lora.LoraConfig(**LORA), seed=0)
+    c = learner_cfg(kl_coef=0.1)
+    batch = batch_for(policy)
+    opt = torch.optim.Adam(lora.trainable_parameters(policy), lr=5e-2)
+    learner.optimize(policy, policy, opt, c, CPU, batch)  # one update: B != 0, the policy left the base
+    ref_base = learner.batch_logprobs(base, batch, c, CPU)
+    assert torch.equal(learner.reference_logprobs(policy, batch, c, CPU), ref_base)
+    with lora.adapters_disabled(policy):
+        assert torch.equal(learner.batch_logprobs(policy, batch, c, CPU), ref_base)
+    # negative control: with the adapters on (after the block too) the policy is not the base
+    on = learner.batch_logprobs(policy, batch, c, CPU)
+    assert (on - ref_base)[batch.mask].abs().max() > MOVED_MIN
+    # the next KL update with the policy as its own reference equals the one with a separately loaded base
+    twin = copy.deepcopy(policy)
+    twin_opt = torch.optim.Adam(lora.trainable_parameters(twin), lr=5e-2)
+    twin_opt.load_state_dict(opt.state_dict())
+    own = learner.optimize(policy, policy, opt, c, CPU, batch).stats
+    loaded = learner.optimize(twin, base, twin_opt, c, CPU, batch).stats
+    assert own["kl"] > 10 * KL_TOL and abs(own["kl"] - loaded["kl"]) <= KL_TOL
+    assert abs(own["loss"] - loaded["loss"]) <= KL_TOL
+
+
+def test_lora_kl_run_loads_the_base_once(tmp_path, tiny_model, monkeypatch):
+    loads = []
+    real = align.model.load_pretrained
+    monkeypatch.setattr(align.model, "load_pretrained", lambda *a, **kw: loads.append(a) or real(*a, **kw))
+    cfg = cfg_for(tmp_path / "lora", steps=2, lr=5e-2, lora=LORA)
+    cfg.loss.kl_coef = 0.1
+    train(cfg, model=tiny_model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward)
+    assert len(loads) == 1, "LoRA + KL: the reference is the policy with its adapters off, not a second base"
+    kl = [r["kl"] for r in records(tmp_path / "lora")]
+    assert kl[0] == 0.0 and kl[1] > 0.0  # step 1: B = 0 (policy == base); step 2: measured against the base
+    # control: the full fine-tune keeps its separately loaded (frozen) reference
+    loads.clear()
+    cfg = cfg_for(tmp_path / "full", steps=1)
+    cfg.loss.kl_coef = 0.1
+    train(cfg, model=tiny_model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward)
+    assert len(loads) == 2
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ _EXPORTS = {
     "make_evaluator": "align.eval.evaluator",
     "EvalFleet": "align.eval.fleet",
     "pass_at_k": "align.eval.metrics",
+    "Scored": "align.eval.metrics",
     "score_eval_set": "align.eval.metrics",
 }
 
@@ -40,6 +41,7 @@ __all__ = [
     "EvalSet",
     "EvalSkip",
     "Evaluator",
+    "Scored",
     "load_eval_fn",
     "make_evaluator",
     "pass_at_k",

@@ -14,6 +14,7 @@ import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from align.rollout.protocol import SamplingParams
 
@@ -77,6 +78,13 @@ class EvalConfig:
     )
     eval_max_tokens: int | None = field(
         default=None, metadata={"help": "Max new tokens per eval completion (default: the eval set's)."}
+    )
+    eval_pass_reward: str | None = field(
+        default=None,
+        metadata={
+            "help": "The --reward whose value > 0 makes an eval completion correct for pass@k (avg@n stays the mean "
+            "weighted total); 'total': the weighted sum > 0. Default: the one reward; required with several."
+        },
     )
     eval_timeout_s: float = field(
         default=600.0,
@@ -182,12 +190,13 @@ def _is_under(path: str, root: str) -> bool:
 class EvalSet:
     """What to evaluate: prompts (token ids), a reward per completion, how to sample.
 
-    ``score(prompt_index, completion_token_ids) -> float | None``: the completion's reward. A completion is
-    *correct* when its reward is > 0; ``None`` (unscorable) counts as reward 0, incorrect.
+    ``score(prompt_index, completion_token_ids) -> Scored | float | None``: the completion's reward and whether it
+    is *correct* (``align.eval.metrics.Scored``), or just the reward, correct when > 0; ``None`` (unscorable)
+    counts as reward 0, incorrect.
     """
 
     prompts: list[list[int]]
-    score: Callable[[int, list[int]], float | None]
+    score: Callable[[int, list[int]], Any]  # -> Scored | float | None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     name: str = "eval"
 

@@ -3,15 +3,37 @@
 pass@k (Chen et al. 2021, "Evaluating Large Language Models Trained on Code", eq. 1): with n samples of
 which c are correct, the unbiased estimate of "at least one of k draws is correct" is
 ``1 - C(n - c, k) / C(n, k)``, averaged over prompts. avg@k is the mean reward over the k = n samples.
-A completion is correct when its reward is > 0 (``EvalSet.score``); an unscorable (``None``) one is reward 0.
+
+``EvalSet.score`` returns a ``Scored`` (reward, correct) or a plain reward (correct when > 0). The training
+loop's scores are ``scored``: avg@n is the mean *total* (weighted sum of every ``--reward``), while pass@k
+counts a completion correct when the one reward named by ``--eval-pass-reward`` is > 0, so a shaping term (a
+format reward, a length bonus) never inflates pass@k. An unscorable (``None`` / NaN) completion is reward 0,
+incorrect.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 from align.rollout.protocol import Completion, SamplingParams
+
+TOTAL = "total"  # --eval-pass-reward total: correct when the weighted sum of the rewards is > 0
+
+
+class Scored(NamedTuple):
+    """One eval completion's score: ``reward`` (the total, for avg@n; None = unscorable) and ``correct`` (pass@k)."""
+
+    reward: float | None
+    correct: bool
+
+
+def scored(total: float | None, terms: Mapping[str, float | None], pass_reward: str) -> Scored:
+    """A ``Scored`` from one completion's reward total and per-reward terms (None / NaN: unscorable, abstained)."""
+    reward = total if total is not None and math.isfinite(total) else None
+    v = reward if pass_reward == TOTAL else terms[pass_reward]
+    return Scored(reward, v is not None and math.isfinite(v) and v > 0)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -35,20 +57,25 @@ def ks_for(n: int) -> list[int]:
 def score_completions(
     prompts: Sequence[Sequence[int]],
     completions: Sequence[Completion],
-    score: Callable[[int, list[int]], float | None],
+    score: Callable[[int, list[int]], Scored | float | None],
     n: int,
 ) -> dict[str, float]:
-    """``eval/pass@k`` for k in ``ks_for(n)``, ``eval/avg@n`` and the weights version the completions came from."""
+    """``eval/pass@k`` for k in ``ks_for(n)``, ``eval/avg@n`` and the weights version the completions came from.
+    ``score`` returns a ``Scored``, or a reward (correct when > 0)."""
     rewards: list[list[float]] = [[] for _ in prompts]
+    correct: list[int] = [0 for _ in prompts]
     for c in completions:
-        r = score(c.prompt_index, list(c.token_ids))
-        rewards[c.prompt_index].append(0.0 if r is None else float(r))
+        s = score(c.prompt_index, list(c.token_ids))
+        r, ok = (s.reward, s.correct) if isinstance(s, Scored) else (s, s is not None and s > 0)
+        r = 0.0 if r is None or math.isnan(r) else float(r)
+        rewards[c.prompt_index].append(r)
+        correct[c.prompt_index] += bool(ok)
     for i, rs in enumerate(rewards):
         if len(rs) != n:
             raise RuntimeError(f"eval prompt {i} got {len(rs)} completions, expected n={n}")
     metrics: dict[str, float] = {}
     for k in ks_for(n):
-        metrics[f"eval/pass@{k}"] = sum(pass_at_k(n, sum(r > 0 for r in rs), k) for rs in rewards) / len(rewards)
+        metrics[f"eval/pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(rewards)
     metrics[f"eval/avg@{n}"] = sum(sum(rs) / n for rs in rewards) / len(rewards)
     versions = [c.weights_version for c in completions]
     if versions:
