@@ -32,7 +32,6 @@ Key decisions (issue 14)
 from __future__ import annotations
 
 import datetime
-import itertools
 import os
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -290,22 +289,6 @@ def share_of(n: int, r: int) -> tuple[int, int]:
 def barrier() -> None:
     if active():
         torch.distributed.barrier()
-
-
-def optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
-    """``opt.state_dict()`` in one process. Under torchrun (a collective): the full, unsharded state on rank 0's
-    CPU in the same layout (parameter ids in ``opt.param_groups`` order), so one checkpoint format serves every
-    world size; the other ranks get {}."""
-    if not active():
-        return opt.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if not is_main():
-        return {}
-    ids = dict(zip(_optimizer_fqns(model, opt), itertools.count()))
-    groups = [{**g, "params": [ids[f] for f in g["params"]]} for g in full["param_groups"]]
-    return {"state": {ids[f]: s for f, s in full["state"].items()}, "param_groups": groups}
 
 
 def restore_optimizer(model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict, ckpt: Any) -> None:

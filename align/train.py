@@ -156,7 +156,7 @@ def train(
     import torch
 
     from align import checkpoint as ckpt
-    from align import dist, learner, lora
+    from align import dist, dist_checkpoint, learner, lora
     from align.device import make_optimizer
     from align.device import resolve as resolve_placement
     from align.eval import EvalSet, make_evaluator
@@ -216,10 +216,13 @@ def train(
         lora.apply_lora(policy, cfg.lora, base_model=model_path, seed=cfg.seed)
         if resume:
             lora.load_adapter(policy, resume[1] / "adapter")
-    elif resume:
+    elif resume and not dist_checkpoint.is_sharded(resume[1]):
         policy = ckpt.load_model(resume[1], place.param_dtype, device=place.device)
-    else:
+    else:  # a sharded (torchrun) checkpoint is loaded into this model after sharding
         policy = load_pretrained(model_path, dtype=place.param_dtype, device=place.device)
+    state = ckpt.load_state(resume[1]) if resume else None
+    if resume and dist_checkpoint.is_sharded(resume[1]):  # on every rank, before any collective
+        dist_checkpoint.check_model_config(resume[1], state, policy)
     policy.gradient_checkpointing = cfg.gradient_checkpointing
     mcfg = policy.config
     ref_model = None
@@ -243,11 +246,13 @@ def train(
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     step, cursor = 0, {"epoch": 0, "index": 0}
-    if resume:
-        state = ckpt.load_state(resume[1])
+    if resume and dist_checkpoint.is_sharded(resume[1]):  # DCP reshards to this world size (one process too)
+        dist_checkpoint.restore(resume[1], state, policy, opt)
+    elif resume:
         dist.restore_optimizer(policy, opt, state, resume[1])
-        sched.load_state_dict(state["scheduler"])
         ckpt.set_rng_state(state["rng"])
+    if resume:
+        sched.load_state_dict(state["scheduler"])
         step, cursor = state["step"], state["cursor"]
         print(f"[align] resuming from {resume[1]} (step {step})", flush=True)
     logs = (
@@ -353,12 +358,12 @@ def train(
         reserved_gpus=[cfg.rollout_gpu],
     )
 
-    def save_checkpoint() -> None:  # torchrun: every rank gathers, rank 0 writes, the others wait for the marker
-        weights, opt_state = dist.full_model(policy), dist.optimizer_state(policy, opt)
-        if dist.is_main():
-            ckpt.save(out / "checkpoints", step, weights, {"optimizer": opt_state, "scheduler": sched.state_dict(),
-                                                         "cursor": dict(cursor)}, cfg.keep_checkpoints)  # fmt: skip
-        dist.barrier()
+    def save_checkpoint() -> None:  # torchrun: each rank writes its DCP shards, rank 0 commits (align.dist_checkpoint)
+        extra, root = {"scheduler": sched.state_dict(), "cursor": dict(cursor)}, out / "checkpoints"
+        if dist.active():
+            dist_checkpoint.save(root, step, policy, opt, extra, cfg.keep_checkpoints)
+        else:
+            ckpt.save(root, step, policy, {"optimizer": opt.state_dict(), **extra}, cfg.keep_checkpoints)
 
     def emit_eval(records: list[dict]) -> None:
         for r in records:

@@ -1,11 +1,14 @@
 """Driver of tests/test_dist.py (not a test): ``train()`` on a tiny model, run as one process or under torchrun.
 
-argv[1]: JSON {"cfg": TrainConfig fields, "model": dir, "calls": path, "per_rank_normaliser": bool}. Rank 0 writes
+argv[1]: JSON {"cfg": TrainConfig fields, "model": dir, "calls": path, "per_rank_normaliser": bool, "hang": {rank,
+after_calls}, "kill_in_save": {rank, call}}. Rank 0 writes
 the (prompt, completion) pairs the reward saw, in call order, to "calls"."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 
@@ -33,6 +36,19 @@ def main() -> None:
     if spec.get("per_rank_normaliser"):  # the negative control: each rank divides by its own counts
         dist.reduce_counts = lambda counts: counts
     HANG.update(spec.get("hang", {}))
+    if kill := spec.get("kill_in_save"):  # kill -9 of one rank after its DCP shards, before the commit marker
+        import torch.distributed.checkpoint as dcp
+
+        stock, calls = dcp.save, []
+
+        def save(*args, **kwargs):
+            out = stock(*args, **kwargs)
+            calls.append(1)
+            if dist.rank() == kill["rank"] and len(calls) == kill["call"]:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return out
+
+        dcp.save = save
     cfg = TrainConfig(**spec["cfg"])
     cfg.eval.eval_interval = 0
     cfg.log.log_completions_every = 0

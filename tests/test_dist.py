@@ -49,7 +49,7 @@ def test_generate_rows_samples_what_the_whole_call_samples(tiny_model):
 
 
 def _run(tmp_path: Path, name: str, model: str, nproc: int, per_rank_normaliser: bool = False, hang: dict | None = None,
-         **extra) -> dict:  # fmt: skip
+         kill_in_save: dict | None = None, expect_fail: bool = False, **extra) -> dict:  # fmt: skip
     out = tmp_path / name
     cfg = {
         "out": str(out),
@@ -72,12 +72,13 @@ def _run(tmp_path: Path, name: str, model: str, nproc: int, per_rank_normaliser:
         "calls": str(tmp_path / f"{name}.calls.json"),
         "per_rank_normaliser": per_rank_normaliser,
         "hang": hang or {},
+        "kill_in_save": kill_in_save or {},
     }
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd = (launcher if nproc > 1 else [sys.executable]) + [str(DRIVER), json.dumps(spec)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)
-    if hang:
+    if hang or kill_in_save or expect_fail:
         return {"returncode": p.returncode, "log": p.stdout + p.stderr}
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -151,24 +152,74 @@ def _resume(tmp_path: Path, name: str, model: str, first: int, second: int) -> t
     return whole, again
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("first", "second"), [(2, 1), (1, 2)], ids=["2to1", "1to2"])
-def test_resume_with_another_world_size(tmp_path, tiny_model, first, second):
-    """A checkpoint written by 2 ranks resumes in 1 process and vice versa: the redone step is the same step."""
-    whole, again = _resume(tmp_path, "run", tiny_model, first, second)
+def _assert_same_last_step(whole: dict, again: dict) -> None:
     assert [r["step"] for r in again["recs"]] == [1, 2, 3]  # metrics.jsonl kept steps 1-2, then the redone step 3
     a, b = whole["recs"][-1], again["recs"][-1]
     assert a["reward_mean"] == b["reward_mean"]
     for k in ("loss", "grad_norm"):
         assert abs(a[k] - b[k]) <= LOSS_TOL, (k, a[k], b[k])
     assert _max_param_diff(whole["params"], again["params"]) <= PARAM_TOL
+
+
+def _scale_dcp_second_moments(ckpt: Path, model: str) -> None:
+    """Rewrite a sharded checkpoint's optimizer state with exp_avg_sq x 4 (DCP load and save in one process)."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from align import dist_checkpoint
+
+    m = load_pretrained(model)
+    opt = torch.optim.AdamW(m.parameters())
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)  # the run's param groups carry initial_lr
+    model_sd, optim_sd = get_state_dict(m, opt)
+    sd = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(sd, storage_reader=dist_checkpoint._reader(ckpt / "dcp"), planner=dist_checkpoint._planner())
+    for s in sd["optimizer"]["state"].values():
+        s["exp_avg_sq"] *= 4
+    shutil.rmtree(ckpt / "dcp")
+    dcp.save(sd, checkpoint_id=str(ckpt / "dcp"))
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_resumes_in_one_process_and_after_a_kill(tmp_path, tiny_model):
+    """2 ranks write DCP checkpoints (each rank its shards, rank 0 commits): one process resumes step_2 and redoes
+    step 3 exactly (DCP resharding); a rank kill -9'd after writing its step-3 shards leaves no committed step_3, and
+    rerunning the same command resumes step_2 and ends where the uninterrupted run ended."""
+    whole, again = _resume(tmp_path, "run", tiny_model, 2, 1)
+    step2 = tmp_path / "run" / "checkpoints" / "step_2"
+    assert sorted(p.name for p in (step2 / "dcp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert not (step2 / "model").exists() and (step2 / "rng_rank1.pt").is_file()
+    _assert_same_last_step(whole, again)
+    # negative control: the optimizer state is restored (step 3 redone with its second moments scaled differs)
+    _scale_dcp_second_moments(step2, tiny_model)
+    bad = _run(tmp_path, "run", tiny_model, 1, resume_from="step_2", save_hf=str(tmp_path / "run.bad.hf"))
+    assert _max_param_diff(whole["params"], bad["params"]) > PARAM_TOL
+    # kill -9 of rank 1 after its step-3 shards (rank 0 waits at the barrier before the marker)
+    killed = _run(tmp_path, "kill", tiny_model, 2, kill_in_save={"rank": 1, "call": 2}, checkpoint_every=2)
+    assert killed["returncode"] != 0
+    ckpts = tmp_path / "kill" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir() if not p.name.startswith(".")) == ["step_2"]
+    assert [p for p in ckpts.iterdir() if p.name.startswith(".step_3.tmp-")]  # the uncommitted write is left...
+    rerun = _run(tmp_path, "kill", tiny_model, 2, checkpoint_every=2)
+    _assert_same_last_step(whole, rerun)
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_2", "step_3"]  # ...and removed by the next save
+
+
+@pytest.mark.slow
+def test_single_process_checkpoint_resumes_on_two_ranks(tmp_path, tiny_model):
+    """A checkpoint written by one process (HF model + trainer_state.pt) resumes under torchrun: the redone step is
+    the same step."""
+    whole, again = _resume(tmp_path, "run", tiny_model, 1, 2)
+    _assert_same_last_step(whole, again)
     # negative control: the optimizer state is restored (step 3 redone with its second moments scaled differs)
     state_path = tmp_path / "run" / "checkpoints" / "step_2" / "trainer_state.pt"
     state = torch.load(state_path, weights_only=True)
     for s in state["optimizer"]["state"].values():
         s["exp_avg_sq"] *= 4
     torch.save(state, state_path)
-    bad = _run(tmp_path, "run", tiny_model, second, resume_from="step_2", save_hf=str(tmp_path / "run.bad.hf"))
+    bad = _run(tmp_path, "run", tiny_model, 2, resume_from="step_2", save_hf=str(tmp_path / "run.bad.hf"))
     assert _max_param_diff(whole["params"], bad["params"]) > PARAM_TOL
 
 
