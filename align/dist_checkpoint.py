@@ -130,6 +130,8 @@ def _fsync(path: Path) -> None:
 
 
 def _broadcast(obj: Any) -> Any:
+    if not dist.active():
+        return obj
     box = [obj]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]

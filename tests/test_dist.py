@@ -318,3 +318,66 @@ def test_a_hung_rank_fails_the_others_within_the_timeout(tmp_path, tiny_model):
     assert res["returncode"] != 0
     assert "Timed out" in res["log"], res["log"][-3000:]
     assert time.monotonic() - t0 < 120
+
+
+def _sharded_checkpoint(tmp_path: Path, model: str) -> tuple[Path, dict, Transformer, torch.optim.Optimizer]:
+    """A DCP checkpoint written by ``align.dist_checkpoint.save`` in one process (the code torchrun ranks run)."""
+    from align import dist_checkpoint
+    from align.checkpoint import load_state
+
+    m = load_pretrained(model)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    m(torch.tensor([[1, 2, 3]])).float().sum().backward()
+    opt.step()
+    ckpt = dist_checkpoint.save(tmp_path / "ckpts", 1, m, opt, {"scheduler": {}, "cursor": {"epoch": 0, "index": 4}},
+                                keep=2)  # fmt: skip
+    fresh = load_pretrained(model)
+    return ckpt, load_state(ckpt), fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+
+
+class _Payload:
+    """Pickles to a call of os.mkdir: what a crafted .metadata could run if it were unpickled."""
+
+    def __init__(self, target: Path) -> None:
+        self.target = target
+
+    def __reduce__(self):
+        return (os.mkdir, (str(self.target),))
+
+
+def test_sharded_checkpoint_metadata_is_never_unpickled(tmp_path, tiny_model):
+    """DCP's .metadata is a pickle: align reads it with an allow-list unpickler, so a crafted file is refused with a
+    CheckpointError and its payload never runs (negative control: torch's stock reader runs it)."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from align import dist_checkpoint
+    from align.checkpoint import CheckpointError
+
+    ckpt, state, model, opt = _sharded_checkpoint(tmp_path, tiny_model)
+    dist_checkpoint.restore(ckpt, state, model, opt)  # control: the genuine checkpoint loads
+    saved = load_pretrained(tiny_model)
+    assert _max_param_diff(dict(model.named_parameters()), dict(saved.named_parameters())) > 0  # the stepped weights
+    assert all(float(s["step"]) == 1 for s in opt.state.values())
+    target = tmp_path / "payload_ran"
+    (ckpt / "dcp" / ".metadata").write_bytes(pickle.dumps(_Payload(target)))
+    with pytest.raises(CheckpointError, match=r"\.metadata cannot be read safely .*refused global posix\.mkdir"):
+        dist_checkpoint.restore(ckpt, state, model, opt)
+    assert not target.exists()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    with pytest.raises(BaseException):  # noqa: B017 (whatever fails after the payload ran)
+        dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(ckpt / "dcp"))
+    assert target.is_dir()  # the stock reader unpickled it
+
+
+def test_sharded_checkpoint_of_another_model_is_refused(tmp_path, tiny_model):
+    from align import dist_checkpoint
+    from align.checkpoint import CheckpointError
+
+    ckpt, state, model, _ = _sharded_checkpoint(tmp_path, tiny_model)
+    dist_checkpoint.check_model_config(ckpt, state, model)  # control
+    state["model_config"]["num_hidden_layers"] += 1
+    with pytest.raises(CheckpointError, match=r"another model .*'num_hidden_layers': \(3, 2\)"):
+        dist_checkpoint.check_model_config(ckpt, state, model)
