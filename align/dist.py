@@ -73,7 +73,6 @@ def check_supported(cfg: Any, n: int) -> None:
         raise ValueError(f"--prompts-per-step {cfg.prompts_per_step} is not divisible by the world size {n} "
                          f"(torchrun --nproc-per-node x nodes); make it a multiple of {n}")  # fmt: skip
     unsupported = {
-        "--rollout spool": cfg.rollout != "native",
         "--lora-rank > 0": cfg.lora.enabled,
         "--adv-refill": cfg.adv_refill,
         "--eval-interval > 0 (in-process or snapshot eval)": cfg.eval.eval_interval > 0,
@@ -217,9 +216,12 @@ def scalar(t: torch.Tensor | float) -> float:
 # ------------------------------------------------------------------------------------------------ full weights
 
 
-def full_model(model: torch.nn.Module) -> torch.nn.Module:
+def full_model(model: torch.nn.Module, to_main_cpu: bool = False) -> torch.nn.Module | None:
     """An unsharded ``Transformer`` with the current weights (a collective every rank enters); ``model`` itself in
-    one process. The parameters are all-gathered one by one and assigned, never copied twice."""
+    one process. The parameters are all-gathered one by one and assigned, never copied twice.
+
+    ``to_main_cpu``: streamed to rank 0's CPU (each parameter gathered on the device, copied to the CPU, the device
+    copy freed before the next: never two full copies on a device); the other ranks get None. For snapshots."""
     if not active():
         return model
     from torch.distributed.fsdp import FSDPModule
@@ -233,6 +235,10 @@ def full_model(model: torch.nn.Module) -> torch.nn.Module:
     state = {}
     for name, p in model.named_parameters():  # tied: the embedding once
         state[name] = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        if to_main_cpu:
+            state[name] = state[name].cpu() if is_main() else None
+    if to_main_cpu and not is_main():
+        return None
     with torch.device("meta"):
         full = Transformer(cfg)
     full.load_state_dict(state, strict=not cfg.tie_word_embeddings, assign=True)
@@ -274,6 +280,74 @@ class ShardedNativeClient:
 
     def close(self) -> None:
         pass
+
+
+class ShardedSpoolClient:
+    """``--rollout spool`` under torchrun: every rank submits its share of the prompts to the shared spool (its own
+    request, seeded by global prompt index: ``first_prompt_index``), so the completions are the ones one process
+    gets; every rank gets all of them, in prompt order. Rank 0 alone syncs weights; the others wait at a barrier
+    until the worker has loaded the snapshot."""
+
+    def __init__(self, client: Any) -> None:
+        self.client, self.spool = client, client.spool
+        self.weights_version = client.weights_version
+        barrier()  # rank 0 has started (or attached to) the worker
+
+    @property
+    def logprob_basis(self) -> str:
+        return self.client.logprob_basis
+
+    def generate(self, prompts: list[list[int]], params: Any) -> list:
+        lo, hi = share(len(prompts))
+        mine = self.client.generate(prompts[lo:hi], params, first_prompt_index=lo) if hi > lo else []
+        out = []
+        for start, part in zip((share_of(len(prompts), r)[0] for r in range(world())), gather(mine)):
+            for c in part:
+                c.prompt_index += start
+                out.append(c)
+        return out
+
+    def sync_weights(self, snapshot_dir: Any, version: int) -> float:
+        seconds = self.client.sync_weights(snapshot_dir, version) if is_main() else 0.0
+        barrier()  # no rank submits a request before the worker serves the new weights
+        self.weights_version = self.client.weights_version = int(version)
+        return seconds
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def check_shared_dir(path: Any) -> None:
+    """Under torchrun: ``path`` (the spool) must be one directory every rank can write. Each rank probes it, rank 0
+    leaves a token the others must see; the verdicts are gathered, so every rank raises the same error (no rank
+    waits at a later collective for one that already failed)."""
+    import uuid
+    from pathlib import Path
+
+    if not active():
+        return
+    root = Path(path)
+    token = root / f".rank0-probe-{uuid.uuid4().hex[:8]}" if is_main() else None
+    problem = None
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".probe-rank{rank()}-{uuid.uuid4().hex[:8]}"
+        probe.write_text("ok")
+        probe.unlink()
+        if token is not None:
+            token.write_text("ok")
+    except OSError as e:
+        problem = f"rank {rank()} cannot write the spool dir {root} ({e})"
+    names = gather(token.name if token is not None else None)
+    if problem is None and not (root / names[0]).is_file():
+        problem = f"rank {rank()} does not see rank 0's files in {root} (not a shared filesystem)"
+    problems = [p for p in gather(problem) if p]
+    barrier()
+    if token is not None:
+        token.unlink(missing_ok=True)
+    if problems:
+        raise RuntimeError(f"--rollout spool under torchrun needs one spool directory every rank can write (--spool "
+                           f"on a shared filesystem): {'; '.join(problems)}")  # fmt: skip
 
 
 def share_of(n: int, r: int) -> tuple[int, int]:

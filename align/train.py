@@ -267,13 +267,21 @@ def train(
 
     # Rollout client.
     worker = None
+
+    def publish(snap: Path) -> None:  # torchrun: gathered to rank 0's CPU, written by it; every rank waits for it
+        full = dist.full_model(policy, to_main_cpu=True)
+        if dist.is_main():
+            lora.save_policy(full, snap)  # LoRA: the adapter only, served on the base model
+        dist.barrier()
+
     if cfg.rollout == "native":
         client = dist.ShardedNativeClient(policy) if dist.active() else make_rollout_client("native", model=policy)
     else:
         spool = Path(cfg.spool or out / "spool")
+        dist.check_shared_dir(spool)  # torchrun: every rank writes requests there
         init_snapshot = out / "rollout_snapshots" / f"v{step}"
-        lora.save_policy(policy, init_snapshot)  # LoRA: the adapter only, served on the base model
-        if cfg.spawn_worker:
+        publish(init_snapshot)
+        if cfg.spawn_worker and dist.is_main():
             worker = spawn_worker(
                 spool,
                 gpu=cfg.rollout_gpu,
@@ -289,6 +297,7 @@ def train(
                 engine_restarts=cfg.rollout_engine_restarts,
             )
         client = make_rollout_client("spool", spool=spool, timeout_s=cfg.rollout_timeout_s, worker=worker)
+        client = dist.ShardedSpoolClient(client) if dist.active() else client
         if (
             not cfg.spawn_worker or cfg.lora.enabled
         ):  # an attached worker holds whatever it loaded last; LoRA: the adapter
@@ -457,11 +466,11 @@ def train(
             # 6. weights to the rollout worker
             if cfg.rollout == "spool" and step % cfg.sync_every == 0:
                 snap = out / "rollout_snapshots" / f"v{step}"
-                lora.save_policy(policy, snap)
+                publish(snap)
                 sync_s = client.sync_weights(snap, step)
                 published = step
                 prev = out / "rollout_snapshots" / f"v{step - cfg.sync_every}"
-                if prev.exists():
+                if prev.exists() and dist.is_main():
                     import shutil
 
                     shutil.rmtree(prev, ignore_errors=True)

@@ -237,8 +237,11 @@ def test_unsupported_settings_are_refused_before_any_collective(monkeypatch):
     check_supported(cfg(), 2)  # control: the plain config passes
     with pytest.raises(ValueError, match="--prompts-per-step 4 is not divisible by the world size 3"):
         check_supported(cfg(), 3)
-    with pytest.raises(ValueError, match="--rollout spool"):
-        check_supported(cfg(rollout="spool"), 2)
+    check_supported(cfg(rollout="spool"), 2)  # the spool works under torchrun
+    with pytest.raises(ValueError, match="--lora-rank > 0"):
+        c = cfg()
+        c.lora.rank = 4
+        check_supported(c, 2)
     with pytest.raises(ValueError, match="--eval-interval"):
         check_supported(TrainConfig(prompts_per_step=4), 2)  # eval on by default
     # more local ranks than GPUs: rank 0 (which has a GPU when there is one) refuses too, before the process group
@@ -381,3 +384,54 @@ def test_sharded_checkpoint_of_another_model_is_refused(tmp_path, tiny_model):
     state["model_config"]["num_hidden_layers"] += 1
     with pytest.raises(CheckpointError, match=r"another model .*'num_hidden_layers': \(3, 2\)"):
         dist_checkpoint.check_model_config(ckpt, state, model)
+
+
+@pytest.mark.slow
+@pytest.mark.rollout
+def test_two_ranks_with_the_spool_sample_what_one_process_samples(tmp_path, tiny_model):
+    """--rollout spool under torchrun: rank 0 publishes the snapshot (gathered to its CPU) and syncs the worker, each
+    rank submits its share of the prompts (seeded by global prompt index) to the real vLLM CPU worker: the same
+    completions as one process, the same training. One worker serves both runs and the control."""
+    from helpers_models import require_rollout_venv
+
+    from align.rollout.client import SpoolClient, spawn_worker
+
+    require_rollout_venv()
+    spool = tmp_path / "spool"
+    mcfg = load_pretrained(tiny_model).config
+    worker = spawn_worker(spool, model=tiny_model, weights_version=0, log_path=tmp_path / "worker.log",
+                          in_process=True, max_model_len=mcfg.max_position_embeddings, dtype="float32")  # fmt: skip
+    extra = {"rollout": "spool", "spool": str(spool), "spawn_worker": False, "rollout_timeout_s": 600, "steps": 2}
+    try:
+        one = _run(tmp_path, "one", tiny_model, 1, **extra)
+        two = _run(tmp_path, "two", tiny_model, 2, **extra)
+        # negative control: a share submitted without its global prompt index samples other completions
+        client = SpoolClient(spool, timeout_s=600)
+        prompts = [[1, 3, 7], [4, 5, 7], [1, 6, 3, 7], [5, 5, 7]]
+        params = SamplingParams(n=4, temperature=1.0, max_tokens=4, seed=11)
+        whole = client.generate(prompts, params)
+        share = client.generate(prompts[2:], params, first_prompt_index=2)
+        alone = client.generate(prompts[2:], params)
+    finally:
+        worker.shutdown(grace_s=5)
+    assert [c.token_ids for c in share] == [c.token_ids for c in whole[8:]]
+    assert [c.token_ids for c in alone] != [c.token_ids for c in whole[8:]]
+    assert one["calls"] == two["calls"] and len(one["calls"]) == 2 * 16  # the same completions, in order
+    for a, b in zip(one["recs"], two["recs"], strict=True):
+        assert a["reward_mean"] == b["reward_mean"] and a["sync_time"] > 0 and b["sync_time"] > 0
+        for k in ("loss", "grad_norm"):
+            assert abs(a[k] - b[k]) <= LOSS_TOL, (a["step"], k, a[k], b[k])
+    assert _max_param_diff(one["params"], two["params"]) <= PARAM_TOL
+
+
+@pytest.mark.slow
+def test_spool_dir_that_a_rank_cannot_write_fails_every_rank(tmp_path, tiny_model):
+    """torchrun + --rollout spool with a spool path no rank can create: the same clear error on both ranks, before
+    any snapshot or worker (the verdicts are gathered, so no rank waits for another at a later collective)."""
+    (tmp_path / "file").write_text("not a directory")
+    res = _run(tmp_path, "run", tiny_model, 2, expect_fail=True, rollout="spool", spool=str(tmp_path / "file" / "s"),
+               spawn_worker=False)  # fmt: skip
+    assert res["returncode"] != 0
+    assert res["log"].count("needs one spool directory every rank can write") == 2, res["log"][-3000:]
+    assert "rank 1 cannot write the spool dir" in res["log"]
+    assert not (tmp_path / "run" / "rollout_snapshots").exists()
