@@ -342,13 +342,18 @@ def train(
         from align.rollout.native import generate
 
         with place.autocast():  # as the training rollouts (bf16-mixed: bf16 matmuls)
-            comps = generate(policy, eval_encoded, eval_sampling)
+            if dist.active():  # torchrun: every rank samples its share (the same completions), all score them
+                comps = dist.ShardedNativeClient(policy).generate(eval_encoded, eval_sampling)
+            else:
+                comps = generate(policy, eval_encoded, eval_sampling)
         return score_completions(eval_encoded, comps, eval_set.score, eval_sampling.n)
+
+    eval_weights: list = []  # torchrun: the eval step's weights, gathered to rank 0's CPU by every rank
 
     def export(path: str) -> None:
         # LoRA: the adapter (the fleet serves it on the base model); merged for a CheckpointEvalFn's own backend
         lora.save_policy(
-            policy,
+            eval_weights.pop() if dist.active() else policy,
             path,
             merge=cfg.eval.eval_function_path is not None,
             copy_tokenizer_from=cfg.data.tokenizer or model_path,
@@ -358,14 +363,19 @@ def train(
     if eval_set is None and not eval_cfg.uses_snapshots and eval_cfg.eval_interval > 0:
         log.info("no held-out prompts: in-process eval is off (pass eval_prompts=... or --eval-data to evaluate)")
         eval_cfg = replace(eval_cfg, eval_interval=0)
-    evaluator = make_evaluator(
-        eval_cfg,
-        eval_set,
-        export_fn=export,
-        blocking_eval_fn=blocking_eval if eval_set else None,
-        should_stop=lambda: bool(stop_flag.get("signal")),
-        reserved_gpus=[cfg.rollout_gpu],
-    )
+    from align.eval.evaluator import Evaluator
+
+    if dist.active() and not dist.is_main() and eval_cfg.uses_snapshots:  # torchrun: rank 0 alone dispatches
+        evaluator = Evaluator(eval_cfg)
+    else:
+        evaluator = make_evaluator(
+            eval_cfg,
+            eval_set,
+            export_fn=export,
+            blocking_eval_fn=blocking_eval if eval_set else None,
+            should_stop=lambda: bool(stop_flag.get("signal")),
+            reserved_gpus=[cfg.rollout_gpu],
+        )
 
     def save_checkpoint() -> None:  # torchrun: each rank writes its DCP shards, rank 0 commits (align.dist_checkpoint)
         extra, root = {"scheduler": sched.state_dict(), "cursor": dict(cursor)}, out / "checkpoints"
@@ -377,7 +387,8 @@ def train(
     def emit_eval(records: list[dict]) -> None:
         for r in records:
             metrics.write(r)
-            print(format_line(r), flush=True)
+            if dist.is_main():
+                print(format_line(r), flush=True)
 
     def next_prompts(n: int) -> list[int]:
         order = batch_order(len(task.prompts), cfg.seed, cursor["epoch"])
@@ -527,6 +538,8 @@ def train(
                     samples.write(r)
             # 8. eval and checkpoint
             is_final = step == cfg.steps
+            if dist.active() and eval_cfg.uses_snapshots and eval_cfg.is_due(step, is_final):
+                eval_weights[:] = [dist.full_model(policy, to_main_cpu=True)]  # a collective: all ranks, same step
             emit_eval(evaluator.step(step, is_final) + evaluator.poll())
             dist.agree_on_signal(stop_flag)  # torchrun: a signal seen by any rank stops every rank after this step
             if is_final or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stop_flag.get("signal"):

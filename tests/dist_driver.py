@@ -1,7 +1,7 @@
 """Driver of tests/test_dist.py (not a test): ``train()`` on a tiny model, run as one process or under torchrun.
 
 argv[1]: JSON {"cfg": TrainConfig fields, "model": dir, "calls": path, "per_rank_normaliser": bool, "hang": {rank,
-after_calls}, "kill_in_save": {rank, call}}. Rank 0 writes
+after_calls}, "kill_in_save": {rank, call}, "eval": bool (held-out prompts, cfg["eval"] kept)}. Rank 0 writes
 the (prompt, completion) pairs the reward saw, in call order, to "calls"."""
 
 from __future__ import annotations
@@ -13,12 +13,24 @@ import sys
 import time
 
 from align import dist
+from align.eval import CheckpointEvalFn
 from align.tasks.tokenizer import CharTokenizer
 from align.train import TrainConfig, train
 
 TOK = CharTokenizer("abcd=")
 PROMPTS = [{"prompt": w + "="} for w in ("ab", "cd", "bca", "dd", "abc", "cab", "dab", "bb")]
+EVAL_PROMPTS = [{"prompt": w + "="} for w in ("ca", "dba", "a")]
 CALLS: list[list[str]] = []
+
+
+class WeightSum(CheckpointEvalFn):
+    """The snapshot-eval test's CheckpointEvalFn: the sum of |w| over the exported snapshot."""
+
+    def evaluate_checkpoint(self, checkpoint_dir: str, input) -> dict[str, float]:
+        from safetensors.torch import load_file
+
+        weights = load_file(f"{checkpoint_dir}/model.safetensors")
+        return {"weight_sum": sum(float(t.double().abs().sum()) for t in weights.values())}
 
 
 HANG = {}
@@ -50,9 +62,11 @@ def main() -> None:
 
         dcp.save = save
     cfg = TrainConfig(**spec["cfg"])
-    cfg.eval.eval_interval = 0
+    if not spec.get("eval"):
+        cfg.eval.eval_interval = 0
     cfg.log.log_completions_every = 0
-    train(cfg, model=spec["model"], tokenizer=TOK, prompts=PROMPTS, reward=reward)
+    train(cfg, model=spec["model"], tokenizer=TOK, prompts=PROMPTS, reward=reward,
+          eval_prompts=EVAL_PROMPTS if spec.get("eval") else None)  # fmt: skip
     if dist.is_main():
         with open(spec["calls"], "w") as fh:
             json.dump(CALLS, fh)

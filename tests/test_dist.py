@@ -49,7 +49,8 @@ def test_generate_rows_samples_what_the_whole_call_samples(tiny_model):
 
 
 def _run(tmp_path: Path, name: str, model: str, nproc: int, per_rank_normaliser: bool = False, hang: dict | None = None,
-         kill_in_save: dict | None = None, expect_fail: bool = False, **extra) -> dict:  # fmt: skip
+         kill_in_save: dict | None = None, expect_fail: bool = False, with_eval: bool = False,
+         **extra) -> dict:  # fmt: skip
     out = tmp_path / name
     cfg = {
         "out": str(out),
@@ -73,6 +74,7 @@ def _run(tmp_path: Path, name: str, model: str, nproc: int, per_rank_normaliser:
         "per_rank_normaliser": per_rank_normaliser,
         "hang": hang or {},
         "kill_in_save": kill_in_save or {},
+        "eval": with_eval,
     }
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd = (launcher if nproc > 1 else [sys.executable]) + [str(DRIVER), json.dumps(spec)]
@@ -81,10 +83,10 @@ def _run(tmp_path: Path, name: str, model: str, nproc: int, per_rank_normaliser:
     if hang or kill_in_save or expect_fail:
         return {"returncode": p.returncode, "log": p.stdout + p.stderr}
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    recs = [r for r in recs if "reward_mean" in r]
+    every = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    recs = [r for r in every if "reward_mean" in r]
     params = dict(load_pretrained(cfg["save_hf"]).named_parameters())
-    return {"recs": recs, "calls": json.loads((tmp_path / f"{name}.calls.json").read_text()), "params": params}
+    return {"recs": recs, "all": every, "calls": json.loads((tmp_path / f"{name}.calls.json").read_text()), "params": params}
 
 
 def _max_param_diff(a: dict, b: dict) -> float:
@@ -435,3 +437,26 @@ def test_spool_dir_that_a_rank_cannot_write_fails_every_rank(tmp_path, tiny_mode
     assert res["log"].count("needs one spool directory every rank can write") == 2, res["log"][-3000:]
     assert "rank 1 cannot write the spool dir" in res["log"]
     assert not (tmp_path / "run" / "rollout_snapshots").exists()
+
+
+EVAL_TOL = 1e-4  # the snapshot eval's sum of |w| (~5e3) of 1 vs 2 ranks (parameters agree to PARAM_TOL each)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("posture", ["blocking", "snapshot"])
+def test_eval_under_torchrun_measures_what_one_process_measures(tmp_path, tiny_model, posture):
+    """Blocking eval: every rank samples its share of the held-out prompts; snapshot eval: every rank enters the
+    weights gather at the same eval step, rank 0 exports and dispatches. The eval records equal one process's."""
+    ev = {"eval_interval": 1, "eval_max_tokens": 4}
+    if posture == "snapshot":
+        ev |= {"eval_function_path": f"{DRIVER}:WeightSum", "eval_hf_dir": str(tmp_path / "{name}")}
+    runs = {}
+    for name, nproc in (("one", 1), ("two", 2)):
+        e = {**ev, "eval_hf_dir": ev["eval_hf_dir"].format(name=f"{name}.eval")} if "eval_hf_dir" in ev else ev
+        runs[name] = _run(tmp_path, name, tiny_model, nproc, with_eval=True, steps=2, eval=e)
+    key = "eval/avg@1" if posture == "blocking" else "eval/weight_sum"
+    one, two = ([r for r in runs[n]["all"] if key in r] for n in ("one", "two"))
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [0, 1, 2]
+    for a, b in zip(one, two, strict=True):
+        assert abs(a[key] - b[key]) <= EVAL_TOL, (a, b)
+    assert abs(one[0][key] - one[2][key]) > 100 * EVAL_TOL  # negative control: the points measure each step's weights
