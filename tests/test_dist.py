@@ -244,8 +244,9 @@ def test_unsupported_settings_are_refused_before_any_collective(monkeypatch):
         c = cfg()
         c.lora.rank = 4
         check_supported(c, 2)
-    with pytest.raises(ValueError, match="--eval-interval"):
-        check_supported(TrainConfig(prompts_per_step=4), 2)  # eval on by default
+    check_supported(TrainConfig(prompts_per_step=4), 2)  # eval (on by default) works under torchrun
+    with pytest.raises(ValueError, match="--adv-refill"):
+        check_supported(cfg(adv_refill=True), 2)
     # more local ranks than GPUs: rank 0 (which has a GPU when there is one) refuses too, before the process group
     from align.dist import setup
 
