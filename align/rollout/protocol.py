@@ -335,7 +335,7 @@ def generate_request(
     batch samples what the whole batch in one request samples. The answer's prompt_index stays local (from 0)."""
     body = {"prompts": [list(map(int, p)) for p in prompts], "params": params.to_dict()}
     if first_prompt_index:
-        body["first_prompt_index"] = int(first_prompt_index)
+        body["first_prompt_index"] = first_prompt_index
     msg = Message("generate", id or new_id(), body)
     _check_generate(body, f"generate request {msg.id}")
     return msg
