@@ -23,10 +23,12 @@ Key decisions (issue 14)
   ``Transformer`` (meta-initialised, the gathered tensors assigned, no second copy) that the native sampler runs;
   it is dropped after the step's generation. Peak memory per rank while sampling: the shards (1/N of weights,
   gradients, optimizer state) + one full copy of the weights in the parameter dtype + the KV cache.
-- Checkpoints keep the single-process format (``align.checkpoint``): every rank gathers the full model and
-  optimizer state (``full_model``, ``optimizer_state``: parameter ids in ``opt.param_groups`` order), rank 0 writes
-  and commits them, the others wait at a barrier; ``restore_optimizer`` shards a saved state for this world size,
-  so any world size resumes any checkpoint. Sharded DCP checkpoints (no full copy on rank 0) are not done yet.
+- Checkpoints: sharded DCP directories, each rank writing its shards (``align.dist_checkpoint``); a single-process
+  checkpoint (``align.checkpoint``'s format) still resumes under torchrun: ``restore_optimizer`` shards its full
+  optimizer state for this world size.
+- ``--rollout spool``: ``ShardedSpoolClient`` (each rank submits its share with ``first_prompt_index``; rank 0
+  syncs the worker, every rank waits); ``full_model(to_main_cpu=True)`` streams the weights to rank 0's CPU for
+  snapshots; ``check_shared_dir`` makes every rank agree that the spool is one writable directory.
 """
 
 from __future__ import annotations
