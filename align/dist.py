@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 import torch
 
 T = TypeVar("T")
+_MESH: dict = {}  # {"mesh": the 2-D DeviceMesh} under HSDP (--dp-replicate > 1), set by setup
 
 
 def env_world_size() -> int:
@@ -71,6 +72,10 @@ def is_main() -> bool:
 
 def check_supported(cfg: Any, n: int) -> None:
     """What this first slice of multi-process training refuses, before any collective could hang."""
+    rep, shard_n = getattr(cfg, "dp_replicate", 1), getattr(cfg, "dp_shard", 0)
+    if rep < 1 or shard_n < 0 or rep * (shard_n or n // rep) != n or n % rep:
+        raise ValueError(f"--dp-replicate {rep} x --dp-shard {shard_n} does not make the world size {n}; pass "
+                         f"--dp-replicate R and --dp-shard S with R x S = {n} (--dp-shard 0: {n} / R)")  # fmt: skip
     if cfg.prompts_per_step % n:
         raise ValueError(f"--prompts-per-step {cfg.prompts_per_step} is not divisible by the world size {n} "
                          f"(torchrun --nproc-per-node x nodes); make it a multiple of {n}")  # fmt: skip
@@ -92,8 +97,9 @@ def setup(cfg: Any) -> None:
     if n <= 1:
         return
     check_supported(cfg, n)
+    _MESH.clear()
     if torch.distributed.is_initialized():
-        return
+        return _make_mesh(cfg, n, "cuda" if torch.distributed.get_backend() == "nccl" else "cpu")
     local = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
     if cuda:
@@ -108,6 +114,16 @@ def setup(cfg: Any) -> None:
     timeout = datetime.timedelta(seconds=getattr(cfg, "dist_timeout_s", 600.0))
     torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=timeout,
                                          device_id=torch.device("cuda", local) if cuda else None)  # fmt: skip
+    _make_mesh(cfg, n, "cuda" if cuda else "cpu")
+
+
+def _make_mesh(cfg: Any, n: int, device_type: str) -> None:
+    """HSDP (``--dp-replicate R > 1``): a (R, n / R) DeviceMesh, replicas over dim 0, shards over dim 1."""
+    rep = getattr(cfg, "dp_replicate", 1)
+    if rep > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _MESH["mesh"] = init_device_mesh(device_type, (rep, n // rep), mesh_dim_names=("replicate", "shard"))
 
 
 def shard(model: torch.nn.Module, precision: str) -> torch.nn.Module:
@@ -118,9 +134,10 @@ def shard(model: torch.nn.Module, precision: str) -> torch.nn.Module:
 
     param_dtype = torch.bfloat16 if precision == "bf16-mixed" else None
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    mesh = _MESH.get("mesh")  # None: plain FSDP over every rank
     for layer in model.model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # the per-rank losses are parts of one sum (see the docstring)

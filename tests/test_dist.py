@@ -107,6 +107,7 @@ CONFIGS = {
         "lr": 1e-3,
         "loss": {"kl_coef": 0.1},
     },
+    "hsdp_replicate2_shard1": {"dp_replicate": 2},  # HSDP on a 2-D mesh: 2 replicas of 1 shard
 }
 
 
@@ -247,6 +248,10 @@ def test_unsupported_settings_are_refused_before_any_collective(monkeypatch):
     check_supported(TrainConfig(prompts_per_step=4), 2)  # eval (on by default) works under torchrun
     with pytest.raises(ValueError, match="--adv-refill"):
         check_supported(cfg(adv_refill=True), 2)
+    check_supported(cfg(dp_replicate=2, dp_shard=2), 4)  # HSDP: 2 replicas x 2 shards
+    for bad in ({"dp_replicate": 3}, {"dp_replicate": 2, "dp_shard": 2}):
+        with pytest.raises(ValueError, match=r"does not make the world size 2; pass --dp-replicate R and --dp-shard S"):
+            check_supported(cfg(**bad), 2)
     # more local ranks than GPUs: rank 0 (which has a GPU when there is one) refuses too, before the process group
     from align.dist import setup
 
