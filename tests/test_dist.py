@@ -466,3 +466,22 @@ def test_eval_under_torchrun_measures_what_one_process_measures(tmp_path, tiny_m
     for a, b in zip(one, two, strict=True):
         assert abs(a[key] - b[key]) <= EVAL_TOL, (a, b)
     assert abs(one[0][key] - one[2][key]) > 100 * EVAL_TOL  # negative control: the points measure each step's weights
+
+
+def test_fleet_seeds_a_share_by_its_global_prompt_index(monkeypatch):
+    """The Ray fleet splits a request by prompt with a per-prompt seed: a torchrun rank's share (first_prompt_index)
+    gets the seeds the whole request's prompts get (negative control: without it, other seeds)."""
+    monkeypatch.syspath_prepend(str(ROOT / "extras" / "vllm_rollout"))
+    import fleet_engine
+
+    from align.rollout.protocol import Message, generate_request
+
+    prompts, params = [[1, 3], [4, 5], [1, 6], [5, 5]], SamplingParams(n=2, seed=11)
+
+    def seeds(msg) -> list[int]:
+        job = fleet_engine.Job(msg, params, 0.0, set(range(len(msg.body["prompts"]))))
+        return [Message.from_json(job.sub_message(i, "p")).body["params"]["seed"] for i in sorted(job.remaining)]
+
+    whole = seeds(generate_request(prompts, params))
+    assert seeds(generate_request(prompts[2:], params, first_prompt_index=2)) == whole[2:]
+    assert seeds(generate_request(prompts[2:], params)) != whole[2:]
