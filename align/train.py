@@ -562,7 +562,7 @@ def train(
             if worker is not None:
                 worker.shutdown()
     if cfg.save_hf and step == cfg.steps:
-        full = dist.full_model(policy)  # torchrun: gathered by every rank, written by rank 0
+        full = dist.full_model(policy, to_main_cpu=True)  # torchrun: streamed to rank 0's CPU, written by it
         if dist.is_main():
             runsafety.export_hf(
                 lambda d: lora.save_policy(

@@ -107,7 +107,6 @@ CONFIGS = {
         "lr": 1e-3,
         "loss": {"kl_coef": 0.1},
     },
-    "hsdp_replicate2_shard1": {"dp_replicate": 2},  # HSDP on a 2-D mesh: 2 replicas of 1 shard
 }
 
 
@@ -129,6 +128,20 @@ def test_two_ranks_give_the_single_process_result(tmp_path, tiny_model, extra):
     bad = _run(tmp_path, "bad", tiny_model, 2, per_rank_normaliser=True, **extra)
     assert bad["recs"][0]["reward_mean"] == one["recs"][0]["reward_mean"]  # same first rollouts...
     assert _max_param_diff(one["params"], bad["params"]) > PARAM_TOL  # ...but not the whole-batch gradient
+
+
+@pytest.mark.slow
+def test_hsdp_two_replicas_give_the_single_process_result(tmp_path, tiny_model):
+    """--dp-replicate 2 (HSDP on a (2, 1) DeviceMesh: each rank holds a full replica, gradients all-reduced across
+    replicas) trains exactly as one process (the per-rank-normaliser control is the plain FSDP test's)."""
+    one = _run(tmp_path, "one", tiny_model, 1)
+    two = _run(tmp_path, "two", tiny_model, 2, dp_replicate=2)
+    assert one["calls"] == two["calls"]
+    for a, b in zip(one["recs"], two["recs"], strict=True):
+        for k in ("loss", "grad_norm"):
+            assert abs(a[k] - b[k]) <= LOSS_TOL, (a["step"], k, a[k], b[k])
+    assert _max_param_diff(one["params"], dict(load_pretrained(tiny_model).named_parameters())) > 100 * PARAM_TOL
+    assert _max_param_diff(one["params"], two["params"]) <= PARAM_TOL
 
 
 BF16_LOSS_TOL = 2e-3  # bf16 weights: 1 vs 2 ranks round the summed gradients differently
