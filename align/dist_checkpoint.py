@@ -215,3 +215,24 @@ def restore(ckpt: Path, state: dict, model: torch.nn.Module, opt: torch.optim.Op
                                   "committed checkpoint with --resume-from step_N") from None  # fmt: skip
     else:
         set_rng_state(state["rng"])
+
+
+def save_any(root: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer, trainer_state: dict,
+             keep: int) -> None:  # fmt: skip
+    """The run's checkpoint: sharded (``save``) under torchrun, ``align.checkpoint``'s format in one process."""
+    from align import checkpoint
+
+    if dist.active():
+        save(root, step, model, opt, trainer_state, keep)
+    else:
+        checkpoint.save(root, step, model, {"optimizer": opt.state_dict(), **trainer_state}, keep)
+
+
+def restore_any(ckpt: Path, state: dict, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Optimizer (and, for a sharded checkpoint, model) state and RNG states of any checkpoint, at any world size;
+    a single-process checkpoint's model was already loaded from its ``model/``."""
+    if is_sharded(ckpt):
+        restore(ckpt, state, model, opt)
+    else:
+        dist.restore_optimizer(model, opt, state, ckpt)
+        set_rng_state(state["rng"])

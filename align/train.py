@@ -246,12 +246,8 @@ def train(
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     step, cursor = 0, {"epoch": 0, "index": 0}
-    if resume and dist_checkpoint.is_sharded(resume[1]):  # DCP reshards to this world size (one process too)
-        dist_checkpoint.restore(resume[1], state, policy, opt)
-    elif resume:
-        dist.restore_optimizer(policy, opt, state, resume[1])
-        ckpt.set_rng_state(state["rng"])
-    if resume:
+    if resume:  # any world size resumes any checkpoint (DCP resharding, or the full single-process state)
+        dist_checkpoint.restore_any(resume[1], state, policy, opt)
         sched.load_state_dict(state["scheduler"])
         step, cursor = state["step"], state["cursor"]
         print(f"[align] resuming from {resume[1]} (step {step})", flush=True)
@@ -378,11 +374,8 @@ def train(
         )
 
     def save_checkpoint() -> None:  # torchrun: each rank writes its DCP shards, rank 0 commits (align.dist_checkpoint)
-        extra, root = {"scheduler": sched.state_dict(), "cursor": dict(cursor)}, out / "checkpoints"
-        if dist.active():
-            dist_checkpoint.save(root, step, policy, opt, extra, cfg.keep_checkpoints)
-        else:
-            ckpt.save(root, step, policy, {"optimizer": opt.state_dict(), **extra}, cfg.keep_checkpoints)
+        extra = {"scheduler": sched.state_dict(), "cursor": dict(cursor)}
+        dist_checkpoint.save_any(out / "checkpoints", step, policy, opt, extra, cfg.keep_checkpoints)
 
     def emit_eval(records: list[dict]) -> None:
         for r in records:
