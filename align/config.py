@@ -88,6 +88,12 @@ class TrainConfig:
     dist_timeout_s: float = field(
         default=600.0, metadata=_h("Under torchrun: seconds a collective waits for the other ranks before failing.")
     )
+    dp_replicate: int = field(
+        default=1, metadata=_h("Under torchrun: HSDP replica groups (the world is dp_replicate x dp_shard ranks).")
+    )
+    dp_shard: int = field(
+        default=0, metadata=_h("Under torchrun: ranks each replica shards over (0: world size / dp_replicate).")
+    )
     threads: int = field(
         default=1,
         metadata=_h(

@@ -23,16 +23,17 @@ Key decisions (issue 14)
   ``Transformer`` (meta-initialised, the gathered tensors assigned, no second copy) that the native sampler runs;
   it is dropped after the step's generation. Peak memory per rank while sampling: the shards (1/N of weights,
   gradients, optimizer state) + one full copy of the weights in the parameter dtype + the KV cache.
-- Checkpoints keep the single-process format (``align.checkpoint``): every rank gathers the full model and
-  optimizer state (``full_model``, ``optimizer_state``: parameter ids in ``opt.param_groups`` order), rank 0 writes
-  and commits them, the others wait at a barrier; ``restore_optimizer`` shards a saved state for this world size,
-  so any world size resumes any checkpoint. Sharded DCP checkpoints (no full copy on rank 0) are not done yet.
+- Checkpoints: sharded DCP directories, each rank writing its shards (``align.dist_checkpoint``); a single-process
+  checkpoint (``align.checkpoint``'s format) still resumes under torchrun: ``restore_optimizer`` shards its full
+  optimizer state for this world size.
+- ``--rollout spool``: ``ShardedSpoolClient`` (each rank submits its share with ``first_prompt_index``; rank 0
+  syncs the worker, every rank waits); ``full_model(to_main_cpu=True)`` streams the weights to rank 0's CPU for
+  snapshots; ``check_shared_dir`` makes every rank agree that the spool is one writable directory.
 """
 
 from __future__ import annotations
 
 import datetime
-import itertools
 import os
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -40,6 +41,7 @@ from typing import Any, TypeVar
 import torch
 
 T = TypeVar("T")
+_MESH: dict = {}  # {"mesh": the 2-D DeviceMesh} under HSDP (--dp-replicate > 1), set by setup
 
 
 def env_world_size() -> int:
@@ -70,19 +72,21 @@ def is_main() -> bool:
 
 def check_supported(cfg: Any, n: int) -> None:
     """What this first slice of multi-process training refuses, before any collective could hang."""
+    rep, shard_n = getattr(cfg, "dp_replicate", 1), getattr(cfg, "dp_shard", 0)
+    if rep < 1 or shard_n < 0 or rep * (shard_n or n // rep) != n or n % rep:
+        raise ValueError(f"--dp-replicate {rep} x --dp-shard {shard_n} does not make the world size {n}; pass "
+                         f"--dp-replicate R and --dp-shard S with R x S = {n} (--dp-shard 0: {n} / R)")  # fmt: skip
     if cfg.prompts_per_step % n:
         raise ValueError(f"--prompts-per-step {cfg.prompts_per_step} is not divisible by the world size {n} "
                          f"(torchrun --nproc-per-node x nodes); make it a multiple of {n}")  # fmt: skip
     unsupported = {
-        "--rollout spool": cfg.rollout != "native",
         "--lora-rank > 0": cfg.lora.enabled,
         "--adv-refill": cfg.adv_refill,
-        "--eval-interval > 0 (in-process or snapshot eval)": cfg.eval.eval_interval > 0,
     }
     bad = [k for k, v in unsupported.items() if v]
     if bad:
-        raise ValueError(f"not supported under torchrun yet: {', '.join(bad)}; run without them (e.g. "
-                         "--eval-interval 0) or in one process")  # fmt: skip
+        raise ValueError(f"not supported under torchrun yet: {', '.join(bad)}; run without them or in one "
+                         "process")  # fmt: skip
 
 
 def setup(cfg: Any) -> None:
@@ -93,8 +97,9 @@ def setup(cfg: Any) -> None:
     if n <= 1:
         return
     check_supported(cfg, n)
+    _MESH.clear()
     if torch.distributed.is_initialized():
-        return
+        return _make_mesh(cfg, n, "cuda" if torch.distributed.get_backend() == "nccl" else "cpu")
     local = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
     if cuda:
@@ -109,6 +114,16 @@ def setup(cfg: Any) -> None:
     timeout = datetime.timedelta(seconds=getattr(cfg, "dist_timeout_s", 600.0))
     torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=timeout,
                                          device_id=torch.device("cuda", local) if cuda else None)  # fmt: skip
+    _make_mesh(cfg, n, "cuda" if cuda else "cpu")
+
+
+def _make_mesh(cfg: Any, n: int, device_type: str) -> None:
+    """HSDP (``--dp-replicate R > 1``): a (R, n / R) DeviceMesh, replicas over dim 0, shards over dim 1."""
+    rep = getattr(cfg, "dp_replicate", 1)
+    if rep > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _MESH["mesh"] = init_device_mesh(device_type, (rep, n // rep), mesh_dim_names=("replicate", "shard"))
 
 
 def shard(model: torch.nn.Module, precision: str) -> torch.nn.Module:
@@ -119,9 +134,10 @@ def shard(model: torch.nn.Module, precision: str) -> torch.nn.Module:
 
     param_dtype = torch.bfloat16 if precision == "bf16-mixed" else None
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    mesh = _MESH.get("mesh")  # None: plain FSDP over every rank
     for layer in model.model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # the per-rank losses are parts of one sum (see the docstring)
@@ -218,9 +234,12 @@ def scalar(t: torch.Tensor | float) -> float:
 # ------------------------------------------------------------------------------------------------ full weights
 
 
-def full_model(model: torch.nn.Module) -> torch.nn.Module:
+def full_model(model: torch.nn.Module, to_main_cpu: bool = False) -> torch.nn.Module | None:
     """An unsharded ``Transformer`` with the current weights (a collective every rank enters); ``model`` itself in
-    one process. The parameters are all-gathered one by one and assigned, never copied twice."""
+    one process. The parameters are all-gathered one by one and assigned, never copied twice.
+
+    ``to_main_cpu``: streamed to rank 0's CPU (each parameter gathered on the device, copied to the CPU, the device
+    copy freed before the next: never two full copies on a device); the other ranks get None. For snapshots."""
     if not active():
         return model
     from torch.distributed.fsdp import FSDPModule
@@ -234,6 +253,10 @@ def full_model(model: torch.nn.Module) -> torch.nn.Module:
     state = {}
     for name, p in model.named_parameters():  # tied: the embedding once
         state[name] = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        if to_main_cpu:
+            state[name] = state[name].cpu() if is_main() else None
+    if to_main_cpu and not is_main():
+        return None
     with torch.device("meta"):
         full = Transformer(cfg)
     full.load_state_dict(state, strict=not cfg.tie_word_embeddings, assign=True)
@@ -277,6 +300,74 @@ class ShardedNativeClient:
         pass
 
 
+class ShardedSpoolClient:
+    """``--rollout spool`` under torchrun: every rank submits its share of the prompts to the shared spool (its own
+    request, seeded by global prompt index: ``first_prompt_index``), so the completions are the ones one process
+    gets; every rank gets all of them, in prompt order. Rank 0 alone syncs weights; the others wait at a barrier
+    until the worker has loaded the snapshot."""
+
+    def __init__(self, client: Any) -> None:
+        self.client, self.spool = client, client.spool
+        self.weights_version = client.weights_version
+        barrier()  # rank 0 has started (or attached to) the worker
+
+    @property
+    def logprob_basis(self) -> str:
+        return self.client.logprob_basis
+
+    def generate(self, prompts: list[list[int]], params: Any) -> list:
+        lo, hi = share(len(prompts))
+        mine = self.client.generate(prompts[lo:hi], params, first_prompt_index=lo) if hi > lo else []
+        out = []
+        for start, part in zip((share_of(len(prompts), r)[0] for r in range(world())), gather(mine)):
+            for c in part:
+                c.prompt_index += start
+                out.append(c)
+        return out
+
+    def sync_weights(self, snapshot_dir: Any, version: int) -> float:
+        seconds = self.client.sync_weights(snapshot_dir, version) if is_main() else 0.0
+        barrier()  # no rank submits a request before the worker serves the new weights
+        self.weights_version = self.client.weights_version = int(version)
+        return seconds
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def check_shared_dir(path: Any) -> None:
+    """Under torchrun: ``path`` (the spool) must be one directory every rank can write. Each rank probes it, rank 0
+    leaves a token the others must see; the verdicts are gathered, so every rank raises the same error (no rank
+    waits at a later collective for one that already failed)."""
+    import uuid
+    from pathlib import Path
+
+    if not active():
+        return
+    root = Path(path)
+    token = root / f".rank0-probe-{uuid.uuid4().hex[:8]}" if is_main() else None
+    problem = None
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".probe-rank{rank()}-{uuid.uuid4().hex[:8]}"
+        probe.write_text("ok")
+        probe.unlink()
+        if token is not None:
+            token.write_text("ok")
+    except OSError as e:
+        problem = f"rank {rank()} cannot write the spool dir {root} ({e})"
+    names = gather(token.name if token is not None else None)
+    if problem is None and not (root / names[0]).is_file():
+        problem = f"rank {rank()} does not see rank 0's files in {root} (not a shared filesystem)"
+    problems = [p for p in gather(problem) if p]
+    barrier()
+    if token is not None:
+        token.unlink(missing_ok=True)
+    if problems:
+        raise RuntimeError(f"--rollout spool under torchrun needs one spool directory every rank can write (--spool "
+                           f"on a shared filesystem): {'; '.join(problems)}")  # fmt: skip
+
+
 def share_of(n: int, r: int) -> tuple[int, int]:
     """``share`` of rank ``r``."""
     base, extra = divmod(n, world())
@@ -290,22 +381,6 @@ def share_of(n: int, r: int) -> tuple[int, int]:
 def barrier() -> None:
     if active():
         torch.distributed.barrier()
-
-
-def optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
-    """``opt.state_dict()`` in one process. Under torchrun (a collective): the full, unsharded state on rank 0's
-    CPU in the same layout (parameter ids in ``opt.param_groups`` order), so one checkpoint format serves every
-    world size; the other ranks get {}."""
-    if not active():
-        return opt.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if not is_main():
-        return {}
-    ids = dict(zip(_optimizer_fqns(model, opt), itertools.count()))
-    groups = [{**g, "params": [ids[f] for f in g["params"]]} for g in full["param_groups"]]
-    return {"state": {ids[f]: s for f, s in full["state"].items()}, "param_groups": groups}
 
 
 def restore_optimizer(model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict, ckpt: Any) -> None:

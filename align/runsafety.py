@@ -55,6 +55,9 @@ RESUMABLE = (
     "log.",  # sample logs and the optional metrics mirror
     "rewards.reward_workers",  # how rewards are computed, not what they are
     "rewards.reward_timeout_s",
+    "dist_timeout_s",  # torchrun: how long a collective waits
+    "dp_replicate",  # torchrun: the sharding layout (same numbers: checkpoints reshard)
+    "dp_shard",
 )
 
 

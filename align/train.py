@@ -156,7 +156,7 @@ def train(
     import torch
 
     from align import checkpoint as ckpt
-    from align import dist, learner, lora
+    from align import dist, dist_checkpoint, learner, lora
     from align.device import make_optimizer
     from align.device import resolve as resolve_placement
     from align.eval import EvalSet, make_evaluator
@@ -222,10 +222,13 @@ def train(
         lora.apply_lora(policy, cfg.lora, base_model=model_path, seed=cfg.seed)
         if resume:
             lora.load_adapter(policy, resume[1] / "adapter")
-    elif resume:
+    elif resume and not dist_checkpoint.is_sharded(resume[1]):
         policy = ckpt.load_model(resume[1], place.param_dtype, device=place.device)
-    else:
+    else:  # a sharded (torchrun) checkpoint is loaded into this model after sharding
         policy = load_pretrained(model_path, dtype=place.param_dtype, device=place.device)
+    state = ckpt.load_state(resume[1]) if resume else None
+    if resume and dist_checkpoint.is_sharded(resume[1]):  # on every rank, before any collective
+        dist_checkpoint.check_model_config(resume[1], state, policy)
     policy.gradient_checkpointing = cfg.gradient_checkpointing
     mcfg = policy.config
     ref_model = None
@@ -251,11 +254,9 @@ def train(
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     step, cursor, pending = 0, {"epoch": 0, "index": 0}, []
-    if resume:
-        state = ckpt.load_state(resume[1])
-        dist.restore_optimizer(policy, opt, state, resume[1])
+    if resume:  # any world size resumes any checkpoint (DCP resharding, or the full single-process state)
+        dist_checkpoint.restore_any(resume[1], state, policy, opt)
         sched.load_state_dict(state["scheduler"])
-        ckpt.set_rng_state(state["rng"])
         step, cursor, pending = state["step"], state["cursor"], state.get("pending_batches", [])
         print(f"[align] resuming from {resume[1]} (step {step})", flush=True)
     logs = (
@@ -271,13 +272,21 @@ def train(
     # Rollout client.
     worker = None
     ray_eval = out / "eval_spool" if cfg.uses_ray and cfg.eval.eval_num_gpus > 0 else None  # eval engines on Ray
+
+    def publish(snap: Path) -> None:  # torchrun: gathered to rank 0's CPU, written by it; every rank waits for it
+        full = dist.full_model(policy, to_main_cpu=True)
+        if dist.is_main():
+            lora.save_policy(full, snap)  # LoRA: the adapter only, served on the base model
+        dist.barrier()
+
     if cfg.rollout == "native":
         client = dist.ShardedNativeClient(policy) if dist.active() else make_rollout_client("native", model=policy)
     else:
         spool = Path(cfg.spool or out / "spool")
+        dist.check_shared_dir(spool)  # torchrun: every rank writes requests there
         init_snapshot = out / "rollout_snapshots" / f"v{step}"
-        lora.save_policy(policy, init_snapshot)  # LoRA: the adapter only, served on the base model
-        if cfg.spawn_worker:
+        publish(init_snapshot)
+        if cfg.spawn_worker and dist.is_main():
             worker = spawn_worker(
                 spool,
                 gpu=cfg.rollout_gpu,
@@ -300,6 +309,7 @@ def train(
                 eval_weights_version=0,
             )
         client = make_rollout_client("spool", spool=spool, timeout_s=cfg.rollout_timeout_s, worker=worker)
+        client = dist.ShardedSpoolClient(client) if dist.active() else client
         if (
             not cfg.spawn_worker or cfg.lora.enabled
         ):  # an attached worker holds whatever it loaded last; LoRA: the adapter
@@ -343,13 +353,18 @@ def train(
         from align.rollout.native import generate
 
         with place.autocast():  # as the training rollouts (bf16-mixed: bf16 matmuls)
-            comps = generate(policy, eval_encoded, eval_sampling)
+            if dist.active():  # torchrun: every rank samples its share (the same completions), all score them
+                comps = dist.ShardedNativeClient(policy).generate(eval_encoded, eval_sampling)
+            else:
+                comps = generate(policy, eval_encoded, eval_sampling)
         return score_completions(eval_encoded, comps, eval_set.score, eval_sampling.n)
+
+    eval_weights: list = []  # torchrun: the eval step's weights, gathered to rank 0's CPU by every rank
 
     def export(path: str) -> None:
         # LoRA: the adapter (the fleet serves it on the base model); merged for a CheckpointEvalFn's own backend
         lora.save_policy(
-            policy,
+            eval_weights.pop() if dist.active() else policy,
             path,
             merge=cfg.eval.eval_function_path is not None,
             copy_tokenizer_from=cfg.data.tokenizer or model_path,
@@ -359,27 +374,30 @@ def train(
     if eval_set is None and not eval_cfg.uses_snapshots and eval_cfg.eval_interval > 0:
         log.info("no held-out prompts: in-process eval is off (pass eval_prompts=... or --eval-data to evaluate)")
         eval_cfg = replace(eval_cfg, eval_interval=0)
-    evaluator = make_evaluator(
-        eval_cfg,
-        eval_set,
-        export_fn=export,
-        blocking_eval_fn=blocking_eval if eval_set else None,
-        should_stop=lambda: bool(stop_flag.get("signal")),
-        reserved_gpus=[cfg.rollout_gpu],
-        fleet=EvalFleet.on_ray_router(cfg.eval, ray_eval, worker) if ray_eval else None,
-    )
+    from align.eval.evaluator import Evaluator
 
-    def save_checkpoint() -> None:  # torchrun: every rank gathers, rank 0 writes, the others wait for the marker
-        weights, opt_state = dist.full_model(policy), dist.optimizer_state(policy, opt)
-        if dist.is_main():
-            ckpt.save(out / "checkpoints", step, weights, {"optimizer": opt_state, "scheduler": sched.state_dict(),
-                                                         **pipe.checkpoint_state(step, cursor)}, cfg.keep_checkpoints)  # fmt: skip
-        dist.barrier()
+    if dist.active() and not dist.is_main() and eval_cfg.uses_snapshots:  # torchrun: rank 0 alone dispatches
+        evaluator = Evaluator(eval_cfg)
+    else:
+        evaluator = make_evaluator(
+            eval_cfg,
+            eval_set,
+            export_fn=export,
+            blocking_eval_fn=blocking_eval if eval_set else None,
+            should_stop=lambda: bool(stop_flag.get("signal")),
+            reserved_gpus=[cfg.rollout_gpu],
+            fleet=EvalFleet.on_ray_router(cfg.eval, ray_eval, worker) if ray_eval else None,
+        )
+
+    def save_checkpoint() -> None:  # torchrun: each rank writes its DCP shards, rank 0 commits (align.dist_checkpoint)
+        extra = {"scheduler": sched.state_dict(), **pipe.checkpoint_state(step, cursor)}
+        dist_checkpoint.save_any(out / "checkpoints", step, policy, opt, extra, cfg.keep_checkpoints)
 
     def emit_eval(records: list[dict]) -> None:
         for r in records:
             metrics.write(r)
-            print(format_line(r), flush=True)
+            if dist.is_main():
+                print(format_line(r), flush=True)
 
     def next_prompts(n: int) -> list[int]:
         order = batch_order(len(task.prompts), cfg.seed, cursor["epoch"])
@@ -480,11 +498,11 @@ def train(
                 sync_s = pipe.publish(step, policy)
             elif cfg.rollout == "spool" and step % cfg.sync_every == 0:
                 snap = out / "rollout_snapshots" / f"v{step}"
-                lora.save_policy(policy, snap)
+                publish(snap)
                 sync_s = client.sync_weights(snap, step)
                 pipe.published = step
                 prev = out / "rollout_snapshots" / f"v{step - cfg.sync_every}"
-                if prev.exists():
+                if prev.exists() and dist.is_main():
                     import shutil
 
                     shutil.rmtree(prev, ignore_errors=True)
@@ -542,6 +560,8 @@ def train(
                     samples.write(r)
             # 8. eval and checkpoint
             is_final = step == cfg.steps
+            if dist.active() and eval_cfg.uses_snapshots and eval_cfg.is_due(step, is_final):
+                eval_weights[:] = [dist.full_model(policy, to_main_cpu=True)]  # a collective: all ranks, same step
             emit_eval(evaluator.step(step, is_final) + evaluator.poll())
             dist.agree_on_signal(stop_flag)  # torchrun: a signal seen by any rank stops every rank after this step
             if is_final or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stop_flag.get("signal"):
@@ -565,7 +585,7 @@ def train(
             if worker is not None:
                 worker.shutdown()
     if cfg.save_hf and step == cfg.steps:
-        full = dist.full_model(policy)  # torchrun: gathered by every rank, written by rank 0
+        full = dist.full_model(policy, to_main_cpu=True)  # torchrun: streamed to rank 0's CPU, written by it
         if dist.is_main():
             runsafety.export_hf(
                 lambda d: lora.save_policy(

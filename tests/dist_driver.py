@@ -1,21 +1,36 @@
 """Driver of tests/test_dist.py (not a test): ``train()`` on a tiny model, run as one process or under torchrun.
 
-argv[1]: JSON {"cfg": TrainConfig fields, "model": dir, "calls": path, "per_rank_normaliser": bool}. Rank 0 writes
+argv[1]: JSON {"cfg": TrainConfig fields, "model": dir, "calls": path, "per_rank_normaliser": bool, "hang": {rank,
+after_calls}, "kill_in_save": {rank, call}, "eval": bool (held-out prompts, cfg["eval"] kept)}. Rank 0 writes
 the (prompt, completion) pairs the reward saw, in call order, to "calls"."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 
 from align import dist
+from align.eval import CheckpointEvalFn
 from align.tasks.tokenizer import CharTokenizer
 from align.train import TrainConfig, train
 
 TOK = CharTokenizer("abcd=")
 PROMPTS = [{"prompt": w + "="} for w in ("ab", "cd", "bca", "dd", "abc", "cab", "dab", "bb")]
+EVAL_PROMPTS = [{"prompt": w + "="} for w in ("ca", "dba", "a")]
 CALLS: list[list[str]] = []
+
+
+class WeightSum(CheckpointEvalFn):
+    """The snapshot-eval test's CheckpointEvalFn: the sum of |w| over the exported snapshot."""
+
+    def evaluate_checkpoint(self, checkpoint_dir: str, input) -> dict[str, float]:
+        from safetensors.torch import load_file
+
+        weights = load_file(f"{checkpoint_dir}/model.safetensors")
+        return {"weight_sum": sum(float(t.double().abs().sum()) for t in weights.values())}
 
 
 HANG = {}
@@ -33,10 +48,25 @@ def main() -> None:
     if spec.get("per_rank_normaliser"):  # the negative control: each rank divides by its own counts
         dist.reduce_counts = lambda counts: counts
     HANG.update(spec.get("hang", {}))
+    if kill := spec.get("kill_in_save"):  # kill -9 of one rank after its DCP shards, before the commit marker
+        import torch.distributed.checkpoint as dcp
+
+        stock, calls = dcp.save, []
+
+        def save(*args, **kwargs):
+            out = stock(*args, **kwargs)
+            calls.append(1)
+            if dist.rank() == kill["rank"] and len(calls) == kill["call"]:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return out
+
+        dcp.save = save
     cfg = TrainConfig(**spec["cfg"])
-    cfg.eval.eval_interval = 0
+    if not spec.get("eval"):
+        cfg.eval.eval_interval = 0
     cfg.log.log_completions_every = 0
-    train(cfg, model=spec["model"], tokenizer=TOK, prompts=PROMPTS, reward=reward)
+    train(cfg, model=spec["model"], tokenizer=TOK, prompts=PROMPTS, reward=reward,
+          eval_prompts=EVAL_PROMPTS if spec.get("eval") else None)  # fmt: skip
     if dist.is_main():
         with open(spec["calls"], "w") as fh:
             json.dump(CALLS, fh)

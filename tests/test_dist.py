@@ -49,6 +49,7 @@ def test_generate_rows_samples_what_the_whole_call_samples(tiny_model):
 
 
 def _run(tmp_path: Path, name: str, model: str, nproc: int, per_rank_normaliser: bool = False, hang: dict | None = None,
+         kill_in_save: dict | None = None, expect_fail: bool = False, with_eval: bool = False,
          **extra) -> dict:  # fmt: skip
     out = tmp_path / name
     cfg = {
@@ -72,18 +73,20 @@ def _run(tmp_path: Path, name: str, model: str, nproc: int, per_rank_normaliser:
         "calls": str(tmp_path / f"{name}.calls.json"),
         "per_rank_normaliser": per_rank_normaliser,
         "hang": hang or {},
+        "kill_in_save": kill_in_save or {},
+        "eval": with_eval,
     }
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd = (launcher if nproc > 1 else [sys.executable]) + [str(DRIVER), json.dumps(spec)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)
-    if hang:
+    if hang or kill_in_save or expect_fail:
         return {"returncode": p.returncode, "log": p.stdout + p.stderr}
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    recs = [r for r in recs if "reward_mean" in r]
+    every = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    recs = [r for r in every if "reward_mean" in r]
     params = dict(load_pretrained(cfg["save_hf"]).named_parameters())
-    return {"recs": recs, "calls": json.loads((tmp_path / f"{name}.calls.json").read_text()), "params": params}
+    return {"recs": recs, "all": every, "calls": json.loads((tmp_path / f"{name}.calls.json").read_text()), "params": params}
 
 
 def _max_param_diff(a: dict, b: dict) -> float:
@@ -127,6 +130,20 @@ def test_two_ranks_give_the_single_process_result(tmp_path, tiny_model, extra):
     assert _max_param_diff(one["params"], bad["params"]) > PARAM_TOL  # ...but not the whole-batch gradient
 
 
+@pytest.mark.slow
+def test_hsdp_two_replicas_give_the_single_process_result(tmp_path, tiny_model):
+    """--dp-replicate 2 (HSDP on a (2, 1) DeviceMesh: each rank holds a full replica, gradients all-reduced across
+    replicas) trains exactly as one process (the per-rank-normaliser control is the plain FSDP test's)."""
+    one = _run(tmp_path, "one", tiny_model, 1)
+    two = _run(tmp_path, "two", tiny_model, 2, dp_replicate=2)
+    assert one["calls"] == two["calls"]
+    for a, b in zip(one["recs"], two["recs"], strict=True):
+        for k in ("loss", "grad_norm"):
+            assert abs(a[k] - b[k]) <= LOSS_TOL, (a["step"], k, a[k], b[k])
+    assert _max_param_diff(one["params"], dict(load_pretrained(tiny_model).named_parameters())) > 100 * PARAM_TOL
+    assert _max_param_diff(one["params"], two["params"]) <= PARAM_TOL
+
+
 BF16_LOSS_TOL = 2e-3  # bf16 weights: 1 vs 2 ranks round the summed gradients differently
 
 
@@ -151,24 +168,74 @@ def _resume(tmp_path: Path, name: str, model: str, first: int, second: int) -> t
     return whole, again
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("first", "second"), [(2, 1), (1, 2)], ids=["2to1", "1to2"])
-def test_resume_with_another_world_size(tmp_path, tiny_model, first, second):
-    """A checkpoint written by 2 ranks resumes in 1 process and vice versa: the redone step is the same step."""
-    whole, again = _resume(tmp_path, "run", tiny_model, first, second)
+def _assert_same_last_step(whole: dict, again: dict) -> None:
     assert [r["step"] for r in again["recs"]] == [1, 2, 3]  # metrics.jsonl kept steps 1-2, then the redone step 3
     a, b = whole["recs"][-1], again["recs"][-1]
     assert a["reward_mean"] == b["reward_mean"]
     for k in ("loss", "grad_norm"):
         assert abs(a[k] - b[k]) <= LOSS_TOL, (k, a[k], b[k])
     assert _max_param_diff(whole["params"], again["params"]) <= PARAM_TOL
+
+
+def _scale_dcp_second_moments(ckpt: Path, model: str) -> None:
+    """Rewrite a sharded checkpoint's optimizer state with exp_avg_sq x 4 (DCP load and save in one process)."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from align import dist_checkpoint
+
+    m = load_pretrained(model)
+    opt = torch.optim.AdamW(m.parameters())
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)  # the run's param groups carry initial_lr
+    model_sd, optim_sd = get_state_dict(m, opt)
+    sd = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(sd, storage_reader=dist_checkpoint._reader(ckpt / "dcp"), planner=dist_checkpoint._planner())
+    for s in sd["optimizer"]["state"].values():
+        s["exp_avg_sq"] *= 4
+    shutil.rmtree(ckpt / "dcp")
+    dcp.save(sd, checkpoint_id=str(ckpt / "dcp"))
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_resumes_in_one_process_and_after_a_kill(tmp_path, tiny_model):
+    """2 ranks write DCP checkpoints (each rank its shards, rank 0 commits): one process resumes step_2 and redoes
+    step 3 exactly (DCP resharding); a rank kill -9'd after writing its step-3 shards leaves no committed step_3, and
+    rerunning the same command resumes step_2 and ends where the uninterrupted run ended."""
+    whole, again = _resume(tmp_path, "run", tiny_model, 2, 1)
+    step2 = tmp_path / "run" / "checkpoints" / "step_2"
+    assert sorted(p.name for p in (step2 / "dcp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert not (step2 / "model").exists() and (step2 / "rng_rank1.pt").is_file()
+    _assert_same_last_step(whole, again)
+    # negative control: the optimizer state is restored (step 3 redone with its second moments scaled differs)
+    _scale_dcp_second_moments(step2, tiny_model)
+    bad = _run(tmp_path, "run", tiny_model, 1, resume_from="step_2", save_hf=str(tmp_path / "run.bad.hf"))
+    assert _max_param_diff(whole["params"], bad["params"]) > PARAM_TOL
+    # kill -9 of rank 1 after its step-3 shards (rank 0 waits at the barrier before the marker)
+    killed = _run(tmp_path, "kill", tiny_model, 2, kill_in_save={"rank": 1, "call": 2}, checkpoint_every=2)
+    assert killed["returncode"] != 0
+    ckpts = tmp_path / "kill" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir() if not p.name.startswith(".")) == ["step_2"]
+    assert [p for p in ckpts.iterdir() if p.name.startswith(".step_3.tmp-")]  # the uncommitted write is left...
+    rerun = _run(tmp_path, "kill", tiny_model, 2, checkpoint_every=2)
+    _assert_same_last_step(whole, rerun)
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_2", "step_3"]  # ...and removed by the next save
+
+
+@pytest.mark.slow
+def test_single_process_checkpoint_resumes_on_two_ranks(tmp_path, tiny_model):
+    """A checkpoint written by one process (HF model + trainer_state.pt) resumes under torchrun: the redone step is
+    the same step."""
+    whole, again = _resume(tmp_path, "run", tiny_model, 1, 2)
+    _assert_same_last_step(whole, again)
     # negative control: the optimizer state is restored (step 3 redone with its second moments scaled differs)
     state_path = tmp_path / "run" / "checkpoints" / "step_2" / "trainer_state.pt"
     state = torch.load(state_path, weights_only=True)
     for s in state["optimizer"]["state"].values():
         s["exp_avg_sq"] *= 4
     torch.save(state, state_path)
-    bad = _run(tmp_path, "run", tiny_model, second, resume_from="step_2", save_hf=str(tmp_path / "run.bad.hf"))
+    bad = _run(tmp_path, "run", tiny_model, 2, resume_from="step_2", save_hf=str(tmp_path / "run.bad.hf"))
     assert _max_param_diff(whole["params"], bad["params"]) > PARAM_TOL
 
 
@@ -186,10 +253,18 @@ def test_unsupported_settings_are_refused_before_any_collective(monkeypatch):
     check_supported(cfg(), 2)  # control: the plain config passes
     with pytest.raises(ValueError, match="--prompts-per-step 4 is not divisible by the world size 3"):
         check_supported(cfg(), 3)
-    with pytest.raises(ValueError, match="--rollout spool"):
-        check_supported(cfg(rollout="spool"), 2)
-    with pytest.raises(ValueError, match="--eval-interval"):
-        check_supported(TrainConfig(prompts_per_step=4), 2)  # eval on by default
+    check_supported(cfg(rollout="spool"), 2)  # the spool works under torchrun
+    with pytest.raises(ValueError, match="--lora-rank > 0"):
+        c = cfg()
+        c.lora.rank = 4
+        check_supported(c, 2)
+    check_supported(TrainConfig(prompts_per_step=4), 2)  # eval (on by default) works under torchrun
+    with pytest.raises(ValueError, match="--adv-refill"):
+        check_supported(cfg(adv_refill=True), 2)
+    check_supported(cfg(dp_replicate=2, dp_shard=2), 4)  # HSDP: 2 replicas x 2 shards
+    for bad in ({"dp_replicate": 3}, {"dp_replicate": 2, "dp_shard": 2}):
+        with pytest.raises(ValueError, match=r"does not make the world size 2; pass --dp-replicate R and --dp-shard S"):
+            check_supported(cfg(**bad), 2)
     # more local ranks than GPUs: rank 0 (which has a GPU when there is one) refuses too, before the process group
     from align.dist import setup
 
@@ -267,3 +342,159 @@ def test_a_hung_rank_fails_the_others_within_the_timeout(tmp_path, tiny_model):
     assert res["returncode"] != 0
     assert "Timed out" in res["log"], res["log"][-3000:]
     assert time.monotonic() - t0 < 120
+
+
+def _sharded_checkpoint(tmp_path: Path, model: str) -> tuple[Path, dict, Transformer, torch.optim.Optimizer]:
+    """A DCP checkpoint written by ``align.dist_checkpoint.save`` in one process (the code torchrun ranks run)."""
+    from align import dist_checkpoint
+    from align.checkpoint import load_state
+
+    m = load_pretrained(model)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    m(torch.tensor([[1, 2, 3]])).float().sum().backward()
+    opt.step()
+    ckpt = dist_checkpoint.save(tmp_path / "ckpts", 1, m, opt, {"scheduler": {}, "cursor": {"epoch": 0, "index": 4}},
+                                keep=2)  # fmt: skip
+    fresh = load_pretrained(model)
+    return ckpt, load_state(ckpt), fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+
+
+class _Payload:
+    """Pickles to a call of os.mkdir: what a crafted .metadata could run if it were unpickled."""
+
+    def __init__(self, target: Path) -> None:
+        self.target = target
+
+    def __reduce__(self):
+        return (os.mkdir, (str(self.target),))
+
+
+def test_sharded_checkpoint_metadata_is_never_unpickled(tmp_path, tiny_model):
+    """DCP's .metadata is a pickle: align reads it with an allow-list unpickler, so a crafted file is refused with a
+    CheckpointError and its payload never runs (negative control: torch's stock reader runs it)."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from align import dist_checkpoint
+    from align.checkpoint import CheckpointError
+
+    ckpt, state, model, opt = _sharded_checkpoint(tmp_path, tiny_model)
+    dist_checkpoint.restore(ckpt, state, model, opt)  # control: the genuine checkpoint loads
+    saved = load_pretrained(tiny_model)
+    assert _max_param_diff(dict(model.named_parameters()), dict(saved.named_parameters())) > 0  # the stepped weights
+    assert all(float(s["step"]) == 1 for s in opt.state.values())
+    target = tmp_path / "payload_ran"
+    (ckpt / "dcp" / ".metadata").write_bytes(pickle.dumps(_Payload(target)))
+    with pytest.raises(CheckpointError, match=r"\.metadata cannot be read safely .*refused global posix\.mkdir"):
+        dist_checkpoint.restore(ckpt, state, model, opt)
+    assert not target.exists()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    with pytest.raises(BaseException):  # noqa: B017 (whatever fails after the payload ran)
+        dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(ckpt / "dcp"))
+    assert target.is_dir()  # the stock reader unpickled it
+
+
+def test_sharded_checkpoint_of_another_model_is_refused(tmp_path, tiny_model):
+    from align import dist_checkpoint
+    from align.checkpoint import CheckpointError
+
+    ckpt, state, model, _ = _sharded_checkpoint(tmp_path, tiny_model)
+    dist_checkpoint.check_model_config(ckpt, state, model)  # control
+    state["model_config"]["num_hidden_layers"] += 1
+    with pytest.raises(CheckpointError, match=r"another model .*'num_hidden_layers': \(3, 2\)"):
+        dist_checkpoint.check_model_config(ckpt, state, model)
+
+
+@pytest.mark.slow
+@pytest.mark.rollout
+def test_two_ranks_with_the_spool_sample_what_one_process_samples(tmp_path, tiny_model):
+    """--rollout spool under torchrun: rank 0 publishes the snapshot (gathered to its CPU) and syncs the worker, each
+    rank submits its share of the prompts (seeded by global prompt index) to the real vLLM CPU worker: the same
+    completions as one process, the same training. One worker serves both runs and the control."""
+    from helpers_models import require_rollout_venv
+
+    from align.rollout.client import SpoolClient, spawn_worker
+
+    require_rollout_venv()
+    spool = tmp_path / "spool"
+    mcfg = load_pretrained(tiny_model).config
+    worker = spawn_worker(spool, model=tiny_model, weights_version=0, log_path=tmp_path / "worker.log",
+                          in_process=True, max_model_len=mcfg.max_position_embeddings, dtype="float32")  # fmt: skip
+    extra = {"rollout": "spool", "spool": str(spool), "spawn_worker": False, "rollout_timeout_s": 600, "steps": 2}
+    try:
+        one = _run(tmp_path, "one", tiny_model, 1, **extra)
+        two = _run(tmp_path, "two", tiny_model, 2, **extra)
+        # negative control: a share submitted without its global prompt index samples other completions
+        client = SpoolClient(spool, timeout_s=600)
+        prompts = [[1, 3, 7], [4, 5, 7], [1, 6, 3, 7], [5, 5, 7]]
+        params = SamplingParams(n=4, temperature=1.0, max_tokens=4, seed=11)
+        whole = client.generate(prompts, params)
+        share = client.generate(prompts[2:], params, first_prompt_index=2)
+        alone = client.generate(prompts[2:], params)
+    finally:
+        worker.shutdown(grace_s=5)
+    assert [c.token_ids for c in share] == [c.token_ids for c in whole[8:]]
+    assert [c.token_ids for c in alone] != [c.token_ids for c in whole[8:]]
+    assert one["calls"] == two["calls"] and len(one["calls"]) == 2 * 16  # the same completions, in order
+    for a, b in zip(one["recs"], two["recs"], strict=True):
+        assert a["reward_mean"] == b["reward_mean"] and a["sync_time"] > 0 and b["sync_time"] > 0
+        for k in ("loss", "grad_norm"):
+            assert abs(a[k] - b[k]) <= LOSS_TOL, (a["step"], k, a[k], b[k])
+    assert _max_param_diff(one["params"], two["params"]) <= PARAM_TOL
+
+
+@pytest.mark.slow
+def test_spool_dir_that_a_rank_cannot_write_fails_every_rank(tmp_path, tiny_model):
+    """torchrun + --rollout spool with a spool path no rank can create: the same clear error on both ranks, before
+    any snapshot or worker (the verdicts are gathered, so no rank waits for another at a later collective)."""
+    (tmp_path / "file").write_text("not a directory")
+    res = _run(tmp_path, "run", tiny_model, 2, expect_fail=True, rollout="spool", spool=str(tmp_path / "file" / "s"),
+               spawn_worker=False)  # fmt: skip
+    assert res["returncode"] != 0
+    assert res["log"].count("needs one spool directory every rank can write") == 2, res["log"][-3000:]
+    assert "rank 1 cannot write the spool dir" in res["log"]
+    assert not (tmp_path / "run" / "rollout_snapshots").exists()
+
+
+EVAL_TOL = 1e-4  # the snapshot eval's sum of |w| (~5e3) of 1 vs 2 ranks (parameters agree to PARAM_TOL each)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("posture", ["blocking", "snapshot"])
+def test_eval_under_torchrun_measures_what_one_process_measures(tmp_path, tiny_model, posture):
+    """Blocking eval: every rank samples its share of the held-out prompts; snapshot eval: every rank enters the
+    weights gather at the same eval step, rank 0 exports and dispatches. The eval records equal one process's."""
+    ev = {"eval_interval": 1, "eval_max_tokens": 4}
+    if posture == "snapshot":
+        ev |= {"eval_function_path": f"{DRIVER}:WeightSum", "eval_hf_dir": str(tmp_path / "{name}")}
+    runs = {}
+    for name, nproc in (("one", 1), ("two", 2)):
+        e = {**ev, "eval_hf_dir": ev["eval_hf_dir"].format(name=f"{name}.eval")} if "eval_hf_dir" in ev else ev
+        runs[name] = _run(tmp_path, name, tiny_model, nproc, with_eval=True, steps=2, eval=e)
+    key = "eval/avg@1" if posture == "blocking" else "eval/weight_sum"
+    one, two = ([r for r in runs[n]["all"] if key in r] for n in ("one", "two"))
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [0, 1, 2]
+    for a, b in zip(one, two, strict=True):
+        assert abs(a[key] - b[key]) <= EVAL_TOL, (a, b)
+    assert abs(one[0][key] - one[2][key]) > 100 * EVAL_TOL  # negative control: the points measure each step's weights
+
+
+def test_fleet_seeds_a_share_by_its_global_prompt_index(monkeypatch):
+    """The Ray fleet splits a request by prompt with a per-prompt seed: a torchrun rank's share (first_prompt_index)
+    gets the seeds the whole request's prompts get (negative control: without it, other seeds)."""
+    monkeypatch.syspath_prepend(str(ROOT / "extras" / "vllm_rollout"))
+    import fleet_engine
+
+    from align.rollout.protocol import Message, generate_request
+
+    prompts, params = [[1, 3], [4, 5], [1, 6], [5, 5]], SamplingParams(n=2, seed=11)
+
+    def seeds(msg) -> list[int]:
+        job = fleet_engine.Job(msg, params, 0.0, set(range(len(msg.body["prompts"]))))
+        return [Message.from_json(job.sub_message(i, "p")).body["params"]["seed"] for i in sorted(job.remaining)]
+
+    whole = seeds(generate_request(prompts, params))
+    assert seeds(generate_request(prompts[2:], params, first_prompt_index=2)) == whole[2:]
+    assert seeds(generate_request(prompts[2:], params)) != whole[2:]

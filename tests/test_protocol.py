@@ -558,3 +558,16 @@ def test_native_client_matches_native_generate_and_stamps_version(tmp_path):
         (1, 1, 4),
     ]
     assert torch.isfinite(torch.tensor([lp for c in out for lp in c.logprobs])).all()
+
+
+def test_first_prompt_index_travels_and_a_bad_one_is_refused():
+    """A torchrun rank's share carries the global index of its first prompt (the worker seeds by it); 0 is the
+    default and is left out, so a whole-batch request reads as before."""
+    from align.rollout.protocol import generate_request
+
+    params = SamplingParams(n=2, seed=3)
+    assert "first_prompt_index" not in generate_request([[1, 2]], params).body
+    assert generate_request([[1, 2]], params, first_prompt_index=4).body["first_prompt_index"] == 4
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ProtocolError, match="'first_prompt_index' must be an int >= 0"):
+            generate_request([[1, 2]], params, first_prompt_index=bad)

@@ -255,8 +255,8 @@ def test_resume_refuses_changed_math_with_a_diff(tmp_path, tiny_model):
 def test_resume_applies_and_logs_operational_changes(tmp_path, tiny_model, capsys):
     out = tmp_path / "run"
     run(cfg_for(out, steps=2, checkpoint_every=1), tiny_model)
-    cfg = cfg_for(out, steps=3, checkpoint_every=3, keep_checkpoints=1, micro_batch_size=3)
-    cfg.eval.eval_n = 2
+    cfg = cfg_for(out, steps=3, checkpoint_every=3, keep_checkpoints=1, micro_batch_size=3, dp_replicate=2)
+    cfg.eval.eval_n = 2  # (dp_replicate: the torchrun layout; one process ignores it)
     run(cfg, str(Path(tiny_model) / "sub" / ".."))  # the same model dir, spelled differently
     log = capsys.readouterr().out
     for change in (
@@ -265,6 +265,7 @@ def test_resume_applies_and_logs_operational_changes(tmp_path, tiny_model, capsy
         "keep_checkpoints: 2 -> 1",
         "micro_batch_size: 8 -> 3",
         "eval.eval_n: 4 -> 2",
+        "dp_replicate: 1 -> 2",
     ):
         assert f"applying changed setting {change}" in log, change
     saved = json.loads((out / "config.json").read_text())

@@ -138,18 +138,22 @@ class SpoolClient:
         return self._basis
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, request_id: str | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        request_id: str | None = None,
+        first_prompt_index: int = 0,
     ) -> list[Completion]:
         """Sample ``params.n`` completions per prompt; ordered by (prompt_index, sample_index).
 
         With ``request_id`` of an earlier request (e.g. ``WorkerDiedError.request_id``) nothing is resubmitted:
-        the call waits for that request's answer.
+        the call waits for that request's answer. ``first_prompt_index``: see ``protocol.generate_request``.
 
         The answer is checked against the request (``protocol.check_completions``: one completion per prompt and
         sample index, token ids in the worker's vocabulary, one logprob per token); a bad one raises
         ``ProtocolError`` naming the response file (kept in the spool's rejected/).
         """
-        msg = generate_request(prompts, params, id=request_id)
+        msg = generate_request(prompts, params, id=request_id, first_prompt_index=first_prompt_index)
         self._submit_once(msg)
         checked: list[Completion] = []
 

@@ -242,6 +242,9 @@ def _check_generate(body: dict, source: str) -> None:
         SamplingParams.from_dict(body["params"])
     except (TypeError, ValueError) as e:
         raise ProtocolError(f"{source}: bad generate 'params': {e}") from None
+    first = body.get("first_prompt_index", 0)
+    if not _is_int(first) or first < 0:
+        raise ProtocolError(f"{source}: generate 'first_prompt_index' must be an int >= 0, got {first!r}")
 
 
 def _is_int(x: object) -> bool:
@@ -322,9 +325,17 @@ def _completion_problem(c: object, n_prompts: int, params: SamplingParams, vocab
     return None
 
 
-def generate_request(prompts: list[list[int]], params: SamplingParams, id: str | None = None) -> Message:
-    """A generate request: token-id prompts and sampling params (n per prompt and seed live in params)."""
+def generate_request(
+    prompts: list[list[int]], params: SamplingParams, id: str | None = None, first_prompt_index: int = 0
+) -> Message:
+    """A generate request: token-id prompts and sampling params (n per prompt and seed live in params).
+
+    ``first_prompt_index``: the global index of ``prompts[0]`` in a larger batch split over several requests (one
+    per torchrun rank); the worker seeds sample j of prompt i with (seed, first_prompt_index + i, j), so the split
+    batch samples what the whole batch in one request samples. The answer's prompt_index stays local (from 0)."""
     body = {"prompts": [list(map(int, p)) for p in prompts], "params": params.to_dict()}
+    if first_prompt_index:
+        body["first_prompt_index"] = first_prompt_index
     msg = Message("generate", id or new_id(), body)
     _check_generate(body, f"generate request {msg.id}")
     return msg

@@ -151,7 +151,8 @@ class Job:
 
     def sub_message(self, i: int, sub_id: str) -> str:
         """Prompt ``i`` with its n samples as a one-prompt request for an engine (``sub_id``: its id in the call)."""
-        seed = None if self.params.seed is None else rw.sample_seed(self.params.seed, i, 0)
+        first = self.msg.body.get("first_prompt_index", 0)  # a torchrun rank's share: seeds by global prompt index
+        seed = None if self.params.seed is None else rw.sample_seed(self.params.seed, first + i, 0)
         params = dataclasses.replace(self.params, seed=seed)  # a per-prompt seed: same samples on any engine
         return P.generate_request([self.msg.body["prompts"][i]], params, id=sub_id).to_json()
 

@@ -202,6 +202,7 @@ class Worker:
                 self.answer(P.error_response(msg.id, "bad_request", problem))
                 continue
             owners.append((msg, claimed_at, params, len(inputs)))
+            first = msg.body.get("first_prompt_index", 0)  # a torchrun rank's share: seeds by global prompt index
             for i, prompt in enumerate(msg.body["prompts"]):
                 for j in range(params.n):
                     inputs.append(TokensPrompt(prompt_token_ids=prompt))
@@ -210,7 +211,7 @@ class Worker:
                             n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                             max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids),
                             ignore_eos=True,  # stop only on the requested ids, as the native sampler does
-                            seed=sample_seed(params.seed, i, j), logprobs=0, detokenize=False,
+                            seed=sample_seed(params.seed, first + i, j), logprobs=0, detokenize=False,
                         )
                     )  # fmt: skip
         if not owners:
