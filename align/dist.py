@@ -57,7 +57,10 @@ def world() -> int:
 
 
 def rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    """This process's rank: the group's, else torchrun's RANK (before ``setup`` / after ``teardown``), else 0."""
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0")) if env_world_size() > 1 else 0
 
 
 def is_main() -> bool:
@@ -85,16 +88,17 @@ def check_supported(cfg: Any, n: int) -> None:
                          "--eval-interval 0) or in one process")  # fmt: skip
 
 
-def setup(cfg: Any) -> None:
+def setup(cfg: Any) -> bool:
     """Join torchrun's process group (gloo on the CPU, NCCL with one GPU per local rank). No-op without torchrun
     or when the caller already initialised the group. Call before ``align.device.resolve``: on CUDA it makes the
-    local rank's GPU current, so ``--device auto|cuda`` resolves to it."""
+    local rank's GPU current, so ``--device auto|cuda`` resolves to it. Returns True when it created the group
+    (then the caller ends it with ``teardown``)."""
     n = env_world_size()
     if n <= 1:
-        return
+        return False
     check_supported(cfg, n)
     if torch.distributed.is_initialized():
-        return
+        return False
     local = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
     if cuda:
@@ -109,6 +113,13 @@ def setup(cfg: Any) -> None:
     timeout = datetime.timedelta(seconds=getattr(cfg, "dist_timeout_s", 600.0))
     torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=timeout,
                                          device_id=torch.device("cuda", local) if cuda else None)  # fmt: skip
+    return True
+
+
+def teardown(created: bool) -> None:
+    """Destroy the process group ``setup`` created (``created``); a group the caller initialised is left alone."""
+    if created and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def shard(model: torch.nn.Module, precision: str) -> torch.nn.Module:

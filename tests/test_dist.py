@@ -203,6 +203,33 @@ def test_unsupported_settings_are_refused_before_any_collective(monkeypatch):
     assert not torch.distributed.is_initialized()
 
 
+def test_teardown_ends_only_the_group_setup_created(tmp_path, monkeypatch):
+    """train() ends the process group it created (tests/dist_driver.py checks it after every torchrun run) and leaves
+    one the caller initialised; rank() stays torchrun's RANK once the group is gone (one summary line, rank 0)."""
+    from align import dist
+    from align.train import TrainConfig
+
+    c = TrainConfig(prompts_per_step=4)
+    c.eval.eval_interval = 0
+    for k, v in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(k, v)
+    assert dist.rank() == 1  # torchrun's RANK before the group exists
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)  # the caller's own group
+    try:
+        assert dist.setup(c) is False  # the caller's group: not created here...
+        dist.teardown(False)
+        assert torch.distributed.is_initialized()  # ...so it is left alone
+        dist.teardown(True)  # what train() does with a group its setup() created
+        assert not torch.distributed.is_initialized()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert dist.rank() == 1 and not dist.is_main()  # after the group: still torchrun's rank
+    monkeypatch.delenv("WORLD_SIZE")
+    assert dist.rank() == 0  # a stray RANK without torchrun's WORLD_SIZE is not a rank
+
+
 def _start_cli(out: Path) -> subprocess.Popen:
     """``torchrun --nproc-per-node 2 -m align.train`` on the built-in task (a 20-step warm start), endless steps."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "align.train",
