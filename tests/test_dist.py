@@ -107,11 +107,22 @@ CONFIGS = {
 }
 
 
+@pytest.fixture(scope="module")
+def plain_runs(tmp_path_factory, tiny_model) -> dict:
+    """The plain config in 1 process and on 2 ranks, checkpointing at steps 2 and 3: compared with each other
+    below, and each resumed with the other world size (test_resume_with_another_world_size)."""
+    d = tmp_path_factory.mktemp("plain")
+    return {n: {**_run(d, f"run{n}", tiny_model, n, checkpoint_every=2), "dir": d, "name": f"run{n}"} for n in (1, 2)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", CONFIGS.values(), ids=CONFIGS.keys())
-def test_two_ranks_give_the_single_process_result(tmp_path, tiny_model, extra):
-    one = _run(tmp_path, "one", tiny_model, 1, **extra)
-    two = _run(tmp_path, "two", tiny_model, 2, **extra)
+def test_two_ranks_give_the_single_process_result(tmp_path, tiny_model, extra, plain_runs):
+    if extra:
+        one = _run(tmp_path, "one", tiny_model, 1, **extra)
+        two = _run(tmp_path, "two", tiny_model, 2, **extra)
+    else:  # the plain runs also checkpoint (steps 2 and 3): that changes nothing they compute
+        one, two = plain_runs[1], plain_runs[2]
     assert [r["step"] for r in one["recs"]] == [r["step"] for r in two["recs"]] == list(range(1, STEPS + 1))
     assert one["calls"] == two["calls"] and len(one["calls"]) == STEPS * 16  # the same completions, in order
     for a, b in zip(one["recs"], two["recs"]):
@@ -142,20 +153,16 @@ def test_two_ranks_bf16_weights(tmp_path, tiny_model):
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(one["recs"], bad["recs"])) > BF16_LOSS_TOL
 
 
-def _resume(tmp_path: Path, name: str, model: str, first: int, second: int) -> tuple[dict, dict]:
-    """``first`` ranks run 3 steps (checkpoints at steps 2 and 3), then ``second`` ranks resume the same run
-    from step_2 and redo step 3: (uninterrupted, resumed)."""
-    whole = _run(tmp_path, name, model, first, checkpoint_every=2)
-    assert sorted(p.name for p in (tmp_path / name / "checkpoints").iterdir()) == ["step_2", "step_3"]
-    again = _run(tmp_path, name, model, second, resume_from="step_2", save_hf=str(tmp_path / f"{name}.again.hf"))
-    return whole, again
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("first", "second"), [(2, 1), (1, 2)], ids=["2to1", "1to2"])
-def test_resume_with_another_world_size(tmp_path, tiny_model, first, second):
-    """A checkpoint written by 2 ranks resumes in 1 process and vice versa: the redone step is the same step."""
-    whole, again = _resume(tmp_path, "run", tiny_model, first, second)
+def test_resume_with_another_world_size(tiny_model, first, second, plain_runs):
+    """A checkpoint written by 2 ranks resumes in 1 process and vice versa: the redone step is the same step.
+    ``first`` ranks ran 3 steps (plain_runs, checkpoints at steps 2 and 3); ``second`` ranks resume that run from
+    step_2 and redo step 3."""
+    whole = plain_runs[first]
+    tmp_path, name = whole["dir"], whole["name"]
+    assert sorted(p.name for p in (tmp_path / name / "checkpoints").iterdir()) == ["step_2", "step_3"]
+    again = _run(tmp_path, name, tiny_model, second, resume_from="step_2", save_hf=str(tmp_path / f"{name}.again.hf"))
     assert [r["step"] for r in again["recs"]] == [1, 2, 3]  # metrics.jsonl kept steps 1-2, then the redone step 3
     a, b = whole["recs"][-1], again["recs"][-1]
     assert a["reward_mean"] == b["reward_mean"]
@@ -163,12 +170,12 @@ def test_resume_with_another_world_size(tmp_path, tiny_model, first, second):
         assert abs(a[k] - b[k]) <= LOSS_TOL, (k, a[k], b[k])
     assert _max_param_diff(whole["params"], again["params"]) <= PARAM_TOL
     # negative control: the optimizer state is restored (step 3 redone with its second moments scaled differs)
-    state_path = tmp_path / "run" / "checkpoints" / "step_2" / "trainer_state.pt"
+    state_path = tmp_path / name / "checkpoints" / "step_2" / "trainer_state.pt"
     state = torch.load(state_path, weights_only=True)
     for s in state["optimizer"]["state"].values():
         s["exp_avg_sq"] *= 4
     torch.save(state, state_path)
-    bad = _run(tmp_path, "run", tiny_model, second, resume_from="step_2", save_hf=str(tmp_path / "run.bad.hf"))
+    bad = _run(tmp_path, name, tiny_model, second, resume_from="step_2", save_hf=str(tmp_path / f"{name}.bad.hf"))
     assert _max_param_diff(whole["params"], bad["params"]) > PARAM_TOL
 
 
@@ -230,11 +237,11 @@ def test_teardown_ends_only_the_group_setup_created(tmp_path, monkeypatch):
     assert dist.rank() == 0  # a stray RANK without torchrun's WORLD_SIZE is not a rank
 
 
-def _start_cli(out: Path) -> subprocess.Popen:
-    """``torchrun --nproc-per-node 2 -m align.train`` on the built-in task (a 20-step warm start), endless steps."""
+def _start_cli(out: Path, model: str) -> subprocess.Popen:
+    """``torchrun --nproc-per-node 2 -m align.train`` on the built-in task (its warm-started model), endless steps."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "align.train",
            "--device", "cpu", "--eval-interval", "0", "--prompts-per-step", "4", "--group-size", "4",
-           "--steps", "100000", "--warm-start-steps", "20", "--checkpoint-every", "0", "--dist-timeout-s", "60",
+           "--steps", "100000", "--model", model, "--checkpoint-every", "0", "--dist-timeout-s", "60",
            "--out", str(out)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -252,11 +259,11 @@ def _wait_for_steps(out: Path, n: int, proc: subprocess.Popen, timeout_s: float 
 
 
 @pytest.mark.slow
-def test_sigterm_to_torchrun_commits_one_checkpoint(tmp_path):
+def test_sigterm_to_torchrun_commits_one_checkpoint(tmp_path, builtin_model):
     """Every rank finishes the same step; rank 0 commits its checkpoint once (torchrun itself then exits 1: its own
     SignalException, not ours)."""
     out = tmp_path / "run"
-    proc = _start_cli(out)
+    proc = _start_cli(out, builtin_model)
     _wait_for_steps(out, 2, proc)
     proc.send_signal(signal.SIGTERM)
     log = proc.communicate(timeout=120)[0]
@@ -270,10 +277,10 @@ def test_sigterm_to_torchrun_commits_one_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_killed_rank_fails_the_run(tmp_path):
+def test_a_killed_rank_fails_the_run(tmp_path, builtin_model):
     """kill -9 of one rank: torchrun stops the other and exits non-zero, no hang."""
     out = tmp_path / "run"
-    proc = _start_cli(out)
+    proc = _start_cli(out, builtin_model)
     _wait_for_steps(out, 2, proc)
     workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True, check=False)
     pids = [int(p) for p in workers.stdout.split()]

@@ -126,11 +126,6 @@ def test_drain_failure_under_ci_test_does_not_hide_the_training_error(tmp_path, 
     assert any("CI eval 1 skipped: crashed" in n for n in getattr(err.value, "__notes__", [])), err.value
 
 
-@pytest.fixture(scope="module")
-def builtin_model(tmp_path_factory) -> str:
-    return str(reverse.warm_start(tmp_path_factory.mktemp("ws") / "m", steps=60, log=None))
-
-
 def run_cli(args: list[str]) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen([sys.executable, "-m", "align.train", *args], env=env, stdout=subprocess.PIPE,

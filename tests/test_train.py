@@ -180,11 +180,6 @@ def comparable(out) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def builtin_model(tmp_path_factory) -> str:
-    return str(reverse.warm_start(tmp_path_factory.mktemp("ws") / "m", steps=60, log=None))
-
-
-@pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, builtin_model) -> Path:
     out = tmp_path_factory.mktemp("full")
     proc = run_cli(cli_args(out, builtin_model))

@@ -61,11 +61,6 @@ def test_gradient_checkpointing_unchanged_with_lora(tiny_model):
         torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-7)
 
 
-@pytest.fixture(scope="module")
-def builtin_model(tmp_path_factory) -> str:
-    return str(reverse.warm_start(tmp_path_factory.mktemp("ws") / "m", steps=60, log=None))
-
-
 LORA_ARGS = ["--lora-rank", "8", "--lora-alpha", "16", "--lr", "0.01"]
 
 
