@@ -72,6 +72,7 @@ class StaleClient:
         return self.inner.generate(prompts, params)
 
 
+@pytest.mark.slow  # two vLLM engines start side by side, then 5 eval points: ~60 s on 2 loaded cores
 def test_fleet_evaluates_exact_snapshots_while_training_continues(base, tmp_path):
     require_rollout_venv()
     from align.model import load_pretrained, save_pretrained
