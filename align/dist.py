@@ -59,7 +59,10 @@ def world() -> int:
 
 
 def rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    """This process's rank: the group's, else torchrun's RANK (before ``setup`` / after ``teardown``), else 0."""
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0")) if env_world_size() > 1 else 0
 
 
 def is_main() -> bool:
@@ -89,17 +92,19 @@ def check_supported(cfg: Any, n: int) -> None:
                          "process")  # fmt: skip
 
 
-def setup(cfg: Any) -> None:
+def setup(cfg: Any) -> bool:
     """Join torchrun's process group (gloo on the CPU, NCCL with one GPU per local rank). No-op without torchrun
     or when the caller already initialised the group. Call before ``align.device.resolve``: on CUDA it makes the
-    local rank's GPU current, so ``--device auto|cuda`` resolves to it."""
+    local rank's GPU current, so ``--device auto|cuda`` resolves to it. Returns True when it created the group
+    (then the caller ends it with ``teardown``)."""
     n = env_world_size()
     if n <= 1:
-        return
+        return False
     check_supported(cfg, n)
     _MESH.clear()
     if torch.distributed.is_initialized():
-        return _make_mesh(cfg, n, "cuda" if torch.distributed.get_backend() == "nccl" else "cpu")
+        _make_mesh(cfg, n, "cuda" if torch.distributed.get_backend() == "nccl" else "cpu")
+        return False
     local = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
     if cuda:
@@ -115,6 +120,7 @@ def setup(cfg: Any) -> None:
     torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=timeout,
                                          device_id=torch.device("cuda", local) if cuda else None)  # fmt: skip
     _make_mesh(cfg, n, "cuda" if cuda else "cpu")
+    return True
 
 
 def _make_mesh(cfg: Any, n: int, device_type: str) -> None:
@@ -124,6 +130,13 @@ def _make_mesh(cfg: Any, n: int, device_type: str) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         _MESH["mesh"] = init_device_mesh(device_type, (rep, n // rep), mesh_dim_names=("replicate", "shard"))
+
+
+def teardown(created: bool) -> None:
+    """Destroy the process group ``setup`` created (``created``); a group the caller initialised is left alone."""
+    _MESH.clear()
+    if created and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def shard(model: torch.nn.Module, precision: str) -> torch.nn.Module:

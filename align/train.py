@@ -171,7 +171,7 @@ def train(
     from align.runlog import MetricsLog, Progress, format_line, make_logger, sample_groups, write_plot
 
     t_start = time.monotonic()
-    dist.setup(cfg)  # torchrun: the process group (no-op in one process)
+    owns_group = dist.setup(cfg)  # torchrun: the process group (no-op in one process)
     place = resolve_placement(cfg.device, cfg.precision)  # bad --device / --precision fail here, before any load
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -607,6 +607,7 @@ def train(
         "out": str(out),
         "interrupted": stop_flag.get("signal"),
     }
+    dist.teardown(owns_group)  # torchrun: the group train() created ends with it
     return summary
 
 

@@ -60,8 +60,8 @@ def requests_per_s(client, k: int) -> float:
 
 def spawn_plain(spool: Path, model: Path) -> WorkerHandle:
     """The plain worker, started as spawn_worker does, but in the environment of a fleet's engine actor: one
-    OpenMP thread (Ray sets OMP_NUM_THREADS=1 in actors; worker_env drops the variable, and without it a 1-token
-    request took 147 ms instead of 43 ms here) and bound to the core of the fleet's engine 0."""
+    OpenMP thread (Ray sets OMP_NUM_THREADS=1 in actors, and worker_env defaults a CPU worker to it: without it a
+    1-token request took 147 ms instead of 43 ms here) and bound to the core of the fleet's engine 0."""
     sp = Spool(spool).ensure()
     env = worker_env(None, cache_dir=REPO_ROOT / ".cache" / "rollout", in_process=True)
     env.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND=str(min(os.sched_getaffinity(0))))

@@ -5,17 +5,22 @@ TRITON_INTERPRET must be set before triton is first imported, so this runs befor
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # One intra-op thread per test process: the suite shares 2 cores with vLLM worker subprocesses, and
-# oversubscribed OpenMP threads made small-model steps ~7x slower here (measured: 0.18 s vs 1.29 s).
+# oversubscribed OpenMP threads made small-model steps ~7x slower here (measured: 0.18 s vs 1.29 s). The variable
+# gives the same to every subprocess a test starts (CLI runs, torchrun ranks, lean_gen's in-process vLLM).
 torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# scripts/test.sh sets ALIGN_FAIL_ON_SKIP=1: a skip fails the run unless the test is marked `gpu` (those are listed).
+# scripts/test.sh sets ALIGN_FAIL_ON_SKIP=1: a skip fails the run unless the test is marked `gpu` or `avx512` (listed).
 from skip_policy import (  # noqa: F401  (hooks re-exported for pytest)
+    HARDWARE_MARKERS,
+    missing_hardware,
     pytest_collectreport,
     pytest_runtest_logreport,
     pytest_sessionfinish,
@@ -24,12 +29,32 @@ from skip_policy import (  # noqa: F401  (hooks re-exported for pytest)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` skip, by name, where CUDA is absent (``bash scripts/gpu_check.sh`` runs them on a GPU)."""
-    import pytest
+    """Tests marked ``gpu`` skip, by name, where CUDA is absent (``bash scripts/gpu_check.sh`` runs them on a GPU);
+    tests marked ``avx512`` where the CPU lacks AVX-512 (the MKL/oneDNN path is tested everywhere)."""
+    for marker in HARDWARE_MARKERS:
+        if (why := missing_hardware(marker)) is None:
+            continue
+        skip = pytest.mark.skip(reason=why)
+        for item in items:
+            if marker in item.keywords:
+                item.add_marker(skip)
 
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU: run bash scripts/gpu_check.sh on a GPU machine")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+
+# The built-in reverse task's warm-started models, built once per session (a 60-step warm start took ~45 s on the
+# loaded 2-core CI machine, and five modules built their own). Tests only read them: runs write under --out.
+
+
+@pytest.fixture(scope="session")
+def builtin_model(tmp_path_factory) -> str:
+    """The reverse task's model after a 60-step supervised warm start (has align_tokenizer.json: CLI --model)."""
+    from align.tasks import reverse
+
+    return str(reverse.warm_start(tmp_path_factory.mktemp("ws60") / "m", steps=60, log=None))
+
+
+@pytest.fixture(scope="session")
+def builtin_model_30(tmp_path_factory) -> str:
+    """The same after 30 steps: the base the eval-fleet runs train from."""
+    from align.tasks import reverse
+
+    return str(reverse.warm_start(tmp_path_factory.mktemp("ws30") / "m", steps=30, log=None))

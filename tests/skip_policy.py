@@ -1,8 +1,9 @@
 """No silent skips: with ALIGN_FAIL_ON_SKIP=1 (set by scripts/test.sh) any skipped test fails the run.
 
-The one exception is a test marked ``gpu`` (hardware this machine lacks): it may skip, and every such skip is
-listed at the end of the run, so nothing passes for coverage it did not get. Skips are recorded from the test
-reports (setup, call and collection), and the verdict is applied in ``pytest_sessionfinish`` by raising
+The one exception is a test marked with hardware this machine lacks (``gpu``: a CUDA GPU; ``avx512``: an x86 CPU
+with AVX-512, for the native decode kernel): it skips here, by name (``tests/conftest.py`` asks
+``missing_hardware``), and every such skip is listed at the end of the run, so nothing passes for coverage it did
+not get. Skips are recorded from the test reports (setup, call and collection), and the verdict is applied in ``pytest_sessionfinish`` by raising
 ``session.exitstatus`` from 0 to 1 only: pytest's own non-zero status (failures, errors, interrupts) always
 wins and propagates unchanged. A whole module skipped at collection (``pytest.skip(allow_module_level=True)``,
 ``importorskip``) counts as a non-gpu skip: GPU tests skip per test (``skipif`` next to the ``gpu`` marker).
@@ -18,9 +19,22 @@ import pytest
 
 ENV = "ALIGN_FAIL_ON_SKIP"
 GPU_MARKER = "gpu"
+HARDWARE_MARKERS = (GPU_MARKER, "avx512")  # a test marked so may skip where the hardware is missing (listed)
 
-_gpu_skips: list[tuple[str, str]] = []
+_hw_skips: dict[str, list[tuple[str, str]]] = {m: [] for m in HARDWARE_MARKERS}
 _other_skips: list[tuple[str, str]] = []
+
+
+def missing_hardware(marker: str) -> str | None:
+    """Why this machine lacks what ``marker`` needs (a skip reason), or None when it has it."""
+    import torch
+
+    if marker == GPU_MARKER:
+        return None if torch.cuda.is_available() else "needs a CUDA GPU: run bash scripts/gpu_check.sh on a GPU machine"
+    from align.rollout import cpu_kernel
+
+    why = cpu_kernel._cpu_supported()  # the kernel's own CPU check: x86-64 Linux, AVX-512
+    return None if why is None else f"the native decode kernel {why}; the MKL/oneDNN path is tested instead"
 
 
 def _reason(report) -> str:
@@ -30,25 +44,26 @@ def _reason(report) -> str:
     return str(longrepr)
 
 
-def _record(report, is_gpu: bool) -> None:
+def _record(report, marker: str | None) -> None:
     if not report.skipped or hasattr(report, "wasxfail"):  # an xfail is reported as skipped; it is not a skip
         return
-    (_gpu_skips if is_gpu else _other_skips).append((report.nodeid, _reason(report)))
+    (_other_skips if marker is None else _hw_skips[marker]).append((report.nodeid, _reason(report)))
 
 
 def pytest_runtest_logreport(report) -> None:
-    _record(report, GPU_MARKER in report.keywords)
+    _record(report, next((m for m in HARDWARE_MARKERS if m in report.keywords), None))
 
 
 def pytest_collectreport(report) -> None:
-    _record(report, False)
+    _record(report, None)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
-    if _gpu_skips:
-        terminalreporter.section(f"{len(_gpu_skips)} gpu test(s) skipped (not run here)")
-        for nodeid, reason in _gpu_skips:
-            terminalreporter.line(f"GPU-SKIPPED {nodeid}: {reason}")
+    for marker, skips in _hw_skips.items():
+        if skips:
+            terminalreporter.section(f"{len(skips)} {marker} test(s) skipped (not run here)")
+            for nodeid, reason in skips:
+                terminalreporter.line(f"{marker.upper()}-SKIPPED {nodeid}: {reason}")
     if _other_skips and os.environ.get(ENV) == "1":
         terminalreporter.section(f"{len(_other_skips)} non-gpu skip(s): a failure under {ENV}=1")
         for nodeid, reason in _other_skips:

@@ -86,7 +86,12 @@ def _run(tmp_path: Path, name: str, model: str, nproc: int, per_rank_normaliser:
     every = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     recs = [r for r in every if "reward_mean" in r]
     params = dict(load_pretrained(cfg["save_hf"]).named_parameters())
-    return {"recs": recs, "all": every, "calls": json.loads((tmp_path / f"{name}.calls.json").read_text()), "params": params}
+    return {
+        "recs": recs,
+        "all": every,
+        "calls": json.loads((tmp_path / f"{name}.calls.json").read_text()),
+        "params": params,
+    }
 
 
 def _max_param_diff(a: dict, b: dict) -> float:
@@ -110,11 +115,22 @@ CONFIGS = {
 }
 
 
+@pytest.fixture(scope="module")
+def plain_runs(tmp_path_factory, tiny_model) -> dict:
+    """The plain config in 1 process and on 2 ranks, checkpointing at steps 2 and 3: compared with each other
+    below, and each resumed with the other world size (test_resume_with_another_world_size)."""
+    d = tmp_path_factory.mktemp("plain")
+    return {n: {**_run(d, f"run{n}", tiny_model, n, checkpoint_every=2), "dir": d, "name": f"run{n}"} for n in (1, 2)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", CONFIGS.values(), ids=CONFIGS.keys())
-def test_two_ranks_give_the_single_process_result(tmp_path, tiny_model, extra):
-    one = _run(tmp_path, "one", tiny_model, 1, **extra)
-    two = _run(tmp_path, "two", tiny_model, 2, **extra)
+def test_two_ranks_give_the_single_process_result(tmp_path, tiny_model, extra, plain_runs):
+    if extra:
+        one = _run(tmp_path, "one", tiny_model, 1, **extra)
+        two = _run(tmp_path, "two", tiny_model, 2, **extra)
+    else:  # the plain runs also checkpoint (steps 2 and 3): that changes nothing they compute
+        one, two = plain_runs[1], plain_runs[2]
     assert [r["step"] for r in one["recs"]] == [r["step"] for r in two["recs"]] == list(range(1, STEPS + 1))
     assert one["calls"] == two["calls"] and len(one["calls"]) == STEPS * 16  # the same completions, in order
     for a, b in zip(one["recs"], two["recs"]):
@@ -159,13 +175,14 @@ def test_two_ranks_bf16_weights(tmp_path, tiny_model):
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(one["recs"], bad["recs"])) > BF16_LOSS_TOL
 
 
-def _resume(tmp_path: Path, name: str, model: str, first: int, second: int) -> tuple[dict, dict]:
-    """``first`` ranks run 3 steps (checkpoints at steps 2 and 3), then ``second`` ranks resume the same run
-    from step_2 and redo step 3: (uninterrupted, resumed)."""
-    whole = _run(tmp_path, name, model, first, checkpoint_every=2)
+def _resume(plain_runs: dict, model: str, first: int, second: int) -> tuple[dict, dict, Path, str]:
+    """``first`` ranks ran 3 steps (plain_runs: checkpoints at steps 2 and 3); ``second`` ranks resume that run
+    from step_2 and redo step 3: (uninterrupted, resumed, its dir, its name)."""
+    whole = plain_runs[first]
+    tmp_path, name = whole["dir"], whole["name"]
     assert sorted(p.name for p in (tmp_path / name / "checkpoints").iterdir()) == ["step_2", "step_3"]
     again = _run(tmp_path, name, model, second, resume_from="step_2", save_hf=str(tmp_path / f"{name}.again.hf"))
-    return whole, again
+    return whole, again, tmp_path, name
 
 
 def _assert_same_last_step(whole: dict, again: dict) -> None:
@@ -199,18 +216,18 @@ def _scale_dcp_second_moments(ckpt: Path, model: str) -> None:
 
 
 @pytest.mark.slow
-def test_sharded_checkpoint_resumes_in_one_process_and_after_a_kill(tmp_path, tiny_model):
+def test_sharded_checkpoint_resumes_in_one_process_and_after_a_kill(tmp_path, tiny_model, plain_runs):
     """2 ranks write DCP checkpoints (each rank its shards, rank 0 commits): one process resumes step_2 and redoes
     step 3 exactly (DCP resharding); a rank kill -9'd after writing its step-3 shards leaves no committed step_3, and
     rerunning the same command resumes step_2 and ends where the uninterrupted run ended."""
-    whole, again = _resume(tmp_path, "run", tiny_model, 2, 1)
-    step2 = tmp_path / "run" / "checkpoints" / "step_2"
+    whole, again, run_dir, name = _resume(plain_runs, tiny_model, 2, 1)
+    step2 = run_dir / name / "checkpoints" / "step_2"
     assert sorted(p.name for p in (step2 / "dcp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert not (step2 / "model").exists() and (step2 / "rng_rank1.pt").is_file()
     _assert_same_last_step(whole, again)
     # negative control: the optimizer state is restored (step 3 redone with its second moments scaled differs)
     _scale_dcp_second_moments(step2, tiny_model)
-    bad = _run(tmp_path, "run", tiny_model, 1, resume_from="step_2", save_hf=str(tmp_path / "run.bad.hf"))
+    bad = _run(run_dir, name, tiny_model, 1, resume_from="step_2", save_hf=str(run_dir / f"{name}.bad.hf"))
     assert _max_param_diff(whole["params"], bad["params"]) > PARAM_TOL
     # kill -9 of rank 1 after its step-3 shards (rank 0 waits at the barrier before the marker)
     killed = _run(tmp_path, "kill", tiny_model, 2, kill_in_save={"rank": 1, "call": 2}, checkpoint_every=2)
@@ -224,18 +241,18 @@ def test_sharded_checkpoint_resumes_in_one_process_and_after_a_kill(tmp_path, ti
 
 
 @pytest.mark.slow
-def test_single_process_checkpoint_resumes_on_two_ranks(tmp_path, tiny_model):
+def test_single_process_checkpoint_resumes_on_two_ranks(tiny_model, plain_runs):
     """A checkpoint written by one process (HF model + trainer_state.pt) resumes under torchrun: the redone step is
     the same step."""
-    whole, again = _resume(tmp_path, "run", tiny_model, 1, 2)
+    whole, again, tmp_path, name = _resume(plain_runs, tiny_model, 1, 2)
     _assert_same_last_step(whole, again)
     # negative control: the optimizer state is restored (step 3 redone with its second moments scaled differs)
-    state_path = tmp_path / "run" / "checkpoints" / "step_2" / "trainer_state.pt"
+    state_path = tmp_path / name / "checkpoints" / "step_2" / "trainer_state.pt"
     state = torch.load(state_path, weights_only=True)
     for s in state["optimizer"]["state"].values():
         s["exp_avg_sq"] *= 4
     torch.save(state, state_path)
-    bad = _run(tmp_path, "run", tiny_model, 2, resume_from="step_2", save_hf=str(tmp_path / "run.bad.hf"))
+    bad = _run(tmp_path, name, tiny_model, 2, resume_from="step_2", save_hf=str(tmp_path / f"{name}.bad.hf"))
     assert _max_param_diff(whole["params"], bad["params"]) > PARAM_TOL
 
 
@@ -278,11 +295,38 @@ def test_unsupported_settings_are_refused_before_any_collective(monkeypatch):
     assert not torch.distributed.is_initialized()
 
 
-def _start_cli(out: Path) -> subprocess.Popen:
-    """``torchrun --nproc-per-node 2 -m align.train`` on the built-in task (a 20-step warm start), endless steps."""
+def test_teardown_ends_only_the_group_setup_created(tmp_path, monkeypatch):
+    """train() ends the process group it created (tests/dist_driver.py checks it after every torchrun run) and leaves
+    one the caller initialised; rank() stays torchrun's RANK once the group is gone (one summary line, rank 0)."""
+    from align import dist
+    from align.train import TrainConfig
+
+    c = TrainConfig(prompts_per_step=4)
+    c.eval.eval_interval = 0
+    for k, v in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(k, v)
+    assert dist.rank() == 1  # torchrun's RANK before the group exists
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)  # the caller's own group
+    try:
+        assert dist.setup(c) is False  # the caller's group: not created here...
+        dist.teardown(False)
+        assert torch.distributed.is_initialized()  # ...so it is left alone
+        dist.teardown(True)  # what train() does with a group its setup() created
+        assert not torch.distributed.is_initialized()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert dist.rank() == 1 and not dist.is_main()  # after the group: still torchrun's rank
+    monkeypatch.delenv("WORLD_SIZE")
+    assert dist.rank() == 0  # a stray RANK without torchrun's WORLD_SIZE is not a rank
+
+
+def _start_cli(out: Path, model: str) -> subprocess.Popen:
+    """``torchrun --nproc-per-node 2 -m align.train`` on the built-in task (its warm-started model), endless steps."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "align.train",
            "--device", "cpu", "--eval-interval", "0", "--prompts-per-step", "4", "--group-size", "4",
-           "--steps", "100000", "--warm-start-steps", "20", "--checkpoint-every", "0", "--dist-timeout-s", "60",
+           "--steps", "100000", "--model", model, "--checkpoint-every", "0", "--dist-timeout-s", "60",
            "--out", str(out)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -300,11 +344,11 @@ def _wait_for_steps(out: Path, n: int, proc: subprocess.Popen, timeout_s: float 
 
 
 @pytest.mark.slow
-def test_sigterm_to_torchrun_commits_one_checkpoint(tmp_path):
+def test_sigterm_to_torchrun_commits_one_checkpoint(tmp_path, builtin_model):
     """Every rank finishes the same step; rank 0 commits its checkpoint once (torchrun itself then exits 1: its own
     SignalException, not ours)."""
     out = tmp_path / "run"
-    proc = _start_cli(out)
+    proc = _start_cli(out, builtin_model)
     _wait_for_steps(out, 2, proc)
     proc.send_signal(signal.SIGTERM)
     log = proc.communicate(timeout=120)[0]
@@ -318,10 +362,10 @@ def test_sigterm_to_torchrun_commits_one_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_killed_rank_fails_the_run(tmp_path):
+def test_a_killed_rank_fails_the_run(tmp_path, builtin_model):
     """kill -9 of one rank: torchrun stops the other and exits non-zero, no hang."""
     out = tmp_path / "run"
-    proc = _start_cli(out)
+    proc = _start_cli(out, builtin_model)
     _wait_for_steps(out, 2, proc)
     workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True, check=False)
     pids = [int(p) for p in workers.stdout.split()]

@@ -232,11 +232,19 @@ def test_pending_never_exceeds_max_in_flight_and_evals_run_one_at_a_time(disp):
 def test_save_hf_is_never_reused_as_eval_snapshot(tmp_path):
     # align has no "reuse mode": --save-hf checkpoints are never eval snapshots, and the trees must not overlap.
     c = cfg(tmp_path, eval_hf_dir=str(tmp_path / "ckpt" / "eval"))
-    for bad in (str(tmp_path / "ckpt"), str(tmp_path / "ckpt" / "eval"), str(tmp_path / "ckpt/eval/x/step_{step}")):
+    for bad in (str(tmp_path / "ckpt"), str(tmp_path / "ckpt" / "eval"), str(tmp_path / "ckpt/eval/x/step_3")):
         with pytest.raises(ValueError, match="overlaps --save-hf"):
             c.check_save_hf(bad)
-    c.check_save_hf(str(tmp_path / "save_hf" / "step_{step}"))  # disjoint: fine
+    c.check_save_hf(str(tmp_path / "save_hf" / "step_3"))  # disjoint: fine
     c.check_save_hf(None)
+
+
+def test_save_hf_template_is_refused_because_train_never_fills_it(tmp_path):
+    """--save-hf is exported once, at the final step: a '{step}' template used to pass and be written verbatim."""
+    for c in (cfg(tmp_path), EvalConfig()):  # with and without an --eval-hf-dir
+        with pytest.raises(ValueError, match=r"--save-hf .*step_\{step\}' is a template.*pass a plain directory"):
+            c.check_save_hf(str(tmp_path / "save_hf" / "step_{step}"))
+    cfg(tmp_path).check_save_hf(str(tmp_path / "save_hf" / "final"))  # control: a plain directory passes
 
 
 def test_caller_supplied_dir_bypasses_marker_and_is_kept(disp, tmp_path):

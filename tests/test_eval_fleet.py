@@ -72,6 +72,7 @@ class StaleClient:
         return self.inner.generate(prompts, params)
 
 
+@pytest.mark.slow  # two vLLM engines start side by side, then 5 eval points: ~60 s on 2 loaded cores
 def test_fleet_evaluates_exact_snapshots_while_training_continues(base, tmp_path):
     require_rollout_venv()
     from align.model import load_pretrained, save_pretrained
@@ -145,7 +146,7 @@ def partial_credit(prompt: str, completion: str, answer: str | None = None, **_)
     return sum(a == b for a, b in zip(completion, answer)) / len(answer)
 
 
-def test_training_run_evaluates_on_a_real_fleet_while_it_trains(tmp_path):
+def test_training_run_evaluates_on_a_real_fleet_while_it_trains(tmp_path, builtin_model_30):
     """align.train's loop end to end: GRPO steps on CPU, evals on a real eval worker (vLLM CPU build).
 
     ``--eval-keep-snapshots 0``: every snapshot is deleted as soon as its point settles, so the worker must never
@@ -162,7 +163,7 @@ def test_training_run_evaluates_on_a_real_fleet_while_it_trains(tmp_path):
     from align.tasks import reverse
     from align.train import TrainConfig, score, stop_ids, train
 
-    base = reverse.warm_start(tmp_path / "base", steps=30, log=None)
+    base = builtin_model_30  # the reverse task after a 30-step warm start (tests/conftest.py)
     tok = reverse.tokenizer()
     eval_prompts = reverse.prompts(24, "eval", 0)
     eval_cfg = EvalConfig(

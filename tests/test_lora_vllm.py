@@ -125,7 +125,7 @@ def test_grpo_with_adapter_only_sync(tmp_path):
     assert (ckpt / "adapter" / "adapter_config.json").is_file() and not (ckpt / "model").exists()
 
 
-def test_eval_fleet_serves_adapter_snapshots(tmp_path):
+def test_eval_fleet_serves_adapter_snapshots(tmp_path, builtin_model_30):
     """LoRA + --eval-num-gpus: each eval snapshot is the adapter (+ its base named inside); the fleet's engines run
     the base model with LoRA enabled and pin each adapter; the final point equals align's own score of it."""
     from test_eval_fleet import TIMEOUT_S, partial_credit
@@ -137,7 +137,7 @@ def test_eval_fleet_serves_adapter_snapshots(tmp_path):
     from align.train import TrainConfig, score, stop_ids, train
 
     require_rollout_venv()
-    base = reverse.warm_start(tmp_path / "base", steps=30, log=None)
+    base = builtin_model_30  # the reverse task after a 30-step warm start (tests/conftest.py)
     tok = reverse.tokenizer()
     eval_prompts = reverse.prompts(24, "eval", 0)
     eval_cfg = EvalConfig(

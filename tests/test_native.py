@@ -200,18 +200,15 @@ def test_packed_weights_give_the_same_samples(model):
 
 
 def _require_kernel():
-    import platform
-
+    """The kernel, on a machine with AVX-512 (tests that call this are marked ``avx512``: elsewhere they skip, listed)."""
     ops = cpu_kernel.load()
-    if ops is None:
-        if platform.machine() in ("x86_64", "AMD64") and torch.backends.cpu.get_cpu_capability() == "AVX512":
-            pytest.fail(
-                f"this machine has AVX-512 but the decode kernel is unavailable: {cpu_kernel.unavailable_reason()}"
-            )
-        pytest.skip(f"no AVX-512 decode kernel here ({cpu_kernel.unavailable_reason()})")
+    assert ops is not None, (
+        f"this machine has AVX-512 but the decode kernel is unavailable: {cpu_kernel.unavailable_reason()}"
+    )
     return ops
 
 
+@pytest.mark.avx512
 @pytest.mark.parametrize("rows", [1, 7, 8, 9, 16])
 @pytest.mark.parametrize("n,k", [(48, 64), (40, 33), (8, 5)], ids=["odd-blocks", "partial-block", "one-block"])
 @torch.no_grad()
@@ -229,6 +226,7 @@ def test_cpu_kernel_matches_f_linear(rows, n, k):
     assert (ops.linear(x, ops.pack(w2), n, b) - F.linear(x, w, b)).abs().max() > 1e-3
 
 
+@pytest.mark.avx512
 def test_cpu_kernel_rejects_bad_input():
     ops = _require_kernel()
     wp = ops.pack(torch.randn(20, 8))
@@ -240,14 +238,13 @@ def test_cpu_kernel_rejects_bad_input():
         ops.linear(torch.randn(2, 9), wp, 20, None)
 
 
+@pytest.mark.avx512  # elsewhere the kernel is never built (test_cpu_kernel_is_optional covers that path)
 def test_cpu_kernel_build_failure_falls_back(tmp_path):
     """A compiler that fails: a warning naming the failure, no half-written library, MKL/oneDNN sampling."""
     import os
     import subprocess
     import sys
 
-    if cpu_kernel._cpu_supported() is not None:
-        pytest.skip(f"the kernel is never built here ({cpu_kernel._cpu_supported()})")
     code = """
 import warnings, torch
 from align.rollout import cpu_kernel, native
@@ -268,6 +265,7 @@ print(native.PackedLinear([torch.nn.Linear(8, 8)], 4).kind)
 _LOAD = "from align.rollout import cpu_kernel; assert cpu_kernel.load() is not None, cpu_kernel.unavailable_reason()"
 
 
+@pytest.mark.avx512
 @pytest.mark.slow
 def test_cpu_kernel_builds_once_under_concurrency_and_after_a_killed_build(tmp_path):
     """Two processes loading at once share one build; a builder killed mid-compile leaves no lock that blocks
@@ -295,8 +293,17 @@ def test_cpu_kernel_builds_once_under_concurrency_and_after_a_killed_build(tmp_p
     assert len(names) == 1 and names[0].endswith(".so"), names  # one build, leftovers of the killed one cleared
 
 
-def test_cpu_kernel_can_be_disabled(tmp_path):
-    """ALIGN_CPU_KERNEL=0: no build, a reason, and sampling still packs (MKL/oneDNN)."""
+@pytest.mark.parametrize(
+    "var,value,reason",
+    [
+        ("ALIGN_CPU_KERNEL", "0", "disabled by ALIGN_CPU_KERNEL=0"),
+        ("ATEN_CPU_CAPABILITY", "avx2", "needs AVX-512 (torch reports AVX2)"),  # an x86 CPU without AVX-512
+    ],
+    ids=["disabled", "no-avx512"],
+)
+def test_cpu_kernel_is_optional(tmp_path, var, value, reason):
+    """ALIGN_CPU_KERNEL=0, or a CPU without AVX-512 (torch capped at AVX2): no build, a reason, and sampling still
+    packs (MKL/oneDNN), on any x86 machine."""
     import os
     import subprocess
     import sys
@@ -306,14 +313,14 @@ def test_cpu_kernel_can_be_disabled(tmp_path):
         "assert cpu_kernel.load() is None; print(cpu_kernel.unavailable_reason());"
         "lin = torch.nn.Linear(8, 8); print(native.PackedLinear([lin], 4).kind)"
     )
-    env = {**os.environ, "ALIGN_CPU_KERNEL": "0", "XDG_CACHE_HOME": str(tmp_path)}
+    env = {**os.environ, var: value, "XDG_CACHE_HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.splitlines()[0] == "disabled by ALIGN_CPU_KERNEL=0"
+    assert out.splitlines()[0] == reason
     assert out.splitlines()[1] in ("mkl", "onednn")
     assert not (tmp_path / "align").exists()  # nothing was built
 
 
-@pytest.mark.parametrize("layout", ["avx512", "mkl", "onednn"])
+@pytest.mark.parametrize("layout", [pytest.param("avx512", marks=pytest.mark.avx512), "mkl", "onednn"])
 @pytest.mark.parametrize("m", [3, 6, 40], ids=["fewer-rows-padded", "packed-rows", "more-rows-prefill"])
 @torch.no_grad()
 def test_packed_linear_matches_the_layers(monkeypatch, layout, m):
@@ -322,10 +329,7 @@ def test_packed_linear_matches_the_layers(monkeypatch, layout, m):
 
     x86 = platform.machine() in ("x86_64", "AMD64")
     if layout == "avx512":
-        if x86 and torch.backends.cpu.get_cpu_capability() == "AVX512":
-            assert native._kernel_ops() is not None, f"AVX-512 kernel unavailable: {cpu_kernel.unavailable_reason()}"
-        elif native._kernel_ops() is None:
-            pytest.skip(f"no AVX-512 decode kernel on this machine ({cpu_kernel.unavailable_reason()})")
+        assert native._kernel_ops() is not None, f"AVX-512 kernel unavailable: {cpu_kernel.unavailable_reason()}"
     else:
         monkeypatch.setattr(native, "_kernel_ops", lambda: None)
     if layout == "mkl":

@@ -218,6 +218,13 @@ def test_worker_env_scrubs_torchrun_and_pins_caches(tmp_path):
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in P.worker_env(base)
 
 
+def test_worker_env_keeps_omp_threads_and_defaults_a_cpu_worker_to_one():
+    """A CPU worker without OMP_NUM_THREADS oversubscribed the cores (a 1-token request: 147 ms instead of 43 ms)."""
+    assert P.worker_env({"OMP_NUM_THREADS": "4", "RANK": "0"})["OMP_NUM_THREADS"] == "4"
+    assert P.worker_env({})["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in P.worker_env({}, gpu=0)  # a GPU worker keeps the OpenMP default
+
+
 def test_logprob_basis_warning():
     hot = SamplingParams(temperature=0.7)
     assert "--logprobs-mode processed" in P.logprob_basis_warning("raw", hot)

@@ -214,6 +214,7 @@ def test_config_json_valid_types_still_load(tmp_path):
         (["--resume-from", "latest"], r"--resume-from 'latest' is invalid"),
         (["--eval-temperature", "nan"], r"--eval-temperature nan is invalid"),
         (["--eval-prompts", "0", "--eval-interval", "5"], r"--eval-prompts 0 is invalid: --eval-interval 5 needs"),
+        (["--save-hf", "exports/step_{step}"], r"--save-hf 'exports/step_\{step\}' is a template"),
     ],
 )
 def test_bad_values_fail_before_anything_runs(capsys, flags, match):

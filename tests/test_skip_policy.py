@@ -14,6 +14,7 @@ INI = """[pytest]
 addopts = --strict-markers -p no:cacheprovider
 markers =
     gpu: needs a CUDA GPU
+    avx512: needs AVX-512
 """
 
 CASES = {
@@ -23,6 +24,7 @@ CASES = {
         "@pytest.mark.gpu\n@pytest.mark.skipif(True, reason='no CUDA either')\ndef test_h():\n    pass\n"
         "def test_b():\n    pass\n"
     ),
+    "avx512_skip": "import pytest\n@pytest.mark.avx512\ndef test_k():\n    pytest.skip('no AVX-512')\n",
     "fixture_skip": "import pytest\n@pytest.fixture\ndef f():\n    pytest.skip('setup skip')\ndef test_a(f):\n    pass\n",
     "module_skip": "import pytest\npytest.skip('whole module', allow_module_level=True)\n",
     "module_skip_beside_a_pass": "import pytest\npytest.skip('whole module', allow_module_level=True)\n",
@@ -53,6 +55,7 @@ def test_skip_policy_exit_codes(tmp_path):
     expected = {  # case: (exit code with ALIGN_FAIL_ON_SKIP=1, exit code without)
         "plain_skip": (1, 0),
         "gpu_skip": (0, 0),
+        "avx512_skip": (0, 0),  # an x86 CPU without AVX-512: listed, not a failure
         "fixture_skip": (1, 0),
         "module_skip": (5, 5),  # nothing collected: pytest's own non-zero status
         "module_skip_beside_a_pass": (1, 0),
@@ -75,4 +78,7 @@ def test_skip_policy_exit_codes(tmp_path):
             assert "2 gpu test(s) skipped" in out, out
             assert "GPU-SKIPPED" in out and "test_g: no CUDA here" in out and "test_h: no CUDA either" in out
             assert "SKIP-FAILS" not in out
+        if case == "avx512_skip":
+            assert "1 avx512 test(s) skipped" in strict.stdout and "AVX512-SKIPPED" in strict.stdout, strict.stdout
+            assert "test_k: no AVX-512" in strict.stdout and "SKIP-FAILS" not in strict.stdout
     assert got == expected

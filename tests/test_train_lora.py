@@ -110,11 +110,6 @@ def test_lora_kl_run_loads_the_base_once(tmp_path, tiny_model, monkeypatch):
     assert len(loads) == 2
 
 
-@pytest.fixture(scope="module")
-def builtin_model(tmp_path_factory) -> str:
-    return str(reverse.warm_start(tmp_path_factory.mktemp("ws") / "m", steps=60, log=None))
-
-
 LORA_ARGS = ["--lora-rank", "8", "--lora-alpha", "16", "--lr", "0.01"]
 
 

@@ -153,14 +153,18 @@ class EvalConfig:
         """Raise ValueError if the eval staging dir would reuse or overlap the ``--save-hf`` checkpoints.
 
         The dispatcher deletes settled snapshots under ``eval_hf_dir``; a ``--save-hf`` checkpoint is never an
-        eval snapshot, so the two trees must be disjoint. ``save_hf`` may be a template (``.../step_{step}``):
-        everything from the first ``{`` on is ignored.
+        eval snapshot, so the two trees must be disjoint. ``--save-hf`` is one directory, written once at the final
+        step: a template such as ``.../step_{step}`` is refused (train never fills it in).
         """
+        if save_hf and ("{" in save_hf or "}" in save_hf):
+            raise ValueError(
+                f"--save-hf {save_hf!r} is a template, but the final model is exported once, to one directory, and "
+                "nothing fills in '{...}'; pass a plain directory (per-step snapshots: --eval-hf-dir, checkpoints/)"
+            )
         if not save_hf or not self.eval_hf_dir:
             return
-        save_root = save_hf.split("{", 1)[0] or "."
         a = os.path.realpath(self.eval_hf_dir)
-        b = os.path.realpath(save_root)
+        b = os.path.realpath(save_hf)
         if a == b or _is_under(a, b) or _is_under(b, a):
             raise ValueError(
                 f"--eval-hf-dir {self.eval_hf_dir!r} overlaps --save-hf {save_hf!r}: eval snapshots are staged and "
