@@ -136,6 +136,7 @@ def teardown(created: bool) -> None:
     """Destroy the process group ``setup`` created (``created``); a group the caller initialised is left alone."""
     _MESH.clear()
     if created and torch.distributed.is_initialized():
+        torch.distributed.barrier()  # no rank tears down while another still has work in flight on the group
         torch.distributed.destroy_process_group()
 
 
