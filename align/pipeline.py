@@ -177,12 +177,15 @@ def cohort_requests(prompts: list[list[int]], params: SamplingParams, permits: i
 @dataclass
 class Produced:
     """The scored batch of trainer step ``step``, generated from weights ``version``; ``cursor``: the data cursor
-    right after its prompts were drawn (what a checkpoint stores when this is the last pending batch)."""
+    right after its prompts were drawn (what a checkpoint stores when this is the last pending batch); ``seconds``:
+    how long ``collect`` (generation + rewards) took where it ran (the producer with K >= 1), i.e. not the trainer's
+    wait: ``rollout_time`` and ``tokens_per_s`` in the metrics."""
 
     step: int
     version: int
     batch: Batch
     cursor: dict | None = None
+    seconds: float = 0.0
 
     def to_state(self) -> dict:
         """Plain data (lists, dicts, str, int, float, None) that ``torch.load(weights_only=True)`` reads back."""
@@ -190,6 +193,7 @@ class Produced:
             "step": self.step,
             "version": self.version,
             "cursor": self.cursor,
+            "seconds": self.seconds,
             "batch": dataclasses.asdict(self.batch),
         }
 
@@ -198,7 +202,7 @@ class Produced:
         b = dict(d["batch"])
         b["completions"] = [Completion(**c) for c in b["completions"]]
         b["scores"] = Scores(**b["scores"])
-        return cls(int(d["step"]), int(d["version"]), Batch(**b), d["cursor"])
+        return cls(int(d["step"]), int(d["version"]), Batch(**b), d["cursor"], float(d.get("seconds", 0.0)))
 
 
 # ------------------------------------------------------------------------------------------------ engines
@@ -388,7 +392,9 @@ class RolloutPipeline:
                 v = version_for(t, self.K, self.floor)
                 if not self._claim(t, v):
                     return
+                t0 = time.perf_counter()
                 batch = self.collect(t, v, self.engine.client if self.permits.limit is None else self.client)
+                seconds = time.perf_counter() - t0
                 stale = sorted({c.weights_version for c in batch.completions} - {v})
                 if stale:
                     raise RuntimeError(
@@ -396,7 +402,8 @@ class RolloutPipeline:
                         f"but some carry version(s) {stale}: the engine missed a weight update"
                     )
                 with self._cond:
-                    self.ready[t] = Produced(t, v, batch, None if self.cursor is None else dict(self.cursor))
+                    cur = None if self.cursor is None else dict(self.cursor)
+                    self.ready[t] = Produced(t, v, batch, cur, seconds)
                     self.producing, self.next_t = None, t + 1
                     self._cond.notify_all()
         except BaseException as e:  # noqa: BLE001 - handed to the trainer thread, which raises it
@@ -455,7 +462,9 @@ class RolloutPipeline:
     def next(self, t: int) -> tuple[Produced, dict]:
         """The batch of step ``t`` and its async metrics (empty with K = 0)."""
         if not self.is_async:
-            return Produced(t, self.published, self.collect(t, self.published, self.client)), {}
+            t0 = time.perf_counter()
+            batch = self.collect(t, self.published, self.client)
+            return Produced(t, self.published, batch, seconds=time.perf_counter() - t0), {}
         self.start()
         t0 = time.monotonic()
         self._wait_for(range(t, t + 1))
