@@ -20,7 +20,11 @@ reasons, versions, rewards: ``weights_only``-safe) with the data cursor after th
 generates ``s+K+1`` on from the checkpoint's weights, exactly as the uninterrupted run did.
 
 In-flight permits (``--max-inflight-requests``, in completions): a request carries whole groups (the n samples of a
-prompt), at most ``permits // n`` prompts, so a group never spans two requests, engines or versions.
+prompt), at most ``permits // n`` prompts, so a group never spans two requests, engines or versions. With K >= 1 one
+``Permits`` pool bounds train and eval requests together: a request takes its completions' permits before it is sent
+and returns them when its answer is back. An eval epoch dispatches its complete cohort first (it has priority over
+train for permits; train is drained before it anyway); once the cohort is out, the permits its finished requests
+return go to train while the eval tail finishes.
 """
 
 from __future__ import annotations
@@ -91,18 +95,97 @@ def generate_groups(client: Any, prompts: list[list[int]], params: SamplingParam
     return out
 
 
+class Permits:
+    """The shared in-flight pool (``--max-inflight-requests``, counted in completions; ``None`` = unbounded).
+
+    ``take(n, eval_=True)`` has priority: train takers wait while an eval taker is waiting. ``max_used`` is the
+    high-water mark (for the metrics and the tests)."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit, self.used, self.max_used = limit, 0, 0
+        self._eval_waiting = 0
+        self._cond = threading.Condition()
+
+    def _fits(self, n: int) -> bool:
+        return self.limit is None or self.used + n <= self.limit
+
+    def try_take(self, n: int) -> bool:
+        with self._cond:
+            if not self._fits(n):
+                return False
+            self._take(n)
+            return True
+
+    def take(self, n: int, eval_: bool = False, should_stop: Callable[[], bool] = lambda: False) -> None:
+        if self.limit is not None and n > self.limit:
+            raise ValueError(f"a request of {n} completions is larger than --max-inflight-requests {self.limit}")
+        with self._cond:
+            self._eval_waiting += eval_
+            try:
+                while not self._fits(n) or (not eval_ and self._eval_waiting):
+                    if should_stop():
+                        raise RuntimeError("stopped while waiting for in-flight permits")
+                    self._cond.wait(WAIT_POLL_S)
+                self._take(n)
+            finally:
+                self._eval_waiting -= eval_
+                self._cond.notify_all()
+
+    def _take(self, n: int) -> None:  # with self._cond held
+        self.used += n
+        self.max_used = max(self.max_used, self.used)
+
+    def give(self, n: int) -> None:
+        with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+
+class PermitClient:
+    """A rollout client whose ``generate`` takes its completions' permits from the shared pool for the request's
+    lifetime (the producer's train requests); everything else is the wrapped client's."""
+
+    def __init__(self, client: Any, permits: Permits, should_stop: Callable[[], bool] = lambda: False) -> None:
+        self.client, self.permits, self.should_stop = client, permits, should_stop
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, **kw: Any) -> list:
+        n = len(prompts) * params.n
+        self.permits.take(n, should_stop=self.should_stop)
+        try:
+            return self.client.generate(prompts, params, **kw)
+        finally:
+            self.permits.give(n)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+
+def cohort_requests(prompts: list[list[int]], params: SamplingParams, permits: int | None) -> list[tuple]:
+    """An eval cohort as requests of whole groups (at most ``permits`` completions each): ``(first, prompts,
+    params)`` with request ``i`` seeded ``params.seed + i * CHUNK_SEED_STRIDE`` (as ``generate_groups``)."""
+    per = len(prompts) if permits is None else max(1, permits // params.n)
+    out = []
+    for i, first in enumerate(range(0, len(prompts), per)):
+        p = dataclasses.replace(params, seed=None if params.seed is None else params.seed + i * CHUNK_SEED_STRIDE)
+        out.append((first, prompts[first : first + per], p))
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ batches
 
 
 @dataclass
 class Produced:
     """The scored batch of trainer step ``step``, generated from weights ``version``; ``cursor``: the data cursor
-    right after its prompts were drawn (what a checkpoint stores when this is the last pending batch)."""
+    right after its prompts were drawn (what a checkpoint stores when this is the last pending batch); ``seconds``:
+    how long ``collect`` (generation + rewards) took where it ran (the producer with K >= 1), i.e. not the trainer's
+    wait: ``rollout_time`` and ``tokens_per_s`` in the metrics."""
 
     step: int
     version: int
     batch: Batch
     cursor: dict | None = None
+    seconds: float = 0.0
 
     def to_state(self) -> dict:
         """Plain data (lists, dicts, str, int, float, None) that ``torch.load(weights_only=True)`` reads back."""
@@ -110,6 +193,7 @@ class Produced:
             "step": self.step,
             "version": self.version,
             "cursor": self.cursor,
+            "seconds": self.seconds,
             "batch": dataclasses.asdict(self.batch),
         }
 
@@ -118,7 +202,7 @@ class Produced:
         b = dict(d["batch"])
         b["completions"] = [Completion(**c) for c in b["completions"]]
         b["scores"] = Scores(**b["scores"])
-        return cls(int(d["step"]), int(d["version"]), Batch(**b), d["cursor"])
+        return cls(int(d["step"]), int(d["version"]), Batch(**b), d["cursor"], float(d.get("seconds", 0.0)))
 
 
 # ------------------------------------------------------------------------------------------------ engines
@@ -256,8 +340,10 @@ class RolloutPipeline:
         last_step: int,
         cursor: dict | None = None,
         pending: list[dict] = (),
+        max_inflight_requests: int | None = None,
     ) -> None:
         self.K, self.collect, self.engine, self.client = max_async_steps, collect, engine, client
+        self.permits = Permits(max_inflight_requests)  # train and eval requests together (K >= 1)
         self.taken = self.published = self.floor = start_step
         self.last_step, self.cursor = last_step, cursor
         self.ready: dict[int, Produced] = {}
@@ -282,6 +368,8 @@ class RolloutPipeline:
         self._thread: threading.Thread | None = None
         if self.K > 0:
             self.engine.should_stop = lambda: self._stop
+            if max_inflight_requests is not None:
+                self.client = PermitClient(engine.client, self.permits, lambda: self._stop)
             self._thread = threading.Thread(target=self._produce, name="align-rollout-producer", daemon=True)
 
     def start(self) -> None:
@@ -304,7 +392,9 @@ class RolloutPipeline:
                 v = version_for(t, self.K, self.floor)
                 if not self._claim(t, v):
                     return
-                batch = self.collect(t, v, self.engine.client)
+                t0 = time.perf_counter()
+                batch = self.collect(t, v, self.engine.client if self.permits.limit is None else self.client)
+                seconds = time.perf_counter() - t0
                 stale = sorted({c.weights_version for c in batch.completions} - {v})
                 if stale:
                     raise RuntimeError(
@@ -312,7 +402,8 @@ class RolloutPipeline:
                         f"but some carry version(s) {stale}: the engine missed a weight update"
                     )
                 with self._cond:
-                    self.ready[t] = Produced(t, v, batch, None if self.cursor is None else dict(self.cursor))
+                    cur = None if self.cursor is None else dict(self.cursor)
+                    self.ready[t] = Produced(t, v, batch, cur, seconds)
                     self.producing, self.next_t = None, t + 1
                     self._cond.notify_all()
         except BaseException as e:  # noqa: BLE001 - handed to the trainer thread, which raises it
@@ -371,7 +462,9 @@ class RolloutPipeline:
     def next(self, t: int) -> tuple[Produced, dict]:
         """The batch of step ``t`` and its async metrics (empty with K = 0)."""
         if not self.is_async:
-            return Produced(t, self.published, self.collect(t, self.published, self.client)), {}
+            t0 = time.perf_counter()
+            batch = self.collect(t, self.published, self.client)
+            return Produced(t, self.published, batch, seconds=time.perf_counter() - t0), {}
         self.start()
         t0 = time.monotonic()
         self._wait_for(range(t, t + 1))
@@ -461,12 +554,7 @@ class RolloutPipeline:
                 if self.engine.version != e:
                     self.engine.use(e)
             prompts, params, permits, score = self._eval_fn()
-            handle = self.engine.submit(prompts, params, permits)  # the complete cohort
-            with self._cond:
-                self.events.append(("cohort", e, self.engine.version))
-                self.cohort_sent.add(e)  # spare capacity back to train, at the pinned version only
-                self._cond.notify_all()
-            comps = self.engine.wait(handle)
+            comps = self._dispatch_cohort(e, prompts, params, permits)
             wrong = sum(c.weights_version != e for c in comps)
             rec = {
                 "step": e,
@@ -483,6 +571,46 @@ class RolloutPipeline:
         finally:
             if self.pin_eval:
                 self.engine.lock.release()
+
+    def _dispatch_cohort(self, e: int, prompts: list, params: SamplingParams, permits: int | None) -> list:
+        """The complete cohort of eval step ``e``, request by request through the shared permits (eval first: while
+        the pool is full, the oldest eval request is collected to free permits), then the tail: each finished
+        request gives its permits back, which train (refilled at the pinned version) may take."""
+        out: list = []
+        sent: list[tuple] = []  # (first, handle, completions held)
+
+        def collect_oldest() -> None:
+            first, handle, n = sent.pop(0)
+            try:
+                comps = self.engine.wait(handle)
+            finally:
+                self.permits.give(n)
+            out.extend(dataclasses.replace(c, prompt_index=c.prompt_index + first) for c in comps)
+
+        try:
+            for first, chunk, p in cohort_requests(prompts, params, permits):
+                n = len(chunk) * p.n
+                while not self.permits.try_take(n):
+                    if sent:
+                        collect_oldest()
+                    else:
+                        self.permits.take(n, eval_=True, should_stop=lambda: self._stop)
+                        break
+                try:
+                    sent.append((first, self.engine.submit(chunk, p, None), n))
+                except BaseException:
+                    self.permits.give(n)
+                    raise
+            with self._cond:
+                self.events.append(("cohort", e, self.engine.version))
+                self.cohort_sent.add(e)  # spare capacity back to train, at the pinned version only
+                self._cond.notify_all()
+            while sent:
+                collect_oldest()
+        finally:
+            for _first, _handle, n in sent:  # a failure: the permits of requests never collected go back
+                self.permits.give(n)
+        return out
 
     def take_eval_records(self) -> list[dict]:
         """Finished eval records (each once); raises the eval side task's failure."""
@@ -562,5 +690,12 @@ def make_pipeline(
     else:
         engine = SpoolEngine(client, snapshots, step, lambda m, p: lora.save_policy(m, p), cfg.rollout_timeout_s)
     return RolloutPipeline(
-        K, collect, engine=engine, start_step=step, last_step=cfg.steps, cursor=cursor, pending=pending
+        K,
+        collect,
+        engine=engine,
+        start_step=step,
+        last_step=cfg.steps,
+        cursor=cursor,
+        pending=pending,
+        max_inflight_requests=cfg.max_inflight_requests,
     )

@@ -11,8 +11,9 @@ Failure semantics (a row that fails is counted, never lost silently):
 - a reward that returns ``None`` / NaN abstains: the other rewards' weighted sum is the total, and the
   completion is unscorable only when every reward abstains (TRL's convention for multi-task rewards).
 
-Execution: ``--reward-workers 1`` calls the rewards in this process; the timeout is then a SIGALRM timer
-(main thread only; it interrupts Python code and sleeps, not a C call that holds the GIL).
+Execution: ``--reward-workers 1`` calls the rewards in this process; the timeout is then a SIGALRM timer on the
+main thread (it interrupts Python code and sleeps, not a C call that holds the GIL) and, on another thread (the
+``--max-async-steps`` producer), a watchdog that raises in that thread (Python code only: a sleep finishes first).
 ``--reward-workers N > 1`` runs them in N worker processes (``python -m align.rewards``, JSON lines over pipes:
 nothing is pickled); a call past its deadline gets its worker killed and replaced, so a hung reward never
 hangs the run. Workers load the rewards from their specs, so ``fields`` must be JSON values.
@@ -213,10 +214,41 @@ def _value(v: Any) -> float:
     return float(v)
 
 
-def _call_in_process(fn: Callable, args: tuple, kwargs: dict, timeout_s: float) -> Any:
-    use_alarm = timeout_s > 0 and hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
-    if not use_alarm:
+def _call_on_thread(fn: Callable, args: tuple, kwargs: dict, timeout_s: float) -> Any:
+    """The timeout off the main thread (e.g. the ``--max-async-steps`` producer), where SIGALRM cannot reach: a
+    watchdog timer raises ``RewardTimeout`` in the calling thread (``PyThreadState_SetAsyncExc``). Like the alarm it
+    interrupts Python code; unlike it, a blocking call (``time.sleep``, I/O, C code) runs to its end first, then the
+    exception lands. Use ``--reward-workers`` >= 2 for rewards that block."""
+    import ctypes
+
+    tid, lock, state = threading.get_ident(), threading.Lock(), {"done": False, "fired": False}
+    set_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
+
+    def fire() -> None:
+        with lock:
+            if not state["done"]:
+                state["fired"] = True
+                set_exc(ctypes.c_ulong(tid), ctypes.py_object(RewardTimeout))
+
+    timer = threading.Timer(timeout_s, fire)
+    timer.daemon = True
+    timer.start()
+    try:
         return fn(*args, **kwargs)
+    finally:
+        timer.cancel()
+        with lock:
+            state["done"] = True
+            if state["fired"]:  # fired but not delivered yet: clear it, then report the timeout here
+                set_exc(ctypes.c_ulong(tid), None)
+                raise RewardTimeout
+
+
+def _call_in_process(fn: Callable, args: tuple, kwargs: dict, timeout_s: float) -> Any:
+    if timeout_s <= 0 or not hasattr(signal, "setitimer"):
+        return fn(*args, **kwargs)
+    if threading.current_thread() is not threading.main_thread():
+        return _call_on_thread(fn, args, kwargs, timeout_s)
 
     def on_alarm(signum, frame):
         raise RewardTimeout

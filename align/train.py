@@ -460,10 +460,9 @@ def train(
             policy.train()
             # 1-3. prompts -> rollouts -> rewards (align.pipeline: this thread, or K steps ahead on a producer)
             batch, async_stats = pipe.next(step + 1)
-            batch = batch.batch
+            t_rollout, batch = batch.seconds, batch.batch  # generation + rewards where they ran (not the wait)
             idx, completions, scores, errors = batch.idx, batch.completions, batch.scores, batch.scores.errors
             batch_ids = [encoded[i] for i in idx]
-            t_rollout = time.monotonic() - t0
             P, G = len(idx), cfg.group_size
             rewards = torch.full((P, G), math.nan)
             terms = {n: torch.full((P, G), math.nan) for n in scores.terms}

@@ -357,3 +357,48 @@ def test_a_shutdown_the_dead_worker_never_served_is_withdrawn(tmp_path):
     WorkerHandle(proc, spool, tmp_path / "log").shutdown(grace_s=0.2)
     assert spool.pending() == []
     assert not list((spool.root / "claimed").iterdir())
+
+
+# ------------------------------------------------------------------------------------------------ generation time
+
+GEN_S = 0.3  # the fake generation time of one batch on the producer
+SENTINEL_S = 123.0  # a generation time no wall clock of this test could measure
+
+
+def test_generation_time_is_measured_on_the_producer():
+    """With K >= 1 a batch's ``seconds`` is how long the producer spent generating + scoring it, not how long the
+    trainer waited for it (the trainer arrives late here, so its wait is ~0)."""
+
+    def collect(t, version, client):
+        time.sleep(GEN_S)
+        return Batch([0], [Completion(0, 0, [1], [0.0], "stop", weights_version=version)], ["x"], Scores([1.0], {}))
+
+    pipe = pipeline.RolloutPipeline(1, collect, engine=NullEngine(), last_step=2, cursor={})
+    try:
+        pipe.start()
+        time.sleep(3 * GEN_S)  # the trainer is busy elsewhere: step 1 is ready when it asks
+        p, stats = pipe.next(1)
+    finally:
+        pipe.close()
+    assert p.seconds >= GEN_S
+    assert stats["async/trainer_wait_s"] < GEN_S / 2  # negative control: the wait is not the generation time
+    assert pipeline.Produced.from_state(p.to_state()).seconds == p.seconds  # a pending batch keeps it on resume
+
+
+def test_rollout_time_and_tokens_per_s_come_from_the_producer(tmp_path, tiny_model, monkeypatch):
+    """metrics.jsonl's rollout_time is the batch's producer-side ``seconds`` (K >= 1) and tokens_per_s divides by it:
+    each batch is stamped with a sentinel no trainer-side clock could produce."""
+    real_next = pipeline.RolloutPipeline.next
+
+    def stamped_next(self, t):
+        p, stats = real_next(self, t)
+        p.seconds = SENTINEL_S
+        return p, stats
+
+    monkeypatch.setattr(pipeline.RolloutPipeline, "next", stamped_next)
+    recs = [r for r in run(tmp_path / "a", tiny_model, max_async_steps=1, steps=3) if "rollout_time" in r]
+    assert len(recs) == 3
+    for r in recs:
+        tokens = r["completion_len_mean"] * 4 * 4  # prompts_per_step * group_size completions
+        assert r["rollout_time"] == SENTINEL_S
+        assert r["tokens_per_s"] == pytest.approx(tokens / SENTINEL_S)

@@ -217,3 +217,93 @@ def test_pinned_eval_measures_what_the_blocking_eval_measures(tmp_path, monkeypa
     assert kinds == [{False}, {True}]  # the first run evaluated on the engine, the second in the loop
     assert pinned_recs == blocking
     assert pinned_recs[0] != pinned_recs[-1]  # negative control: the points differ, so equal records are not vacuous
+
+
+# ------------------------------------------------------------------------------------------------ shared permits
+
+PERMITS = 6  # --max-inflight-requests of the permit test (completions)
+TRAIN_N, TRAIN_PROMPTS = 2, 2  # one train request of 2 groups (4 completions)
+EVAL_PROMPTS = 7  # eval n = 1: requests of 6 and 1 completions; the eval tail (1) leaves room for 4 train ones
+TRAIN_SERVE_S = 0.03
+
+
+class CountingEngine(FakeEngine):
+    """A fake engine (no real engine reports its outstanding requests) that counts the completions outstanding at it,
+    train and eval together, and records the high-water mark, whether train and eval ever overlapped, and the size
+    of every request. ``submit`` splits a cohort into whole-group requests the way ``SpoolEngine.submit`` does and
+    puts them all in flight at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outstanding = {"train": 0, "eval": 0}
+        self.max_outstanding, self.overlapped, self.requests = 0, False, []
+        self._count = threading.Lock()
+        self.client = self.TrainClient(self)
+
+    def _add(self, kind, n):
+        with self._count:
+            self.outstanding[kind] += n
+            total = sum(self.outstanding.values())
+            self.max_outstanding = max(self.max_outstanding, total)
+            self.overlapped |= all(self.outstanding.values())
+            if n > 0:
+                self.requests.append((kind, n))
+
+    class TrainClient:
+        def __init__(self, engine):
+            self.engine = engine
+
+        def generate(self, prompts, params, **kw):
+            n = len(prompts) * params.n
+            self.engine._add("train", n)
+            time.sleep(TRAIN_SERVE_S)
+            self.engine._add("train", -n)
+            v = self.engine.version
+            return [
+                Completion(i, j, [1], [0.0], "stop", weights_version=v)
+                for i in range(len(prompts))
+                for j in range(params.n)
+            ]
+
+    def submit(self, prompts, params, permits):
+        per = len(prompts) if permits is None else max(1, permits // params.n)
+        reqs = [prompts[f : f + per] for f in range(0, len(prompts), per)]
+        for r in reqs:
+            self._add("eval", len(r) * params.n)
+        return [(r, params.n) for r in reqs]
+
+    def wait(self, handles):
+        out = []
+        for r, n in handles:
+            time.sleep(SERVE_S)
+            out += [
+                Completion(len(out) + i, 0, [1], [0.0], "stop", weights_version=self.version) for i in range(len(r))
+            ]
+            self._add("eval", -len(r) * n)
+        return out
+
+
+def collect_with_permits(t, version, client):
+    comps = pipeline.generate_groups(client, [[1]] * TRAIN_PROMPTS, SamplingParams(n=TRAIN_N, seed=t), PERMITS)
+    return Batch(list(range(TRAIN_PROMPTS)), comps, ["x"] * len(comps), Scores([1.0] * len(comps), {}))
+
+
+def test_one_permit_pool_bounds_train_and_eval_together():
+    """--max-inflight-requests bounds train + eval completions outstanding at the engine, also while the eval tail
+    overlaps refilled train requests; no request splits a group."""
+    engine = CountingEngine()
+    pipe = pipeline.RolloutPipeline(
+        1, collect_with_permits, engine=engine, last_step=8, cursor={}, max_inflight_requests=PERMITS
+    )
+    eval_set = EvalSet([[1]] * EVAL_PROMPTS, lambda i, ids: 1.0, SamplingParams(n=1), name="fake")
+    ev = pinned.PinnedEvaluator(EvalConfig(eval_interval=2), pipe, eval_set, PERMITS, timeout_s=60)
+    try:
+        recs = drive(pipe, ev)
+    finally:
+        pipe.close()
+    assert [r["step"] for r in recs] == [0, 2, 4, 6, 8]
+    assert all(r["eval/mixed_version_ratio"] == 0.0 for r in recs)
+    assert engine.overlapped  # train refilled during an eval tail: the bound below is not vacuous
+    assert engine.max_outstanding <= PERMITS
+    assert all(n % TRAIN_N == 0 for kind, n in engine.requests if kind == "train")  # whole groups only
+    assert sorted({n for kind, n in engine.requests if kind == "eval"}) == [1, 6]  # the cohort in 2 requests

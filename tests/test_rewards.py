@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import textwrap
+import threading
 import time
 from fractions import Fraction
 
@@ -207,3 +208,35 @@ def test_builtin_rewards_tricky_cases():
     assert think_answer_format("p", "<think>hm</think>   ") == 0.0  # no answer
     assert think_answer_format("p", "42 <think>hm</think> 42") == 0.0
     assert think_answer_format("p", "<think>a</think>b<think>c</think>d") == 0.0
+
+
+SPIN_S = 20.0  # how long the spinning reward below runs when nothing cuts it off
+THREAD_TIMEOUT_S = 0.5
+
+
+def _spin_reward(prompt, completion, **_):
+    end = time.monotonic() + (SPIN_S if completion == "hang" else 0.0)
+    while time.monotonic() < end:  # pure Python: the watchdog's exception lands here
+        pass
+    return 1.0
+
+
+def test_in_process_timeout_holds_off_the_main_thread():
+    """--reward-workers 1 scoring on another thread (the --max-async-steps producer), where SIGALRM cannot reach."""
+    (fn,) = load_rewards(fns=_spin_reward)
+    scorer = RewardScorer([fn], workers=1, timeout_s=THREAD_TIMEOUT_S)
+    got = {}
+
+    def run():
+        t0 = time.monotonic()
+        got["s"] = scorer.score([({"prompt": "p"}, "hang"), ({"prompt": "p"}, "x")])
+        got["later"] = scorer.score([({"prompt": "p"}, "y")])  # no stray exception after a timeout
+        got["dt"] = time.monotonic() - t0
+
+    th = threading.Thread(target=run)
+    th.start()
+    th.join(SPIN_S * 2)
+    s = got["s"]
+    assert s.timeouts == 1 and math.isnan(s.totals[0]) and s.totals[1] == 1.0
+    assert got["later"].totals == [1.0] and got["later"].timeouts == 0
+    assert got["dt"] < SPIN_S / 2  # cut off, not run to its end
