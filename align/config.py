@@ -95,9 +95,9 @@ class TrainConfig:
         default=0, metadata=_h("Under torchrun: ranks each replica shards over (0: world size / dp_replicate).")
     )
     threads: int = field(
-        default=1,
+        default=0,
         metadata=_h(
-            "torch CPU threads (0 = torch's default). 1 is fastest for small models and never oversubscribes a shared CPU."
+            "torch CPU threads; 0 = auto: one per 4M parameters, at least 1, at most the CPUs this process may use (split between torchrun's local ranks)."
         ),
     )
     dtype: str | None = field(

@@ -166,8 +166,9 @@ def _torch_fwd(logits, targets, temperature, with_entropy, chunk):
     return logprobs, entropy, lse, [block[3] for block in blocks]
 
 
-def _torch_bwd(logits, targets, lse, entropy, grad_logprobs, grad_entropy, temperature, chunk, masked):
-    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # (N, V), the only full-size one
+def _torch_bwd(logits, targets, lse, entropy, grad_logprobs, grad_entropy, temperature, chunk, masked, out=None):
+    """``out``: where to write the gradient; may be ``logits`` itself (each chunk is read before it is written)."""
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device) if out is None else out  # (N, V)
     bufs = _work_buffers(logits, chunk, 3)
     for i, r in enumerate(range(0, logits.shape[0], TORCH_ROWS)):
         rows = slice(r, r + TORCH_ROWS)
@@ -296,10 +297,10 @@ def _triton_fwd(logits, targets, temperature, with_entropy, block):
     return logprobs, entropy, lse, block
 
 
-def _triton_bwd(logits, targets, lse, entropy, grad_logprobs, grad_entropy, temperature, chunk, block):
+def _triton_bwd(logits, targets, lse, entropy, grad_logprobs, grad_entropy, temperature, chunk, block, out=None):
     _, bwd = _triton_kernels()
     N, V = logits.shape
-    grad = torch.empty(N, V, dtype=logits.dtype, device=logits.device)  # (N, V)
+    grad = torch.empty(N, V, dtype=logits.dtype, device=logits.device) if out is None else out  # (N, V); may alias
     with_entropy = grad_entropy is not None
     grad_logprobs = grad_logprobs.float().contiguous()  # the grad of a sum is an expanded, stride-0 tensor
     grad_entropy = grad_entropy.float().contiguous() if with_entropy else grad_logprobs
@@ -335,14 +336,23 @@ class _TokenLogprobs(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
+def _logits_buffer(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """One (R, V) block reused by every block of a call (a fresh one per block costs page faults on CPU)."""
+    rows = min(LINEAR_ROWS, hidden.shape[0])
+    return torch.empty(rows, weight.shape[0], dtype=torch.result_type(hidden, weight), device=hidden.device)
+
+
 class _LinearTokenLogprobs(torch.autograd.Function):
-    """Logits = hidden @ weight.T made LINEAR_ROWS rows at a time, in forward and again in backward."""
+    """Logits = hidden @ weight.T made LINEAR_ROWS rows at a time, in forward and again in backward, into one
+    reused (R, V) buffer; backward writes the logits' gradient over the recomputed logits (one block in memory)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, with_entropy, chunk, impl):
         parts, states = [], []
+        buf = _logits_buffer(hidden, weight)
         for r in range(0, hidden.shape[0], LINEAR_ROWS):
-            logits = hidden[r : r + LINEAR_ROWS] @ weight.T  # (R, V) in the model's dtype, as its lm_head makes it
+            h = hidden[r : r + LINEAR_ROWS]
+            logits = torch.matmul(h, weight.T, out=buf[: h.shape[0]])  # (R, V) in the model's dtype, as its lm_head
             *out, state = _IMPLS[impl][0](logits, targets[r : r + LINEAR_ROWS], temperature, with_entropy, chunk)
             parts.append(out)
             states.append(state)
@@ -362,13 +372,14 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         need_hidden, need_weight = ctx.needs_input_grad[:2]  # a frozen lm_head needs no (V, D) gradient
         grad_hidden = torch.empty_like(hidden) if need_hidden else None  # (N, D)
         grad_weight = torch.zeros(weight.shape, device=weight.device) if need_weight else None  # (V, D), fp32 sum
+        buf = _logits_buffer(hidden, weight)
         for i, r in enumerate(range(0, hidden.shape[0], LINEAR_ROWS)):
             rows = slice(r, r + LINEAR_ROWS)
-            logits = hidden[rows] @ weight.T  # (R, V), recomputed
+            h = hidden[rows]
+            logits = torch.matmul(h, weight.T, out=buf[: h.shape[0]])  # (R, V), recomputed
             g_ent = grad_entropy[rows] if with_entropy else None
             args = logits, targets[rows], lse[rows], entropy[rows], grad_logprobs[rows], g_ent, temperature, chunk
-            grad_logits = _IMPLS[impl][1](*args, states[i])  # (R, V)
-            del logits
+            grad_logits = _IMPLS[impl][1](*args, states[i], out=logits)  # (R, V), written over the logits
             if need_hidden:
                 torch.matmul(grad_logits, weight, out=grad_hidden[rows])
             if need_weight and grad_logits.dtype == torch.float32:

@@ -157,7 +157,7 @@ def train(
 
     from align import checkpoint as ckpt
     from align import dist, dist_checkpoint, learner, lora
-    from align.device import make_optimizer
+    from align.device import make_optimizer, resolve_threads
     from align.device import resolve as resolve_placement
     from align.eval import EvalSet, make_evaluator
     from align.eval.fleet import EvalFleet
@@ -173,8 +173,6 @@ def train(
     t_start = time.monotonic()
     owns_group = dist.setup(cfg)  # torchrun: the process group (no-op in one process)
     place = resolve_placement(cfg.device, cfg.precision)  # bad --device / --precision fail here, before any load
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     stop_flag = stop_flag if stop_flag is not None else {}
     out = Path(cfg.out)
     runsafety.check_paths(cfg.out, model or cfg.model, cfg.save_hf, cfg.eval.eval_hf_dir)
@@ -231,6 +229,7 @@ def train(
         dist_checkpoint.check_model_config(resume[1], state, policy)
     policy.gradient_checkpointing = cfg.gradient_checkpointing
     mcfg = policy.config
+    torch.set_num_threads(resolve_threads(cfg.threads, mcfg.num_params()))  # --threads 0: from the model size
     ref_model = None
     if cfg.loss.kl_coef > 0 and cfg.lora.enabled:  # the policy with its adapters off is the frozen base: no 2nd copy
         ref_model = policy  # (align.learner.reference_logprobs runs it inside align.lora.adapters_disabled)

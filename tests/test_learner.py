@@ -415,3 +415,50 @@ def test_sampler_under_bf16_mixed_computes_like_the_trainer(monkeypatch):
     err16 = (lp16 - full_lp)[mask].abs().max()
     err32 = (lp32 - full_lp)[mask].abs().max()
     assert err16 < SAMPLER_TOL < err32  # control: the fp32 recompute is another basis
+
+
+# ------------------------------------------------------------------------------------------------ --threads
+
+
+def test_auto_threads_from_the_model_size_and_the_cpus(monkeypatch):
+    """--threads 0: one thread per PARAMS_PER_THREAD parameters, at least 1, at most the CPUs (per local rank)."""
+    per = device_mod.PARAMS_PER_THREAD
+    auto = device_mod.auto_threads
+    assert auto(100_000, cpus=2) == 1  # the 0.1M shape: a second thread costs more than it saves
+    assert auto(31_000_000, cpus=2) == 2  # the 31M shape: every CPU
+    assert auto(31_000_000, cpus=16) == 31_000_000 // per  # no more threads than the model has work for
+    assert auto(494_000_000, cpus=16) == 16
+    assert auto(494_000_000, cpus=16, local_ranks=4) == 4  # torchrun: the CPUs split between the local ranks
+    assert auto(494_000_000, cpus=2, local_ranks=4) == 1
+    assert auto(2 * per - 1, cpus=8) == 1 and auto(2 * per, cpus=8) == 2  # the boundary
+    monkeypatch.setattr(device_mod.os, "sched_getaffinity", lambda pid: {0, 1, 2})  # the CPUs this process may use
+    assert auto(10**9) == 3
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert device_mod.resolve_threads(0, 10**9) == 1
+    assert device_mod.resolve_threads(5, 100) == 5  # an explicit --threads N is kept as given
+
+
+@pytest.mark.parametrize("threads", [0, 3])
+def test_training_sets_the_threads_from_the_model_or_the_flag(tmp_path, monkeypatch, threads):
+    """The loop applies --threads: 0 picks ``auto_threads`` of the loaded model's parameter count, N is N.
+    Negative control: the thread count torch had before the run (1, from conftest) differs from both."""
+    from align.model import save_pretrained
+    from align.tasks import reverse
+    from align.tasks.tokenizer import CharTokenizer
+    from align.train import train
+
+    monkeypatch.setattr(device_mod, "PARAMS_PER_THREAD", 1000)  # so the tiny model asks for several threads
+    monkeypatch.setattr(device_mod.os, "sched_getaffinity", lambda pid: set(range(4)))
+    seen = []
+    monkeypatch.setattr(torch, "set_num_threads", seen.append)  # record, leave the test process's threads alone
+    tok = CharTokenizer("abcd=")
+    mcfg = reverse.model_config(tok)
+    mcfg.num_hidden_layers = 1
+    model_dir = save_pretrained(Transformer(mcfg).init_weights(seed=0), tmp_path / "m")
+    c = TrainConfig(out=str(tmp_path / "run"), steps=1, prompts_per_step=2, group_size=2, max_tokens=3,
+                    warmup_steps=0, device="cpu", threads=threads)  # fmt: skip
+    c.eval.eval_interval = 0
+    train(c, model=str(model_dir), tokenizer=tok, prompts=[{"prompt": "ab="}, {"prompt": "cd="}],
+          reward=lambda p, comp, **_: comp.count("a") / 4)  # fmt: skip
+    assert mcfg.num_params() // 1000 > 4 and torch.get_num_threads() == 1
+    assert seen == [4 if threads == 0 else 3]
