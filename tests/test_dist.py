@@ -355,6 +355,7 @@ def test_sigterm_to_torchrun_commits_one_checkpoint(tmp_path, builtin_model):
     assert log.count("got signal 15") == 2, log[-3000:]  # both ranks
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, steps[-1] + 1))
+    assert (out / "checkpoints").is_dir(), f"no checkpoint written after SIGTERM; log:\n{log[-4000:]}"
     ckpts = [p.name for p in (out / "checkpoints").iterdir()]
     assert ckpts == [f"step_{steps[-1]}"], ckpts  # one, committed at the last logged step
     assert (out / "checkpoints" / ckpts[0] / ".complete").is_file()
