@@ -97,7 +97,7 @@ class TrainConfig:
     threads: int = field(
         default=0,
         metadata=_h(
-            "torch CPU threads; 0 = auto: one per 4M parameters, at least 1, at most the CPUs this process may use (split between torchrun's local ranks)."
+            "torch CPU threads; 0 = auto: OMP_NUM_THREADS when set, else the CPUs this process may use (split between torchrun's local ranks)."
         ),
     )
     dtype: str | None = field(

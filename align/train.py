@@ -229,7 +229,7 @@ def train(
         dist_checkpoint.check_model_config(resume[1], state, policy)
     policy.gradient_checkpointing = cfg.gradient_checkpointing
     mcfg = policy.config
-    torch.set_num_threads(resolve_threads(cfg.threads, mcfg.num_params()))  # --threads 0: from the model size
+    torch.set_num_threads(resolve_threads(cfg.threads))  # --threads 0: OMP_NUM_THREADS, else every CPU
     ref_model = None
     if cfg.loss.kl_coef > 0 and cfg.lora.enabled:  # the policy with its adapters off is the frozen base: no 2nd copy
         ref_model = policy  # (align.learner.reference_logprobs runs it inside align.lora.adapters_disabled)
