@@ -344,24 +344,31 @@ def _logits_buffer(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 class _LinearTokenLogprobs(torch.autograd.Function):
     """Logits = hidden @ weight.T made LINEAR_ROWS rows at a time, in forward and again in backward, into one
-    reused (R, V) buffer; backward writes the logits' gradient over the recomputed logits (one block in memory)."""
+    reused (R, V) buffer; backward writes the logits' gradient over the recomputed logits (one block in memory).
+
+    Forward makes the blocks last to first, so the buffer ends up holding the first block's logits; when a gradient
+    will be needed the buffer is kept for backward, which starts with that block and does not recompute it (the
+    whole recompute when N <= LINEAR_ROWS). Same peak memory (backward needs the block anyway), same floats."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, with_entropy, chunk, impl):
         parts, states = [], []
         buf = _logits_buffer(hidden, weight)
-        for r in range(0, hidden.shape[0], LINEAR_ROWS):
+        for r in reversed(range(0, hidden.shape[0], LINEAR_ROWS)):
             h = hidden[r : r + LINEAR_ROWS]
             logits = torch.matmul(h, weight.T, out=buf[: h.shape[0]])  # (R, V) in the model's dtype, as its lm_head
             *out, state = _IMPLS[impl][0](logits, targets[r : r + LINEAR_ROWS], temperature, with_entropy, chunk)
             parts.append(out)
             states.append(state)
+        parts.reverse()
+        states.reverse()
         if parts:
             logprobs, entropy, lse = (torch.cat(p) for p in zip(*parts))
         else:
             logprobs, entropy, lse = (torch.zeros(0, device=hidden.device) for _ in range(3))
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.args = temperature, with_entropy, chunk, impl, states
+        ctx.first_block = buf if parts and any(ctx.needs_input_grad[:2]) else None  # block 0's logits, for backward
         return logprobs, entropy
 
     @staticmethod
@@ -372,11 +379,15 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         need_hidden, need_weight = ctx.needs_input_grad[:2]  # a frozen lm_head needs no (V, D) gradient
         grad_hidden = torch.empty_like(hidden) if need_hidden else None  # (N, D)
         grad_weight = torch.zeros(weight.shape, device=weight.device) if need_weight else None  # (V, D), fp32 sum
-        buf = _logits_buffer(hidden, weight)
+        kept, ctx.first_block = ctx.first_block, None  # backward overwrites it: a second backward recomputes
+        buf = kept if kept is not None else _logits_buffer(hidden, weight)
         for i, r in enumerate(range(0, hidden.shape[0], LINEAR_ROWS)):
             rows = slice(r, r + LINEAR_ROWS)
             h = hidden[rows]
-            logits = torch.matmul(h, weight.T, out=buf[: h.shape[0]])  # (R, V), recomputed
+            if i == 0 and kept is not None:
+                logits = buf[: h.shape[0]]  # block 0 as forward left it
+            else:
+                logits = torch.matmul(h, weight.T, out=buf[: h.shape[0]])  # (R, V), recomputed
             g_ent = grad_entropy[rows] if with_entropy else None
             args = logits, targets[rows], lse[rows], entropy[rows], grad_logprobs[rows], g_ent, temperature, chunk
             grad_logits = _IMPLS[impl][1](*args, states[i], out=logits)  # (R, V), written over the logits

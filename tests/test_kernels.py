@@ -229,3 +229,33 @@ def test_linear_frozen_weight():
     lp_ref, ent_ref = token_logprobs_reference(h_ref @ weight.T, targets)
     (lp_ref.sum() + ent_ref.sum()).backward()
     torch.testing.assert_close(h.grad, h_ref.grad, **FP32_TOL)
+
+
+def test_linear_backward_reuses_the_first_logits_block(monkeypatch):
+    """Forward leaves block 0's logits in its buffer and backward starts from them: one (R, V) product fewer in
+    backward, the same gradients bit for bit as a backward that recomputes every block (a second backward with
+    retain_graph recomputes, since the first wrote its gradient over the kept block). Control: the product count."""
+    monkeypatch.setattr(kernels, "LINEAR_ROWS", 4)
+    n, d, v = 10, 8, 40  # blocks of 4, 4, 2 rows
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(n, d, generator=g).requires_grad_()
+    weight = torch.randn(v, d, generator=g).requires_grad_()
+    targets = torch.randint(0, v, (n,), generator=g)
+    logits_products = []
+    real_matmul = torch.matmul
+
+    def counting(a, b, *, out=None):
+        if out is not None and out.shape[-1] == v:  # a logits block (grad_hidden's products are (R, d))
+            logits_products.append(a.shape[0])
+        return real_matmul(a, b, out=out)
+
+    monkeypatch.setattr(torch, "matmul", counting)
+    lp, ent = kernels.linear_token_logprobs(hidden, weight, targets, backend="torch", chunk_size=16)
+    assert logits_products == [2, 4, 4]  # forward: last block first, block 0 last
+    loss = (lp * torch.linspace(0.5, 1.5, n)).sum() + 0.3 * ent.sum()
+    first = torch.autograd.grad(loss, (hidden, weight), retain_graph=True)
+    assert logits_products[3:] == [4, 2]  # backward: blocks 1 and 2 recomputed, block 0 reused
+    second = torch.autograd.grad(loss, (hidden, weight))
+    assert logits_products[5:] == [4, 4, 2]  # the kept block was consumed: everything recomputed
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
