@@ -182,10 +182,12 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, H, T, D); cos/sin (B, 1, T, D) in x's dtype. Rotate-half convention (HF)."""
+    """x (B, H, T, D); cos/sin (B, 1, T, D) in x's dtype, ``sin`` with its first half negated (``Transformer.rope``).
+    Rotate-half convention (HF): ``x * cos + cat(-x2, x1) * sin`` = ``x * cos + cat(x2, x1) * sin_signed``, the
+    same floats (a negation is exact) without a negated copy of x."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + swapped * sin
 
 
 class RMSNorm(nn.Module):
@@ -342,9 +344,10 @@ class Transformer(nn.Module):
         return self
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin tables (B, 1, T, D) of ``positions`` (B, T) for ``apply_rope``."""
         freqs = positions[..., None].float() * self.inv_freq.float()  # (B, T, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+        return torch.cat((cos, cos), dim=-1)[:, None], torch.cat((-sin, sin), dim=-1)[:, None]
 
     def forward(
         self,
@@ -369,10 +372,12 @@ class Transformer(nn.Module):
         if cache is not None:
             s0 = cache.length
             S = s0 + T
-            key_idx = torch.arange(S, device=x.device)
-            query_idx = torch.arange(s0, S, device=x.device)
-            causal = key_idx[None, :] <= query_idx[:, None]  # (T, S)
-            mask = (cache.valid[:, None, None, :S] & causal[None, None]).contiguous()  # (B, 1, T, S)
+            mask = cache.valid[:, None, None, :S]  # (B, 1, 1, S): one new token (decode) sees every valid slot
+            if T > 1:
+                key_idx = torch.arange(S, device=x.device)
+                query_idx = torch.arange(s0, S, device=x.device)
+                causal = key_idx[None, :] <= query_idx[:, None]  # (T, S)
+                mask = mask & causal[None, None]  # (B, 1, T, S)
         for i, layer in enumerate(self.model.layers):
             if self.gradient_checkpointing and self.training and cache is None:
                 x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, i, None, None, use_reentrant=False)

@@ -214,6 +214,8 @@ def sample_next(
     u = torch.rand(total_rows or R, device=logq.device, generator=generator)  # one uniform per original row
     if row_id is not None:
         u = u[row_id]
+    elif u.shape[0] != R:
+        raise ValueError(f"{R} rows of logits but {u.shape[0]} uniforms: pass row_id")
     cdf = logq.exp().cumsum(-1)  # (R, V)
     # inverse CDF: the first token whose cumulative mass exceeds u; zero-mass tokens are never chosen
     tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1).clamp(max=V - 1)
@@ -287,35 +289,47 @@ def _generate(
     if not 0 <= first <= total - R:
         raise ValueError(f"rows={rows_of}: {R} rows starting at {first} do not fit in {total} rows")
     row_id = torch.arange(R, device=device)  # original row of each live row
+    draw_id = row_id + first if rows_of is not None else None  # its row in the uniforms of a step (None: all R)
     pos = lens[rows].clone()  # next position of each live row
     out_tok = torch.zeros(R, max_new, dtype=torch.long, device=device)
     out_lp = torch.zeros(R, max_new, device=device)
     out_slp = torch.zeros(R, max_new, device=device)
     length = torch.full((R,), max_new, dtype=torch.long, device=device)
     stopped = torch.zeros(R, dtype=torch.bool, device=device)
-    stop_ids = torch.tensor(params.stop_token_ids or [-1], device=device)
+    stop_ids = torch.tensor(params.stop_token_ids, device=device) if params.stop_token_ids else None
     done = torch.zeros(R, dtype=torch.bool, device=device)  # per live row: finished, awaiting compaction
+    n_done, compacted = 0, False  # Python mirrors: no device sync for what the loop already knows
+    full_from = context - 1 - L  # the first step at which the longest row has no position left
 
     for t in range(max_new):
-        tok, lp, slp = sample_next(logits, params, generator, row_id + first, total)
+        tok, lp, slp = sample_next(logits, params, generator, draw_id, total)
         # Rows already done (awaiting compaction) write past their length; the final slicing drops it.
-        out_tok[row_id, t] = tok
-        out_lp[row_id, t] = lp
-        out_slp[row_id, t] = slp
-        live = ~done
-        hit_stop = torch.isin(tok, stop_ids) & live
-        full = (pos + 1 >= context) & live  # no position left for another token
-        finished = hit_stop | full
-        if finished.any():
-            length[row_id[finished]] = t + 1
-            stopped[row_id[hit_stop]] = True
-            done |= finished
-        if t == max_new - 1 or bool(done.all()):
+        if compacted:
+            out_tok[row_id, t], out_lp[row_id, t], out_slp[row_id, t] = tok, lp, slp
+        else:
+            out_tok[:, t], out_lp[:, t], out_slp[:, t] = tok, lp, slp
+        if stop_ids is not None or t >= full_from:  # else no row can finish before max_tokens
+            hit_stop = torch.isin(tok, stop_ids) if stop_ids is not None else torch.zeros_like(done)
+            full = pos + 1 >= context  # no position left for another token
+            if n_done:
+                hit_stop &= ~done
+                full &= ~done
+            finished = hit_stop | full
+            newly = int(finished.sum())
+            if newly:
+                length[row_id[finished]] = t + 1
+                stopped[row_id[hit_stop]] = True
+                done |= finished
+                n_done += newly
+        else:
+            newly = 0
+        if t == max_new - 1 or n_done == done.numel():
             break
-        if finished.any() and done.sum() >= max(1, int(COMPACT_FRACTION * done.numel())):
+        if newly and n_done >= max(1, int(COMPACT_FRACTION * done.numel())):
             keep = (~done).nonzero().squeeze(-1)
             cache.select(keep)
             tok, pos, row_id, done = tok[keep], pos[keep], row_id[keep], done[keep]
+            draw_id, n_done, compacted = row_id + first, 0, True
         cache.valid[:, cache.length] = True
         logits = model(tok[:, None], positions=pos[:, None], cache=cache)[:, -1]  # (R, V)
         cache.length += 1
