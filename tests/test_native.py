@@ -218,18 +218,36 @@ def test_cpu_kernel_matches_f_linear(rows, n, k):
     ops = _require_kernel()
     g = torch.Generator().manual_seed(rows * 100 + n)
     w, b, x = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(rows, k, generator=g)
-    wp = ops.pack(w)
+    wp = ops.pack([w])
     torch.testing.assert_close(ops.linear(x, wp, n, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ops.linear(x, wp, n, None), F.linear(x, w), atol=1e-5, rtol=1e-5)
     w2 = w.clone()
     w2[n - 1, k - 1] += 0.01  # negative control: one weight in the last (partial) block
-    assert (ops.linear(x, ops.pack(w2), n, b) - F.linear(x, w, b)).abs().max() > 1e-3
+    assert (ops.linear(x, ops.pack([w2]), n, b) - F.linear(x, w, b)).abs().max() > 1e-3
+
+
+@pytest.mark.avx512
+@torch.no_grad()
+def test_cpu_kernel_packs_a_list_as_its_concatenation():
+    """pack([q, k, v]) is pack([cat([q, k, v])]) bit for bit, with parts that straddle 16-row blocks and a zero-padded
+    last block; the fused GEMM then equals the three F.linear outputs side by side. Control: the parts reordered."""
+    ops = _require_kernel()
+    g = torch.Generator().manual_seed(7)
+    parts = [torch.randn(n, 24, generator=g) for n in (20, 8, 13)]
+    wp = ops.pack(parts)
+    assert wp.shape == (3, 24, 16) and torch.equal(wp, ops.pack([torch.cat(parts)]))
+    x = torch.randn(5, 24, generator=g)
+    want = torch.cat([F.linear(x, w) for w in parts], dim=-1)
+    torch.testing.assert_close(ops.linear(x, wp, 41, None), want, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(ops.pack(parts[::-1]), wp)
+    with pytest.raises(RuntimeError, match="one input size"):
+        ops.pack([torch.randn(4, 24), torch.randn(4, 25)])
 
 
 @pytest.mark.avx512
 def test_cpu_kernel_rejects_bad_input():
     ops = _require_kernel()
-    wp = ops.pack(torch.randn(20, 8))
+    wp = ops.pack([torch.randn(20, 8)])
     with pytest.raises(RuntimeError, match="1 to 16 rows"):
         ops.linear(torch.randn(17, 8), wp, 20, None)
     with pytest.raises(RuntimeError, match="N does not match"):

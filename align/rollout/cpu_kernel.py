@@ -32,15 +32,42 @@ SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <vector>
 
 namespace {
 
-// W (N, K) -> (NB = ceil(N / 16), K, 16): step k of block b is one 64-byte vector of outputs 16b..16b+15.
-at::Tensor pack(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "align_cpu::pack wants a 2-D float32 weight");
-  int64_t N = w.size(0), K = w.size(1), NB = (N + 15) / 16;
-  at::Tensor src = N == NB * 16 ? w.contiguous() : at::constant_pad_nd(w, {0, 0, 0, NB * 16 - N});
-  return src.view({NB, 16, K}).transpose(1, 2).contiguous();
+// Weights W_i (N_i, K), taken as their row concatenation W (N = sum N_i, K) without making it,
+// -> (NB = ceil(N / 16), K, 16): step k of block b is one 64-byte vector of outputs 16b..16b+15 (zeros past N).
+// Blocks in parallel; each reads its 16 rows front to back and writes its (K, 16) block (L1/L2-sized) in place.
+at::Tensor pack(at::TensorList ws) {
+  TORCH_CHECK(!ws.empty(), "align_cpu::pack wants at least one weight");
+  const int64_t K = ws[0].dim() == 2 ? ws[0].size(1) : -1;
+  std::vector<at::Tensor> cs;
+  int64_t N = 0;
+  for (const auto& w : ws) {
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.size(1) == K,
+                "align_cpu::pack wants 2-D float32 weights with one input size");
+    cs.push_back(w.contiguous());
+    N += w.size(0);
+  }
+  const int64_t NB = (N + 15) / 16;
+  std::vector<const float*> rows(NB * 16, nullptr);  // row r of W, or null for the zero padding
+  int64_t r = 0;
+  for (const auto& c : cs)
+    for (int64_t i = 0; i < c.size(0); ++i) rows[r++] = c.data_ptr<float>() + i * K;
+  at::Tensor out = at::empty({NB, K, 16}, cs[0].options());
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      float* ob = o + b * K * 16;
+      for (int j = 0; j < 16; ++j) {
+        const float* src = rows[b * 16 + j];
+        if (src) for (int64_t k = 0; k < K; ++k) ob[k * 16 + j] = src[k];
+        else for (int64_t k = 0; k < K; ++k) ob[k * 16 + j] = 0.0f;
+      }
+    }
+  });
+  return out;
 }
 
 constexpr int64_t kPrefetch = 64;  // k steps ahead (4 KiB per stream); prefetches never fault
@@ -117,7 +144,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, int64_t N, const c1
 }  // namespace
 
 TORCH_LIBRARY(align_cpu, m) {
-  m.def("pack(Tensor w) -> Tensor", &pack);
+  m.def("pack(Tensor[] ws) -> Tensor", &pack);
   m.def("linear(Tensor x, Tensor wp, int n, Tensor? bias) -> Tensor", &linear);
 }
 """
@@ -196,7 +223,7 @@ def _reason_not_to_build() -> str | None:
 
 
 def load():
-    """``torch.ops.align_cpu`` (``pack(w)``, ``linear(x, wp, n, bias)``), or None where it cannot run here."""
+    """``torch.ops.align_cpu`` (``pack([w, ...])``, ``linear(x, wp, n, bias)``), or None where it cannot run here."""
     if "ops" in _state or "error" in _state:
         return _state.get("ops")
     why = _reason_not_to_build()

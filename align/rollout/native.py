@@ -58,15 +58,16 @@ class PackedLinear:
 
     def __init__(self, linears: list[nn.Linear], rows: int):
         weights = [_effective_weight(m) for m in linears]
-        weight = torch.cat(weights) if len(weights) > 1 else weights[0]
         biases = [m.bias for m in linears]
         self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-        self.linears, self.rows, self.out_features = linears, rows, weight.shape[0]
+        self.linears, self.rows, self.out_features = linears, rows, sum(w.shape[0] for w in weights)
+        ops = _kernel_ops() if weights[0].dtype == torch.float32 and rows <= cpu_kernel.MAX_ROWS else None
+        if ops is not None:  # packs the concatenation without making it
+            self.kind, self.weight = "avx512", ops.pack(weights)
+            return
+        weight = torch.cat(weights) if len(weights) > 1 else weights[0]
         nbytes = weight.numel() * weight.element_size()
-        ops = _kernel_ops() if weight.dtype == torch.float32 and rows <= cpu_kernel.MAX_ROWS else None
-        if ops is not None:
-            self.kind, self.weight = "avx512", ops.pack(weight)
-        elif _mkl_packing_available(weight.dtype) and nbytes < MKL_MAX_BYTES:
+        if _mkl_packing_available(weight.dtype) and nbytes < MKL_MAX_BYTES:
             self.kind = "mkl"
             self.weight = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
             self.sizes = torch.empty(()).expand(weight.shape)  # _mkl_linear reads only the sizes when rows match
