@@ -118,18 +118,31 @@ def check_config(cfg: Any) -> None:
 
 
 def token_logprobs(model: torch.nn.Module, inputs: Tensor, targets: Tensor, temperature: float, *,
-                   place: Placement | None = None, backend: str = "auto",
-                   with_entropy: bool = True) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+                   place: Placement | None = None, backend: str = "auto", with_entropy: bool = True,
+                   mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """Token logprobs (and entropy) of ``targets`` under ``softmax(logits / T)``, float32 (B, L), with the lm_head
     fused into the log-softmax: the (B, L, V) logits never exist. Differentiable w.r.t. every parameter, the
-    (tied or not) lm_head included. Use under ``torch.no_grad()`` for old / reference logprobs."""
+    (tied or not) lm_head included. Use under ``torch.no_grad()`` for old / reference logprobs.
+
+    ``mask`` (B, L) bool: the positions that are scored (completion tokens); the head and the log-softmax run on
+    those rows only (prompt and padding positions cost the decoder, not the (V, E) head) and the others are 0."""
     place = place or placement_of(model)
     with place.autocast():
         hidden = model(inputs, return_hidden=True)  # (B, L, E)
     weight = model.lm_head.weight  # (V, E); the embedding itself when tied
     if place.precision == "bf16-mixed":  # the head in bf16 like every other matmul of the forward
         hidden, weight = hidden.to(torch.bfloat16), weight.to(torch.bfloat16)
-    return linear_token_logprobs(hidden, weight, targets, temperature, with_entropy=with_entropy, backend=backend)
+    if mask is None:
+        return linear_token_logprobs(hidden, weight, targets, temperature, with_entropy=with_entropy, backend=backend)
+    idx = mask.reshape(-1).nonzero().squeeze(-1)  # (M,) scored positions of the flattened (B * L)
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, idx)  # (M, E)
+    lp, ent = linear_token_logprobs(h, weight, targets.reshape(-1).index_select(0, idx), temperature,
+                                    with_entropy=with_entropy, backend=backend)  # fmt: skip
+
+    def spread(x: Tensor) -> Tensor:  # (M,) -> (B, L), zeros off the mask
+        return torch.zeros(mask.numel(), dtype=x.dtype, device=x.device).index_copy(0, idx, x).view(mask.shape)
+
+    return spread(lp), spread(ent) if ent is not None else None
 
 
 def placement_of(model: torch.nn.Module) -> Placement:
@@ -202,7 +215,8 @@ def batch_logprobs(model: torch.nn.Module, batch: Batch, cfg: Any, place: Placem
             continue
         L, g = max(lengths[i] for i in idx), [sel[i] for i in idx]
         lp, _ = token_logprobs(model, _rows(batch.inputs, g, L), _rows(batch.targets, g, L), cfg.temperature,
-                               place=place, backend=cfg.logprob_backend, with_entropy=False)  # fmt: skip
+                               place=place, backend=cfg.logprob_backend, with_entropy=False,
+                               mask=_rows(batch.mask, g, L))  # fmt: skip
         out[torch.tensor(g, device=out.device), :L] = lp
     return out
 
@@ -243,14 +257,14 @@ def backward_batch(policy: torch.nn.Module, ref_model: torch.nn.Module | None, c
             continue
         L = max(lengths[i] for i in idx)
         x, y, m = _rows(inputs, idx, L), _rows(targets, idx, L), _rows(mask, idx, L)  # (mb, L)
-        lp, ent = token_logprobs(policy, x, y, cfg.temperature, place=place, backend=cfg.logprob_backend)
+        lp, ent = token_logprobs(policy, x, y, cfg.temperature, place=place, backend=cfg.logprob_backend, mask=m)
         ref = None
         if ref_logprobs is not None:
             ref = _rows(ref_logprobs, idx, L)
         elif ref_model is not None:
             with torch.no_grad(), adapters_disabled(ref_model):
                 ref, _ = token_logprobs(ref_model, x, y, cfg.temperature, place=place, backend=cfg.logprob_backend,
-                                        with_entropy=False)  # fmt: skip
+                                        with_entropy=False, mask=m)  # fmt: skip
         old = lp.detach() if old_logprobs is None else _rows(old_logprobs, idx, L)
         loss, st = policy_loss(cfg.loss, lp, old, _rows(advantages, idx, L), m, behav_logprobs=_rows(behav, idx, L),
                                ref_logprobs=ref, entropy=ent, total_tokens=total_tokens, total_seqs=total_seqs)  # fmt: skip

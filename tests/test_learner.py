@@ -119,6 +119,31 @@ def test_fused_loss_and_gradients_equal_the_plain_path(tied, monkeypatch):
     assert max_diff(grads(model), fused) > 10 * FP32_TOL["atol"]
 
 
+def test_the_head_runs_on_the_scored_positions_only(monkeypatch):
+    """token_logprobs(mask=...): the fused head sees the masked rows only (not prompt or padding positions); the
+    logprobs and entropy there equal the unmasked call's, 0 elsewhere, and the gradient of a masked sum is the same.
+    Control: the unmasked call's head sees every position and its logprobs off the mask are not 0."""
+    model = tiny(False)
+    b = batch_for(model)
+    seen = []
+    real = learner.linear_token_logprobs
+    monkeypatch.setattr(
+        learner, "linear_token_logprobs", lambda h, *a, **k: seen.append(h.numel() // h.shape[-1]) or real(h, *a, **k)
+    )
+    model.zero_grad(set_to_none=True)
+    lp, ent = learner.token_logprobs(model, b.inputs, b.targets, 0.7, mask=b.mask)
+    (lp.sum() + ent.sum()).backward()
+    masked_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+    lp_all, ent_all = learner.token_logprobs(model, b.inputs, b.targets, 0.7)
+    (torch.where(b.mask, lp_all, 0.0).sum() + torch.where(b.mask, ent_all, 0.0).sum()).backward()
+    assert seen == [int(b.mask.sum()), b.mask.numel()] and seen[0] < seen[1]
+    torch.testing.assert_close(lp[b.mask], lp_all[b.mask], **FP32_TOL)
+    torch.testing.assert_close(ent[b.mask], ent_all[b.mask], **FP32_TOL)
+    assert not lp[~b.mask].any() and not ent[~b.mask].any() and lp_all[~b.mask].abs().min() > 0
+    assert_grads_close(masked_grads, grads(model), **FP32_TOL)
+
+
 def test_bf16_mixed_fused_matches_plain_under_autocast():
     model = tiny(tied=True)
     c = cfg()
