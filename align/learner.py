@@ -130,14 +130,14 @@ def token_logprobs(model: torch.nn.Module, inputs: Tensor, targets: Tensor, temp
     with place.autocast():
         hidden = model(inputs, return_hidden=True)  # (B, L, E)
     weight = model.lm_head.weight  # (V, E); the embedding itself when tied
+    if mask is not None:  # (M, E) and (M,): the scored positions of the flattened (B * L)
+        idx = mask.reshape(-1).nonzero().squeeze(-1)
+        hidden, targets = hidden.reshape(-1, hidden.shape[-1]).index_select(0, idx), targets.reshape(-1)[idx]
     if place.precision == "bf16-mixed":  # the head in bf16 like every other matmul of the forward
         hidden, weight = hidden.to(torch.bfloat16), weight.to(torch.bfloat16)
+    lp, ent = linear_token_logprobs(hidden, weight, targets, temperature, with_entropy=with_entropy, backend=backend)
     if mask is None:
-        return linear_token_logprobs(hidden, weight, targets, temperature, with_entropy=with_entropy, backend=backend)
-    idx = mask.reshape(-1).nonzero().squeeze(-1)  # (M,) scored positions of the flattened (B * L)
-    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, idx)  # (M, E)
-    lp, ent = linear_token_logprobs(h, weight, targets.reshape(-1).index_select(0, idx), temperature,
-                                    with_entropy=with_entropy, backend=backend)  # fmt: skip
+        return lp, ent
 
     def spread(x: Tensor) -> Tensor:  # (M,) -> (B, L), zeros off the mask
         return torch.zeros(mask.numel(), dtype=x.dtype, device=x.device).index_copy(0, idx, x).view(mask.shape)

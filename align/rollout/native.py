@@ -309,6 +309,7 @@ def _generate(
             out_tok[row_id, t], out_lp[row_id, t], out_slp[row_id, t] = tok, lp, slp
         else:
             out_tok[:, t], out_lp[:, t], out_slp[:, t] = tok, lp, slp
+        newly = 0
         if stop_ids is not None or t >= full_from:  # else no row can finish before max_tokens
             hit_stop = torch.isin(tok, stop_ids) if stop_ids is not None else torch.zeros_like(done)
             full = pos + 1 >= context  # no position left for another token
@@ -322,8 +323,6 @@ def _generate(
                 stopped[row_id[hit_stop]] = True
                 done |= finished
                 n_done += newly
-        else:
-            newly = 0
         if t == max_new - 1 or n_done == done.numel():
             break
         if newly and n_done >= max(1, int(COMPACT_FRACTION * done.numel())):
