@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers_locks import assert_flock_released
 
 ROOT = Path(__file__).resolve().parents[1]
 # ALIGN_LEAN_EXTRAS points the suite at another copy of extras/vllm_rollout (as in test_lean_gen_contract.py)
@@ -176,7 +177,6 @@ def test_a_repeated_record_neither_completes_a_missing_sample_nor_blocks_complet
     assert "dropping 1 repeated record" in r.stderr
 
 
-LOCK_RELEASE_S = 5.0  # an exiting process's last threads close its files
 ORPHAN_EXIT_S = 20.0  # the watch sees the pipe's EOF at once; a main thread stuck for 10 s more is SIGKILLed
 
 
@@ -218,20 +218,7 @@ def test_generator_exits_when_the_pipeline_is_killed(w, tmp_path):
         assert "launching process" in log.read_text()
         session = json.loads((wd / "gen_r0.jsonl.manifest.json").read_text())["sessions"][-1]
         assert session["status"] == "interrupted" and session["exit_code"] == 143  # the clean path, resumable
-        # a rerun gets the --out lock. pid_alive counts a zombie thread-group leader as gone while the process's
-        # other threads (and so its open files) may still be exiting: allow them LOCK_RELEASE_S (seen under load)
-        fd = os.open(lock, os.O_RDWR)
-        try:
-            t0 = time.monotonic()
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    assert time.monotonic() - t0 < LOCK_RELEASE_S, f"--out lock still held {LOCK_RELEASE_S} s later"
-                    time.sleep(0.1)
-        finally:
-            os.close(fd)
+        assert_flock_released(lock)  # a rerun gets the --out lock
     finally:
         os.close(hold)
         for pid in (pipeline.pid, gen_pid):

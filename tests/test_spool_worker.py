@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers_locks import assert_flock_released, flock_free
 from helpers_models import require_rollout_venv as _require_rollout_venv
 
 from align.rollout import protocol as P
@@ -280,23 +281,6 @@ def _group_members(pgid: int) -> list[int]:
     return out
 
 
-LOCK_RELEASE_S = 5.0  # an exiting process's last threads close its files
-
-
-def _lock_is_free(spool: Path) -> bool:
-    """Whether a new worker would get ``worker.lock`` (the flock rollout_worker.lock_spool takes first)."""
-    import fcntl
-
-    fd = os.open(P.Spool(spool).lock_path, os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
-
-
 @pytest.mark.slow
 def test_worker_exits_when_its_launcher_is_killed_and_a_rerun_gets_the_spool(models, tmp_path):
     """kill -9 of the process that called spawn_worker (a trainer): the worker notices (pipe EOF / parent pid),
@@ -317,7 +301,7 @@ def test_worker_exits_when_its_launcher_is_killed_and_a_rerun_gets_the_spool(mod
         assert launcher.stdout.readline().strip() == "ready", f"launcher failed; log:\n{log.read_text()[-3000:]}"
         worker_pid = P.Spool(spool).read_heartbeat()["pid"]
         assert P.pid_alive(worker_pid) and _group_members(worker_pid)
-        assert not _lock_is_free(spool)  # control: the live worker holds worker.lock
+        assert not flock_free(P.Spool(spool).lock_path)  # control: the live worker holds worker.lock
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait()
         t0 = time.monotonic()
@@ -329,12 +313,7 @@ def test_worker_exits_when_its_launcher_is_killed_and_a_rerun_gets_the_spool(mod
         print(f"\nworker group gone {time.monotonic() - t0:.1f} s after kill -9 of its launcher")
         hb = P.Spool(spool).read_heartbeat()
         assert hb["state"] == "failed" and "launching process" in hb["error"], hb
-        # the rerun gets the spool: the group reads as gone once its leaders are zombies, while their last threads
-        # may still be closing files (worker.lock): allow them LOCK_RELEASE_S (seen once under load)
-        t0 = time.monotonic()
-        while not _lock_is_free(spool):
-            assert time.monotonic() - t0 < LOCK_RELEASE_S, f"worker.lock still held {LOCK_RELEASE_S} s later"
-            time.sleep(0.1)
+        assert_flock_released(P.Spool(spool).lock_path)  # the rerun gets the spool (worker.lock)
     finally:
         if launcher.poll() is None:
             launcher.kill()
