@@ -525,7 +525,10 @@ def test_second_waiter_on_one_request_fails_at_once(tmp_path, scripted):
     t = threading.Thread(target=lambda: _catch(lambda: first.wait(msg.id)), daemon=True)
     t.start()
     deadline = time.monotonic() + FAST_TIMEOUT_S
-    while not (sp.root / "waiters" / f"{msg.id}.lock").exists():
+    lock = sp.root / "waiters" / f"{msg.id}.lock"
+    # the holder's line, written once it holds the flock (the file alone exists from the open before the flock:
+    # a second waiter there could win the lock, seen once under load)
+    while not (lock.exists() and lock.read_text().startswith("pid ")):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     second = SpoolClient(sp.root, timeout_s=30.0)
