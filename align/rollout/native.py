@@ -120,7 +120,8 @@ def packed_weights(model: nn.Module, rows: int) -> Iterator[bool]:
     context (same model) it reuses the copy, so wrapping several ``generate`` calls over unchanged weights
     packs once (packing the 0.5B shape takes ~1 s here). Do not update the weights inside the context.
     No-op (yields False) off the CPU (CUDA runs the model's own layers), under autograd or CPU autocast (bf16-mixed
-    samples in bf16 like the trainer computes), or without oneDNN."""
+    samples in bf16 like the trainer computes), without oneDNN, or for bf16 weights on a CPU without oneDNN's bf16
+    support (no AVX-512: its packed bf16 GEMM raises there)."""
     w = model.lm_head.weight
     usable = (
         w.device.type == "cpu"
@@ -128,6 +129,7 @@ def packed_weights(model: nn.Module, rows: int) -> Iterator[bool]:
         and not torch.is_grad_enabled()
         and not torch.is_autocast_enabled("cpu")
         and torch.backends.mkldnn.is_available()
+        and (w.dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported())  # oneDNN bf16: AVX-512 / AMX
     )
     if not usable:
         yield False
