@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from align.model import COMMIT_MARKER, Transformer, save_pretrained
+from align.atomic import COMMIT_MARKER
+from align.model import Transformer, save_pretrained
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 

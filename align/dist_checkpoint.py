@@ -41,8 +41,8 @@ from typing import Any
 import torch
 
 from align import dist
+from align.atomic import COMMIT_MARKER
 from align.checkpoint import CheckpointError, committed, rng_state, set_rng_state
-from align.model import COMMIT_MARKER
 
 FORMAT = "dcp"
 DCP_DIR = "dcp"

@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from align.model import Linear, Transformer, commit_dir, rope_inv_freq, save_pretrained
+from align.atomic import commit_dir
+from align.model import Linear, Transformer, rope_inv_freq, save_pretrained
 
 DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ALL_LINEAR = "all-linear"  # PEFT's spelling: every linear layer of the decoder (not embeddings, not lm_head)

@@ -27,11 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from align.rollout.protocol import fsync_dir
+from align.atomic import COMMIT_MARKER, commit_dir
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-COMMIT_MARKER = ".complete"  # written last into a saved directory; readers require it
 
 
 @dataclass
@@ -562,31 +561,6 @@ def save_pretrained(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
-
-
-def commit_dir(tmp: Path, path: Path, marker: dict) -> None:
-    """Commit a directory written under the temporary name ``tmp``: fsync its files, write the commit marker last,
-    then rename it onto ``path`` (an existing directory there is moved aside first and removed after)."""
-    for f in tmp.iterdir():
-        with open(f, "rb+") as fh:
-            os.fsync(fh.fileno())
-    (tmp / COMMIT_MARKER).write_text(json.dumps(marker))
-    with open(tmp / COMMIT_MARKER, "rb+") as fh:
-        os.fsync(fh.fileno())
-    fsync_dir(tmp)
-    if path.exists():
-        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def is_committed(path: str | os.PathLike) -> bool:
-    """True when ``path`` is a snapshot whose commit marker exists (safe to read)."""
-    return (Path(path) / COMMIT_MARKER).is_file()
 
 
 def config_dict(cfg: ModelConfig) -> dict:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
 
-from align.rollout.protocol import atomic_write_text
+from align.atomic import atomic_write_text
 
 LINE_KEYS = ("reward_mean", "loss", "kl", "entropy", "completion_len_mean", "tokens_per_s", "step_time")
 

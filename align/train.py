@@ -57,7 +57,7 @@ def builtin_task(cfg: TrainConfig) -> tuple[Task, str]:
     """The built-in task and its warm-started model dir (built once, under {out}/base_model)."""
     if cfg.task != "reverse":
         raise ValueError(f"unknown built-in task {cfg.task!r}; available: 'reverse'")
-    from align.model import is_committed
+    from align.atomic import is_committed
     from align.tasks import reverse
 
     task = Task(

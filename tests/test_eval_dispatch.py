@@ -19,6 +19,7 @@ from itertools import combinations
 
 import pytest
 
+from align.atomic import COMMIT_MARKER as MARKER
 from align.eval import (
     CheckpointEvalFn,
     EvalConfig,
@@ -31,7 +32,7 @@ from align.eval import (
     pass_at_k,
     retarget_args,
 )
-from align.eval.dispatcher import MARKER, EvalDispatcher, EvalRunner, export_snapshot, is_complete
+from align.eval.dispatcher import EvalDispatcher, EvalRunner, export_snapshot, is_complete
 from align.eval.fleet import FleetEngine
 from align.eval.metrics import Scored, ks_for, score_completions, scored
 from align.rollout.protocol import Completion, SamplingParams
@@ -687,11 +688,6 @@ def test_export_snapshot_replaces_a_stale_dir_and_marks_it(tmp_path):
     ex.step = 3
     out = export_snapshot(ex, str(tmp_path), 3)
     assert sorted(os.listdir(out)) == sorted([MARKER, "model.safetensors"])
-
-
-def test_marker_matches_the_model_module():
-    model = pytest.importorskip("align.model")
-    assert MARKER == model.COMMIT_MARKER
 
 
 def test_pass_at_k_matches_brute_force():

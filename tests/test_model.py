@@ -9,7 +9,8 @@ import pytest
 import torch
 from hf_reference import FEATURES, hf_model, save_hf
 
-from align.model import COMMIT_MARKER, ModelConfig, Transformer, load_pretrained, save_pretrained
+from align.atomic import COMMIT_MARKER
+from align.model import ModelConfig, Transformer, load_pretrained, save_pretrained
 from align.rollout.native import generate
 from align.rollout.protocol import SamplingParams
 

@@ -45,14 +45,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from align.atomic import COMMIT_MARKER, fsync_dir
 from align.eval.checkpoint_eval import CheckpointEvalFn, EvalInput, EvalSkip, adapter_base_model
 from align.eval.config import EvalConfig, EvalSet
 from align.eval.metrics import score_eval_set
-from align.rollout.protocol import fsync_dir
 
 logger = logging.getLogger(__name__)
 
-MARKER = ".complete"  # the commit marker, written last (same as align.model.COMMIT_MARKER)
 STOP_POLL_S = 0.2  # how often a blocked training-thread call checks should_stop()
 STOP_GRACE_S = 10.0  # after a stop request, how long drain() still waits for pending points before abandoning them
 UNATTRIBUTED = ("interrupted",)  # skip reasons that are the user's stop, not an eval failure (never fail --ci-test)
@@ -62,7 +61,7 @@ Record = dict[str, Any]
 
 def is_complete(path: str) -> bool:
     """True when ``path`` holds a committed snapshot (its marker exists)."""
-    return os.path.isfile(os.path.join(path, MARKER))
+    return os.path.isfile(os.path.join(path, COMMIT_MARKER))
 
 
 def snapshot_dir(root: str, step: int) -> str:
@@ -126,7 +125,7 @@ def export_snapshot(export_fn: Callable[[str], None], root: str, step: int) -> s
         export_fn(tmp)
         if not os.path.isdir(tmp) or not os.listdir(tmp):
             raise RuntimeError(f"export_fn wrote nothing at {tmp}")
-        marker = os.path.join(tmp, MARKER)
+        marker = os.path.join(tmp, COMMIT_MARKER)
         if not os.path.exists(marker):
             with open(marker, "w") as f:
                 json.dump({"step": step}, f)

@@ -43,8 +43,6 @@ import json
 import math
 import os
 import re
-import select
-import signal
 import socket
 import stat
 import tempfile
@@ -54,6 +52,17 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+# The worker's one import: the atomic-file and process helpers it uses are re-exported here (both stdlib only).
+from align.atomic import (  # noqa: F401
+    COMMIT_MARKER,
+    SNAPSHOT_MARKERS,
+    atomic_write_text,
+    check_hf_dir,
+    fsync_dir,
+    snapshot_marker,
+)
+from align.rollout.process import TORCHRUN_VARS, exit_with_parent, pid_alive, watch_parent, worker_env  # noqa: F401
 
 PROTOCOL = "align-spool"
 PROTOCOL_VERSION = 1
@@ -65,9 +74,6 @@ PROTOCOL_VERSION = 1
 #   "processed": log_softmax of the logits after temperature AND top-k/top-p masking
 #                (vLLM logprobs_mode=processed_logprobs); equals "training" when no truncation is active
 LOGPROB_BASES = ("training", "raw", "processed")
-
-# Snapshot directories are committed by one of these marker files, written last (DESIGN.md).
-SNAPSHOT_MARKERS = (".complete", "STABLE")
 
 REQUEST_KINDS = ("generate", "sync_weights", "shutdown")
 RESPONSE_KINDS = ("completions", "synced", "error", "stopped")
@@ -354,81 +360,6 @@ def error_response(request_id: str, error: str, message: str) -> Message:
     return Message("error", request_id, {"error": error, "message": message})
 
 
-def snapshot_marker(path: str | os.PathLike) -> Path | None:
-    """The commit marker of snapshot ``path`` if present (a reader never touches an uncommitted snapshot)."""
-    for name in SNAPSHOT_MARKERS:
-        if (Path(path) / name).is_file():
-            return Path(path) / name
-    return None
-
-
-def check_hf_dir(path: str | os.PathLike) -> Path:
-    """An HF checkpoint directory: valid config.json and weight files; else ValueError naming what is wrong."""
-    path = Path(path)
-    if not path.is_dir():
-        raise ValueError(f"model directory {path} does not exist (pass an HF checkpoint directory)")
-    try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ValueError(f"model directory {path} has no config.json: not an HF checkpoint") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"model directory {path}: config.json is not valid JSON ({e})") from None
-    if not isinstance(config, dict) or "model_type" not in config:
-        raise ValueError(f"model directory {path}: config.json has no model_type")
-    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
-        raise ValueError(f"model directory {path} has no *.safetensors / *.bin weight files")
-    for f in path.glob("*.safetensors"):
-        _check_safetensors_header(f)
-    return path
-
-
-def _check_safetensors_header(f: Path) -> None:
-    """A safetensors file starts with a little-endian u64 header length and that many bytes of JSON."""
-    try:
-        with open(f, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            ok = 8 + n <= f.stat().st_size and isinstance(json.loads(fh.read(n)), dict)
-    except (OSError, ValueError):
-        ok = False
-    if not ok:
-        raise ValueError(f"{f} is not a valid safetensors file (bad header): a truncated or corrupt checkpoint")
-
-
-# ---------------------------------------------------------------------------------------------
-# Atomic files
-
-
-def atomic_write_text(path: str | os.PathLike, text: str, tmp_dir: str | os.PathLike | None = None) -> None:
-    """Write ``text`` to ``path`` so a reader sees either nothing or the whole file.
-
-    temp file in ``tmp_dir`` (same filesystem), write, fsync, ``os.replace``, fsync the directory.
-    On any failure the temp file is removed and ``path`` is untouched.
-    """
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=tmp_dir or path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    """fsync a directory so a rename inside it is durable (best effort)."""
-    with contextlib.suppress(OSError):  # some filesystems cannot fsync a directory; the rename is still atomic
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def read_message(path: str | os.PathLike) -> Message:
     """Read and validate one message file; ProtocolError names the file on any defect.
 
@@ -673,120 +604,3 @@ def heartbeat_problem(hb: dict | None, stale_s: float, now: float | None = None)
     if age > stale_s:
         return f"worker (pid {hb.get('pid')} on {hb.get('host')}) stopped heart-beating {age:.1f} s ago"
     return None
-
-
-def pid_alive(pid: int) -> bool:
-    """True if a process ``pid`` exists on this host and is not a zombie."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a killed child that its parent has not reaped yet is a zombie: dead for our purposes
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-# ---------------------------------------------------------------------------------------------
-# A launched process exits with its launcher (issue 19: a kill -9'd trainer must not leave its worker behind)
-
-
-def watch_parent(
-    parent_pid: int, on_gone: Callable[[str], None], fd: int | None = None, poll_s: float = 0.5
-) -> threading.Thread:
-    """A daemon thread that calls ``on_gone(reason)`` once the process that launched this one is gone.
-
-    Two signals, either suffices: EOF on ``fd`` (the read end of a pipe whose write end the launcher holds and
-    never writes: the kernel closes it when the launcher dies, even by SIGKILL, which no handler sees), and
-    ``os.getppid()`` no longer being ``parent_pid`` (reparented to init or a subreaper), polled every ``poll_s``.
-    PR_SET_PDEATHSIG is not used: it fires when the launching *thread* exits, not the process.
-    """
-
-    def reason() -> str | None:
-        if os.getppid() != parent_pid:
-            return f"the launching process {parent_pid} exited (reparented to pid {os.getppid()})"
-        if fd is None:
-            time.sleep(poll_s)
-            return None
-        try:
-            readable = select.select([fd], [], [], poll_s)[0]
-            data = os.read(fd, 64) if readable else None
-        except OSError as e:
-            return f"the launching process {parent_pid} is gone (its pipe: {e})"
-        return f"the launching process {parent_pid} exited (its pipe closed)" if data == b"" else None
-
-    def loop() -> None:
-        while (why := reason()) is None:
-            pass
-        on_gone(why)
-
-    t = threading.Thread(target=loop, daemon=True, name="parent-watch")
-    t.start()
-    return t
-
-
-def exit_with_parent(
-    parent_pid: int, fd: int | None = None, grace_s: float = 10.0, note: Callable[[str], None] | None = None
-) -> threading.Thread:
-    """When the launcher is gone (``watch_parent``): ``note(reason)``; with ``grace_s > 0`` SIGTERM to this
-    process (its normal, clean exit path) and ``grace_s`` to finish; then (at once with ``grace_s == 0``) SIGKILL
-    to its process group when it leads one (engine children included), else to itself."""
-
-    def on_gone(why: str) -> None:
-        if note is not None:
-            note(why)
-        if grace_s > 0:
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(grace_s)
-        with contextlib.suppress(OSError):
-            if os.getpgrp() == os.getpid():
-                os.killpg(os.getpid(), signal.SIGKILL)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    return watch_parent(parent_pid, on_gone, fd)
-
-
-# ---------------------------------------------------------------------------------------------
-# Launching a worker: the environment contract (used by align.rollout.client and rollout_pilot.py)
-
-# torchrun / torch.distributed variables of the trainer; inherited, they make vLLM join the trainer's group.
-TORCHRUN_VARS = (
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-    "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-    "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV",
-)  # fmt: skip
-
-
-def worker_env(
-    base: dict[str, str] | None = None,
-    *,
-    gpu: int | str | None = None,
-    cache_dir: str | os.PathLike | None = None,
-    in_process: bool = False,
-) -> dict[str, str]:
-    """The environment a rollout worker runs in (seed 003): flashinfer sampler off, caches under
-    ``cache_dir``, torchrun variables scrubbed, CUDA_VISIBLE_DEVICES pinned to ``gpu``. OMP_NUM_THREADS is kept, and
-    defaults to 1 for a CPU worker (vLLM binds its own compute threads; without it a 1-token request took 147 ms
-    instead of 43 ms on 2 cores)."""
-    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in TORCHRUN_VARS}
-    env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
-    env["PYTHONUNBUFFERED"] = "1"
-    if gpu is not None:
-        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    else:
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is sized for big boxes
-        env.setdefault("OMP_NUM_THREADS", "1")
-    if in_process:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if cache_dir is not None:
-        cache = Path(cache_dir).resolve()
-        env["VLLM_CACHE_ROOT"] = str(cache / "vllm")
-        env["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
-        env["TRITON_CACHE_DIR"] = str(cache / "triton")
-    return env

@@ -1,0 +1,119 @@
+"""Atomic files and committed directories: the one place that decides what a reader may trust. stdlib only.
+
+A file is written to a temporary name in the same directory, fsync'ed, then ``os.replace``d onto its name
+(``atomic_write_text``): a reader sees nothing or the whole file. A directory (an HF snapshot, a checkpoint) is
+written under a temporary name and committed by a marker file written last, then renamed into place
+(``commit_dir``); a reader never touches a directory without its marker (``is_committed`` / ``snapshot_marker``).
+align's own marker is ``COMMIT_MARKER``; ``SNAPSHOT_MARKERS`` adds the seed's ``STABLE``, which an external exporter
+may write instead. Imported by the model, the checkpoints, the run files, eval and the spool protocol (which
+re-exports these names for the vLLM worker: it imports only ``align.rollout.protocol``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+COMMIT_MARKER = ".complete"  # written last into a saved directory; readers require it
+SNAPSHOT_MARKERS = (COMMIT_MARKER, "STABLE")  # either commits a snapshot directory (DESIGN.md)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, tmp_dir: str | os.PathLike | None = None) -> None:
+    """Write ``text`` to ``path`` so a reader sees either nothing or the whole file.
+
+    temp file in ``tmp_dir`` (same filesystem), write, fsync, ``os.replace``, fsync the directory.
+    On any failure the temp file is removed and ``path`` is untouched.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=tmp_dir or path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory so a rename inside it is durable (best effort)."""
+    with contextlib.suppress(OSError):  # some filesystems cannot fsync a directory; the rename is still atomic
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def commit_dir(tmp: Path, path: Path, marker: dict) -> None:
+    """Commit a directory written under the temporary name ``tmp``: fsync its files, write the commit marker last,
+    then rename it onto ``path`` (an existing directory there is moved aside first and removed after)."""
+    for f in tmp.iterdir():
+        with open(f, "rb+") as fh:
+            os.fsync(fh.fileno())
+    (tmp / COMMIT_MARKER).write_text(json.dumps(marker))
+    with open(tmp / COMMIT_MARKER, "rb+") as fh:
+        os.fsync(fh.fileno())
+    fsync_dir(tmp)
+    if path.exists():
+        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def is_committed(path: str | os.PathLike) -> bool:
+    """True when ``path`` is a snapshot whose commit marker exists (safe to read)."""
+    return (Path(path) / COMMIT_MARKER).is_file()
+
+
+def snapshot_marker(path: str | os.PathLike) -> Path | None:
+    """The commit marker of snapshot ``path`` if present (a reader never touches an uncommitted snapshot)."""
+    for name in SNAPSHOT_MARKERS:
+        if (Path(path) / name).is_file():
+            return Path(path) / name
+    return None
+
+
+def check_hf_dir(path: str | os.PathLike) -> Path:
+    """An HF checkpoint directory: valid config.json and weight files; else ValueError naming what is wrong."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"model directory {path} does not exist (pass an HF checkpoint directory)")
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"model directory {path} has no config.json: not an HF checkpoint") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"model directory {path}: config.json is not valid JSON ({e})") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ValueError(f"model directory {path}: config.json has no model_type")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise ValueError(f"model directory {path} has no *.safetensors / *.bin weight files")
+    for f in path.glob("*.safetensors"):
+        _check_safetensors_header(f)
+    return path
+
+
+def _check_safetensors_header(f: Path) -> None:
+    """A safetensors file starts with a little-endian u64 header length and that many bytes of JSON."""
+    try:
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            ok = 8 + n <= f.stat().st_size and isinstance(json.loads(fh.read(n)), dict)
+    except (OSError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{f} is not a valid safetensors file (bad header): a truncated or corrupt checkpoint")
