@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from align.rewards import Batch, Scores
+from align.rewards import Scores
+from align.rollout.groups import Groups
 from align.rollout.protocol import Completion, SamplingParams
 from align.rollout.watcher import WeightWatcher
 
@@ -183,7 +184,7 @@ class Produced:
 
     step: int
     version: int
-    batch: Batch
+    batch: Groups
     cursor: dict | None = None
     seconds: float = 0.0
 
@@ -202,7 +203,7 @@ class Produced:
         b = dict(d["batch"])
         b["completions"] = [Completion(**c) for c in b["completions"]]
         b["scores"] = Scores(**b["scores"])
-        return cls(int(d["step"]), int(d["version"]), Batch(**b), d["cursor"], float(d.get("seconds", 0.0)))
+        return cls(int(d["step"]), int(d["version"]), Groups(**b), d["cursor"], float(d.get("seconds", 0.0)))
 
 
 # ------------------------------------------------------------------------------------------------ engines
@@ -325,14 +326,14 @@ class RolloutPipeline:
     """Serves the trainer one scored batch per step: ``next(t)``, ``publish(t, policy)`` after the step,
     ``checkpoint_state(t)`` for a checkpoint, ``close()``.
 
-    ``collect(t, version, client) -> Batch`` is the trainer's prompts -> rollouts -> rewards for step ``t``; with K >= 1
+    ``collect(t, version, client) -> Groups`` is the trainer's prompts -> rollouts -> rewards for step ``t``; with K >= 1
     a producer thread calls it for steps ahead (at most K + 1 ahead of the trainer's current step), on the
     ``engine`` set to ``version_for(t)``. A producer failure (e.g. ``WorkerDiedError``) is raised by ``next``."""
 
     def __init__(
         self,
         max_async_steps: int,
-        collect: Callable[[int, int, Any], Batch],
+        collect: Callable[[int, int, Any], Groups],
         *,
         engine: Any = None,
         client: Any = None,
@@ -668,7 +669,7 @@ class RolloutPipeline:
 
 def make_pipeline(
     cfg: Any,
-    collect: Callable[[int, int, Any], Batch],
+    collect: Callable[[int, int, Any], Groups],
     policy: Any,
     client: Any,
     step: int,

@@ -1,5 +1,5 @@
 """Rewards: loading ``module:function`` / ``path/file.py:function`` specs, weighted sums, a worker pool with
-per-call timeouts, and a small stdlib library of verifiable rewards.
+per-call timeouts (the built-in verifiable rewards are in ``align.verifiers``).
 
 A reward is ``fn(prompt, completion, **fields) -> float | None``; ``fields`` are the prompt row's other columns.
 Several rewards are combined as ``sum_i w_i * r_i`` (``--reward-weights``, default all 1) and each is logged as
@@ -18,10 +18,8 @@ main thread (it interrupts Python code and sleeps, not a C call that holds the G
 nothing is pickled); a call past its deadline gets its worker killed and replaced, so a hung reward never
 hangs the run. Workers load the rewards from their specs, so ``fields`` must be JSON values.
 
-Built-ins (use as ``--reward align.rewards:boxed_match``; each takes the row's ``answer`` column):
-``exact_match``, ``boxed_match`` (the last ``\\boxed{...}``, nested braces allowed), ``last_number_match``
-(the last number: signs, ``1,234`` thousands separators, decimals, ``a/b`` fractions, compared exactly) and
-``think_answer_format`` (``<think>...</think>`` then an answer).
+Built-ins live in ``align.verifiers`` and are re-exported here, so ``--reward align.rewards:boxed_match`` works:
+``exact_match``, ``boxed_match``, ``last_number_match``, ``think_answer_format``.
 """
 
 from __future__ import annotations
@@ -33,7 +31,6 @@ import inspect
 import json
 import math
 import os
-import re
 import selectors
 import signal
 import subprocess
@@ -43,12 +40,20 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 from align.data import InputError
-from align.eval.metrics import TOTAL
+
+# the built-ins, named as align.rewards:<fn> in specs and docs
+from align.verifiers import (  # noqa: F401
+    boxed_match,
+    exact_match,
+    last_number,
+    last_number_match,
+    parse_number,
+    think_answer_format,
+)
 
 
 @dataclass
@@ -353,116 +358,6 @@ def make_scorer(cfg: RewardConfig, fns: Any, records: list[dict]) -> RewardScore
     return RewardScorer(rewards, cfg.reward_weights, cfg.reward_workers, cfg.reward_timeout_s)
 
 
-def pass_reward_for(names: list[str], choice: str | None) -> str:
-    """The reward whose value > 0 makes an eval completion correct (``--eval-pass-reward``): ``choice`` (a reward
-    name, or ``total``); with one reward the default is that reward, with several the flag is required."""
-    listed = ", ".join(names)
-    if choice is None:
-        if len(names) == 1:
-            return names[0]
-        raise InputError(
-            f"{len(names)} rewards are configured ({listed}): name the one whose value > 0 means a correct answer "
-            f"for the eval's pass@k with --eval-pass-reward NAME (e.g. --eval-pass-reward {names[0]}), or "
-            f"--eval-pass-reward {TOTAL} to count the weighted sum > 0 (e.g. per-task rewards that abstain)"
-        )
-    if choice == TOTAL:
-        if TOTAL in names:
-            raise InputError(f"--eval-pass-reward {TOTAL} is ambiguous: a reward is named {TOTAL!r}; rename it")
-        return TOTAL
-    if choice not in names:
-        raise InputError(f"--eval-pass-reward {choice!r} names no reward; choose one of {listed} (or {TOTAL})")
-    return choice
-
-
-# ------------------------------------------------------------------------------------------------ dynamic sampling
-
-
-def has_signal(totals: list[float]) -> bool:
-    """A group teaches something only if its scorable rewards differ (DAPO's dynamic-sampling criterion)."""
-    finite = [t for t in totals if math.isfinite(t)]
-    return len(finite) >= 2 and max(finite) > min(finite)
-
-
-@dataclass
-class Batch:
-    """The groups of one step. ``completions[j].prompt_index`` indexes ``idx``; ``texts`` and ``scores`` align
-    with ``completions``; ``scores.errors`` / ``timeouts`` / ``failed`` count every round, ``scored`` the items."""
-
-    idx: list[int]
-    completions: list
-    texts: list[str]
-    scores: Scores
-    rounds: int = 0
-    sampled_prompts: int = 0
-    signal_groups: int = 0
-    scored: int = 0
-
-
-def collect_groups(
-    P: int,
-    next_prompts: Callable[[int], list[int]],
-    sample: Callable[[list[int], int], list],
-    text_of: Callable[[list[int]], str],
-    record: Callable[[int], dict],
-    scorer: RewardScorer,
-    refill: bool = False,
-    max_rounds: int = 0,
-) -> Batch:
-    """Sample and score ``P`` groups. With ``refill`` (DAPO dynamic sampling), groups without reward variance are
-    set aside and fresh prompts sampled (round r = 1..max_rounds) until ``P`` groups have signal; if the rounds
-    run out, set-aside groups fill the batch (their advantages are zero). ``sample(idx, round)`` returns
-    completions whose ``prompt_index`` indexes ``idx``."""
-    import dataclasses
-
-    kept, dropped, errors = [], [], []
-    timeouts = failed = scored = sampled = rounds = 0
-    need = P
-    while True:
-        idx = next_prompts(need)
-        sampled += len(idx)
-        comps = sample(idx, rounds)
-        texts = [text_of(c.token_ids) for c in comps]
-        s = scorer.score([(record(idx[c.prompt_index]), t) for c, t in zip(comps, texts)])
-        errors += s.errors
-        timeouts, failed, scored = timeouts + s.timeouts, failed + s.failed, scored + len(comps)
-        members: dict[int, list[int]] = {}
-        for j, c in enumerate(comps):
-            members.setdefault(c.prompt_index, []).append(j)
-        for p, i in enumerate(idx):
-            js = members.get(p, [])
-            group = (
-                i,
-                [comps[j] for j in js],
-                [texts[j] for j in js],
-                [s.totals[j] for j in js],
-                {n: [v[j] for j in js] for n, v in s.terms.items()},
-            )
-            (kept if not refill or has_signal(group[3]) else dropped).append(group)
-        if not refill or len(kept) >= P or rounds >= max_rounds:
-            break
-        rounds += 1
-        need = P - len(kept)
-    final = (kept + dropped)[:P]
-    out = Batch(
-        [],
-        [],
-        [],
-        Scores([], {n: [] for n in scorer.names}, errors, timeouts, failed),
-        rounds,
-        sampled,
-        sum(has_signal(g[3]) for g in final),
-        scored,
-    )
-    for p, (i, cs, ts, totals, terms) in enumerate(final):
-        out.idx.append(i)
-        out.completions += [dataclasses.replace(c, prompt_index=p) for c in cs]
-        out.texts += ts
-        out.scores.totals += totals
-        for n, v in terms.items():
-            out.scores.terms[n] += v
-    return out
-
-
 # ------------------------------------------------------------------------------------------------ worker pool
 
 
@@ -623,95 +518,6 @@ def _worker_main() -> None:
         except Exception:  # noqa: BLE001 -- reported to the trainer, which counts it
             reply = {"id": msg["id"], "error": traceback.format_exc()}
         out.write(json.dumps(reply) + "\n")
-
-
-# ------------------------------------------------------------------------------------------------ built-ins
-
-
-def _last_boxed(text: str) -> str | None:
-    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), nested braces balanced; None if none closes."""
-    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
-    for start in reversed(starts):
-        depth = 1
-        for i in range(start, len(text)):
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            if depth == 0:
-                return text[start:i]
-    return None
-
-
-_NUMBER = re.compile(
-    r"(?<![\w.])[-+−]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*[-+]?\d+(?:\.\d+)?)?|"
-    r"(?<![\w.])[-+−]?\.\d+"
-)
-
-
-def parse_number(text: str) -> Fraction | None:
-    """``text`` as an exact number: ``-1,234.50``, ``+3``, ``.5``, ``3/4``, ``\\frac{3}{4}``, ``-\\dfrac{1}{2}``,
-    ``$42$``, ``42.``, ``50%`` is not a number here (None). None if ``text`` is not one number."""
-    s = text.strip().strip("$").strip()
-    s = re.sub(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}", r"(\1)/(\2)", s)
-    s = s.replace("\\!", "").replace("\\,", "").replace("−", "-")
-    if re.search(r"\d\s+\d", s):  # "4 5" is two numbers, not 45
-        return None
-    s = re.sub(r"\s+", "", s)
-    s = s.rstrip(".")
-    m = re.fullmatch(r"([-+]?)\(?([-+]?[\d,]*\.?\d+)\)?(?:/\(?([-+]?[\d,]*\.?\d+)\)?)?", s)
-    if not m:
-        return None
-    sign, num, den = m.groups()
-    try:
-        value = Fraction(_plain(num)) / (Fraction(_plain(den)) if den else 1)
-    except (ValueError, ZeroDivisionError):
-        return None
-    return -value if sign == "-" else value
-
-
-def _plain(s: str) -> str:
-    if "," in s and not re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s):
-        raise ValueError(f"bad thousands separators in {s!r}")
-    return s.replace(",", "")
-
-
-def last_number(text: str) -> Fraction | None:
-    """The last number written in ``text`` (see ``parse_number``), or None."""
-    for m in reversed(list(_NUMBER.finditer(text))):
-        v = parse_number(m.group(0))
-        if v is not None:
-            return v
-    return None
-
-
-def _same_answer(got: str, want: Any) -> bool:
-    g, w = parse_number(got), parse_number(str(want))
-    if g is not None and w is not None:
-        return g == w
-    norm = lambda s: re.sub(r"\s+", "", str(s)).strip("$").replace("\\left", "").replace("\\right", "")
-    return norm(got) == norm(want)
-
-
-def exact_match(prompt: str, completion: str, answer: Any = None, **_: Any) -> float:
-    """1.0 if the completion equals ``answer`` after stripping surrounding whitespace, else 0.0."""
-    return float(answer is not None and completion.strip() == str(answer).strip())
-
-
-def boxed_match(prompt: str, completion: str, answer: Any = None, **_: Any) -> float:
-    """1.0 if the last ``\\boxed{...}`` equals ``answer`` (numerically when both are numbers), else 0.0."""
-    got = _last_boxed(completion)
-    return float(answer is not None and got is not None and _same_answer(got, answer))
-
-
-def last_number_match(prompt: str, completion: str, answer: Any = None, **_: Any) -> float:
-    """1.0 if the last number of the completion equals ``answer`` exactly (as fractions), else 0.0."""
-    want = parse_number(str(answer)) if answer is not None else None
-    got = last_number(completion)
-    return float(want is not None and got is not None and got == want)
-
-
-def think_answer_format(prompt: str, completion: str, **_: Any) -> float:
-    """1.0 for ``<think>...</think>`` followed by a non-empty answer (and no second think block), else 0.0."""
-    m = re.fullmatch(r"\s*<think>(.*?)</think>(.*)", completion, flags=re.DOTALL)
-    return float(bool(m) and "<think>" not in m.group(2) and bool(m.group(2).strip()))
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:

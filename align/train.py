@@ -199,7 +199,9 @@ def train(
         model_path = model or cfg.model
         if model_path is None:
             raise ValueError("no model: pass model=<HF checkpoint dir> or --model")
-    from align.rewards import collect_groups, make_scorer, pass_reward_for
+    from align.eval.metrics import pass_reward_for
+    from align.rewards import make_scorer
+    from align.rollout.groups import collect_groups
 
     scorer = make_scorer(cfg.rewards, task.reward, task.prompts + task.eval_prompts)
     pass_reward = None  # the reward that decides pass@k (--eval-pass-reward); refused before the model loads

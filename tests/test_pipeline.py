@@ -18,8 +18,9 @@ import torch
 
 from align import pipeline
 from align.model import Transformer, save_pretrained
-from align.rewards import Batch, Scores
+from align.rewards import Scores
 from align.rollout.client import NativeClient, WorkerDiedError
+from align.rollout.groups import Groups
 from align.rollout.protocol import Completion, SamplingParams
 from align.rollout.watcher import WeightWatcher
 from align.tasks import reverse
@@ -130,7 +131,7 @@ def test_permits_split_a_batch_into_whole_groups(tiny_model):
 
 def test_pending_batches_survive_a_weights_only_round_trip(tmp_path):
     c = Completion(1, 0, [3, 4], [-0.5, -1.25], "length", [-0.4, -1.0], weights_version=3)
-    b = Batch([7, 2], [c], ["xy"], Scores([float("nan")], {"r": [0.5]}, ["tb"], 1, 1), 1, 3, 1, 2)
+    b = Groups([7, 2], [c], ["xy"], Scores([float("nan")], {"r": [0.5]}, ["tb"], 1, 1), 1, 3, 1, 2)
     p = pipeline.Produced(5, 3, b, {"epoch": 1, "index": 4})
     torch.save({"pending_batches": [p.to_state()]}, tmp_path / "s.pt")
     back = pipeline.Produced.from_state(torch.load(tmp_path / "s.pt", weights_only=True)["pending_batches"][0])
@@ -159,7 +160,7 @@ def test_a_producer_failure_reaches_the_trainer(tmp_path):
     def collect(t, version, client):
         if t == 2:
             raise WorkerDiedError("rollout worker failed while request r2 was pending", "r2")
-        return Batch([0], [Completion(0, 0, [1], [0.0], "stop", weights_version=version)], ["x"], Scores([1.0], {}))
+        return Groups([0], [Completion(0, 0, [1], [0.0], "stop", weights_version=version)], ["x"], Scores([1.0], {}))
 
     pipe = pipeline.RolloutPipeline(1, collect, engine=NullEngine(), last_step=5, cursor={})
     try:
@@ -175,7 +176,9 @@ def test_a_producer_failure_reaches_the_trainer(tmp_path):
 
 def test_a_wrong_version_stamp_is_refused():
     def collect(t, version, client):  # an engine that missed its update: stamps the previous version
-        return Batch([0], [Completion(0, 0, [1], [0.0], "stop", weights_version=version - 1)], ["x"], Scores([1.0], {}))
+        return Groups(
+            [0], [Completion(0, 0, [1], [0.0], "stop", weights_version=version - 1)], ["x"], Scores([1.0], {})
+        )
 
     pipe = pipeline.RolloutPipeline(1, collect, engine=NullEngine(), start_step=3, last_step=5, cursor={})
     try:
@@ -371,7 +374,7 @@ def test_generation_time_is_measured_on_the_producer():
 
     def collect(t, version, client):
         time.sleep(GEN_S)
-        return Batch([0], [Completion(0, 0, [1], [0.0], "stop", weights_version=version)], ["x"], Scores([1.0], {}))
+        return Groups([0], [Completion(0, 0, [1], [0.0], "stop", weights_version=version)], ["x"], Scores([1.0], {}))
 
     pipe = pipeline.RolloutPipeline(1, collect, engine=NullEngine(), last_step=2, cursor={})
     try:

@@ -17,7 +17,8 @@ import pytest
 from align import pipeline
 from align.eval import pinned
 from align.eval.config import EvalConfig, EvalSet
-from align.rewards import Batch, Scores
+from align.rewards import Scores
+from align.rollout.groups import Groups
 from align.rollout.protocol import Completion, SamplingParams
 
 SERVE_S = 0.08  # the fake engine serves one eval request this long: long enough for the producer to want an update
@@ -61,7 +62,7 @@ class FakeEngine:
 
 def collect(t, version, client):
     time.sleep(0.01)
-    return Batch([0], [Completion(0, 0, [1], [0.0], "stop", weights_version=version)], ["x"], Scores([1.0], {}))
+    return Groups([0], [Completion(0, 0, [1], [0.0], "stop", weights_version=version)], ["x"], Scores([1.0], {}))
 
 
 def make(K=1, last=8, interval=2, engine=None, pin=True):
@@ -285,7 +286,7 @@ class CountingEngine(FakeEngine):
 
 def collect_with_permits(t, version, client):
     comps = pipeline.generate_groups(client, [[1]] * TRAIN_PROMPTS, SamplingParams(n=TRAIN_N, seed=t), PERMITS)
-    return Batch(list(range(TRAIN_PROMPTS)), comps, ["x"] * len(comps), Scores([1.0] * len(comps), {}))
+    return Groups(list(range(TRAIN_PROMPTS)), comps, ["x"] * len(comps), Scores([1.0] * len(comps), {}))
 
 
 def test_one_permit_pool_bounds_train_and_eval_together():

@@ -17,9 +17,31 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
+from align.data import InputError
 from align.rollout.protocol import Completion, SamplingParams
 
 TOTAL = "total"  # --eval-pass-reward total: correct when the weighted sum of the rewards is > 0
+
+
+def pass_reward_for(names: list[str], choice: str | None) -> str:
+    """The reward whose value > 0 makes an eval completion correct (``--eval-pass-reward``): ``choice`` (a reward
+    name, or ``total``); with one reward the default is that reward, with several the flag is required."""
+    listed = ", ".join(names)
+    if choice is None:
+        if len(names) == 1:
+            return names[0]
+        raise InputError(
+            f"{len(names)} rewards are configured ({listed}): name the one whose value > 0 means a correct answer "
+            f"for the eval's pass@k with --eval-pass-reward NAME (e.g. --eval-pass-reward {names[0]}), or "
+            f"--eval-pass-reward {TOTAL} to count the weighted sum > 0 (e.g. per-task rewards that abstain)"
+        )
+    if choice == TOTAL:
+        if TOTAL in names:
+            raise InputError(f"--eval-pass-reward {TOTAL} is ambiguous: a reward is named {TOTAL!r}; rename it")
+        return TOTAL
+    if choice not in names:
+        raise InputError(f"--eval-pass-reward {choice!r} names no reward; choose one of {listed} (or {TOTAL})")
+    return choice
 
 
 class Scored(NamedTuple):

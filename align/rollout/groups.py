@@ -1,0 +1,142 @@
+"""A step's rollouts as named types, and the stage that collects them: prompts -> groups of G scored completions.
+
+``collect_groups`` samples ``P`` groups and scores them; with ``--adv-refill`` (DAPO's dynamic sampling, Yu et al.
+2025) groups whose rewards do not differ (``has_signal``) are set aside and fresh prompts sampled until ``P`` groups
+have signal or ``--max-refill-rounds`` run out. The result is one ``Groups``: flat per-completion lists in (prompt,
+sample) order, with ``completions[j].prompt_index`` indexing ``idx``; ``tensors(G)`` lays them out as (P, G).
+
+Shapes: P prompts (groups) in the step, G completions per group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from align.rewards import RewardScorer, Scores
+
+
+def has_signal(totals: list[float]) -> bool:
+    """A group teaches something only if its scorable rewards differ (DAPO's dynamic-sampling criterion)."""
+    finite = [t for t in totals if math.isfinite(t)]
+    return len(finite) >= 2 and max(finite) > min(finite)
+
+
+class Group(NamedTuple):
+    """One prompt's completions, their texts and scores (``terms``: each reward's values)."""
+
+    prompt: int  # index into the task's prompts
+    completions: list
+    texts: list[str]
+    totals: list[float]
+    terms: dict[str, list[float]]
+
+
+class GroupTensors(NamedTuple):
+    """A step's scores laid out (P, G) by (prompt_index, sample_index); NaN marks an unscorable completion."""
+
+    total: torch.Tensor  # (P, G) float
+    terms: dict[str, torch.Tensor]  # name -> (P, G) float
+    lengths: torch.Tensor  # (P, G) float: completion tokens
+    truncated: torch.Tensor  # (P, G) bool: finish_reason == "length"
+
+
+@dataclass
+class Groups:
+    """The groups of one step. ``completions[j].prompt_index`` indexes ``idx``; ``texts`` and ``scores`` align
+    with ``completions``; ``scores.errors`` / ``timeouts`` / ``failed`` count every round, ``scored`` the items."""
+
+    idx: list[int]
+    completions: list
+    texts: list[str]
+    scores: Scores
+    rounds: int = 0
+    sampled_prompts: int = 0
+    signal_groups: int = 0
+    scored: int = 0
+
+    def tensors(self, G: int) -> GroupTensors:
+        """The scores, lengths and truncation flags as (P, G) tensors (a missing completion stays NaN / 0)."""
+        P = len(self.idx)
+        total = torch.full((P, G), math.nan)  # (P, G)
+        terms = {n: torch.full((P, G), math.nan) for n in self.scores.terms}  # name -> (P, G)
+        lengths = torch.zeros(P, G)  # (P, G)
+        truncated = torch.zeros(P, G, dtype=torch.bool)  # (P, G)
+        for j, c in enumerate(self.completions):
+            at = (c.prompt_index, c.sample_index)
+            total[at] = self.scores.totals[j]
+            for n, v in self.scores.terms.items():
+                terms[n][at] = v[j]
+            lengths[at] = len(c.token_ids)
+            truncated[at] = c.finish_reason == "length"
+        return GroupTensors(total, terms, lengths, truncated)
+
+
+def collect_groups(
+    P: int,
+    next_prompts: Callable[[int], list[int]],
+    sample: Callable[[list[int], int], list],
+    text_of: Callable[[list[int]], str],
+    record: Callable[[int], dict],
+    scorer: RewardScorer,
+    refill: bool = False,
+    max_rounds: int = 0,
+) -> Groups:
+    """Sample and score ``P`` groups. With ``refill`` (DAPO dynamic sampling), groups without reward variance are
+    set aside and fresh prompts sampled (round r = 1..max_rounds) until ``P`` groups have signal; if the rounds
+    run out, set-aside groups fill the batch (their advantages are zero). ``sample(idx, round)`` returns
+    completions whose ``prompt_index`` indexes ``idx``."""
+    kept: list[Group] = []
+    dropped: list[Group] = []
+    errors: list[str] = []
+    timeouts = failed = scored = sampled = rounds = 0
+    need = P
+    while True:
+        idx = next_prompts(need)
+        sampled += len(idx)
+        comps = sample(idx, rounds)
+        texts = [text_of(c.token_ids) for c in comps]
+        s = scorer.score([(record(idx[c.prompt_index]), t) for c, t in zip(comps, texts)])
+        errors += s.errors
+        timeouts, failed, scored = timeouts + s.timeouts, failed + s.failed, scored + len(comps)
+        members: dict[int, list[int]] = {}
+        for j, c in enumerate(comps):
+            members.setdefault(c.prompt_index, []).append(j)
+        for p, i in enumerate(idx):
+            js = members.get(p, [])
+            group = Group(
+                i,
+                [comps[j] for j in js],
+                [texts[j] for j in js],
+                [s.totals[j] for j in js],
+                {n: [v[j] for j in js] for n, v in s.terms.items()},
+            )
+            (kept if not refill or has_signal(group.totals) else dropped).append(group)
+        if not refill or len(kept) >= P or rounds >= max_rounds:
+            break
+        rounds += 1
+        need = P - len(kept)
+    final = (kept + dropped)[:P]
+    out = Groups(
+        [],
+        [],
+        [],
+        Scores([], {n: [] for n in scorer.names}, errors, timeouts, failed),
+        rounds=rounds,
+        sampled_prompts=sampled,
+        signal_groups=sum(has_signal(g.totals) for g in final),
+        scored=scored,
+    )
+    for p, g in enumerate(final):
+        out.idx.append(g.prompt)
+        out.completions += [dataclasses.replace(c, prompt_index=p) for c in g.completions]
+        out.texts += g.texts
+        out.scores.totals += g.totals
+        for n, v in g.terms.items():
+            out.scores.terms[n] += v
+    return out
