@@ -3,6 +3,18 @@
 Nothing is imported here on purpose: ``import align`` is stdlib-only and cheap, so the
 vLLM rollout venv can import ``align.rollout.protocol`` without torch. Import the module
 you need (``align.model``, ``align.grpo``, ``align.train``, ...).
+
+Where things live, by floor (imports point down only; ``tests/test_layout.py`` checks it):
+
+- ``align.train``: ``train()``, the step's stages on one page; ``main(argv)``, the CLI.
+- ``align.run``: a run directory and its life: ``config`` (TrainConfig), ``cli``, ``presets``, ``build``
+  (``open_run() -> Run``), ``checkpoint`` (single-process and DCP), ``safety``, ``log``, ``plot``.
+- ``align.eval``: held-out evaluation (blocking, snapshot dispatch, fleets, pinned epochs) and its metrics.
+- ``align.rollout``: prompts -> scored groups: ``protocol`` (the spool contract, stdlib), ``process``, ``native``
+  (the sampler), ``cpu_kernel``, ``client``, ``watcher``, ``groups``, ``engines``, ``pipeline``.
+- what goes in: ``data``, ``rewards``, ``verifiers``, ``tasks``.
+- the algorithm, no run state: ``model``, ``kernels``, ``lora``, ``grpo``, ``advantages``, ``learner``, ``device``,
+  ``dist``; ``atomic`` (stdlib: atomic files and the commit marker) under everything.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

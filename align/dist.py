@@ -23,10 +23,10 @@ Key decisions (issue 14)
   ``Transformer`` (meta-initialised, the gathered tensors assigned, no second copy) that the native sampler runs;
   it is dropped after the step's generation. Peak memory per rank while sampling: the shards (1/N of weights,
   gradients, optimizer state) + one full copy of the weights in the parameter dtype + the KV cache.
-- Checkpoints: sharded DCP directories, each rank writing its shards (``align.dist_checkpoint``); a single-process
-  checkpoint (``align.checkpoint``'s format) still resumes under torchrun: ``restore_optimizer`` shards its full
+- Checkpoints: sharded DCP directories, each rank writing its shards (``align.run.checkpoint``); a single-process
+  checkpoint still resumes under torchrun: ``align.run.checkpoint.restore_optimizer_any`` shards its full
   optimizer state for this world size.
-- ``--rollout spool``: ``ShardedSpoolClient`` (each rank submits its share with ``first_prompt_index``; rank 0
+- ``--rollout spool``: ``align.rollout.client.ShardedSpoolClient`` (each rank submits its share with ``first_prompt_index``; rank 0
   syncs the worker, every rank waits); ``full_model(to_main_cpu=True)`` streams the weights to rank 0's CPU for
   snapshots; ``check_shared_dir`` makes every rank agree that the spool is one writable directory.
 """
@@ -281,74 +281,6 @@ def full_model(model: torch.nn.Module, to_main_cpu: bool = False) -> torch.nn.Mo
     return full.requires_grad_(False).eval()
 
 
-class ShardedNativeClient:
-    """The native sampler under torchrun: each rank generates its share of the prompts with full weights
-    (``full_model``), and every rank gets all the completions, in prompt order (see the module docstring)."""
-
-    logprob_basis = "training"
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self.weights_version = 0
-
-    def generate(self, prompts: list[list[int]], params: Any) -> list:
-        from align.rollout.native import generate
-
-        lo, hi = share(len(prompts))
-        full = full_model(self.model)
-        mine = generate(full, prompts[lo:hi], params, rows=(lo * params.n, len(prompts) * params.n)) if hi > lo else []
-        del full
-        out = []
-        for start, part in zip((share_of(len(prompts), r)[0] for r in range(world())), gather(mine)):
-            for c in part:
-                c.prompt_index += start
-                c.weights_version = self.weights_version
-                out.append(c)
-        return out
-
-    def sync_weights(self, snapshot_dir: Any, version: int) -> float:
-        self.weights_version = int(version)
-        return 0.0
-
-    def close(self) -> None:
-        pass
-
-
-class ShardedSpoolClient:
-    """``--rollout spool`` under torchrun: every rank submits its share of the prompts to the shared spool (its own
-    request, seeded by global prompt index: ``first_prompt_index``), so the completions are the ones one process
-    gets; every rank gets all of them, in prompt order. Rank 0 alone syncs weights; the others wait at a barrier
-    until the worker has loaded the snapshot."""
-
-    def __init__(self, client: Any) -> None:
-        self.client, self.spool = client, client.spool
-        self.weights_version = client.weights_version
-        barrier()  # rank 0 has started (or attached to) the worker
-
-    @property
-    def logprob_basis(self) -> str:
-        return self.client.logprob_basis
-
-    def generate(self, prompts: list[list[int]], params: Any) -> list:
-        lo, hi = share(len(prompts))
-        mine = self.client.generate(prompts[lo:hi], params, first_prompt_index=lo) if hi > lo else []
-        out = []
-        for start, part in zip((share_of(len(prompts), r)[0] for r in range(world())), gather(mine)):
-            for c in part:
-                c.prompt_index += start
-                out.append(c)
-        return out
-
-    def sync_weights(self, snapshot_dir: Any, version: int) -> float:
-        seconds = self.client.sync_weights(snapshot_dir, version) if is_main() else 0.0
-        barrier()  # no rank submits a request before the worker serves the new weights
-        self.weights_version = self.client.weights_version = int(version)
-        return seconds
-
-    def close(self) -> None:
-        self.client.close()
-
-
 def check_shared_dir(path: Any) -> None:
     """Under torchrun: ``path`` (the spool) must be one directory every rank can write. Each rank probes it, rank 0
     leaves a token the others must see; the verdicts are gathered, so every rank raises the same error (no rank
@@ -395,30 +327,3 @@ def share_of(n: int, r: int) -> tuple[int, int]:
 def barrier() -> None:
     if active():
         torch.distributed.barrier()
-
-
-def restore_optimizer(model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict, ckpt: Any) -> None:
-    """Load a checkpoint's optimizer state (written by any world size) into ``opt``, sharded like ``model``."""
-    from align import checkpoint
-
-    if not active():
-        return checkpoint.restore_optimizer(opt, state, ckpt)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    saved = state["optimizer"]
-    fqns = _optimizer_fqns(model, opt)
-    ids = [i for g in saved.get("param_groups", []) for i in g["params"]]
-    if len(ids) != len(fqns):
-        raise checkpoint.CheckpointError(f"the optimizer state in {ckpt} is for {len(ids)} parameters, the model has "
-                                         f"{len(fqns)}: the checkpoint belongs to another model")  # fmt: skip
-    name = dict(zip(ids, fqns))
-    full = {
-        "state": {name[i]: s for i, s in saved["state"].items()},
-        "param_groups": [{**g, "params": [name[i] for i in g["params"]]} for g in saved["param_groups"]],
-    }
-    set_optimizer_state_dict(model, opt, full, options=StateDictOptions(full_state_dict=True))
-
-
-def _optimizer_fqns(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[str]:
-    names = {id(p): n for n, p in model.named_parameters()}
-    return [names[id(p)] for g in opt.param_groups for p in g["params"]]

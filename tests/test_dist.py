@@ -201,7 +201,7 @@ def _scale_dcp_second_moments(ckpt: Path, model: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from align import dist_checkpoint
+    from align.run import checkpoint as dist_checkpoint
 
     m = load_pretrained(model)
     opt = torch.optim.AdamW(m.parameters())
@@ -391,14 +391,14 @@ def test_a_hung_rank_fails_the_others_within_the_timeout(tmp_path, tiny_model):
 
 def _sharded_checkpoint(tmp_path: Path, model: str) -> tuple[Path, dict, Transformer, torch.optim.Optimizer]:
     """A DCP checkpoint written by ``align.dist_checkpoint.save`` in one process (the code torchrun ranks run)."""
-    from align import dist_checkpoint
-    from align.checkpoint import load_state
+    from align.run import checkpoint as dist_checkpoint
+    from align.run.checkpoint import load_state
 
     m = load_pretrained(model)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     m(torch.tensor([[1, 2, 3]])).float().sum().backward()
     opt.step()
-    ckpt = dist_checkpoint.save(tmp_path / "ckpts", 1, m, opt, {"scheduler": {}, "cursor": {"epoch": 0, "index": 4}},
+    ckpt = dist_checkpoint.save_sharded(tmp_path / "ckpts", 1, m, opt, {"scheduler": {}, "cursor": {"epoch": 0, "index": 4}},
                                 keep=2)  # fmt: skip
     fresh = load_pretrained(model)
     return ckpt, load_state(ckpt), fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2)
@@ -422,18 +422,18 @@ def test_sharded_checkpoint_metadata_is_never_unpickled(tmp_path, tiny_model):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from align import dist_checkpoint
-    from align.checkpoint import CheckpointError
+    from align.run import checkpoint as dist_checkpoint
+    from align.run.checkpoint import CheckpointError
 
     ckpt, state, model, opt = _sharded_checkpoint(tmp_path, tiny_model)
-    dist_checkpoint.restore(ckpt, state, model, opt)  # control: the genuine checkpoint loads
+    dist_checkpoint.restore_sharded(ckpt, state, model, opt)  # control: the genuine checkpoint loads
     saved = load_pretrained(tiny_model)
     assert _max_param_diff(dict(model.named_parameters()), dict(saved.named_parameters())) > 0  # the stepped weights
     assert all(float(s["step"]) == 1 for s in opt.state.values())
     target = tmp_path / "payload_ran"
     (ckpt / "dcp" / ".metadata").write_bytes(pickle.dumps(_Payload(target)))
     with pytest.raises(CheckpointError, match=r"\.metadata cannot be read safely .*refused global posix\.mkdir"):
-        dist_checkpoint.restore(ckpt, state, model, opt)
+        dist_checkpoint.restore_sharded(ckpt, state, model, opt)
     assert not target.exists()
     model_sd, optim_sd = get_state_dict(model, opt)
     with pytest.raises(BaseException):  # noqa: B017 (whatever fails after the payload ran)
@@ -442,8 +442,8 @@ def test_sharded_checkpoint_metadata_is_never_unpickled(tmp_path, tiny_model):
 
 
 def test_sharded_checkpoint_of_another_model_is_refused(tmp_path, tiny_model):
-    from align import dist_checkpoint
-    from align.checkpoint import CheckpointError
+    from align.run import checkpoint as dist_checkpoint
+    from align.run.checkpoint import CheckpointError
 
     ckpt, state, model, _ = _sharded_checkpoint(tmp_path, tiny_model)
     dist_checkpoint.check_model_config(ckpt, state, model)  # control

@@ -156,10 +156,10 @@ def test_training_run_evaluates_on_a_real_fleet_while_it_trains(tmp_path, builti
     require_rollout_venv()
     import json
 
-    from align.checkpoint import committed
     from align.eval.metrics import score_completions
     from align.model import load_pretrained
     from align.rollout.native import generate
+    from align.run.checkpoint import committed
     from align.tasks import reverse
     from align.train import TrainConfig, score, stop_ids, train
 

@@ -135,9 +135,9 @@ def test_plan_command_under_plain_python3_fails_with_the_numbers():
 def test_rollout_num_engines_flag_reaches_spawn_worker(tmp_path, monkeypatch):
     """``--rollout-num-engines`` / ``--rollout-engine-restarts`` go from the CLI through train() to spawn_worker.
     spawn_worker is replaced by a recorder that stops the run (the real fleet start is tests/test_fleet.py's)."""
-    from align.cli import parse
     from align.model import Transformer, save_pretrained
     from align.rollout import client as client_mod
+    from align.run.cli import parse
     from align.tasks import reverse
     from align.train import CLI_PREFIXES, TrainConfig, train
 
@@ -211,9 +211,9 @@ def test_the_worker_hooks_the_fleet_overrides_exist():
 def test_eval_on_ray_flags_reach_spawn_worker(tmp_path, monkeypatch, flags, fleet, eval_engines):
     """``--eval-num-gpus`` with the Ray fleet asks spawn_worker for the eval engines and the eval spool (the real
     run is tests/test_fleet_eval_train.py's); spawn_worker is replaced by a recorder that stops the run."""
-    from align.cli import parse
     from align.model import Transformer, save_pretrained
     from align.rollout import client as client_mod
+    from align.run.cli import parse
     from align.tasks import reverse
     from align.train import CLI_PREFIXES, TrainConfig, train
 

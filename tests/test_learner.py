@@ -407,8 +407,8 @@ def test_training_loop_runs_and_resumes_in_each_precision(tmp_path, precision):
     and a reference model (KL): finite metrics, weights and optimizer state in the documented dtypes, resume."""
     import json
 
-    from align import checkpoint as ckpt
     from align.model import save_pretrained
+    from align.run import checkpoint as ckpt
     from align.tasks import reverse
     from align.tasks.tokenizer import CharTokenizer
     from align.train import train

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from align import pipeline
 from align.model import Transformer, save_pretrained
 from align.rewards import Scores
+from align.rollout import engines, pipeline
 from align.rollout.client import NativeClient, WorkerDiedError
 from align.rollout.groups import Groups
 from align.rollout.protocol import Completion, SamplingParams
@@ -118,11 +118,11 @@ def test_permits_split_a_batch_into_whole_groups(tiny_model):
     client = Recording(load_pretrained(tiny_model))
     prompts = [TOK.encode(p["prompt"]) for p in PROMPTS[:5]]
     params = SamplingParams(n=3, max_tokens=3, seed=1)
-    comps = pipeline.generate_groups(client, prompts, params, permits=7)  # 2 groups of 3 per request
+    comps = engines.generate_groups(client, prompts, params, permits=7)  # 2 groups of 3 per request
     assert client.requests == [6, 6, 3]
     assert [(c.prompt_index, c.sample_index) for c in comps] == [(p, s) for p in range(5) for s in range(3)]
     client.requests.clear()
-    whole = pipeline.generate_groups(client, prompts, params, permits=None)
+    whole = engines.generate_groups(client, prompts, params, permits=None)
     assert client.requests == [15] and len(whole) == 15
 
 
@@ -135,8 +135,8 @@ def test_pending_batches_survive_a_weights_only_round_trip(tmp_path):
     p = pipeline.Produced(5, 3, b, {"epoch": 1, "index": 4})
     torch.save({"pending_batches": [p.to_state()]}, tmp_path / "s.pt")
     back = pipeline.Produced.from_state(torch.load(tmp_path / "s.pt", weights_only=True)["pending_batches"][0])
-    assert back.batch.completions == [c] and back.cursor == p.cursor and back.version == 3
-    assert back.batch.idx == b.idx and back.batch.scores.terms == b.scores.terms
+    assert back.groups.completions == [c] and back.cursor == p.cursor and back.version == 3
+    assert back.groups.idx == b.idx and back.groups.scores.terms == b.scores.terms
 
 
 class NullEngine:
@@ -250,7 +250,7 @@ def test_a_backend_without_version_stamps_is_refused(tmp_path):
         reports_version = False
 
     with pytest.raises(ValueError, match="stamps weights_version"):
-        pipeline.SpoolEngine(NoStamps(), tmp_path, 0, lambda m, p: None, 10)
+        engines.SpoolEngine(NoStamps(), tmp_path, 0, lambda m, p: None, 10)
 
 
 # ------------------------------------------------------------------------------------------------ kill -9 / SIGTERM
@@ -315,7 +315,7 @@ def test_kill_9_then_rerun_logs_exactly_the_uninterrupted_run(tmp_path, builtin_
     assert len(logged(out)[0]) == 7 and logged(out)[0][-1]["async/off_policy_steps_max"] == 2
     # negative control: the same run resumed WITHOUT its pending batches (regenerated from the checkpoint's weights,
     # i.e. what a checkpoint of only the cursor would give) logs something else, so the equality above is not vacuous
-    from align import checkpoint as ckpt
+    from align.run import checkpoint as ckpt
 
     lost = tmp_path / "lost"
     import shutil

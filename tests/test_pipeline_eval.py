@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from align import pipeline
 from align.eval import pinned
 from align.eval.config import EvalConfig, EvalSet
 from align.rewards import Scores
+from align.rollout import engines, pipeline
 from align.rollout.groups import Groups
 from align.rollout.protocol import Completion, SamplingParams
 
@@ -67,8 +67,7 @@ def collect(t, version, client):
 
 def make(K=1, last=8, interval=2, engine=None, pin=True):
     engine = engine or FakeEngine()
-    pipe = pipeline.RolloutPipeline(K, collect, engine=engine, last_step=last, cursor={})
-    pipe.pin_eval = pin
+    pipe = pipeline.RolloutPipeline(K, collect, engine=engine, last_step=last, cursor={}, pinned=pin)
     eval_set = EvalSet([[1]] * EVAL_REQUESTS, lambda i, ids: 1.0, SamplingParams(n=1), name="fake")
     ev = pinned.PinnedEvaluator(EvalConfig(eval_interval=interval), pipe, eval_set, None, timeout_s=60)
     return pipe, ev, engine
@@ -285,7 +284,7 @@ class CountingEngine(FakeEngine):
 
 
 def collect_with_permits(t, version, client):
-    comps = pipeline.generate_groups(client, [[1]] * TRAIN_PROMPTS, SamplingParams(n=TRAIN_N, seed=t), PERMITS)
+    comps = engines.generate_groups(client, [[1]] * TRAIN_PROMPTS, SamplingParams(n=TRAIN_N, seed=t), PERMITS)
     return Groups(list(range(TRAIN_PROMPTS)), comps, ["x"] * len(comps), Scores([1.0] * len(comps), {}))
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from align.model import Transformer, save_pretrained
-from align.presets import PRESETS, build, parse
+from align.run.presets import PRESETS, build, parse
 from align.tasks import reverse
 from align.tasks.tokenizer import CharTokenizer
 from align.train import CLI_PREFIXES, TrainConfig, train

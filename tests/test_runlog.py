@@ -15,8 +15,8 @@ import zlib
 
 import pytest
 
-from align import runlog
-from align.runlog import write_plot
+from align.run import log as runlog
+from align.run.log import write_plot
 
 SVG = "{http://www.w3.org/2000/svg}"
 MIN_INK_FRAC = 0.01  # share of a panel's data area that curves and markers cover (measured ~0.03 here)

@@ -14,9 +14,10 @@ import pytest
 import torch
 from test_train import PROMPTS, TOK, a_reward, cfg_for, records
 
-from align import checkpoint as ckpt
-from align.cli import from_dict, parse
-from align.runsafety import EXPORT_MARKER, RUN_ID_FILE, check_weights_version
+from align.rollout.pipeline import check_weights_version
+from align.run import checkpoint as ckpt
+from align.run.cli import from_dict, parse
+from align.run.safety import EXPORT_MARKER, RUN_ID_FILE
 from align.train import CLI_PREFIXES, TrainConfig, train
 
 

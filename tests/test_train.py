@@ -227,7 +227,7 @@ def test_signal_checkpoints_and_exits(tmp_path, builtin_model, uninterrupted):
 def test_config_reload_with_override(tmp_path, tiny_model):
     out = tmp_path / "a"
     train(cfg_for(out, steps=1), model=tiny_model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward)
-    from align.cli import parse
+    from align.run.cli import parse
     from align.train import CLI_PREFIXES
 
     cfg = parse(TrainConfig, ["--config", str(out / "config.json"), "--lr", "0.5", "--eps-high", "0.28"], CLI_PREFIXES)
@@ -253,7 +253,7 @@ def test_help_lists_every_flag_with_help(capsys):
         "--config",
     ):
         assert flag in text, flag
-    from align.cli import _flags
+    from align.run.cli import _flags
     from align.train import CLI_PREFIXES
 
     missing = [flag for flag, _, f, _ in _flags(TrainConfig, CLI_PREFIXES) if not f.metadata.get("help")]

@@ -12,9 +12,9 @@ from test_learner import cfg as learner_cfg
 from test_train import PROMPTS, TOK, a_reward, cfg_for, cli_args, comparable, records, run_cli, wait_for_steps
 
 import align.model
-from align import checkpoint as ckpt
 from align import learner, lora
 from align.model import Transformer, load_pretrained, save_pretrained
+from align.run import checkpoint as ckpt
 from align.tasks import reverse
 from align.train import train
 

@@ -1,6 +1,6 @@
 """Eval epochs pinned to one policy version on the shared rollout engine (seed 002), for ``--max-async-steps``
 K >= 1 without an eval fleet or ``CheckpointEvalFn``: ``PinnedEvaluator`` drives the eval lease of an
-``align.pipeline.RolloutPipeline`` (queue, lease = the watcher's policy lock, drain -> cohort -> refill, release).
+``align.rollout.pipeline.RolloutPipeline`` (queue, lease = the watcher's policy lock, drain -> cohort -> refill, release).
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from align.pipeline import RolloutPipeline
+from align.rollout.pipeline import RolloutPipeline
 
 
 class PinnedEvaluator:
@@ -36,8 +36,7 @@ class PinnedEvaluator:
 
             return prompts, eval_set.sampling, permits, score
 
-        pipe._eval_fn = eval_fn
-        pipe.eval_due = lambda step: cfg.is_due(step, step == pipe.last_step)
+        pipe.pin_eval(eval_fn, lambda step: cfg.is_due(step, step == pipe.last_step))
 
     def baseline(self, hf_dir: str, *, written: Any = (), resumed: bool = False) -> list[dict]:
         """Step 0 through the same epoch path, before the producer starts (a resumed run no longer has version 0)."""

@@ -11,7 +11,8 @@
 
 ``spawn_worker`` launches ``extras/vllm_rollout/rollout_worker.py`` under ``.venv-rollout`` in its
 own process group (so teardown reaps vLLM's engine-core children) with the environment of
-``protocol.worker_env``. Import cost: stdlib only; the native backend imports torch lazily.
+``protocol.worker_env``. Under torchrun, ``ShardedNativeClient`` / ``ShardedSpoolClient`` split a request between the
+ranks (``align.dist``). Import cost: stdlib only; the native and sharded backends import torch lazily.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from align.rollout.protocol import (
     AlreadyWaitingError,
@@ -476,3 +478,81 @@ def spawn_worker(
     if wait_ready:
         handle.wait_ready(ready_timeout_s)
     return handle
+
+
+# ------------------------------------------------------------------------------------------------ torchrun
+
+
+class ShardedNativeClient:
+    """The native sampler under torchrun: each rank generates its share of the prompts with full weights
+    (``full_model``), and every rank gets all the completions, in prompt order (see the module docstring)."""
+
+    logprob_basis = "training"
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.weights_version = 0
+
+    def generate(self, prompts: list[list[int]], params: Any) -> list:
+        from align import dist
+        from align.rollout.native import generate
+
+        lo, hi = dist.share(len(prompts))
+        full = dist.full_model(self.model)
+        mine = generate(full, prompts[lo:hi], params, rows=(lo * params.n, len(prompts) * params.n)) if hi > lo else []
+        del full
+        out = []
+        for start, part in zip((dist.share_of(len(prompts), r)[0] for r in range(dist.world())), dist.gather(mine)):
+            for c in part:
+                c.prompt_index += start
+                c.weights_version = self.weights_version
+                out.append(c)
+        return out
+
+    def sync_weights(self, snapshot_dir: Any, version: int) -> float:
+        self.weights_version = int(version)
+        return 0.0
+
+    def close(self) -> None:
+        pass
+
+
+class ShardedSpoolClient:
+    """``--rollout spool`` under torchrun: every rank submits its share of the prompts to the shared spool (its own
+    request, seeded by global prompt index: ``first_prompt_index``), so the completions are the ones one process
+    gets; every rank gets all of them, in prompt order. Rank 0 alone syncs weights; the others wait at a barrier
+    until the worker has loaded the snapshot."""
+
+    def __init__(self, client: Any) -> None:
+        from align import dist
+
+        self.client, self.spool = client, client.spool
+        self.weights_version = client.weights_version
+        dist.barrier()  # rank 0 has started (or attached to) the worker
+
+    @property
+    def logprob_basis(self) -> str:
+        return self.client.logprob_basis
+
+    def generate(self, prompts: list[list[int]], params: Any) -> list:
+        from align import dist
+
+        lo, hi = dist.share(len(prompts))
+        mine = self.client.generate(prompts[lo:hi], params, first_prompt_index=lo) if hi > lo else []
+        out = []
+        for start, part in zip((dist.share_of(len(prompts), r)[0] for r in range(dist.world())), dist.gather(mine)):
+            for c in part:
+                c.prompt_index += start
+                out.append(c)
+        return out
+
+    def sync_weights(self, snapshot_dir: Any, version: int) -> float:
+        from align import dist
+
+        seconds = self.client.sync_weights(snapshot_dir, version) if dist.is_main() else 0.0
+        dist.barrier()  # no rank submits a request before the worker serves the new weights
+        self.weights_version = self.client.weights_version = int(version)
+        return seconds
+
+    def close(self) -> None:
+        self.client.close()

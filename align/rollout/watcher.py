@@ -42,12 +42,7 @@ class WeightWatcher:
         self._refs_lock = threading.Lock()
 
     def stable(self) -> dict[int, Path]:
-        out = {}
-        for p in self.root.iterdir() if self.root.is_dir() else ():
-            m = SNAPSHOT_RE.match(p.name)
-            if m and snapshot_marker(p) is not None:
-                out[int(m.group(1))] = p
-        return out
+        return stable_snapshots(self.root)
 
     def _resolve(self, wanted: int) -> tuple[int, Path] | None:
         found = self.stable()
@@ -92,6 +87,23 @@ class WeightWatcher:
 
     def collect_garbage(self) -> None:
         with self._refs_lock:
-            for v, p in self.stable().items():
-                if self.version is not None and v < self.version and self.refs[v] == 0:
-                    shutil.rmtree(p, ignore_errors=True)
+            if self.version is not None:
+                remove_snapshots_before(self.root, self.version, pinned={v for v, n in self.refs.items() if n > 0})
+
+
+def stable_snapshots(root: Path) -> dict[int, Path]:
+    """The committed ``v{N}`` snapshot dirs under ``root``, by version."""
+    out = {}
+    for p in root.iterdir() if root.is_dir() else ():
+        m = SNAPSHOT_RE.match(p.name)
+        if m and snapshot_marker(p) is not None:
+            out[int(m.group(1))] = p
+    return out
+
+
+def remove_snapshots_before(root: Path, version: int, pinned: set[int] = frozenset()) -> None:
+    """Snapshot GC, the one place: delete the committed ``v{N}`` under ``root`` older than ``version`` and not
+    ``pinned`` (in-flight work still reads them). Only this run's own snapshot root is ever passed here."""
+    for v, p in stable_snapshots(Path(root)).items():
+        if v < version and v not in pinned:
+            shutil.rmtree(p, ignore_errors=True)

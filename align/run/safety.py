@@ -21,9 +21,7 @@ never silently ignores a changed setting, and a bad value fails in the config, b
 from __future__ import annotations
 
 import json
-import math
 import os
-import re
 import shutil
 import uuid
 from collections.abc import Callable
@@ -59,72 +57,6 @@ RESUMABLE = (
     "dp_replicate",  # torchrun: the sharding layout (same numbers: checkpoints reshard)
     "dp_shard",
 )
-
-
-def check_train_values(cfg: object) -> None:
-    """Values of a ``TrainConfig`` that would only fail (or silently do nothing) after the warm start.
-
-    Called from ``TrainConfig.__post_init__``; each message names the flag, the value and the valid range."""
-
-    def bad(flag: str, value: object, need: str) -> ValueError:
-        return ValueError(f"--{flag} {value!r} is invalid: {need}")
-
-    for key in ("lr", "temperature", "rollout_timeout_s"):
-        v = getattr(cfg, key)
-        if not (math.isfinite(v) and v > 0):
-            raise bad(key.replace("_", "-"), v, "must be a finite number > 0")
-    if not (0 < cfg.top_p <= 1):
-        raise bad("top-p", cfg.top_p, "the nucleus mass must be in (0, 1] (1 = off)")
-    if not (0 <= cfg.min_lr_ratio <= 1):
-        raise bad("min-lr-ratio", cfg.min_lr_ratio, "must be in [0, 1]")
-    for key in ("weight_decay", "grad_clip"):
-        v = getattr(cfg, key)
-        if not (math.isfinite(v) and v >= 0):
-            raise bad(key.replace("_", "-"), v, "must be a finite number >= 0 (0 = off)")
-    if len(cfg.adam_betas) != 2 or not all(0 <= b < 1 for b in cfg.adam_betas):
-        raise bad("adam-betas", cfg.adam_betas, "need two values in [0, 1), e.g. 0.9 0.99")
-    for key in (
-        "top_k",
-        "warmup_steps",
-        "checkpoint_every",
-        "keep_checkpoints",
-        "threads",
-        "eval_prompts",
-        "warm_start_steps",
-    ):
-        if getattr(cfg, key) < 0:
-            raise bad(key.replace("_", "-"), getattr(cfg, key), "must be >= 0")
-    if cfg.rollout_gpu is not None and cfg.rollout_gpu < 0:
-        raise bad("rollout-gpu", cfg.rollout_gpu, "must be a GPU index >= 0 (or unset for the CPU build)")
-    if cfg.group_size < 2:
-        raise bad(
-            "group-size",
-            cfg.group_size,
-            "a group of one completion has zero variance, so every group-relative advantage is exactly 0 and the "
-            f"run cannot learn; no advantage baseline here ({', '.join(_baselines())}) makes it meaningful: 'mean' "
-            "subtracts the completion's own reward and 'rloo' has no other completion to leave out. Use >= 2",
-        )
-    if cfg.adv.overlong_buffer > cfg.max_tokens:
-        raise bad("adv-overlong-buffer", cfg.adv.overlong_buffer, f"must be <= --max-tokens {cfg.max_tokens}")
-    if cfg.eval_prompts == 0 and cfg.eval.eval_interval > 0:
-        raise bad(
-            "eval-prompts",
-            0,
-            f"--eval-interval {cfg.eval.eval_interval} needs held-out prompts of the built-in "
-            "task (or --eval-interval 0 for no eval)",
-        )
-    if cfg.resume_from is not None and not re.fullmatch(r"step_\d+", cfg.resume_from):
-        raise bad("resume-from", cfg.resume_from, "name a committed checkpoint dir, 'step_N'")
-    if cfg.eval.eval_temperature is not None and not math.isfinite(cfg.eval.eval_temperature):
-        raise bad("eval-temperature", cfg.eval.eval_temperature, "must be finite (0 = greedy)")
-    if not cfg.eval.eval_timeout_s > 0:
-        raise bad("eval-timeout-s", cfg.eval.eval_timeout_s, "must be > 0")
-
-
-def _baselines() -> tuple[str, ...]:
-    from align.advantages import BASELINES
-
-    return BASELINES
 
 
 def _real(p: str | os.PathLike) -> str:
@@ -279,14 +211,3 @@ def check_resume_config(saved_path: Path, new: dict) -> list[str]:
             f"Settings that may change on resume: {', '.join(r.rstrip('.') + ('.*' if r.endswith('.') else '') for r in RESUMABLE)}"
         )
     return [f"{k}: {old[k]!r} -> {cur[k]!r}" for k in changed]
-
-
-def check_weights_version(completions: list, expected: int, spool: object) -> None:
-    """Every completion must come from weights version ``expected`` (the last one this run published)."""
-    stale = sorted({c.weights_version for c in completions} - {expected})
-    if stale:
-        raise RuntimeError(
-            f"the rollout worker on {spool} answered with weights version(s) {stale}, this run published version "
-            f"{expected}: its rollouts come from other weights (a second trainer on the same spool, or a worker "
-            "that missed a sync). Give each run its own worker / --spool"
-        )

@@ -1,4 +1,9 @@
-"""Asynchronous rollouts with bounded staleness (``--max-async-steps K``): a producer thread generates and scores the
+"""The rollout pipeline: the trainer's one door to rollouts. ``next(t)`` gives step ``t``'s scored groups,
+``publish(t, policy)`` hands the weights after step ``t`` to the rollout engine (every backend, every K), ``pin_eval``
+makes eval epochs share the engine pinned to one version (seed 002), ``checkpoint_state`` is what a checkpoint
+keeps. Engines and request splitting: ``align.rollout.engines``.
+
+Asynchronous rollouts with bounded staleness (``--max-async-steps K``): a producer thread generates and scores the
 batches of the next steps while the trainer trains on the current one.
 
 Staleness rule: the rollouts of trainer step ``t`` (1-based) come from exactly the weights after step
@@ -30,10 +35,8 @@ return go to train while the eval tail finishes.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -42,15 +45,20 @@ from pathlib import Path
 from typing import Any
 
 from align.rewards import Scores
+from align.rollout.engines import (
+    WAIT_POLL_S,
+    NativeEngine,
+    PermitClient,
+    Permits,
+    SpoolEngine,
+    SyncSpool,
+    save_snapshot,
+    split_requests,
+)
 from align.rollout.groups import Groups
 from align.rollout.protocol import Completion, SamplingParams
-from align.rollout.watcher import WeightWatcher
 
 log = logging.getLogger(__name__)
-
-CHUNK_SEED_STRIDE = 7_919  # seed offset of request i when --max-inflight-requests splits a batch
-WAIT_POLL_S = 0.1  # how often a blocked wait re-checks the other side's health
-SNAPSHOT_RE = re.compile(r"\Av(\d+)\Z")
 
 
 def version_for(step: int, max_async_steps: int, floor: int = 0) -> int:
@@ -78,100 +86,6 @@ def check_config(max_async_steps: int, max_inflight_requests: int | None, group_
             )
 
 
-def generate_groups(client: Any, prompts: list[list[int]], params: SamplingParams, permits: int | None) -> list:
-    """``client.generate`` in requests of whole groups, at most ``permits`` completions each (None: one request).
-
-    Request ``i`` samples with seed ``params.seed + i * CHUNK_SEED_STRIDE``; completions come back in (prompt, sample)
-    order with ``prompt_index`` indexing ``prompts``."""
-    per = len(prompts) if permits is None else max(1, permits // params.n)
-    if per >= len(prompts):
-        return client.generate(prompts, params)
-    out = []
-    for i, first in enumerate(range(0, len(prompts), per)):
-        p = dataclasses.replace(params, seed=None if params.seed is None else params.seed + i * CHUNK_SEED_STRIDE)
-        out += [
-            dataclasses.replace(c, prompt_index=c.prompt_index + first)
-            for c in client.generate(prompts[first : first + per], p)
-        ]
-    return out
-
-
-class Permits:
-    """The shared in-flight pool (``--max-inflight-requests``, counted in completions; ``None`` = unbounded).
-
-    ``take(n, eval_=True)`` has priority: train takers wait while an eval taker is waiting. ``max_used`` is the
-    high-water mark (for the metrics and the tests)."""
-
-    def __init__(self, limit: int | None) -> None:
-        self.limit, self.used, self.max_used = limit, 0, 0
-        self._eval_waiting = 0
-        self._cond = threading.Condition()
-
-    def _fits(self, n: int) -> bool:
-        return self.limit is None or self.used + n <= self.limit
-
-    def try_take(self, n: int) -> bool:
-        with self._cond:
-            if not self._fits(n):
-                return False
-            self._take(n)
-            return True
-
-    def take(self, n: int, eval_: bool = False, should_stop: Callable[[], bool] = lambda: False) -> None:
-        if self.limit is not None and n > self.limit:
-            raise ValueError(f"a request of {n} completions is larger than --max-inflight-requests {self.limit}")
-        with self._cond:
-            self._eval_waiting += eval_
-            try:
-                while not self._fits(n) or (not eval_ and self._eval_waiting):
-                    if should_stop():
-                        raise RuntimeError("stopped while waiting for in-flight permits")
-                    self._cond.wait(WAIT_POLL_S)
-                self._take(n)
-            finally:
-                self._eval_waiting -= eval_
-                self._cond.notify_all()
-
-    def _take(self, n: int) -> None:  # with self._cond held
-        self.used += n
-        self.max_used = max(self.max_used, self.used)
-
-    def give(self, n: int) -> None:
-        with self._cond:
-            self.used -= n
-            self._cond.notify_all()
-
-
-class PermitClient:
-    """A rollout client whose ``generate`` takes its completions' permits from the shared pool for the request's
-    lifetime (the producer's train requests); everything else is the wrapped client's."""
-
-    def __init__(self, client: Any, permits: Permits, should_stop: Callable[[], bool] = lambda: False) -> None:
-        self.client, self.permits, self.should_stop = client, permits, should_stop
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams, **kw: Any) -> list:
-        n = len(prompts) * params.n
-        self.permits.take(n, should_stop=self.should_stop)
-        try:
-            return self.client.generate(prompts, params, **kw)
-        finally:
-            self.permits.give(n)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.client, name)
-
-
-def cohort_requests(prompts: list[list[int]], params: SamplingParams, permits: int | None) -> list[tuple]:
-    """An eval cohort as requests of whole groups (at most ``permits`` completions each): ``(first, prompts,
-    params)`` with request ``i`` seeded ``params.seed + i * CHUNK_SEED_STRIDE`` (as ``generate_groups``)."""
-    per = len(prompts) if permits is None else max(1, permits // params.n)
-    out = []
-    for i, first in enumerate(range(0, len(prompts), per)):
-        p = dataclasses.replace(params, seed=None if params.seed is None else params.seed + i * CHUNK_SEED_STRIDE)
-        out.append((first, prompts[first : first + per], p))
-    return out
-
-
 # ------------------------------------------------------------------------------------------------ batches
 
 
@@ -184,7 +98,7 @@ class Produced:
 
     step: int
     version: int
-    batch: Groups
+    groups: Groups
     cursor: dict | None = None
     seconds: float = 0.0
 
@@ -195,7 +109,7 @@ class Produced:
             "version": self.version,
             "cursor": self.cursor,
             "seconds": self.seconds,
-            "batch": dataclasses.asdict(self.batch),
+            "batch": dataclasses.asdict(self.groups),  # the checkpoint key stays "batch" (old runs resume)
         }
 
     @classmethod
@@ -204,119 +118,6 @@ class Produced:
         b["completions"] = [Completion(**c) for c in b["completions"]]
         b["scores"] = Scores(**b["scores"])
         return cls(int(d["step"]), int(d["version"]), Groups(**b), d["cursor"], float(d.get("seconds", 0.0)))
-
-
-# ------------------------------------------------------------------------------------------------ engines
-
-
-class NativeEngine:
-    """The native sampler on its own copy of the policy (the generation thread never reads the live weights)."""
-
-    reports_version = True
-
-    def __init__(self, policy: Any, version: int) -> None:
-        from align.rollout.client import NativeClient
-
-        self.model = copy.deepcopy(policy).requires_grad_(False).eval()
-        self.client = NativeClient(self.model)
-        self.client.weights_version = self.version = int(version)
-        self._states: dict[int, dict] = {}
-        self._lock = threading.Lock()
-        self.lock = threading.RLock()  # the policy lock (the eval lease): held to change versions
-
-    def publish(self, version: int, policy: Any) -> float:
-        t0 = time.perf_counter()
-        state = {k: v.detach().clone() for k, v in policy.state_dict().items()}
-        with self._lock:
-            self._states[version] = state
-        return time.perf_counter() - t0
-
-    def use(self, version: int) -> None:
-        if version == self.version:
-            return
-        with self._lock:
-            state = self._states.get(version)
-            for v in [v for v in self._states if v <= version]:
-                del self._states[v]  # versions only grow: older copies are never needed again
-        if state is None:
-            raise RuntimeError(f"weights version {version} was never published to the generation thread")
-        self.model.load_state_dict(state)
-        self.client.weights_version = self.version = version
-
-    def submit(self, prompts: list[list[int]], params: SamplingParams, permits: int | None) -> Any:
-        """Eval cohort on the generation copy: generated at once (the native engine has no request queue)."""
-        return generate_groups(self.client, prompts, params, permits)
-
-    def wait(self, handle: Any) -> list:
-        return handle
-
-    def close(self) -> None:
-        self._states.clear()
-
-
-class SpoolEngine:
-    """A spool worker (one engine or a fleet): snapshots ``{root}/v{N}`` loaded through a ``WeightWatcher``."""
-
-    def __init__(
-        self, client: Any, root: Path, version: int, save: Callable[[Any, Path], Any], timeout_s: float
-    ) -> None:
-        if not getattr(client, "reports_version", True):
-            raise ValueError(
-                "--max-async-steps > 0 needs a rollout backend that stamps weights_version on every answer"
-            )
-        self.client, self.root, self.save, self.timeout_s = client, Path(root), save, timeout_s
-        self.sync_s = 0.0
-        self.watcher = WeightWatcher(self.root, self._load)
-        # the worker may hold other weights (requests a killed predecessor run left in the spool): load ours, once
-        self.sync_s = client.sync_weights(self.root / f"v{version}", version)
-        self.watcher.version = int(version)
-        self.should_stop: Callable[[], bool] = lambda: False
-
-    @property
-    def lock(self) -> threading.RLock:
-        return self.watcher.lock
-
-    @property
-    def version(self) -> int | None:
-        return self.watcher.version
-
-    def _load(self, path: Path, version: int) -> None:
-        self.sync_s += self.client.sync_weights(path, version)
-
-    def publish(self, version: int, policy: Any) -> float:
-        t0 = time.perf_counter()
-        self.save(policy, self.root / f"v{version}")
-        return time.perf_counter() - t0
-
-    def use(self, version: int) -> None:
-        got = self.watcher.update(version, self.timeout_s, self.should_stop)
-        if got != version:
-            raise RuntimeError(f"rollouts need weights version {version} but its snapshot is gone (got v{got})")
-        self.watcher.collect_garbage()
-
-    def submit(self, prompts: list[list[int]], params: SamplingParams, permits: int | None) -> Any:
-        """Queue an eval cohort on the worker (whole groups per request) without waiting; ``wait`` collects it."""
-        from align.rollout.protocol import generate_request
-
-        per = len(prompts) if permits is None else max(1, permits // params.n)
-        handles = []
-        for i, first in enumerate(range(0, len(prompts), per)):
-            seed = None if params.seed is None else params.seed + i * CHUNK_SEED_STRIDE
-            p = dataclasses.replace(params, seed=seed)
-            msg = generate_request(prompts[first : first + per], p)
-            self.client.spool.submit(msg)
-            handles.append((first, prompts[first : first + per], p, msg.id))
-        return handles
-
-    def wait(self, handles: Any) -> list:
-        out = []
-        for first, prompts, p, rid in handles:
-            comps = self.client.generate(prompts, p, request_id=rid)
-            out += [dataclasses.replace(c, prompt_index=c.prompt_index + first) for c in comps]
-        return out
-
-    def close(self) -> None:
-        pass
 
 
 # ------------------------------------------------------------------------------------------------ the pipeline
@@ -342,6 +143,7 @@ class RolloutPipeline:
         cursor: dict | None = None,
         pending: list[dict] = (),
         max_inflight_requests: int | None = None,
+        pinned: bool = True,
     ) -> None:
         self.K, self.collect, self.engine, self.client = max_async_steps, collect, engine, client
         self.permits = Permits(max_inflight_requests)  # train and eval requests together (K >= 1)
@@ -355,7 +157,7 @@ class RolloutPipeline:
         self.producing: int | None = None
         self.eval_queue: list[int] = []  # due eval steps, in order; the head runs once the lease is free
         self.cohort_sent: set[int] = set()  # queued eval steps whose complete cohort is dispatched
-        self.pin_eval = True  # False only for the negative control of the tests: no lease, no drain
+        self.pinned = pinned  # False: eval epochs take no lease and drain nothing (the tests' negative control)
         self.eval_due: Callable[[int], bool] | None = None
         self.eval_error: BaseException | None = None
         self.eval_records: list[dict] = []
@@ -418,7 +220,7 @@ class RolloutPipeline:
         older one) has not dispatched its cohort yet, or it needs a newer version while an older eval is queued."""
         if self.published < v or t > self.taken + self.K + 1:
             return True
-        return self.pin_eval and (
+        return self.pinned and (
             any(e <= v for e in self.eval_queue if e not in self.cohort_sent)
             or (v != self.engine.version and any(e < v for e in self.eval_queue))
         )
@@ -465,6 +267,8 @@ class RolloutPipeline:
         if not self.is_async:
             t0 = time.perf_counter()
             batch = self.collect(t, self.published, self.client)
+            if self.engine is not None:  # a spool worker: every answer from the weights this run published last
+                check_weights_version(batch.completions, self.published, self.client.spool.root)
             return Produced(t, self.published, batch, seconds=time.perf_counter() - t0), {}
         self.start()
         t0 = time.monotonic()
@@ -475,7 +279,7 @@ class RolloutPipeline:
             idle, self.idle_s = self.idle_s, 0.0
             inflight = len(self.ready) + (self.producing is not None)
             self._cond.notify_all()
-        off = [(t - 1) - c.weights_version for c in p.batch.completions]
+        off = [(t - 1) - c.weights_version for c in p.groups.completions]
         return p, {
             "async/off_policy_steps_mean": sum(off) / max(1, len(off)),
             "async/off_policy_steps_max": max(off, default=0),
@@ -485,9 +289,16 @@ class RolloutPipeline:
         }
 
     def publish(self, step: int, policy: Any) -> float:
-        """After optimizer step ``step``: hand its weights to the engine (K >= 1); returns the seconds it took.
-        An eval due at ``step`` (``eval_due``) is queued in the same breath, so no rollout of that version starts
-        before its eval cohort is dispatched."""
+        """After optimizer step ``step``: hand its weights to the rollout engine; returns the seconds it took.
+        K = 0: the native sampler shares the policy (nothing to do); a spool worker syncs every ``--sync-every``
+        steps (``SyncSpool``). K >= 1: the engine gets the version, and an eval due at ``step`` (``pin_eval``) is
+        queued in the same breath, so no rollout of that version starts before its eval cohort is dispatched."""
+        if not self.is_async:
+            if self.engine is None:
+                return 0.0
+            seconds = self.engine.publish(step, policy)
+            self.published = self.engine.version
+            return seconds
         seconds = self.engine.publish(step, policy)
         with self._cond:
             self.published = step
@@ -504,6 +315,11 @@ class RolloutPipeline:
             self._eval_thread = threading.Thread(target=self._eval_loop, name="align-eval-lease", daemon=True)
             self._eval_thread.start()
         self._cond.notify_all()
+
+    def pin_eval(self, eval_fn: Callable[[], tuple], is_due: Callable[[int], bool]) -> None:
+        """Run eval epochs on this pipeline's engine, each pinned to one weights version (seed 002): ``eval_fn()``
+        gives ``(prompts, params, permits, score)``; ``publish(step)`` queues an epoch when ``is_due(step)``."""
+        self._eval_fn, self.eval_due = eval_fn, is_due
 
     def request_eval(self, step: int) -> None:
         """Queue an eval epoch of weights version ``step`` (a second one waits for the first to release its lease)."""
@@ -535,7 +351,7 @@ class RolloutPipeline:
 
     def _eval_epoch(self, e: int) -> None:
         t0 = time.monotonic()
-        if self.pin_eval:
+        if self.pinned:
             with self._cond:  # pre-existing train work of older versions finishes first (no lease held meanwhile)
                 while not self._stop and not (
                     self.producing is None
@@ -546,7 +362,7 @@ class RolloutPipeline:
                     return
             self.engine.lock.acquire()  # the eval lease (the watcher's policy lock); waits for an update in progress
         try:
-            if self.pin_eval:
+            if self.pinned:
                 with self._cond:
                     self.events.append(("lease", e, self.engine.version))
                     while self.producing is not None and not self._stop:  # the train group being scheduled
@@ -570,7 +386,7 @@ class RolloutPipeline:
                 self.eval_records.append(rec)
                 self.events.append(("released", e, self.engine.version))
         finally:
-            if self.pin_eval:
+            if self.pinned:
                 self.engine.lock.release()
 
     def _dispatch_cohort(self, e: int, prompts: list, params: SamplingParams, permits: int | None) -> list:
@@ -589,7 +405,7 @@ class RolloutPipeline:
             out.extend(dataclasses.replace(c, prompt_index=c.prompt_index + first) for c in comps)
 
         try:
-            for first, chunk, p in cohort_requests(prompts, params, permits):
+            for first, chunk, p in split_requests(prompts, params, permits):
                 n = len(chunk) * p.n
                 while not self.permits.try_take(n):
                     if sent:
@@ -667,6 +483,17 @@ class RolloutPipeline:
                 self.engine.close()
 
 
+def check_weights_version(completions: list, expected: int, spool: object) -> None:
+    """Every completion must come from weights version ``expected`` (the last one this run published)."""
+    stale = sorted({c.weights_version for c in completions} - {expected})
+    if stale:
+        raise RuntimeError(
+            f"the rollout worker on {spool} answered with weights version(s) {stale}, this run published version "
+            f"{expected}: its rollouts come from other weights (a second trainer on the same spool, or a worker "
+            "that missed a sync). Give each run its own worker / --spool"
+        )
+
+
 def make_pipeline(
     cfg: Any,
     collect: Callable[[int, int, Any], Groups],
@@ -677,19 +504,21 @@ def make_pipeline(
     pending: list[dict],
     snapshots: Path,
 ) -> RolloutPipeline:
-    """The pipeline of a ``TrainConfig``: synchronous for ``max_async_steps == 0``, else a producer on the
-    backend's engine (native: a copy of ``policy``; spool: ``client`` loading ``{snapshots}/v{N}``)."""
+    """The pipeline of a ``TrainConfig``: synchronous for ``max_async_steps == 0`` (a spool worker synced through
+    ``{snapshots}/v{N}`` every ``--sync-every`` steps), else a producer on the backend's engine (native: a copy of
+    ``policy``; spool: ``client`` loading ``{snapshots}/v{N}``)."""
     K = cfg.max_async_steps
     if K == 0:
-        return RolloutPipeline(0, collect, client=client, start_step=step, last_step=cfg.steps)
-    from align import dist, lora
+        sync = SyncSpool(client, snapshots, step, cfg.sync_every) if cfg.rollout == "spool" else None
+        return RolloutPipeline(0, collect, engine=sync, client=client, start_step=step, last_step=cfg.steps)
+    from align import dist
 
     if dist.active():
         raise ValueError("--max-async-steps > 0 is not supported under torchrun yet; use --max-async-steps 0")
     if cfg.rollout == "native":
         engine: Any = NativeEngine(policy, step)
     else:
-        engine = SpoolEngine(client, snapshots, step, lambda m, p: lora.save_policy(m, p), cfg.rollout_timeout_s)
+        engine = SpoolEngine(client, snapshots, step, save_snapshot, cfg.rollout_timeout_s)
     return RolloutPipeline(
         K,
         collect,

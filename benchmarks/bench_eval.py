@@ -1,6 +1,6 @@
 """Benchmark: training-loop time per step with blocking eval vs snapshot eval on an eval fleet, same interval.
 
-    python -m align.eval.benchmark --out runs/eval_bench --steps 12 --eval-interval 2
+    python benchmarks/bench_eval.py --out runs/eval_bench --steps 12 --eval-interval 2
 
 Trains the built-in task twice from the same warm-started model, side by side in one invocation:
 

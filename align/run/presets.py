@@ -32,7 +32,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from align import cli
+from align.run import cli
 
 Value = Any | Callable[[Callable[[str], Any]], Any]  # a value, or f(get) -> value with get("max_tokens") etc.
 
@@ -95,7 +95,7 @@ def _lookup(d: dict, path: tuple[str, ...]) -> Any:
 def parse(
     cls: type, argv: list[str] | None, prefixes: dict[str, str], description: str = "", log: Callable = print
 ) -> Any:
-    """``align.cli.parse`` with the ``preset`` field applied between the defaults and what the user states."""
+    """``align.run.cli.parse`` with the ``preset`` field applied between the defaults and what the user states."""
     import sys
 
     argv = list(sys.argv[1:] if argv is None else argv)

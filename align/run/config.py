@@ -6,18 +6,19 @@ anything loads; ``align.cli`` checks the types of ``--config`` JSON from these a
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from align import runsafety
-from align.cli import from_dict
 from align.data import DataConfig
 from align.eval.config import EvalConfig
 from align.grpo import AdvantageConfig, LossConfig
 from align.lora import LoraConfig
-from align.presets import PRESET_NAMES
 from align.rewards import RewardConfig
-from align.runlog import LogConfig
+from align.run.cli import from_dict
+from align.run.log import LogConfig
+from align.run.presets import PRESET_NAMES
 
 
 def _h(text: str) -> Any:
@@ -189,7 +190,7 @@ class TrainConfig:
     preset: str = field(
         default="none",
         metadata=_h(
-            f"Loss + advantage options of one algorithm: {', '.join(PRESET_NAMES)}; explicit flags / --config keys win. Applied by the CLI; in Python use align.presets.build."
+            f"Loss + advantage options of one algorithm: {', '.join(PRESET_NAMES)}; explicit flags / --config keys win. Applied by the CLI; in Python use align.run.presets.build."
         ),
     )
     adv_refill: bool = field(
@@ -246,8 +247,8 @@ class TrainConfig:
                 raise ValueError(f"--{k.replace('_', '-')} must be one of {allowed}, got {getattr(self, k)!r}")
         if self.lr <= 0 or self.temperature <= 0:
             raise ValueError(f"--lr and --temperature must be > 0 for training, got {self.lr}, {self.temperature}")
-        runsafety.check_train_values(self)
-        from align.pipeline import check_config as check_async
+        check_train_values(self)
+        from align.rollout.pipeline import check_config as check_async
 
         check_async(self.max_async_steps, self.max_inflight_requests, self.group_size)
         if self.max_async_steps and self.sync_every != 1:
@@ -276,3 +277,69 @@ CLI_PREFIXES = {
     "adv": "adv-",
     "lora": "lora-",
 }  # loss fields are flat (--eps-low, --kl-coef, --loss NAME); eval fields are eval_*
+
+
+def check_train_values(cfg: object) -> None:
+    """Values of a ``TrainConfig`` that would only fail (or silently do nothing) after the warm start.
+
+    Called from ``TrainConfig.__post_init__``; each message names the flag, the value and the valid range."""
+
+    def bad(flag: str, value: object, need: str) -> ValueError:
+        return ValueError(f"--{flag} {value!r} is invalid: {need}")
+
+    for key in ("lr", "temperature", "rollout_timeout_s"):
+        v = getattr(cfg, key)
+        if not (math.isfinite(v) and v > 0):
+            raise bad(key.replace("_", "-"), v, "must be a finite number > 0")
+    if not (0 < cfg.top_p <= 1):
+        raise bad("top-p", cfg.top_p, "the nucleus mass must be in (0, 1] (1 = off)")
+    if not (0 <= cfg.min_lr_ratio <= 1):
+        raise bad("min-lr-ratio", cfg.min_lr_ratio, "must be in [0, 1]")
+    for key in ("weight_decay", "grad_clip"):
+        v = getattr(cfg, key)
+        if not (math.isfinite(v) and v >= 0):
+            raise bad(key.replace("_", "-"), v, "must be a finite number >= 0 (0 = off)")
+    if len(cfg.adam_betas) != 2 or not all(0 <= b < 1 for b in cfg.adam_betas):
+        raise bad("adam-betas", cfg.adam_betas, "need two values in [0, 1), e.g. 0.9 0.99")
+    for key in (
+        "top_k",
+        "warmup_steps",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "threads",
+        "eval_prompts",
+        "warm_start_steps",
+    ):
+        if getattr(cfg, key) < 0:
+            raise bad(key.replace("_", "-"), getattr(cfg, key), "must be >= 0")
+    if cfg.rollout_gpu is not None and cfg.rollout_gpu < 0:
+        raise bad("rollout-gpu", cfg.rollout_gpu, "must be a GPU index >= 0 (or unset for the CPU build)")
+    if cfg.group_size < 2:
+        raise bad(
+            "group-size",
+            cfg.group_size,
+            "a group of one completion has zero variance, so every group-relative advantage is exactly 0 and the "
+            f"run cannot learn; no advantage baseline here ({', '.join(_baselines())}) makes it meaningful: 'mean' "
+            "subtracts the completion's own reward and 'rloo' has no other completion to leave out. Use >= 2",
+        )
+    if cfg.adv.overlong_buffer > cfg.max_tokens:
+        raise bad("adv-overlong-buffer", cfg.adv.overlong_buffer, f"must be <= --max-tokens {cfg.max_tokens}")
+    if cfg.eval_prompts == 0 and cfg.eval.eval_interval > 0:
+        raise bad(
+            "eval-prompts",
+            0,
+            f"--eval-interval {cfg.eval.eval_interval} needs held-out prompts of the built-in "
+            "task (or --eval-interval 0 for no eval)",
+        )
+    if cfg.resume_from is not None and not re.fullmatch(r"step_\d+", cfg.resume_from):
+        raise bad("resume-from", cfg.resume_from, "name a committed checkpoint dir, 'step_N'")
+    if cfg.eval.eval_temperature is not None and not math.isfinite(cfg.eval.eval_temperature):
+        raise bad("eval-temperature", cfg.eval.eval_temperature, "must be finite (0 = greedy)")
+    if not cfg.eval.eval_timeout_s > 0:
+        raise bad("eval-timeout-s", cfg.eval.eval_timeout_s, "must be > 0")
+
+
+def _baselines() -> tuple[str, ...]:
+    from align.advantages import BASELINES
+
+    return BASELINES
