@@ -161,7 +161,8 @@ def test_training_run_evaluates_on_a_real_fleet_while_it_trains(tmp_path, builti
     from align.rollout.native import generate
     from align.run.checkpoint import committed
     from align.tasks import reverse
-    from align.train import TrainConfig, score, stop_ids, train
+    from align.run.build import stop_ids
+    from align.train import TrainConfig, train
 
     base = builtin_model_30  # the reverse task after a 30-step warm start (tests/conftest.py)
     tok = reverse.tokenizer()
@@ -213,7 +214,7 @@ def test_training_run_evaluates_on_a_real_fleet_while_it_trains(tmp_path, builti
 
     def reward(i, ids):
         text = tok.decode(ids[:-1] if ids and ids[-1] in stops else ids)
-        return score(partial_credit, eval_prompts[i], text, [])
+        return partial_credit(eval_prompts[i]["prompt"], text, answer=eval_prompts[i]["answer"])
 
     native = score_completions(encoded, comps, reward, 1)
     assert native["eval/avg@1"] > 0  # a non-trivial fingerprint

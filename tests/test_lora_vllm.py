@@ -134,7 +134,8 @@ def test_eval_fleet_serves_adapter_snapshots(tmp_path, builtin_model_30):
     from align.eval.metrics import score_completions
     from align.rollout.native import generate
     from align.tasks import reverse
-    from align.train import TrainConfig, score, stop_ids, train
+    from align.run.build import stop_ids
+    from align.train import TrainConfig, train
 
     require_rollout_venv()
     base = builtin_model_30  # the reverse task after a 30-step warm start (tests/conftest.py)
@@ -166,7 +167,8 @@ def test_eval_fleet_serves_adapter_snapshots(tmp_path, builtin_model_30):
     comps = generate(policy, encoded, SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, stop_token_ids=stops))
 
     def reward(i, ids):
-        return score(partial_credit, eval_prompts[i], tok.decode(ids[:-1] if ids and ids[-1] in stops else ids), [])
+        text = tok.decode(ids[:-1] if ids and ids[-1] in stops else ids)
+        return partial_credit(eval_prompts[i]["prompt"], text, answer=eval_prompts[i]["answer"])
 
     native = score_completions(encoded, comps, reward, 1)
     assert evals[4]["eval/avg@1"] == pytest.approx(native["eval/avg@1"], abs=1e-9), (evals[4], native)
