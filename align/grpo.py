@@ -89,19 +89,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from align.advantages import AdvantageConfig, compute_advantages, overlong_penalty
-
 __all__ = [
     "KL_ESTIMATORS",
     "LOSSES",
     "RHO_MODES",
     "SEQ_COUNTS",
-    "AdvantageConfig",
     "LossConfig",
-    "compute_advantages",
     "merge_stats",
     "normalisers",
-    "overlong_penalty",
     "policy_loss",
 ]
 

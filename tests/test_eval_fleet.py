@@ -159,9 +159,9 @@ def test_training_run_evaluates_on_a_real_fleet_while_it_trains(tmp_path, builti
     from align.eval.metrics import score_completions
     from align.model import load_pretrained
     from align.rollout.native import generate
+    from align.run.build import stop_ids
     from align.run.checkpoint import committed
     from align.tasks import reverse
-    from align.run.build import stop_ids
     from align.train import TrainConfig, train
 
     base = builtin_model_30  # the reverse task after a 30-step warm start (tests/conftest.py)

@@ -9,13 +9,12 @@ import statistics
 import pytest
 import torch
 
+from align.advantages import AdvantageConfig, compute_advantages
 from align.grpo import (
     KL_ESTIMATORS,
     LOSSES,
     RHO_MODES,
-    AdvantageConfig,
     LossConfig,
-    compute_advantages,
     merge_stats,
     normalisers,
     policy_loss,

@@ -133,8 +133,8 @@ def test_eval_fleet_serves_adapter_snapshots(tmp_path, builtin_model_30):
     from align.eval.config import EvalConfig
     from align.eval.metrics import score_completions
     from align.rollout.native import generate
-    from align.tasks import reverse
     from align.run.build import stop_ids
+    from align.tasks import reverse
     from align.train import TrainConfig, train
 
     require_rollout_venv()

@@ -11,9 +11,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from align.advantages import AdvantageConfig
 from align.data import DataConfig
 from align.eval.config import EvalConfig
-from align.grpo import AdvantageConfig, LossConfig
+from align.grpo import LossConfig
 from align.lora import LoraConfig
 from align.rewards import RewardConfig
 from align.run.cli import from_dict
