@@ -453,7 +453,8 @@ def run(args: argparse.Namespace) -> int:
     )
     code = EXIT_INCOMPLETE
     try:
-        llm = start_engine(args, sess, stop, max_model_len, adapter) if todo else None  # kept until run returns, as before
+        # the engine is kept until run returns, as before the split
+        llm = start_engine(args, sess, stop, max_model_len, adapter) if todo else None
         if llm is not None:
             sample(args, llm, todo, sess, stop, rev, adapter)
         code = tally(args, ready, sess, manifest, stop)
