@@ -1,8 +1,9 @@
-"""The rollout fleet's Ray actors (one engine; the eval router's runner) and the driver's records of engines and work.
+"""The rollout fleet's engine actor and the driver's records of engines and work (``EngineSlot``, ``Job``, ``Call``).
 
 The actor runs ``rollout_worker.Worker``'s own request handling (``serve_generate`` / ``serve_sync``) on its vLLM
-engine; its answers come back to the driver (``fleet.py``) instead of going to the spool. Stdlib only at import:
-ray is imported inside ``engine_actor_class``.
+engine; its answers come back to the driver (``fleet_driver.py``) instead of going to the spool. It imports neither
+``fleet.py`` nor ``fleet_driver.py`` (they import it). Stdlib only at import: ray is imported inside
+``engine_actor_class``.
 """
 
 from __future__ import annotations
@@ -78,40 +79,8 @@ def engine_actor_class():
     return EngineActor
 
 
-def eval_runner_class():
-    """The ``EvalRunner`` Ray actor class (built here so that importing this module never imports ray)."""
-    import ray
-
-    @ray.remote(max_concurrency=4)
-    class EvalRunner:
-        """The eval router: a ``FleetWorker`` (region ``eval``) serving the eval spool with the eval engines of the
-        driver's placement group, on a thread of this actor; the driver only starts and stops it."""
-
-        def __init__(self, argv: list[str], fargs: dict, engine_argv: list[str], pg, cpu_build: bool) -> None:
-            import argparse
-            import logging
-            import threading
-
-            import fleet  # by its module name (the driver runs fleet.py as __main__)
-
-            logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-            ns = argparse.Namespace(**fargs)
-            self.w = fleet.FleetWorker(rw.parse_args(argv), ns, engine_argv, region="eval", pg=pg, cpu_build=cpu_build)
-            self.thread = threading.Thread(target=fleet.serve_eval_router, args=(self.w,), daemon=True)
-            self.thread.start()
-
-        def pid(self) -> int:
-            return os.getpid()
-
-        def stop(self) -> None:
-            self.w.stopping = True
-            self.thread.join(timeout=60)
-
-    return EvalRunner
-
-
 # ---------------------------------------------------------------------------------------------
-# The driver
+# The driver's records
 
 
 @dataclasses.dataclass

@@ -5,9 +5,10 @@ entry per launch) and ``<out>.skipped.jsonl`` (planned prompts that were not gen
 Round 0 samples each problem ``--n`` times; round k >= 1 (``--corrections-from VERIF GEN ...``) builds
 Goedel's self-correction prompt for every failed parent of round k - 1. Rerunning the same command resumes.
 
-Layout: files, the sampling plan and records live in ``lean_records.py`` (stdlib); here, everything above
-``# --- engine`` is stdlib-only too (both unit-tested from the align venv); vLLM, transformers and torch are
-imported inside the engine functions (``.venv-rollout``).
+Layout: files, the sampling plan, records and the manifest live in ``lean_records.py``; the tokenizer, prompt
+rendering, the vLLM engine and its generation loop in ``lean_engine.py``, which imports vLLM, transformers and torch
+inside its functions (``.venv-rollout``). This file is the CLI, the plan and ``run()``'s phases. All three are
+stdlib-only at import (unit-tested from the align venv).
 
 Key decisions (see LEAN.md):
 * prompts are rendered by the model's own chat template (``AutoTokenizer.apply_chat_template``), exactly as
@@ -28,14 +29,16 @@ import argparse
 import hashlib
 import json
 import os
-import signal
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lean_engine import build_engine, generate, load_tokenizer, prepare, versions
 from lean_records import (
     NO_FEEDBACK_POLICIES,
-    PROMPT_FIT,
+    Manifest,
+    SetupError,
+    Stop,
     load_out_for_resume,
     load_problems,
     load_records,
@@ -43,8 +46,6 @@ from lean_records import (
     plan_corrections,
     plan_round0,
     resume_split,
-    token_budget,
-    write_json_atomic,
     write_jsonl_atomic,
 )
 
@@ -53,7 +54,6 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), 
 DEFAULT_LOCK = os.path.join(REPO, ".cache", "heavy_gpu.lock")
 DEFAULT_MODEL = "Goedel-LM/Goedel-Prover-V2-8B"
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's MaxLoRARanks
-RUN_HINT = "run lean_gen.py with .venv-rollout/bin/python (vllm + transformers) and pass a local --model snapshot dir"
 EXIT_CODES = f"""exit codes:
   {EXIT_OK:<4} every planned sample is in --out (manifest status "complete")
   {EXIT_INCOMPLETE:<4} some planned samples are missing: rerun the same command to resume
@@ -62,31 +62,12 @@ EXIT_CODES = f"""exit codes:
   {EXIT_SIGNAL:<4} stopped by SIGTERM / SIGINT or because its launcher exited; --out stays resumable"""
 
 
-class SetupError(Exception):
-    """The environment cannot run lean_gen (missing package, unreachable model): one line, exit 2."""
-
-
 def hub_offline_env(model: str, tokenizer: str | None) -> dict[str, str]:
     """HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE = 1 when the model (and tokenizer) are local directories: nothing
     needs the network, and transformers would otherwise spend ~60 s retrying an unreachable hub."""
     if os.path.isdir(model) and (tokenizer is None or os.path.isdir(tokenizer)):
         return {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     return {}
-
-
-def load_tokenizer(args):
-    """The model's tokenizer; a missing transformers or an unreachable model is a SetupError (one line)."""
-    try:
-        from transformers import AutoTokenizer
-    except ImportError as exc:
-        raise SetupError(f"cannot import transformers ({exc.name or exc}) in {sys.executable}: {RUN_HINT}") from None
-    name = args.tokenizer or args.model
-    try:
-        return AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
-    except OSError as exc:
-        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        where = "a local directory" if os.path.isdir(name) else "not a local directory (needs the hub)"
-        raise SetupError(f"cannot load the tokenizer of {name!r} ({where}): {first}; {RUN_HINT}") from None
 
 
 def sha256_dir(path: str) -> str:
@@ -160,23 +141,6 @@ def plan_fingerprint(args: argparse.Namespace, rev: str, max_model_len: int) -> 
     }
 
 
-# --- engine (vllm / transformers imported lazily; .venv-rollout) --------------------------------------------------------
-
-
-class Stop:
-    """SIGTERM / SIGINT set a flag; the generation loop aborts its requests and exits 143."""
-
-    def __init__(self) -> None:
-        self.signum = None
-
-    def __call__(self, signum, frame) -> None:
-        self.signum = signum
-
-    def install(self) -> None:
-        signal.signal(signal.SIGTERM, self)
-        signal.signal(signal.SIGINT, self)
-
-
 def acquire_lock(path: str, wait: bool, what: str, stop: Stop | None = None):
     """flock ``path`` (fd returned, held until exit). Held by another: RuntimeError, or with ``wait`` poll until it
     is free; a signal (``stop``) ends the wait with None, so SIGTERM / a dead launcher exit cleanly."""
@@ -204,140 +168,6 @@ def acquire_lock(path: str, wait: bool, what: str, stop: Stop | None = None):
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} since {time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode(), 0)
     return fd
-
-
-def prepare(items: list[dict], tokenizer, args, max_model_len: int) -> tuple[list[dict], list[dict]]:
-    """Render each prompt with the model's chat template, tokenize, and size its token budget."""
-    ready, skips = [], []
-    for it in items:
-        text = tokenizer.apply_chat_template(it["messages"], tokenize=False, add_generation_prompt=True)
-        ids = tokenizer.encode(text)
-        budget = token_budget(
-            args.cap_tokens, max_model_len, len(ids), it["ancestor_tokens"], args.trajectory_cap_tokens
-        )
-        if budget is None:
-            over = len(ids) > max_model_len * PROMPT_FIT
-            skips.append(
-                {
-                    "sample_id": it["sample_id"],
-                    "problem_id": it["problem_id"],
-                    "parent_id": it["parent_id"],
-                    "reason": "prompt_too_long" if over else "trajectory_budget_exhausted",
-                    "prompt_tokens": len(ids),
-                    "ancestor_tokens": it["ancestor_tokens"],
-                }
-            )
-            continue
-        ready.append({**it, "prompt_text": text, "prompt_ids": ids, "budget": budget})
-    return ready, skips
-
-
-def _versions() -> dict:
-    out = {"python": sys.version.split()[0]}
-    for mod in ("vllm", "torch", "transformers"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except ImportError:
-            out[mod] = None
-    return out
-
-
-def _gpu_mem_used_mib() -> int | None:
-    import shutil
-    import subprocess
-
-    if not shutil.which("nvidia-smi"):
-        return None
-    try:
-        r = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-        return sum(int(x) for x in r.stdout.split()) if r.returncode == 0 else None
-    except (OSError, ValueError, subprocess.TimeoutExpired):
-        return None
-
-
-def build_engine(args, max_model_len: int, adapter: dict | None):
-    try:
-        from vllm import LLM
-    except ImportError as exc:
-        raise SetupError(f"cannot import vllm ({exc.name or exc}) in {sys.executable}: {RUN_HINT}") from None
-
-    kw = dict(  # noqa: C408 - reads as the LLM(...) call it feeds
-        model=args.model,
-        tokenizer=args.tokenizer or args.model,
-        tensor_parallel_size=args.tp,
-        max_model_len=max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        enable_prefix_caching=True,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        seed=args.seed,
-        trust_remote_code=args.trust_remote_code,
-        enforce_eager=args.enforce_eager,
-        dtype=args.dtype,
-    )
-    if adapter:
-        kw.update(enable_lora=True, max_loras=1, max_lora_rank=adapter["max_lora_rank"])
-    return LLM(**kw)
-
-
-def generate(llm, todo: list[dict], args, out_f, stop: Stop, make) -> dict:
-    """Step the engine with a refill window; write each finished sample at once. Returns session stats."""
-    from vllm import SamplingParams
-    from vllm.lora.request import LoRARequest
-
-    engine = llm.llm_engine
-    lora = LoRARequest(args.lora_name, 1, args.lora_adapter) if args.lora_adapter else None
-    window = args.refill_window or 2 * args.max_num_seqs
-    queue, in_flight = list(reversed(todo)), {}
-    stats = {
-        "new_samples": 0,
-        "prompt_tokens": 0,
-        "completion_tokens": 0,
-        "finish_counts": {},
-        "max_running": 0,
-        "peak_gpu_mem_mib": None,
-    }
-    last_probe = 0.0
-    while (queue or in_flight) and stop.signum is None:
-        while queue and len(in_flight) < window:
-            it = queue.pop()
-            sp = SamplingParams(
-                n=1,
-                temperature=args.temperature,
-                top_p=args.top_p,
-                max_tokens=it["budget"]["max_tokens"],
-                seed=it["seed"],
-            )
-            engine.add_request(it["sample_id"], {"prompt_token_ids": it["prompt_ids"]}, sp, lora_request=lora)
-            in_flight[it["sample_id"]] = it
-        stats["max_running"] = max(stats["max_running"], len(in_flight))
-        for o in engine.step():
-            if not o.finished:
-                continue
-            it = in_flight.pop(o.request_id)
-            c = o.outputs[0]
-            rec = make(it, list(c.token_ids), c.text, c.finish_reason)
-            out_f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-            out_f.flush()
-            stats["new_samples"] += 1
-            stats["prompt_tokens"] += len(it["prompt_ids"])
-            stats["completion_tokens"] += len(c.token_ids)
-            fc = stats["finish_counts"]
-            fc[str(c.finish_reason)] = fc.get(str(c.finish_reason), 0) + 1
-        if time.monotonic() - last_probe > 5:
-            last_probe = time.monotonic()
-            mem = _gpu_mem_used_mib()
-            if mem is not None:
-                stats["peak_gpu_mem_mib"] = max(stats["peak_gpu_mem_mib"] or 0, mem)
-    if in_flight:
-        engine.abort_request(list(in_flight))
-    os.fsync(out_f.fileno())
-    return stats
 
 
 # --- CLI ---------------------------------------------------------------------------------------------------------------
@@ -469,60 +299,69 @@ def watch_launcher(args) -> None:
     exit_with_parent(args.parent_pid, args.parent_fd, grace_s=10.0, note=note)
 
 
-def run(args) -> int:
-    stop = Stop()
-    stop.install()
-    watch_launcher(args)
-    out_lock = None if args.dry_run else acquire_lock(args.out + ".lock", False, "output lock")  # noqa: F841 held
-    adapter = None
-    if args.lora_adapter:
-        with open(os.path.join(args.lora_adapter, "adapter_config.json"), encoding="utf-8") as f:
-            r = int(json.load(f).get("r", 16))
-        sha = sha256_dir(args.lora_adapter)
-        adapter = {
-            "name": args.lora_name,
-            "path": os.path.abspath(args.lora_adapter),
-            "sha256": sha,
-            "r": r,
-            "max_lora_rank": next(x for x in LORA_RANKS if x >= r),
-        }
-    rev = model_rev(args.model, adapter["sha256"] if adapter else None)
-    max_model_len = resolve_max_model_len(args.max_model_len, model_max_len(args.model))
-    items, skips = plan(args)
+# --- run(), phase by phase ---------------------------------------------------------------------------------------------
+
+
+def load_adapter(args: argparse.Namespace) -> dict | None:
+    """The --lora-adapter served un-merged: name, path, sha256 of its files, rank, and vLLM's max_lora_rank."""
+    if not args.lora_adapter:
+        return None
+    with open(os.path.join(args.lora_adapter, "adapter_config.json"), encoding="utf-8") as f:
+        r = int(json.load(f).get("r", 16))
+    sha = sha256_dir(args.lora_adapter)
+    return {
+        "name": args.lora_name,
+        "path": os.path.abspath(args.lora_adapter),
+        "sha256": sha,
+        "r": r,
+        "max_lora_rank": next(x for x in LORA_RANKS if x >= r),
+    }
+
+
+def render_prompts(args: argparse.Namespace, items: list[dict], max_model_len: int) -> tuple[list[dict], list[dict]]:
+    """The planned prompts rendered and tokenized by the model's tokenizer, with token budgets; (ready, skips)."""
     for key, value in hub_offline_env(args.model, args.tokenizer).items():  # before transformers / vllm import
         os.environ.setdefault(key, value)  # an explicit setting wins
-    tok = load_tokenizer(args)
-    ready, fit_skips = prepare(items, tok, args, max_model_len)
-    skips += fit_skips
-    if args.dry_run:
-        write_jsonl_atomic(
-            args.out + ".dry_run.jsonl",
-            [
-                {k: it[k] for k in ("sample_id", "problem_id", "round", "parent_id", "seed", "messages", "prompt_text")}
-                | {"prompt_tokens": len(it["prompt_ids"]), **it["budget"]}
-                for it in ready
-            ]
-            + [{"skipped": s} for s in skips],
-        )
-        print(f"dry-run: {len(ready)} planned samples, {len(skips)} skipped -> {args.out}.dry_run.jsonl")
-        return EXIT_OK
-    fp = plan_fingerprint(args, rev, max_model_len)
-    mpath = args.out + ".manifest.json"
-    manifest = {"out": os.path.abspath(args.out), "plan": fp, "sessions": []}
-    if os.path.exists(mpath):
-        with open(mpath, encoding="utf-8") as f:
-            manifest = json.load(f)
-        if manifest.get("plan") != fp:
-            diff = {
-                k: (manifest.get("plan", {}).get(k), v) for k, v in fp.items() if manifest.get("plan", {}).get(k) != v
-            }
-            raise ValueError(f"{args.out} was made with other settings {diff} (old, new); use a new --out")
+    return prepare(items, load_tokenizer(args), args, max_model_len)
+
+
+def write_dry_run(args: argparse.Namespace, ready: list[dict], skips: list[dict]) -> int:
+    """--dry-run: the rendered plan and the skips to ``<out>.dry_run.jsonl``; nothing else is written."""
+    write_jsonl_atomic(
+        args.out + ".dry_run.jsonl",
+        [
+            {k: it[k] for k in ("sample_id", "problem_id", "round", "parent_id", "seed", "messages", "prompt_text")}
+            | {"prompt_tokens": len(it["prompt_ids"]), **it["budget"]}
+            for it in ready
+        ]
+        + [{"skipped": s} for s in skips],
+    )
+    print(f"dry-run: {len(ready)} planned samples, {len(skips)} skipped -> {args.out}.dry_run.jsonl")
+    return EXIT_OK
+
+
+def resume(args: argparse.Namespace, ready: list[dict], skips: list[dict]) -> tuple[list[dict], set[str]]:
+    """(todo, done ids) against the records already in --out; writes ``<out>.skipped.jsonl`` and creates --out."""
     existing = load_out_for_resume(args.out) if os.path.exists(args.out) else []
     todo, done = resume_split(ready, existing)
     write_jsonl_atomic(args.out + ".skipped.jsonl", skips)
     open(args.out, "a").close()  # an empty --out means "nothing to generate", never "not run"
-    sess = {
-        "index": len(manifest["sessions"]),
+    return todo, done
+
+
+def new_session(
+    args: argparse.Namespace,
+    manifest: Manifest,
+    rev: str,
+    adapter: dict | None,
+    ready: list[dict],
+    done: set[str],
+    todo: list[dict],
+    skips: list[dict],
+) -> dict:
+    """This launch's ``sessions[]`` entry as it begins (the end adds timings, stats, status and exit code)."""
+    return {
+        "index": len(manifest.sessions),
         "pid": os.getpid(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "status": "running",
@@ -530,66 +369,100 @@ def run(args) -> int:
         "model": args.model,
         "model_rev": rev,
         "adapter": adapter,
-        "versions": _versions(),
+        "versions": versions(),
         "planned": len(ready),
         "done_before": len(done),
         "todo": len(todo),
         "skipped": len(skips),
         "skip_reasons": _count(s["reason"] for s in skips),
     }
-    manifest["sessions"].append(sess)
-    manifest.update(status="incomplete", planned_samples=len(ready), done_samples=len(done), skipped=len(skips))
-    write_json_atomic(mpath, manifest)
+
+
+def start_engine(args: argparse.Namespace, sess: dict, stop: Stop, max_model_len: int, adapter: dict | None):
+    """The vLLM engine (after the heavy-GPU lock with --wait-lock), or None when a signal came first; its load
+    time and KV-cache blocks go to ``sess``."""
+    heavy = acquire_lock(args.lock_file, True, "heavy-GPU lock", stop) if args.wait_lock else None  # noqa: F841
+    t0 = time.monotonic()
+    llm = None if stop.signum else build_engine(args, max_model_len, adapter)
+    sess["load_wall_s"] = round(time.monotonic() - t0, 2)
+    if llm is not None:
+        cfg = llm.llm_engine.vllm_config.cache_config
+        sess["kv_blocks"] = {"num_gpu_blocks": cfg.num_gpu_blocks, "block_size": cfg.block_size}
+    return llm
+
+
+def sample(args: argparse.Namespace, llm, todo: list[dict], sess: dict, stop: Stop, rev: str, adapter: dict | None):
+    """Generate ``todo`` on ``llm``, appending one Generation record per sample to --out; stats go to ``sess``."""
+    sampling = {"n": 1, "temperature": args.temperature, "top_p": args.top_p, "top_k": None}
+
+    def make(it, ids, text, finish):
+        return make_record(
+            it,
+            prompt_ids=it["prompt_ids"],
+            completion_ids=ids,
+            completion_text=text,
+            finish_reason=finish,
+            budget=it["budget"],
+            cap_tokens=args.cap_tokens,
+            sampling=sampling,
+            model_rev=rev,
+            adapter=adapter,
+            trajectory_cap=args.trajectory_cap_tokens,
+            session=sess["index"],
+        )
+
+    t1 = time.monotonic()
+    with open(args.out, "a", encoding="utf-8") as out_f:
+        sess.update(generate(llm, todo, args, out_f, stop, make))
+    sess["generate_wall_s"] = round(time.monotonic() - t1, 2)
+    sess["tok_per_s"] = round(sess["completion_tokens"] / max(sess["generate_wall_s"], 1e-9), 1)
+
+
+def tally(args: argparse.Namespace, ready: list[dict], sess: dict, manifest: Manifest, stop: Stop) -> int:
+    """Count the distinct planned samples in --out (never lines): the session's status and the exit code."""
+    planned_ids = {it["sample_id"] for it in ready}
+    written = load_out_for_resume(args.out) if os.path.exists(args.out) else []
+    n_done = len({r["sample_id"] for r in written} & planned_ids)
+    complete = n_done == len(ready)
+    code = EXIT_SIGNAL if stop.signum else (EXIT_OK if complete else EXIT_INCOMPLETE)
+    sess["status"] = "interrupted" if stop.signum else ("complete" if complete else "incomplete")
+    manifest.set_done(n_done, complete)
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
+    """One launch: plan and render; then (unless --dry-run) resume, generate what is missing, record the session."""
+    stop = Stop()
+    stop.install()
+    watch_launcher(args)
+    out_lock = None if args.dry_run else acquire_lock(args.out + ".lock", False, "output lock")  # noqa: F841 held
+    adapter = load_adapter(args)
+    rev = model_rev(args.model, adapter["sha256"] if adapter else None)
+    max_model_len = resolve_max_model_len(args.max_model_len, model_max_len(args.model))
+    items, skips = plan(args)
+    ready, fit_skips = render_prompts(args, items, max_model_len)
+    skips += fit_skips
+    if args.dry_run:
+        return write_dry_run(args, ready, skips)
+    manifest = Manifest.open(args.out, plan_fingerprint(args, rev, max_model_len))
+    todo, done = resume(args, ready, skips)
+    sess = new_session(args, manifest, rev, adapter, ready, done, todo, skips)
+    manifest.begin(sess, planned=len(ready), done=len(done), skipped=len(skips))
     print(
         f"lean_gen: {len(ready)} planned, {len(done)} done, {len(todo)} to generate, {len(skips)} skipped", flush=True
     )
     code = EXIT_INCOMPLETE
     try:
-        if todo:
-            heavy = acquire_lock(args.lock_file, True, "heavy-GPU lock", stop) if args.wait_lock else None  # noqa: F841
-            t0 = time.monotonic()
-            llm = None if stop.signum else build_engine(args, max_model_len, adapter)
-            sess["load_wall_s"] = round(time.monotonic() - t0, 2)
-            if llm is not None:
-                cfg = llm.llm_engine.vllm_config.cache_config
-                sess["kv_blocks"] = {"num_gpu_blocks": cfg.num_gpu_blocks, "block_size": cfg.block_size}
-                sampling = {"n": 1, "temperature": args.temperature, "top_p": args.top_p, "top_k": None}
-
-                def make(it, ids, text, finish):
-                    return make_record(
-                        it,
-                        prompt_ids=it["prompt_ids"],
-                        completion_ids=ids,
-                        completion_text=text,
-                        finish_reason=finish,
-                        budget=it["budget"],
-                        cap_tokens=args.cap_tokens,
-                        sampling=sampling,
-                        model_rev=rev,
-                        adapter=adapter,
-                        trajectory_cap=args.trajectory_cap_tokens,
-                        session=sess["index"],
-                    )
-
-                t1 = time.monotonic()
-                with open(args.out, "a", encoding="utf-8") as out_f:
-                    sess.update(generate(llm, todo, args, out_f, stop, make))
-                sess["generate_wall_s"] = round(time.monotonic() - t1, 2)
-                sess["tok_per_s"] = round(sess["completion_tokens"] / max(sess["generate_wall_s"], 1e-9), 1)
-        planned_ids = {it["sample_id"] for it in ready}
-        written = load_out_for_resume(args.out) if os.path.exists(args.out) else []
-        n_done = len({r["sample_id"] for r in written} & planned_ids)  # distinct samples, never lines
-        complete = n_done == len(ready)
-        code = EXIT_SIGNAL if stop.signum else (EXIT_OK if complete else EXIT_INCOMPLETE)
-        sess["status"] = "interrupted" if stop.signum else ("complete" if complete else "incomplete")
-        manifest.update(status="complete" if complete else "incomplete", done_samples=n_done)
+        # the engine is kept until run returns, as before the split
+        llm = start_engine(args, sess, stop, max_model_len, adapter) if todo else None
+        if llm is not None:
+            sample(args, llm, todo, sess, stop, rev, adapter)
+        code = tally(args, ready, sess, manifest, stop)
     except BaseException as exc:
         sess["status"], sess["error"] = "failed", f"{type(exc).__name__}: {exc}"
         raise
     finally:
-        sess["ended"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-        sess["exit_code"] = code
-        write_json_atomic(mpath, manifest)
+        manifest.end(sess, code)
     return code
 
 

@@ -1,8 +1,9 @@
-"""The Lean driver's files, sampling plan and Generation records: stdlib only (``lean_gen.py`` is the engine and CLI).
+"""The Lean driver's files, sampling plan and Generation records: stdlib only (``lean_gen.py`` is the CLI,
+``lean_engine.py`` the engine).
 
 Pure functions, unit-tested from the align venv (tests/test_lean_gen_contract.py): atomic JSON/JSONL files,
 per-sample seeds, round-0 and self-correction plans, token budgets, resume, the trajectory ledger and the
-Generation record.
+Generation record; and what one launch holds: ``Stop`` (the signal flag), ``SetupError`` and the ``Manifest``.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lean_prompts as lp
@@ -465,3 +468,71 @@ def make_record(
         },
         "session": session,
     }
+
+
+# --- a launch: signals, setup errors, the manifest ---------------------------------------------------------------------
+
+
+class SetupError(Exception):
+    """The environment cannot run lean_gen (missing package, unreachable model): one line, exit 2."""
+
+
+class Stop:
+    """SIGTERM / SIGINT set a flag; the generation loop aborts its requests and exits 143."""
+
+    def __init__(self) -> None:
+        self.signum = None
+
+    def __call__(self, signum, frame) -> None:
+        self.signum = signum
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self)
+        signal.signal(signal.SIGINT, self)
+
+
+class Manifest:
+    """``<out>.manifest.json``: the plan fingerprint every launch that fills ``out`` must match, the status and
+    counts of ``out``, and one ``sessions[]`` entry per launch (written when it begins and again when it ends)."""
+
+    def __init__(self, out: str, plan: dict) -> None:
+        self.path = out + ".manifest.json"
+        self.data: dict = {"out": os.path.abspath(out), "plan": plan, "sessions": []}
+
+    @classmethod
+    def open(cls, out: str, plan: dict) -> Manifest:
+        """The manifest of ``out`` (a new one when there is none); ``ValueError`` when ``out`` was made with
+        another plan (the message names each setting, old and new)."""
+        m = cls(out, plan)
+        if os.path.exists(m.path):
+            with open(m.path, encoding="utf-8") as f:
+                m.data = json.load(f)
+            if m.data.get("plan") != plan:
+                old = m.data.get("plan", {})
+                diff = {k: (old.get(k), v) for k, v in plan.items() if old.get(k) != v}
+                raise ValueError(f"{out} was made with other settings {diff} (old, new); use a new --out")
+        return m
+
+    @property
+    def sessions(self) -> list[dict]:
+        return self.data["sessions"]
+
+    def begin(self, session: dict, planned: int, done: int, skipped: int) -> None:
+        """Append this launch's ``session`` (its ``index`` is ``len(self.sessions)``), mark ``out`` incomplete with
+        these sample counts, and write the file."""
+        self.sessions.append(session)
+        self.data.update(status="incomplete", planned_samples=planned, done_samples=done, skipped=skipped)
+        self.write()
+
+    def set_done(self, done: int, complete: bool) -> None:
+        """The distinct planned samples now in ``out``, and whether that is all of them (written by ``end``)."""
+        self.data.update(status="complete" if complete else "incomplete", done_samples=done)
+
+    def end(self, session: dict, exit_code: int) -> None:
+        """Stamp the session's end and exit code and write the file (also after a failure)."""
+        session["ended"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        session["exit_code"] = exit_code
+        self.write()
+
+    def write(self) -> None:
+        write_json_atomic(self.path, self.data)
