@@ -198,6 +198,8 @@ class RolloutPipeline:
                 t0 = time.perf_counter()
                 batch = self.collect(t, v, self.engine.client if self.permits.limit is None else self.client)
                 seconds = time.perf_counter() - t0
+                if isinstance(self.engine, SpoolEngine):  # name the likely cause: another trainer on the spool
+                    check_weights_version(batch.completions, v, self.engine.client.spool.root)
                 stale = sorted({c.weights_version for c in batch.completions} - {v})
                 if stale:
                     raise RuntimeError(
