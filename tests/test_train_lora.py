@@ -7,8 +7,8 @@ import copy
 
 import pytest
 import torch
-from test_learner import CPU, batch_for
-from test_learner import cfg as learner_cfg
+from helpers_learner import CPU, batch_for
+from helpers_learner import cfg as learner_cfg
 from test_train import PROMPTS, TOK, a_reward, cfg_for, cli_args, comparable, records, run_cli, wait_for_steps
 
 import align.model
