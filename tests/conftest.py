@@ -4,6 +4,7 @@ TRITON_INTERPRET must be set before triton is first imported, so this runs befor
 """
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -89,3 +90,29 @@ def builtin_model_30(tmp_path_factory) -> str:
     from align.tasks import reverse
 
     return str(reverse.warm_start(tmp_path_factory.mktemp("ws30") / "m", steps=30, log=None))
+
+
+# The char task's random-weight model (tests/helpers_train.py), one per module as each module used to build its own
+# (building takes ~0.02 s). Tests only read it (a run writes under its --out; copy the dir to change it), and the
+# teardown fails the module's last test if anything under the dir changed.
+
+
+def _read_only_char_model(tmp_path_factory, layers: int) -> Iterator[str]:
+    from helpers_train import build_char_model, tree_digest
+
+    path = build_char_model(tmp_path_factory.mktemp(f"char{layers}l") / "m", layers=layers)
+    before = tree_digest(path)
+    yield path
+    assert tree_digest(path) == before, f"a test wrote into the shared char model {path}: copy it to change it"
+
+
+@pytest.fixture(scope="module")
+def char_model(tmp_path_factory) -> Iterator[str]:
+    """The char task's model with 1 decoder layer (helpers_train.build_char_model), read-only."""
+    yield from _read_only_char_model(tmp_path_factory, 1)
+
+
+@pytest.fixture(scope="module")
+def char_model_2l(tmp_path_factory) -> Iterator[str]:
+    """The same with 2 decoder layers (two FSDP layer units plus the root, for tests/test_dist.py), read-only."""
+    yield from _read_only_char_model(tmp_path_factory, 2)
