@@ -59,7 +59,7 @@ def test_rollouts_of_step_t_come_from_version_t_minus_1_minus_k(tmp_path, char_m
     assert not any(k.startswith("async/") for r in sync for k in r)  # K = 0 logs exactly what it logged before
     # step 1 (version 0 either way) is the same batch; from step 2 the rollouts come from older weights, so they differ
     assert strip(recs)[0] == strip(sync)[0]
-    assert strip(recs)[1]["reward_mean"] != strip(sync)[1]["reward_mean"] or strip(recs)[1] != strip(sync)[1]
+    assert strip(recs)[1] != strip(sync)[1]
 
 
 def test_async_runs_are_deterministic(tmp_path, char_model):
@@ -347,6 +347,39 @@ def test_generation_time_is_measured_on_the_producer():
     assert p.seconds >= GEN_S
     assert stats["async/trainer_wait_s"] < GEN_S / 2  # negative control: the wait is not the generation time
     assert pipeline.Produced.from_state(p.to_state()).seconds == p.seconds  # a pending batch keeps it on resume
+
+
+IDLE_S = 0.3  # how long the trainer keeps the producer blocked on the staleness bound
+
+
+def wait_until(pred, what: str, timeout: float = PRODUCER_FAILURE_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(0.01)
+
+
+def test_async_wait_and_idle_times_are_the_trainer_s_and_the_producer_s():
+    """``async/trainer_wait_s`` is how long ``next`` waited for its batch; ``async/generator_idle_s`` how long the
+    producer sat blocked since the previous ``next`` (here on the staleness bound: step 3 needs version 1). Each
+    step below makes one of them large and the other ~0, so neither can stand in for the other."""
+
+    def collect(t, version, client):
+        time.sleep(GEN_S)
+        return Batch([0], [Completion(0, 0, [1], [0.0], "stop", weights_version=version)], ["x"], Scores([1.0], {}))
+
+    pipe = pipeline.RolloutPipeline(1, collect, engine=NullEngine(), last_step=3, cursor={})
+    try:
+        _, first = pipe.next(1)  # starts the producer: the trainer waits for the whole generation of step 1
+        wait_until(lambda: 2 in pipe.ready, "step 2 (version 0) produced")  # step 3 is blocked from here on
+        time.sleep(IDLE_S)
+        pipe.publish(1, None)
+        wait_until(lambda: ("train", 3, 1) in pipe.events, "step 3 started on version 1")  # its idle is counted
+        _, second = pipe.next(2)  # ready since before the sleep
+    finally:
+        pipe.close()
+    assert first["async/trainer_wait_s"] >= GEN_S / 2 and first["async/generator_idle_s"] < GEN_S / 2, first
+    assert second["async/trainer_wait_s"] < GEN_S / 2 and second["async/generator_idle_s"] >= IDLE_S / 2, second
 
 
 def test_rollout_time_and_tokens_per_s_come_from_the_producer(tmp_path, char_model, monkeypatch):

@@ -105,9 +105,9 @@ def test_without_the_lease_an_update_lands_mid_cohort():
 
 
 def test_lease_held_across_the_epoch_and_drain_cohort_refill_order():
-    pipe, ev, engine = make(K=2, last=6, interval=3)
+    pipe, ev, engine = make(K=2, last=7, interval=3)  # step 7 (version 4) is the first batch newer than the pin
     try:
-        drive(pipe, ev, last=6)
+        drive(pipe, ev, last=7)
     finally:
         pipe.close()
     ev3 = [i for i, e in enumerate(pipe.events) if e[1] == 3 and e[0] in ("lease", "drained", "cohort", "released")]
@@ -120,7 +120,9 @@ def test_lease_held_across_the_epoch_and_drain_cohort_refill_order():
     assert cohort < train[6][0] < released and train[6][1] == 3
     # after the drain the engine loads the pinned version and nothing loads another one until the release
     assert all(e[2] == 3 for e in pipe.events[cohort : released + 1])
-    assert engine.loads.count(4) == 0 or engine.loads.index(4) > engine.loads.index(3)
+    # the first batch of a newer version starts only after the release, and the engine loads version 4 after 3
+    assert train[7][1] == 4 and train[7][0] > released
+    assert engine.loads.index(4) > engine.loads.index(3)
 
 
 def test_a_second_due_step_while_an_epoch_is_active_is_queued():
