@@ -52,9 +52,7 @@ def test_rollouts_of_step_t_come_from_version_t_minus_1_minus_k(tmp_path, char_m
     for r in recs:
         t = r["step"]
         assert r["async/off_policy_steps_max"] == min(t - 1, K) == r["async/off_policy_steps_mean"]
-        assert (
-            r["async/inflight"] <= K + 1
-        )  # what trainer_wait_s and generator_idle_s measure: test_async_wait_and_idle_*
+        assert r["async/inflight"] <= K + 1  # the wait / idle timings: test_async_wait_and_idle_times_are_*
     sync = run(tmp_path / "sync", char_model)
     assert not any(k.startswith("async/") for r in sync for k in r)  # K = 0 logs exactly what it logged before
     # step 1 (version 0 either way) is the same batch; from step 2 the rollouts come from older weights, so they differ
