@@ -4,6 +4,7 @@ TRITON_INTERPRET must be set before triton is first imported, so this runs befor
 """
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -27,10 +28,41 @@ from skip_policy import (  # noqa: F401  (hooks re-exported for pytest)
     pytest_terminal_summary,
 )
 
+# The end-to-end files: real training runs through the CLI (kill -9, signals, resume), torchrun, vLLM, Ray and
+# lean_gen. Every test in them is marked ``e2e`` (per file: seed-named test paths keep the suite flat), so the quick
+# loop is ``pytest -m "not e2e and not rollout"``. tests/test_test_layout.py checks that each name here exists.
+E2E_FILES = [
+    "test_dist.py",
+    "test_eval_fleet.py",
+    "test_eval_train.py",
+    "test_fleet.py",
+    "test_fleet_eval_train.py",
+    "test_lean_gen_cli.py",
+    "test_lean_gen_e2e.py",
+    "test_lora_vllm.py",
+    "test_pipeline_spool.py",
+    "test_spool_worker.py",
+    "test_train.py",
+    "test_train_lora.py",
+    "test_train_spool.py",
+]
+E2E_MARKER = "e2e"
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", f"{E2E_MARKER}: an end-to-end file (tests/conftest.py E2E_FILES); the quick loop leaves it out"
+    )
+
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` skip, by name, where CUDA is absent (``bash scripts/gpu_check.sh`` runs them on a GPU);
-    tests marked ``avx512`` where the CPU lacks AVX-512 (the MKL/oneDNN path is tested everywhere)."""
+    """Tests in an ``E2E_FILES`` file get the ``e2e`` marker. Tests marked ``gpu`` skip, by name, where CUDA is absent
+    (``bash scripts/gpu_check.sh`` runs them on a GPU); tests marked ``avx512`` where the CPU lacks AVX-512 (the
+    MKL/oneDNN path is tested everywhere)."""
+    e2e = set(E2E_FILES)
+    for item in items:
+        if item.path.name in e2e:
+            item.add_marker(E2E_MARKER)
     for marker in HARDWARE_MARKERS:
         if (why := missing_hardware(marker)) is None:
             continue
@@ -58,3 +90,29 @@ def builtin_model_30(tmp_path_factory) -> str:
     from align.tasks import reverse
 
     return str(reverse.warm_start(tmp_path_factory.mktemp("ws30") / "m", steps=30, log=None))
+
+
+# The char task's random-weight model (tests/helpers_train.py), one per module as each module used to build its own
+# (building takes ~0.02 s). Tests only read it (a run writes under its --out; copy the dir to change it), and the
+# teardown fails the module's last test if anything under the dir changed.
+
+
+def _read_only_char_model(tmp_path_factory, layers: int) -> Iterator[str]:
+    from helpers_train import build_char_model, tree_digest
+
+    path = build_char_model(tmp_path_factory.mktemp(f"char{layers}l") / "m", layers=layers)
+    before = tree_digest(path)
+    yield path
+    assert tree_digest(path) == before, f"a test wrote into the shared char model {path}: copy it to change it"
+
+
+@pytest.fixture(scope="module")
+def char_model(tmp_path_factory) -> Iterator[str]:
+    """The char task's model with 1 decoder layer (helpers_train.build_char_model), read-only."""
+    yield from _read_only_char_model(tmp_path_factory, 1)
+
+
+@pytest.fixture(scope="module")
+def char_model_2l(tmp_path_factory) -> Iterator[str]:
+    """The same with 2 decoder layers (two FSDP layer units plus the root, for tests/test_dist.py), read-only."""
+    yield from _read_only_char_model(tmp_path_factory, 2)

@@ -13,14 +13,12 @@ import sys
 import time
 
 import torch
+from helpers_train import PROMPTS, TOK
 
 from align import dist
 from align.eval import CheckpointEvalFn
-from align.tasks.tokenizer import CharTokenizer
 from align.train import TrainConfig, train
 
-TOK = CharTokenizer("abcd=")
-PROMPTS = [{"prompt": w + "="} for w in ("ab", "cd", "bca", "dd", "abc", "cab", "dab", "bb")]
 EVAL_PROMPTS = [{"prompt": w + "="} for w in ("ca", "dba", "a")]
 CALLS: list[list[str]] = []
 

@@ -30,6 +30,7 @@ TINY = {
     "pad_token_id": 0,
 }
 MARKER = ".complete"  # align.model's commit marker
+VLLM_TIMEOUT_S = 300.0  # a vLLM CPU engine start + first generate (inductor compile) on 2 shared cores
 
 
 def make_tiny_model(

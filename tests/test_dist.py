@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_train import TRAIN_BASE, records, wait_for
 
-from align.model import Transformer, load_pretrained, save_pretrained
+from align.model import Transformer, load_pretrained
 from align.rollout.native import generate
 from align.rollout.protocol import SamplingParams
-from align.tasks import reverse
-from align.tasks.tokenizer import CharTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "dist_driver.py"
@@ -26,16 +25,9 @@ PARAM_TOL = 1e-5  # parameters after the last step
 STEPS = 3
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    cfg = reverse.model_config(CharTokenizer("abcd="))
-    cfg.num_hidden_layers = 2  # two FSDP layer units plus the root
-    return str(save_pretrained(Transformer(cfg).init_weights(seed=0), tmp_path_factory.mktemp("tiny") / "m"))
-
-
-def test_generate_rows_samples_what_the_whole_call_samples(tiny_model):
+def test_generate_rows_samples_what_the_whole_call_samples(char_model_2l):
     """A rank's share of a step, sampled with rows=(first, total), is exactly that share of the one large call."""
-    model = load_pretrained(tiny_model)
+    model = load_pretrained(char_model_2l)
     prompts = [[1, 2], [3], [2, 2, 4], [4, 1]]
     params = SamplingParams(n=3, temperature=1.0, max_tokens=6, seed=7)
     whole = generate(model, prompts, params)
@@ -54,14 +46,9 @@ def _run(tmp_path: Path, name: str, model: str, nproc: int, per_rank_normaliser:
     out = tmp_path / name
     cfg = {
         "out": str(out),
+        **TRAIN_BASE,
         "steps": STEPS,
-        "prompts_per_step": 4,
-        "group_size": 4,
-        "max_tokens": 4,
-        "lr": 1e-2,
-        "warmup_steps": 0,
         "checkpoint_every": 0,
-        "micro_batch_size": 8,
         "save_hf": str(tmp_path / f"{name}.hf"),
         "device": "cpu",
         "threads": 1,
@@ -83,7 +70,7 @@ def _run(tmp_path: Path, name: str, model: str, nproc: int, per_rank_normaliser:
     if hang or kill_in_save or expect_fail:
         return {"returncode": p.returncode, "log": p.stdout + p.stderr}
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    every = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    every = records(out)
     recs = [r for r in every if "reward_mean" in r]
     params = dict(load_pretrained(cfg["save_hf"]).named_parameters())
     return {
@@ -116,19 +103,21 @@ CONFIGS = {
 
 
 @pytest.fixture(scope="module")
-def plain_runs(tmp_path_factory, tiny_model) -> dict:
+def plain_runs(tmp_path_factory, char_model_2l) -> dict:
     """The plain config in 1 process and on 2 ranks, checkpointing at steps 2 and 3: compared with each other
     below, and each resumed with the other world size (test_resume_with_another_world_size)."""
     d = tmp_path_factory.mktemp("plain")
-    return {n: {**_run(d, f"run{n}", tiny_model, n, checkpoint_every=2), "dir": d, "name": f"run{n}"} for n in (1, 2)}
+    return {
+        n: {**_run(d, f"run{n}", char_model_2l, n, checkpoint_every=2), "dir": d, "name": f"run{n}"} for n in (1, 2)
+    }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", CONFIGS.values(), ids=CONFIGS.keys())
-def test_two_ranks_give_the_single_process_result(tmp_path, tiny_model, extra, plain_runs):
+def test_two_ranks_give_the_single_process_result(tmp_path, char_model_2l, extra, plain_runs):
     if extra:
-        one = _run(tmp_path, "one", tiny_model, 1, **extra)
-        two = _run(tmp_path, "two", tiny_model, 2, **extra)
+        one = _run(tmp_path, "one", char_model_2l, 1, **extra)
+        two = _run(tmp_path, "two", char_model_2l, 2, **extra)
     else:  # the plain runs also checkpoint (steps 2 and 3): that changes nothing they compute
         one, two = plain_runs[1], plain_runs[2]
     assert [r["step"] for r in one["recs"]] == [r["step"] for r in two["recs"]] == list(range(1, STEPS + 1))
@@ -137,26 +126,26 @@ def test_two_ranks_give_the_single_process_result(tmp_path, tiny_model, extra, p
         assert a["reward_mean"] == b["reward_mean"] and a["num_tokens"] == b["num_tokens"]
         for k in ("loss", "grad_norm", "entropy"):
             assert abs(a[k] - b[k]) <= LOSS_TOL, (a["step"], k, a[k], b[k])
-    base = dict(load_pretrained(tiny_model).named_parameters())
+    base = dict(load_pretrained(char_model_2l).named_parameters())
     assert _max_param_diff(one["params"], base) > 100 * PARAM_TOL  # it trained
     assert _max_param_diff(one["params"], two["params"]) <= PARAM_TOL
     # negative control: each rank normalising by its own token counts is caught
-    bad = _run(tmp_path, "bad", tiny_model, 2, per_rank_normaliser=True, **extra)
+    bad = _run(tmp_path, "bad", char_model_2l, 2, per_rank_normaliser=True, **extra)
     assert bad["recs"][0]["reward_mean"] == one["recs"][0]["reward_mean"]  # same first rollouts...
     assert _max_param_diff(one["params"], bad["params"]) > PARAM_TOL  # ...but not the whole-batch gradient
 
 
 @pytest.mark.slow
-def test_hsdp_two_replicas_give_the_single_process_result(tmp_path, tiny_model):
+def test_hsdp_two_replicas_give_the_single_process_result(tmp_path, char_model_2l):
     """--dp-replicate 2 (HSDP on a (2, 1) DeviceMesh: each rank holds a full replica, gradients all-reduced across
     replicas) trains exactly as one process (the per-rank-normaliser control is the plain FSDP test's)."""
-    one = _run(tmp_path, "one", tiny_model, 1)
-    two = _run(tmp_path, "two", tiny_model, 2, dp_replicate=2)
+    one = _run(tmp_path, "one", char_model_2l, 1)
+    two = _run(tmp_path, "two", char_model_2l, 2, dp_replicate=2)
     assert one["calls"] == two["calls"]
     for a, b in zip(one["recs"], two["recs"], strict=True):
         for k in ("loss", "grad_norm"):
             assert abs(a[k] - b[k]) <= LOSS_TOL, (a["step"], k, a[k], b[k])
-    assert _max_param_diff(one["params"], dict(load_pretrained(tiny_model).named_parameters())) > 100 * PARAM_TOL
+    assert _max_param_diff(one["params"], dict(load_pretrained(char_model_2l).named_parameters())) > 100 * PARAM_TOL
     assert _max_param_diff(one["params"], two["params"]) <= PARAM_TOL
 
 
@@ -164,12 +153,12 @@ BF16_LOSS_TOL = 2e-3  # bf16 weights: 1 vs 2 ranks round the summed gradients di
 
 
 @pytest.mark.slow
-def test_two_ranks_bf16_weights(tmp_path, tiny_model):
+def test_two_ranks_bf16_weights(tmp_path, char_model_2l):
     """--precision bf16 (bf16 shards, AdamW32's fp32 moments sharded like them, fp32 gradient reduction): the same
     completions at step 1, losses within BF16_LOSS_TOL over 3 steps; a per-rank normaliser is caught."""
-    one = _run(tmp_path, "one", tiny_model, 1, precision="bf16")
-    two = _run(tmp_path, "two", tiny_model, 2, precision="bf16")
-    bad = _run(tmp_path, "bad", tiny_model, 2, per_rank_normaliser=True, precision="bf16")
+    one = _run(tmp_path, "one", char_model_2l, 1, precision="bf16")
+    two = _run(tmp_path, "two", char_model_2l, 2, precision="bf16")
+    bad = _run(tmp_path, "bad", char_model_2l, 2, per_rank_normaliser=True, precision="bf16")
     assert one["calls"][:16] == two["calls"][:16]
     assert all(abs(a["loss"] - b["loss"]) <= BF16_LOSS_TOL for a, b in zip(one["recs"], two["recs"]))
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(one["recs"], bad["recs"])) > BF16_LOSS_TOL
@@ -216,35 +205,35 @@ def _scale_dcp_second_moments(ckpt: Path, model: str) -> None:
 
 
 @pytest.mark.slow
-def test_sharded_checkpoint_resumes_in_one_process_and_after_a_kill(tmp_path, tiny_model, plain_runs):
+def test_sharded_checkpoint_resumes_in_one_process_and_after_a_kill(tmp_path, char_model_2l, plain_runs):
     """2 ranks write DCP checkpoints (each rank its shards, rank 0 commits): one process resumes step_2 and redoes
     step 3 exactly (DCP resharding); a rank kill -9'd after writing its step-3 shards leaves no committed step_3, and
     rerunning the same command resumes step_2 and ends where the uninterrupted run ended."""
-    whole, again, run_dir, name = _resume(plain_runs, tiny_model, 2, 1)
+    whole, again, run_dir, name = _resume(plain_runs, char_model_2l, 2, 1)
     step2 = run_dir / name / "checkpoints" / "step_2"
     assert sorted(p.name for p in (step2 / "dcp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert not (step2 / "model").exists() and (step2 / "rng_rank1.pt").is_file()
     _assert_same_last_step(whole, again)
     # negative control: the optimizer state is restored (step 3 redone with its second moments scaled differs)
-    _scale_dcp_second_moments(step2, tiny_model)
-    bad = _run(run_dir, name, tiny_model, 1, resume_from="step_2", save_hf=str(run_dir / f"{name}.bad.hf"))
+    _scale_dcp_second_moments(step2, char_model_2l)
+    bad = _run(run_dir, name, char_model_2l, 1, resume_from="step_2", save_hf=str(run_dir / f"{name}.bad.hf"))
     assert _max_param_diff(whole["params"], bad["params"]) > PARAM_TOL
     # kill -9 of rank 1 after its step-3 shards (rank 0 waits at the barrier before the marker)
-    killed = _run(tmp_path, "kill", tiny_model, 2, kill_in_save={"rank": 1, "call": 2}, checkpoint_every=2)
+    killed = _run(tmp_path, "kill", char_model_2l, 2, kill_in_save={"rank": 1, "call": 2}, checkpoint_every=2)
     assert killed["returncode"] != 0
     ckpts = tmp_path / "kill" / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir() if not p.name.startswith(".")) == ["step_2"]
     assert [p for p in ckpts.iterdir() if p.name.startswith(".step_3.tmp-")]  # the uncommitted write is left...
-    rerun = _run(tmp_path, "kill", tiny_model, 2, checkpoint_every=2)
+    rerun = _run(tmp_path, "kill", char_model_2l, 2, checkpoint_every=2)
     _assert_same_last_step(whole, rerun)
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_2", "step_3"]  # ...and removed by the next save
 
 
 @pytest.mark.slow
-def test_single_process_checkpoint_resumes_on_two_ranks(tiny_model, plain_runs):
+def test_single_process_checkpoint_resumes_on_two_ranks(char_model_2l, plain_runs):
     """A checkpoint written by one process (HF model + trainer_state.pt) resumes under torchrun: the redone step is
     the same step."""
-    whole, again, tmp_path, name = _resume(plain_runs, tiny_model, 1, 2)
+    whole, again, tmp_path, name = _resume(plain_runs, char_model_2l, 1, 2)
     _assert_same_last_step(whole, again)
     # negative control: the optimizer state is restored (step 3 redone with its second moments scaled differs)
     state_path = tmp_path / name / "checkpoints" / "step_2" / "trainer_state.pt"
@@ -252,7 +241,7 @@ def test_single_process_checkpoint_resumes_on_two_ranks(tiny_model, plain_runs):
     for s in state["optimizer"]["state"].values():
         s["exp_avg_sq"] *= 4
     torch.save(state, state_path)
-    bad = _run(tmp_path, name, tiny_model, 2, resume_from="step_2", save_hf=str(tmp_path / f"{name}.bad.hf"))
+    bad = _run(tmp_path, name, char_model_2l, 2, resume_from="step_2", save_hf=str(tmp_path / f"{name}.bad.hf"))
     assert _max_param_diff(whole["params"], bad["params"]) > PARAM_TOL
 
 
@@ -333,14 +322,8 @@ def _start_cli(out: Path, model: str) -> subprocess.Popen:
 
 
 def _wait_for_steps(out: Path, n: int, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
     metrics = out / "metrics.jsonl"
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.is_file() and len(metrics.read_text().splitlines()) >= n:
-            return
-        time.sleep(0.2)
-    proc.kill()
-    raise AssertionError(f"no {n} steps in {timeout_s}s: {proc.communicate()[0][-3000:]}")
+    wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= n, proc, timeout_s, poll_s=0.2)
 
 
 @pytest.mark.slow
@@ -353,7 +336,7 @@ def test_sigterm_to_torchrun_commits_one_checkpoint(tmp_path, builtin_model):
     proc.send_signal(signal.SIGTERM)
     log = proc.communicate(timeout=120)[0]
     assert log.count("got signal 15") == 2, log[-3000:]  # both ranks
-    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records(out)]
     assert steps == list(range(1, steps[-1] + 1))
     assert (out / "checkpoints").is_dir(), f"no checkpoint written after SIGTERM; log:\n{log[-4000:]}"
     ckpts = [p.name for p in (out / "checkpoints").iterdir()]
@@ -379,11 +362,11 @@ def test_a_killed_rank_fails_the_run(tmp_path, builtin_model):
 
 
 @pytest.mark.slow
-def test_a_hung_rank_fails_the_others_within_the_timeout(tmp_path, tiny_model):
+def test_a_hung_rank_fails_the_others_within_the_timeout(tmp_path, char_model_2l):
     """Rank 1 hangs in its reward call at step 2: rank 0's next collective gives up after --dist-timeout-s and the
     run exits non-zero (no silent hang)."""
     t0 = time.monotonic()
-    res = _run(tmp_path, "hang", tiny_model, 2, hang={"rank": 1, "after_calls": 16}, dist_timeout_s=10)
+    res = _run(tmp_path, "hang", char_model_2l, 2, hang={"rank": 1, "after_calls": 16}, dist_timeout_s=10)
     assert res["returncode"] != 0
     assert "Timed out" in res["log"], res["log"][-3000:]
     assert time.monotonic() - t0 < 120
@@ -414,7 +397,7 @@ class _Payload:
         return (os.mkdir, (str(self.target),))
 
 
-def test_sharded_checkpoint_metadata_is_never_unpickled(tmp_path, tiny_model):
+def test_sharded_checkpoint_metadata_is_never_unpickled(tmp_path, char_model_2l):
     """DCP's .metadata is a pickle: align reads it with an allow-list unpickler, so a crafted file is refused with a
     CheckpointError and its payload never runs (negative control: torch's stock reader runs it)."""
     import pickle
@@ -425,9 +408,9 @@ def test_sharded_checkpoint_metadata_is_never_unpickled(tmp_path, tiny_model):
     from align.run import checkpoint as dist_checkpoint
     from align.run.checkpoint import CheckpointError
 
-    ckpt, state, model, opt = _sharded_checkpoint(tmp_path, tiny_model)
+    ckpt, state, model, opt = _sharded_checkpoint(tmp_path, char_model_2l)
     dist_checkpoint.restore_sharded(ckpt, state, model, opt)  # control: the genuine checkpoint loads
-    saved = load_pretrained(tiny_model)
+    saved = load_pretrained(char_model_2l)
     assert _max_param_diff(dict(model.named_parameters()), dict(saved.named_parameters())) > 0  # the stepped weights
     assert all(float(s["step"]) == 1 for s in opt.state.values())
     target = tmp_path / "payload_ran"
@@ -441,11 +424,11 @@ def test_sharded_checkpoint_metadata_is_never_unpickled(tmp_path, tiny_model):
     assert target.is_dir()  # the stock reader unpickled it
 
 
-def test_sharded_checkpoint_of_another_model_is_refused(tmp_path, tiny_model):
+def test_sharded_checkpoint_of_another_model_is_refused(tmp_path, char_model_2l):
     from align.run import checkpoint as dist_checkpoint
     from align.run.checkpoint import CheckpointError
 
-    ckpt, state, model, _ = _sharded_checkpoint(tmp_path, tiny_model)
+    ckpt, state, model, _ = _sharded_checkpoint(tmp_path, char_model_2l)
     dist_checkpoint.check_model_config(ckpt, state, model)  # control
     state["model_config"]["num_hidden_layers"] += 1
     with pytest.raises(CheckpointError, match=r"another model .*'num_hidden_layers': \(3, 2\)"):
@@ -454,7 +437,7 @@ def test_sharded_checkpoint_of_another_model_is_refused(tmp_path, tiny_model):
 
 @pytest.mark.slow
 @pytest.mark.rollout
-def test_two_ranks_with_the_spool_sample_what_one_process_samples(tmp_path, tiny_model):
+def test_two_ranks_with_the_spool_sample_what_one_process_samples(tmp_path, char_model_2l):
     """--rollout spool under torchrun: rank 0 publishes the snapshot (gathered to its CPU) and syncs the worker, each
     rank submits its share of the prompts (seeded by global prompt index) to the real vLLM CPU worker: the same
     completions as one process, the same training. One worker serves both runs and the control."""
@@ -464,13 +447,13 @@ def test_two_ranks_with_the_spool_sample_what_one_process_samples(tmp_path, tiny
 
     require_rollout_venv()
     spool = tmp_path / "spool"
-    mcfg = load_pretrained(tiny_model).config
-    worker = spawn_worker(spool, model=tiny_model, weights_version=0, log_path=tmp_path / "worker.log",
+    mcfg = load_pretrained(char_model_2l).config
+    worker = spawn_worker(spool, model=char_model_2l, weights_version=0, log_path=tmp_path / "worker.log",
                           in_process=True, max_model_len=mcfg.max_position_embeddings, dtype="float32")  # fmt: skip
     extra = {"rollout": "spool", "spool": str(spool), "spawn_worker": False, "rollout_timeout_s": 600, "steps": 2}
     try:
-        one = _run(tmp_path, "one", tiny_model, 1, **extra)
-        two = _run(tmp_path, "two", tiny_model, 2, **extra)
+        one = _run(tmp_path, "one", char_model_2l, 1, **extra)
+        two = _run(tmp_path, "two", char_model_2l, 2, **extra)
         # negative control: a share submitted without its global prompt index samples other completions
         client = SpoolClient(spool, timeout_s=600)
         prompts = [[1, 3, 7], [4, 5, 7], [1, 6, 3, 7], [5, 5, 7]]
@@ -491,11 +474,11 @@ def test_two_ranks_with_the_spool_sample_what_one_process_samples(tmp_path, tiny
 
 
 @pytest.mark.slow
-def test_spool_dir_that_a_rank_cannot_write_fails_every_rank(tmp_path, tiny_model):
+def test_spool_dir_that_a_rank_cannot_write_fails_every_rank(tmp_path, char_model_2l):
     """torchrun + --rollout spool with a spool path no rank can create: the same clear error on both ranks, before
     any snapshot or worker (the verdicts are gathered, so no rank waits for another at a later collective)."""
     (tmp_path / "file").write_text("not a directory")
-    res = _run(tmp_path, "run", tiny_model, 2, expect_fail=True, rollout="spool", spool=str(tmp_path / "file" / "s"),
+    res = _run(tmp_path, "run", char_model_2l, 2, expect_fail=True, rollout="spool", spool=str(tmp_path / "file" / "s"),
                spawn_worker=False)  # fmt: skip
     assert res["returncode"] != 0
     assert res["log"].count("needs one spool directory every rank can write") == 2, res["log"][-3000:]
@@ -508,7 +491,7 @@ EVAL_TOL = 1e-4  # the snapshot eval's sum of |w| (~5e3) of 1 vs 2 ranks (parame
 
 @pytest.mark.slow
 @pytest.mark.parametrize("posture", ["blocking", "snapshot"])
-def test_eval_under_torchrun_measures_what_one_process_measures(tmp_path, tiny_model, posture):
+def test_eval_under_torchrun_measures_what_one_process_measures(tmp_path, char_model_2l, posture):
     """Blocking eval: every rank samples its share of the held-out prompts; snapshot eval: every rank enters the
     weights gather at the same eval step, rank 0 exports and dispatches. The eval records equal one process's."""
     ev = {"eval_interval": 1, "eval_max_tokens": 4}
@@ -517,7 +500,7 @@ def test_eval_under_torchrun_measures_what_one_process_measures(tmp_path, tiny_m
     runs = {}
     for name, nproc in (("one", 1), ("two", 2)):
         e = {**ev, "eval_hf_dir": ev["eval_hf_dir"].format(name=f"{name}.eval")} if "eval_hf_dir" in ev else ev
-        runs[name] = _run(tmp_path, name, tiny_model, nproc, with_eval=True, steps=2, eval=e)
+        runs[name] = _run(tmp_path, name, char_model_2l, nproc, with_eval=True, steps=2, eval=e)
     key = "eval/avg@1" if posture == "blocking" else "eval/weight_sum"
     one, two = ([r for r in runs[n]["all"] if key in r] for n in ("one", "two"))
     assert [r["step"] for r in one] == [r["step"] for r in two] == [0, 1, 2]

@@ -39,6 +39,7 @@ from align.rollout.protocol import Completion, SamplingParams
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WAIT_S = 10.0  # generous bound for a thread handoff on a loaded 2-core machine
+EXPORT_S = 0.05  # how long the fake export takes where a test measures it
 
 
 def toy_set() -> EvalSet:
@@ -60,6 +61,7 @@ class Exporter:
         self.calls: list[str] = []
         self.fail_at: set[int] = set()
         self.gate: threading.Event | None = None
+        self.delay_s = 0.0
         self.step = 0
 
     def __call__(self, path: str) -> None:
@@ -67,6 +69,8 @@ class Exporter:
         os.makedirs(path)
         with open(os.path.join(path, "model.safetensors"), "w") as f:
             f.write(str(self.step))
+        if self.delay_s:
+            time.sleep(self.delay_s)
         if self.gate is not None:
             assert self.gate.wait(WAIT_S)
         if self.step in self.fail_at:
@@ -143,6 +147,7 @@ def skips(records):
 
 def test_dispatch_exports_to_step_dir_and_fires(disp, tmp_path):
     d, fn, ex = disp()
+    ex.delay_s = EXPORT_S
     dispatch(d, ex, 4)
     final = tmp_path / "eval_hf" / "step_4"
     assert final.is_dir() and (final / MARKER).is_file()  # committed by its marker
@@ -151,7 +156,8 @@ def test_dispatch_exports_to_step_dir_and_fires(disp, tmp_path):
     assert fn.calls[0].weight_version == 4 and fn.calls[0].export_time_seconds is not None
     (r,) = records
     assert r["step"] == 4 and r["eval/step"] == 4 and r["eval/measured_step"] == 4
-    assert r["eval/export_time_seconds"] >= 0 and "eval/duration_seconds" in r
+    # the export's own time, as the eval function was told it
+    assert EXPORT_S <= r["eval/export_time_seconds"] == fn.calls[0].export_time_seconds and "eval/duration_seconds" in r
     assert r["eval/train_blocked_seconds"] >= r["eval/export_time_seconds"]  # the loop paid the export, no eval
     assert not [p for p in os.listdir(tmp_path / "eval_hf") if p.startswith(".")]  # no temp dir left
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_models import require_rollout_venv
+from helpers_models import VLLM_TIMEOUT_S, require_rollout_venv
+from helpers_train import partial_credit
 
 from align.eval import EvalConfig, EvalSet, make_evaluator
 from align.rollout.protocol import SamplingParams
@@ -26,7 +27,6 @@ pytestmark = pytest.mark.rollout
 
 PROMPTS = [[5, 17, 99, 123], [7, 8], [300, 2, 44, 45, 46, 47], [11, 12, 13]]
 MAX_TOKENS = 8
-TIMEOUT_S = 300.0  # engine start + first generate (inductor compile) on 2 shared cores
 NOISE = 0.05  # per-"optimizer step" weight change: enough to change greedy continuations
 
 
@@ -91,7 +91,7 @@ def test_fleet_evaluates_exact_snapshots_while_training_continues(base, tmp_path
         eval_hf_dir=str(tmp_path / "eval_hf"),
         eval_max_in_flight=2,
         eval_keep_snapshots=1,
-        eval_timeout_s=TIMEOUT_S,
+        eval_timeout_s=VLLM_TIMEOUT_S,
     )
     model = load_pretrained(base)
     ev = make_evaluator(cfg, eval_set, export_fn=lambda p: save_pretrained(model, p), blocking_eval_fn=None)
@@ -141,11 +141,6 @@ def test_fleet_evaluates_exact_snapshots_while_training_continues(base, tmp_path
     assert not any(e.handle.group_alive() for e in fleet.engines), "an eval worker survived drain()"
 
 
-def partial_credit(prompt: str, completion: str, answer: str | None = None, **_) -> float:
-    """Fraction of the reversed word's characters in place: a fine-grained fingerprint of what a policy generates."""
-    return sum(a == b for a, b in zip(completion, answer)) / len(answer)
-
-
 def test_training_run_evaluates_on_a_real_fleet_while_it_trains(tmp_path, builtin_model_30):
     """align.train's loop end to end: GRPO steps on CPU, evals on a real eval worker (vLLM CPU build).
 
@@ -173,7 +168,7 @@ def test_training_run_evaluates_on_a_real_fleet_while_it_trains(tmp_path, builti
         eval_hf_dir=str(tmp_path / "eval_hf"),
         eval_keep_snapshots=0,
         eval_temperature=0.0,  # greedy: the final point is re-scored below with align's own sampler
-        eval_timeout_s=TIMEOUT_S,
+        eval_timeout_s=VLLM_TIMEOUT_S,
         ci_test=True,  # any skipped or crashed point fails the run
     )
     cfg = TrainConfig(

@@ -11,36 +11,26 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
+from helpers_train import PROMPTS, TOK, a_reward, build_char_model, records, run_cli, train_steps, wait_for
 
 from align.eval import EvalConfig
-from align.model import Transformer, save_pretrained
-from align.tasks import reverse
-from align.tasks.tokenizer import CharTokenizer
 from align.train import TrainConfig, train
 
-ROOT = Path(__file__).resolve().parents[1]
-TOK = CharTokenizer("abcd=")
-PROMPTS = [{"prompt": w + "="} for w in ("ab", "cd", "bca", "dd", "abc", "cab", "dab", "bb")]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 SIGNAL_EXIT_BOUND_S = 60.0  # SIGTERM -> exit, with the stop grace (10 s) and a checkpoint, on a loaded machine
 
 
-def a_reward(prompt: str, completion: str, **_) -> float:
-    return completion.count("a") / 4
-
-
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
-    cfg = reverse.model_config(TOK)
-    cfg.num_hidden_layers = 1
-    path = save_pretrained(Transformer(cfg).init_weights(seed=0), tmp_path_factory.mktemp("tiny") / "m")
-    for name in TOKENIZER_FILES:  # a base model as it comes from a hub: tokenizer files beside the weights
+    """The char model as a base model comes from a hub: tokenizer files beside the weights (so not the shared,
+    read-only ``char_model``)."""
+    path = Path(build_char_model(tmp_path_factory.mktemp("tiny") / "m"))
+    for name in TOKENIZER_FILES:
         (path / name).write_text(json.dumps({"file": name}))
     return str(path)
 
@@ -63,10 +53,6 @@ def recording_eval_fn(tmp_path: Path, body: str) -> str:
         ).format(log=str(tmp_path / "calls.jsonl"), body=textwrap.indent(textwrap.dedent(body), " " * 8))
     )
     return f"{src}:MyEval"
-
-
-def records(out) -> list[dict]:
-    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_snapshot_eval_in_train_baseline_tokenizer_and_metric_names(tmp_path, tiny_model):
@@ -124,29 +110,6 @@ def test_drain_failure_under_ci_test_does_not_hide_the_training_error(tmp_path, 
     with pytest.raises(RuntimeError, match="raised on every completion") as err:
         train(cfg, model=tiny_model, tokenizer=TOK, prompts=PROMPTS, reward=broken, eval_prompts=PROMPTS[:2])
     assert any("CI eval 1 skipped: crashed" in n for n in getattr(err.value, "__notes__", [])), err.value
-
-
-def run_cli(args: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "align.train", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
-
-
-def wait_for(pred, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"run exited early ({proc.returncode}):\n{proc.stdout.read()[-3000:]}")
-        time.sleep(0.05)
-    proc.kill()
-    raise AssertionError(f"timed out:\n{proc.stdout.read()[-3000:]}")
-
-
-def train_steps(out: Path) -> int:
-    path = out / "metrics.jsonl"
-    return sum(1 for r in records(out) if "reward_mean" in r) if path.exists() else 0
 
 
 @pytest.mark.slow

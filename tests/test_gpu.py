@@ -25,13 +25,13 @@ MEMORY_RATIO = 0.5  # the fused step's memory beyond weights and grads vs the pl
 
 
 def cuda_tiny(tied: bool = True, vocab: int = 4096, layers: int = 2, dtype=torch.float32):
-    from test_learner import tiny
+    from helpers_learner import tiny
 
     return tiny(tied, vocab=vocab, layers=layers).to("cuda", dtype)
 
 
 def cuda_batch(model, N, seed):
-    from test_learner import fake_step
+    from helpers_learner import fake_step
 
     prompts, comps = fake_step(N, model.config.vocab_size, seed)
     inputs, targets, mask, _, behav = learner.sequence_batch(prompts, comps, 3, "cuda")
@@ -49,7 +49,7 @@ def test_auto_resolves_to_cuda_bf16_mixed_and_triton():
 
 
 def test_fused_matches_plain_on_cuda_in_bf16_mixed():
-    from test_learner import cfg, plain_loss
+    from helpers_learner import cfg, plain_loss
 
     model = cuda_tiny()
     c = cfg(device="cuda")

@@ -9,57 +9,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers_learner import CPU, batch_for, cfg, plain_loss, tiny
 
 from align import device as device_mod
 from align import kernels, learner
 from align.device import AdamW32, Placement, resolve_device, resolve_precision
 from align.grpo import merge_stats, normalisers, policy_loss
-from align.model import ModelConfig, Transformer
-from align.rollout.protocol import Completion
+from align.model import Transformer
 from align.train import TrainConfig
 
 FP32_TOL = {"rtol": 1e-5, "atol": 1e-6}  # fp32, the same math summed in a different order
 BF16_TOL = {"rtol": 2e-2, "atol": 2e-3}  # bf16 forward/backward vs the same in bf16 by another path
 SAMPLER_TOL = 1e-3  # sampler logprob vs the trainer's teacher-forced recompute in the same precision
-CPU = Placement(torch.device("cpu"), "fp32")
-
-
-def tiny(tied: bool, seed: int = 0, vocab: int = 300, layers: int = 2) -> Transformer:
-    cfg = ModelConfig(model_type="qwen2", vocab_size=vocab, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      qkv_bias=True, max_position_embeddings=64, tie_word_embeddings=tied)  # fmt: skip
-    return Transformer(cfg).init_weights(std=0.2, seed=seed)
-
-
-def fake_step(N: int = 10, V: int = 300, seed: int = 0) -> tuple[list[list[int]], list[Completion]]:
-    """Prompts and completions of different lengths (what the sampler returns), with random behaviour logprobs."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, V, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (4,), generator=g)]
-    comps = []
-    for i in range(N):
-        k = int(torch.randint(1, 12, (1,), generator=g))
-        lp = (-torch.rand(k, generator=g) * 3).tolist()
-        comps.append(Completion(prompt_index=i % 4, sample_index=i // 4, token_ids=torch.randint(0, V, (k,),
-                                generator=g).tolist(), logprobs=lp, sampled_logprobs=lp, finish_reason="length"))  # fmt: skip
-    return prompts, comps
-
-
-def cfg(**kw) -> TrainConfig:
-    base = {"out": "unused", "micro_batch_size": 64, "prompts_per_step": 4, "group_size": 3, "max_tokens": 11,
-            "temperature": 0.9, "device": "cpu"}  # fmt: skip
-    loss = {k: kw.pop(k) for k in list(kw) if k in ("name", "kl_coef", "entropy_coef", "eps_low", "eps_high")}
-    c = TrainConfig(**{**base, **kw})
-    for k, v in loss.items():
-        setattr(c.loss, k, v)
-    return c
-
-
-def batch_for(model: Transformer, N: int = 10, seed: int = 0) -> learner.Batch:
-    prompts, comps = fake_step(N, model.config.vocab_size, seed)
-    inputs, targets, mask, _, behav = learner.sequence_batch(prompts, comps, 3, "cpu")
-    adv = torch.randn(N, generator=torch.Generator().manual_seed(seed + 1))
-    mask[3] = False  # an invalid completion: nothing to learn from
-    return learner.Batch(inputs, targets, mask, adv, behav)
 
 
 def grads(model: Transformer) -> dict[str, torch.Tensor]:
@@ -77,16 +38,6 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ fused logprobs
-
-
-def plain_loss(model, b: learner.Batch, c: TrainConfig, head_scale: float = 1.0):
-    """The path the fused one replaces: full (B, L, V) logits, then the reference log_softmax."""
-    hidden = model(b.inputs, return_hidden=True)
-    logits = hidden @ (model.lm_head.weight * head_scale).T  # (B, L, V)
-    lp, ent = kernels.token_logprobs(logits, b.targets, c.temperature, backend="reference")
-    tokens, seqs = normalisers(b.mask)
-    return policy_loss(c.loss, lp, lp.detach(), b.advantages, b.mask, behav_logprobs=b.behav, entropy=ent,
-                       total_tokens=tokens, total_seqs=seqs)  # fmt: skip
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -6,7 +6,6 @@ importable (add it to the test extras to run it in CI) and is skipped otherwise,
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import types
@@ -14,33 +13,17 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
+from helpers_train import PROMPTS, TOK, a_reward, records
 
-from align.model import Transformer, save_pretrained
-from align.tasks import reverse
-from align.tasks.tokenizer import CharTokenizer
 from align.train import TrainConfig, train
-
-TOK = CharTokenizer("abcd=")
-PROMPTS = [{"prompt": w + "="} for w in ("ab", "cd", "bca", "dd")]
-
-
-def a_reward(prompt, completion, **_):
-    return completion.count("a") / 4
-
-
-@pytest.fixture(scope="module")
-def char_model(tmp_path_factory) -> str:
-    cfg = reverse.model_config(TOK)
-    cfg.num_hidden_layers = 1
-    return str(save_pretrained(Transformer(cfg).init_weights(seed=0), tmp_path_factory.mktemp("tiny") / "m"))
 
 
 def run(out: Path, model: str, logger: str, steps: int = 2) -> list[dict]:
     cfg = TrainConfig(out=str(out), steps=steps, prompts_per_step=2, group_size=2, max_tokens=3, checkpoint_every=1)
     cfg.eval.eval_interval = 0
     cfg.log.logger = logger
-    train(cfg, model=model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward)
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train(cfg, model=model, tokenizer=TOK, prompts=PROMPTS[:4], reward=a_reward)
+    return records(out)
 
 
 def scalars(rec: dict) -> dict:

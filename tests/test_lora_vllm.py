@@ -128,7 +128,8 @@ def test_grpo_with_adapter_only_sync(tmp_path):
 def test_eval_fleet_serves_adapter_snapshots(tmp_path, builtin_model_30):
     """LoRA + --eval-num-gpus: each eval snapshot is the adapter (+ its base named inside); the fleet's engines run
     the base model with LoRA enabled and pin each adapter; the final point equals align's own score of it."""
-    from test_eval_fleet import TIMEOUT_S, partial_credit
+    from helpers_models import VLLM_TIMEOUT_S
+    from helpers_train import partial_credit
 
     from align.eval.config import EvalConfig
     from align.eval.metrics import score_completions
@@ -147,7 +148,7 @@ def test_eval_fleet_serves_adapter_snapshots(tmp_path, builtin_model_30):
         eval_hf_dir=str(tmp_path / "eval_hf"),
         eval_keep_snapshots=1,
         eval_temperature=0.0,
-        eval_timeout_s=TIMEOUT_S,
+        eval_timeout_s=VLLM_TIMEOUT_S,
         ci_test=True,
     )
     cfg = TrainConfig(out=str(tmp_path / "run"), steps=4, prompts_per_step=8, group_size=4, checkpoint_every=0,

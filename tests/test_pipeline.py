@@ -5,18 +5,16 @@ the real vLLM worker runs in tests/test_pipeline_spool.py."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers_train import PROMPTS, TIMING_KEYS, TOK, a_reward, cfg_for, records, run_cli, wait_for
 
-from align.model import Transformer, save_pretrained
 from align.rewards import Scores
 from align.rollout import engines, pipeline
 from align.rollout.client import NativeClient, WorkerDiedError
@@ -24,44 +22,16 @@ from align.rollout.groups import Groups
 from align.rollout.protocol import Completion, SamplingParams
 from align.rollout.watcher import WeightWatcher
 from align.tasks import reverse
-from align.tasks.tokenizer import CharTokenizer
 from align.train import TrainConfig, train
 
-ROOT = Path(__file__).resolve().parents[1]
-TIMING_KEYS = {"tokens_per_s", "rollout_time", "sync_time", "step_time"}
-TOK = CharTokenizer("abcd=")
-PROMPTS = [{"prompt": w + "="} for w in ("ab", "cd", "bca", "dd", "abc", "cab", "dab", "bb")]
 PRODUCER_FAILURE_TIMEOUT_S = 10.0  # a producer exception reaches the trainer well within this
 
 
-def a_reward(prompt: str, completion: str, **_) -> float:
-    return completion.count("a") / 4
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    cfg = reverse.model_config(TOK)
-    cfg.num_hidden_layers = 1
-    return str(save_pretrained(Transformer(cfg).init_weights(seed=0), tmp_path_factory.mktemp("tiny") / "m"))
-
-
 def run(out, model, **kw) -> list[dict]:
-    base = {
-        "out": str(out),
-        "steps": 5,
-        "prompts_per_step": 4,
-        "group_size": 4,
-        "max_tokens": 4,
-        "lr": 1e-2,
-        "warmup_steps": 0,
-    }
-    base.update(checkpoint_every=0, micro_batch_size=8)
-    base.update(kw)
-    cfg = TrainConfig(**base)
-    cfg.eval.eval_interval = 0
+    cfg = cfg_for(out, **{"steps": 5, "checkpoint_every": 0, **kw})
     cfg.log.log_completions_every = 1
     train(cfg, model=model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward)
-    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return records(out)
 
 
 def strip(recs: list[dict]) -> list[dict]:
@@ -78,24 +48,24 @@ def test_version_rule():
 
 
 @pytest.mark.parametrize("K", [1, 2])
-def test_rollouts_of_step_t_come_from_version_t_minus_1_minus_k(tmp_path, tiny_model, K):
-    recs = run(tmp_path / "a", tiny_model, max_async_steps=K)
+def test_rollouts_of_step_t_come_from_version_t_minus_1_minus_k(tmp_path, char_model, K):
+    recs = run(tmp_path / "a", char_model, max_async_steps=K)
     for r in recs:
         t = r["step"]
         assert r["async/off_policy_steps_max"] == min(t - 1, K) == r["async/off_policy_steps_mean"]
-        assert r["async/inflight"] <= K + 1 and r["async/trainer_wait_s"] >= 0 and r["async/generator_idle_s"] >= 0
-    sync = run(tmp_path / "sync", tiny_model)
+        assert r["async/inflight"] <= K + 1  # the wait / idle timings: test_async_wait_and_idle_times_are_*
+    sync = run(tmp_path / "sync", char_model)
     assert not any(k.startswith("async/") for r in sync for k in r)  # K = 0 logs exactly what it logged before
     # step 1 (version 0 either way) is the same batch; from step 2 the rollouts come from older weights, so they differ
     assert strip(recs)[0] == strip(sync)[0]
-    assert strip(recs)[1]["reward_mean"] != strip(sync)[1]["reward_mean"] or strip(recs)[1] != strip(sync)[1]
+    assert strip(recs)[1] != strip(sync)[1]
 
 
-def test_async_runs_are_deterministic(tmp_path, tiny_model):
-    a = run(tmp_path / "a", tiny_model, max_async_steps=1, steps=4)
-    b = run(tmp_path / "b", tiny_model, max_async_steps=1, steps=4)
+def test_async_runs_are_deterministic(tmp_path, char_model):
+    a = run(tmp_path / "a", char_model, max_async_steps=1, steps=4)
+    b = run(tmp_path / "b", char_model, max_async_steps=1, steps=4)
     assert strip(a) == strip(b)
-    c = run(tmp_path / "c", tiny_model, max_async_steps=2, steps=4)  # negative control: K changes the log
+    c = run(tmp_path / "c", char_model, max_async_steps=2, steps=4)  # negative control: K changes the log
     assert strip(a) != strip(c)
 
 
@@ -112,10 +82,10 @@ class Recording(NativeClient):
         return super().generate(prompts, params)
 
 
-def test_permits_split_a_batch_into_whole_groups(tiny_model):
+def test_permits_split_a_batch_into_whole_groups(char_model):
     from align.model import load_pretrained
 
-    client = Recording(load_pretrained(tiny_model))
+    client = Recording(load_pretrained(char_model))
     prompts = [TOK.encode(p["prompt"]) for p in PROMPTS[:5]]
     params = SamplingParams(n=3, max_tokens=3, seed=1)
     comps = engines.generate_groups(client, prompts, params, permits=7)  # 2 groups of 3 per request
@@ -260,9 +230,7 @@ def cli(out: Path, model: str, *extra: str) -> subprocess.Popen:
     args = ["--out", str(out), "--model", model, "--steps", "7", "--prompts-per-step", "4", "--group-size", "4"]
     args += ["--max-tokens", "6", "--checkpoint-every", "2", "--eval-interval", "0", "--max-async-steps", "2"]
     args += ["--log-completions-every", "1", "--keep-checkpoints", "10", *extra]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "align.train", *args]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return run_cli(args)
 
 
 def logged(out: Path) -> tuple[list[dict], list[dict]]:
@@ -291,13 +259,7 @@ def uninterrupted(tmp_path_factory, builtin_model) -> Path:
 
 
 def wait_steps(out: Path, n: int, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if len(logged(out)[0]) >= n:
-            return
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
-        time.sleep(0.02)
-    raise AssertionError("timed out waiting for steps")
+    wait_for(lambda: len(logged(out)[0]) >= n, proc, poll_s=0.02)
 
 
 @pytest.mark.slow
@@ -388,7 +350,40 @@ def test_generation_time_is_measured_on_the_producer():
     assert pipeline.Produced.from_state(p.to_state()).seconds == p.seconds  # a pending batch keeps it on resume
 
 
-def test_rollout_time_and_tokens_per_s_come_from_the_producer(tmp_path, tiny_model, monkeypatch):
+IDLE_S = 0.3  # how long the trainer keeps the producer blocked on the staleness bound
+
+
+def wait_until(pred, what: str, timeout: float = PRODUCER_FAILURE_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(0.01)
+
+
+def test_async_wait_and_idle_times_are_the_trainer_s_and_the_producer_s():
+    """``async/trainer_wait_s`` is how long ``next`` waited for its batch; ``async/generator_idle_s`` how long the
+    producer sat blocked since the previous ``next`` (here on the staleness bound: step 3 needs version 1). Each
+    step below makes one of them large and the other ~0, so neither can stand in for the other."""
+
+    def collect(t, version, client):
+        time.sleep(GEN_S)
+        return Groups([0], [Completion(0, 0, [1], [0.0], "stop", weights_version=version)], ["x"], Scores([1.0], {}))
+
+    pipe = pipeline.RolloutPipeline(1, collect, engine=NullEngine(), last_step=3, cursor={})
+    try:
+        _, first = pipe.next(1)  # starts the producer: the trainer waits for the whole generation of step 1
+        wait_until(lambda: 2 in pipe.ready, "step 2 (version 0) produced")  # step 3 is blocked from here on
+        time.sleep(IDLE_S)
+        pipe.publish(1, None)
+        wait_until(lambda: ("train", 3, 1) in pipe.events, "step 3 started on version 1")  # its idle is counted
+        _, second = pipe.next(2)  # ready since before the sleep
+    finally:
+        pipe.close()
+    assert first["async/trainer_wait_s"] >= GEN_S / 2 and first["async/generator_idle_s"] < GEN_S / 2, first
+    assert second["async/trainer_wait_s"] < GEN_S / 2 and second["async/generator_idle_s"] >= IDLE_S / 2, second
+
+
+def test_rollout_time_and_tokens_per_s_come_from_the_producer(tmp_path, char_model, monkeypatch):
     """metrics.jsonl's rollout_time is the batch's producer-side ``seconds`` (K >= 1) and tokens_per_s divides by it:
     each batch is stamped with a sentinel no trainer-side clock could produce."""
     real_next = pipeline.RolloutPipeline.next
@@ -399,7 +394,7 @@ def test_rollout_time_and_tokens_per_s_come_from_the_producer(tmp_path, tiny_mod
         return p, stats
 
     monkeypatch.setattr(pipeline.RolloutPipeline, "next", stamped_next)
-    recs = [r for r in run(tmp_path / "a", tiny_model, max_async_steps=1, steps=3) if "rollout_time" in r]
+    recs = [r for r in run(tmp_path / "a", char_model, max_async_steps=1, steps=3) if "rollout_time" in r]
     assert len(recs) == 3
     for r in recs:
         tokens = r["completion_len_mean"] * 4 * 4  # prompts_per_step * group_size completions

@@ -7,10 +7,8 @@ tests/test_pipeline.py and tests/test_pipeline_spool.py."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -107,9 +105,9 @@ def test_without_the_lease_an_update_lands_mid_cohort():
 
 
 def test_lease_held_across_the_epoch_and_drain_cohort_refill_order():
-    pipe, ev, engine = make(K=2, last=6, interval=3)
+    pipe, ev, engine = make(K=2, last=7, interval=3)  # step 7 (version 4) is the first batch newer than the pin
     try:
-        drive(pipe, ev, last=6)
+        drive(pipe, ev, last=7)
     finally:
         pipe.close()
     ev3 = [i for i, e in enumerate(pipe.events) if e[1] == 3 and e[0] in ("lease", "drained", "cohort", "released")]
@@ -122,7 +120,9 @@ def test_lease_held_across_the_epoch_and_drain_cohort_refill_order():
     assert cohort < train[6][0] < released and train[6][1] == 3
     # after the drain the engine loads the pinned version and nothing loads another one until the release
     assert all(e[2] == 3 for e in pipe.events[cohort : released + 1])
-    assert engine.loads.count(4) == 0 or engine.loads.index(4) > engine.loads.index(3)
+    # the first batch of a newer version starts only after the release, and the engine loads version 4 after 3
+    assert train[7][1] == 4 and train[7][0] > released
+    assert engine.loads.index(4) > engine.loads.index(3)
 
 
 def test_a_second_due_step_while_an_epoch_is_active_is_queued():
@@ -185,28 +185,20 @@ def test_fail_fast_configs():
         pipe.close()
 
 
-def test_pinned_eval_measures_what_the_blocking_eval_measures(tmp_path, monkeypatch):
+def test_pinned_eval_measures_what_the_blocking_eval_measures(tmp_path, monkeypatch, char_model):
     """The native engine's pinned eval of version N equals the trainer's blocking eval of the live weights after
     step N (same sampler, seed and scoring): only where eval runs changed, not what it measures."""
-    from test_pipeline import PROMPTS, TOK, a_reward
+    from helpers_train import PROMPTS, TOK, a_reward, cfg_for, records
 
-    from align.model import Transformer, save_pretrained
-    from align.tasks import reverse
-    from align.train import TrainConfig, train
-
-    mcfg = reverse.model_config(TOK)
-    mcfg.num_hidden_layers = 1
-    model = str(save_pretrained(Transformer(mcfg).init_weights(seed=0), tmp_path / "m"))
+    from align.train import train
 
     kinds = []
 
     def run(out) -> list[dict]:
-        cfg = TrainConfig(out=str(out), steps=4, prompts_per_step=4, group_size=4, max_tokens=4, lr=1e-2)
-        cfg.warmup_steps, cfg.checkpoint_every, cfg.max_async_steps = 0, 0, 1
+        cfg = cfg_for(out, checkpoint_every=0, max_async_steps=1)
         cfg.eval.eval_interval = 2
-        train(cfg, model=model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward, eval_prompts=PROMPTS[:4])
-        rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-        evals = [r for r in rows if "eval/step" in r]
+        train(cfg, model=char_model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward, eval_prompts=PROMPTS[:4])
+        evals = [r for r in records(out) if "eval/step" in r]
         kinds.append({r["eval/train_blocked_seconds"] > 0 for r in evals})  # blocking eval: > 0; pinned: 0
         return [{k: v for k, v in r.items() if k.startswith("eval/pass") or k == "step"} for r in evals]
 

@@ -6,15 +6,10 @@ import dataclasses
 import json
 
 import pytest
+from helpers_train import PROMPTS, TOK
 
-from align.model import Transformer, save_pretrained
 from align.run.presets import PRESETS, build, parse
-from align.tasks import reverse
-from align.tasks.tokenizer import CharTokenizer
 from align.train import CLI_PREFIXES, TrainConfig, train
-
-TOK = CharTokenizer("abcd=")
-PROMPTS = [{"prompt": w + "="} for w in ("ab", "cd", "bca", "dd")]
 
 
 def _parse(argv, lines=None):
@@ -71,16 +66,18 @@ def test_unknown_preset_is_named(capsys):
     assert e.value.code == 2 and "--preset must be one of" in capsys.readouterr().err
 
 
-def test_resolved_preset_is_saved_in_config_json_and_reloads(tmp_path):
-    mcfg = reverse.model_config(TOK)
-    mcfg.num_hidden_layers = 1
-    model = str(save_pretrained(Transformer(mcfg).init_weights(seed=0), tmp_path / "m"))
+def test_resolved_preset_is_saved_in_config_json_and_reloads(tmp_path, char_model):
+    model = char_model
     out = tmp_path / "run"
     argv = ["--preset", "dr_grpo", "--out", str(out), "--steps", "1", "--prompts-per-step", "2", "--group-size", "2",
             "--max-tokens", "4", "--warmup-steps", "0", "--eval-interval", "0", "--micro-batch-size", "2"]  # fmt: skip
     cfg = _parse(argv)
     train(
-        cfg, model=model, tokenizer=TOK, prompts=PROMPTS, reward=lambda prompt, completion, **_: completion.count("a")
+        cfg,
+        model=model,
+        tokenizer=TOK,
+        prompts=PROMPTS[:4],
+        reward=lambda prompt, completion, **_: completion.count("a"),
     )
     saved = json.loads((out / "config.json").read_text())
     assert saved["preset"] == "dr_grpo"

@@ -443,7 +443,10 @@ def test_answer_in_order_and_ids_inside_the_announced_vocabulary(tmp_path, scrip
         (1, 1, [21]),
     ]
     w.info["vocab_size"] = 21  # the heartbeat announces the vocabulary (the real worker does): 21 is outside it
-    time.sleep(0.1)
+    deadline = time.monotonic() + FAST_TIMEOUT_S
+    while (w.sp.read_heartbeat() or {}).get("vocab_size") != 21:  # the worker's next heartbeat carries it
+        assert time.monotonic() < deadline, "the scripted worker never announced vocab_size 21"
+        time.sleep(0.01)
     with pytest.raises(ProtocolError, match=r"completion 0: token ids outside the vocabulary \[0, 21\): \[21\]"):
         client.generate([[10, 11], [20]], SamplingParams(n=2))
 

@@ -12,23 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_train import PROMPTS, TOK, a_reward, cfg_for, records
+from helpers_train import PROMPTS, TOK, a_reward, cfg_for, records
 
 from align.rollout.pipeline import check_weights_version
 from align.run import checkpoint as ckpt
 from align.run.cli import from_dict, parse
 from align.run.safety import EXPORT_MARKER, RUN_ID_FILE
 from align.train import CLI_PREFIXES, TrainConfig, train
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    from align.model import Transformer, save_pretrained
-    from align.tasks import reverse
-
-    cfg = reverse.model_config(TOK)
-    cfg.num_hidden_layers = 1
-    return str(save_pretrained(Transformer(cfg).init_weights(seed=0), tmp_path_factory.mktemp("tiny") / "m"))
 
 
 def run(cfg: TrainConfig, model: str) -> dict:
@@ -67,9 +57,9 @@ def test_trainer_state_is_plain_data_and_rng_round_trips(tmp_path):
     assert np.random.standard_normal(3).tolist() != want[1]
 
 
-def test_pickle_payload_in_trainer_state_is_refused_and_never_runs(tmp_path, tiny_model):
+def test_pickle_payload_in_trainer_state_is_refused_and_never_runs(tmp_path, char_model):
     out = tmp_path / "run"
-    run(cfg_for(out, steps=2, checkpoint_every=1), tiny_model)
+    run(cfg_for(out, steps=2, checkpoint_every=1), char_model)
     state_file = out / "checkpoints" / "step_2" / "trainer_state.pt"
     state = torch.load(state_file, weights_only=True)  # what align writes loads without unpickling
     assert set(state) >= {"optimizer", "scheduler", "rng", "cursor", "step"}
@@ -81,16 +71,16 @@ def test_pickle_payload_in_trainer_state_is_refused_and_never_runs(tmp_path, tin
         match=r"(?s)step_2/trainer_state.pt holds objects other than.*"
         r"--resume-from step_1",
     ):
-        run(cfg_for(out, steps=3, checkpoint_every=1), tiny_model)
+        run(cfg_for(out, steps=3, checkpoint_every=1), char_model)
     assert not marker.exists()
     # negative control: the payload is real, an unrestricted load would have run it
     torch.load(state_file, weights_only=False)
     assert marker.exists()
 
 
-def two_checkpoints(tmp_path, tiny_model) -> Path:
+def two_checkpoints(tmp_path, char_model) -> Path:
     out = tmp_path / "run"
-    run(cfg_for(out, steps=4, checkpoint_every=2), tiny_model)
+    run(cfg_for(out, steps=4, checkpoint_every=2), char_model)
     assert [d.name for _, d in ckpt.committed(out / "checkpoints")] == ["step_2", "step_4"]
     return out
 
@@ -101,37 +91,37 @@ def truncate(path: Path) -> None:
 
 
 @pytest.mark.parametrize("victim", ["trainer_state.pt", "model/model.safetensors"])
-def test_truncated_latest_checkpoint_is_named_and_resume_from_previous_works(tmp_path, tiny_model, victim):
-    out = two_checkpoints(tmp_path, tiny_model)
+def test_truncated_latest_checkpoint_is_named_and_resume_from_previous_works(tmp_path, char_model, victim):
+    out = two_checkpoints(tmp_path, char_model)
     truncate(out / "checkpoints" / "step_4" / victim)
     with pytest.raises(
         ckpt.CheckpointError, match=rf"(?s)step_4/{victim} cannot be read.*truncated or corrupt.*--resume-from step_2"
     ):
-        run(cfg_for(out, steps=6, checkpoint_every=2), tiny_model)
-    run(cfg_for(out, steps=6, checkpoint_every=2, resume_from="step_2"), tiny_model)
+        run(cfg_for(out, steps=6, checkpoint_every=2), char_model)
+    run(cfg_for(out, steps=6, checkpoint_every=2, resume_from="step_2"), char_model)
     assert [r["step"] for r in records(out) if "reward_mean" in r] == [1, 2, 3, 4, 5, 6]
     assert [d.name for _, d in ckpt.committed(out / "checkpoints")] == ["step_4", "step_6"]
     assert [p.name.split(".")[0] for p in (out / "checkpoints").iterdir() if p.name.startswith("abandoned_")] == [
         "abandoned_step_4"
     ]  # the broken checkpoint is kept aside, never deleted
     with pytest.raises(ValueError, match=r"--resume-from 'step_3': no committed checkpoint.*step_4, step_6"):
-        run(cfg_for(out, steps=7, checkpoint_every=2, resume_from="step_3"), tiny_model)
+        run(cfg_for(out, steps=7, checkpoint_every=2, resume_from="step_3"), char_model)
 
 
-def test_optimizer_state_of_another_model_is_named(tmp_path, tiny_model):
-    out = two_checkpoints(tmp_path, tiny_model)
+def test_optimizer_state_of_another_model_is_named(tmp_path, char_model):
+    out = two_checkpoints(tmp_path, char_model)
     f = out / "checkpoints" / "step_4" / "trainer_state.pt"
     state = torch.load(f, weights_only=True)
     first = next(iter(state["optimizer"]["state"]))
     state["optimizer"]["state"][first]["exp_avg"] = torch.zeros(3, 3)
     torch.save(state, f)
     with pytest.raises(ckpt.CheckpointError, match=r"optimizer state 'exp_avg'.*trainer_state.pt has shape \(3, 3\)"):
-        run(cfg_for(out, steps=6), tiny_model)
+        run(cfg_for(out, steps=6), char_model)
     del state["optimizer"]["state"][first]
     state["optimizer"]["param_groups"][0]["params"].pop()
     torch.save(state, f)
     with pytest.raises(ckpt.CheckpointError, match=r"is for \d+ parameters, the model has \d+"):
-        run(cfg_for(out, steps=6), tiny_model)
+        run(cfg_for(out, steps=6), char_model)
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -234,9 +224,9 @@ def test_group_size_two_and_edge_values_are_accepted():
 # ------------------------------------------------------------------------------------------------ resume settings
 
 
-def test_resume_refuses_changed_math_with_a_diff(tmp_path, tiny_model):
+def test_resume_refuses_changed_math_with_a_diff(tmp_path, char_model):
     out = tmp_path / "run"
-    run(cfg_for(out, steps=2, checkpoint_every=1), tiny_model)
+    run(cfg_for(out, steps=2, checkpoint_every=1), char_model)
     saved = (out / "config.json").read_text()
     with pytest.raises(
         ValueError,
@@ -245,21 +235,21 @@ def test_resume_refuses_changed_math_with_a_diff(tmp_path, tiny_model):
     ):
         cfg = cfg_for(out, steps=3, lr=0.02)
         cfg.loss.kl_coef = 0.1
-        run(cfg, tiny_model)
+        run(cfg, char_model)
     other = tmp_path / "other_model"
-    shutil.copytree(tiny_model, other)
+    shutil.copytree(char_model, other)
     with pytest.raises(ValueError, match=r"(?s)model: '.*' -> '.*other_model'"):
         run(cfg_for(out, steps=3), str(other))
     assert (out / "config.json").read_text() == saved  # nothing recorded that the run did not use
     assert [r["step"] for r in records(out)] == [1, 2]
 
 
-def test_resume_applies_and_logs_operational_changes(tmp_path, tiny_model, capsys):
+def test_resume_applies_and_logs_operational_changes(tmp_path, char_model, capsys):
     out = tmp_path / "run"
-    run(cfg_for(out, steps=2, checkpoint_every=1), tiny_model)
+    run(cfg_for(out, steps=2, checkpoint_every=1), char_model)
     cfg = cfg_for(out, steps=3, checkpoint_every=3, keep_checkpoints=1, micro_batch_size=3, dp_replicate=2)
     cfg.eval.eval_n = 2  # (dp_replicate: the torchrun layout; one process ignores it)
-    run(cfg, str(Path(tiny_model) / "sub" / ".."))  # the same model dir, spelled differently
+    run(cfg, str(Path(char_model) / "sub" / ".."))  # the same model dir, spelled differently
     log = capsys.readouterr().out
     for change in (
         "steps: 2 -> 3",
@@ -278,9 +268,9 @@ def test_resume_applies_and_logs_operational_changes(tmp_path, tiny_model, capsy
 # ------------------------------------------------------------------------------------------------ paths
 
 
-def test_out_equal_to_or_overlapping_the_model_is_refused(tmp_path, tiny_model):
+def test_out_equal_to_or_overlapping_the_model_is_refused(tmp_path, char_model):
     model = tmp_path / "m"
-    shutil.copytree(tiny_model, model)
+    shutil.copytree(char_model, model)
     before = tree(model)
     for out in (model, model / "run"):
         with pytest.raises(ValueError, match=r"--model .* the run dir --out .*overwrite the model's config.json"):
@@ -288,26 +278,26 @@ def test_out_equal_to_or_overlapping_the_model_is_refused(tmp_path, tiny_model):
     assert tree(model) == before and not (model / "run").exists()
     outer = tmp_path / "outer"
     inner = outer / "checkpoints" / "step_2" / "model"
-    shutil.copytree(tiny_model, inner)
+    shutil.copytree(char_model, inner)
     with pytest.raises(ValueError, match=r"is inside the run dir"):
         run(cfg_for(outer), str(inner))
     assert not (outer / "config.json").exists()
 
 
-def test_eval_hf_dir_inside_checkpoints_is_refused(tmp_path, tiny_model):
+def test_eval_hf_dir_inside_checkpoints_is_refused(tmp_path, char_model):
     out = tmp_path / "run"
     for d in (out / "checkpoints", out / "checkpoints" / "eval"):
         cfg = cfg_for(out)
         cfg.eval.eval_hf_dir = str(d)
         with pytest.raises(ValueError, match=r"--eval-hf-dir .* inside .*checkpoints: eval snapshots named step_N"):
-            run(cfg, tiny_model)
+            run(cfg, char_model)
     assert not out.exists()
     cfg = cfg_for(out, steps=1)
     cfg.eval.eval_hf_dir = str(tmp_path / "eval_hf")  # beside the run: fine
-    run(cfg, tiny_model)
+    run(cfg, char_model)
 
 
-def test_save_hf_refuses_foreign_data_and_replaces_its_own_export(tmp_path, tiny_model):
+def test_save_hf_refuses_foreign_data_and_replaces_its_own_export(tmp_path, char_model):
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "precious.txt").write_text("keep me")
@@ -315,24 +305,24 @@ def test_save_hf_refuses_foreign_data_and_replaces_its_own_export(tmp_path, tiny
     a_file.write_text("keep me too")
     for target, what in ((foreign, "not an align export of this run"), (a_file, "a file, not a directory")):
         with pytest.raises(ValueError, match=rf"--save-hf .* exists and is {what}.*--overwrite"):
-            run(cfg_for(tmp_path / "run", steps=1, save_hf=str(target)), tiny_model)
+            run(cfg_for(tmp_path / "run", steps=1, save_hf=str(target)), char_model)
     assert (foreign / "precious.txt").read_text() == "keep me" and a_file.read_text() == "keep me too"
     assert not (tmp_path / "run" / "checkpoints").exists()  # refused before any step
     # overlap with --out / --model
     for target, flag in (
         (tmp_path / "run", "--out"),
         (tmp_path / "run" / "export", "--out"),
-        (Path(tiny_model), "--model"),
-        (Path(tiny_model) / "export", "--model"),
+        (Path(char_model), "--model"),
+        (Path(char_model) / "export", "--model"),
     ):
         with pytest.raises(ValueError, match=rf"--save-hf .* overlaps {flag}"):
-            run(cfg_for(tmp_path / "run", steps=1, save_hf=str(target)), tiny_model)
+            run(cfg_for(tmp_path / "run", steps=1, save_hf=str(target)), char_model)
     # a fresh dir, then the same run's export is replaced on resume, without --overwrite
     export = tmp_path / "export"
-    run(cfg_for(tmp_path / "run", steps=1, save_hf=str(export)), tiny_model)
+    run(cfg_for(tmp_path / "run", steps=1, save_hf=str(export)), char_model)
     rid = (tmp_path / "run" / RUN_ID_FILE).read_text().strip()
     assert json.loads((export / EXPORT_MARKER).read_text()) == {"run_id": rid, "step": 1}
-    run(cfg_for(tmp_path / "run", steps=2, save_hf=str(export)), tiny_model)
+    run(cfg_for(tmp_path / "run", steps=2, save_hf=str(export)), char_model)
     assert json.loads((export / EXPORT_MARKER).read_text())["step"] == 2
     from align.model import load_pretrained
 
@@ -340,9 +330,9 @@ def test_save_hf_refuses_foreign_data_and_replaces_its_own_export(tmp_path, tiny
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".export.")]  # no temp / old leftovers
     # another run's export is foreign too
     with pytest.raises(ValueError, match=rf"an export of another run \({rid}\)"):
-        run(cfg_for(tmp_path / "run2", steps=1, save_hf=str(export)), tiny_model)
+        run(cfg_for(tmp_path / "run2", steps=1, save_hf=str(export)), char_model)
     # --overwrite forces it
-    run(cfg_for(tmp_path / "run3", steps=1, save_hf=str(foreign), overwrite=True), tiny_model)
+    run(cfg_for(tmp_path / "run3", steps=1, save_hf=str(foreign), overwrite=True), char_model)
     assert not (foreign / "precious.txt").exists() and (foreign / EXPORT_MARKER).is_file()
 
 

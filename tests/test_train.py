@@ -4,66 +4,21 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers_train import PROMPTS, TOK, a_reward, cfg_for, cli_args, comparable, records, run_cli, wait_for_steps
 
-from align.model import Transformer, load_pretrained, save_pretrained
-from align.tasks import reverse
-from align.tasks.tokenizer import CharTokenizer
+from align.model import load_pretrained
 from align.train import TrainConfig, main, train
 
-ROOT = Path(__file__).resolve().parents[1]
-TIMING_KEYS = {"tokens_per_s", "rollout_time", "sync_time", "step_time"}
 
-# A trivially learnable task: reward = share of 'a' in a 4-letter completion.
-TOK = CharTokenizer("abcd=")
-PROMPTS = [{"prompt": w + "="} for w in ("ab", "cd", "bca", "dd", "abc", "cab", "dab", "bb")]
-
-
-def a_reward(prompt: str, completion: str, **_) -> float:
-    return completion.count("a") / 4
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    cfg = reverse.model_config(TOK)
-    cfg.num_hidden_layers = 1
-    return str(save_pretrained(Transformer(cfg).init_weights(seed=0), tmp_path_factory.mktemp("tiny") / "m"))
-
-
-def cfg_for(out, **kw) -> TrainConfig:
-    base = {
-        "out": str(out),
-        "steps": 4,
-        "prompts_per_step": 4,
-        "group_size": 4,
-        "max_tokens": 4,
-        "lr": 1e-2,
-        "warmup_steps": 0,
-        "checkpoint_every": 2,
-        "micro_batch_size": 8,
-    }
-    base.update(kw)
-    c = TrainConfig(**base)
-    c.eval.eval_interval = 0
-    return c
-
-
-def records(out) -> list[dict]:
-    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-
-
-def test_python_api_learns_and_leaves_run_files(tmp_path, tiny_model):
+def test_python_api_learns_and_leaves_run_files(tmp_path, char_model):
     cfg = cfg_for(tmp_path / "run", steps=12, checkpoint_every=5, keep_checkpoints=2)
     cfg.eval.eval_interval = 6
-    summary = train(cfg, model=tiny_model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward, eval_prompts=PROMPTS[:4])
+    summary = train(cfg, model=char_model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward, eval_prompts=PROMPTS[:4])
     recs = [r for r in records(tmp_path / "run") if "reward_mean" in r]
     assert [r["step"] for r in recs] == list(range(1, 13))
     first, last = sum(r["reward_mean"] for r in recs[:3]) / 3, sum(r["reward_mean"] for r in recs[-3:]) / 3
@@ -81,12 +36,12 @@ def test_python_api_learns_and_leaves_run_files(tmp_path, tiny_model):
     load_pretrained(run / "checkpoints" / "step_12" / "model", require_marker=True)
 
 
-def test_micro_batch_size_does_not_change_the_gradient(tiny_model):
+def test_micro_batch_size_does_not_change_the_gradient(char_model):
     from align.learner import backward_batch, sequence_batch
     from align.rollout.native import generate
     from align.rollout.protocol import SamplingParams
 
-    policy = load_pretrained(tiny_model)
+    policy = load_pretrained(char_model)
     prompts = [TOK.encode(p["prompt"]) for p in PROMPTS]
     comps = generate(policy, prompts, SamplingParams(n=3, max_tokens=4, seed=0, stop_token_ids=[TOK.eos_token_id]))
     inputs, targets, mask, _full_lp, sampled_lp = sequence_batch(prompts, comps, 3, "cpu")
@@ -127,56 +82,6 @@ def test_micro_batch_size_does_not_change_the_gradient(tiny_model):
         for k, p in policy.named_parameters():
             local[k] += p.grad if p.grad is not None else 0
     assert max((local[k] - whole[k]).abs().max() for k in whole) > 1e-5
-
-
-def run_cli(args: list[str], **kw) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(
-        [sys.executable, "-m", "align.train", *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        **kw,
-    )
-
-
-def cli_args(out, model) -> list[str]:
-    return [
-        "--out",
-        str(out),
-        "--model",
-        model,
-        "--steps",
-        "8",
-        "--prompts-per-step",
-        "8",
-        "--group-size",
-        "4",
-        "--max-tokens",
-        "6",
-        "--checkpoint-every",
-        "2",
-        "--eval-interval",
-        "4",
-        "--eval-prompts",
-        "16",
-    ]
-
-
-def wait_for_steps(out: Path, n: int, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if (out / "metrics.jsonl").exists() and sum(1 for r in records(out) if "reward_mean" in r) >= n:
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"run exited early ({proc.returncode}):\n{proc.stdout.read()[-3000:]}")
-        time.sleep(0.05)
-    raise AssertionError("timed out waiting for steps")
-
-
-def comparable(out) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in TIMING_KEYS and not k.endswith("seconds")} for r in records(out)]
 
 
 @pytest.fixture(scope="module")
@@ -224,9 +129,9 @@ def test_signal_checkpoints_and_exits(tmp_path, builtin_model, uninterrupted):
     assert comparable(out) == comparable(uninterrupted)
 
 
-def test_config_reload_with_override(tmp_path, tiny_model):
+def test_config_reload_with_override(tmp_path, char_model):
     out = tmp_path / "a"
-    train(cfg_for(out, steps=1), model=tiny_model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward)
+    train(cfg_for(out, steps=1), model=char_model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward)
     from align.run.cli import parse
     from align.train import CLI_PREFIXES
 
@@ -260,7 +165,7 @@ def test_help_lists_every_flag_with_help(capsys):
     assert missing == []
 
 
-def test_bad_input(tmp_path, tiny_model, capsys):
+def test_bad_input(tmp_path, char_model, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--no-such-flag"])
     assert e.value.code == 2 and "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
@@ -270,14 +175,14 @@ def test_bad_input(tmp_path, tiny_model, capsys):
     with pytest.raises(ValueError, match="does not exist"):
         train(cfg_for(tmp_path / "x"), model=str(tmp_path / "nope"), tokenizer=TOK, prompts=PROMPTS, reward=a_reward)
     with pytest.raises(ValueError, match="does not fit the model's context"):
-        train(cfg_for(tmp_path / "y", max_tokens=30), model=tiny_model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward)
+        train(cfg_for(tmp_path / "y", max_tokens=30), model=char_model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward)
 
 
-def test_checkpoint_shape_mismatch_is_named(tmp_path, tiny_model):
+def test_checkpoint_shape_mismatch_is_named(tmp_path, char_model):
     import shutil
 
     bad = tmp_path / "bad"
-    shutil.copytree(tiny_model, bad)
+    shutil.copytree(char_model, bad)
     cfg = json.loads((bad / "config.json").read_text())
     cfg["intermediate_size"] = 128
     (bad / "config.json").write_text(json.dumps(cfg))
@@ -285,7 +190,7 @@ def test_checkpoint_shape_mismatch_is_named(tmp_path, tiny_model):
         train(cfg_for(tmp_path / "z"), model=str(bad), tokenizer=TOK, prompts=PROMPTS, reward=a_reward)
 
 
-def test_reward_errors_are_counted_and_all_failing_stops(tmp_path, tiny_model):
+def test_reward_errors_are_counted_and_all_failing_stops(tmp_path, char_model):
     calls = {"n": 0}
 
     def flaky(prompt, completion, **_):
@@ -294,7 +199,7 @@ def test_reward_errors_are_counted_and_all_failing_stops(tmp_path, tiny_model):
             raise KeyError("boom")
         return a_reward(prompt, completion)
 
-    train(cfg_for(tmp_path / "f", steps=2), model=tiny_model, tokenizer=TOK, prompts=PROMPTS, reward=flaky)
+    train(cfg_for(tmp_path / "f", steps=2), model=char_model, tokenizer=TOK, prompts=PROMPTS, reward=flaky)
     recs = records(tmp_path / "f")
     assert all(r["reward_errors"] > 0 and r["unscorable"] == r["reward_errors"] for r in recs)
     assert all(math.isfinite(r["loss"]) for r in recs)
@@ -303,4 +208,4 @@ def test_reward_errors_are_counted_and_all_failing_stops(tmp_path, tiny_model):
         raise ZeroDivisionError("always")
 
     with pytest.raises(RuntimeError, match="(?s)raised on every completion.*ZeroDivisionError: always"):
-        train(cfg_for(tmp_path / "g", steps=2), model=tiny_model, tokenizer=TOK, prompts=PROMPTS, reward=broken)
+        train(cfg_for(tmp_path / "g", steps=2), model=char_model, tokenizer=TOK, prompts=PROMPTS, reward=broken)

@@ -7,15 +7,14 @@ import copy
 
 import pytest
 import torch
-from test_learner import CPU, batch_for
-from test_learner import cfg as learner_cfg
-from test_train import PROMPTS, TOK, a_reward, cfg_for, cli_args, comparable, records, run_cli, wait_for_steps
+from helpers_learner import CPU, batch_for
+from helpers_learner import cfg as learner_cfg
+from helpers_train import PROMPTS, TOK, a_reward, cfg_for, cli_args, comparable, records, run_cli, wait_for_steps
 
 import align.model
 from align import learner, lora
-from align.model import Transformer, load_pretrained, save_pretrained
+from align.model import load_pretrained
 from align.run import checkpoint as ckpt
-from align.tasks import reverse
 from align.train import train
 
 MERGE_TOL = 1e-4  # merged export vs base + adapter (reassociated fp32 sums)
@@ -24,39 +23,32 @@ MOVED_MIN = 1e-3  # one update must move the adapted policy's logprobs at least 
 LORA = {"rank": 4, "alpha": 8.0}
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    cfg = reverse.model_config(TOK)
-    cfg.num_hidden_layers = 1
-    return str(save_pretrained(Transformer(cfg).init_weights(seed=0), tmp_path_factory.mktemp("tiny") / "m"))
-
-
-def test_lora_run_checkpoints_adapter_and_exports(tmp_path, tiny_model):
+def test_lora_run_checkpoints_adapter_and_exports(tmp_path, char_model):
     cfg = cfg_for(tmp_path / "a", lr=5e-2, save_hf=str(tmp_path / "adapter_out"), lora=LORA)
-    train(cfg, model=tiny_model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward)
+    train(cfg, model=char_model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward)
     step4 = tmp_path / "a" / "checkpoints" / "step_4"
     assert (step4 / "adapter" / "adapter_model.safetensors").is_file() and not (step4 / "model").exists()
     state = ckpt.load_state(step4)
     n_adapter = 2 * 7 * 1  # A and B on the 7 linears of the one layer
     assert len(state["optimizer"]["state"]) == n_adapter  # the optimizer owns only the adapters
-    assert lora.adapter_base(tmp_path / "adapter_out") == tiny_model
-    trained = lora.load_adapter(load_pretrained(tiny_model), tmp_path / "adapter_out")
+    assert lora.adapter_base(tmp_path / "adapter_out") == char_model
+    trained = lora.load_adapter(load_pretrained(char_model), tmp_path / "adapter_out")
     ids = torch.tensor([TOK.encode("abc=") + [0, 1]])
     with torch.no_grad():
-        assert (trained(ids) - load_pretrained(tiny_model)(ids)).abs().max() > 1e-4  # it learned something
+        assert (trained(ids) - load_pretrained(char_model)(ids)).abs().max() > 1e-4  # it learned something
     # the same run with --merge-lora exports one merged HF checkpoint equal to base + adapter
     cfg = cfg_for(tmp_path / "b", lr=5e-2, save_hf=str(tmp_path / "merged_out"), merge_lora=True, lora=LORA)
-    train(cfg, model=tiny_model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward)
+    train(cfg, model=char_model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward)
     merged = load_pretrained(tmp_path / "merged_out")
     with torch.no_grad():
         assert (merged(ids) - trained(ids)).abs().max() <= MERGE_TOL
 
 
-def test_gradient_checkpointing_unchanged_with_lora(tiny_model):
+def test_gradient_checkpointing_unchanged_with_lora(char_model):
     ids = torch.tensor([TOK.encode("abcd=dcba"), TOK.encode("ddab=badd")])
     grads = []
     for gc in (False, True):
-        model = lora.apply_lora(load_pretrained(tiny_model), lora.LoraConfig(**LORA), seed=0).train()
+        model = lora.apply_lora(load_pretrained(char_model), lora.LoraConfig(**LORA), seed=0).train()
         with torch.no_grad():
             for m in lora.lora_modules(model).values():
                 m.lora_B.weight.fill_(0.01)
@@ -68,9 +60,9 @@ def test_gradient_checkpointing_unchanged_with_lora(tiny_model):
         torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-7)
 
 
-def test_lora_kl_reference_is_the_policy_with_adapters_off(tiny_model):
-    base = load_pretrained(tiny_model).requires_grad_(False)
-    policy = lora.apply_lora(load_pretrained(tiny_model), lora.LoraConfig(**LORA), seed=0)
+def test_lora_kl_reference_is_the_policy_with_adapters_off(char_model):
+    base = load_pretrained(char_model).requires_grad_(False)
+    policy = lora.apply_lora(load_pretrained(char_model), lora.LoraConfig(**LORA), seed=0)
     c = learner_cfg(kl_coef=0.1)
     batch = batch_for(policy)
     opt = torch.optim.Adam(lora.trainable_parameters(policy), lr=5e-2)
@@ -92,13 +84,13 @@ def test_lora_kl_reference_is_the_policy_with_adapters_off(tiny_model):
     assert abs(own["loss"] - loaded["loss"]) <= KL_TOL
 
 
-def test_lora_kl_run_loads_the_base_once(tmp_path, tiny_model, monkeypatch):
+def test_lora_kl_run_loads_the_base_once(tmp_path, char_model, monkeypatch):
     loads = []
     real = align.model.load_pretrained
     monkeypatch.setattr(align.model, "load_pretrained", lambda *a, **kw: loads.append(a) or real(*a, **kw))
     cfg = cfg_for(tmp_path / "lora", steps=2, lr=5e-2, lora=LORA)
     cfg.loss.kl_coef = 0.1
-    train(cfg, model=tiny_model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward)
+    train(cfg, model=char_model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward)
     assert len(loads) == 1, "LoRA + KL: the reference is the policy with its adapters off, not a second base"
     kl = [r["kl"] for r in records(tmp_path / "lora")]
     assert kl[0] == 0.0 and kl[1] > 0.0  # step 1: B = 0 (policy == base); step 2: measured against the base
@@ -106,7 +98,7 @@ def test_lora_kl_run_loads_the_base_once(tmp_path, tiny_model, monkeypatch):
     loads.clear()
     cfg = cfg_for(tmp_path / "full", steps=1)
     cfg.loss.kl_coef = 0.1
-    train(cfg, model=tiny_model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward)
+    train(cfg, model=char_model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward)
     assert len(loads) == 2
 
 

@@ -1,0 +1,151 @@
+"""What the training-loop tests share: the char task, its random-weight model, a small TrainConfig, the run files.
+
+The char task is trivially learnable: prompts over ``abcd=`` and a reward for the share of 'a' in a 4-letter
+completion (``a_reward``). ``build_char_model`` is the one builder of its model (the ``char_model`` /
+``char_model_2l`` fixtures of tests/conftest.py). ``cfg_for`` is the base run config (4 prompts x 4 completions of
+up to 4 tokens, lr 1e-2, no warmup, no eval); ``run_cli`` starts ``python -m align.train`` in a subprocess, and
+``wait_for`` / ``wait_for_steps`` poll its run dir with a bound.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from align.tasks.tokenizer import CharTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMING_KEYS = {"tokens_per_s", "rollout_time", "sync_time", "step_time"}  # wall-clock figures, never compared
+RUN_TIMEOUT_S = 300.0  # a CLI run on a tiny model reaches a given step well within this on 2 loaded cores
+POLL_S = 0.05
+
+TOK = CharTokenizer("abcd=")
+PROMPTS = [{"prompt": w + "="} for w in ("ab", "cd", "bca", "dd", "abc", "cab", "dab", "bb")]
+
+# The TrainConfig fields every small run here shares (the driver of tests/test_dist.py takes them as JSON too).
+TRAIN_BASE = {
+    "prompts_per_step": 4,
+    "group_size": 4,
+    "max_tokens": 4,
+    "lr": 1e-2,
+    "warmup_steps": 0,
+    "micro_batch_size": 8,
+}
+
+
+def a_reward(prompt: str, completion: str, **_) -> float:
+    return completion.count("a") / 4
+
+
+def partial_credit(prompt: str, completion: str, answer: str | None = None, **_) -> float:
+    """Fraction of the reversed word's characters in place: a fine-grained fingerprint of what a policy generates."""
+    return sum(a == b for a, b in zip(completion, answer)) / len(answer)
+
+
+def build_char_model(path: str | os.PathLike, layers: int = 1) -> str:
+    """A random-weight (seed 0) model of the reverse task's shape for ``TOK`` with ``layers`` decoder layers, saved
+    (committed) at ``path``. Returns the path as a string (what ``--model`` takes)."""
+    from align.model import Transformer, save_pretrained
+    from align.tasks import reverse
+
+    cfg = reverse.model_config(TOK)
+    cfg.num_hidden_layers = layers
+    return str(save_pretrained(Transformer(cfg).init_weights(seed=0), Path(path)))
+
+
+def tree_digest(path: str | os.PathLike) -> dict[str, str]:
+    """sha256 of every file under ``path`` by relative name: equal digests mean nothing was written there."""
+    root = Path(path)
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()
+    }
+
+
+def cfg_for(out, **kw):
+    """The base run: ``TRAIN_BASE``, 4 steps, a checkpoint every 2, no eval; ``kw`` overrides TrainConfig fields."""
+    from align.train import TrainConfig
+
+    base = {"out": str(out), **TRAIN_BASE, "steps": 4, "checkpoint_every": 2}
+    base.update(kw)
+    c = TrainConfig(**base)
+    c.eval.eval_interval = 0
+    return c
+
+
+def records(out) -> list[dict]:
+    """The run's metrics.jsonl, one dict per line."""
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_steps(out) -> int:
+    """How many training steps the run dir has logged so far (0 before metrics.jsonl exists)."""
+    return sum(1 for r in records(out) if "reward_mean" in r) if (Path(out) / "metrics.jsonl").exists() else 0
+
+
+def comparable(out) -> list[dict]:
+    """The run's records without wall-clock figures: what two runs of the same config must log alike."""
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS and not k.endswith("seconds")} for r in records(out)]
+
+
+def run_cli(args: list[str], **kw) -> subprocess.Popen:
+    """``python -m align.train ARGS`` on this checkout, stdout and stderr together in ``proc.stdout``."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "align.train", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
+    )
+
+
+def cli_args(out, model) -> list[str]:
+    """An 8-step CLI run of the built-in reverse task: checkpoints every 2 steps, eval every 4."""
+    return [
+        "--out",
+        str(out),
+        "--model",
+        model,
+        "--steps",
+        "8",
+        "--prompts-per-step",
+        "8",
+        "--group-size",
+        "4",
+        "--max-tokens",
+        "6",
+        "--checkpoint-every",
+        "2",
+        "--eval-interval",
+        "4",
+        "--eval-prompts",
+        "16",
+    ]
+
+
+def wait_for(
+    pred: Callable[[], bool], proc: subprocess.Popen, timeout: float = RUN_TIMEOUT_S, poll_s: float = POLL_S
+) -> None:
+    """Poll ``pred()`` until it holds; an AssertionError with the run's output if ``proc`` exits first, or (after
+    killing it) if ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"run exited early ({proc.returncode}):\n{proc.stdout.read()[-3000:]}")
+        time.sleep(poll_s)
+    proc.kill()
+    raise AssertionError(f"timed out after {timeout} s:\n{proc.stdout.read()[-3000:]}")
+
+
+def wait_for_steps(out: Path, n: int, proc: subprocess.Popen, timeout: float = RUN_TIMEOUT_S) -> None:
+    """Until the run in ``out`` has logged ``n`` training steps (see ``wait_for``)."""
+    wait_for(lambda: train_steps(out) >= n, proc, timeout)
