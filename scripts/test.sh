@@ -10,7 +10,7 @@ if [ -f scripts/setup_rollout_venv.sh ]; then
 fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-if ! command -v rsvg-convert >/dev/null; then   # renders plot.svg in tests/test_runlog.py
+if ! command -v rsvg-convert >/dev/null; then   # renders plot.svg in tests/test_plot.py
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         apt-get install -y -q librsvg2-bin >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q librsvg2-bin >/dev/null; }
     else

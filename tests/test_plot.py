@@ -15,8 +15,8 @@ import zlib
 
 import pytest
 
-from align.run import log as runlog
-from align.run.log import write_plot
+from align.run import plot
+from align.run.plot import write_plot
 
 SVG = "{http://www.w3.org/2000/svg}"
 MIN_INK_FRAC = 0.01  # share of a panel's data area that curves and markers cover (measured ~0.03 here)
@@ -72,7 +72,7 @@ def test_plot_has_every_panel_and_metric_with_legends_beside_the_data(tmp_path):
     assert names["reward"] == ["reward_mean", "eval/pass@1", "eval/pass@4", "eval/avg@4"]  # not eval/lag_steps
     assert names["loss"] == ["loss", "kl"] and names["throughput"] == ["tokens_per_s"]
     assert names["length"] == ["completion_len_mean"] and names["truncation"] == ["truncated_frac"]
-    right = runlog.PLOT_LEFT + runlog.PLOT_W
+    right = plot.PLOT_LEFT + plot.PLOT_W
     for pid, p in panels.items():
         legend = next(g for g in p.iter(f"{SVG}g") if g.get("class") == "legend")
         xs = [float(e.get("x", e.get("x1", e.get("cx", "nan")))) for e in legend if e.tag != f"{SVG}polygon"]
@@ -167,8 +167,8 @@ def test_rendered_plot_is_not_blank_and_every_eval_curve_shows(tmp_path):
     boxes = {}
     for pid, p in panels.items():
         ox, oy = _offset(p)
-        x0, y0 = int(ox + runlog.PLOT_LEFT + inset), int(oy + runlog.PLOT_TOP + inset)
-        boxes[pid] = (x0, y0, x0 + runlog.PLOT_W - 2 * inset, y0 + runlog.PLOT_H - 2 * inset)
+        x0, y0 = int(ox + plot.PLOT_LEFT + inset), int(oy + plot.PLOT_TOP + inset)
+        boxes[pid] = (x0, y0, x0 + plot.PLOT_W - 2 * inset, y0 + plot.PLOT_H - 2 * inset)
     for pid, box in boxes.items():
         ink = _ink(rows, bpp, box)
         assert ink > MIN_INK_FRAC, (pid, ink)
@@ -180,7 +180,7 @@ def test_rendered_plot_is_not_blank_and_every_eval_curve_shows(tmp_path):
         n = sum(1 for p in reward if max(abs(a - b) for a, b in zip(p, want)) <= COLOR_DELTA)
         assert n >= MIN_COLOR_PIXELS, (g.get("data-name"), n)
     # negative controls: a colour no series uses is absent, and an empty run's panels measure no ink
-    unused = _rgb(runlog.COLORS[-1])
+    unused = _rgb(plot.COLORS[-1])
     assert sum(1 for p in reward if max(abs(a - b) for a, b in zip(p, unused)) <= COLOR_DELTA) == 0
     write_plot(tmp_path / "empty.svg", [])
     subprocess.run([exe, str(tmp_path / "empty.svg"), "-o", str(tmp_path / "empty.png")], check=True, timeout=60)
