@@ -1,6 +1,6 @@
 """No silent skips: with ALIGN_FAIL_ON_SKIP=1 (set by scripts/test.sh) any skipped test fails the run.
 
-The one exception is a test marked with hardware this machine lacks (``gpu``: a CUDA GPU; ``avx512``: an x86 CPU
+The one exception is a test marked with hardware this machine lacks (``gpu``: a CUDA GPU; ``cpu_bf16``: a CPU with native bf16; ``avx512``: an x86 CPU
 with AVX-512, for the native decode kernel): it skips here, by name (``tests/conftest.py`` asks
 ``missing_hardware``), and every such skip is listed at the end of the run, so nothing passes for coverage it did
 not get. Skips are recorded from the test reports (setup, call and collection), and the verdict is applied in ``pytest_sessionfinish`` by raising
@@ -19,7 +19,8 @@ import pytest
 
 ENV = "ALIGN_FAIL_ON_SKIP"
 GPU_MARKER = "gpu"
-HARDWARE_MARKERS = (GPU_MARKER, "avx512")  # a test marked so may skip where the hardware is missing (listed)
+# a test marked so may skip where the hardware is missing (listed)
+HARDWARE_MARKERS = (GPU_MARKER, "avx512", "cpu_bf16")
 
 _hw_skips: dict[str, list[tuple[str, str]]] = {m: [] for m in HARDWARE_MARKERS}
 _other_skips: list[tuple[str, str]] = []
@@ -31,6 +32,10 @@ def missing_hardware(marker: str) -> str | None:
 
     if marker == GPU_MARKER:
         return None if torch.cuda.is_available() else "needs a CUDA GPU: run bash scripts/gpu_check.sh on a GPU machine"
+    if marker == "cpu_bf16":
+        if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return None
+        return "needs a CPU with native bf16 GEMMs (oneDNN bf16: AVX-512 BF16 / AMX); CUDA bf16 runs in gpu_check.sh"
     from align.rollout import cpu_kernel
 
     why = cpu_kernel._cpu_supported()  # the kernel's own CPU check: x86-64 Linux, AVX-512
