@@ -80,21 +80,50 @@ def _need(module: str, extra: str, what: str) -> Any:
 # ------------------------------------------------------------------------------------------------ rows
 
 
+def _utf8(raw: bytes, where: str, what: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(
+            f"{where}: not UTF-8 text (byte {raw[e.start : e.start + 1]!r} at column {e.start + 1}); {what}"
+        ) from None
+
+
+def read_text(path: Path, what: str) -> str:
+    """A UTF-8 text file; a byte that is not UTF-8 is an ``InputError`` naming ``file:line``."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise InputError(f"{path}:{line}: not UTF-8 text (byte {raw[e.start : e.start + 1]!r}); {what}") from None
+
+
 def read_rows(path: str | Path, flag: str = "--train-data") -> list[tuple[str, dict]]:
     """[(where, row)] from a .jsonl / .json (one object per line) or .parquet file; ``where`` is ``file:line``."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{flag} {path}: no such file")
-    if path.suffix == ".parquet":
-        pq = _need("pyarrow.parquet", "parquet", f"{flag} {path} (Parquet)")
-        try:
-            table = pq.read_table(path)
-        except (OSError, ValueError) as e:  # ArrowInvalid is a ValueError; re-raised with the flag and file named
-            raise InputError(f"{flag} {path}: not a readable Parquet file ({e})") from None
-        return [(f"{path}:row {i}", row) for i, row in enumerate(table.to_pylist())]
+    rows = _parquet_rows(path, flag) if path.suffix == ".parquet" else _jsonl_rows(path, flag)
+    if not rows:
+        raise InputError(f"{flag} {path}: the file has no rows")
+    return rows
+
+
+def _parquet_rows(path: Path, flag: str) -> list[tuple[str, dict]]:
+    pq = _need("pyarrow.parquet", "parquet", f"{flag} {path} (Parquet)")
+    try:
+        table = pq.read_table(path)
+    except (OSError, ValueError) as e:  # ArrowInvalid is a ValueError; re-raised with the flag and file named
+        raise InputError(f"{flag} {path}: not a readable Parquet file ({e})") from None
+    return [(f"{path}:row {i}", row) for i, row in enumerate(table.to_pylist())]
+
+
+def _jsonl_rows(path: Path, flag: str) -> list[tuple[str, dict]]:
     rows = []
-    with open(path, encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
+    with open(path, "rb") as fh:
+        for n, raw in enumerate(fh, 1):
+            line = _utf8(raw, f"{path}:{n}", f"{flag} takes UTF-8 JSONL")
             if not line.strip():
                 continue
             try:
@@ -106,8 +135,6 @@ def read_rows(path: str | Path, flag: str = "--train-data") -> list[tuple[str, d
             if not isinstance(row, dict):
                 raise InputError(f"{path}:{n}: a JSONL row must be a JSON object, got {type(row).__name__}")
             rows.append((f"{path}:{n}", row))
-    if not rows:
-        raise InputError(f"{flag} {path}: the file has no rows")
     return rows
 
 
@@ -116,6 +143,14 @@ def _check_messages(msgs: Any, where: str) -> list[dict]:
         isinstance(msgs, list) and msgs and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs)
     ):
         raise InputError(f"{where}: a chat prompt must be a non-empty list of {{'role': ..., 'content': ...}} objects")
+    for i, m in enumerate(msgs):  # a string, or a list of content parts; null only beside tool_calls
+        content = m.get("content", "")
+        if not (isinstance(content, (str, list)) or (content is None and m.get("tool_calls"))):
+            kind = "null" if content is None else type(content).__name__
+            raise InputError(
+                f"{where}: message {i} ({m['role']}) has {kind} content; a message's 'content' must be a string "
+                "(or a list of content parts)"
+            )
     return msgs
 
 
@@ -135,9 +170,16 @@ def to_record(row: dict, where: str, prompt_key: str, template: ChatTemplate | N
                 "the tokenizer has none (tokenizer_config.json 'chat_template' or chat_template.jinja); "
                 "give the tokenizer one with --tokenizer DIR, or use a 'prompt' string"
             )
-        text: str = template.render(_check_messages(value, where))
+        try:
+            text: str = template.render(_check_messages(value, where))
+        except InputError as e:  # the template's error, with the row it failed on
+            raise InputError(f"{where}: {e}") from None
+        if not text:
+            raise InputError(f"{where}: {template.name} renders these messages to an empty prompt")
     elif isinstance(value, str):
         text = value
+        if not text:
+            raise InputError(f"{where}: {key!r} is an empty string; a prompt needs at least one character")
     else:
         raise InputError(f"{where}: {key!r} must be a string or a list of chat messages, got {type(value).__name__}")
     fields = {k: v for k, v in row.items() if k != key}
@@ -166,7 +208,7 @@ def _token_text(v: Any) -> str | None:
 class ChatTemplate:
     """A Hugging Face chat template rendered as ``apply_chat_template(..., tokenize=False)`` renders it."""
 
-    def __init__(self, source: str, special_tokens: dict[str, str] | None = None):
+    def __init__(self, source: str, special_tokens: dict[str, str] | None = None, name: str = "the chat template"):
         _need("jinja2", "hf", "a chat template")
         import jinja2
         import jinja2.ext
@@ -197,10 +239,19 @@ class ChatTemplate:
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        self.source = source
+        self.source, self.name = source, name
         self.special_tokens = dict(special_tokens or {})
-        self.template = env.from_string(source)
-        self._errors = (jinja2.exceptions.TemplateError,)
+        try:
+            parsed = env.parse(source)
+        except jinja2.exceptions.TemplateSyntaxError as e:
+            raise InputError(f"{name}: line {e.lineno}: template syntax error: {e.message}") from None
+        for node in parsed.find_all((jinja2.nodes.Include, jinja2.nodes.Import, jinja2.nodes.FromImport,
+                                     jinja2.nodes.Extends)):  # fmt: skip
+            raise InputError(
+                f"{name}: line {node.lineno}: include / import / extends loads another template file; a chat "
+                "template must be self-contained (paste the other template in)"
+            )
+        self.template = env.from_string(parsed)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> ChatPrompt:
         try:
@@ -211,8 +262,8 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt,
                 **{**self.special_tokens, **kwargs},
             )
-        except self._errors as e:
-            raise InputError(f"the chat template rejected the messages: {e}") from None
+        except Exception as e:  # noqa: BLE001 -- the template is the user's code: any error it raises is named
+            raise InputError(f"{self.name} failed on these messages ({type(e).__name__}: {e})") from None
         return ChatPrompt(text)
 
 
@@ -220,7 +271,7 @@ def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_text(path, "a tokenizer's JSON files are UTF-8"))
     except json.JSONDecodeError as e:
         raise InputError(f"{path}: not valid JSON ({e})") from None
     return data if isinstance(data, dict) else {}
@@ -231,9 +282,9 @@ def load_chat_template(directory: str | Path) -> ChatTemplate | None:
     (a string, or a list of named templates: the one named ``default``). None when there is none."""
     d = Path(directory)
     config = _read_json(d / "tokenizer_config.json")
-    source = None
+    source, name = None, f"the chat template in {d / 'tokenizer_config.json'}"
     if (d / "chat_template.jinja").is_file():
-        source = (d / "chat_template.jinja").read_text(encoding="utf-8")
+        source, name = read_text(d / "chat_template.jinja", "a chat template is UTF-8"), f"{d / 'chat_template.jinja'}"
     elif isinstance(config.get("chat_template"), str):
         source = config["chat_template"]
     elif isinstance(config.get("chat_template"), list):
@@ -243,7 +294,7 @@ def load_chat_template(directory: str | Path) -> ChatTemplate | None:
         return None
     specials = {**_read_json(d / "special_tokens_map.json"), **config}
     tokens = {k: t for k in SPECIAL_TOKEN_NAMES if (t := _token_text(specials.get(k))) is not None}
-    return ChatTemplate(source, tokens)
+    return ChatTemplate(source, tokens, name)
 
 
 # ------------------------------------------------------------------------------------------------ tokenizer
@@ -340,7 +391,10 @@ def load_tokenizer(directory: str | Path, model_dir: str | Path | None = None, f
     if (d / "align_tokenizer.json").is_file():
         from align.tasks.tokenizer import CharTokenizer
 
-        return CharTokenizer.load(d)
+        try:
+            return CharTokenizer.load(d)
+        except (ValueError, KeyError, TypeError) as e:  # UnicodeDecodeError / JSONDecodeError are ValueErrors
+            raise InputError(f"{d / 'align_tokenizer.json'}: not a char tokenizer ({type(e).__name__}: {e})") from None
     raise InputError(
         f"{flag} {d}: no tokenizer.json (a Hugging Face fast tokenizer); pass --tokenizer DIR "
         "pointing at the directory that holds the model's tokenizer.json"
@@ -365,6 +419,8 @@ def check_prompt_lengths(
     context, vocab = config.get("max_position_embeddings"), config.get("vocab_size")
     for rec, where in zip(records, wheres):
         ids = tok.encode(rec["prompt"])
+        if not ids:
+            raise InputError(f"{where}: the prompt encodes to no tokens; a prompt needs at least one")
         if context and len(ids) + max_tokens > context:
             raise InputError(
                 f"{where}: the prompt is {len(ids)} tokens; with --max-tokens {max_tokens} it does not "

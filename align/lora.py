@@ -290,10 +290,14 @@ def read_adapter_config(path: str | os.PathLike) -> LoraConfig:
         targets = [targets] if targets in DECODER_LINEARS or targets == ALL_LINEAR else None
     if not targets:
         raise ValueError(f"{cfg_path}: target_modules {raw.get('target_modules')!r} must be a list of linear names")
+    values = {"r": raw.get("r"), "lora_alpha": raw.get("lora_alpha"), "lora_dropout": raw.get("lora_dropout", 0.0)}
+    for key, v in values.items():  # JSON numbers only: "x", null, true would fail later, unnamed
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (key == "r" and not isinstance(v, int)):
+            raise ValueError(f"{cfg_path}: {key}={v!r} must be {'an int' if key == 'r' else 'a number'}")
     return LoraConfig(
-        rank=int(raw["r"]),
-        alpha=float(raw["lora_alpha"]),
-        dropout=float(raw.get("lora_dropout", 0.0)),
+        rank=values["r"],
+        alpha=float(values["lora_alpha"]),
+        dropout=float(values["lora_dropout"]),
         targets=",".join(sorted(targets)),
     )
 
@@ -317,6 +321,7 @@ def load_adapter(
     ``base_model`` (default: the one ``model`` was wrapped with) must be the adapter's
     ``base_model_name_or_path`` when both are known; every tensor must exist in the model with its shape,
     and every adapted layer must get its tensors. Anything else raises ValueError naming the mismatch."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -340,7 +345,10 @@ def load_adapter(
         model.lora_config = cfg
     else:
         apply_lora(model, cfg, base_model=base or recorded)
-    state = load_file(str(path / ADAPTER_WEIGHTS))
+    try:
+        state = load_file(str(path / ADAPTER_WEIGHTS))
+    except SafetensorError as e:  # a truncated or corrupt header / data: named, with the file
+        raise ValueError(f"{path / ADAPTER_WEIGHTS} is not a readable safetensors file ({e})") from None
     params = {f"{PEFT_PREFIX}{n}": p for n, p in model.named_parameters() if ".lora_" in n}
     unknown = sorted(set(state) - set(params))
     if unknown:

@@ -138,6 +138,7 @@ def print_summary(s: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from align.run.checkpoint import CheckpointError
     from align.run.presets import parse
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     old = {s: signal.signal(s, on_signal) for s in SIGNAL_EXIT}
     try:
         summary = train(cfg, stop_flag=stop_flag)
-    except InputError as e:  # bad data / reward / tokenizer input, found before the model loads
+    except (InputError, CheckpointError) as e:  # bad input (before the model loads); a checkpoint that cannot resume
         print(f"align.train: error: {e}", file=sys.stderr, flush=True)
         return 2
     finally:

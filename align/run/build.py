@@ -32,7 +32,7 @@ from align.data import InputError
 from align.run import checkpoint as ckpt
 from align.run import safety
 from align.run.config import TrainConfig
-from align.run.log import MetricsLog, Progress, format_line, make_logger, sample_groups
+from align.run.log import MetricsLog, Progress, check_logger, format_line, make_logger, sample_groups
 from align.run.plot import write_plot
 
 log = logging.getLogger(__name__)
@@ -354,8 +354,8 @@ def _open_files_and_task(run: Run, model: Any, tokenizer: Any, prompts: Any, rew
     from align.rewards import make_scorer
 
     cfg, out = run.cfg, run.out
-    safety.check_paths(cfg.out, model or cfg.model, cfg.save_hf, cfg.eval.eval_hf_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    safety.check_paths(cfg.out, model or cfg.model, cfg.save_hf, cfg.eval.eval_hf_dir, cfg.data.tokenizer)
+    check_logger(cfg.log.logger, safety.make_out(out))  # the run dir is writable, the --logger package imports
     run.run_id = dist.main_first(lambda: safety.run_id(out))
     if cfg.save_hf:
         safety.check_export_target(cfg.save_hf, run.run_id, cfg.overwrite)
@@ -387,7 +387,7 @@ def _open_policy(run: Run) -> None:
         policy = load(run.model_path, dtype=place.param_dtype, device=place.device)
         lora.apply_lora(policy, cfg.lora, base_model=run.model_path, seed=cfg.seed)
         if resume:
-            lora.load_adapter(policy, resume[1] / "adapter")
+            ckpt.load_adapter(policy, resume[1])
     elif resume and not ckpt.is_sharded(resume[1]):
         policy = ckpt.load_model(resume[1], place.param_dtype, device=place.device)
     else:  # a sharded (torchrun) checkpoint is loaded into this model after sharding

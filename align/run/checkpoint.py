@@ -193,7 +193,37 @@ def load_state(ckpt: Path) -> dict:
     missing = [k for k in ("optimizer", "scheduler", "rng", "cursor", "step") if k not in state]
     if missing:
         raise CheckpointError(f"{path} lacks {missing}: not an align trainer state; {_previous_hint(ckpt)}")
+    cursor = state["cursor"]
+    kinds = {  # what align writes; a hand-edited value fails here, by name, not mid-resume
+        "step": isinstance(state["step"], int) and not isinstance(state["step"], bool) and state["step"] >= 0,
+        "cursor": isinstance(cursor, dict) and all(type(cursor.get(k)) is int for k in ("epoch", "index")),
+        "optimizer": isinstance(state["optimizer"], dict),
+        "scheduler": isinstance(state["scheduler"], dict),
+        "rng": isinstance(state["rng"], dict),
+        "pending_batches": isinstance(state.get("pending_batches", []), list),
+    }
+    bad = [f"{k}={state.get(k)!r}" for k, ok in kinds.items() if not ok]
+    if bad:
+        raise CheckpointError(
+            f"{path} has values align never writes ({', '.join(bad)[:300]}; step is an int >= 0, cursor "
+            f"{{'epoch': int, 'index': int}}): the file was edited or is corrupt; {_previous_hint(ckpt)}"
+        )
     return state
+
+
+def load_adapter(model: Transformer, ckpt: Path) -> Transformer:
+    """A LoRA checkpoint's ``adapter/`` into ``model``; an unreadable or foreign adapter names its file and the way
+    out (``align.lora.load_adapter`` raises ValueError naming the mismatch)."""
+    from safetensors import SafetensorError
+
+    from align import lora
+
+    try:
+        return lora.load_adapter(model, ckpt / "adapter")
+    except (ValueError, OSError, SafetensorError) as e:
+        raise CheckpointError(
+            f"{ckpt / 'adapter'} cannot be loaded ({type(e).__name__}: {e}); {_previous_hint(ckpt)}"
+        ) from None
 
 
 def load_model(ckpt: Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> Transformer:

@@ -171,6 +171,28 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     return cls(**kw)
 
 
+def load_config_file(path: str) -> dict:
+    """A ``--config`` file: a UTF-8 JSON object (a saved ``config.json``); ValueError naming the file (and line)."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except OSError as e:
+        raise ValueError(f"--config {path}: {e.strerror or e}") from None
+    try:
+        loaded = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"--config {path}:{line}: not UTF-8 text (byte {raw[e.start : e.start + 1]!r})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--config {path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(  # noqa: TRY004 -- a bad file, reported as one argparse error
+            f"--config {path}: the top level must be a JSON object of settings (as in a saved config.json), "
+            f"got a {type(loaded).__name__}"
+        )
+    return loaded
+
+
 def parse(cls: type, argv: list[str] | None, prefixes: dict[str, str], description: str = "") -> Any:
     """Parse ``argv`` into a ``cls`` instance: defaults < ``--config`` file < flags."""
     parser = build_parser(cls, prefixes, description)
@@ -179,10 +201,9 @@ def parse(cls: type, argv: list[str] | None, prefixes: dict[str, str], descripti
     config_path = args.pop("config", None)
     if config_path:
         try:
-            with open(config_path) as fh:
-                loaded = json.load(fh)
-        except (OSError, json.JSONDecodeError) as e:
-            parser.error(f"--config {config_path}: {e}")
+            loaded = load_config_file(config_path)
+        except ValueError as e:
+            parser.error(str(e))
         base = _merge(base, loaded)
     for dest, value in args.items():
         node = base

@@ -216,6 +216,28 @@ class WandbLogger:
 LOGGERS = {"none": None, "tensorboard": TensorBoardLogger, "wandb": WandbLogger}
 
 
+def check_logger(kind: str, out: Path) -> None:
+    """``--logger``'s package imports and its files can be written, checked before the model loads (``InputError``)."""
+    import importlib
+
+    from align.data import InputError
+
+    if kind == "none":
+        return
+    module, extra = ("torch.utils.tensorboard", "tensorboard") if kind == "tensorboard" else ("wandb", "wandb")
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise InputError(
+            f"--logger {kind} needs the optional package {extra!r}: pip install 'align[{extra}]'"
+        ) from None
+    target = out / ("tensorboard" if kind == "tensorboard" else "wandb_id")
+    if kind == "tensorboard" and (target.exists() or target.is_symlink()) and not target.is_dir():
+        raise InputError(f"--logger tensorboard writes its events to {target}, which is a file: remove or rename it")
+    if kind == "wandb" and target.is_dir():
+        raise InputError(f"--logger wandb keeps the run id in {target}, which is a directory: remove or rename it")
+
+
 def make_logger(kind: str, out: Path, config: dict, resume_step: int = 0) -> Any:
     """The optional metrics mirror for ``--logger`` (None for 'none'); its package is imported only here."""
     if kind == "tensorboard":

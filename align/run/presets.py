@@ -28,7 +28,6 @@ What each preset sets, and why (the papers' choices this repo supports; anything
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -105,10 +104,9 @@ def parse(
     loaded: dict = {}
     if given.get("config"):
         try:
-            with open(given["config"]) as fh:
-                loaded = json.load(fh)
-        except (OSError, json.JSONDecodeError):
-            loaded = {}  # parse_config reports it
+            loaded = cli.load_config_file(given["config"])
+        except ValueError:
+            loaded = {}  # cli.parse reports it
     name = given.get("preset", loaded.get("preset", "none") if isinstance(loaded, dict) else "none")
     if name not in PRESETS:
         return cli.parse(cls, argv, prefixes, description)  # "none", or an unknown name it rejects

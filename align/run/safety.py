@@ -27,8 +27,13 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from align.data import InputError
+
 EXPORT_MARKER = ".align-export.json"
 RUN_ID_FILE = "run_id"
+# files of a Hugging Face model / tokenizer dir that a run dir never holds at its top level
+HF_DIR_FILES = ("tokenizer.json", "tokenizer_config.json", "model.safetensors", "model.safetensors.index.json",
+                "pytorch_model.bin", "generation_config.json", "adapter_config.json")  # fmt: skip
 
 # Settings that may change when a run resumes (dotted keys; "eval." covers every eval setting).
 RESUMABLE = (
@@ -72,19 +77,27 @@ def _overlap(a: str, b: str) -> bool:
     return _under(a, b) or _under(b, a)
 
 
-def check_paths(out: str, model: str | None, save_hf: str | None, eval_hf_dir: str | None) -> None:
+def check_paths(
+    out: str, model: str | None, save_hf: str | None, eval_hf_dir: str | None, tokenizer: str | None = None
+) -> None:
     """Refuse path combinations that would overwrite or delete data; call before anything is written."""
     o = _real(out)
-    if model is not None:
-        m = _real(model)
-        if m != _real(Path(out) / "base_model") and _overlap(m, o):
+    for flag, path in (("--model", model), ("--tokenizer", tokenizer)):
+        m = None if path is None else _real(path)
+        if m is not None and m != _real(Path(out) / "base_model") and _overlap(m, o):
             where = "is" if m == o else ("is inside" if _under(m, o) else "contains")
-            raise ValueError(
-                f"--model {model} {where} the run dir --out {out}: the run would overwrite the model's config.json "
+            raise InputError(
+                f"{flag} {path} {where} the run dir --out {out}: the run would overwrite the model's config.json "
                 "and its checkpoint GC could delete model files; use an --out outside the model dir"
             )
+    held = [f for f in HF_DIR_FILES if (Path(out) / f).is_file()]
+    if held:
+        raise InputError(
+            f"--out {out} holds a Hugging Face model or tokenizer ({', '.join(held)}): the run would overwrite its "
+            "config.json; use an --out of its own (a new or empty dir, or an earlier run dir)"
+        )
     if eval_hf_dir is not None and _under(_real(eval_hf_dir), _real(Path(out) / "checkpoints")):
-        raise ValueError(
+        raise InputError(
             f"--eval-hf-dir {eval_hf_dir} is inside {Path(out) / 'checkpoints'}: eval snapshots named step_N would "
             "collide with the checkpoints and the eval GC would delete them; use a separate dir "
             "(e.g. /dev/shm/eval_hf)"
@@ -93,10 +106,26 @@ def check_paths(out: str, model: str | None, save_hf: str | None, eval_hf_dir: s
         s = _real(save_hf)
         for flag, other in (("--out", out), ("--model", model)):
             if other is not None and _overlap(s, _real(other)):
-                raise ValueError(
+                raise InputError(
                     f"--save-hf {save_hf} overlaps {flag} {other}: replacing the export would delete it (or "
                     f"the export would land inside it); choose a --save-hf dir outside both --out and --model"
                 )
+
+
+def make_out(out: str | os.PathLike) -> Path:
+    """Create the run dir ``--out`` and prove it writable (a probe file); ``InputError`` naming the cause."""
+    path = Path(out)
+    probe = path / f".write-probe-{uuid.uuid4().hex[:8]}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise InputError(
+            f"--out {out}: the run dir cannot be written ({e.strerror or e}{': ' + e.filename if e.filename else ''}); "
+            "choose an --out on a writable filesystem"
+        ) from None
+    return path
 
 
 def run_id(out: str | os.PathLike, create: bool = True) -> str | None:

@@ -505,13 +505,32 @@ class Manifest:
         another plan (the message names each setting, old and new)."""
         m = cls(out, plan)
         if os.path.exists(m.path):
-            with open(m.path, encoding="utf-8") as f:
-                m.data = json.load(f)
+            m.data = cls._read(m.path)
             if m.data.get("plan") != plan:
                 old = m.data.get("plan", {})
                 diff = {k: (old.get(k), v) for k, v in plan.items() if old.get(k) != v}
                 raise ValueError(f"{out} was made with other settings {diff} (old, new); use a new --out")
         return m
+
+    @staticmethod
+    def _read(path: str) -> dict:
+        """The manifest's JSON object; a hand-edited file (not UTF-8 JSON, not an object, ``sessions`` missing or not a
+        list of objects, ``plan`` not an object) is a ``ValueError`` naming the file and the fix."""
+        fix = "restore the file, or use a new --out"
+        try:
+            with open(path, "rb") as f:
+                data = json.loads(f.read().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: not a lean_gen manifest ({e}); {fix}") from None
+        if not isinstance(data, dict):
+            what = f"the top level is a {type(data).__name__}, not an object"
+        elif not (isinstance(data.get("sessions"), list) and all(isinstance(x, dict) for x in data["sessions"])):
+            what = f"'sessions' is {data.get('sessions')!r:.80}, not a list of session objects"
+        elif not isinstance(data.get("plan", {}), dict):
+            what = f"'plan' is {data['plan']!r:.80}, not an object"
+        else:
+            return data
+        raise ValueError(f"{path}: not a lean_gen manifest ({what}); {fix}")
 
     @property
     def sessions(self) -> list[dict]:
