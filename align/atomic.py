@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 import uuid
 from pathlib import Path
@@ -56,13 +57,20 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 def commit_dir(tmp: Path, path: Path, marker: dict) -> None:
     """Commit a directory written under the temporary name ``tmp``: fsync its files, write the commit marker last,
-    then rename it onto ``path`` (an existing directory there is moved aside first and removed after)."""
+    then rename it onto ``path`` (an existing directory there is moved aside first and removed after).
+
+    Every file gets the mode a new file gets under the umask (the marker's): writers that create 0600 files
+    (safetensors' temp-file-and-rename) would leave an export a server running as another user cannot read."""
     for f in tmp.iterdir():
         with open(f, "rb+") as fh:
             os.fsync(fh.fileno())
     (tmp / COMMIT_MARKER).write_text(json.dumps(marker))
     with open(tmp / COMMIT_MARKER, "rb+") as fh:
         os.fsync(fh.fileno())
+    mode = stat.S_IMODE((tmp / COMMIT_MARKER).stat().st_mode)  # 0o666 & ~umask
+    for f in tmp.iterdir():
+        if stat.S_IMODE(f.stat().st_mode) != mode:
+            os.chmod(f, mode)
     fsync_dir(tmp)
     if path.exists():
         old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
