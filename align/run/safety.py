@@ -153,21 +153,21 @@ def export_problem(path: str | os.PathLike, rid: str | None) -> str | None:
     ``rid`` and that holds exactly the files the marker lists, each of its recorded size."""
     path = Path(path)
     if path.is_symlink() or not path.is_dir():
-        return "not a directory"
-    try:
-        marker = json.loads((path / EXPORT_MARKER).read_text())
-        owner, files = marker.get("run_id"), marker.get("files")
-    except (OSError, ValueError, AttributeError):
-        return f"not an align export (no readable {EXPORT_MARKER})"
-    if rid is None or owner != rid:
+        return "a file, not a directory"
+    owner = export_owner(path)
+    if owner is None:
+        return "not an align export of this run"
+    if owner != rid:
         return f"an export of another run ({owner})"
+    try:
+        files = json.loads((path / EXPORT_MARKER).read_text()).get("files")
+    except (OSError, ValueError):
+        files = None
     if not isinstance(files, dict):
-        return f"an export whose {EXPORT_MARKER} lists no files"
-    for f in path.iterdir():
-        if f.name == EXPORT_MARKER:
-            continue
-        if f.is_symlink() or not f.is_file() or files.get(f.name) != f.stat().st_size:
-            return f"it holds {f.name}, which the export did not write"
+        return f"not an untouched export of this run: its {EXPORT_MARKER} lists no files"
+    for f in sorted(path.iterdir()):
+        if f.name != EXPORT_MARKER and (f.is_symlink() or not f.is_file() or files.get(f.name) != f.stat().st_size):
+            return f"not an untouched export of this run: it holds {f.name}, which the export did not write"
     return None
 
 
@@ -178,12 +178,12 @@ def check_export_target(target: str | os.PathLike, rid: str | None, overwrite: b
         return
     if t.is_dir() and not t.is_symlink() and not any(t.iterdir()):
         return
-    why = export_problem(t, rid)
-    if why is None:
+    what = export_problem(t, rid)
+    if what is None:
         return
     raise ValueError(
-        f"--save-hf {target} exists and is not an export of this run ({why}); refusing to replace it. Choose "
-        "another dir, or pass --overwrite to replace it"
+        f"--save-hf {target} exists and is {what}; refusing to replace it. Choose another dir, or pass "
+        "--overwrite to replace it"
     )
 
 
