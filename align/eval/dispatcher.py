@@ -19,7 +19,7 @@ One eval point (``EvalDispatcher.dispatch(step)``), on the training thread:
 
 Every settled exported snapshot enters the retention ring exactly once, whatever its outcome; the ring keeps
 ``eval_keep_snapshots`` and deletes older ones. Each snapshot carries the run's id (``.align-export.json``,
-``align.run.safety.write_export_marker``): a ``step_N`` whose marker does not name this run is never replaced
+``align.atomic.write_export_marker``): a ``step_N`` whose marker does not name this run is never replaced
 (``export_failed``) nor deleted by the ring. Dirs the dispatcher did not export are never deleted, except
 leftovers of crashed predecessors under our own names, removed at startup (``clean_leftovers``).
 A ``CheckpointEvalFn`` call is bounded by ``eval_timeout_s`` (then ``timeout``); once ``should_stop()`` (a signal)
@@ -47,11 +47,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from align.atomic import COMMIT_MARKER, fsync_dir
+from align.atomic import COMMIT_MARKER, export_owner, fsync_dir, write_export_marker
 from align.eval.checkpoint_eval import CheckpointEvalFn, EvalInput, EvalSkip, adapter_base_model
 from align.eval.config import EvalConfig, EvalSet
 from align.eval.metrics import score_eval_set
-from align.run.safety import export_owner, write_export_marker
 
 logger = logging.getLogger(__name__)
 

@@ -38,7 +38,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-EXPORT_MARKER = ".align-export.json"
+from align.atomic import EXPORT_MARKER, export_owner, write_export_marker
+
 RUN_ID_FILE = "run_id"
 LOCK_FILE = ".align.lock"
 STEP_DIR = re.compile(r"step_\d+")  # eval snapshot / checkpoint names
@@ -126,26 +127,6 @@ def run_id(out: str | os.PathLike, create: bool = True) -> str | None:
     tmp.write_text(rid + "\n")
     os.replace(tmp, path)
     return rid
-
-
-def write_export_marker(path: str | os.PathLike, rid: str, step: int) -> None:
-    """Mark the dir ``path`` (written, not yet renamed into place) as run ``rid``'s export of ``step``: the marker
-    lists the name and size of every file in it, so ``export_problem`` can tell an untouched export."""
-    path = Path(path)
-    files = {f.name: f.stat().st_size for f in path.iterdir() if f.is_file() and not f.is_symlink()}
-    (path / EXPORT_MARKER).write_text(json.dumps({"run_id": rid, "step": step, "files": files}) + "\n")
-
-
-def export_owner(path: str | os.PathLike) -> str | None:
-    """The run id in dir ``path``'s export marker (None: not a dir, no readable marker)."""
-    path = Path(path)
-    if path.is_symlink() or not path.is_dir():
-        return None
-    try:
-        owner = json.loads((path / EXPORT_MARKER).read_text()).get("run_id")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return owner if isinstance(owner, str) else None
 
 
 def export_problem(path: str | os.PathLike, rid: str | None) -> str | None:
