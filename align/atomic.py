@@ -15,12 +15,14 @@ import contextlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 import uuid
 from pathlib import Path
 
 COMMIT_MARKER = ".complete"  # written last into a saved directory; readers require it
 SNAPSHOT_MARKERS = (COMMIT_MARKER, "STABLE")  # either commits a snapshot directory (DESIGN.md)
+EXPORT_MARKER = ".align-export.json"  # which run exported a dir (--save-hf, eval snapshots): align.run.safety
 
 
 def atomic_write_text(path: str | os.PathLike, text: str, tmp_dir: str | os.PathLike | None = None) -> None:
@@ -56,13 +58,20 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 def commit_dir(tmp: Path, path: Path, marker: dict) -> None:
     """Commit a directory written under the temporary name ``tmp``: fsync its files, write the commit marker last,
-    then rename it onto ``path`` (an existing directory there is moved aside first and removed after)."""
+    then rename it onto ``path`` (an existing directory there is moved aside first and removed after).
+
+    Every file gets the mode a new file gets under the umask (the marker's): writers that create 0600 files
+    (safetensors' temp-file-and-rename) would leave an export a server running as another user cannot read."""
     for f in tmp.iterdir():
         with open(f, "rb+") as fh:
             os.fsync(fh.fileno())
     (tmp / COMMIT_MARKER).write_text(json.dumps(marker))
     with open(tmp / COMMIT_MARKER, "rb+") as fh:
         os.fsync(fh.fileno())
+    mode = stat.S_IMODE((tmp / COMMIT_MARKER).stat().st_mode)  # 0o666 & ~umask
+    for f in tmp.iterdir():
+        if stat.S_IMODE(f.stat().st_mode) != mode:
+            os.chmod(f, mode)
     fsync_dir(tmp)
     if path.exists():
         old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
@@ -72,6 +81,26 @@ def commit_dir(tmp: Path, path: Path, marker: dict) -> None:
     else:
         os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def write_export_marker(path: str | os.PathLike, rid: str, step: int) -> None:
+    """Mark the dir ``path`` (written, not yet renamed into place) as run ``rid``'s export of ``step``: the marker
+    lists the name and size of every file in it, so ``export_problem`` can tell an untouched export."""
+    path = Path(path)
+    files = {f.name: f.stat().st_size for f in path.iterdir() if f.is_file() and not f.is_symlink()}
+    (path / EXPORT_MARKER).write_text(json.dumps({"run_id": rid, "step": step, "files": files}) + "\n")
+
+
+def export_owner(path: str | os.PathLike) -> str | None:
+    """The run id in dir ``path``'s export marker (None: not a dir, no readable marker)."""
+    path = Path(path)
+    if path.is_symlink() or not path.is_dir():
+        return None
+    try:
+        owner = json.loads((path / EXPORT_MARKER).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return owner if isinstance(owner, str) else None
 
 
 def is_committed(path: str | os.PathLike) -> bool:

@@ -8,7 +8,9 @@ would only make slow; the real vLLM fleet is in test_eval_fleet.py, the real `vl
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -686,14 +688,61 @@ def test_async_checkpoint_eval_fn_runs_on_the_loop(tmp_path):
 
 
 def test_export_snapshot_replaces_a_stale_dir_and_marks_it(tmp_path):
+    from align.run.safety import EXPORT_MARKER, write_export_marker
+
     stale = tmp_path / "step_3"
     stale.mkdir()
     (stale / "old.safetensors").write_text("old")
     (stale / MARKER).write_text("")
+    write_export_marker(stale, "run-a", 3)  # an earlier snapshot of this same run (a resumed run keeps its id)
     ex = Exporter()
     ex.step = 3
-    out = export_snapshot(ex, str(tmp_path), 3)
-    assert sorted(os.listdir(out)) == sorted([MARKER, "model.safetensors"])
+    out = export_snapshot(ex, str(tmp_path), 3, run_id="run-a")
+    assert sorted(os.listdir(out)) == sorted([MARKER, EXPORT_MARKER, "model.safetensors"])
+    assert json.loads((tmp_path / "step_3" / EXPORT_MARKER).read_text())["run_id"] == "run-a"
+
+
+def test_export_snapshot_never_replaces_another_runs_step_dir(tmp_path):
+    """Issue 30: an eval snapshot replaced another run's committed step_2 (and the ring then deleted it)."""
+    from helpers_train import tree_digest
+
+    from align.run.safety import write_export_marker
+
+    theirs = tmp_path / "step_2"
+    theirs.mkdir()
+    (theirs / "model.safetensors").write_text("their checkpoint")
+    (theirs / MARKER).write_text("")
+    before = tree_digest(tmp_path)
+    ex = Exporter()
+    for owner in (None, "run-b"):  # no marker (a checkpoint), then a snapshot of another run
+        if owner:
+            write_export_marker(theirs, owner, 2)
+            before = tree_digest(tmp_path)
+        with pytest.raises(RuntimeError, match=r"step_2 exists and is not a snapshot of this run.*refusing"):
+            export_snapshot(ex, str(tmp_path), 2, run_id="run-a")
+        assert tree_digest(tmp_path) == before and ex.calls == []  # refused before any export work
+    export_snapshot(ex, str(tmp_path), 2, run_id="run-b")  # control: the run that wrote it replaces it
+    assert (theirs / "model.safetensors").read_text() == "0"
+
+
+def test_retention_ring_never_deletes_a_step_dir_replaced_by_another_run(disp, tmp_path):
+    from align.run.safety import write_export_marker
+
+    d, _fn, ex = disp(eval_keep_snapshots=0)
+    fn = d.runner.eval_fn
+    fn.block[1] = threading.Event()
+    dispatch(d, ex, 1)  # exported; its eval waits
+    snap = tmp_path / "eval_hf" / "step_1"
+    shutil.rmtree(snap)
+    snap.mkdir()  # another run put its own step_1 there meanwhile
+    (snap / "model.safetensors").write_text("1")
+    write_export_marker(snap, "someone-else", 1)
+    fn.block[1].set()
+    d.drain()
+    assert (snap / "model.safetensors").read_text() == "1"  # kept: not this run's
+    dispatch(d, ex, 2)  # control: this run's own snapshot is deleted by keep 0
+    d.drain()
+    assert sorted(os.listdir(tmp_path / "eval_hf")) == ["step_1"]
 
 
 def test_pass_at_k_matches_brute_force():
@@ -808,7 +857,7 @@ def test_drain_after_a_training_error_keeps_that_error_primary(tmp_path):
     fn = FakeEvalFn()
     fn.raise_at[1] = RuntimeError("eval boom")
     fn.block[1] = threading.Event()  # the crash lands after step() returned (else step()'s poll would raise it)
-    ev = make_evaluator(c, toy_set(), export_fn=Exporter(), blocking_eval_fn=None, eval_fn=fn)
+    ev = make_evaluator(c, toy_set(), export_fn=Exporter(), blocking_eval_fn=None, eval_fn=fn, run_id="run-a")
     ev.step(1)
     fn.block[1].set()
     training_error = ValueError("the training step failed")
@@ -816,7 +865,7 @@ def test_drain_after_a_training_error_keeps_that_error_primary(tmp_path):
     assert skips(records) == [(1, "crashed")]
     assert any("CI eval 1 skipped: crashed" in n for n in training_error.__notes__)
     fn.block[1] = threading.Event()
-    ev2 = make_evaluator(c, toy_set(), export_fn=Exporter(), blocking_eval_fn=None, eval_fn=fn)
+    ev2 = make_evaluator(c, toy_set(), export_fn=Exporter(), blocking_eval_fn=None, eval_fn=fn, run_id="run-a")
     ev2.step(1)
     fn.block[1].set()
     with pytest.raises(RuntimeError, match="CI eval 1 skipped: crashed"):  # without a training error: raised

@@ -225,3 +225,15 @@ def test_generator_exits_when_the_pipeline_is_killed(w, tmp_path):
             if pid is not None and pid_alive(pid):
                 os.killpg(pid, signal.SIGKILL)
         pipeline.wait()
+
+
+@pytest.mark.slow  # a subprocess importing transformers: ~10-30 s on 2 shared cores
+def test_a_launch_that_fails_its_vllm_check_leaves_out_untouched(w, tmp_path):
+    """Issue 30: the resume repair truncated --out before the launch failed its vLLM check."""
+    out = tmp_path / "o.jsonl"
+    rec = {"sample_id": "mathd_algebra_478_g0", "problem_id": "mathd_algebra_478", "round": 0}
+    out.write_text(json.dumps(rec) + "\n" + json.dumps({**rec, "session": 9}) + "\n" + '{"sample_id": "mathd_al')
+    before = out.read_bytes()
+    r = _run(_args(w, out), tmp_path, prelude="import sys; sys.modules['vllm'] = None")
+    assert "cannot import vllm" in _one_line_error(r)
+    assert out.read_bytes() == before and not Path(f"{out}.skipped.jsonl").exists()

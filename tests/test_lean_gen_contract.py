@@ -711,3 +711,33 @@ def test_resume_keeps_each_samples_first_record_and_rewrites_the_file(tmp_path):
     assert lr.read_jsonl(path) == [first, other]  # the repeat is gone from the file too
     todo, done = lr.resume_split([{"sample_id": s} for s in ("p_g0", "p_g1", "p_g2")], rows)
     assert [t["sample_id"] for t in todo] == ["p_g2"] and len(done) == 2
+
+
+def test_read_jsonl_keeps_a_complete_last_record_that_lacks_its_newline(tmp_path):
+    """Issue 30: a complete last record without a trailing newline was truncated away (and regenerated)."""
+    p = tmp_path / "o.jsonl"
+    p.write_text('{"sample_id": "a"}\n{"sample_id": "b"}', encoding="utf-8")
+    assert [r["sample_id"] for r in lr.read_jsonl(str(p), repair_tail=True)] == ["a", "b"]
+    assert p.read_text() == '{"sample_id": "a"}\n{"sample_id": "b"}\n'  # only the newline was added
+    p.write_text('{"sample_id": "a"}\n{"sample_id": "b"', encoding="utf-8")  # control: a cut line is dropped
+    assert [r["sample_id"] for r in lr.read_jsonl(str(p), repair_tail=True)] == ["a"]
+    assert p.read_text() == '{"sample_id": "a"}\n'
+
+
+def test_resume_changes_nothing_in_out_until_the_launch_checks_pass(tmp_path):
+    """Issue 30: --out was repaired (truncated, rewritten) before a launch that then failed its vLLM check."""
+    first, other = _gen("p_g0", "p", 0, text="first"), _gen("p_g1", "p", 0)
+    out = tmp_path / "out.jsonl"
+    data = "".join(json.dumps(r) + "\n" for r in (first, other, {**first, "completion_text": "again"}))
+    data += '{"sample_id": "p_g2", "probl'  # a write cut by a kill
+    out.write_text(data, encoding="utf-8")
+    args = lg.parse_args(["--problems", "x", "--out", str(out), "--cap-tokens", "8"])
+    ready = [{"sample_id": s} for s in ("p_g0", "p_g1", "p_g2")]
+    todo, done = lg.resume(args, ready)
+    assert [t["sample_id"] for t in todo] == ["p_g2"] and done == {"p_g0", "p_g1"}
+    assert out.read_text(encoding="utf-8") == data and not Path(f"{out}.skipped.jsonl").exists()  # untouched
+    lg.commit_resume(args, [])  # control: once the checks passed, --out is repaired
+    assert lr.read_jsonl(str(out)) == [first, other] and Path(f"{out}.skipped.jsonl").exists()
+    fresh = tmp_path / "fresh.jsonl"
+    lg.resume(lg.parse_args(["--problems", "x", "--out", str(fresh), "--cap-tokens", "8"]), ready)
+    assert not fresh.exists()  # not created before the checks either

@@ -321,7 +321,8 @@ def test_save_hf_refuses_foreign_data_and_replaces_its_own_export(tmp_path, char
     export = tmp_path / "export"
     run(cfg_for(tmp_path / "run", steps=1, save_hf=str(export)), char_model)
     rid = (tmp_path / "run" / RUN_ID_FILE).read_text().strip()
-    assert json.loads((export / EXPORT_MARKER).read_text()) == {"run_id": rid, "step": 1}
+    marker = json.loads((export / EXPORT_MARKER).read_text())
+    assert (marker["run_id"], marker["step"]) == (rid, 1)
     run(cfg_for(tmp_path / "run", steps=2, save_hf=str(export)), char_model)
     assert json.loads((export / EXPORT_MARKER).read_text())["step"] == 2
     from align.model import load_pretrained
@@ -343,3 +344,126 @@ def test_rollouts_from_other_weights_are_refused():
     with pytest.raises(RuntimeError, match=r"weights version\(s\) \[2\], this run published version 3"):
         check_weights_version(comps, 3, "spool")
     check_weights_version(comps[:2], 3, "spool")  # control: all from the published version
+
+
+# ------------------------------------------------------------------------------------------------ issue 30: runs
+
+
+def test_eval_hf_dir_holding_another_runs_step_dirs_is_refused(tmp_path, char_model):
+    """--eval-hf-dir at another run's checkpoints/ (or a shared dir): its step_N would be replaced and deleted."""
+    from helpers_train import tree_digest
+
+    from align.run.safety import write_export_marker
+
+    shared = tmp_path / "shared"
+    (shared / "step_2").mkdir(parents=True)
+    (shared / "step_2" / "model.safetensors").write_text("another run's committed step 2")
+    (shared / "notes").mkdir()  # other names are not ours to judge
+    before = tree_digest(shared)
+    for owner in (None, "another-run"):
+        if owner:
+            write_export_marker(shared / "step_2", owner, 2)
+            before = tree_digest(shared)
+        cfg = cfg_for(tmp_path / "run", steps=1)
+        cfg.eval.eval_hf_dir = str(shared)
+        with pytest.raises(ValueError, match=r"--eval-hf-dir .* holds step_2, which this run did not export"):
+            run(cfg, char_model)
+        assert tree_digest(shared) == before and not (tmp_path / "run").exists()  # before anything is written
+    # control: the same run's own snapshot (a resumed run keeps {out}/run_id) is accepted
+    cfg = cfg_for(tmp_path / "run", steps=1)
+    cfg.eval.eval_hf_dir = str(tmp_path / "own")
+    run(cfg, char_model)
+    (tmp_path / "own" / "step_1").mkdir(parents=True)
+    write_export_marker(tmp_path / "own" / "step_1", (tmp_path / "run" / RUN_ID_FILE).read_text().strip(), 1)
+    cfg = cfg_for(tmp_path / "run", steps=2)
+    cfg.eval.eval_hf_dir = str(tmp_path / "own")
+    run(cfg, char_model)
+
+
+def test_save_hf_never_replaces_foreign_files_whatever_its_marker_says(tmp_path, char_model):
+    """A copied run_id or a planted .align-export.json let a run replace a dir holding files no export writes."""
+    export = tmp_path / "export"
+    run(cfg_for(tmp_path / "run", steps=1, save_hf=str(export)), char_model)
+    (export / "README.md").write_text("the user's notes")  # added to the export afterwards
+    with pytest.raises(ValueError, match=r"holds README.md, which the export did not write.*--overwrite"):
+        run(cfg_for(tmp_path / "run", steps=2, save_hf=str(export)), char_model)
+    foreign = tmp_path / "foreign"
+    shutil.copytree(char_model, foreign)
+    (foreign / "precious.txt").write_text("keep me")
+    shutil.copy(export / EXPORT_MARKER, foreign / EXPORT_MARKER)  # a planted marker with this run's id
+    shutil.copytree(tmp_path / "run", tmp_path / "copy", ignore=shutil.ignore_patterns("checkpoints", ".align*"))
+    for out in ("run", "copy"):  # this run, and a new run with the copied run_id
+        with pytest.raises(ValueError, match=r"not an untouched export of this run"):
+            run(cfg_for(tmp_path / out, steps=2, save_hf=str(foreign)), char_model)
+    assert (foreign / "precious.txt").read_text() == "keep me"
+    (export / "README.md").unlink()  # control: the untouched export of this run is replaced
+    run(cfg_for(tmp_path / "run", steps=2, save_hf=str(export)), char_model)
+    assert json.loads((export / EXPORT_MARKER).read_text())["step"] == 2
+
+
+HOLDER = """import fcntl, os, sys, time
+f = open(sys.argv[1], "a+")
+fcntl.flock(f, fcntl.LOCK_EX)
+f.truncate(0); f.write(f"pid {os.getpid()}\\n"); f.flush()
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_second_run_on_the_same_out_is_refused_with_the_holders_pid(tmp_path, char_model):
+    """Two runs on one --out both ran to rc 0 and interleaved metrics.jsonl."""
+    import subprocess
+    import sys
+
+    from align.run.safety import LOCK_FILE
+
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out / LOCK_FILE)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RuntimeError, match=rf"--out .* is in use by another run \(pid {holder.pid}"):
+            run(cfg_for(out, steps=1), char_model)
+        assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]  # refused before anything was written
+    finally:
+        holder.kill()
+        holder.wait()
+    run(cfg_for(out, steps=1), char_model)  # control: once the holder is gone the run starts
+    run(cfg_for(out, steps=2), char_model)  # and a finished run released the lock
+    assert [r["step"] for r in records(out) if "reward_mean" in r] == [1, 2]
+
+
+def test_killed_save_hf_temps_are_removed_by_the_next_run_of_the_same_run_only(tmp_path, char_model):
+    from align.run.safety import clean_stale_exports, run_id
+
+    out, export = tmp_path / "run", tmp_path / "export"
+    out.mkdir()
+    rid = run_id(out)
+    mine = [tmp_path / f".export.tmp-{rid}-1a2b3c4d", tmp_path / f"..export.tmp-{rid}-1a2b3c4d.tmp-5e6f7a8b"]
+    theirs = [tmp_path / ".export.tmp-0123456789abcdef-1a2b3c4d", tmp_path / ".export.tmp-1a2b3c4d"]
+    for d in mine + theirs:  # what kill -9 during --save-hf leaves (and another run's / the old naming's)
+        d.mkdir()
+        (d / "model.safetensors").write_text("392 MB")
+    run(cfg_for(out, steps=1, save_hf=str(export)), char_model)
+    assert not any(d.exists() for d in mine) and all(d.exists() for d in theirs)
+    old = tmp_path / f".export.old-{rid}-1a2b3c4d"  # killed between the two renames: the last export is put back
+    export.rename(old)
+    assert clean_stale_exports(export, rid) == [] and export.is_dir() and not old.exists()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_exports_get_the_umasks_modes(tmp_path, char_model, umask):
+    """Exports were written 0600 (safetensors), unreadable to a server running as another user."""
+    import os
+    import stat
+
+    old = os.umask(umask)
+    try:
+        export = tmp_path / "export"
+        cfg = cfg_for(tmp_path / "run", steps=1, save_hf=str(export))
+        run(cfg, char_model)
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in export.iterdir()}
+    assert modes["model.safetensors"] == 0o666 & ~umask, modes  # the 0o077 case is the control: umask, not 0644
+    assert set(modes.values()) == {0o666 & ~umask}, modes

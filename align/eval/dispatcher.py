@@ -18,7 +18,9 @@ One eval point (``EvalDispatcher.dispatch(step)``), on the training thread:
    neither the loop nor interpreter exit waits on a hung backend.
 
 Every settled exported snapshot enters the retention ring exactly once, whatever its outcome; the ring keeps
-``eval_keep_snapshots`` and deletes older ones. Dirs the dispatcher did not export are never deleted, except
+``eval_keep_snapshots`` and deletes older ones. Each snapshot carries the run's id (``.align-export.json``,
+``align.atomic.write_export_marker``): a ``step_N`` whose marker does not name this run is never replaced
+(``export_failed``) nor deleted by the ring. Dirs the dispatcher did not export are never deleted, except
 leftovers of crashed predecessors under our own names, removed at startup (``clean_leftovers``).
 A ``CheckpointEvalFn`` call is bounded by ``eval_timeout_s`` (then ``timeout``); once ``should_stop()`` (a signal)
 no training-thread call waits on an eval for long (``interrupted``).
@@ -45,7 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from align.atomic import COMMIT_MARKER, fsync_dir
+from align.atomic import COMMIT_MARKER, export_owner, fsync_dir, write_export_marker
 from align.eval.checkpoint_eval import CheckpointEvalFn, EvalInput, EvalSkip, adapter_base_model
 from align.eval.config import EvalConfig, EvalSet
 from align.eval.metrics import score_eval_set
@@ -111,15 +113,26 @@ def _fleet_in_use(fleet_root: str) -> bool:
     return False
 
 
-def export_snapshot(export_fn: Callable[[str], None], root: str, step: int) -> str:
+def _check_replaceable(final: str, run_id: str) -> None:
+    if (os.path.exists(final) or os.path.islink(final)) and export_owner(final) != run_id:
+        raise RuntimeError(
+            f"{final} exists and is not a snapshot of this run (its .align-export.json names run "
+            f"{export_owner(final)}, this run is {run_id}); refusing to replace it"
+        )
+
+
+def export_snapshot(export_fn: Callable[[str], None], root: str, step: int, run_id: str | None = None) -> str:
     """Export via ``export_fn(tmp)`` and commit it at ``{root}/step_{step}``; on failure nothing is left behind.
 
     ``export_fn(path)`` writes an HF dir at ``path`` (e.g. ``align.model.save_pretrained``). If it wrote no
-    marker, one is written here, after everything else; then the dir is renamed into place, replacing a stale
-    ``step_{step}`` from an earlier run (moved aside first, so no old marker can vouch for new shards).
+    marker, one is written here, after everything else, and the run's marker (``run_id``; None: a fresh one) after
+    it; then the dir is renamed into place, replacing a stale ``step_{step}`` only when its marker names the same
+    run (moved aside first, so no old marker can vouch for new shards); anything else is RuntimeError.
     """
+    run_id = run_id or uuid.uuid4().hex
     os.makedirs(root, exist_ok=True)
     final = snapshot_dir(root, step)
+    _check_replaceable(final, run_id)  # before the export's work
     tmp = os.path.join(root, f".step_{step}.partial-{uuid.uuid4().hex[:8]}")
     try:
         export_fn(tmp)
@@ -131,6 +144,8 @@ def export_snapshot(export_fn: Callable[[str], None], root: str, step: int) -> s
                 json.dump({"step": step}, f)
                 f.flush()
                 os.fsync(f.fileno())
+        write_export_marker(tmp, run_id, step)
+        _check_replaceable(final, run_id)  # again: another process may have written it meanwhile
         if os.path.exists(final):
             old = os.path.join(root, f".step_{step}.stale-{uuid.uuid4().hex[:8]}")
             os.replace(final, old)
@@ -292,14 +307,17 @@ class EvalDispatcher:
         export_fn: Callable[[str], None] | None,
         *,
         should_stop: Callable[[], bool] | None = None,
+        run_id: str | None = None,
     ) -> None:
         """``should_stop()``: True once the run was asked to stop (a signal). Then no training-thread call waits on
         an eval: a backpressure wait gives up (the point is ``eval/skipped_interrupted``) and ``drain`` waits at most
-        ``STOP_GRACE_S`` before abandoning the points still running (also ``interrupted``)."""
+        ``STOP_GRACE_S`` before abandoning the points still running (also ``interrupted``). ``run_id``: written into
+        every snapshot; only snapshots carrying it are replaced or deleted (None: a fresh id, this process's own)."""
         if not cfg.eval_hf_dir:
             raise ValueError("EvalDispatcher needs --eval-hf-dir, the staging dir for eval snapshots")
         self.cfg, self.runner, self.export_fn = cfg, runner, export_fn
         self.should_stop = should_stop or (lambda: False)
+        self.run_id = run_id or uuid.uuid4().hex
         clean_leftovers(cfg.eval_hf_dir)
         self._abandoned: set[int] = set()  # steps given up at a stop; their late outcome is dropped
         self.pending: collections.deque[_Point] = collections.deque()
@@ -339,7 +357,7 @@ class EvalDispatcher:
         if hf_dir is None:
             t0 = time.perf_counter()
             try:
-                hf_dir = export_snapshot(self.export_fn, self.cfg.eval_hf_dir, step)
+                hf_dir = export_snapshot(self.export_fn, self.cfg.eval_hf_dir, step, self.run_id)
             except Exception as e:  # noqa: BLE001 - any export failure skips the point, attributed and logged
                 logger.error("HF snapshot export for eval %d failed: %s", step, e)
                 self._report_skip(step, "export_failed")
@@ -474,6 +492,10 @@ class EvalDispatcher:
         self.exported.append(exported_dir)
         while len(self.exported) > self.cfg.eval_keep_snapshots:
             victim = self.exported.pop(0)
+            if export_owner(victim) != self.run_id:  # replaced since this run exported it: not ours to delete
+                logger.warning("eval snapshot %s is no longer this run's (owner %s): not deleting it", victim,
+                               export_owner(victim))  # fmt: skip
+                continue
             shutil.rmtree(victim, ignore_errors=True)
             logger.info("GC'd consumed eval snapshot %s", victim)
 

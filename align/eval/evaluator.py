@@ -122,6 +122,7 @@ def make_evaluator(
     eval_fn: CheckpointEvalFn | None = None,
     should_stop: Callable[[], bool] | None = None,
     reserved_gpus: Sequence[Any] = (),
+    run_id: str | None = None,
 ) -> Evaluator:
     """Build the evaluator for ``cfg``'s posture.
 
@@ -131,6 +132,7 @@ def make_evaluator(
     ``fleet`` / ``eval_fn`` inject a ready backend (tests, or a fleet shared across runs). ``should_stop``: see
     ``EvalDispatcher``. ``reserved_gpus``: GPUs (absolute ``CUDA_VISIBLE_DEVICES`` ids) the run already uses, e.g.
     ``--rollout-gpu``; a fleet plan that overlaps them, or needs GPUs that are not visible, is a ``ValueError`` here.
+    ``run_id``: the run's id, written into every eval snapshot (see ``EvalDispatcher``).
     """
     if cfg.eval_interval <= 0:
         return Evaluator(cfg)
@@ -153,4 +155,4 @@ def make_evaluator(
 
             fleet = EvalFleet.from_config(cfg, reserved_gpus=reserved_gpus)
     runner = EvalRunner(cfg, eval_set, eval_fn=eval_fn, fleet=fleet)
-    return Evaluator(cfg, dispatcher=EvalDispatcher(cfg, runner, export_fn, should_stop=should_stop))
+    return Evaluator(cfg, dispatcher=EvalDispatcher(cfg, runner, export_fn, should_stop=should_stop, run_id=run_id))

@@ -201,7 +201,7 @@ class Run:
     def __init__(self, cfg: TrainConfig, stop_flag: dict) -> None:
         self.cfg, self.stop_flag, self.out = cfg, stop_flag, Path(cfg.out)
         self.t_start = time.monotonic()
-        self.worker = self.client = self.scorer = self.pipe = None
+        self.worker = self.client = self.scorer = self.pipe = self.out_lock = None
         self.metrics: Any = None
         self.samples: Any = None
         self.progress: Any = dist.RankLog()
@@ -293,6 +293,8 @@ class Run:
             if self.worker is not None:
                 self.worker.shutdown()
             self.pipe = self.client = self.scorer = self.metrics = self.worker = None
+            if after_error is not None:  # the run ends here; else summary() releases --out after export_final
+                safety.release(self.out_lock)
 
     def export_final(self) -> None:
         """--save-hf after the last step (torchrun: streamed to rank 0's CPU, written by it), then plot.svg."""
@@ -321,6 +323,7 @@ class Run:
             "interrupted": self.stop_flag.get("signal"),
         }
         dist.teardown(self.owns_group)  # torchrun: the group train() created ends with it
+        safety.release(self.out_lock)  # the run's life ends: --out may be used by another run
         return out
 
 
@@ -354,11 +357,8 @@ def _open_files_and_task(run: Run, model: Any, tokenizer: Any, prompts: Any, rew
     from align.rewards import make_scorer
 
     cfg, out = run.cfg, run.out
-    safety.check_paths(cfg.out, model or cfg.model, cfg.save_hf, cfg.eval.eval_hf_dir, cfg.data.tokenizer)
-    check_logger(cfg.log.logger, safety.make_out(out))  # the run dir is writable, the --logger package imports
-    run.run_id = dist.main_first(lambda: safety.run_id(out))
-    if cfg.save_hf:
-        safety.check_export_target(cfg.save_hf, run.run_id, cfg.overwrite)
+    run.run_id, run.out_lock = safety.open_out(cfg, model or cfg.model)  # paths checked, --out locked, run id
+    check_logger(cfg.log.logger, out)  # the --logger package imports, {out}/tensorboard is a dir
     run.task, run.model_path = resolve_task(cfg, model, tokenizer, prompts, reward, eval_prompts)
     run.task_name = cfg.task if prompts is None and not cfg.data.train_data else "eval"
     task = run.task
@@ -566,6 +566,7 @@ def _open_eval(run: Run) -> None:
         blocking_eval_fn=blocking_eval if eval_set else None,
         should_stop=lambda: bool(run.stop_flag.get("signal")),
         reserved_gpus=[cfg.rollout_gpu],
+        run_id=run.run_id,
         fleet=EvalFleet.on_ray_router(cfg.eval, run.ray_eval, run.worker) if run.ray_eval else None,
     )
 

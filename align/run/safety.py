@@ -8,10 +8,18 @@ never silently ignores a changed setting, and a bad value fails in the config, b
   (it would overwrite the model's ``config.json``; a model inside the run dir could be garbage-collected).
   The built-in task's own ``{out}/base_model`` is the one model allowed inside the run dir.
   ``--eval-hf-dir`` must not be or sit inside ``{out}/checkpoints`` (its ``step_N`` names collide with the
-  checkpoints and its GC would delete them). ``--save-hf`` must not overlap ``--out`` or ``--model``.
-- ``--save-hf DIR`` is written to a temporary sibling and moved into place by rename. DIR may be replaced
-  only when it is missing, empty, or an earlier export of the same run (``.align-export.json`` carries the
-  run id kept in ``{out}/run_id``); anything else needs ``--overwrite``.
+  checkpoints and its GC would delete them), nor hold a ``step_N`` this run did not export (another run's
+  snapshots or checkpoints). ``--save-hf`` must not overlap ``--out`` or ``--model``.
+- One run per ``--out``: an exclusive ``flock`` on ``{out}/.align.lock`` (rank R > 0 of torchrun:
+  ``.align.rank{R}.lock``, so every rank of a second run is refused at once, none waits in a collective for a
+  rank that failed) held for the run's life; a second run is refused with the holder's pid.
+- Exports (``--save-hf`` and eval snapshots) carry ``.align-export.json``: the run id kept in ``{out}/run_id``
+  and the name and size of every file the export wrote. A dir is "an export of this run" only when the run id
+  matches and it holds nothing else, so a copied ``run_id`` or a planted marker never lets a run delete files
+  an export does not write.
+- ``--save-hf DIR`` is written to a temporary sibling named with the run id and moved into place by rename. DIR
+  may be replaced only when it is missing, empty, or an export of this run; anything else needs ``--overwrite``.
+  Temporaries a killed export left (``.DIR.tmp-{run_id}-*``) are removed by the next run with that run id.
 - Resume: the saved ``config.json`` is compared with the new config. Keys in ``RESUMABLE`` (operational
   settings: length of the run, eval, checkpoint cadence, threads, where rollouts run, timeouts) are applied
   and logged; any other change (model, lr, loss, sampling, seed, ...) would change the training math
@@ -20,17 +28,22 @@ never silently ignores a changed setting, and a bad value fails in the config, b
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO, Any
 
+from align.atomic import EXPORT_MARKER, export_owner, write_export_marker
 from align.data import InputError
 
-EXPORT_MARKER = ".align-export.json"
 RUN_ID_FILE = "run_id"
+LOCK_FILE = ".align.lock"
+STEP_DIR = re.compile(r"step_\d+")  # eval snapshot / checkpoint names
 # files of a Hugging Face model / tokenizer dir that a run dir never holds at its top level
 HF_DIR_FILES = ("tokenizer.json", "tokenizer_config.json", "model.safetensors", "model.safetensors.index.json",
                 "pytorch_model.bin", "generation_config.json", "adapter_config.json")  # fmt: skip
@@ -102,6 +115,8 @@ def check_paths(
             "collide with the checkpoints and the eval GC would delete them; use a separate dir "
             "(e.g. /dev/shm/eval_hf)"
         )
+    if eval_hf_dir is not None:
+        check_eval_hf_dir(eval_hf_dir, run_id(out, create=False))
     if save_hf is not None:
         s = _real(save_hf)
         for flag, other in (("--out", out), ("--model", model)):
@@ -142,29 +157,129 @@ def run_id(out: str | os.PathLike, create: bool = True) -> str | None:
     return rid
 
 
-def _export_owner(target: Path) -> str | None:
+def export_problem(path: str | os.PathLike, rid: str | None) -> str | None:
+    """Why ``path`` is not an untouched export of run ``rid`` (None when it is one): a dir whose marker carries
+    ``rid`` and that holds exactly the files the marker lists, each of its recorded size."""
+    path = Path(path)
+    if path.is_symlink() or not path.is_dir():
+        return "a file, not a directory"
+    owner = export_owner(path)
+    if owner is None:
+        return "not an align export of this run"
+    if owner != rid:
+        return f"an export of another run ({owner})"
     try:
-        return json.loads((target / EXPORT_MARKER).read_text()).get("run_id")
-    except (OSError, ValueError, AttributeError):
-        return None
+        files = json.loads((path / EXPORT_MARKER).read_text()).get("files")
+    except (OSError, ValueError):
+        files = None
+    if not isinstance(files, dict):
+        return f"not an untouched export of this run: its {EXPORT_MARKER} lists no files"
+    for f in sorted(path.iterdir()):
+        if f.name != EXPORT_MARKER and (f.is_symlink() or not f.is_file() or files.get(f.name) != f.stat().st_size):
+            return f"not an untouched export of this run: it holds {f.name}, which the export did not write"
+    return None
 
 
 def check_export_target(target: str | os.PathLike, rid: str | None, overwrite: bool) -> None:
-    """Refuse a ``--save-hf`` target that holds anything but an earlier export of run ``rid``."""
+    """Refuse a ``--save-hf`` target that holds anything but an untouched earlier export of run ``rid``."""
     t = Path(target)
     if overwrite or not (t.exists() or t.is_symlink()):
         return
-    if t.is_dir() and not t.is_symlink():
-        if not any(t.iterdir()) or (rid is not None and _export_owner(t) == rid):
-            return
-        owner = _export_owner(t)
-        what = f"an export of another run ({owner})" if owner else "not an align export of this run"
-    else:
-        what = "a file, not a directory"
+    if t.is_dir() and not t.is_symlink() and not any(t.iterdir()):
+        return
+    what = export_problem(t, rid)
+    if what is None:
+        return
     raise ValueError(
         f"--save-hf {target} exists and is {what}; refusing to replace it. Choose another dir, or pass "
         "--overwrite to replace it"
     )
+
+
+def check_eval_hf_dir(eval_hf_dir: str | os.PathLike, rid: str | None) -> None:
+    """Refuse an ``--eval-hf-dir`` holding a ``step_N`` this run (id ``rid``) did not export: eval snapshots
+    would replace it and the retention ring delete it (another run's checkpoints, a shared staging dir). An eval
+    snapshot is this run's when its marker carries ``rid`` (an eval backend may add files to it)."""
+    root = Path(eval_hf_dir)
+    if not root.is_dir():
+        return
+    for p in sorted(root.iterdir()):
+        if STEP_DIR.fullmatch(p.name) and (rid is None or export_owner(p) != rid):
+            owner = export_owner(p)
+            why = f"an export of another run ({owner})" if owner else f"no {EXPORT_MARKER} of this run"
+            raise ValueError(
+                f"--eval-hf-dir {eval_hf_dir} holds {p.name}, which this run did not export ({why}); eval "
+                "snapshots would replace it and their retention would delete it. Use an empty dir of this run's "
+                "own (e.g. /dev/shm/eval_hf/<run name>)"
+            )
+
+
+def lock_out(out: str | os.PathLike, rank: int = 0) -> IO[str]:
+    """Take the exclusive lock of run dir ``out`` for this rank (held until the returned file is closed, or the
+    process dies); another run holding it: RuntimeError naming its pid."""
+    path = Path(out) / (LOCK_FILE if rank == 0 else f".align.rank{rank}.lock")
+    f = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held for the run's life, closed by release()
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "pid unknown"
+        f.close()
+        raise RuntimeError(
+            f"--out {out} is in use by another run ({holder}, lock {path}): two runs would interleave its "
+            "metrics and checkpoints. Wait for it to finish (or stop it), or use another --out"
+        ) from None
+    f.truncate(0)
+    f.write(f"pid {os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def release(lock: IO[str] | None) -> None:
+    """Release a lock taken by ``lock_out`` (idempotent)."""
+    if lock is not None:
+        lock.close()
+
+
+def clean_stale_exports(target: str | os.PathLike, rid: str) -> list[Path]:
+    """Remove what a killed ``--save-hf`` of run ``rid`` left beside ``target`` (temporaries named with ``rid``);
+    an old export moved aside when the new one never landed is moved back. Returns what was removed."""
+    target = Path(target)
+    if not target.parent.is_dir():
+        return []
+    old = f".{target.name}.old-{rid}-"
+    mine = (f".{target.name}.tmp-{rid}-", f"..{target.name}.tmp-{rid}-", old)  # save_pretrained's own tmp: "..X"
+    removed = []
+    for p in sorted(target.parent.iterdir()):
+        if not p.name.startswith(mine) or p.is_symlink() or not p.is_dir():
+            continue
+        if p.name.startswith(old) and not (target.exists() or target.is_symlink()):
+            os.replace(p, target)  # killed between the two renames: the old export is still the last one
+            continue
+        shutil.rmtree(p)
+        removed.append(p)
+    return removed
+
+
+def open_out(cfg: Any, model: str | None) -> tuple[str, IO[str]]:
+    """Claim ``cfg.out`` before anything is written: paths checked, the dir created and locked (every rank its own
+    lock file), this run's id, the ``--save-hf`` target checked and this run's stale export temporaries removed.
+    Returns (run id, lock)."""
+    from align import dist
+
+    check_paths(cfg.out, model, cfg.save_hf, cfg.eval.eval_hf_dir, cfg.data.tokenizer)
+    out = make_out(Path(cfg.out))  # created, and writable (a read-only filesystem is one named error)
+    lock = lock_out(out, dist.rank())
+    try:
+        rid = dist.main_first(lambda: run_id(out))
+        if cfg.save_hf and dist.is_main():
+            clean_stale_exports(cfg.save_hf, rid)
+        if cfg.save_hf:
+            check_export_target(cfg.save_hf, rid, cfg.overwrite)
+    except BaseException:
+        lock.close()
+        raise
+    return rid, lock
 
 
 def export_hf(
@@ -173,16 +288,17 @@ def export_hf(
     """Write an HF export with ``save_fn(tmp_dir)`` next to ``target`` and move it into place by rename.
 
     The old ``target`` (empty, an earlier export of this run, or anything with ``overwrite``) is renamed aside
-    first and removed only after the new export is in place."""
+    first and removed only after the new export is in place. Both temporaries carry the run id, so the next run
+    can tell its own leftovers (``clean_stale_exports``)."""
     target = Path(target)
     check_export_target(target, rid, overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tag = uuid.uuid4().hex[:8]
+    tag = f"{rid}-{uuid.uuid4().hex[:8]}"
     tmp = target.with_name(f".{target.name}.tmp-{tag}")
     old = target.with_name(f".{target.name}.old-{tag}")
     try:
         save_fn(tmp)
-        (tmp / EXPORT_MARKER).write_text(json.dumps({"run_id": rid, "step": step}) + "\n")
+        write_export_marker(tmp, rid, step)
         had_old = target.exists() or target.is_symlink()
         if had_old:
             os.replace(target, old)

@@ -340,13 +340,20 @@ def write_dry_run(args: argparse.Namespace, ready: list[dict], skips: list[dict]
     return EXIT_OK
 
 
-def resume(args: argparse.Namespace, ready: list[dict], skips: list[dict]) -> tuple[list[dict], set[str]]:
-    """(todo, done ids) against the records already in --out; writes ``<out>.skipped.jsonl`` and creates --out."""
-    existing = load_out_for_resume(args.out) if os.path.exists(args.out) else []
-    todo, done = resume_split(ready, existing)
+def resume(args: argparse.Namespace, ready: list[dict]) -> tuple[list[dict], set[str]]:
+    """(todo, done ids) against the records already in --out, read without changing it (``commit_resume``
+    repairs it once the launch's checks passed)."""
+    existing = load_out_for_resume(args.out, fix=False) if os.path.exists(args.out) else []
+    return resume_split(ready, existing)
+
+
+def commit_resume(args: argparse.Namespace, skips: list[dict]) -> None:
+    """The launch's checks passed (the engine is up, or nothing needs one): repair --out (a cut last line dropped,
+    a newline after a complete one, repeats removed), create it and write ``<out>.skipped.jsonl``."""
+    if os.path.exists(args.out):
+        load_out_for_resume(args.out)
     write_jsonl_atomic(args.out + ".skipped.jsonl", skips)
     open(args.out, "a").close()  # an empty --out means "nothing to generate", never "not run"
-    return todo, done
 
 
 def new_session(
@@ -445,7 +452,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         return write_dry_run(args, ready, skips)
     manifest = Manifest.open(args.out, plan_fingerprint(args, rev, max_model_len))
-    todo, done = resume(args, ready, skips)
+    todo, done = resume(args, ready)
     sess = new_session(args, manifest, rev, adapter, ready, done, todo, skips)
     manifest.begin(sess, planned=len(ready), done=len(done), skipped=len(skips))
     print(
@@ -455,6 +462,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         # the engine is kept until run returns, as before the split
         llm = start_engine(args, sess, stop, max_model_len, adapter) if todo else None
+        commit_resume(args, skips)  # nothing in --out changes before here
         if llm is not None:
             sample(args, llm, todo, sess, stop, rev, adapter)
         code = tally(args, ready, sess, manifest, stop)

@@ -24,22 +24,38 @@ NO_FEEDBACK_POLICIES = ("skip", "resample", "goedel")
 # --- files -------------------------------------------------------------------------------------------------------------
 
 
-def read_jsonl(path: str, repair_tail: bool = False) -> list[dict]:
+def read_jsonl(path: str, repair_tail: bool = False, fix: bool = True) -> list[dict]:
     """Read a JSONL file; a bad line raises ``ValueError`` naming it. With ``repair_tail`` an unterminated
-    last line (a write cut by a kill) is dropped from the file instead: that sample is generated again."""
-    return [row for _, row in read_jsonl_numbered(path, repair_tail)]
+    last line is read as a record when it parses as a JSON object (only its newline is missing: one is appended),
+    else it is a write cut by a kill and is dropped from the file: that sample is generated again. ``fix=False``
+    reads the same rows and leaves the file as it is (lean_gen before the launch's checks pass)."""
+    return [row for _, row in read_jsonl_numbered(path, repair_tail, fix)]
 
 
-def read_jsonl_numbered(path: str, repair_tail: bool = False) -> list[tuple[int, dict]]:
+def _parses_as_object(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError
+        return False
+
+
+def read_jsonl_numbered(path: str, repair_tail: bool = False, fix: bool = True) -> list[tuple[int, dict]]:
     """``read_jsonl`` with each row's 1-based line number (for errors that name ``file:line``)."""
     with open(path, "rb") as f:
         data = f.read()
     if repair_tail and data and not data.endswith(b"\n"):
         keep = data.rfind(b"\n") + 1
-        print(f"lean_gen: dropping an unterminated last line of {path} ({len(data) - keep} bytes)", file=sys.stderr)
-        with open(path, "r+b") as f:
-            f.truncate(keep)
-        data = data[:keep]
+        if _parses_as_object(data[keep:]):  # a complete record that merely lacks its newline: kept
+            if fix:
+                with open(path, "ab") as f:
+                    f.write(b"\n")
+        else:
+            if fix:
+                print(f"lean_gen: dropping an unterminated last line of {path} ({len(data) - keep} bytes)",
+                      file=sys.stderr)  # fmt: skip
+                with open(path, "r+b") as f:
+                    f.truncate(keep)
+            data = data[:keep]
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -110,15 +126,18 @@ def _conflict(a: dict, b: dict, kind: str) -> list[str]:
     return [k for k in CONFLICT_KEYS[kind] if a.get(k) != b.get(k)]
 
 
-def load_records(path: str, kind: str, repair_tail: bool = False, keep_first: bool = False) -> tuple[list[dict], int]:
+def load_records(
+    path: str, kind: str, repair_tail: bool = False, keep_first: bool = False, fix: bool = True
+) -> tuple[list[dict], int]:
     """The ``kind`` records of JSONL ``path``, type-checked (errors name ``file:line``), one per sample_id.
 
     A repeated sample_id that agrees with the first on ``CONFLICT_KEYS`` is dropped (the first is kept);
     one that disagrees raises ``ValueError`` naming both lines, unless ``keep_first`` (lean_gen's own --out,
-    where a repeat is the same sample generated twice). Returns (records, repeats dropped)."""
+    where a repeat is the same sample generated twice; ``fix``: see ``read_jsonl``). Returns (records, repeats
+    dropped)."""
     first: dict[str, tuple[int, dict]] = {}
     dropped = 0
-    for i, row in read_jsonl_numbered(path, repair_tail):
+    for i, row in read_jsonl_numbered(path, repair_tail, fix):
         why = record_problem(row, kind)
         if why is not None:
             raise ValueError(f"{path}:{i}: not a valid {kind} record: {why}; fix or remove the line")
@@ -137,11 +156,12 @@ def load_records(path: str, kind: str, repair_tail: bool = False, keep_first: bo
     return [row for _, row in first.values()], dropped
 
 
-def load_out_for_resume(path: str) -> list[dict]:
+def load_out_for_resume(path: str, fix: bool = True) -> list[dict]:
     """lean_gen's own --out before a resume: a cut last line is dropped, a repeated sample (a rerun that wrote it
-    twice) keeps its first complete record and the file is rewritten atomically without the repeats."""
-    rows, dropped = load_records(path, "gen", repair_tail=True, keep_first=True)
-    if dropped:
+    twice) keeps its first complete record and the file is rewritten atomically without the repeats. ``fix=False``:
+    the same rows, the file untouched (read before the launch's checks; ``fix=True`` once they passed)."""
+    rows, dropped = load_records(path, "gen", repair_tail=True, keep_first=True, fix=fix)
+    if dropped and fix:
         print(f"lean_gen: {path}: dropping {dropped} repeated record(s), keeping each sample's first", file=sys.stderr)
         write_jsonl_atomic(path, rows)
     return rows
