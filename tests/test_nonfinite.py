@@ -7,6 +7,7 @@ negative control that passes the check with the same setup."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 import struct
@@ -14,10 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_train import PROMPTS, TOK, a_reward, cfg_for
+from helpers_train import PROMPTS, TOK, a_reward, cfg_for, records
 
 from align import lora
 from align.model import load_pretrained
+from align.rewards import FLOAT32_MAX, RewardScorer, load_rewards
 from align.run import checkpoint as ckpt
 from align.train import TrainConfig, train
 
@@ -107,3 +109,55 @@ def test_resume_from_a_checkpoint_with_swapped_dtype_is_named(tmp_path, char_mod
     with pytest.raises(ckpt.CheckpointError, match=rf"(?s)tensor '{name}' in {f} is stored as torch.int32"):
         run(cfg_for(out, steps=4), char_model)
     assert [d.name for _, d in ckpt.committed(out / "checkpoints")] == ["step_2"]
+
+
+# ------------------------------------------------------------------------------------------------ rewards
+
+REWARDS = """
+def as_number(prompt, completion, **fields):
+    return None if completion == "none" else float(completion)
+"""
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_rewards_float32_cannot_hold_are_errors(tmp_path, workers):
+    f = tmp_path / "r.py"
+    f.write_text(REWARDS)
+    scorer = RewardScorer(load_rewards([f"{f}:as_number"]), workers=workers, timeout_s=30)
+    try:
+        texts = ["1e39", "inf", "-inf", "-1e39", "nan", "none", "3e38", "0.5"]
+        s = scorer.score([({"prompt": "p"}, t) for t in texts])
+    finally:
+        scorer.close()
+    assert len(s.errors) == 4 and s.failed == 4  # counted per call, like a raising reward
+    assert all("float32 cannot hold" in e for e in s.errors) and "1e+39" in s.errors[0]
+    assert all(math.isnan(t) for t in s.totals[:6])  # errors (4) and abstentions (2): unscorable
+    assert s.totals[6:] == [3e38, 0.5]  # negative control: values float32 holds are rewards
+    # a weighted sum beyond float32 is an error too; the same values with weight 1 are not
+    scorer = RewardScorer(load_rewards([f"{f}:as_number", f"{f}:as_number"]), weights=[1.0, 1.0])
+    s = scorer.score([({"prompt": "p"}, "3e38"), ({"prompt": "p"}, "1e38")])
+    assert math.isnan(s.totals[0]) and s.totals[1] == 2e38 and s.failed == 1 and "weighted reward sum" in s.errors[0]
+    assert 3e38 <= FLOAT32_MAX < 1e39
+
+
+def test_a_1e39_reward_is_counted_not_a_crash(tmp_path, char_model):
+    def huge(prompt: str, completion: str, **_) -> float:
+        return 1e39 if completion.startswith("a") else completion.count("a") / 4
+
+    cfg = cfg_for(tmp_path / "run", steps=2)
+    run(cfg, char_model, reward=huge)
+    recs = [r for r in records(cfg.out) if "reward_mean" in r]
+    assert len(recs) == 2 and all(r["reward_mean"] <= 1 for r in recs)
+    assert sum(r["reward_errors"] for r in recs) > 0  # some completions started with 'a' (0.4 of the vocabulary)
+
+
+def test_a_step_with_nothing_scorable_warns(tmp_path, char_model, caplog):
+    cfg = cfg_for(tmp_path / "run", steps=2)
+    with caplog.at_level(logging.WARNING, logger="align.rollout.groups"):
+        run(cfg, char_model, reward=lambda prompt, completion, **_: None)
+    warned = [r.getMessage() for r in caplog.records if "no completion was scorable" in r.getMessage()]
+    assert [w.split(":")[0] for w in warned] == ["step 1", "step 2"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="align.rollout.groups"):  # negative control: a reward that scores
+        run(cfg_for(tmp_path / "ok", steps=1), char_model)
+    assert not [r for r in caplog.records if "no completion was scorable" in r.getMessage()]

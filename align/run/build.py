@@ -219,14 +219,7 @@ class Run:
         return self.task.tokenizer.decode(ids[:-1] if ids and ids[-1] in self.stops else ids)
 
     def check_rewards(self, groups: Any, step: int) -> None:
-        """Warn once when a reward call failed; raise when every call of the step failed."""
-        s = groups.scores
-        failures = s.errors or [f"{s.timeouts} reward call(s) timed out (--reward-timeout-s)"]
-        if s.failed and not self.first_error:
-            self.first_error.append(failures[0])
-            log.warning("a reward call failed; the completion counts as unscorable:\n%s", failures[0])
-        if s.failed == groups.scored:
-            raise RuntimeError(f"the reward function raised on every completion of step {step}; first error:\n{failures[0]}")  # fmt: skip
+        groups.check_scores(step, self.first_error)
 
     def emit(self, records: list[dict]) -> None:
         for r in records:
