@@ -17,11 +17,12 @@ import pytest
 import torch
 from helpers_train import PROMPTS, TOK, a_reward, cfg_for, records
 
-from align import lora
+from align import learner, lora
 from align.model import load_pretrained
 from align.rewards import FLOAT32_MAX, RewardScorer, load_rewards
 from align.run import checkpoint as ckpt
-from align.train import TrainConfig, train
+from align.run.cli import parse
+from align.train import CLI_PREFIXES, TrainConfig, train
 
 SWAPPED = "model.embed_tokens.weight"
 
@@ -109,6 +110,73 @@ def test_resume_from_a_checkpoint_with_swapped_dtype_is_named(tmp_path, char_mod
     with pytest.raises(ckpt.CheckpointError, match=rf"(?s)tensor '{name}' in {f} is stored as torch.int32"):
         run(cfg_for(out, steps=4), char_model)
     assert [d.name for _, d in ckpt.committed(out / "checkpoints")] == ["step_2"]
+
+
+# ------------------------------------------------------------------------------------------------ the step
+
+
+def test_a_nonfinite_gradient_norm_skips_the_step_and_changes_nothing(char_model):
+    """lora_alpha 1e30: the loss is finite (B starts at 0) but the gradient norm overflows float32."""
+    from helpers_learner import CPU, batch_for, cfg
+
+    def step(alpha: float, grad_clip: float):
+        policy = lora.apply_lora(load_pretrained(char_model), lora_cfg(alpha=alpha), seed=0)
+        opt = torch.optim.AdamW(lora.trainable_parameters(policy), lr=1e-2)
+        c = cfg(grad_clip=grad_clip, micro_batch_size=4)
+        b = batch_for(policy, N=10, seed=0)
+        before = {k: p.detach().clone() for k, p in policy.named_parameters()}
+        upd = learner.optimize(policy, None, opt, c, CPU, b)
+        changed = [k for k, p in policy.named_parameters() if not torch.equal(p, before[k])]
+        return upd, changed, opt
+
+    for clip in (1.0, 0.0):
+        upd, changed, opt = step(1e30, clip)
+        assert upd.nonfinite == 1 and not math.isfinite(upd.grad_norm) and upd.per_update == []
+        assert changed == [] and opt.state == {}  # no parameter and no optimizer-state change
+        assert all(p.grad is None for p in opt.param_groups[0]["params"])  # the non-finite gradients are dropped
+        upd, changed, opt = step(16.0, clip)  # negative control: a sane alpha steps
+        assert upd.nonfinite == 0 and changed and len(opt.state) > 0 and len(upd.per_update) == 1
+        assert math.isfinite(upd.stats["loss"])
+
+
+def test_the_run_stops_at_max_nonfinite_steps_with_the_last_checkpoint_intact(tmp_path, char_model, capsys):
+    cfg = cfg_for(tmp_path / "bad", steps=6, lora={"rank": 2, "alpha": 1e30}, grad_clip=0.0, max_nonfinite_steps=3)
+    with pytest.raises(learner.NonFiniteError, match=r"step 3: 3 optimizer step\(s\).*--max-nonfinite-steps 3"):
+        run(cfg, char_model)
+    recs = [r for r in records(cfg.out) if "reward_mean" in r]
+    assert [(r["step"], r["nonfinite_steps"]) for r in recs] == [(1, 1), (2, 1), (3, 1)]
+    assert not math.isfinite(recs[0]["grad_norm"])
+    saved = [d for _, d in ckpt.committed(Path(cfg.out) / "checkpoints")]
+    assert [d.name for d in saved] == ["step_2"]  # written before the stop; the weights never moved
+    assert ckpt.load_state(saved[0])["nonfinite_steps"] == 2
+    # the CLI flag and its check (what main() runs first)
+    assert parse(TrainConfig, ["--max-nonfinite-steps", "5"], CLI_PREFIXES).max_nonfinite_steps == 5
+    with pytest.raises(SystemExit) as e:
+        parse(TrainConfig, ["--max-nonfinite-steps", "0"], CLI_PREFIXES)
+    assert e.value.code == 2 and "--max-nonfinite-steps must be >= 1, got 0" in capsys.readouterr().err
+    # negative control: the same run with a sane alpha trains to the end, nothing skipped
+    ok = cfg_for(tmp_path / "ok", steps=3, lora={"rank": 2, "alpha": 16.0}, grad_clip=0.0)
+    run(ok, char_model)
+    assert [r["nonfinite_steps"] for r in records(ok.out) if "reward_mean" in r] == [0, 0, 0]
+
+
+def test_a_model_holding_nan_is_never_checkpointed(tmp_path, char_model):
+    out = tmp_path / "run"
+    run(cfg_for(out, steps=2, keep_checkpoints=1), char_model)
+    root = out / "checkpoints"
+    policy = ckpt.load_model(root / "step_2", torch.float32)
+    opt = torch.optim.AdamW(policy.parameters())
+    state = ckpt.load_state(root / "step_2")
+    extra = {k: state[k] for k in ("scheduler", "cursor")}
+    with torch.no_grad():
+        policy.model.norm.weight[0] = math.nan
+    with pytest.raises(ckpt.CheckpointError, match=r"refusing to write checkpoint step_4.*model.norm.weight"):
+        ckpt.save_any(root, 4, policy, opt, extra, keep=1)
+    assert [d.name for _, d in ckpt.committed(root)] == ["step_2"]  # retention deleted nothing
+    with torch.no_grad():
+        policy.model.norm.weight[0] = 1.0
+    ckpt.save_any(root, 4, policy, opt, extra, keep=1)  # negative control: finite weights are written
+    assert [d.name for _, d in ckpt.committed(root)] == ["step_4"]
 
 
 # ------------------------------------------------------------------------------------------------ rewards

@@ -183,7 +183,8 @@ class Checkpointer:
         r, every = self.run, self.run.cfg.checkpoint_every
         if not (last_step or force or (every and step % every == 0)):
             return False
-        extra = {"scheduler": r.sched.state_dict(), **r.pipe.checkpoint_state(step, r.cursor.state)}
+        extra = {"scheduler": r.sched.state_dict(), "nonfinite_steps": r.nonfinite.count,
+                 **r.pipe.checkpoint_state(step, r.cursor.state)}  # fmt: skip
         ckpt.save_any(r.out / "checkpoints", step, r.policy, r.opt, extra, r.cfg.keep_checkpoints)
         r.write_plot()
         return True
@@ -419,6 +420,7 @@ def _open_policy(run: Run) -> None:
         run.step, cursor, run.pending = state["step"], state["cursor"], state.get("pending_batches", [])
         print(f"[align] resuming from {resume[1]} (step {run.step})", flush=True)
     run.cursor = DataCursor(len(run.task.prompts), cfg.seed, cursor)
+    run.nonfinite = learner.NonFiniteSteps(cfg.max_nonfinite_steps, (state or {}).get("nonfinite_steps", 0))
     run.policy, run.ref_model, run.mcfg, run.resumed = policy, ref_model, mcfg, bool(resume)
     if not resume:
         torch.manual_seed(cfg.seed)
