@@ -23,6 +23,7 @@ Shapes: N completions of the step, L padded row length (prompt + completion - 1)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -52,6 +53,11 @@ class Update(NamedTuple):
     stats: dict[str, float]  # merged over micro-batches and optimizer steps (loss: mean per optimizer step)
     grad_norm: float  # mean over optimizer steps (0 when --grad-clip 0)
     per_update: list[dict[str, float]]  # the merged stats of each optimizer step, in order
+    nonfinite: int = 0  # optimizer steps skipped for a non-finite loss or gradient norm (no weight changed)
+
+
+class NonFiniteError(RuntimeError):
+    """The run skipped ``--max-nonfinite-steps`` optimizer steps for a non-finite loss or gradient norm."""
 
 
 def sequence_batch(prompt_ids: list[list[int]], completions: list, G: int, device: torch.device | str) -> tuple:
@@ -285,7 +291,7 @@ def optimize(policy: torch.nn.Module, ref_model: torch.nn.Module | None, opt: to
     mine = torch.cat(minis) if dist.active() else None  # torchrun: ref / old logprobs of this rank's rows only
     ref = reference_logprobs(ref_model, batch, cfg, place, mine) if ref_model is not None else None
     old = batch_logprobs(policy, batch, cfg, place, mine) if K * M > 1 else None
-    per_update, norms = [], []
+    per_update, norms, skipped, skipped_norms = [], [], [], []
     for _ in range(K):
         for rows in minis:
             opt.zero_grad(set_to_none=True)
@@ -296,11 +302,53 @@ def optimize(policy: torch.nn.Module, ref_model: torch.nn.Module | None, opt: to
             stats = backward_batch(policy, ref_model, cfg, *b, place=place, old_logprobs=o, ref_logprobs=r)
             if not stats:  # nothing to learn from in these rows
                 continue
+            merged, norm = merge_stats(stats), grad_norm(policy, cfg.grad_clip)
+            if not (math.isfinite(merged["loss"]) and math.isfinite(norm)):  # every rank sees the same loss and norm
+                opt.zero_grad(set_to_none=True)  # skipped: no parameter or optimizer-state change
+                skipped.append(merged)
+                skipped_norms.append(norm)
+                continue
             if cfg.grad_clip > 0:
-                norms.append(dist.scalar(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)))
+                norms.append(norm)
             opt.step()
-            per_update.append(merge_stats(stats))
-    return Update(summarise(per_update, K), sum(norms) / len(norms) if norms else 0.0, per_update)
+            per_update.append(merged)
+    norms = norms if per_update else skipped_norms  # every step skipped: the record shows why
+    return Update(summarise(per_update or skipped, K), sum(norms) / len(norms) if norms else 0.0, per_update,
+                  len(skipped))  # fmt: skip
+
+
+def grad_norm(policy: torch.nn.Module, clip: float) -> float:
+    """The global gradient norm (torchrun: over every rank's shards), clipped to ``clip`` when ``clip > 0``."""
+    params = [p for p in policy.parameters() if p.grad is not None]
+    if clip > 0:
+        return dist.scalar(torch.nn.utils.clip_grad_norm_(params, clip))
+    return dist.scalar(torch.nn.utils.get_total_norm([p.grad for p in params]))
+
+
+def nonfinite_parameters(model: torch.nn.Module) -> list[str]:
+    """Names of the parameters that hold a NaN or inf (torchrun: in this rank's shards)."""
+    return [n for n, p in model.named_parameters()
+            if not bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())]  # fmt: skip
+
+
+class NonFiniteSteps:
+    """The run's count of optimizer steps skipped for a non-finite loss or gradient norm (``Update.nonfinite``),
+    kept in each checkpoint; ``add`` raises ``NonFiniteError`` once it reaches ``limit`` (--max-nonfinite-steps).
+    A skipped step changes no weight, so the last checkpoint stays the last good one."""
+
+    def __init__(self, limit: int, count: int = 0) -> None:
+        self.limit, self.count = limit, count
+
+    def add(self, upd: Update, step: int) -> None:
+        self.count += upd.nonfinite
+        if upd.nonfinite and self.count >= self.limit:
+            raise NonFiniteError(
+                f"step {step}: {self.count} optimizer step(s) of this run were skipped because the loss or the "
+                f"gradient norm was not finite (here loss {upd.stats.get('loss')}, grad norm {upd.grad_norm}); "
+                f"--max-nonfinite-steps {self.limit} reached, stopping. No weight changed on a skipped step and no "
+                "checkpoint was written after it: the last one in --out's checkpoints/ is intact. Lower --lr, check "
+                "the reward scale, --lora-alpha and the model's weights, or raise --max-nonfinite-steps"
+            )
 
 
 def summarise(per_update: list[dict[str, float]], K: int) -> dict[str, float]:

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from align.atomic import commit_dir
-from align.model import Linear, Transformer, rope_inv_freq, save_pretrained
+from align.model import Linear, Transformer, check_weight, rope_inv_freq, save_pretrained
 
 DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ALL_LINEAR = "all-linear"  # PEFT's spelling: every linear layer of the decoder (not embeddings, not lm_head)
@@ -80,8 +80,8 @@ class LoraConfig:
                 flags = ", ".join(f"--lora-{k} {v}" for k, v in given.items())
                 raise ValueError(f"{flags} given but --lora-rank is 0 (LoRA off): set --lora-rank > 0 or drop them")
             return
-        if self.alpha is not None and self.alpha <= 0:
-            raise ValueError(f"--lora-alpha must be > 0, got {self.alpha}")
+        if self.alpha is not None and not (0 < self.alpha < math.inf):
+            raise ValueError(f"--lora-alpha must be > 0 and finite, got {self.alpha}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"--lora-dropout must be in [0, 1), got {self.dropout}")
         names = self.target_names()
@@ -367,7 +367,7 @@ def load_adapter(
                     f"adapter tensor {key} in {path} has shape {tuple(t.shape)}, the model expects {tuple(p.shape)}: "
                     f"the adapter was trained on a different base model (base_model_name_or_path={recorded!r})"
                 )
-            p.copy_(t.to(p.dtype))
+            p.copy_(check_weight(t.to(p.dtype), key, path / ADAPTER_WEIGHTS, t.dtype))
     if base_model is not None:
         model.lora_base = str(base_model)
     return model

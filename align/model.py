@@ -439,6 +439,24 @@ def _weight_files(path: Path) -> list[Path]:
     )
 
 
+def check_weight(t: torch.Tensor, name: str, path: Path, stored: torch.dtype) -> torch.Tensor:
+    """``t`` (tensor ``name`` of file ``path``, ``stored`` as that dtype there) if it is a float tensor of finite
+    values; else a ValueError naming both. An integer dtype in a weight file is a swapped header (an F32 -> I32 swap
+    loads bit patterns as huge integers) or not a model; a NaN / inf weight makes every loss NaN."""
+    if not stored.is_floating_point:
+        raise ValueError(
+            f"tensor {name!r} in {path} is stored as {stored}: model weights are floating point (F32/F16/BF16); "
+            "the file's header was edited or it is not a model's weights"
+        )
+    if not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise ValueError(
+            f"tensor {name!r} in {path} holds {bad} non-finite value(s) (NaN/inf) as {t.dtype}: training on it "
+            "gives NaN losses; load an intact checkpoint (or a wider --precision if the values overflowed it)"
+        )
+    return t
+
+
 def load_pretrained(
     path: str | os.PathLike,
     dtype: torch.dtype = torch.float32,
@@ -479,7 +497,7 @@ def load_pretrained(
                         f"tensor {name!r} in {f} has shape {tuple(t.shape)}, the config expects "
                         f"{tuple(expected[name].shape)}: the checkpoint does not match its config.json"
                     )
-                state[name] = t.to(dtype)
+                state[name] = check_weight(t.to(dtype), name, f, t.dtype)
     missing = sorted(set(expected) - set(state))
     if missing:
         raise ValueError(

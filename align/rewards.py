@@ -9,7 +9,9 @@ Failure semantics (a row that fails is counted, never lost silently):
 - a reward that raises or runs past ``--reward-timeout-s`` makes the completion *unscorable* (NaN total: no
   gradient), counted in ``reward_errors`` / ``reward_timeouts``;
 - a reward that returns ``None`` / NaN abstains: the other rewards' weighted sum is the total, and the
-  completion is unscorable only when every reward abstains (TRL's convention for multi-task rewards).
+  completion is unscorable only when every reward abstains (TRL's convention for multi-task rewards);
+- a value float32 cannot hold (``inf``, ``1e39``; the step's rewards are float32 tensors), or a weighted sum beyond
+  it, is an error like a raise: unscorable, counted in ``reward_errors``.
 
 Execution: ``--reward-workers 1`` calls the rewards in this process; the timeout is then a SIGALRM timer on the
 main thread (it interrupts Python code and sleeps, not a C call that holds the GIL) and, on another thread (the
@@ -213,10 +215,21 @@ class Scores:
         return self.totals[j], {name: values[j] for name, values in self.terms.items()}
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # a step's rewards become float32 tensors: a larger value cannot be trained on
+
+
 def _value(v: Any) -> float:
     if v is None:
         return math.nan
     return float(v)
+
+
+def _checked(kind: str, v: Any, name: str) -> tuple[str, Any]:
+    """A call's result with an infinite or beyond-float32 value turned into an error (NaN stays an abstention)."""
+    if kind == "ok" and not math.isnan(v) and not abs(v) <= FLOAT32_MAX:
+        return "error", (f"reward {name!r} returned {v!r}, which float32 cannot hold (|reward| <= {FLOAT32_MAX:.4g}); "
+                         "the completion counts as unscorable: return a finite reward (None/NaN abstains)")  # fmt: skip
+    return kind, v
 
 
 def _call_on_thread(fn: Callable, args: tuple, kwargs: dict, timeout_s: float) -> Any:
@@ -323,7 +336,7 @@ class RewardScorer:
         R = len(self.rewards)
         out = Scores(totals=[], terms={name: [] for name in self.names})
         for i in range(n):
-            row, failed = results[i * R : (i + 1) * R], False
+            row, failed = [_checked(*res, name) for res, name in zip(results[i * R : (i + 1) * R], self.names)], False
             for (kind, v), name in zip(row, self.names):
                 if kind == "ok":
                     out.terms[name].append(v)
@@ -335,8 +348,13 @@ class RewardScorer:
                 else:
                     out.errors.append(v)
             vals = [(w, v) for w, (kind, v) in zip(self.weights, row) if kind == "ok" and math.isfinite(v)]
+            total = math.nan if failed or not vals else sum(w * v for w, v in vals)
+            if not math.isnan(total) and not abs(total) <= FLOAT32_MAX:  # the weights pushed it out of range
+                out.errors.append(f"the weighted reward sum {total!r} (--reward-weights {self.weights}) is beyond "
+                                  f"float32 (|total| <= {FLOAT32_MAX:.4g}): the completion counts as unscorable")  # fmt: skip
+                total, failed = math.nan, True
             out.failed += failed
-            out.totals.append(math.nan if failed or not vals else sum(w * v for w, v in vals))
+            out.totals.append(total)
         return out
 
     def close(self) -> None:

@@ -79,6 +79,7 @@ def train(
             rec = step_record(run.step, produced, scores, upd, adv_stats, async_stats, sync_s, cfg, run.sched)
             rec["step_time"] = time.monotonic() - t0
             run.log(rec, groups, scores, adv)
+            run.nonfinite.add(upd, run.step)  # stops the run at --max-nonfinite-steps, before any checkpoint
             # 8. eval and checkpoint: each decides its own cadence
             is_final = run.step == cfg.steps
             run.emit(run.eval_step(run.step, is_final))
@@ -122,6 +123,7 @@ def step_record(step: int, produced: Any, scores: Any, upd: Any, adv_stats: dict
         "step_time": 0.0,  # set by the loop once the step is logged
         "lr": sched.get_last_lr()[0],
         "grad_norm": upd.grad_norm,
+        "nonfinite_steps": upd.nonfinite,  # optimizer steps skipped (non-finite loss or grad norm)
         **async_stats,
     }
 
@@ -138,6 +140,7 @@ def print_summary(s: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from align.learner import NonFiniteError
     from align.run.checkpoint import CheckpointError
     from align.run.presets import parse
 
@@ -157,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     except (InputError, CheckpointError) as e:  # bad input (before the model loads); a checkpoint that cannot resume
         print(f"align.train: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except NonFiniteError as e:  # --max-nonfinite-steps reached; the last checkpoint is intact
+        print(f"align.train: error: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         for s, h in old.items():
             signal.signal(s, h)

@@ -11,6 +11,7 @@ Shapes: P prompts (groups) in the step, G completions per group.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from typing import NamedTuple
 import torch
 
 from align.rewards import RewardScorer, Scores
+
+log = logging.getLogger(__name__)
 
 
 def has_signal(totals: list[float]) -> bool:
@@ -75,6 +78,20 @@ class Groups:
             lengths[at] = len(c.token_ids)
             truncated[at] = c.finish_reason == "length"
         return GroupTensors(total, terms, lengths, truncated)
+
+    def check_scores(self, step: int, first_error: list[str]) -> None:
+        """Warn once per run when a reward call failed (``first_error`` holds its message) and at every step where
+        no completion was scorable (no gradient); raise when every call of the step failed."""
+        s = self.scores
+        failures = s.errors or [f"{s.timeouts} reward call(s) timed out (--reward-timeout-s)"]
+        if s.failed and not first_error:
+            first_error.append(failures[0])
+            log.warning("a reward call failed; the completion counts as unscorable:\n%s", failures[0])
+        if s.failed == self.scored:
+            raise RuntimeError(f"the reward function raised on every completion of step {step}; first error:\n{failures[0]}")  # fmt: skip
+        if self.scored and not any(math.isfinite(t) for t in s.totals):
+            log.warning("step %d: no completion was scorable (every reward abstained or failed): nothing to learn "
+                        "from in this step", step)  # fmt: skip
 
 
 def collect_groups(

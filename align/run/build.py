@@ -183,7 +183,8 @@ class Checkpointer:
         r, every = self.run, self.run.cfg.checkpoint_every
         if not (last_step or force or (every and step % every == 0)):
             return False
-        extra = {"scheduler": r.sched.state_dict(), **r.pipe.checkpoint_state(step, r.cursor.state)}
+        extra = {"scheduler": r.sched.state_dict(), "nonfinite_steps": r.nonfinite.count,
+                 **r.pipe.checkpoint_state(step, r.cursor.state)}  # fmt: skip
         ckpt.save_any(r.out / "checkpoints", step, r.policy, r.opt, extra, r.cfg.keep_checkpoints)
         r.write_plot()
         return True
@@ -219,14 +220,7 @@ class Run:
         return self.task.tokenizer.decode(ids[:-1] if ids and ids[-1] in self.stops else ids)
 
     def check_rewards(self, groups: Any, step: int) -> None:
-        """Warn once when a reward call failed; raise when every call of the step failed."""
-        s = groups.scores
-        failures = s.errors or [f"{s.timeouts} reward call(s) timed out (--reward-timeout-s)"]
-        if s.failed and not self.first_error:
-            self.first_error.append(failures[0])
-            log.warning("a reward call failed; the completion counts as unscorable:\n%s", failures[0])
-        if s.failed == groups.scored:
-            raise RuntimeError(f"the reward function raised on every completion of step {step}; first error:\n{failures[0]}")  # fmt: skip
+        groups.check_scores(step, self.first_error)
 
     def emit(self, records: list[dict]) -> None:
         for r in records:
@@ -426,6 +420,7 @@ def _open_policy(run: Run) -> None:
         run.step, cursor, run.pending = state["step"], state["cursor"], state.get("pending_batches", [])
         print(f"[align] resuming from {resume[1]} (step {run.step})", flush=True)
     run.cursor = DataCursor(len(run.task.prompts), cfg.seed, cursor)
+    run.nonfinite = learner.NonFiniteSteps(cfg.max_nonfinite_steps, (state or {}).get("nonfinite_steps", 0))
     run.policy, run.ref_model, run.mcfg, run.resumed = policy, ref_model, mcfg, bool(resume)
     if not resume:
         torch.manual_seed(cfg.seed)

@@ -454,7 +454,17 @@ def restore_sharded(ckpt: Path, state: dict, model: torch.nn.Module, opt: torch.
 
 def save_any(root: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer, trainer_state: dict,
              keep: int) -> None:  # fmt: skip
-    """The run's checkpoint: sharded (``save_sharded``) under torchrun, ``save_full``'s format in one process."""
+    """The run's checkpoint: sharded (``save_sharded``) under torchrun, ``save_full``'s format in one process.
+    A model holding a NaN / inf is never written (the retention ring would then delete the last good one)."""
+    from align.learner import nonfinite_parameters
+
+    bad = nonfinite_parameters(model)
+    if dist.max_int(len(bad)):  # torchrun: any rank's shards
+        raise CheckpointError(
+            f"refusing to write checkpoint step_{step} under {root}: parameter(s) {bad[:3] or '(on another rank)'} "
+            "hold NaN/inf; the last committed checkpoint is kept. Lower --lr or check the data and rewards, then "
+            "resume from it"
+        )
     if dist.active():
         save_sharded(root, step, model, opt, trainer_state, keep)
     else:

@@ -59,6 +59,13 @@ class TrainConfig:
     weight_decay: float = field(default=0.0, metadata=_h("AdamW weight decay."))
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.99], metadata=_h("AdamW betas."))
     grad_clip: float = field(default=1.0, metadata=_h("Max global grad norm (0 = off)."))
+    max_nonfinite_steps: int = field(
+        default=3,
+        metadata=_h(
+            "Optimizer steps with a NaN/inf loss or gradient norm are skipped (no weight changes) and counted "
+            "(nonfinite_steps); the run stops with an error once this many were skipped."
+        ),
+    )
     micro_batch_size: int = field(
         default=64, metadata=_h("Completions per forward/backward; never changes the result.")
     )
@@ -231,6 +238,7 @@ class TrainConfig:
             "rollout_num_engines",
             "updates_per_batch",
             "mini_batches",
+            "max_nonfinite_steps",
         )
         for k in positive:
             if getattr(self, k) < 1:

@@ -53,6 +53,7 @@ RESUMABLE = (
     "steps",  # run longer or stop earlier (a linear/cosine LR decay is recomputed on the new horizon)
     "checkpoint_every",
     "keep_checkpoints",
+    "max_nonfinite_steps",  # how many skipped steps stop the run, not what a step computes
     "resume_from",
     "save_hf",
     "overwrite",
