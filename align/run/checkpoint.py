@@ -197,7 +197,9 @@ def load_state(ckpt: Path) -> dict:
     kinds = {  # what align writes; a hand-edited value fails here, by name, not mid-resume
         "step": isinstance(state["step"], int) and not isinstance(state["step"], bool) and state["step"] >= 0,
         "cursor": isinstance(cursor, dict) and all(type(cursor.get(k)) is int for k in ("epoch", "index")),
-        "optimizer": isinstance(state["optimizer"], dict),
+        # a sharded (DCP) checkpoint names its shard dir instead (``save_sharded``)
+        "optimizer": isinstance(state["optimizer"], dict)
+        or (state.get("format") == FORMAT and state["optimizer"] == DCP_DIR),
         "scheduler": isinstance(state["scheduler"], dict),
         "rng": isinstance(state["rng"], dict),
         "pending_batches": isinstance(state.get("pending_batches", []), list),
