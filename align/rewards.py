@@ -26,6 +26,7 @@ Built-ins live in ``align.verifiers`` and are re-exported here, so ``--reward al
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -33,6 +34,7 @@ import inspect
 import json
 import math
 import os
+import select
 import selectors
 import signal
 import subprocess
@@ -268,7 +270,10 @@ def _call_in_process(fn: Callable, args: tuple, kwargs: dict, timeout_s: float) 
     if threading.current_thread() is not threading.main_thread():
         return _call_on_thread(fn, args, kwargs, timeout_s)
 
+    fired: list[bool] = []
+
     def on_alarm(signum, frame):
+        fired.append(True)
         raise RewardTimeout
 
     old = signal.signal(signal.SIGALRM, on_alarm)
@@ -278,6 +283,8 @@ def _call_in_process(fn: Callable, args: tuple, kwargs: dict, timeout_s: float) 
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+        if fired:  # the reward caught the timeout (a bare ``except:``) and returned or raised: still a timeout
+            raise RewardTimeout
 
 
 class RewardScorer:
@@ -379,18 +386,20 @@ def make_scorer(cfg: RewardConfig, fns: Any, records: list[dict]) -> RewardScore
 # ------------------------------------------------------------------------------------------------ worker pool
 
 
+WATCH_S = 0.2  # how often the pool checks its busy workers are alive (a pipe can outlive its worker)
 STARTUP_TIMEOUT_S = 120.0  # a worker's start (python + the reward modules) never counts against a call's timeout
 
 
 class _Worker:
     def __init__(self, specs: list[str], sel: selectors.BaseSelector):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self.proc = subprocess.Popen(
+        self.proc = subprocess.Popen(  # its own session: kill() ends the processes a reward started with it
             [sys.executable, "-m", "align.rewards", "--worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
             bufsize=0,
+            start_new_session=True,
         )
         self.sel, self.buf, self.ready = sel, b"", False
         self.task: int | None = None
@@ -403,6 +412,8 @@ class _Worker:
             self.sel.unregister(self.proc.stdout)
         except (KeyError, ValueError):
             pass
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # the worker and what its rewards started
+            os.killpg(self.proc.pid, signal.SIGKILL)
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
@@ -454,8 +465,11 @@ class WorkerPool:
                 if any(w.task is not None or not w.ready for w in self.workers)
                 else 0.0
             )
-            for key, _ in self.sel.select(timeout=None if math.isinf(wait) else wait):
+            for key, _ in self.sel.select(timeout=min(wait, WATCH_S)):
                 self._read(key.data, results)
+            for w in self.workers:  # exited, but a process it forked holds its pipe open: no EOF ever comes
+                if w.task is not None and w.proc.poll() is not None:
+                    self._drain_dead(w, results)
             now = time.monotonic()
             for j, w in enumerate(self.workers):
                 if now < w.deadline:
@@ -473,6 +487,21 @@ class WorkerPool:
                     self._replace(j)
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
+
+    def _drain_dead(self, w: _Worker, results: list) -> None:
+        """A worker whose process exited: its last answer if it wrote one, else its task is an error."""
+        fd = w.proc.stdout.fileno()
+        while w.task is not None and select.select([fd], [], [], 0)[0]:
+            n = len(w.buf)
+            self._read(w, results)
+            if w.proc.stdout.closed or len(w.buf) == n:
+                break
+        if w.task is not None:
+            rc = w.proc.returncode
+            results[w.task] = ("error", f"reward worker exited (exit code {rc}) while scoring; see its stderr")
+            w.task = None
+        w.kill()
+        w.ready, w.deadline = True, math.inf  # dead: replaced before its next task
 
     def _read(self, w: _Worker, results: list) -> None:
         chunk = os.read(w.proc.stdout.fileno(), 1 << 16)

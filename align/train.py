@@ -51,17 +51,23 @@ def train(
     the current step and return early with ``summary["interrupted"] = signum``."""
     from align import dist, learner
     from align.advantages import compute_advantages
+    from align.rollout.pipeline import Interrupted
     from align.run.build import open_run
 
     run = open_run(cfg, model=model, tokenizer=tokenizer, prompts=prompts, reward=reward,
                    eval_prompts=eval_prompts, stop_flag=stop_flag)  # fmt: skip
     with run:  # closes pipeline, client, scorer, logs and worker; drains the evaluator
         run.emit(run.baseline())  # the step-0 eval, once per run
+        run.stop_flag["loop"] = True  # from here a signal stops after the current step (before: main raises)
         while run.step < cfg.steps:
             t0 = time.monotonic()
             run.policy.train()
             # 1-3. prompts -> rollouts -> rewards (align.rollout.pipeline: this thread, or K steps ahead)
-            produced, async_stats = run.pipe.next(run.step + 1)
+            try:
+                produced, async_stats = run.pipe.next(run.step + 1)
+            except Interrupted:  # a signal while waiting for the producer (e.g. a reward stuck in a sleep)
+                run.checkpointer.save(run.step, force=run.step > 0)  # unless committed already
+                break
             groups = produced.groups
             scores = groups.tensors(cfg.group_size)  # (P, G) total, terms, lengths, truncated; NaN = unscorable
             run.check_rewards(groups, run.step + 1)
@@ -141,6 +147,7 @@ def print_summary(s: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from align.learner import NonFiniteError
+    from align.rollout.pipeline import Interrupted
     from align.run.checkpoint import CheckpointError
     from align.run.presets import parse
 
@@ -152,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         if stop_flag.get("signal"):  # second signal: stop now
             raise KeyboardInterrupt
         stop_flag["signal"] = signum
+        if not stop_flag.get("loop"):  # setup (warm start, data, templates, model load): nothing to save yet
+            print(f"\n[align] got signal {signum} before the first step: exiting", flush=True)
+            raise Interrupted(signum)
         print(f"\n[align] got signal {signum}: finishing this step, writing a checkpoint, then exiting", flush=True)
 
     old = {s: signal.signal(s, on_signal) for s in SIGNAL_EXIT}
@@ -160,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     except (InputError, CheckpointError) as e:  # bad input (before the model loads); a checkpoint that cannot resume
         print(f"align.train: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except Interrupted as e:  # a signal during setup; the run's parts are closed (open_run, ``with run``)
+        return SIGNAL_EXIT[e.signum]
     except NonFiniteError as e:  # --max-nonfinite-steps reached; the last checkpoint is intact
         print(f"align.train: error: {e}", file=sys.stderr, flush=True)
         return 1

@@ -240,3 +240,107 @@ def test_in_process_timeout_holds_off_the_main_thread():
     assert s.timeouts == 1 and math.isnan(s.totals[0]) and s.totals[1] == 1.0
     assert got["later"].totals == [1.0] and got["later"].timeouts == 0
     assert got["dt"] < SPIN_S / 2  # cut off, not run to its end
+
+
+HARD_FILE = textwrap.dedent("""
+    import os, subprocess, sys, time
+
+    def swallow(prompt, completion, **fields):
+        if completion != "hang":
+            return 1.0
+        try:
+            time.sleep(30)
+        except:  # noqa: E722 -- a user's bare except catches the in-process timeout
+            pass
+        return 0.0
+
+    def spawn(prompt, completion, pidfile=None, **fields):
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        with open(pidfile, "a") as f:
+            f.write(f"{child.pid}\\n")
+        if completion == "hang":
+            time.sleep(60)
+        return 1.0
+
+    def fork_exit(prompt, completion, **fields):
+        if completion == "exit" and os.fork() == 0:  # the child keeps the worker's pipe open, then the worker exits
+            time.sleep(60)
+            os._exit(0)
+        if completion == "exit":
+            os._exit(4)
+        return 1.0
+""")
+CHILD_GONE_S = 10.0  # killed children are reaped well within this
+
+
+@pytest.fixture
+def hard_file(tmp_path):
+    p = tmp_path / "hard_rewards.py"
+    p.write_text(HARD_FILE)
+    return str(p)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("on_thread", [False, True])
+def test_a_bare_except_cannot_swallow_the_in_process_timeout(hard_file, on_thread):
+    """The reward catches RewardTimeout and returns 0.0: still a timeout, unscorable (the old SIGALRM path scored 0.0).
+    Control: the same reward that does not hang scores 1.0 and no timeout."""
+    scorer = RewardScorer(load_rewards([hard_file + ":swallow"]), workers=1, timeout_s=0.3)
+    got = {}
+
+    def run():
+        got["s"] = scorer.score([({"prompt": "p"}, "hang"), ({"prompt": "p"}, "x")])
+
+    if on_thread:
+        th = threading.Thread(target=run)
+        th.start()
+        th.join(60)
+    else:
+        run()
+    s = got["s"]
+    assert s.timeouts == 1 and math.isnan(s.totals[0]) and s.failed == 1
+    assert s.totals[1] == 1.0  # control
+
+
+def test_a_timed_out_rewards_children_are_killed(hard_file, tmp_path):
+    """--reward-workers 2: the worker's process group dies with it, on a timeout and at close (no orphans).
+    Control: before close, the child of the call that finished is still alive (so the check can see one)."""
+    pidfile = tmp_path / "pids"
+    scorer = RewardScorer(load_rewards([hard_file + ":spawn"]), workers=2, timeout_s=1.0)
+    try:
+        s = scorer.score([({"prompt": "p", "pidfile": str(pidfile)}, "hang")])
+        assert s.timeouts == 1
+        (hung,) = [int(p) for p in pidfile.read_text().split()]
+        s = scorer.score([({"prompt": "p", "pidfile": str(pidfile)}, "x")])
+        assert s.totals == [1.0]
+        finished = int(pidfile.read_text().split()[-1])
+        assert _alive(finished)  # control: a live child is seen as alive
+        deadline = time.monotonic() + CHILD_GONE_S
+        while _alive(hung) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(hung), "the timed-out call's child outlived its worker"
+    finally:
+        scorer.close()
+    deadline = time.monotonic() + CHILD_GONE_S
+    while _alive(finished) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(finished), "a worker's child outlived the pool's close"
+
+
+def test_a_worker_that_exits_while_its_fork_holds_the_pipe(hard_file):
+    """The worker exits but a forked child keeps its stdout open (no EOF): the pool watches the pid and reports the
+    call as an error at once, not as a timeout 20 s later. Control: the other rows score 1.0."""
+    scorer = RewardScorer(load_rewards([hard_file + ":fork_exit"]), workers=2, timeout_s=20.0)
+    try:
+        s = scorer.score([({"prompt": "p"}, "exit"), ({"prompt": "p"}, "x"), ({"prompt": "p"}, "y")])
+        assert s.timeouts == 0 and s.failed == 1 and math.isnan(s.totals[0]) and s.totals[1:] == [1.0, 1.0]
+        assert "exit code 4" in s.errors[0]
+    finally:
+        scorer.close()

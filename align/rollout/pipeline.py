@@ -61,6 +61,20 @@ from align.rollout.protocol import Completion, SamplingParams
 log = logging.getLogger(__name__)
 
 
+STOP_WAIT_S = 10.0  # after a stop signal, how long a checkpoint waits for its pending batches before saving fewer
+STOP_JOIN_S = 2.0  # after a stop signal, how long close waits for a producer (it may be stuck in a reward's sleep)
+
+
+class Interrupted(BaseException):
+    """A stop signal (SIGTERM / SIGINT) that ends a wait: raised by ``align.train.main``'s handler before the loop
+    starts, and by the pipeline's waits (polled every ``WAIT_POLL_S``) once a stop is flagged, so neither setup nor
+    a producer stuck in a reward holds the trainer thread."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by signal {signum}")
+        self.signum = signum
+
+
 def version_for(step: int, max_async_steps: int, floor: int = 0) -> int:
     """The weights version the rollouts of trainer step ``step`` (1-based) come from: ``max(floor, step-1-K)``.
 
@@ -167,6 +181,8 @@ class RolloutPipeline:
         self.error: BaseException | None = None
         self.idle_s = 0.0
         self._stop = False
+        self.should_stop: Callable[[], int | None] = lambda: None  # the run's stop flag: the signal number, if any
+        self.claim_cursor: dict | None = None  # the data cursor when the step being produced was claimed
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         if self.K > 0:
@@ -237,6 +253,7 @@ class RolloutPipeline:
                     self._cond.wait(WAIT_POLL_S)
                 if self._stop:
                     return False
+                self.claim_cursor = None if self.cursor is None else dict(self.cursor)
                 if v == self.engine.version:  # same weights: no lock needed (a refill during a pinned eval tail)
                     self.producing = t
                     self.idle_s += time.monotonic() - t0
@@ -255,14 +272,24 @@ class RolloutPipeline:
 
     # -------------------------------------------------------------------------- trainer side
 
-    def _wait_for(self, steps: range) -> None:
+    def _wait_for(self, steps: range, stop_after_s: float = 0.0) -> bool:
+        """Until every step in ``steps`` is ready (True). Once a stop is flagged: ``Interrupted`` after
+        ``stop_after_s`` seconds, or False when that is > 0 (the caller takes what is ready)."""
+        deadline = None
         with self._cond:
             while not all(t in self.ready for t in steps):
                 if self.error is not None:
                     raise self.error
                 if self._thread is None or (self._thread.ident is not None and not self._thread.is_alive()):
                     raise RuntimeError(f"the rollout producer stopped before producing steps {list(steps)}")
+                if (signum := self.should_stop()) and deadline is None:
+                    deadline = time.monotonic() + stop_after_s
+                if deadline is not None and time.monotonic() >= deadline:
+                    if stop_after_s > 0:
+                        return False
+                    raise Interrupted(signum)
                 self._cond.wait(WAIT_POLL_S)
+        return True
 
     def next(self, t: int) -> tuple[Produced, dict]:
         """The batch of step ``t`` and its async metrics (empty with K = 0)."""
@@ -456,9 +483,13 @@ class RolloutPipeline:
             return {"cursor": dict(cursor)}
         todo = range(step + 1, min(step + self.K, self.last_step) + 1)
         self.start()
-        self._wait_for(todo)
+        complete = self._wait_for(todo, stop_after_s=STOP_WAIT_S)  # a stop: what is ready within STOP_WAIT_S
         with self._cond:
-            pending = [self.ready[t] for t in todo]
+            pending = [self.ready[t] for t in todo[: next((i for i, t in enumerate(todo) if t not in self.ready),
+                                                          len(todo))]]  # fmt: skip
+            missing = step + 1 + len(pending)
+            if not complete and not pending and self.producing == missing:  # the resumed run redraws it
+                return {"cursor": dict(self.claim_cursor), "pending_batches": []}
         cur = pending[-1].cursor if pending else self._cursor_before(step + 1)
         return {"cursor": dict(cur), "pending_batches": [p.to_state() for p in pending]}
 
@@ -471,6 +502,8 @@ class RolloutPipeline:
         return dict(self.cursor)
 
     def close(self, timeout_s: float = 30.0) -> None:
+        if self.should_stop():  # a signal: a producer stuck in a reward's sleep must not hold the exit
+            timeout_s = min(timeout_s, STOP_JOIN_S)
         with self._cond:
             self._stop = True
             self._cond.notify_all()

@@ -181,8 +181,9 @@ class Checkpointer:
 
     def save(self, step: int, *, last_step: bool = False, force: bool = False) -> bool:
         r, every = self.run, self.run.cfg.checkpoint_every
-        if not (last_step or force or (every and step % every == 0)):
-            return False
+        due = last_step or (every and step % every == 0)
+        if not (due or force) or (not due and (r.out / "checkpoints" / f"step_{step}").is_dir()):
+            return False  # forced but committed already: a signal while the next step waited for its rollouts
         extra = {"scheduler": r.sched.state_dict(), "nonfinite_steps": r.nonfinite.count,
                  **r.pipe.checkpoint_state(step, r.cursor.state)}  # fmt: skip
         ckpt.save_any(r.out / "checkpoints", step, r.policy, r.opt, extra, r.cfg.keep_checkpoints)
@@ -591,6 +592,7 @@ def _open_pipeline(run: Run) -> None:
 
     snapshots = run.out / "rollout_snapshots"
     run.pipe = make_pipeline(cfg, collect, run.policy, run.client, run.step, run.cursor.state, run.pending, snapshots)
+    run.pipe.should_stop = lambda: run.stop_flag.get("signal")  # its waits end on a signal (align.rollout.pipeline)
     run.evaluator = pinned_evaluator(run.pipe, run.evaluator, run.eval_set, cfg)  # K >= 1: eval on the engine
     if dist.is_main():
         run.progress = Progress(cfg.steps, start=run.step)

@@ -1,0 +1,73 @@
+"""Signals always land: SIGTERM during setup exits 143 at once (nothing trained, nothing saved); with
+--max-async-steps 1 and a reward stuck in a sleep, SIGTERM checkpoints the last trained step and exits 143."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import textwrap
+
+from helpers_train import run_cli, train_steps, wait_for_steps
+
+EXIT_S = 60.0  # a signalled run exits well within this (the old code: never, or only after the first step)
+
+HANG_PY = textwrap.dedent("""
+    import os, time
+
+    def hang_when_flagged(prompt, completion, flag="", **fields):
+        if os.path.exists(flag):
+            time.sleep(600)  # a sleep: the in-process watchdog cannot cut it off on the producer thread
+        return float(completion.startswith("a"))
+""")
+
+
+def _exit_after_sigterm(proc) -> str:
+    """SIGTERM, then the run's output once it exits (killed, and an AssertionError, if it outlives ``EXIT_S``)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.communicate(timeout=EXIT_S)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"still running {EXIT_S} s after SIGTERM:\n{proc.communicate()[0][-3000:]}") from None
+
+
+def test_sigterm_during_the_warm_start_exits_143_at_once(tmp_path):
+    """No --model: the built-in task warm-starts its model; SIGTERM during it exits 143 before any step is trained
+    (the old code trained and checkpointed step 1 first). Control: the warm start was under way (its log line)."""
+    out = tmp_path / "run"
+    proc = run_cli(["--out", str(out), "--steps", "4", "--warm-start-steps", "100000"])
+    seen = []
+    for line in proc.stdout:  # bounded: the run prints the warm-start line within seconds, or exits
+        seen.append(line)
+        if "warm start" in line:
+            break
+    assert any("warm start" in s for s in seen), "".join(seen)[-3000:]  # control: setup was running
+    log = _exit_after_sigterm(proc)
+    assert proc.returncode == 143, log[-3000:]
+    assert train_steps(out) == 0 and not (out / "checkpoints").exists(), log[-3000:]
+
+
+def test_sigterm_with_a_reward_stuck_on_the_producer(tmp_path, builtin_model):
+    """--max-async-steps 1, in-process rewards: once the reward sleeps, SIGTERM still ends the run with 143 and a
+    checkpoint of the last trained step (the old code hung: the trainer waited on the producer forever). Control:
+    steps were trained before the reward hung."""
+    flag = tmp_path / "hang"
+    rows = [{"prompt": w + "=", "answer": w[::-1], "flag": str(flag)} for w in ("ab", "cd", "bca", "dd", "abc", "ha")]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(HANG_PY)
+    out = tmp_path / "run"
+    args = ["--out", str(out), "--model", builtin_model, "--train-data", str(data), "--reward",
+            f"{rewards}:hang_when_flagged", "--reward-timeout-s", "1", "--max-async-steps", "1", "--steps", "50",
+            "--prompts-per-step", "2", "--group-size", "2", "--max-tokens", "4", "--checkpoint-every", "0",
+            "--eval-interval", "0"]  # fmt: skip
+    proc = run_cli(args)
+    wait_for_steps(out, 2, proc)  # control: training ran
+    flag.touch()
+    n = train_steps(out)
+    log = _exit_after_sigterm(proc)
+    assert proc.returncode == 143, log[-3000:]
+    steps = sorted(int(p.name.split("_")[1]) for p in (out / "checkpoints").iterdir())
+    assert steps and steps[-1] == train_steps(out) >= n, (steps, log[-3000:])
