@@ -146,3 +146,56 @@ def _check_safetensors_header(f: Path) -> None:
         ok = False
     if not ok:
         raise ValueError(f"{f} is not a valid safetensors file (bad header): a truncated or corrupt checkpoint")
+
+
+# ---------------------------------------------------------------------------------------------
+# Private directories and secrets (the spool's trust model: docs/rollout.md)
+
+
+def check_private_dir(path: str | os.PathLike, what: str) -> None:
+    """Refuse directory ``path`` unless this user owns it and neither group nor others can write to it: whoever
+    can write there can forge, swap or delete what this process reads. RuntimeError naming the fix."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise RuntimeError(f"{what} {path} is not a directory (a symlink or file); pass a directory of your own")
+    if st.st_uid != os.getuid():
+        raise RuntimeError(
+            f"{what} {path} is owned by uid {st.st_uid}, not by this user (uid {os.getuid()}): its owner could forge "
+            f"or swap messages. Use a directory of your own (removing it lets align create it 0700)"
+        )
+    if st.st_mode & 0o022:
+        raise RuntimeError(
+            f"{what} {path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}): they could forge or "
+            f"swap messages. Fix: chmod 700 {path}"
+        )
+
+
+def private_secret(path: str | os.PathLike, nbytes: int = 32) -> bytes:
+    """The secret in file ``path``, created (mode 0600, ``nbytes`` random bytes, hex) when absent. The file must be
+    a regular file of this user's that group and others cannot read or write, else RuntimeError naming the fix."""
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # mode 0600
+        try:
+            with os.fdopen(fd, "w", encoding="ascii") as f:
+                f.write(os.urandom(nbytes).hex() + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            with contextlib.suppress(FileExistsError):  # link: never replaces a secret another process wrote first
+                os.link(tmp, path)
+        finally:
+            os.unlink(tmp)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise RuntimeError(
+                f"secret {path} is not a private file of this user (uid {st.st_uid}, mode "
+                f"{stat.S_IMODE(st.st_mode):o}, need uid {os.getuid()} and mode 600); remove it to make a new one"
+            )
+        key = os.read(fd, 4096).strip()
+    finally:
+        os.close(fd)
+    if len(key) < 32:
+        raise RuntimeError(f"secret {path} holds {len(key)} bytes (< 32); remove it to make a new one")
+    return key

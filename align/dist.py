@@ -294,7 +294,7 @@ def check_shared_dir(path: Any) -> None:
     token = root / f".rank0-probe-{uuid.uuid4().hex[:8]}" if is_main() else None
     problem = None
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)  # private: Spool.ensure refuses a group-writable one
         probe = root / f".probe-rank{rank()}-{uuid.uuid4().hex[:8]}"
         probe.write_text("ok")
         probe.unlink()

@@ -271,7 +271,7 @@ class ScriptedWorker(threading.Thread):
                 claimed = self.sp.claim(path)
                 if claimed is None:
                     continue
-                msg = P.read_message(claimed)
+                msg = self.sp.read(claimed)
                 reply = self.answer(msg)
                 if reply is not None:
                     self.served.append(msg.id)  # before the answer: a client may read `served` once answered
@@ -457,7 +457,7 @@ def test_answer_with_another_id_is_refused(tmp_path):
     msg = P.generate_request([[1]], SamplingParams())
     sp.submit(msg)
     bad = Message("completions", "someone-else", _echo(msg).body)
-    P.atomic_write_text(sp.root / "responses" / f"{msg.id}.json", bad.to_json())  # filed under the request's name
+    P.atomic_write_text(sp.root / "responses" / f"{msg.id}.json", bad.to_json(sp.key))  # under the request's name
     with pytest.raises(ProtocolError, match=rf"responses/{msg.id}.json: the response's id 'someone-else' is not"):
         client.wait(msg.id)
     assert (sp.root / "rejected" / f"{msg.id}.json").is_file()
@@ -584,3 +584,117 @@ def test_first_prompt_index_travels_and_a_bad_one_is_refused():
     for bad in (-1, 1.5, True):
         with pytest.raises(ProtocolError, match="'first_prompt_index' must be an int >= 0"):
             generate_request([[1, 2]], params, first_prompt_index=bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Trust: the spool is this user's, every message carries the spool secret's MAC, one trainer per spool
+
+OTHER_UID = 54321
+
+
+def _as_other_user(path: Path, monkeypatch) -> None:
+    """Make ``path`` another user's: chown as root; else this process pretends to be another uid."""
+    if os.getuid() == 0:
+        os.chown(path, OTHER_UID, -1)
+    else:
+        real = os.getuid()
+        monkeypatch.setattr(os, "getuid", lambda: real + 1)
+
+
+def test_spool_is_created_private_and_a_shared_or_foreign_one_is_refused(tmp_path, monkeypatch):
+    sp = Spool(tmp_path / "new" / "spool").ensure()
+    for d in (sp.root, *(sp.root / n for n in P._SPOOL_DIRS)):
+        assert oct(d.stat().st_mode & 0o777) == oct(0o700), d
+    assert oct(sp.secret_path.stat().st_mode & 0o777) == oct(0o600) and len(sp.key) >= 32
+    assert Spool(sp.root).key == sp.key  # one secret per spool: the other side reads the same one
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # pre-created world-writable (by another user, or a careless umask)
+    with pytest.raises(RuntimeError, match=rf"spool directory {shared} is writable by group or others.*chmod 700"):
+        Spool(shared).ensure()
+    os.chmod(shared, 0o700)
+    Spool(shared).ensure()  # negative control: the same dir, private, is used
+    foreign = tmp_path / "foreign"
+    foreign.mkdir(mode=0o700)
+    _as_other_user(foreign, monkeypatch)
+    with pytest.raises(RuntimeError, match=rf"spool directory {foreign} is owned by uid \d+, not by this user"):
+        Spool(foreign).ensure()
+
+
+def test_worker_refuses_requests_without_the_secret_or_from_another_uid(tmp_path, monkeypatch):
+    """The real worker's request loop: a shutdown with no MAC, one signed with another secret, one whose body was
+    changed after signing and one written by another uid are moved to rejected/, counted, never obeyed or answered."""
+    rw = _load_worker_module()
+    args = rw.parse_args(["--spool", str(tmp_path / "spool"), "--model", str(_fake_model_dir(tmp_path))])
+    worker = rw.Worker(args)
+    sp = worker.spool
+    forged = {
+        "r0-nomac": P.shutdown_request("r0-nomac").to_json(),
+        "r1-othersecret": P.shutdown_request("r1-othersecret").to_json(b"x" * 32),
+        "r2-tampered": P.sync_request(tmp_path, 3, "r2-tampered").to_json(sp.key).replace('"version":3', '"version":4'),
+        "r3-otheruid": P.shutdown_request("r3-otheruid").to_json(sp.key),
+    }
+    for name, text in forged.items():
+        P.atomic_write_text(sp.root / "requests" / f"{name}.json", text)
+    if os.getuid() == 0:  # a file of another uid, MAC and all (the secret leaked, or the file was copied)
+        os.chown(sp.root / "requests" / "r3-otheruid.json", OTHER_UID, -1)
+    else:
+        del forged["r3-otheruid"]
+        os.unlink(sp.root / "requests" / "r3-otheruid.json")
+    batch, command = worker.next_batch()
+    assert batch == [] and command is None
+    for name in forged:
+        assert (sp.root / "rejected" / f"{name}.json").is_file() and sp.request_state(name) is None
+    assert sp.untrusted == len(forged)
+    worker.heartbeat()
+    assert sp.read_heartbeat()["untrusted_rejected"] == len(forged)
+    good = P.shutdown_request()  # negative control: the trainer's own, signed with the spool's secret
+    sp.submit(good)
+    batch, command = worker.next_batch()
+    assert command is not None and command.id == good.id and sp.untrusted == len(forged)
+
+
+def test_spool_read_checks_the_file_owner_on_the_open_fd(tmp_path, monkeypatch):
+    sp = Spool(tmp_path / "spool").ensure()
+    path = sp.submit(P.shutdown_request())
+    assert sp.read(path).kind == "shutdown"  # negative control
+    _as_other_user(path, monkeypatch)
+    with pytest.raises(P.UntrustedMessageError, match=r"written by uid \d+, not the spool's owner uid \d+"):
+        sp.read(path)
+
+
+def test_client_waits_past_a_forged_answer_and_takes_the_workers(tmp_path, scripted):
+    sp = Spool(tmp_path / "spool").ensure()
+
+    def answer(msg: Message) -> Message:
+        forged = Message("completions", msg.id, {**_echo(msg).body, "weights_version": 666})
+        target = sp.root / "responses" / f"{msg.id}.json"
+        P.atomic_write_text(target, forged.to_json())  # no MAC: not the worker's
+        deadline = time.monotonic() + FAST_TIMEOUT_S
+        while target.exists() and time.monotonic() < deadline:  # the client takes it aside
+            time.sleep(0.01)
+        return _echo(msg)
+
+    scripted(answer=answer)
+    client = SpoolClient(sp.root, timeout_s=FAST_TIMEOUT_S)
+    out = client.generate([[10, 11]], SamplingParams())
+    assert client.weights_version == 7 and [c.token_ids for c in out] == [[11]]
+    assert client.spool.untrusted == 1 and len(list((sp.root / "rejected").glob("*.json"))) == 1
+
+
+def test_second_trainer_on_one_spool_is_refused_at_once(tmp_path):
+    from align.rollout.client import lock_trainer
+
+    first = lock_trainer(tmp_path / "spool")
+    code = (
+        "import sys; from align.rollout.client import lock_trainer\n"
+        "try:\n    lock_trainer(sys.argv[1])\nexcept RuntimeError as e:\n    print(e); sys.exit(3)\n"
+    )
+    run = [sys.executable, "-c", code, str(tmp_path / "spool")]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(run, capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert out.returncode == 3, out.stderr
+    assert f"in use by another trainer (pid {os.getpid()} on" in out.stdout and "--spool" in out.stdout
+    first.close()
+    out = subprocess.run(run, capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr  # negative control: once released, the next trainer runs

@@ -178,7 +178,17 @@ def test_bad_requests_are_clear_errors_and_the_worker_survives(fleet, models):
     with pytest.raises(RolloutError, match=r"malformed_request: .*rzzz-garbage.json: malformed or truncated"):
         client.wait("rzzz-garbage")
     assert (sp.root / "rejected" / "rzzz-garbage.json").exists()
+    forged = sp.root / "requests" / "rzzz-forged-stop.json"  # a shutdown without the spool secret's MAC
+    P.atomic_write_text(forged, P.shutdown_request("rzzz-forged-stop").to_json())
+    deadline = time.monotonic() + CALL_TIMEOUT_S
+    while not (sp.root / "rejected" / forged.name).exists():
+        assert time.monotonic() < deadline, "the worker never set the forged shutdown aside"
+        time.sleep(0.05)
+    assert sp.request_state("rzzz-forged-stop") is None  # never answered
     assert client.generate(PROMPTS[:1], SamplingParams(max_tokens=4))[0].weights_version == 3  # still serving
+    while sp.read_heartbeat().get("untrusted_rejected") != 1:  # counted in the next heartbeat (every second)
+        assert time.monotonic() < deadline, f"heartbeat {sp.read_heartbeat()} never counted the forged shutdown"
+        time.sleep(0.05)
 
 
 def test_second_worker_on_the_same_spool_is_refused(fleet, models):

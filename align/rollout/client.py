@@ -18,15 +18,17 @@ ranks (``align.dist``). Import cost: stdlib only; the native and sharded backend
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from align.rollout.protocol import (
     AlreadyWaitingError,
@@ -268,6 +270,28 @@ class SpoolClient:
         if hb and hb.get("log_path"):
             return f"worker log {hb['log_path']} (last lines):\n{_tail(Path(hb['log_path']), 30)}"
         return "no worker log known (the worker has written no heartbeat)"
+
+
+def lock_trainer(spool: str | os.PathLike) -> IO[str]:
+    """Take the trainer's exclusive lock of ``spool`` (``trainer.lock``; held until the file is closed or this process
+    dies), creating the spool (0700) first: a second trainer on one spool would interleave requests and weight syncs
+    with this one. Held by another: RuntimeError naming its pid. torchrun: rank 0 only (all ranks are one trainer)."""
+    path = Spool(spool).ensure().root / "trainer.lock"
+    f = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held for the run's life
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "pid unknown"
+        f.close()
+        raise RuntimeError(
+            f"spool {spool} is in use by another trainer ({holder}, lock {path}): two trainers would interleave "
+            "their requests and weight syncs. Stop it, or give this run its own --spool"
+        ) from None
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    return f
 
 
 _CLIENTS = {"native": NativeClient, "spool": SpoolClient}

@@ -23,6 +23,11 @@ Spool protocol (after CPython's ``mailbox.Maildir``): one JSON file per message.
     spool/responses/    published responses, named by the request id (worker -> trainer)
     spool/rejected/     malformed files, moved aside with the reason logged
     spool/heartbeat.json  the worker's liveness record, rewritten atomically every second
+    spool/secret          the spool's key (0600, made with the spool): every message carries its HMAC
+
+Trust: the spool is this user's (0700; one of another user's, or writable by group / others, is refused), and a
+message is read only from a file of this user's whose ``mac`` (HMAC-SHA256 of the secret over the envelope and
+body) checks; anything else is moved to rejected/, counted (``Spool.untrusted``) and never answered.
 
 A message is never modified after it is published. Every message carries ``protocol``,
 ``version``, ``kind``, ``id``, ``created`` and a kind-specific ``body``; a file with an
@@ -38,6 +43,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import hmac
 import itertools
 import json
 import math
@@ -59,7 +65,9 @@ from align.atomic import (  # noqa: F401
     SNAPSHOT_MARKERS,
     atomic_write_text,
     check_hf_dir,
+    check_private_dir,
     fsync_dir,
+    private_secret,
     snapshot_marker,
 )
 from align.rollout.process import TORCHRUN_VARS, exit_with_parent, pid_alive, watch_parent, worker_env  # noqa: F401
@@ -95,6 +103,10 @@ _counter = itertools.count()
 
 class ProtocolError(ValueError):
     """A spool file that cannot be accepted (malformed, truncated, unknown version). Names the file."""
+
+
+class UntrustedMessageError(ProtocolError):
+    """A spool file not written by the spool's owner, or without a valid MAC of its secret: rejected, never answered."""
 
 
 class AlreadyWaitingError(RuntimeError):
@@ -200,13 +212,18 @@ class Message:
                 f"bad message id {self.id!r}: use 1-128 characters of [A-Za-z0-9._-], not starting with '.'"
             )
 
-    def to_json(self) -> str:
-        env = {"protocol": PROTOCOL, "version": self.version, "kind": self.kind, "id": self.id}
-        return json.dumps({**env, "created": self.created, "body": self.body}, separators=(",", ":"))
+    def to_json(self, secret: bytes | None = None) -> str:
+        """The message as one JSON line; with ``secret`` (the spool's key) it carries its ``mac``."""
+        d = {"protocol": PROTOCOL, "version": self.version, "kind": self.kind, "id": self.id, "created": self.created}
+        d["body"] = self.body
+        if secret is not None:
+            d["mac"] = message_mac(secret, d)
+        return json.dumps(d, separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str, source: str = "<message>") -> Message:
-        """Parse and validate one message; any defect raises ProtocolError naming ``source``."""
+    def from_json(cls, text: str, source: str = "<message>", secret: bytes | None = None) -> Message:
+        """Parse and validate one message; any defect raises ProtocolError naming ``source``. With ``secret``, a
+        missing or wrong ``mac`` raises UntrustedMessageError."""
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
@@ -218,6 +235,8 @@ class Message:
                 f"{source}: unsupported protocol version {d.get('version')!r} (this side speaks {PROTOCOL_VERSION}); "
                 f"run the trainer and the worker from the same align checkout"
             )
+        if secret is not None and not hmac.compare_digest(str(d.get("mac")).encode(), message_mac(secret, d).encode()):
+            raise UntrustedMessageError(f"{source}: no valid MAC of the spool's secret (not its trainer's or worker's)")
         for key, typ in (("kind", str), ("id", str), ("created", (int, float)), ("body", dict)):
             if not isinstance(d.get(key), typ):
                 raise ProtocolError(f"{source}: field {key!r} missing or of the wrong type ({d.get(key)!r}); rejected")
@@ -234,6 +253,12 @@ class Message:
         if kind == "generate":
             _check_generate(body, source)
         return msg
+
+
+def message_mac(key: bytes, d: dict) -> str:
+    """HMAC-SHA256 of ``key`` over a message's envelope and body (canonical JSON: a parsed message gives the same)."""
+    signed = {k: d.get(k) for k in ("protocol", "version", "kind", "id", "created", "body")}
+    return hmac.new(key, json.dumps(signed, sort_keys=True, separators=(",", ":")).encode(), "sha256").hexdigest()
 
 
 def _get(d: object, key: str) -> object:
@@ -368,8 +393,8 @@ def read_message(path: str | os.PathLike) -> Message:
     return Message.from_json(_read_text(path, path), source=str(path))
 
 
-def _read_text(path: str | os.PathLike, source: str | os.PathLike) -> str:
-    """The UTF-8 text of regular file ``path``; anything else raises ProtocolError naming ``source``."""
+def _read_text(path: str | os.PathLike, source: str | os.PathLike, owner: int | None = None) -> str:
+    """The UTF-8 text of regular file ``path`` (of uid ``owner`` if given); else ProtocolError naming ``source``."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     except OSError as e:
@@ -377,9 +402,11 @@ def _read_text(path: str | os.PathLike, source: str | os.PathLike) -> str:
             raise ProtocolError(f"{source}: not a regular file ({e.strerror}); rejected") from None
         raise
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise ProtocolError(f"{source}: not a regular file ({_file_kind(mode)}); rejected")
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ProtocolError(f"{source}: not a regular file ({_file_kind(st.st_mode)}); rejected")
+        if owner is not None and st.st_uid != owner:
+            raise UntrustedMessageError(f"{source}: written by uid {st.st_uid}, not the spool's owner uid {owner}")
         with os.fdopen(fd, "rb", closefd=False) as f:
             data = f.read()
     finally:
@@ -413,12 +440,27 @@ class Spool:
             setattr(self, name, self.root / name)
         self.heartbeat_path = self.root / "heartbeat.json"
         self.lock_path = self.root / "worker.lock"
+        self.secret_path = self.root / "secret"
+        self._key: bytes | None = None
+        self.untrusted = 0  # messages refused by ``read``: not the owner's, or no valid MAC
+
+    @property
+    def key(self) -> bytes:
+        """The spool's secret (``secret``, 0600), made on first use."""
+        if self._key is None:
+            self._key = private_secret(self.secret_path)
+        return self._key
 
     def ensure(self) -> Spool:
-        """Create the spool folders and prove the directory is writable, or raise RuntimeError saying so."""
+        """Create the spool folders (0700) and its secret; prove the directory is writable and private (this user's,
+        not writable by group or others), or raise RuntimeError saying so."""
         try:
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            check_private_dir(self.root, "spool directory")
             for name in _SPOOL_DIRS:
-                (self.root / name).mkdir(parents=True, exist_ok=True)
+                (self.root / name).mkdir(mode=0o700, exist_ok=True)
+                check_private_dir(self.root / name, "spool directory")
+            self._key = private_secret(self.secret_path)
             fd, probe = tempfile.mkstemp(prefix=".probe.", dir=self.root / "tmp")
             os.close(fd)
             os.unlink(probe)
@@ -440,8 +482,19 @@ class Spool:
         if self.request_state(msg.id) is not None:
             raise ValueError(f"request id {msg.id} already exists in spool {self.root} ({self.request_state(msg.id)})")
         target = self._path("requests", msg.id)
-        atomic_write_text(target, msg.to_json(), tmp_dir=self.root / "tmp")
+        atomic_write_text(target, msg.to_json(self.key), tmp_dir=self.root / "tmp")
         return target
+
+    def read(self, path: str | os.PathLike, source: str | os.PathLike | None = None) -> Message:
+        """Read message file ``path`` (named ``source`` in errors): a file of another uid, or one without a valid
+        MAC of this spool's secret, raises UntrustedMessageError (the caller moves it aside: ``reject_untrusted``)."""
+        text = _read_text(path, source or path, owner=os.getuid())
+        return Message.from_json(text, source=str(source or path), secret=self.key)
+
+    def reject_untrusted(self, path: Path, name: str | None = None) -> Path:
+        """Move an untrusted file to rejected/ and count it (``untrusted``); it is never answered."""
+        self.untrusted += 1
+        return self.reject(path, name)
 
     def request_state(self, msg_id: str) -> str | None:
         """'answered' | 'done' | 'claimed' | 'pending', or None for an unknown id."""
@@ -459,7 +512,8 @@ class Spool:
         """Claim (rename) and read the response to ``msg_id``, then delete it; None if not there yet.
 
         The response must be a response kind whose ``id`` is ``msg_id``; ``check(msg, source)`` may refuse it
-        further (raising ProtocolError naming ``source``). A refused response is kept in rejected/."""
+        further (raising ProtocolError naming ``source``). A refused response is kept in rejected/; an untrusted one
+        (``read``) is counted there and waited past (None: the worker's answer may still come)."""
         src = self._path("responses", msg_id)
         taken = self.root / "tmp" / f"{msg_id}.taken-{os.getpid()}-{uuid.uuid4().hex[:6]}.json"
         try:
@@ -467,13 +521,16 @@ class Spool:
         except FileNotFoundError:
             return None
         try:
-            msg = Message.from_json(_read_text(taken, src), source=str(src))
+            msg = self.read(taken, src)
             if msg.kind not in RESPONSE_KINDS:
                 raise ProtocolError(f"{src}: a {msg.kind!r} message in responses/; rejected")
             if msg.id != msg_id:
                 raise ProtocolError(f"{src}: the response's id {msg.id!r} is not the request id {msg_id!r}; rejected")
             if check is not None and msg.kind not in ("error", "stopped"):
                 check(msg, str(src))
+        except UntrustedMessageError:
+            self.reject_untrusted(taken, name=f"{msg_id}.json")
+            return None
         except ProtocolError:
             self.reject(taken, name=f"{msg_id}.json")
             raise
@@ -537,7 +594,7 @@ class Spool:
             raise ValueError(f"{msg.kind!r} is not a response kind {RESPONSE_KINDS}")
         target = self._path("responses", msg.id)
         if not target.exists():
-            atomic_write_text(target, msg.to_json(), tmp_dir=self.root / "tmp")
+            atomic_write_text(target, msg.to_json(self.key), tmp_dir=self.root / "tmp")
         return target
 
     def finish(self, msg_id: str) -> None:

@@ -203,7 +203,7 @@ class Run:
     def __init__(self, cfg: TrainConfig, stop_flag: dict) -> None:
         self.cfg, self.stop_flag, self.out = cfg, stop_flag, Path(cfg.out)
         self.t_start = time.monotonic()
-        self.worker = self.client = self.scorer = self.pipe = self.out_lock = None
+        self.worker = self.client = self.scorer = self.pipe = self.out_lock = self.spool_lock = None
         self.metrics: Any = None
         self.samples: Any = None
         self.progress: Any = dist.RankLog()
@@ -288,6 +288,8 @@ class Run:
             if self.worker is not None:
                 self.worker.shutdown()
             self.pipe = self.client = self.scorer = self.metrics = self.worker = None
+            safety.release(self.spool_lock)  # the worker is gone: another trainer may take the spool
+            self.spool_lock = None
             if after_error is not None:  # the run ends here; else summary() releases --out after export_final
                 safety.release(self.out_lock)
 
@@ -457,6 +459,8 @@ def _open_rollout(run: Run) -> None:
     else:
         spool = Path(cfg.spool or out / "spool")
         dist.check_shared_dir(spool)  # torchrun: every rank writes requests there
+        if dist.is_main():  # before the snapshot and the worker: a second trainer on this spool is refused at once
+            run.spool_lock = client_mod.lock_trainer(spool)
         init_snapshot = out / "rollout_snapshots" / f"v{step}"
         save_snapshot(policy, init_snapshot)
         if cfg.spawn_worker and dist.is_main():

@@ -129,6 +129,7 @@ class Worker:
         info = {"weights_version": self.version, "logprob_basis": self.basis, "model": str(self.model_dir)}
         info.update(log_path=self.args.log_path, max_model_len=self.args.max_model_len, error=self.error)
         info.update(vocab_size=self.vocab_size)  # clients check answered token ids against it (0: unknown)
+        info.update(untrusted_rejected=self.spool.untrusted)  # requests refused: another uid's, or no valid MAC
         self.spool.write_heartbeat(self.state, **info)
 
     def _heartbeat_loop(self) -> None:
@@ -343,7 +344,11 @@ class Worker:
             if claimed is None:
                 continue
             try:
-                msg = P.read_message(claimed)
+                msg = self.spool.read(claimed)
+            except P.UntrustedMessageError as e:  # not the owner's, or no MAC of the spool's secret: never obeyed
+                log.error("%s; moved to rejected/, not answered", e)
+                self.spool.reject_untrusted(claimed)
+                continue
             except P.ProtocolError as e:
                 log.error("%s", e)
                 self.spool.reject(claimed)
