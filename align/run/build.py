@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import random
 import time
 from collections.abc import Callable
@@ -31,7 +30,7 @@ from align import model as model_lib
 from align.data import InputError
 from align.run import checkpoint as ckpt
 from align.run import safety
-from align.run.config import TrainConfig
+from align.run.config import TrainConfig, lr_lambda
 from align.run.log import MetricsLog, Progress, check_logger, format_line, make_logger, sample_groups
 from align.run.plot import write_plot
 
@@ -154,19 +153,6 @@ class DataCursor:
             idx.append(order[self.state["index"]])
             self.state["index"] += 1
         return idx
-
-
-def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
-    def f(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / (cfg.warmup_steps + 1)
-        if cfg.lr_schedule == "constant":
-            return 1.0
-        frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-        decay = 1 - frac if cfg.lr_schedule == "linear" else 0.5 * (1 + math.cos(math.pi * frac))
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
-
-    return f
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints

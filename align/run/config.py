@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -352,3 +353,18 @@ def _baselines() -> tuple[str, ...]:
     from align.advantages import BASELINES
 
     return BASELINES
+
+
+def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
+    """The learning-rate multiplier per scheduler step: linear warmup, then constant / linear / cosine to min_lr_ratio."""
+
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        decay = 1 - frac if cfg.lr_schedule == "linear" else 0.5 * (1 + math.cos(math.pi * frac))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
+
+    return f
