@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -40,6 +41,8 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 RESERVED_FIELDS = ("prompt", "completion")  # the reward's positional parameters: no column may use these names
 MAX_LINE_BYTES = 64 << 20  # one JSONL row; a longer line (or a file without newlines) is refused, never read whole
 MAX_BYTES_PER_TOKEN = 64  # a tokenizer that does not say how many bytes its longest token covers
+RENDER_MAX_SECONDS = 10.0  # one chat-template render (real templates take milliseconds)
+RENDER_MAX_CHARS = 128 << 20  # one render's output, and any string / list a template builds on the way
 
 
 class InputError(ValueError):
@@ -225,6 +228,84 @@ def _token_text(v: Any) -> str | None:
     return v if isinstance(v, str) else None
 
 
+class RenderBoundError(Exception):
+    """A chat-template render ran past ``RENDER_MAX_SECONDS`` or built more than ``RENDER_MAX_CHARS``."""
+
+
+def _check_render(env: Any, *values: Any) -> None:
+    if time.monotonic() > env.deadline:
+        raise RenderBoundError(f"ran past {RENDER_MAX_SECONDS} s")
+    if any(type(v) is int and v > RENDER_MAX_CHARS for v in values):  # 'x'.ljust(n), 'x'|center(n), ...
+        raise RenderBoundError(f"asked for a size over {RENDER_MAX_CHARS}")
+
+
+def _guarded(env: Any, f: Any) -> Any:
+    @functools.wraps(f)  # keeps jinja's pass_context / pass_eval_context marks
+    def g(*args: Any, **kwargs: Any) -> Any:
+        _check_render(env, *args[1:], *kwargs.values())
+        return f(*args, **kwargs)
+
+    return g
+
+
+class _Range:
+    """``range`` for templates, checking the render's deadline as it is iterated (nested loops end in time)."""
+
+    def __init__(self, env: Any, r: range) -> None:
+        self.env, self.r = env, r
+
+    def __len__(self) -> int:
+        return len(self.r)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self.r[i]
+
+    def __iter__(self) -> Iterator[int]:
+        for k, i in enumerate(self.r):
+            if k % 256 == 0:
+                _check_render(self.env)
+            yield i
+
+    def __reversed__(self) -> Iterator[int]:
+        return iter(_Range(self.env, self.r[::-1]))
+
+
+def _bounded_environment(jinja2: Any) -> type:
+    """transformers' ``ImmutableSandboxedEnvironment``, bounded: every call, attribute, item, ``*`` / ``**`` /
+    ``+`` and ``range`` step checks the render's deadline, and ``*`` refuses to build a string over the size."""
+
+    class Bounded(jinja2.sandbox.ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["*", "**", "+"])
+        deadline = float("inf")
+
+        def __init__(self, **kw: Any) -> None:
+            super().__init__(**kw)
+            self.globals["range"] = lambda *a: _Range(self, jinja2.sandbox.safe_range(*a))
+
+        def call(self, context: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:
+            _check_render(self, *args, *kwargs.values())
+            return super().call(context, obj, *args, **kwargs)
+
+        def getattr(self, obj: Any, attribute: str) -> Any:
+            _check_render(self)
+            return super().getattr(obj, attribute)
+
+        def getitem(self, obj: Any, argument: Any) -> Any:
+            _check_render(self)
+            return super().getitem(obj, argument)
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            _check_render(self)
+            if operator == "*" and any(isinstance(a, int) and isinstance(b, (str, list, tuple))
+                                       and len(b) * a > RENDER_MAX_CHARS for a, b in ((left, right), (right, left))):  # fmt: skip
+                raise RenderBoundError(f"builds a sequence over {RENDER_MAX_CHARS} items")
+            if operator == "**" and isinstance(right, int) and right > 4096:  # 10**10**10: a huge int
+                raise RenderBoundError(f"raises to the power {right}")
+            return super().call_binop(context, operator, left, right)
+
+    return Bounded
+
+
 class ChatTemplate:
     """A Hugging Face chat template rendered as ``apply_chat_template(..., tokenize=False)`` renders it."""
 
@@ -253,10 +334,11 @@ class ChatTemplate:
             def _body(self, caller):
                 return caller()
 
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        env = _bounded_environment(jinja2)(
             trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
         )
         env.filters["tojson"] = tojson
+        env.filters = {k: _guarded(env, f) for k, f in env.filters.items()}
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self.source, self.name = source, name
@@ -271,17 +353,29 @@ class ChatTemplate:
                 f"{name}: line {node.lineno}: include / import / extends loads another template file; a chat "
                 "template must be self-contained (paste the other template in)"
             )
-        self.template = env.from_string(parsed)
+        self.template, self.env = env.from_string(parsed), env
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> ChatPrompt:
+        self.env.deadline = time.monotonic() + RENDER_MAX_SECONDS
+        variables = {
+            "messages": messages,
+            "tools": None,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+        }
         try:
-            text = self.template.render(
-                messages=messages,
-                tools=None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **{**self.special_tokens, **kwargs},
-            )
+            parts, size = [], 0
+            for part in self.template.generate(**variables, **{**self.special_tokens, **kwargs}):
+                size += len(part)
+                if size > RENDER_MAX_CHARS:
+                    raise RenderBoundError(f"renders more than {RENDER_MAX_CHARS} characters")
+                parts.append(part)
+            text = "".join(parts)
+        except RenderBoundError as e:
+            raise InputError(
+                f"{self.name}: the render was stopped: it {e}; a chat template must render within "
+                f"{RENDER_MAX_SECONDS} s and {RENDER_MAX_CHARS} characters"
+            ) from None
         except Exception as e:  # noqa: BLE001 -- the template is the user's code: any error it raises is named
             raise InputError(f"{self.name} failed on these messages ({type(e).__name__}: {e})") from None
         return ChatPrompt(text)

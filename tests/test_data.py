@@ -4,9 +4,11 @@ stop tokens; and the data loaders' errors, each naming the file/line/flag."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -347,3 +349,40 @@ def test_each_row_is_tokenized_once_and_the_ids_reach_the_trainer(tmp_path, mode
     tok = HFTokenizer(model_dir)
     assert ids == eval_ids == [real(tok, r["prompt"]) for r in task.prompts]
     assert ids[0] != ids[1]  # negative control: the ids are the rows', in order
+
+
+def test_a_chat_template_render_is_bounded_in_time_and_size(monkeypatch):
+    """Nested range(99999) loops hung data loading and {{ 'x' * 10**10 }} allocated 10 GB: both end in an
+    InputError naming the template (bounds patched small here: nothing big is built)."""
+    import align.data as D
+
+    monkeypatch.setattr(D, "RENDER_MAX_SECONDS", 0.5, raising=False)
+    monkeypatch.setattr(D, "RENDER_MAX_CHARS", 1000, raising=False)
+    msgs = [{"role": "user", "content": "hi"}]
+    loops = D.ChatTemplate("{% for i in range(999) %}{% for j in range(999) %}{% for k in range(999) %}"
+                           "{% endfor %}{% endfor %}{% endfor %}", name="T1")  # fmt: skip
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(out=_catch(lambda: loops.render(msgs))), daemon=True)
+    t.start()
+    t.join(10.0)
+    assert not t.is_alive(), "the nested loops were not stopped"
+    assert isinstance(result["out"], InputError) and re.match(
+        r"T1: the render was stopped: it ran past", str(result["out"])
+    )
+    for i, source in enumerate(["{{ 'x' * 1001 }}", "{{ 'x' | center(1001) }}", "{{ 'x'.ljust(1001) }}",
+                                "{% for i in range(300) %}{{ 'abcd' }}{% endfor %}"]):  # fmt: skip
+        with pytest.raises(InputError, match=rf"T{i}: the render was stopped"):
+            D.ChatTemplate(source, name=f"T{i}").render(msgs)
+    # negative controls: at the bounds, and a real template's loops, render as before
+    assert D.ChatTemplate("{{ 'x' * 1000 }}").render(msgs) == "x" * 1000
+    assert (
+        D.ChatTemplate("{% for i in range(3) | reverse %}{{ i }}{% endfor %}{{ range(4) | length }}").render(msgs)
+        == "2104"
+    )
+
+
+def _catch(fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - reported by the assertion that reads it
+        return e
