@@ -280,10 +280,10 @@ def _bounded_environment(jinja2: Any) -> type:
 
         def __init__(self, **kw: Any) -> None:
             super().__init__(**kw)
-            self.globals["range"] = lambda *a: _Range(self, jinja2.sandbox.safe_range(*a))
+            self.globals["range"] = self.range = lambda *a: _Range(self, jinja2.sandbox.safe_range(*a))
 
-        def call(self, context: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:
-            _check_render(self, *args, *kwargs.values())
+        def call(self, context: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:  # range: the sandbox's own bound
+            _check_render(self, *(() if obj is self.range else (*args, *kwargs.values())))
             return super().call(context, obj, *args, **kwargs)
 
         def getattr(self, obj: Any, attribute: str) -> Any:
