@@ -365,3 +365,17 @@ def test_config_that_does_not_match_the_weights_is_refused_before_building(tmp_p
             M.load_pretrained(d)
         assert built == [], f"{edit}: a model was built before the check"
     assert M.load_pretrained(char_model).config.num_hidden_layers == 1 and built == [1]  # negative control
+
+
+def test_builtin_max_tokens_that_cannot_fit_is_refused_before_the_warm_start(tmp_path, char_model, monkeypatch):
+    """--max-tokens 100000 on the built-in task was refused only after the 800-step warm start (or the model load)."""
+    from align.tasks import reverse
+
+    no_model_load(monkeypatch)
+    monkeypatch.setattr(reverse, "warm_start", lambda *a, **k: pytest.fail("the warm start ran before the check"))
+    for model in (None, char_model):  # warm-started here, or an existing built-in model
+        with pytest.raises(ValueError, match=r"--max-tokens 100000: the built-in task's prompts .* at most \d+"):
+            train(cfg_for(tmp_path / f"out{model is None}", model=model, max_tokens=100000))
+    context = reverse.model_config(reverse.tokenizer()).max_position_embeddings
+    longest = max(len(reverse.tokenizer().encode(p["prompt"])) for p in reverse.prompts(5000, "train"))
+    reverse.check_sizes(reverse.prompts(5000, "train"), reverse.tokenizer(), context - longest)  # negative control

@@ -65,6 +65,7 @@ def builtin_task(cfg: TrainConfig) -> tuple[Task, str]:
         reverse.reward,
         reverse.prompts(cfg.eval_prompts, "eval", cfg.seed),
     )
+    reverse.check_sizes(task.prompts + task.eval_prompts, task.tokenizer, cfg.max_tokens)  # before the warm start
     base = Path(cfg.out) / "base_model"
     if cfg.model is not None:
         if not (Path(cfg.model) / "align_tokenizer.json").is_file():
@@ -115,9 +116,8 @@ def resolve_task(cfg: TrainConfig, model: str | None, tokenizer: Any, prompts: l
         )
     if prompts is None:
         return dist.main_first(lambda: builtin_task(cfg))
-    task = Task(
-        as_records(prompts), tokenizer, reward, as_records(eval_prompts) if eval_prompts else [], ids and tuple(ids)
-    )
+    evals = as_records(eval_prompts) if eval_prompts else []
+    task = Task(as_records(prompts), tokenizer, reward, evals, ids and tuple(ids))
     model_path = model or cfg.model
     if model_path is None:
         raise ValueError("no model: pass model=<HF checkpoint dir> or --model")
