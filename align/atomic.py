@@ -136,16 +136,29 @@ def check_hf_dir(path: str | os.PathLike) -> Path:
     return path
 
 
-def _check_safetensors_header(f: Path) -> None:
-    """A safetensors file starts with a little-endian u64 header length and that many bytes of JSON."""
+def safetensors_header(f: Path) -> dict:
+    """The JSON header of safetensors file ``f`` (tensor name -> dtype, shape, offsets), read with the stdlib: a
+    little-endian u64 length, then that many bytes of JSON (at most 100 MB, as the format says)."""
     try:
         with open(f, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
-            ok = 8 + n <= f.stat().st_size and isinstance(json.loads(fh.read(n)), dict)
+            header = json.loads(fh.read(n)) if 8 + n <= min(f.stat().st_size, 8 + (100 << 20)) else None
     except (OSError, ValueError):
-        ok = False
-    if not ok:
-        raise ValueError(f"{f} is not a valid safetensors file (bad header): a truncated or corrupt checkpoint")
+        header = None
+    if not isinstance(header, dict):
+        raise ValueError(f"{f} is not a valid safetensors file (bad header): a truncated or corrupt checkpoint")  # noqa: TRY004
+    return header
+
+
+def checkpoint_layout(files: list[Path]) -> tuple[int, list | None]:
+    """(layers, embed_tokens shape) of an HF checkpoint's safetensors files, from their headers alone."""
+    shapes = {k: v.get("shape") for f in files for k, v in safetensors_header(f).items() if k != "__metadata__"}
+    layers = 1 + max((int(k.split(".")[2]) for k in shapes if k.startswith("model.layers.")), default=-1)
+    return layers, shapes.get("model.embed_tokens.weight")
+
+
+def _check_safetensors_header(f: Path) -> None:
+    safetensors_header(f)
 
 
 # ---------------------------------------------------------------------------------------------

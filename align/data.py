@@ -17,13 +17,21 @@ Decisions:
 - A rendered chat prompt is a ``ChatPrompt`` (a ``str``): it already holds the template's special tokens, so
   ``HFTokenizer.encode`` adds none to it, as ``apply_chat_template(tokenize=True)`` does; a plain ``prompt``
   string gets the tokenizer's special tokens (e.g. Llama-3's BOS), as ``tokenizer(text)`` does.
+- Bounded work before any check: a JSONL line longer than ``MAX_LINE_BYTES`` is refused while reading (never
+  read whole), a prompt longer than ``context * max_token_bytes`` bytes (the longest vocabulary entry, in
+  UTF-8) is refused without tokenizing it (it cannot fit), and each row is read, rendered, tokenized and checked
+  once, streamed; the ids travel on to the trainer (``load_task_data``). A chat template's render is bounded in
+  time and output (``RENDER_MAX_SECONDS``, ``RENDER_MAX_CHARS``).
 - Stop tokens are the union of ``generation_config.json``'s ``eos_token_id`` and the tokenizer config's
   ``eos_token``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -31,6 +39,10 @@ from typing import Any, ClassVar
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 RESERVED_FIELDS = ("prompt", "completion")  # the reward's positional parameters: no column may use these names
+MAX_LINE_BYTES = 64 << 20  # one JSONL row; a longer line (or a file without newlines) is refused, never read whole
+MAX_BYTES_PER_TOKEN = 64  # a tokenizer that does not say how many bytes its longest token covers
+RENDER_MAX_SECONDS = 10.0  # one chat-template render (real templates take milliseconds)
+RENDER_MAX_CHARS = 128 << 20  # one render's output, and any string / list a template builds on the way
 
 
 class InputError(ValueError):
@@ -99,15 +111,23 @@ def read_text(path: Path, what: str) -> str:
         raise InputError(f"{path}:{line}: not UTF-8 text (byte {raw[e.start : e.start + 1]!r}); {what}") from None
 
 
-def read_rows(path: str | Path, flag: str = "--train-data") -> list[tuple[str, dict]]:
-    """[(where, row)] from a .jsonl / .json (one object per line) or .parquet file; ``where`` is ``file:line``."""
+def iter_rows(path: str | Path, flag: str = "--train-data") -> Iterator[tuple[str, dict]]:
+    """(where, row) from a .jsonl / .json (one object per line) or .parquet file, one at a time; ``where`` is
+    ``file:line``. A file without rows is an ``InputError`` (raised when the iteration ends)."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{flag} {path}: no such file")
-    rows = _parquet_rows(path, flag) if path.suffix == ".parquet" else _jsonl_rows(path, flag)
-    if not rows:
+    empty = True
+    for item in _parquet_rows(path, flag) if path.suffix == ".parquet" else _jsonl_rows(path, flag):
+        empty = False
+        yield item
+    if empty:
         raise InputError(f"{flag} {path}: the file has no rows")
-    return rows
+
+
+def read_rows(path: str | Path, flag: str = "--train-data") -> list[tuple[str, dict]]:
+    """[(where, row)]: ``iter_rows`` as a list."""
+    return list(iter_rows(path, flag))
 
 
 def _parquet_rows(path: Path, flag: str) -> list[tuple[str, dict]]:
@@ -119,10 +139,14 @@ def _parquet_rows(path: Path, flag: str) -> list[tuple[str, dict]]:
     return [(f"{path}:row {i}", row) for i, row in enumerate(table.to_pylist())]
 
 
-def _jsonl_rows(path: Path, flag: str) -> list[tuple[str, dict]]:
-    rows = []
+def _jsonl_rows(path: Path, flag: str) -> Iterator[tuple[str, dict]]:
     with open(path, "rb") as fh:
-        for n, raw in enumerate(fh, 1):
+        for n, raw in enumerate(iter(lambda: fh.readline(MAX_LINE_BYTES + 1), b""), 1):
+            if len(raw.rstrip(b"\r\n")) > MAX_LINE_BYTES:  # read no further: the line may have no end
+                raise InputError(
+                    f"{path}:{n}: the line is longer than {MAX_LINE_BYTES} bytes (or the file has no newlines); "
+                    f"{flag} takes JSONL, one row per line"
+                )
             line = _utf8(raw, f"{path}:{n}", f"{flag} takes UTF-8 JSONL")
             if not line.strip():
                 continue
@@ -134,8 +158,7 @@ def _jsonl_rows(path: Path, flag: str) -> list[tuple[str, dict]]:
                 ) from None
             if not isinstance(row, dict):
                 raise InputError(f"{path}:{n}: a JSONL row must be a JSON object, got {type(row).__name__}")
-            rows.append((f"{path}:{n}", row))
-    return rows
+            yield f"{path}:{n}", row
 
 
 def _check_messages(msgs: Any, where: str) -> list[dict]:
@@ -205,6 +228,84 @@ def _token_text(v: Any) -> str | None:
     return v if isinstance(v, str) else None
 
 
+class RenderBoundError(Exception):
+    """A chat-template render ran past ``RENDER_MAX_SECONDS`` or built more than ``RENDER_MAX_CHARS``."""
+
+
+def _check_render(env: Any, *values: Any) -> None:
+    if time.monotonic() > env.deadline:
+        raise RenderBoundError(f"ran past {RENDER_MAX_SECONDS} s")
+    if any(type(v) is int and v > RENDER_MAX_CHARS for v in values):  # 'x'.ljust(n), 'x'|center(n), ...
+        raise RenderBoundError(f"asked for a size over {RENDER_MAX_CHARS}")
+
+
+def _guarded(env: Any, f: Any) -> Any:
+    @functools.wraps(f)  # keeps jinja's pass_context / pass_eval_context marks
+    def g(*args: Any, **kwargs: Any) -> Any:
+        _check_render(env, *args[1:], *kwargs.values())
+        return f(*args, **kwargs)
+
+    return g
+
+
+class _Range:
+    """``range`` for templates, checking the render's deadline as it is iterated (nested loops end in time)."""
+
+    def __init__(self, env: Any, r: range) -> None:
+        self.env, self.r = env, r
+
+    def __len__(self) -> int:
+        return len(self.r)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self.r[i]
+
+    def __iter__(self) -> Iterator[int]:
+        for k, i in enumerate(self.r):
+            if k % 256 == 0:
+                _check_render(self.env)
+            yield i
+
+    def __reversed__(self) -> Iterator[int]:
+        return iter(_Range(self.env, self.r[::-1]))
+
+
+def _bounded_environment(jinja2: Any) -> type:
+    """transformers' ``ImmutableSandboxedEnvironment``, bounded: every call, attribute, item, ``*`` / ``**`` /
+    ``+`` and ``range`` step checks the render's deadline, and ``*`` refuses to build a string over the size."""
+
+    class Bounded(jinja2.sandbox.ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["*", "**", "+"])
+        deadline = float("inf")
+
+        def __init__(self, **kw: Any) -> None:
+            super().__init__(**kw)
+            self.globals["range"] = self.range = lambda *a: _Range(self, jinja2.sandbox.safe_range(*a))
+
+        def call(self, context: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:  # range: the sandbox's own bound
+            _check_render(self, *(() if obj is self.range else (*args, *kwargs.values())))
+            return super().call(context, obj, *args, **kwargs)
+
+        def getattr(self, obj: Any, attribute: str) -> Any:
+            _check_render(self)
+            return super().getattr(obj, attribute)
+
+        def getitem(self, obj: Any, argument: Any) -> Any:
+            _check_render(self)
+            return super().getitem(obj, argument)
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            _check_render(self)
+            if operator == "*" and any(isinstance(a, int) and isinstance(b, (str, list, tuple))
+                                       and len(b) * a > RENDER_MAX_CHARS for a, b in ((left, right), (right, left))):  # fmt: skip
+                raise RenderBoundError(f"builds a sequence over {RENDER_MAX_CHARS} items")
+            if operator == "**" and isinstance(right, int) and right > 4096:  # 10**10**10: a huge int
+                raise RenderBoundError(f"raises to the power {right}")
+            return super().call_binop(context, operator, left, right)
+
+    return Bounded
+
+
 class ChatTemplate:
     """A Hugging Face chat template rendered as ``apply_chat_template(..., tokenize=False)`` renders it."""
 
@@ -233,10 +334,11 @@ class ChatTemplate:
             def _body(self, caller):
                 return caller()
 
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        env = _bounded_environment(jinja2)(
             trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
         )
         env.filters["tojson"] = tojson
+        env.filters = {k: _guarded(env, f) for k, f in env.filters.items()}
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self.source, self.name = source, name
@@ -251,17 +353,29 @@ class ChatTemplate:
                 f"{name}: line {node.lineno}: include / import / extends loads another template file; a chat "
                 "template must be self-contained (paste the other template in)"
             )
-        self.template = env.from_string(parsed)
+        self.template, self.env = env.from_string(parsed), env
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> ChatPrompt:
+        self.env.deadline = time.monotonic() + RENDER_MAX_SECONDS
+        variables = {
+            "messages": messages,
+            "tools": None,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+        }
         try:
-            text = self.template.render(
-                messages=messages,
-                tools=None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **{**self.special_tokens, **kwargs},
-            )
+            parts, size = [], 0
+            for part in self.template.generate(**variables, **{**self.special_tokens, **kwargs}):
+                size += len(part)
+                if size > RENDER_MAX_CHARS:
+                    raise RenderBoundError(f"renders more than {RENDER_MAX_CHARS} characters")
+                parts.append(part)
+            text = "".join(parts)
+        except RenderBoundError as e:
+            raise InputError(
+                f"{self.name}: the render was stopped: it {e}; a chat template must render within "
+                f"{RENDER_MAX_SECONDS} s and {RENDER_MAX_CHARS} characters"
+            ) from None
         except Exception as e:  # noqa: BLE001 -- the template is the user's code: any error it raises is named
             raise InputError(f"{self.name} failed on these messages ({type(e).__name__}: {e})") from None
         return ChatPrompt(text)
@@ -346,6 +460,12 @@ class HFTokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The UTF-8 length of the longest vocabulary entry: no token stands for more bytes of a prompt (byte-level
+        markers like ``Ġ`` count 2, so this over-estimates)."""
+        return max((len(t.encode("utf-8")) for t in self.backend.get_vocab(with_added_tokens=True)), default=1)
+
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
@@ -411,41 +531,64 @@ def load_records(path: str | Path, tok: Any, prompt_key: str, flag: str) -> tupl
     return [to_record(row, where, prompt_key, template) for where, row in rows], [w for w, _ in rows]
 
 
+def encode_prompt(tok: Any, text: str, where: str, config: dict, max_tokens: int) -> list[int]:
+    """``text``'s ids, checked: it fits the model's context with ``max_tokens`` and its ids the vocabulary
+    (``config``: the model's config.json). A prompt with more bytes than the context can hold is refused
+    without tokenizing it."""
+    context, vocab = config.get("max_position_embeddings"), config.get("vocab_size")
+    per_token = getattr(tok, "max_token_bytes", MAX_BYTES_PER_TOKEN)
+    bound = context * per_token if isinstance(context, int) else None
+    if bound is not None and 4 * len(text) > bound and (size := len(text.encode("utf-8"))) > bound:  # <= 4 B/char
+        raise InputError(
+            f"{where}: the prompt is {size} bytes; no token of this tokenizer covers more than {per_token} "
+            f"bytes, so it cannot fit the model's context of {context} tokens; shorten it"
+        )
+    ids = tok.encode(text)
+    if not ids:
+        raise InputError(f"{where}: the prompt encodes to no tokens; a prompt needs at least one")
+    if context and len(ids) + max_tokens > context:
+        raise InputError(
+            f"{where}: the prompt is {len(ids)} tokens; with --max-tokens {max_tokens} it does not "
+            f"fit the model's context of {context}; shorten it or lower --max-tokens"
+        )
+    if vocab and ids and max(ids) >= vocab:
+        raise InputError(
+            f"{where}: token id {max(ids)} is outside the model's vocabulary ({vocab}); is "
+            "--tokenizer the model's own tokenizer?"
+        )
+    return ids
+
+
 def check_prompt_lengths(
     tok: Any, records: list[dict], wheres: list[str], model_dir: str | Path, max_tokens: int
-) -> None:
-    """Each prompt + ``max_tokens`` fits the model's context and every token id its vocabulary (config.json)."""
+) -> list[list[int]]:
+    """Each prompt + ``max_tokens`` fits the model's context and every token id its vocabulary (config.json);
+    the prompts' ids."""
     config = _read_json(Path(model_dir) / "config.json")
-    context, vocab = config.get("max_position_embeddings"), config.get("vocab_size")
-    for rec, where in zip(records, wheres):
-        ids = tok.encode(rec["prompt"])
-        if not ids:
-            raise InputError(f"{where}: the prompt encodes to no tokens; a prompt needs at least one")
-        if context and len(ids) + max_tokens > context:
-            raise InputError(
-                f"{where}: the prompt is {len(ids)} tokens; with --max-tokens {max_tokens} it does not "
-                f"fit the model's context of {context}; shorten it or lower --max-tokens"
-            )
-        if vocab and ids and max(ids) >= vocab:
-            raise InputError(
-                f"{where}: token id {max(ids)} is outside the model's vocabulary ({vocab}); is "
-                "--tokenizer the model's own tokenizer?"
-            )
+    return [encode_prompt(tok, rec["prompt"], where, config, max_tokens) for rec, where in zip(records, wheres)]
 
 
-def load_data(cfg: DataConfig, model_dir: str, max_tokens: int) -> tuple[Any, list[dict], list[dict]]:
-    """(tokenizer, train records, eval records) for ``--train-data`` / ``--eval-data``; raises ``InputError``."""
+def load_task_data(
+    cfg: DataConfig, model_dir: str, max_tokens: int
+) -> tuple[Any, list[dict], list[dict], list[list[int]], list[list[int]]]:
+    """(tokenizer, train records, eval records, train ids, eval ids) for ``--train-data`` / ``--eval-data``:
+    each row read, rendered, tokenized and checked once, one at a time; raises ``InputError``."""
     if not cfg.train_data:
         raise InputError("no --train-data: pass a .jsonl or .parquet file of prompts")
     if not Path(model_dir).is_dir():
         raise InputError(f"--model {model_dir}: no such directory")
     tok = load_tokenizer(cfg.tokenizer or model_dir, model_dir, "--tokenizer" if cfg.tokenizer else "--model")
-    out = []
+    config, template = _read_json(Path(model_dir) / "config.json"), getattr(tok, "chat_template", None)
+    out: list[tuple[list[dict], list[list[int]]]] = []
     for path, flag in ((cfg.train_data, "--train-data"), (cfg.eval_data, "--eval-data")):
-        if path is None:
-            out.append([])
-            continue
-        records, wheres = load_records(path, tok, cfg.prompt_key, flag)
-        check_prompt_lengths(tok, records, wheres, model_dir, max_tokens)
-        out.append(records)
-    return tok, out[0], out[1]
+        records, ids = [], []
+        for where, row in iter_rows(path, flag) if path is not None else ():
+            records.append(to_record(row, where, cfg.prompt_key, template))
+            ids.append(encode_prompt(tok, records[-1]["prompt"], where, config, max_tokens))
+        out.append((records, ids))
+    return tok, out[0][0], out[1][0], out[0][1], out[1][1]
+
+
+def load_data(cfg: DataConfig, model_dir: str, max_tokens: int) -> tuple[Any, list[dict], list[dict]]:
+    """(tokenizer, train records, eval records): ``load_task_data`` without the ids."""
+    return load_task_data(cfg, model_dir, max_tokens)[:3]

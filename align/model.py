@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from align.atomic import COMMIT_MARKER, commit_dir
+from align.atomic import COMMIT_MARKER, checkpoint_layout, commit_dir
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -60,6 +60,10 @@ class ModelConfig:
     generation_config: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
+        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "max_position_embeddings"):  # fmt: skip
+            if type(getattr(self, k)) is not int or getattr(self, k) <= 0:
+                raise ValueError(f"config.json {k} is {getattr(self, k)!r}: it must be a positive integer")
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"model_type {self.model_type!r} is not supported; align supports {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -478,6 +482,12 @@ def load_pretrained(
         raise ValueError(f"{path} has no {COMMIT_MARKER} marker: it is an uncommitted (partial) snapshot")
     cfg = ModelConfig.from_hf_config(_read_config(path))
     cfg.generation_config = _read_generation_config(path)
+    layers, embed = checkpoint_layout(_weight_files(path))  # before building: 10**6 meta layers take minutes
+    if layers != cfg.num_hidden_layers or embed != [cfg.vocab_size, cfg.hidden_size]:
+        raise ValueError(
+            f"{path / 'config.json'} says num_hidden_layers {cfg.num_hidden_layers}, vocab_size {cfg.vocab_size}, "
+            f"hidden_size {cfg.hidden_size}; the weights hold {layers} layers, embed_tokens {embed}: fix config.json"
+        )
     with torch.device("meta"):
         model = Transformer(cfg)
     expected = {k: v for k, v in model.state_dict().items()}

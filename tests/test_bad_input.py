@@ -335,3 +335,47 @@ def test_hand_edited_lean_gen_manifest_is_named(tmp_path):
             lean_records.Manifest.open(out, plan)
     path.write_text(json.dumps(good))  # negative control
     assert lean_records.Manifest.open(out, plan).sessions == [{"index": 0}]
+
+
+def test_config_that_does_not_match_the_weights_is_refused_before_building(tmp_path, char_model, monkeypatch):
+    """num_hidden_layers 10**6 over a 1-layer file built meta layers for minutes; negative sizes were a torch
+    traceback. Both are a ValueError naming the key, before any layer is built."""
+    from align import model as M
+
+    built: list[int] = []
+    real_init = M.Transformer.__init__
+    monkeypatch.setattr(M.Transformer, "__init__", lambda self, cfg: built.append(1) or real_init(self, cfg))
+    hf = json.loads((Path(char_model) / "config.json").read_text())
+    for i, (edit, match) in enumerate(
+        (
+            ({"num_hidden_layers": 3}, r"config.json says num_hidden_layers 3.*the weights hold 1 layers"),
+            ({"num_hidden_layers": 10**6}, r"config.json says num_hidden_layers 1000000.*the weights hold 1 layers"),
+            ({"vocab_size": hf["vocab_size"] + 1}, r"the weights hold 1 layers, embed_tokens \["),
+            ({"hidden_size": -8}, r"config.json hidden_size is -8: it must be a positive integer"),
+            ({"num_key_value_heads": -2}, r"config.json num_key_value_heads is -2: it must be a positive integer"),
+            ({"intermediate_size": "64"}, r"config.json intermediate_size is '64'"),
+        )
+    ):
+        d = tmp_path / f"m{i}"
+        shutil.copytree(char_model, d)
+        d.chmod(0o755)
+        (d / "config.json").chmod(0o644)
+        (d / "config.json").write_text(json.dumps({**hf, **edit}))
+        with pytest.raises(ValueError, match=match):
+            M.load_pretrained(d)
+        assert built == [], f"{edit}: a model was built before the check"
+    assert M.load_pretrained(char_model).config.num_hidden_layers == 1 and built == [1]  # negative control
+
+
+def test_builtin_max_tokens_that_cannot_fit_is_refused_before_the_warm_start(tmp_path, char_model, monkeypatch):
+    """--max-tokens 100000 on the built-in task was refused only after the 800-step warm start (or the model load)."""
+    from align.tasks import reverse
+
+    no_model_load(monkeypatch)
+    monkeypatch.setattr(reverse, "warm_start", lambda *a, **k: pytest.fail("the warm start ran before the check"))
+    for model in (None, char_model):  # warm-started here, or an existing built-in model
+        with pytest.raises(ValueError, match=r"--max-tokens 100000: the built-in task's prompts .* at most \d+"):
+            train(cfg_for(tmp_path / f"out{model is None}", model=model, max_tokens=100000))
+    context = reverse.model_config(reverse.tokenizer()).max_position_embeddings
+    longest = max(len(reverse.tokenizer().encode(p["prompt"])) for p in reverse.prompts(5000, "train"))
+    reverse.check_sizes(reverse.prompts(5000, "train"), reverse.tokenizer(), context - longest)  # negative control

@@ -4,9 +4,11 @@ stop tokens; and the data loaders' errors, each naming the file/line/flag."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -269,3 +271,118 @@ def test_missing_hf_extra_names_it(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "jinja2", None)
     with pytest.raises(InputError, match=r"needs the optional package 'jinja2': pip install 'align\[hf\]'"):
         ChatTemplate("{{ messages }}")
+
+
+# ------------------------------------------------------------------------------------------------ bounded work
+
+
+def test_a_line_longer_than_the_cap_is_refused_while_reading(tmp_path, monkeypatch):
+    """A 2 GB file without newlines was read as one line; now at most MAX_LINE_BYTES + 1 bytes of a line are read."""
+    import align.data as D
+
+    row = json.dumps({"prompt": "x" * 200})
+    monkeypatch.setattr(D, "MAX_LINE_BYTES", len(row), raising=False)
+    ok = tmp_path / "ok.jsonl"
+    ok.write_text(row + "\n" + row)  # negative control: rows exactly at the cap, with or without the newline
+    assert len(D.read_rows(ok)) == 2
+    long = tmp_path / "long.jsonl"
+    long.write_text(row + "\n" + row[:-1] + ' "}')  # line 2 is one byte over and has no newline
+    read: list[int] = []
+    real_open = open
+
+    class Counted:  # the reader's reads: bounded by the cap, never the whole line
+        def __init__(self, fh):
+            self.fh = fh
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            self.fh.close()
+
+        def readline(self, size=-1):
+            read.append(size)
+            return self.fh.readline(size)
+
+        def __iter__(self):  # the old reader iterated the file: whole lines
+            return (read.append(-1) or line for line in self.fh)
+
+    monkeypatch.setattr(D, "open", lambda *a, **k: Counted(real_open(*a, **k)), raising=False)
+    with pytest.raises(InputError, match=rf"long.jsonl:2: the line is longer than {len(row)} bytes"):
+        D.read_rows(long)
+    assert read and all(0 < n <= len(row) + 1 for n in read), read
+
+
+def test_a_prompt_too_many_bytes_for_the_context_is_refused_without_tokenizing(tmp_path, model_dir, monkeypatch):
+    """A 100 MB prompt was tokenized in full (~300 bytes of RAM per byte) before the length check."""
+    tok = HFTokenizer(model_dir)
+    bound = 64 * tok.max_token_bytes  # the model's context is 64 tokens
+    encoded: list[int] = []
+    real = HFTokenizer.encode
+    monkeypatch.setattr(HFTokenizer, "encode", lambda self, text, *a: encoded.append(len(text)) or real(self, text, *a))
+    big = write_jsonl(tmp_path / "big.jsonl", [{"prompt": "é" * (bound // 2 + 1)}])  # 2 bytes a char: 1 over
+    with pytest.raises(InputError, match=rf"big.jsonl:1: the prompt is {bound + 2} bytes; .* context of 64 tokens"):
+        load_data(DataConfig(train_data=big), str(model_dir), max_tokens=8)
+    assert encoded == [], "the over-long prompt was tokenized"
+    fits = write_jsonl(tmp_path / "fits.jsonl", [{"prompt": "é" * (bound // 2)}])  # negative control: at the bound
+    with pytest.raises(InputError, match=r"fits.jsonl:1: the prompt is \d+ tokens; with --max-tokens 8"):
+        load_data(DataConfig(train_data=fits), str(model_dir), max_tokens=8)  # tokenized, then too many tokens
+    assert encoded == [bound // 2]
+
+
+def test_each_row_is_tokenized_once_and_the_ids_reach_the_trainer(tmp_path, model_dir, monkeypatch):
+    """load_data tokenized every prompt to check it and the trainer tokenized it again."""
+    from helpers_train import cfg_for
+
+    from align.run.build import resolve_task
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"What is {i}+{i}?"} for i in range(5)])
+    calls: list[str] = []
+    real = HFTokenizer.encode
+    monkeypatch.setattr(HFTokenizer, "encode", lambda self, text, *a: calls.append(text) or real(self, text, *a))
+    cfg = cfg_for(tmp_path / "run", model=str(model_dir))
+    cfg.data.train_data, cfg.data.eval_data, cfg.max_tokens = data, data, 8
+    cfg.rewards.reward = ["align.rewards:exact_match"]
+    task, _ = resolve_task(cfg, None, None, None, None, None)
+    assert len(calls) == 10  # each train row and each eval row once
+    ids, eval_ids = task.encoded
+    tok = HFTokenizer(model_dir)
+    assert ids == eval_ids == [real(tok, r["prompt"]) for r in task.prompts]
+    assert ids[0] != ids[1]  # negative control: the ids are the rows', in order
+
+
+def test_a_chat_template_render_is_bounded_in_time_and_size(monkeypatch):
+    """Nested range(99999) loops hung data loading and {{ 'x' * 10**10 }} allocated 10 GB: both end in an
+    InputError naming the template (bounds patched small here: nothing big is built)."""
+    import align.data as D
+
+    monkeypatch.setattr(D, "RENDER_MAX_SECONDS", 0.5, raising=False)
+    monkeypatch.setattr(D, "RENDER_MAX_CHARS", 1000, raising=False)
+    msgs = [{"role": "user", "content": "hi"}]
+    loops = D.ChatTemplate("{% for i in range(999) %}{% for j in range(999) %}{% for k in range(999) %}"
+                           "{% endfor %}{% endfor %}{% endfor %}", name="T1")  # fmt: skip
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(out=_catch(lambda: loops.render(msgs))), daemon=True)
+    t.start()
+    t.join(10.0)
+    assert not t.is_alive(), "the nested loops were not stopped"
+    assert isinstance(result["out"], InputError) and re.match(
+        r"T1: the render was stopped: it ran past", str(result["out"])
+    )
+    for i, source in enumerate(["{{ 'x' * 1001 }}", "{{ 'x' | center(1001) }}", "{{ 'x'.ljust(1001) }}",
+                                "{% for i in range(300) %}{{ 'abcd' }}{% endfor %}"]):  # fmt: skip
+        with pytest.raises(InputError, match=rf"T{i}: the render was stopped"):
+            D.ChatTemplate(source, name=f"T{i}").render(msgs)
+    # negative controls: at the bounds, and a real template's loops, render as before
+    assert D.ChatTemplate("{{ 'x' * 1000 }}").render(msgs) == "x" * 1000
+    assert (
+        D.ChatTemplate("{% for i in range(3) | reverse %}{{ i }}{% endfor %}{{ range(4) | length }}").render(msgs)
+        == "2104"
+    )
+
+
+def _catch(fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - reported by the assertion that reads it
+        return e

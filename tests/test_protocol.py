@@ -698,3 +698,45 @@ def test_second_trainer_on_one_spool_is_refused_at_once(tmp_path):
     first.close()
     out = subprocess.run(run, capture_output=True, text=True, env=env, timeout=60, check=False)
     assert out.returncode == 0, out.stdout + out.stderr  # negative control: once released, the next trainer runs
+
+
+def test_heartbeat_that_is_a_fifo_or_a_device_is_refused_without_blocking(tmp_path):
+    """A FIFO in heartbeat.json's place blocked the client's open() forever; a symlink to /dev/zero read until
+    out of memory. Both are refused at once (O_NONBLOCK, O_NOFOLLOW, fstat), a real heartbeat still reads."""
+    sp = Spool(tmp_path / "spool").ensure()
+    os.mkfifo(sp.heartbeat_path)
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(out=_catch(sp.read_heartbeat)), daemon=True)
+    t.start()
+    t.join(FAST_TIMEOUT_S)
+    if t.is_alive():  # unblock the old code's open() of the FIFO so the thread can end
+        os.close(os.open(sp.heartbeat_path, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(FAST_TIMEOUT_S)
+        pytest.fail("read_heartbeat blocked opening a FIFO in heartbeat.json's place")
+    assert isinstance(result["out"], ProtocolError) and "not a regular file (a FIFO)" in str(result["out"])
+    sp.heartbeat_path.unlink()
+    sp.heartbeat_path.symlink_to("/dev/zero")
+    code = (  # in a child with a 1 GiB address-space limit: the old code's unbounded read fails there, not here
+        "import resource; resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))\n"
+        "from align.rollout.protocol import Spool, ProtocolError\n"
+        f"try: Spool({str(sp.root)!r}).read_heartbeat()\n"
+        "except ProtocolError as e: print('refused:', e)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60, env=env)
+    assert "refused:" in run.stdout and "not a regular file" in run.stdout, run.stderr[-2000:]
+    sp.heartbeat_path.unlink()
+    sp.write_heartbeat("ready")  # negative control: a real heartbeat reads
+    assert sp.read_heartbeat()["state"] == "ready"
+
+
+def test_heartbeat_read_is_bounded(tmp_path, monkeypatch):
+    sp = Spool(tmp_path / "spool").ensure()
+    sp.write_heartbeat("ready")
+    size = sp.heartbeat_path.stat().st_size
+    monkeypatch.setattr(P, "HEARTBEAT_MAX_BYTES", size, raising=False)
+    assert sp.read_heartbeat()["state"] == "ready"  # negative control: at the bound it reads
+    with open(sp.heartbeat_path, "ab") as f:
+        f.write(b" ")
+    with pytest.raises(ProtocolError, match=f"larger than {size} bytes"):
+        sp.read_heartbeat()

@@ -74,6 +74,7 @@ from align.rollout.process import TORCHRUN_VARS, exit_with_parent, pid_alive, wa
 
 PROTOCOL = "align-spool"
 PROTOCOL_VERSION = 1
+HEARTBEAT_MAX_BYTES = 1 << 20  # a heartbeat is ~200 bytes; a bigger file is not one (e.g. a link to /dev/zero)
 
 # What Completion.logprobs holds, per backend:
 #   "training":  log_softmax(logits / T) over the full vocabulary (native sampler; the GRPO basis)
@@ -393,8 +394,11 @@ def read_message(path: str | os.PathLike) -> Message:
     return Message.from_json(_read_text(path, path), source=str(path))
 
 
-def _read_text(path: str | os.PathLike, source: str | os.PathLike, owner: int | None = None) -> str:
-    """The UTF-8 text of regular file ``path`` (of uid ``owner`` if given); else ProtocolError naming ``source``."""
+def _read_text(
+    path: str | os.PathLike, source: str | os.PathLike, owner: int | None = None, max_bytes: int | None = None
+) -> str:
+    """The UTF-8 text of regular file ``path`` (of uid ``owner`` if given; at most ``max_bytes`` if given); anything
+    else raises ProtocolError (UntrustedMessageError for another owner) naming ``source``."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     except OSError as e:
@@ -408,7 +412,9 @@ def _read_text(path: str | os.PathLike, source: str | os.PathLike, owner: int | 
         if owner is not None and st.st_uid != owner:
             raise UntrustedMessageError(f"{source}: written by uid {st.st_uid}, not the spool's owner uid {owner}")
         with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read()
+            data = f.read() if max_bytes is None else f.read(max_bytes + 1)
+        if max_bytes is not None and len(data) > max_bytes:
+            raise ProtocolError(f"{source}: larger than {max_bytes} bytes; rejected")
     finally:
         os.close(fd)
     try:
@@ -634,9 +640,10 @@ class Spool:
         atomic_write_text(self.heartbeat_path, json.dumps(hb), tmp_dir=self.root / "tmp")
 
     def read_heartbeat(self) -> dict | None:
-        """The last heartbeat, or None when the worker has not written one yet."""
+        """The last heartbeat, or None when the worker has not written one yet. Read as a message is (a FIFO,
+        device or symlink is refused without blocking), and at most ``HEARTBEAT_MAX_BYTES``."""
         try:
-            text = self.heartbeat_path.read_text(encoding="utf-8")
+            text = _read_text(self.heartbeat_path, self.heartbeat_path, max_bytes=HEARTBEAT_MAX_BYTES)
         except FileNotFoundError:
             return None
         try:

@@ -48,6 +48,7 @@ class Task:
     tokenizer: Any
     reward: Callable[..., float | None]
     eval_prompts: list[dict] = field(default_factory=list)
+    encoded: tuple[list, list] | None = None  # (prompt ids, eval ids) when align.data already tokenized them
 
 
 def builtin_task(cfg: TrainConfig) -> tuple[Task, str]:
@@ -63,6 +64,7 @@ def builtin_task(cfg: TrainConfig) -> tuple[Task, str]:
         reverse.reward,
         reverse.prompts(cfg.eval_prompts, "eval", cfg.seed),
     )
+    reverse.check_sizes(task.prompts + task.eval_prompts, task.tokenizer, cfg.max_tokens)  # before the warm start
     base = Path(cfg.out) / "base_model"
     if cfg.model is not None:
         if not (Path(cfg.model) / "align_tokenizer.json").is_file():
@@ -98,12 +100,13 @@ def as_records(prompts: list) -> list[dict]:
 def resolve_task(cfg: TrainConfig, model: str | None, tokenizer: Any, prompts: list | None, reward: Any,
                  eval_prompts: list | None) -> tuple[Task, str]:  # fmt: skip
     """The task (your data from ``--train-data`` / the arguments, or the built-in one) and its model dir."""
+    ids = None  # the prompts' ids when align.data tokenized them (each row once)
     if prompts is None and cfg.data.train_data:  # your own data from files (align.data); rewards from --reward
         if not (model or cfg.model):
             raise InputError("--train-data needs --model DIR (a Hugging Face checkpoint directory)")
-        from align.data import load_data
+        from align.data import load_task_data
 
-        tokenizer, prompts, eval_prompts = load_data(cfg.data, model or cfg.model, cfg.max_tokens)
+        tokenizer, prompts, eval_prompts, *ids = load_task_data(cfg.data, model or cfg.model, cfg.max_tokens)
     has_reward = reward is not None or bool(cfg.rewards.reward)
     if (prompts is None) == has_reward or (prompts is not None and tokenizer is None):
         raise InputError(
@@ -112,7 +115,8 @@ def resolve_task(cfg: TrainConfig, model: str | None, tokenizer: Any, prompts: l
         )
     if prompts is None:
         return dist.main_first(lambda: builtin_task(cfg))
-    task = Task(as_records(prompts), tokenizer, reward, as_records(eval_prompts) if eval_prompts else [])
+    evals = as_records(eval_prompts) if eval_prompts else []
+    task = Task(as_records(prompts), tokenizer, reward, evals, ids and tuple(ids))
     model_path = model or cfg.model
     if model_path is None:
         raise ValueError("no model: pass model=<HF checkpoint dir> or --model")
@@ -388,8 +392,8 @@ def _open_policy(run: Run) -> None:
         ref_model = load(run.model_path, dtype=place.frozen_dtype, device=place.device).requires_grad_(False)
     tok = run.task.tokenizer
     run.stops = stop_ids(tok, mcfg)
-    run.encoded = [tok.encode(r["prompt"]) for r in run.task.prompts]
-    run.eval_encoded = [tok.encode(r["prompt"]) for r in run.task.eval_prompts]
+    run.encoded, run.eval_encoded = run.task.encoded or ([tok.encode(r["prompt"]) for r in p] for p in
+                                                         (run.task.prompts, run.task.eval_prompts))  # fmt: skip
     for i, ids in enumerate(run.encoded + run.eval_encoded):
         if len(ids) + cfg.max_tokens > mcfg.max_position_embeddings:
             raise ValueError(

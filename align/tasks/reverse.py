@@ -108,3 +108,14 @@ def warm_start(
     path = save_pretrained(model.eval(), path)
     tok.save(path)
     return path
+
+
+def check_sizes(prompts: list[dict], tok: CharTokenizer, max_tokens: int) -> None:
+    """Before the warm start: the longest prompt + ``max_tokens`` fits the task model's context."""
+    context = model_config(tok).max_position_embeddings
+    longest = max(len(tok.encode(p["prompt"])) for p in prompts)
+    if longest + max_tokens > context:
+        raise ValueError(
+            f"--max-tokens {max_tokens}: the built-in task's prompts are up to {longest} tokens and its model's "
+            f"context is {context}; --max-tokens can be at most {context - longest}"
+        )
