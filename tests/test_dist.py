@@ -1,4 +1,5 @@
-"""Multi-process training (align.dist): real ``torchrun --nproc-per-node 2`` on gloo vs one process, same seed."""
+"""Multi-process training (align.dist): real ``torchrun --nproc-per-node 2`` (and ``--nnodes 2``, two launchers on
+this machine) on gloo vs one process, same seed."""
 
 from __future__ import annotations
 
@@ -133,6 +134,76 @@ def test_two_ranks_give_the_single_process_result(tmp_path, char_model_2l, extra
     bad = _run(tmp_path, "bad", char_model_2l, 2, per_rank_normaliser=True, **extra)
     assert bad["recs"][0]["reward_mean"] == one["recs"][0]["reward_mean"]  # same first rollouts...
     assert _max_param_diff(one["params"], bad["params"]) > PARAM_TOL  # ...but not the whole-batch gradient
+
+
+NODE_TIMEOUT_S = 150.0  # each launcher of the two-node run (both start, rendezvous and train 3 steps on 2 cores)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_two_nodes(tmp_path: Path, name: str, model: str, **extra) -> dict:
+    """Two torchrun launchers on this machine, one process each (``--nnodes 2 --node-rank R``), meeting at a c10d
+    rendezvous on 127.0.0.1:PORT, the way two hosts would (node 0 hosts the rendezvous store: ``is_host``). They
+    share the run dir, as two nodes share a filesystem: the same ``_run`` spec and driver as the one-node runs."""
+    out = tmp_path / name
+    cfg = {"out": str(out), **TRAIN_BASE, "steps": STEPS, "checkpoint_every": 0, "save_hf": str(tmp_path / f"{name}.hf"),
+           "device": "cpu", "threads": 1, **extra}  # fmt: skip
+    spec = {"cfg": cfg, "model": model, "calls": str(tmp_path / f"{name}.calls.json")}
+    endpoint = f"127.0.0.1:{_free_port()}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
+               "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={name}",
+               f"--rdzv-conf=is_host={'true' if node == 0 else 'false'}", "--max-restarts=0",
+               str(DRIVER), json.dumps(spec)]  # fmt: skip
+        with open(tmp_path / f"{name}.node{node}.log", "w") as log:  # the child keeps its own copy of the fd
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path))
+    deadline = time.monotonic() + NODE_TIMEOUT_S
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    logs = [(tmp_path / f"{name}.node{n}.log").read_text() for n in (0, 1)]
+    assert [p.returncode for p in procs] == [0, 0], "\n----\n".join(x[-4000:] for x in logs)
+    return {
+        "recs": [r for r in records(out) if "reward_mean" in r],
+        "calls": json.loads((tmp_path / f"{name}.calls.json").read_text()),
+        "params": dict(load_pretrained(cfg["save_hf"]).named_parameters()),
+    }
+
+
+@pytest.mark.slow
+def test_two_nodes_give_the_single_process_result(tmp_path, char_model_2l):
+    """``torchrun --nnodes 2`` (two launchers, c10d rendezvous, gloo, one rank per node) trains exactly as one
+    process: the same completions in order, losses and grad norms within LOSS_TOL, parameters within PARAM_TOL.
+    Negative control: the same two nodes with another --seed sample other completions and end elsewhere."""
+    one = _run(tmp_path, "one", char_model_2l, 1)
+    two = _run_two_nodes(tmp_path, "nodes", char_model_2l, checkpoint_every=STEPS)  # a checkpoint changes nothing
+    ckpt = tmp_path / "nodes" / "checkpoints" / f"step_{STEPS}"
+    assert sorted(p.name for p in ckpt.glob("rng_rank*.pt")) == ["rng_rank0.pt", "rng_rank1.pt"]  # two ranks ran
+    assert [r["step"] for r in two["recs"]] == list(range(1, STEPS + 1))
+    assert two["calls"] == one["calls"] and len(two["calls"]) == STEPS * 16
+    for a, b in zip(one["recs"], two["recs"], strict=True):
+        assert a["reward_mean"] == b["reward_mean"] and a["num_tokens"] == b["num_tokens"]
+        for k in ("loss", "grad_norm", "entropy"):
+            assert abs(a[k] - b[k]) <= LOSS_TOL, (a["step"], k, a[k], b[k])
+    assert _max_param_diff(one["params"], two["params"]) <= PARAM_TOL
+    other = _run_two_nodes(tmp_path, "seed1", char_model_2l, seed=1)
+    assert other["calls"] != one["calls"]
+    assert _max_param_diff(one["params"], other["params"]) > PARAM_TOL
 
 
 @pytest.mark.slow
