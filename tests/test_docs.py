@@ -28,7 +28,15 @@ REPO_DIRS = ("align", "extras", "scripts", "benchmarks", "examples", "tests", "d
 
 # Flags of tools that are not this repo's, by tool. Keep it small: a flag here is not checked.
 EXTERNAL_FLAGS = {
-    "torchrun": {"--standalone", "--nproc-per-node"},
+    "torchrun": {
+        "--standalone",
+        "--nproc-per-node",
+        "--nnodes",
+        "--node-rank",
+        "--rdzv-backend",
+        "--rdzv-endpoint",
+        "--rdzv-id",
+    },
     "ray start": {"--head", "--address"},
     "ruff format": {"--check"},
     "vllm serve": {"--skip-tokenizer-init"},
