@@ -12,13 +12,17 @@ re-exports these names for the vLLM worker: it imports only ``align.rollout.prot
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
+import socket
 import stat
 import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 COMMIT_MARKER = ".complete"  # written last into a saved directory; readers require it
 SNAPSHOT_MARKERS = (COMMIT_MARKER, "STABLE")  # either commits a snapshot directory (DESIGN.md)
@@ -212,3 +216,21 @@ def private_secret(path: str | os.PathLike, nbytes: int = 32) -> bytes:
     if len(key) < 32:
         raise RuntimeError(f"secret {path} holds {len(key)} bytes (< 32); remove it to make a new one")
     return key
+
+
+def hold_lock(path: str | os.PathLike, in_use: Callable[[str], str]) -> IO[str]:
+    """An exclusive ``flock`` on ``path``, held until the returned file is closed or this process dies (a kill -9
+    frees it), stamped with this process's pid and host. Held by another process: RuntimeError(``in_use(holder)``),
+    at once (never waits)."""
+    f = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held for the caller's life
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "pid unknown"
+        f.close()
+        raise RuntimeError(in_use(holder)) from None
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    return f

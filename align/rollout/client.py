@@ -18,11 +18,9 @@ ranks (``align.dist``). Import cost: stdlib only; the native and sharded backend
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections import deque
@@ -30,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from align.atomic import hold_lock
 from align.rollout.protocol import (
     AlreadyWaitingError,
     Completion,
@@ -277,21 +276,13 @@ def lock_trainer(spool: str | os.PathLike) -> IO[str]:
     dies), creating the spool (0700) first: a second trainer on one spool would interleave requests and weight syncs
     with this one. Held by another: RuntimeError naming its pid. torchrun: rank 0 only (all ranks are one trainer)."""
     path = Spool(spool).ensure().root / "trainer.lock"
-    f = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held for the run's life
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "pid unknown"
-        f.close()
-        raise RuntimeError(
-            f"spool {spool} is in use by another trainer ({holder}, lock {path}): two trainers would interleave "
-            "their requests and weight syncs. Stop it, or give this run its own --spool"
-        ) from None
-    f.truncate(0)
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    f.flush()
-    return f
+    return hold_lock(
+        path,
+        lambda holder: (
+            f"spool {spool} is in use by another trainer ({holder}, lock {path}): two trainers would "
+            "interleave their requests and weight syncs. Stop it, or give this run its own --spool"
+        ),
+    )
 
 
 _CLIENTS = {"native": NativeClient, "spool": SpoolClient}

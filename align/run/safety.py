@@ -28,7 +28,6 @@ never silently ignores a changed setting, and a bad value fails in the config, b
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
@@ -38,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from align.atomic import EXPORT_MARKER, export_owner, write_export_marker
+from align.atomic import EXPORT_MARKER, export_owner, hold_lock, write_export_marker
 from align.data import InputError
 
 RUN_ID_FILE = "run_id"
@@ -219,21 +218,13 @@ def lock_out(out: str | os.PathLike, rank: int = 0) -> IO[str]:
     """Take the exclusive lock of run dir ``out`` for this rank (held until the returned file is closed, or the
     process dies); another run holding it: RuntimeError naming its pid."""
     path = Path(out) / (LOCK_FILE if rank == 0 else f".align.rank{rank}.lock")
-    f = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held for the run's life, closed by release()
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "pid unknown"
-        f.close()
-        raise RuntimeError(
-            f"--out {out} is in use by another run ({holder}, lock {path}): two runs would interleave its "
-            "metrics and checkpoints. Wait for it to finish (or stop it), or use another --out"
-        ) from None
-    f.truncate(0)
-    f.write(f"pid {os.getpid()}\n")
-    f.flush()
-    return f
+    return hold_lock(
+        path,
+        lambda holder: (
+            f"--out {out} is in use by another run ({holder}, lock {path}): two runs would interleave "
+            "its metrics and checkpoints. Wait for it to finish (or stop it), or use another --out"
+        ),
+    )
 
 
 def release(lock: IO[str] | None) -> None:
