@@ -136,7 +136,7 @@ def check_hf_dir(path: str | os.PathLike) -> Path:
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         raise ValueError(f"model directory {path} has no *.safetensors / *.bin weight files")
     for f in path.glob("*.safetensors"):
-        _check_safetensors_header(f)
+        safetensors_header(f)  # a truncated or corrupt header: ValueError naming the file
     return path
 
 
@@ -159,10 +159,6 @@ def checkpoint_layout(files: list[Path]) -> tuple[int, list | None]:
     shapes = {k: v.get("shape") for f in files for k, v in safetensors_header(f).items() if k != "__metadata__"}
     layers = 1 + max((int(k.split(".")[2]) for k in shapes if k.startswith("model.layers.")), default=-1)
     return layers, shapes.get("model.embed_tokens.weight")
-
-
-def _check_safetensors_header(f: Path) -> None:
-    safetensors_header(f)
 
 
 # ---------------------------------------------------------------------------------------------
