@@ -1,0 +1,84 @@
+"""Multi-turn environments: an episode is a conversation between the policy and an environment, trained
+token-in/token-out (the trainer learns from exactly the token ids the sampler produced).
+
+The environment API (one instance per episode; a group has G episodes of one data row)::
+
+    class MyEnv:
+        def __init__(self, **row): ...                  # every column of the data row
+        def reset(self) -> list[dict] | str: ...        # the first messages (chat) or a plain prompt
+        def step(self, completion: str) -> Step: ...    # the policy's answer -> what the environment says back
+
+An environment may set ``tools`` (a list of JSON schemas, passed to the chat template's ``tools=``).
+
+``Step(observation, reward, done)``: ``observation`` is the environment's next messages (a list of
+``{"role", "content"}`` dicts, rendered through the chat template as a suffix of the conversation) or a plain
+string (tokenized and appended as is), or None (nothing to say: only with ``done``); ``reward`` is this turn's
+reward (None: no reward for this turn); ``done`` ends the episode.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+__all__ = ["Step", "EnvError", "check_env_class", "check_step"]
+
+
+class Step(NamedTuple):
+    """What an environment returns for one policy turn."""
+
+    observation: list[dict] | str | None = None
+    reward: float | None = None
+    done: bool = False
+
+
+class EnvError(RuntimeError):
+    """An environment call raised, timed out or returned the wrong type (the episode becomes unscorable)."""
+
+
+def check_env_class(cls: Any, flag: str = "--env") -> None:
+    """``cls`` must be a class with callable ``reset`` and ``step``; raises ``InputError`` naming ``flag``."""
+    from align.data import InputError
+
+    if not isinstance(cls, type):
+        raise InputError(f"{flag}: {cls!r} is a {type(cls).__name__}, not a class with reset() and step()")
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise InputError(f"{flag}: class {cls.__name__} has no {' or '.join(missing)}() method; an environment "
+                         "defines reset(self) -> messages | str and step(self, completion) -> align.envs.Step")  # fmt: skip
+
+
+def check_observation(obs: Any, what: str) -> list[dict] | str:
+    """A reset() result or a Step's observation: a non-empty str, or a list of {"role", "content"} dicts."""
+    if isinstance(obs, str):
+        return obs
+    if isinstance(obs, list) and obs and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in obs):
+        return obs
+    raise EnvError(f"{what} must be a str or a non-empty list of {{'role', 'content'}} dicts, got {_brief(obs)}")
+
+
+def check_step(out: Any, what: str = "step()") -> Step:
+    """``out`` as a ``Step`` (a ``Step`` or a 3-tuple / dict of its fields); ``EnvError`` naming the wrong type."""
+    if isinstance(out, dict) and set(out) <= set(Step._fields):
+        out = Step(**out)
+    elif isinstance(out, tuple) and not isinstance(out, Step) and len(out) == 3:
+        out = Step(*out)
+    if not isinstance(out, Step):
+        raise EnvError(f"{what} must return align.envs.Step(observation, reward, done), got {_brief(out)}")
+    obs, reward, done = out
+    if not isinstance(done, bool):
+        raise EnvError(f"{what}: Step.done must be a bool, got {_brief(done)}")
+    if obs is None:
+        if not done:
+            raise EnvError(f"{what}: Step.observation is None but done is False (the policy has nothing to answer)")
+    else:
+        obs = check_observation(obs, f"{what}: Step.observation")
+    if reward is not None:
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+            raise EnvError(f"{what}: Step.reward must be a number or None, got {_brief(reward)}")
+        reward = float(reward)
+    return Step(obs, reward, done)
+
+
+def _brief(v: Any) -> str:
+    r = repr(v)
+    return f"{type(v).__name__} {r[:80]}{'...' if len(r) > 80 else ''}"
