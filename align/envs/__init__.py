@@ -13,7 +13,8 @@ An environment may set ``tools`` (a list of JSON schemas, passed to the chat tem
 ``Step(observation, reward, done)``: ``observation`` is the environment's next messages (a list of
 ``{"role", "content"}`` dicts, rendered through the chat template as a suffix of the conversation) or a plain
 string (tokenized and appended as is), or None (nothing to say: only with ``done``); ``reward`` is this turn's
-reward (None: no reward for this turn); ``done`` ends the episode.
+reward (None: no reward for this turn); ``done`` ends the episode; ``info`` (optional) counts what the trainer logs:
+``{"tool_calls": int, "tool_errors": int}``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class Step(NamedTuple):
     observation: list[dict] | str | None = None
     reward: float | None = None
     done: bool = False
+    info: dict | None = None
 
 
 class EnvError(RuntimeError):
@@ -60,11 +62,11 @@ def check_step(out: Any, what: str = "step()") -> Step:
     """``out`` as a ``Step`` (a ``Step`` or a 3-tuple / dict of its fields); ``EnvError`` naming the wrong type."""
     if isinstance(out, dict) and set(out) <= set(Step._fields):
         out = Step(**out)
-    elif isinstance(out, tuple) and not isinstance(out, Step) and len(out) == 3:
+    elif isinstance(out, tuple) and not isinstance(out, Step) and len(out) in (3, 4):
         out = Step(*out)
     if not isinstance(out, Step):
         raise EnvError(f"{what} must return align.envs.Step(observation, reward, done), got {_brief(out)}")
-    obs, reward, done = out
+    obs, reward, done, info = out
     if not isinstance(done, bool):
         raise EnvError(f"{what}: Step.done must be a bool, got {_brief(done)}")
     if obs is None:
@@ -76,7 +78,10 @@ def check_step(out: Any, what: str = "step()") -> Step:
         if isinstance(reward, bool) or not isinstance(reward, (int, float)):
             raise EnvError(f"{what}: Step.reward must be a number or None, got {_brief(reward)}")
         reward = float(reward)
-    return Step(obs, reward, done)
+    if info is not None and not (isinstance(info, dict) and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in info.values())):  # fmt: skip
+        raise EnvError(f"{what}: Step.info must be a dict of int counts or None, got {_brief(info)}")
+    return Step(obs, reward, done, info)
 
 
 def _brief(v: Any) -> str:
