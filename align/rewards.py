@@ -211,6 +211,7 @@ class Scores:
     errors: list[str] = field(default_factory=list)  # tracebacks of raising calls
     timeouts: int = 0
     failed: int = 0  # items with at least one raising or timed-out call
+    failed_at: list[int] = field(default_factory=list)  # their indices
 
     def item(self, j: int) -> tuple[float, dict[str, float]]:
         """Item ``j``'s total and each reward's value (NaN: unscorable / abstained)."""
@@ -361,6 +362,7 @@ class RewardScorer:
                                   f"float32 (|total| <= {FLOAT32_MAX:.4g}): the completion counts as unscorable")  # fmt: skip
                 total, failed = math.nan, True
             out.failed += failed
+            out.failed_at += [i] if failed else []
             out.totals.append(total)
         return out
 
