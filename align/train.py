@@ -128,7 +128,7 @@ def step_record(step: int, produced: Any, scores: Any, upd: Any, adv_stats: dict
             for n, v in scores.terms.items()
         },
         **refill,
-        **(env_stats(groups.completions) if cfg.envs.enabled or cfg.task == "multiturn" else {}),
+        **(env_stats(groups.completions) if hasattr(groups.completions[0], "turns") else {}),  # episodes
         "completion_len_mean": gen_tokens / len(groups.completions),
         "truncated_frac": float(scores.truncated.float().mean()),
         "tokens_per_s": gen_tokens / max(produced.seconds, 1e-9),  # generation + rewards where they ran, not the wait

@@ -98,13 +98,13 @@ def env_task(cfg: TrainConfig, model: str | None, tokenizer: Any, prompts: list 
     rows = [dict(r) for r in prompts]
     if not rows:
         raise InputError("no rows to train on (--train-data is empty)")
+    if spec is None and not tools and not e.tools:
+        from align.rewards import spec_of
+
+        spec = spec_of(env)
     if e.env_workers and spec is None:
         raise InputError("--env-workers >= 1 loads the environment class in worker processes by its spec; an env= "
                          "class passed from Python has none: pass --env path/file.py:Class, or use --env-workers 0")  # fmt: skip
-    if spec is None and not tools and not e.tools:
-        from align.rewards import _spec_of
-
-        spec = _spec_of(env)
     task = Task(rows, tokenizer, reward, [dict(r) for r in eval_prompts or []], env=env, env_spec=spec)
     return task, model_path
 
