@@ -9,8 +9,8 @@ only; the environment's tokens have logprob 0.0 and mask False, so they are cont
 bonus, every normaliser and the rho correction.
 
 Budgets: a turn's ``max_tokens`` = min(``--max-tokens``, what is left of ``--max-episode-tokens``, what is left of the
-context). A turn cut by its budget, or an observation that does not fit what is left, ends the episode as ``length``
-(``truncated``; an observation is never cut mid-way).
+context). A turn cut by its budget (the environment still scores it), or an observation that does not fit what is
+left, ends the episode as ``length`` (``truncated``; an observation is never cut mid-way).
 
 Concurrency: on the native sampler (``align.rollout.sessions``) the live episodes' next turns are one batched
 generate and each keeps its KV cache; on a spool client (a vLLM worker or a fleet) each episode runs on its own thread
@@ -54,6 +54,7 @@ class Episode(Completion):
     truncated: bool = False  # a budget or the context ended it
     tool_calls: int = 0
     tool_errors: int = 0
+    chat: bool = False  # every message is a chat message (a str prompt or observation makes it False)
 
     @property
     def policy_tokens(self) -> int:
@@ -84,6 +85,7 @@ class _Live:
     def begin(self, obs: list[dict] | str) -> None:
         self.ep.prompt_ids = self.runner.renderer.first(obs)
         self.ep.messages = list(obs) if isinstance(obs, list) else [{"role": "user", "content": obs}]
+        self.ep.chat = isinstance(obs, list)
         if len(self.ep.prompt_ids) >= self.runner.context:
             self.fail(EnvError(f"the first prompt has {len(self.ep.prompt_ids)} tokens: no room in the context of "
                                f"{self.runner.context}"))  # fmt: skip
@@ -109,8 +111,8 @@ class _Live:
         text = self.runner.decode(ids)
         ep.messages.append({"role": "assistant", "content": text})
         ep.text = text
-        if finish == "length":  # cut by its budget: the episode ends here
-            ep.finish_reason, ep.truncated, self.done = "length", True, True
+        if finish == "length":  # cut by its budget: the environment still scores it, then the episode ends
+            ep.finish_reason, ep.truncated = "length", True
         return text
 
     def add_step(self, st: Any) -> list[int] | None:
@@ -124,7 +126,8 @@ class _Live:
         if st.observation is not None:
             obs = st.observation
             ep.messages += obs if isinstance(obs, list) else [{"role": "environment", "content": obs}]
-        if st.done or len(ep.turns) >= r.cfg.max_turns:
+            ep.chat = ep.chat and isinstance(obs, list)
+        if st.done or ep.truncated or len(ep.turns) >= r.cfg.max_turns:
             self.done = True
             return None
         suffix = r.renderer.suffix(st.observation)

@@ -47,10 +47,7 @@ class RunEpisodes:
         if self.warned:
             return
         for e in eps:
-            if len(e.turns) > 1 and e.error is None and e.messages and isinstance(e.messages[0], dict):
-                if getattr(self.renderer, "template", None) is None:
-                    self.warned = True
-                    return
+            if len(e.turns) > 1 and e.error is None and e.chat and self.renderer.template is not None:
                 diff = self.renderer.check_append_only(e.messages, e.prompt_ids + e.token_ids)
                 self.warned = True
                 if diff:
