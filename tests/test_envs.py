@@ -127,7 +127,7 @@ def test_environment_tokens_are_context_in_the_loss_against_a_loop_reference():
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
 
     def reference(count_env: bool) -> tuple[float, dict]:
-        """token_mean on-policy (ratio 1): -sum_i A_i sum_{t in policy tokens} log p_t / (policy tokens)."""
+        """token_mean on-policy: -sum_i A_i sum_{t in policy tokens} ratio_t / (policy tokens), ratio = 1."""
         ref = rev_model(seed=1).train()
         terms, n = [], 0
         for e in eps:
@@ -136,15 +136,19 @@ def test_environment_tokens_are_context_in_the_loss_against_a_loop_reference():
             for t, m in enumerate(e.mask):
                 if m or count_env:
                     pos = len(e.prompt_ids) - 1 + t
-                    terms.append(-adv[e.prompt_index, e.sample_index] * lp[pos, ids[pos + 1]])
+                    x = lp[pos, ids[pos + 1]]  # ratio exp(x - x.detach()) = 1, with the gradient of x
+                    terms.append(-adv[e.prompt_index, e.sample_index] * torch.exp(x - x.detach()))
                     n += 1
         loss = torch.stack(terms).sum() / n
         loss.backward()
         return float(loss.detach()), {k: p.grad for k, p in ref.named_parameters()}
 
     want_loss, want = reference(count_env=False)
-    for k in got:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
+    from align.grpo import merge_stats
+
+    assert merge_stats(st)["loss"] == pytest.approx(want_loss, rel=1e-5)
+    for k, g in got.items():
+        torch.testing.assert_close(g, want[k], rtol=1e-4, atol=1e-5)
     _, wrong = reference(count_env=True)  # negative control: counting the environment's tokens
     assert max((got[k] - wrong[k]).abs().max().item() for k in got) > 1e-4
     # the lengths the advantages and the stats see are the policy's tokens
