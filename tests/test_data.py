@@ -334,7 +334,7 @@ def test_each_row_is_tokenized_once_and_the_ids_reach_the_trainer(tmp_path, mode
     """load_data tokenized every prompt to check it and the trainer tokenized it again."""
     from helpers_train import cfg_for
 
-    from align.run.build import resolve_task
+    from align.run.task import resolve_task
 
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"What is {i}+{i}?"} for i in range(5)])
     calls: list[str] = []
