@@ -21,7 +21,10 @@ FORBIDDEN = [
     (["align/rollout/"], ["align.run", "align.eval", "align.train"]),
     (["align/eval/"], ["align.run", "align.train"]),
     (["align/envs/", "align/chat.py"], ["align.run", "align.eval", "align.train"]),
-    (["align/data.py", "align/rewards.py", "align/verifiers.py", "align/tasks/"], ["align.run", "align.train"]),
+    (
+        ["align/data.py", "align/errors.py", "align/rewards.py", "align/verifiers.py", "align/tasks/"],
+        ["align.run", "align.train"],
+    ),
 ]
 
 
