@@ -38,6 +38,7 @@ def builtin_task(cfg: TrainConfig) -> tuple[Task, str]:
     from align.atomic import is_committed
 
     mod = importlib.import_module(f"align.tasks.{cfg.task}")
+    apply_task_defaults(cfg, getattr(mod, "TRAIN_DEFAULTS", {}))
     env = getattr(mod, "Env", None)
     task = Task(
         mod.prompts(5000, "train", cfg.seed),
@@ -65,6 +66,19 @@ def builtin_task(cfg: TrainConfig) -> tuple[Task, str]:
               f"mixture -> {base}", flush=True)  # fmt: skip
         mod.warm_start(base, steps=cfg.warm_start_steps, seed=cfg.seed, log=lambda s: print(f"[align] {s}", flush=True))
     return task, str(base)
+
+
+def apply_task_defaults(cfg: TrainConfig, defaults: dict) -> None:
+    """A built-in task's own settings (``TRAIN_DEFAULTS``: {"max_tokens": 12, "envs.max_turns": 2, ...}) for every
+    field still at ``TrainConfig``'s default, so the task runs on its embedded default; a flag you set wins."""
+    fresh = TrainConfig()
+    for key, value in defaults.items():
+        *path, name = key.split(".")
+        obj, ref = cfg, fresh
+        for p in path:
+            obj, ref = getattr(obj, p), getattr(ref, p)
+        if getattr(obj, name) == getattr(ref, name):
+            setattr(obj, name, value)
 
 
 def env_task(cfg: TrainConfig, model: str | None, tokenizer: Any, prompts: list | None, reward: Any,
