@@ -86,6 +86,8 @@ def _apply(envs: dict[int, tuple[Any, dict]], cls: type, op: str, episode: int, 
     if op == "open":
         envs[episode] = (_user_call(cls, (), arg, f"{cls.__name__}(**row)", arg, timeout_s), arg)
         return None
+    if episode not in envs:  # the caller checks first; a worker must not die of it
+        raise EnvError(f"episode {episode} has no environment instance here (its open failed or never ran)")
     env, row = envs[episode]
     if op == "reset":
         obs = _user_call(env.reset, (), {}, "reset()", row, timeout_s)
@@ -117,8 +119,9 @@ class _Worker:
         self.started = time.monotonic()
         self.buf, self.ready, self.next_id = b"", False, 0
         self.lost: str | None = None
+        self.killed = False
         with contextlib.suppress(OSError):  # died at once: the startup read reports it
-            self.proc.stdin.write((json.dumps({"spec": spec}) + "\n").encode())
+            self._send(json.dumps({"spec": spec}) + "\n")
 
     def request(self, payload: str, timeout_s: float, what: str) -> Any:
         """Send one call and wait for its reply: the value, or ``EnvError`` (the environment's error, the worker's
@@ -126,10 +129,8 @@ class _Worker:
         if not self.ready:
             self._wait_ready()
         self.next_id += 1
-        try:
-            self.proc.stdin.write(f'{{"id": {self.next_id}, "call": {payload}}}\n'.encode())
-        except OSError:  # exited since its last reply: the read below sees it
-            pass
+        with contextlib.suppress(OSError, ValueError):  # exited (or closed) since its last reply: the read sees it
+            self._send(f'{{"id": {self.next_id}, "call": {payload}}}\n')
         reply = self._reply(time.monotonic() + timeout_s if timeout_s > 0 else math.inf)
         if reply is _TIMEOUT:
             self._lose(f"{what} timed out after --env-timeout-s {timeout_s} s")
@@ -183,13 +184,23 @@ class _Worker:
         """Drop an episode's instance (no reply: nothing the caller could act on)."""
         if self.lost is None:
             with contextlib.suppress(OSError):
-                self.proc.stdin.write(f'{{"id": null, "call": {{"op": "close", "episode": {episode}}}}}\n'.encode())
+                self._send(f'{{"id": null, "call": {{"op": "close", "episode": {episode}}}}}\n')
+
+    def _send(self, line: str) -> None:
+        """All of ``line`` (a pipe write a signal interrupts can be partial)."""
+        view = memoryview(line.encode())
+        while view:
+            view = view[os.write(self.proc.stdin.fileno(), view) :]
 
     def _lose(self, why: str) -> None:
         self.lost = why
         self.kill()
 
     def kill(self) -> None:
+        """SIGKILL to the worker's process group, once (a second killpg could reach a reused process group id)."""
+        if self.killed:
+            return
+        self.killed = True
         with contextlib.suppress(ProcessLookupError, PermissionError):  # the worker and what its environment started
             os.killpg(self.proc.pid, signal.SIGKILL)
         if self.proc.poll() is None:
@@ -375,7 +386,7 @@ class EnvRunner:
             try:
                 value = w.request(payload, self.timeout_s, what)
             except EnvError:
-                if w.lost is not None and not self._closed:
+                if w.lost is not None and self._pool and not self._closed:
                     self._pool[j] = _Worker(self.spec)
                 if op == "open":
                     self._drop(episode)
