@@ -390,6 +390,7 @@ def env_cls() -> type:
 
 
 def test_env_runs_calls_in_order(env_cls: type) -> None:
+    assert env_cls.tools == [tool_schema(f) for f in (python, add, fail, hang, quit_, big)]  # on the class
     env = env_cls(prompt="What is 2+40?", answer="42")
     assert env.reset() == [{"role": "user", "content": "What is 2+40?"}]
     assert [s["function"]["name"] for s in env.tools] == ["python", "add", "fail", "hang", "quit_", "big"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import math
 import re
 import threading
 import types
@@ -34,6 +35,7 @@ from typing import Any
 
 from align.envs import EnvError, Step
 from align.envs.sandbox import PythonLimits, python, run_python
+from align.errors import InputError
 
 __all__ = ["Tool", "load_tools", "make_tool_env", "parse_tool_calls", "tool_schema"]
 
@@ -107,8 +109,6 @@ def tool_schema(fn: Callable[..., Any]) -> dict:
     unsupported one, is ``*args`` / ``**kwargs``, or has no description, or the docstring has none. One
     deliberate difference from transformers: a hint of another class is refused (transformers calls it an object).
     """
-    from align.data import InputError
-
     name = getattr(fn, "__name__", None) or type(fn).__name__
 
     def fail(why: str, fix: str) -> InputError:
@@ -176,12 +176,11 @@ def load_tools(specs: list[str] | None = None, fns: list | None = None) -> list[
     """Tools from ``--tools`` specs (``module:fn``, ``path/file.py:fn``, or ``python``, the built-in) and from
     callables (``tools=[fn]`` in Python); every schema is built here, so a bad one fails before the model loads.
     ``InputError`` on two tools with one name."""
-    from align.data import InputError
     from align.rewards import load_spec
 
     out = []
     for spec in specs or []:
-        fn = python if spec == "python" else load_spec(spec, flag=FLAG)
+        fn = python if spec == "python" else load_spec(spec, flag=FLAG, kind="function")
         out.append(Tool(getattr(fn, "__name__", spec), fn, tool_schema(fn), spec))
     for fn in fns or []:
         if not callable(fn):
@@ -289,9 +288,8 @@ def make_tool_env(tools: list[Tool], timeout_s: float = 10.0, max_output_chars: 
     """An environment class (``align.envs`` API) over ``tools``: one instance per episode, built from the data
     row (``messages``, or ``prompt``: a string becomes one user message). Each call runs with ``timeout_s``
     (0 = none for user tools) and its result is cut at ``max_output_chars``; the python tool runs under
-    ``python_limits`` (default: ``PythonLimits`` with this timeout and output length)."""
-    from align.data import InputError
-
+    ``python_limits`` (default: ``PythonLimits`` with this wall timeout, as many CPU seconds, and this output
+    length; ``timeout_s=0`` leaves it ``PythonLimits``' own timeout)."""
     if not tools:
         raise InputError(f"{FLAG}: the tool environment needs at least one tool (e.g. {FLAG} python)")
     if not timeout_s >= 0 or max_output_chars < 1:
@@ -299,7 +297,8 @@ def make_tool_env(tools: list[Tool], timeout_s: float = 10.0, max_output_chars: 
     by_name = {t.name: t for t in tools}
     schemas = [t.schema for t in tools]
     if python_limits is None:
-        python_limits = PythonLimits(timeout_s=timeout_s or PythonLimits.timeout_s, max_output_chars=max_output_chars)
+        wall = timeout_s or PythonLimits.timeout_s  # 0 = no limit for user tools; the python tool always has one
+        python_limits = PythonLimits(timeout_s=wall, cpu_s=math.ceil(wall), max_output_chars=max_output_chars)
 
     def run(call: dict) -> tuple[str, bool]:
         """(the tool message's content, whether it is an error)."""
@@ -329,9 +328,10 @@ def make_tool_env(tools: list[Tool], timeout_s: float = 10.0, max_output_chars: 
     class ToolEnv:
         """One episode with the tools: the policy calls them until it answers without a call."""
 
+        tools = schemas  # on the class: the trainer renders the chat template's tools= before any episode exists
+
         def __init__(self, **row: Any) -> None:
             self.row = row
-            self.tools = schemas
 
         def reset(self) -> list[dict]:
             msgs = self.row.get("messages", self.row.get("prompt"))
