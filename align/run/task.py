@@ -100,7 +100,8 @@ def env_task(cfg: TrainConfig, model: str | None, tokenizer: Any, prompts: list 
     if env is None and (tools or e.tools):
         from align.envs.tools import load_tools, make_tool_env
 
-        env = make_tool_env(load_tools(e.tools, tools), timeout_s=e.env_timeout_s)
+        # a tool call gets half of the step's limit, so a slow tool is an error message the model reads, not a step timeout
+        env = make_tool_env(load_tools(e.tools, tools), timeout_s=e.env_timeout_s / 2 if e.env_timeout_s else 10.0)
     elif env is None:
         spec, env = e.env, load_env_class(e.env, "--env")
     if prompts is None:
