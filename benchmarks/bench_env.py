@@ -66,11 +66,11 @@ def model_of(layers: int, hidden: int) -> Transformer:
 
 def kept(model, prompts, params, turns):
     s = Session(model, params)
-    out = s.start(prompts, 1, [params.max_tokens] * len(prompts))
+    s.start(prompts, 1, [params.max_tokens] * len(prompts))
     prefill = sum(len(p) for p in prompts)
     for _ in range(turns - 1):
         rows = list(range(len(prompts)))
-        out = s.next(rows, [OBS] * len(rows), [params.max_tokens] * len(rows))
+        s.next(rows, [OBS] * len(rows), [params.max_tokens] * len(rows))
         prefill += sum(len(OBS) + 1 for _ in rows)
     return prefill
 
