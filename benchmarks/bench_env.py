@@ -4,11 +4,14 @@
     new tokens) vs re-prefilling the whole history every turn (``native.generate`` on prompt + history): prefill
     tokens and time per episode;
 (c) the environment machinery's overhead per turn with an instant environment: ``EpisodeRunner`` end to end vs the
-    bare session calls of the same turns.
+    bare session calls of the same turns;
+(a) with ``--spool``: an environment whose step sleeps 0-200 ms at random, on the real vLLM CPU worker
+    (``.venv-rollout``): episodes/s with per-episode submission (``EpisodeRunner``: each episode's next turn goes out
+    as soon as its step returns) vs a turn-wave barrier (every live episode's turn in one request, then every step).
 
 Interleaved repeats, the median of each; the machines are shared, so read the ratios.
 
-    .venv/bin/python benchmarks/bench_env.py [--layers 4 --hidden 256 --episodes 16 --turns 4 --repeats 3]
+    .venv/bin/python benchmarks/bench_env.py [--layers 4 --hidden 256 --episodes 16 --turns 4 --repeats 3] [--spool]
 """
 
 from __future__ import annotations
@@ -43,6 +46,70 @@ class Instant:
 
     def step(self, completion: str) -> Step:
         return Step("o", 0.0, False)
+
+
+class Sleepy(Instant):
+    """Sleeps 0-200 ms per step (seeded by the episode), then asks again."""
+
+    def __init__(self, seed: int = 0, **_):
+        import random
+
+        self.rng = random.Random(seed)
+
+    def step(self, completion: str) -> Step:
+        time.sleep(self.rng.uniform(0.0, 0.2))
+        return Step("o", 0.0, False)
+
+
+def bench_spool(a: argparse.Namespace) -> None:
+    """(a): per-episode submission vs a turn-wave barrier on one real vLLM CPU worker."""
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    from align.model import save_pretrained
+    from align.rollout.client import make_rollout_client, spawn_worker
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_env_"))
+    model = model_of(a.layers, a.hidden)
+    path = save_pretrained(model, tmp / "model")
+    worker = spawn_worker(tmp / "spool", model=path, log_path=tmp / "worker.log", in_process=True,
+                          max_model_len=1024, dtype="float32")  # fmt: skip
+    client = make_rollout_client("spool", spool=tmp / "spool", timeout_s=600, worker=worker)
+    params = SamplingParams(n=1, temperature=1.0, max_tokens=a.max_tokens, seed=1, stop_token_ids=[])
+    rows = [{"seed": i} for i in range(a.episodes)]
+    envs = EnvRunner(None, Sleepy, 0, 0.0)
+    runner = EpisodeRunner(envs, _Renderer(), lambda ids: "x", EnvConfig(max_turns=a.turns), a.max_tokens, 1024)
+
+    def barrier() -> None:
+        hist = [list(range(3, 67)) for _ in rows]
+        sleepers = [Sleepy(seed=i) for i in range(len(rows))]
+        with ThreadPoolExecutor(len(rows)) as pool:
+            for t in range(a.turns):
+                comps = client.generate(hist, params)  # one request: every live episode's turn
+                list(pool.map(lambda e: e.step("x"), sleepers))  # then every step, all waited for
+                hist = [h + c.token_ids + OBS for h, c in zip(hist, comps)]
+
+    times: dict[str, list[float]] = {"per_episode": [], "barrier": []}
+    try:
+        runner.run(client, rows[:2], 1, params)  # warm-up
+        for _ in range(a.repeats):
+            t0 = time.perf_counter()
+            runner.run(client, rows, 1, params)
+            times["per_episode"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            barrier()
+            times["barrier"].append(time.perf_counter() - t0)
+    finally:
+        envs.close()
+        client.close()
+        worker.shutdown()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    n = a.episodes
+    print(f"(a) spool (vLLM CPU), {n} episodes x {a.turns} turns, steps sleep 0-200 ms")
+    print(f"    per-episode submission: {n / med['per_episode']:6.2f} episodes/s")
+    print(f"    turn-wave barrier     : {n / med['barrier']:6.2f} episodes/s")
+    print(f"    ratio: {med['barrier'] / med['per_episode']:.2f}x (target >= 1.5x)")
 
 
 class Tok:
@@ -93,6 +160,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--spool", action="store_true", help="also (a): the real vLLM CPU worker (.venv-rollout)")
     a = ap.parse_args()
     torch.manual_seed(0)
     model = model_of(a.layers, a.hidden)
@@ -131,6 +199,8 @@ def main() -> None:
     per_turn = (med["runner"] - med["session"]) / (n * a.turns)
     print(f"(c) environment machinery per turn (instant env): {per_turn * 1e6:.0f} us "
           f"({med['runner'] / med['session']:.2f}x the bare session calls)")  # fmt: skip
+    if a.spool:
+        bench_spool(a)
 
 
 class _Renderer:
