@@ -379,3 +379,24 @@ def test_builtin_max_tokens_that_cannot_fit_is_refused_before_the_warm_start(tmp
     context = reverse.model_config(reverse.tokenizer()).max_position_embeddings
     longest = max(len(reverse.tokenizer().encode(p["prompt"])) for p in reverse.prompts(5000, "train"))
     reverse.check_sizes(reverse.prompts(5000, "train"), reverse.tokenizer(), context - longest)  # negative control
+
+
+def test_step_too_large_to_sample_is_refused_by_the_flags(capsys):
+    """--group-size 3000000 (or a huge --prompts-per-step x --group-size) passed every check and failed after the
+    model loaded, as a multi-GB allocation in the sampler: now the flag parser refuses it from the sizes alone."""
+    from align.run.config import MAX_STEP_TOKENS
+
+    for argv, flag in (
+        (["--group-size", "3000000"], "--group-size 3000000"),
+        (["--prompts-per-step", "100000", "--group-size", "3000"], "--prompts-per-step 100000"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            parse(TrainConfig, argv, CLI_PREFIXES)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and re.search(rf"{flag} is invalid: .* over the cap .* lower --group-size", err), err
+    # negative controls: the largest step under the cap, and a DAPO-sized step (512 prompts x 16 x 20k tokens)
+    assert TrainConfig(prompts_per_step=2**8, group_size=2**10, max_tokens=2**10).group_size == 2**10
+    assert 2**8 * 2**10 * 2**10 == MAX_STEP_TOKENS
+    TrainConfig(prompts_per_step=512, group_size=16, max_tokens=20480)
+    with pytest.raises(ValueError, match="--group-size 1025 is invalid"):
+        TrainConfig(prompts_per_step=2**8, group_size=2**10 + 1, max_tokens=2**10)

@@ -289,6 +289,15 @@ CLI_PREFIXES = {
 }  # loss fields are flat (--eps-low, --kl-coef, --loss NAME); eval fields are eval_*
 
 
+MAX_STEP_TOKENS = 2**28
+"""Cap on the tokens one step may sample, ``prompts_per_step * group_size * max_tokens`` (the prompts come on top).
+Every sampled token costs ~100 bytes of host memory whatever the model (an int64 id and two float32 logprobs in the
+native sampler's buffers, then an int object and two float objects with their list slots in each ``Completion``:
+72 bytes measured for the ids and one logprob list), so 2**28 tokens already hold ~25 GiB before the model's KV
+cache. A larger product is a typo (``--group-size 3000000``) that would otherwise fail only after the model loads, as
+a multi-GB allocation; the largest published GRPO steps fit (DAPO: 512 prompts x 16 x 20k tokens = 1.7e8)."""
+
+
 def check_train_values(cfg: object) -> None:
     """Values of a ``TrainConfig`` that would only fail (or silently do nothing) after the warm start.
 
@@ -331,6 +340,17 @@ def check_train_values(cfg: object) -> None:
             "a group of one completion has zero variance, so every group-relative advantage is exactly 0 and the "
             f"run cannot learn; no advantage baseline here ({', '.join(_baselines())}) makes it meaningful: 'mean' "
             "subtracts the completion's own reward and 'rloo' has no other completion to leave out. Use >= 2",
+        )
+    step_tokens = cfg.prompts_per_step * cfg.group_size * cfg.max_tokens
+    if step_tokens > MAX_STEP_TOKENS:
+        raise bad(
+            "group-size" if cfg.group_size >= cfg.prompts_per_step else "prompts-per-step",
+            cfg.group_size if cfg.group_size >= cfg.prompts_per_step else cfg.prompts_per_step,
+            f"one step samples --prompts-per-step {cfg.prompts_per_step} x --group-size {cfg.group_size} = "
+            f"{cfg.prompts_per_step * cfg.group_size:,} completions of up to --max-tokens {cfg.max_tokens} tokens "
+            f"= {step_tokens:,} tokens, over the cap of {MAX_STEP_TOKENS:,} (2**28) tokens per step (the sampler's "
+            f"buffers and the completions' token and logprob lists alone would need ~{step_tokens * 100 / 2**30:,.0f} "
+            "GiB of host memory before any KV cache): lower --group-size, --prompts-per-step or --max-tokens",
         )
     if cfg.adv.overlong_buffer > cfg.max_tokens:
         raise bad("adv-overlong-buffer", cfg.adv.overlong_buffer, f"must be <= --max-tokens {cfg.max_tokens}")
