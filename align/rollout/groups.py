@@ -103,11 +103,13 @@ def collect_groups(
     scorer: RewardScorer,
     refill: bool = False,
     max_rounds: int = 0,
+    should_stop: Callable[[], int | None] | None = None,
 ) -> Groups:
     """Sample and score ``P`` groups. With ``refill`` (DAPO dynamic sampling), groups without reward variance are
     set aside and fresh prompts sampled (round r = 1..max_rounds) until ``P`` groups have signal; if the rounds
     run out, set-aside groups fill the batch (their advantages are zero). ``sample(idx, round)`` returns
-    completions whose ``prompt_index`` indexes ``idx``."""
+    completions whose ``prompt_index`` indexes ``idx``. ``should_stop``: the scoring ends with ``Interrupted`` once
+    it is set (``RewardScorer.score``)."""
     kept: list[Group] = []
     dropped: list[Group] = []
     errors: list[str] = []
@@ -118,7 +120,7 @@ def collect_groups(
         sampled += len(idx)
         comps = sample(idx, rounds)
         texts = [text_of(c.token_ids) for c in comps]
-        s = scorer.score([(record(idx[c.prompt_index]), t) for c, t in zip(comps, texts)])
+        s = scorer.score([(record(idx[c.prompt_index]), t) for c, t in zip(comps, texts)], should_stop)
         errors += s.errors
         timeouts, failed, scored = timeouts + s.timeouts, failed + s.failed, scored + len(comps)
         members: dict[int, list[int]] = {}

@@ -580,9 +580,13 @@ def _open_pipeline(run: Run) -> None:
             with run.place.autocast():  # the sampler computes like the trainer (bf16-mixed: bf16 matmuls)
                 return generate_groups(gen, [run.encoded[i] for i in idx], p, cfg.max_inflight_requests)
 
+        # a signal cuts the rewards at K = 0 in one process (a reward stuck in a sleep would hold the exit); K >= 1
+        # abandons the producer instead (pipeline), and under torchrun every rank finishes the step (agree_on_signal)
+        stop = None if run.pipe.is_async or dist.active() else run.pipe.should_stop
         # --adv-refill: more prompts until enough groups have signal
         return collect_groups(cfg.prompts_per_step, run.cursor.next_prompts, sample, run.completion_text,
-                              lambda i: task.prompts[i], run.scorer, cfg.adv_refill, cfg.max_refill_rounds)  # fmt: skip
+                              lambda i: task.prompts[i], run.scorer, cfg.adv_refill, cfg.max_refill_rounds,
+                              stop)  # fmt: skip
 
     snapshots = run.out / "rollout_snapshots"
     run.pipe = make_pipeline(cfg, collect, run.policy, run.client, run.step, run.cursor.state, run.pending, snapshots)

@@ -345,7 +345,7 @@ def check_train_values(cfg: object) -> None:
     if step_tokens > MAX_STEP_TOKENS:
         raise bad(
             "group-size" if cfg.group_size >= cfg.prompts_per_step else "prompts-per-step",
-            cfg.group_size if cfg.group_size >= cfg.prompts_per_step else cfg.prompts_per_step,
+            max(cfg.group_size, cfg.prompts_per_step),
             f"one step samples --prompts-per-step {cfg.prompts_per_step} x --group-size {cfg.group_size} = "
             f"{cfg.prompts_per_step * cfg.group_size:,} completions of up to --max-tokens {cfg.max_tokens} tokens "
             f"= {step_tokens:,} tokens, over the cap of {MAX_STEP_TOKENS:,} (2**28) tokens per step (the sampler's "
