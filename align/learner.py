@@ -62,15 +62,20 @@ class NonFiniteError(RuntimeError):
 
 def sequence_batch(prompt_ids: list[list[int]], completions: list, G: int, device: torch.device | str) -> tuple:
     """Right-padded teacher-forcing tensors for the P*G completions, made on ``device``:
-    inputs (N, L), targets (N, L), mask (N, L) over completion tokens, behaviour logprobs (N, L) x2 (full, sampled)."""
-    seqs = [prompt_ids[c.prompt_index] + c.token_ids for c in completions]
+    inputs (N, L), targets (N, L), mask (N, L) over completion tokens, behaviour logprobs (N, L) x2 (full, sampled).
+
+    An episode (``align.envs.episodes.Episode``) brings its own first prompt and a per-token ``mask``: its
+    environment tokens are context (mask False, logprob 0) like the prompt."""
+    firsts = [getattr(c, "prompt_ids", None) or prompt_ids[c.prompt_index] for c in completions]
+    seqs = [p + c.token_ids for p, c in zip(firsts, completions)]
     L = max(len(s) for s in seqs) - 1
     inputs, targets, mask, full_lp, sampled_lp = [], [], [], [], []
-    for s, c in zip(seqs, completions):
-        p, k, pad = len(prompt_ids[c.prompt_index]), len(c.token_ids), L - len(s) + 1
+    for s, first, c in zip(seqs, firsts, completions):
+        p, k, pad = len(first), len(c.token_ids), L - len(s) + 1
         inputs.append(s[:-1] + [0] * pad)
         targets.append(s[1:] + [0] * pad)
-        mask.append([False] * (p - 1) + [True] * k + [False] * pad)
+        own = getattr(c, "mask", None)
+        mask.append([False] * (p - 1) + (list(own) if own is not None else [True] * k) + [False] * pad)
         sampled = c.sampled_logprobs if c.sampled_logprobs is not None else c.logprobs
         full_lp.append([0.0] * (p - 1) + list(c.logprobs) + [0.0] * pad)
         sampled_lp.append([0.0] * (p - 1) + list(sampled) + [0.0] * pad)

@@ -108,14 +108,14 @@ class RewardFn:
     spec: str | None  # how a worker process loads it; None = only callable in this process
 
 
-def _load_file_module(path: Path) -> Any:
+def _load_file_module(path: Path, flag: str = "--reward") -> Any:
     digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]
     name = f"align_reward_{path.stem}_{digest}"
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
-        raise InputError(f"--reward {path}: cannot load this file as a Python module")
+        raise InputError(f"{flag} {path}: cannot load this file as a Python module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
@@ -126,29 +126,30 @@ def _load_file_module(path: Path) -> Any:
     return module
 
 
-def load_spec(spec: str) -> Callable[..., Any]:
-    """The callable named by ``module:function`` or ``path/file.py:function``; ``InputError`` if there is none."""
+def load_spec(spec: str, flag: str = "--reward", kind: str = "function") -> Callable[..., Any]:
+    """The callable named by ``module:name`` or ``path/file.py:name``; ``InputError`` naming ``flag`` if there is none
+    (``kind`` is what the flag names: a reward function, an environment class)."""
     mod_name, sep, fn_name = spec.rpartition(":")
     if not sep or not mod_name or not fn_name:
-        raise InputError(f"--reward {spec!r}: expected 'module:function' or 'path/to/file.py:function'")
+        raise InputError(f"{flag} {spec!r}: expected 'module:{kind}' or 'path/to/file.py:{kind}'")
     if mod_name.endswith(".py"):
         path = Path(mod_name)
         if not path.is_file():
-            raise InputError(f"--reward {spec!r}: no such file {path}")
-        module = _load_file_module(path)
+            raise InputError(f"{flag} {spec!r}: no such file {path}")
+        module = _load_file_module(path, flag)
     else:
         try:
             module = importlib.import_module(mod_name)
         except ModuleNotFoundError as e:
             raise InputError(
-                f"--reward {spec!r}: no module {e.name!r} (is it on PYTHONPATH? a file needs the "
-                "'.py' path: --reward path/to/file.py:function)"
+                f"{flag} {spec!r}: no module {e.name!r} (is it on PYTHONPATH? a file needs the "
+                f"'.py' path: {flag} path/to/file.py:{kind})"
             ) from None
     fn = getattr(module, fn_name, None)
     if fn is None:
-        raise InputError(f"--reward {spec!r}: {mod_name} has no attribute {fn_name!r}")
+        raise InputError(f"{flag} {spec!r}: {mod_name} has no attribute {fn_name!r}")
     if not callable(fn):
-        raise InputError(f"--reward {spec!r}: {fn_name} is a {type(fn).__name__}, not a function")
+        raise InputError(f"{flag} {spec!r}: {fn_name} is a {type(fn).__name__}, not a {kind}")
     return fn
 
 
@@ -168,7 +169,9 @@ def check_signature(name: str, fn: Callable[..., Any], field_names: list[str]) -
         ) from None
 
 
-def _spec_of(fn: Callable[..., Any]) -> str | None:
+def spec_of(fn: Callable[..., Any]) -> str | None:
+    """How a worker process loads ``fn`` (a function or a class): ``module:name`` / ``path/file.py:name``; None for
+    one defined in ``__main__`` or inside a function."""
     mod, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     if not mod or mod == "__main__" or "<" in qual or "." in qual:
         return None
@@ -189,7 +192,7 @@ def load_rewards(specs: list[str] | None = None, fns: Any = None) -> list[Reward
         for fn in fns if isinstance(fns, (list, tuple)) else [fns]:
             if not callable(fn):
                 raise InputError(f"reward {fn!r} is not callable")
-            out.append(RewardFn(getattr(fn, "__name__", "reward"), fn, _spec_of(fn)))
+            out.append(RewardFn(getattr(fn, "__name__", "reward"), fn, spec_of(fn)))
     seen: dict[str, int] = {}
     for r in out:
         seen[r.name] = seen.get(r.name, 0) + 1
@@ -203,8 +206,9 @@ def load_rewards(specs: list[str] | None = None, fns: Any = None) -> list[Reward
 # ------------------------------------------------------------------------------------------------ scoring
 
 
-class RewardTimeout(BaseException):
-    """Raised inside an in-process reward call by the SIGALRM timer."""
+class CallTimeout(BaseException):
+    """Raised inside an in-process call (a reward, an environment) by ``call_in_process``'s timer; a BaseException so
+    that a user's ``except Exception`` does not catch it."""
 
 
 @dataclass
@@ -216,6 +220,7 @@ class Scores:
     errors: list[str] = field(default_factory=list)  # tracebacks of raising calls
     timeouts: int = 0
     failed: int = 0  # items with at least one raising or timed-out call
+    failed_at: list[int] = field(default_factory=list)  # their indices
 
     def item(self, j: int) -> tuple[float, dict[str, float]]:
         """Item ``j``'s total and each reward's value (NaN: unscorable / abstained)."""
@@ -241,7 +246,7 @@ def _checked(kind: str, v: Any, name: str) -> tuple[str, Any]:
 
 def _call_on_thread(fn: Callable, args: tuple, kwargs: dict, timeout_s: float) -> Any:
     """The timeout off the main thread (e.g. the ``--max-async-steps`` producer), where SIGALRM cannot reach: a
-    watchdog timer raises ``RewardTimeout`` in the calling thread (``PyThreadState_SetAsyncExc``). Like the alarm it
+    watchdog timer raises ``CallTimeout`` in the calling thread (``PyThreadState_SetAsyncExc``). Like the alarm it
     interrupts Python code; unlike it, a blocking call (``time.sleep``, I/O, C code) runs to its end first, then the
     exception lands. Use ``--reward-workers`` >= 2 for rewards that block."""
     import ctypes
@@ -253,7 +258,7 @@ def _call_on_thread(fn: Callable, args: tuple, kwargs: dict, timeout_s: float) -
         with lock:
             if not state["done"]:
                 state["fired"] = True
-                set_exc(ctypes.c_ulong(tid), ctypes.py_object(RewardTimeout))
+                set_exc(ctypes.c_ulong(tid), ctypes.py_object(CallTimeout))
 
     timer = threading.Timer(timeout_s, fire)
     timer.daemon = True
@@ -266,7 +271,7 @@ def _call_on_thread(fn: Callable, args: tuple, kwargs: dict, timeout_s: float) -
             state["done"] = True
             if state["fired"]:  # fired but not delivered yet: clear it, then report the timeout here
                 set_exc(ctypes.c_ulong(tid), None)
-                raise RewardTimeout
+                raise CallTimeout
 
 
 @contextlib.contextmanager
@@ -290,9 +295,13 @@ def _stop_cuts_call(should_stop: Callable[[], int | None] | None) -> Any:
             signal.signal(s, h)
 
 
-def _call_in_process(
+def call_in_process(
     fn: Callable, args: tuple, kwargs: dict, timeout_s: float, should_stop: Callable[[], int | None] | None = None
 ) -> Any:
+    """``fn(*args, **kwargs)``, or ``CallTimeout`` once it runs past ``timeout_s`` (0 = no timeout): a SIGALRM timer on
+    the main thread, ``_call_on_thread``'s watchdog elsewhere. A call that catches the timeout (a bare ``except:``)
+    and returns or raises still ends in ``CallTimeout``. ``should_stop`` (main thread only): a SIGTERM / SIGINT that
+    sets it cuts the call with ``Interrupted`` (``_stop_cuts_call``)."""
     if threading.current_thread() is not threading.main_thread():
         return _call_on_thread(fn, args, kwargs, timeout_s) if timeout_s > 0 else fn(*args, **kwargs)
     with _stop_cuts_call(should_stop):
@@ -307,7 +316,7 @@ def _call_with_alarm(fn: Callable, args: tuple, kwargs: dict, timeout_s: float) 
 
     def on_alarm(signum, frame):
         fired.append(True)
-        raise RewardTimeout
+        raise CallTimeout
 
     old = signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, timeout_s)
@@ -317,7 +326,7 @@ def _call_with_alarm(fn: Callable, args: tuple, kwargs: dict, timeout_s: float) 
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
         if fired:  # the reward caught the timeout (a bare ``except:``) and returned or raised: still a timeout
-            raise RewardTimeout
+            raise CallTimeout
 
 
 class RewardScorer:
@@ -355,8 +364,9 @@ class RewardScorer:
         """``items``: (prompt record, completion text). Thread-safe (eval may score from another thread).
 
         ``should_stop`` (the run's stop flag: the signal number, if any): once it is set, scoring ends with
-        ``Interrupted`` within a poll (``WATCH_S``) whatever the rewards do: no further call starts, a running one is
-        cut (in this process on the main thread: by the signal itself; in the pool: its worker is killed)."""
+        ``Interrupted`` within a poll (``reward_pool.WATCH_S``) whatever the rewards do: no further call starts, a
+        running one is cut (in this process on the main thread: by the signal itself; in the pool: its worker is
+        killed)."""
 
         def check_stop() -> None:
             if should_stop is not None and (signum := should_stop()):
@@ -374,9 +384,9 @@ class RewardScorer:
                         check_stop()  # also a stop a reward swallowed (a bare ``except:``) in the call before
                         try:
                             args = (rec["prompt"], text)
-                            v = _call_in_process(r.fn, args, _fields(rec), self.timeout_s, should_stop)
+                            v = call_in_process(r.fn, args, _fields(rec), self.timeout_s, should_stop)
                             results.append(("ok", _value(v)))
-                        except RewardTimeout:
+                        except CallTimeout:
                             results.append(("timeout", f"reward {r.name!r} timed out after {self.timeout_s} s"))
                         except Exception:  # noqa: BLE001 -- a user's reward: counted as unscorable, the run goes on
                             results.append(("error", traceback.format_exc()))
@@ -405,6 +415,7 @@ class RewardScorer:
                                   f"float32 (|total| <= {FLOAT32_MAX:.4g}): the completion counts as unscorable")  # fmt: skip
                 total, failed = math.nan, True
             out.failed += failed
+            out.failed_at += [i] if failed else []
             out.totals.append(total)
         return out
 

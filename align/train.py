@@ -14,6 +14,9 @@ Python API::
 
 ``reward(prompt, completion, **fields) -> float | None``: ``fields`` are the prompt dict's other keys;
 ``None``/NaN or an exception marks the completion unscorable (no gradient, counted in the stats).
+
+Multi-turn: ``train(cfg, model=..., tokenizer=..., prompts=rows, env=MyEnv)`` (``align.envs``), or ``tools=[fn]``
+for the built-in tool environment; ``reward`` is then optional.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ def train(
     prompts: list | None = None,
     reward: Callable[..., float | None] | None = None,
     eval_prompts: list | None = None,
+    env: type | None = None,
+    tools: list | None = None,
     stop_flag: dict | None = None,
 ) -> dict:
     """Run GRPO; returns a summary dict. Resumes from the last committed checkpoint under ``cfg.out``.
@@ -55,7 +60,7 @@ def train(
     from align.run.build import open_run
 
     run = open_run(cfg, model=model, tokenizer=tokenizer, prompts=prompts, reward=reward,
-                   eval_prompts=eval_prompts, stop_flag=stop_flag)  # fmt: skip
+                   eval_prompts=eval_prompts, env=env, tools=tools, stop_flag=stop_flag)  # fmt: skip
     with run:  # closes pipeline, client, scorer, logs and worker; drains the evaluator
         run.emit(run.baseline())  # the step-0 eval, once per run
         run.stop_flag["loop"] = True  # from here a signal stops after the current step (before: main raises)
@@ -100,6 +105,8 @@ def train(
 def step_record(step: int, produced: Any, scores: Any, upd: Any, adv_stats: dict, async_stats: dict, sync_s: float,
                 cfg: TrainConfig, sched: Any) -> dict:  # fmt: skip
     """The metrics record of one step (``metrics.jsonl``; the progress line shows a few keys)."""
+    from align.envs.episodes import env_stats
+
     groups, total = produced.groups, scores.total
     finite = total[~total.isnan()]
     gen_tokens = sum(len(c.token_ids) for c in groups.completions)
@@ -121,6 +128,7 @@ def step_record(step: int, produced: Any, scores: Any, upd: Any, adv_stats: dict
             for n, v in scores.terms.items()
         },
         **refill,
+        **(env_stats(groups.completions) if hasattr(groups.completions[0], "turns") else {}),  # episodes
         "completion_len_mean": gen_tokens / len(groups.completions),
         "truncated_frac": float(scores.truncated.float().mean()),
         "tokens_per_s": gen_tokens / max(produced.seconds, 1e-9),  # generation + rewards where they ran, not the wait

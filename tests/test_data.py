@@ -334,7 +334,7 @@ def test_each_row_is_tokenized_once_and_the_ids_reach_the_trainer(tmp_path, mode
     """load_data tokenized every prompt to check it and the trainer tokenized it again."""
     from helpers_train import cfg_for
 
-    from align.run.build import resolve_task
+    from align.run.task import resolve_task
 
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"What is {i}+{i}?"} for i in range(5)])
     calls: list[str] = []
@@ -354,7 +354,7 @@ def test_each_row_is_tokenized_once_and_the_ids_reach_the_trainer(tmp_path, mode
 def test_a_chat_template_render_is_bounded_in_time_and_size(monkeypatch):
     """Nested range(99999) loops hung data loading and {{ 'x' * 10**10 }} allocated 10 GB: both end in an
     InputError naming the template (bounds patched small here: nothing big is built)."""
-    import align.data as D
+    import align.chat as D
 
     monkeypatch.setattr(D, "RENDER_MAX_SECONDS", 0.5, raising=False)
     monkeypatch.setattr(D, "RENDER_MAX_CHARS", 1000, raising=False)

@@ -70,8 +70,10 @@ def test_negative_control_planted_import_is_caught(tmp_path):
 
 
 # Modules that must import with torch (and numpy, triton, safetensors) absent: the worker's one import and what it
-# pulls in, and the atomic-file helpers every floor uses.
-STDLIB_ONLY = ["align", "align.rollout", "align.atomic", "align.rollout.process", "align.rollout.protocol"]
+# pulls in, the atomic-file helpers every floor uses, and the environment runner (its worker process starts fast).
+STDLIB_ONLY = [
+    "align", "align.rollout", "align.atomic", "align.rollout.process", "align.rollout.protocol", "align.envs.runner"
+]  # fmt: skip
 
 
 def test_protocol_imports_without_torch():

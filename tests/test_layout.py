@@ -20,8 +20,16 @@ FORBIDDEN = [
     ([f"align/{m}.py" for m in ALGORITHM], ["align.run", "align.rollout.pipeline", "align.eval", "align.train"]),
     (["align/rollout/"], ["align.run", "align.eval", "align.train"]),
     (["align/eval/"], ["align.run", "align.train"]),
+    (["align/envs/", "align/chat.py"], ["align.run", "align.eval", "align.train"]),
     (
-        ["align/data.py", "align/rewards.py", "align/reward_pool.py", "align/verifiers.py", "align/tasks/"],
+        [
+            "align/data.py",
+            "align/errors.py",
+            "align/rewards.py",
+            "align/reward_pool.py",
+            "align/verifiers.py",
+            "align/tasks/",
+        ],
         ["align.run", "align.train"],
     ),
 ]

@@ -290,7 +290,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("on_thread", [False, True])
 def test_a_bare_except_cannot_swallow_the_in_process_timeout(hard_file, on_thread):
-    """The reward catches RewardTimeout and returns 0.0: still a timeout, unscorable (the old SIGALRM path scored 0.0).
+    """The reward catches CallTimeout and returns 0.0: still a timeout, unscorable (the old SIGALRM path scored 0.0).
     Control: the same reward that does not hang scores 1.0 and no timeout."""
     scorer = RewardScorer(load_rewards([hard_file + ":swallow"]), workers=1, timeout_s=0.3)
     got = {}

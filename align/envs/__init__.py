@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-__all__ = ["Step", "EnvError", "check_env_class", "check_step"]
+__all__ = ["EnvError", "Step", "check_env_class", "check_observation", "check_step"]
 
 
 class Step(NamedTuple):

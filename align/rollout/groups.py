@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from align.rewards import RewardScorer, Scores
+from align.rewards import Scores
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class Groups:
             total[at] = self.scores.totals[j]
             for n, v in self.scores.terms.items():
                 terms[n][at] = v[j]
-            lengths[at] = len(c.token_ids)
+            lengths[at] = sum(c.mask) if getattr(c, "mask", None) else len(c.token_ids)  # policy tokens only
             truncated[at] = c.finish_reason == "length"
         return GroupTensors(total, terms, lengths, truncated)
 
@@ -98,18 +98,19 @@ def collect_groups(
     P: int,
     next_prompts: Callable[[int], list[int]],
     sample: Callable[[list[int], int], list],
-    text_of: Callable[[list[int]], str],
+    text_of: Callable[[object], str],
     record: Callable[[int], dict],
-    scorer: RewardScorer,
+    score: Callable[[list[tuple[dict, str]], list], Scores],
+    names: list[str],
     refill: bool = False,
     max_rounds: int = 0,
-    should_stop: Callable[[], int | None] | None = None,
 ) -> Groups:
     """Sample and score ``P`` groups. With ``refill`` (DAPO dynamic sampling), groups without reward variance are
     set aside and fresh prompts sampled (round r = 1..max_rounds) until ``P`` groups have signal; if the rounds
     run out, set-aside groups fill the batch (their advantages are zero). ``sample(idx, round)`` returns
-    completions whose ``prompt_index`` indexes ``idx``. ``should_stop``: the scoring ends with ``Interrupted`` once
-    it is set (``RewardScorer.score``)."""
+    completions whose ``prompt_index`` indexes ``idx``; ``text_of(completion)`` is what the rewards read;
+    ``score(items, completions)`` scores the (record, text) items (``names``: its terms; a run's stop flag rides in
+    it: ``RewardScorer.score(items, should_stop)`` ends with ``Interrupted``)."""
     kept: list[Group] = []
     dropped: list[Group] = []
     errors: list[str] = []
@@ -119,8 +120,8 @@ def collect_groups(
         idx = next_prompts(need)
         sampled += len(idx)
         comps = sample(idx, rounds)
-        texts = [text_of(c.token_ids) for c in comps]
-        s = scorer.score([(record(idx[c.prompt_index]), t) for c, t in zip(comps, texts)], should_stop)
+        texts = [text_of(c) for c in comps]
+        s = score([(record(idx[c.prompt_index]), t) for c, t in zip(comps, texts)], comps)
         errors += s.errors
         timeouts, failed, scored = timeouts + s.timeouts, failed + s.failed, scored + len(comps)
         members: dict[int, list[int]] = {}
@@ -145,7 +146,7 @@ def collect_groups(
         [],
         [],
         [],
-        Scores([], {n: [] for n in scorer.names}, errors, timeouts, failed),
+        Scores([], {n: [] for n in names}, errors, timeouts, failed),
         rounds=rounds,
         sampled_prompts=sampled,
         signal_groups=sum(has_signal(g.totals) for g in final),

@@ -19,7 +19,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,100 +27,17 @@ import torch
 
 from align import dist, learner, lora
 from align import model as model_lib
-from align.data import InputError
 from align.run import checkpoint as ckpt
 from align.run import safety
 from align.run.config import TrainConfig, lr_lambda
 from align.run.log import MetricsLog, Progress, check_logger, format_line, make_logger, sample_groups
 from align.run.plot import write_plot
+from align.run.task import resolve_task
 
 log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------------ the task
-
-
-@dataclass
-class Task:
-    """What to learn: prompt dicts, a tokenizer, a reward, held-out prompts."""
-
-    prompts: list[dict]
-    tokenizer: Any
-    reward: Callable[..., float | None]
-    eval_prompts: list[dict] = field(default_factory=list)
-    encoded: tuple[list, list] | None = None  # (prompt ids, eval ids) when align.data already tokenized them
-
-
-def builtin_task(cfg: TrainConfig) -> tuple[Task, str]:
-    """The built-in task and its warm-started model dir (built once, under {out}/base_model)."""
-    if cfg.task != "reverse":
-        raise ValueError(f"unknown built-in task {cfg.task!r}; available: 'reverse'")
-    from align.atomic import is_committed
-    from align.tasks import reverse
-
-    task = Task(
-        reverse.prompts(5000, "train", cfg.seed),
-        reverse.tokenizer(),
-        reverse.reward,
-        reverse.prompts(cfg.eval_prompts, "eval", cfg.seed),
-    )
-    reverse.check_sizes(task.prompts + task.eval_prompts, task.tokenizer, cfg.max_tokens)  # before the warm start
-    base = Path(cfg.out) / "base_model"
-    if cfg.model is not None:
-        if not (Path(cfg.model) / "align_tokenizer.json").is_file():
-            raise InputError(
-                f"--model {cfg.model} is not a model of the built-in {cfg.task!r} task (it has no "
-                "align_tokenizer.json); to train it on your data pass --train-data FILE.jsonl and "
-                "--reward FILE.py:FUNCTION (and --eval-data FILE.jsonl to evaluate)"
-            )
-        return task, cfg.model
-    if not is_committed(base):
-        print(
-            f"[align] warm start: {cfg.warm_start_steps} supervised steps on the biased copy/reverse mixture -> {base}",
-            flush=True,
-        )
-        reverse.warm_start(
-            base, steps=cfg.warm_start_steps, seed=cfg.seed, log=lambda s: print(f"[align] {s}", flush=True)
-        )
-    return task, str(base)
-
-
-def as_records(prompts: list) -> list[dict]:
-    out = []
-    for i, p in enumerate(prompts):
-        rec = {"prompt": p} if isinstance(p, str) else dict(p)
-        if not isinstance(rec.get("prompt"), str):
-            raise ValueError(f"prompt {i} must be a str or a dict with a 'prompt' str, got {type(p).__name__}")  # noqa: TRY004
-        out.append(rec)
-    if not out:
-        raise ValueError("no prompts to train on")
-    return out
-
-
-def resolve_task(cfg: TrainConfig, model: str | None, tokenizer: Any, prompts: list | None, reward: Any,
-                 eval_prompts: list | None) -> tuple[Task, str]:  # fmt: skip
-    """The task (your data from ``--train-data`` / the arguments, or the built-in one) and its model dir."""
-    ids = None  # the prompts' ids when align.data tokenized them (each row once)
-    if prompts is None and cfg.data.train_data:  # your own data from files (align.data); rewards from --reward
-        if not (model or cfg.model):
-            raise InputError("--train-data needs --model DIR (a Hugging Face checkpoint directory)")
-        from align.data import load_task_data
-
-        tokenizer, prompts, eval_prompts, *ids = load_task_data(cfg.data, model or cfg.model, cfg.max_tokens)
-    has_reward = reward is not None or bool(cfg.rewards.reward)
-    if (prompts is None) == has_reward or (prompts is not None and tokenizer is None):
-        raise InputError(
-            "pass prompts, tokenizer and reward together (CLI: --train-data and --reward), or none of "
-            "them for the built-in task"
-        )
-    if prompts is None:
-        return dist.main_first(lambda: builtin_task(cfg))
-    evals = as_records(eval_prompts) if eval_prompts else []
-    task = Task(as_records(prompts), tokenizer, reward, evals, ids and tuple(ids))
-    model_path = model or cfg.model
-    if model_path is None:
-        raise ValueError("no model: pass model=<HF checkpoint dir> or --model")
-    return task, model_path
 
 
 def stop_ids(tokenizer: Any, model_cfg: Any) -> list[int]:
@@ -193,7 +110,7 @@ class Run:
     def __init__(self, cfg: TrainConfig, stop_flag: dict) -> None:
         self.cfg, self.stop_flag, self.out = cfg, stop_flag, Path(cfg.out)
         self.t_start = time.monotonic()
-        self.worker = self.client = self.scorer = self.pipe = self.out_lock = self.spool_lock = None
+        self.worker = self.client = self.scorer = self.pipe = self.out_lock = self.spool_lock = self.envs = None
         self.metrics: Any = None
         self.samples: Any = None
         self.progress: Any = dist.RankLog()
@@ -225,7 +142,7 @@ class Run:
         self.progress.update(rec["step"], format_line(rec))
         every = self.cfg.log.log_completions_every
         if every and rec["step"] % every == 0:
-            prompts = [self.task.prompts[i]["prompt"] for i in groups.idx]
+            prompts = [self.task.prompts[i].get("prompt", "") for i in groups.idx]
             for r in sample_groups(rec["step"], prompts, groups.completions, groups.texts, scores.total, adv,
                                    scores.terms, self.cfg.log.log_completions_groups):  # fmt: skip
                 self.samples.write(r)
@@ -272,12 +189,12 @@ class Run:
             if getattr(self, "evaluator", None) is not None:
                 self.emit(self.evaluator.drain(after_error=after_error))
         finally:
-            for part in (self.pipe, self.client, self.scorer, self.metrics):
+            for part in (self.pipe, self.client, self.scorer, self.envs, self.metrics):
                 if part is not None:
                     part.close()
             if self.worker is not None:
                 self.worker.shutdown()
-            self.pipe = self.client = self.scorer = self.metrics = self.worker = None
+            self.pipe = self.client = self.scorer = self.metrics = self.worker = self.envs = None
             safety.release(self.spool_lock)  # the worker is gone: another trainer may take the spool
             self.spool_lock = None
             if after_error is not None:  # the run ends here; else summary() releases --out after export_final
@@ -319,7 +236,7 @@ class Run:
 
 def open_run(cfg: TrainConfig, *, model: str | None = None, tokenizer: Any = None, prompts: list | None = None,
              reward: Callable[..., float | None] | None = None, eval_prompts: list | None = None,
-             stop_flag: dict | None = None) -> Run:  # fmt: skip
+             env: Any = None, tools: list | None = None, stop_flag: dict | None = None) -> Run:  # fmt: skip
     """Build a ``Run`` (see the module docstring for the order). On a failure after parts started, they are closed."""
     from align.device import resolve as resolve_placement
 
@@ -327,7 +244,7 @@ def open_run(cfg: TrainConfig, *, model: str | None = None, tokenizer: Any = Non
     run.owns_group = dist.setup(cfg)  # torchrun: the process group (no-op in one process)
     run.place = resolve_placement(cfg.device, cfg.precision)  # bad --device / --precision fail here, before any load
     try:
-        _open_files_and_task(run, model, tokenizer, prompts, reward, eval_prompts)
+        _open_files_and_task(run, model, tokenizer, prompts, reward, eval_prompts, env, tools)
         _open_policy(run)
         _open_logs(run)
         _open_rollout(run)
@@ -339,20 +256,28 @@ def open_run(cfg: TrainConfig, *, model: str | None = None, tokenizer: Any = Non
     return run
 
 
-def _open_files_and_task(run: Run, model: Any, tokenizer: Any, prompts: Any, reward: Any, eval_prompts: Any) -> None:
+def _open_files_and_task(run: Run, model: Any, tokenizer: Any, prompts: Any, reward: Any, eval_prompts: Any,
+                         env: Any, tools: Any) -> None:  # fmt: skip
     from align.eval.metrics import pass_reward_for
     from align.rewards import make_scorer
 
     cfg, out = run.cfg, run.out
     run.run_id, run.out_lock = safety.open_out(cfg, model or cfg.model)  # paths checked, --out locked, run id
     check_logger(cfg.log.logger, out)  # the --logger package imports, {out}/tensorboard is a dir
-    run.task, run.model_path = resolve_task(cfg, model, tokenizer, prompts, reward, eval_prompts)
+    run.task, run.model_path = resolve_task(cfg, model, tokenizer, prompts, reward, eval_prompts, env, tools)
     run.task_name = cfg.task if prompts is None and not cfg.data.train_data else "eval"
     task = run.task
-    run.scorer = make_scorer(cfg.rewards, task.reward, task.prompts + task.eval_prompts)
+    rows = task.prompts + task.eval_prompts
+    has_reward = task.reward is not None or cfg.rewards.reward
+    run.scorer = make_scorer(cfg.rewards, task.reward, rows) if task.env is None or has_reward else None
     run.pass_reward = None  # the reward that decides pass@k (--eval-pass-reward); refused before the model loads
+    names = ["env"] * (task.env is not None) + (run.scorer.names if run.scorer else [])
     if task.eval_prompts and cfg.eval.eval_interval > 0:
-        run.pass_reward = pass_reward_for(run.scorer.names, cfg.eval.eval_pass_reward)
+        run.pass_reward = pass_reward_for(names, cfg.eval.eval_pass_reward)
+    if task.env is not None:
+        from align.run.episodes import open_episodes
+
+        open_episodes(run)  # the environment runner and the turn renderer; refuses what it cannot run
     new_config = {**asdict(cfg), "model": run.model_path}
     if ckpt.latest(out / "checkpoints"):  # resuming: refuse changed math, apply (and log) operational changes
         for change in safety.check_resume_config(out / "config.json", new_config):
@@ -392,8 +317,11 @@ def _open_policy(run: Run) -> None:
         ref_model = load(run.model_path, dtype=place.frozen_dtype, device=place.device).requires_grad_(False)
     tok = run.task.tokenizer
     run.stops = stop_ids(tok, mcfg)
-    run.encoded, run.eval_encoded = run.task.encoded or ([tok.encode(r["prompt"]) for r in p] for p in
-                                                         (run.task.prompts, run.task.eval_prompts))  # fmt: skip
+    if run.task.env is not None:  # an episode's first prompt is its environment's reset(): no prompt ids here
+        run.encoded, run.eval_encoded = [[] for _ in run.task.prompts], []
+    else:
+        run.encoded, run.eval_encoded = run.task.encoded or ([tok.encode(r["prompt"]) for r in p] for p in
+                                                             (run.task.prompts, run.task.eval_prompts))  # fmt: skip
     for i, ids in enumerate(run.encoded + run.eval_encoded):
         if len(ids) + cfg.max_tokens > mcfg.max_position_embeddings:
             raise ValueError(
@@ -520,8 +448,15 @@ def _open_eval(run: Run) -> None:
 
         eval_set = EvalSet(run.eval_encoded, score, eval_sampling, name=run.task_name)
 
+    if task.env is not None and task.eval_prompts:  # held-out episodes (align.run.episodes), in this process
+        eval_set = EvalSet([[0]] * len(task.eval_prompts), lambda i, ids: None, eval_sampling, name=run.task_name)
+
     def blocking_eval(at_step: int) -> dict:
         from align.rollout.client import ShardedNativeClient
+
+        if task.env is not None:
+            policy.eval()
+            return run.episodes.evaluate(run, eval_sampling)
         from align.rollout.native import generate
 
         policy.eval()
@@ -580,17 +515,21 @@ def _open_pipeline(run: Run) -> None:
             with run.place.autocast():  # the sampler computes like the trainer (bf16-mixed: bf16 matmuls)
                 return generate_groups(gen, [run.encoded[i] for i in idx], p, cfg.max_inflight_requests)
 
+        if task.env is not None:  # episodes (align.envs.episodes): the same stage, one conversation per sample
+            return run.episodes.collect(t, gen, run)
         # a signal cuts the rewards at K = 0 in one process (a reward stuck in a sleep would hold the exit); K >= 1
         # abandons the producer instead (pipeline), and under torchrun every rank finishes the step (agree_on_signal)
         stop = None if run.pipe.is_async or dist.active() else run.pipe.should_stop
         # --adv-refill: more prompts until enough groups have signal
-        return collect_groups(cfg.prompts_per_step, run.cursor.next_prompts, sample, run.completion_text,
-                              lambda i: task.prompts[i], run.scorer, cfg.adv_refill, cfg.max_refill_rounds,
-                              stop)  # fmt: skip
+        return collect_groups(cfg.prompts_per_step, run.cursor.next_prompts, sample,
+                              lambda c: run.completion_text(c.token_ids), lambda i: task.prompts[i],
+                              lambda items, comps: run.scorer.score(items, stop), run.scorer.names, cfg.adv_refill,
+                              cfg.max_refill_rounds)  # fmt: skip
 
     snapshots = run.out / "rollout_snapshots"
     run.pipe = make_pipeline(cfg, collect, run.policy, run.client, run.step, run.cursor.state, run.pending, snapshots)
     run.pipe.should_stop = lambda: run.stop_flag.get("signal")  # its waits end on a signal (align.rollout.pipeline)
-    run.evaluator = pinned_evaluator(run.pipe, run.evaluator, run.eval_set, cfg)  # K >= 1: eval on the engine
+    pinned_set = None if task.env is not None else run.eval_set  # episodes: evaluated in this process
+    run.evaluator = pinned_evaluator(run.pipe, run.evaluator, pinned_set, cfg)  # K >= 1: eval on the engine
     if dist.is_main():
         run.progress = Progress(cfg.steps, start=run.step)

@@ -14,6 +14,7 @@ from typing import Any
 
 from align.advantages import AdvantageConfig
 from align.data import DataConfig
+from align.envs.config import EnvConfig
 from align.eval.config import EvalConfig
 from align.grpo import LossConfig
 from align.lora import LoraConfig
@@ -216,6 +217,7 @@ class TrainConfig:
     adv: AdvantageConfig = field(default_factory=AdvantageConfig)
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(eval_interval=10, eval_n=4))
     lora: LoraConfig = field(default_factory=LoraConfig)
+    envs: EnvConfig = field(default_factory=EnvConfig)
 
     def __post_init__(self) -> None:
         for name, cls in (
@@ -226,6 +228,7 @@ class TrainConfig:
             ("rewards", RewardConfig),
             ("log", LogConfig),
             ("lora", LoraConfig),
+            ("envs", EnvConfig),
         ):
             if isinstance(getattr(self, name), dict):
                 setattr(self, name, from_dict(cls, getattr(self, name), f"{name}."))
@@ -258,6 +261,7 @@ class TrainConfig:
         if self.lr <= 0 or self.temperature <= 0:
             raise ValueError(f"--lr and --temperature must be > 0 for training, got {self.lr}, {self.temperature}")
         check_train_values(self)
+        self.envs.check(self.max_tokens)
         from align.rollout.pipeline import check_config as check_async
 
         check_async(self.max_async_steps, self.max_inflight_requests, self.group_size)

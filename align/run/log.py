@@ -145,6 +145,10 @@ def sample_groups(
     out = []
     for p in sorted(groups)[:n]:
         js = sorted(groups[p], key=lambda j: completions[j].sample_index)
+        episodes = {}
+        if hasattr(completions[js[0]], "turns"):  # multi-turn: each episode's conversation and turns
+            episodes = {"episodes": [{"messages": completions[j].messages, "turns": completions[j].turns,
+                                      "error": completions[j].error} for j in js]}  # fmt: skip
         out.append(
             {
                 "step": step,
@@ -156,6 +160,7 @@ def sample_groups(
                 "lengths": [len(completions[j].token_ids) for j in js],
                 "finish_reasons": [completions[j].finish_reason for j in js],
                 "reward_terms": {k: row(v, p) for k, v in terms.items()},
+                **episodes,
             }
         )
     return out

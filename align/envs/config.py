@@ -1,0 +1,75 @@
+"""``EnvConfig``: the multi-turn settings of a run (``--env``, ``--max-turns``, ...), nested in ``TrainConfig``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+ENV_REWARDS = ("last", "sum")
+
+
+def _h(text: str) -> Any:
+    return {"help": text}
+
+
+@dataclass
+class EnvConfig:
+    env: str | None = field(
+        default=None,
+        metadata=_h(
+            "Multi-turn environment class, 'path/file.py:Class' or 'module:Class' (needs --train-data); "
+            "'tools' = the built-in tool environment (with --tools)."
+        ),
+    )
+    max_turns: int = field(default=4, metadata=_h("With --env: at most this many policy turns per episode."))
+    max_episode_tokens: int = field(
+        default=0,
+        metadata=_h(
+            "With --env: tokens per episode after the first prompt, the policy's and the environment's "
+            "(0 = only the model's context bounds it)."
+        ),
+    )
+    env_timeout_s: float = field(default=60.0, metadata=_h("Max seconds per environment call (0 = no limit)."))
+    env_workers: int = field(
+        default=0,
+        metadata=_h(
+            "0 = environments run in this process; N >= 1 = N worker processes (JSON lines, each episode "
+            "sticky to one worker; a worker past --env-timeout-s is killed and replaced)."
+        ),
+    )
+    env_reward: str = field(
+        default="last",
+        metadata=_h(
+            "How per-turn environment rewards combine: 'last' (the last turn's) or 'sum'; --reward "
+            "functions, if given, score the final assistant message and add."
+        ),
+    )
+    tools: list[str] = field(
+        default_factory=list,
+        metadata=_h(
+            "Tool functions for the built-in tool environment, 'path/file.py:fn' or 'module:fn' "
+            "(repeatable); 'python' = the built-in sandboxed python tool."
+        ),
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.env is not None or bool(self.tools)
+
+    def check(self, max_tokens: int) -> None:
+        """The values alone (the spec is loaded by ``align.envs.episodes.load``, before the model)."""
+        if self.max_turns < 1:
+            raise ValueError(f"--max-turns must be >= 1, got {self.max_turns}")
+        if self.max_episode_tokens < 0:
+            raise ValueError(f"--max-episode-tokens must be >= 0 (0 = no limit), got {self.max_episode_tokens}")
+        if 0 < self.max_episode_tokens < max_tokens:
+            raise ValueError(f"--max-episode-tokens {self.max_episode_tokens} is below --max-tokens {max_tokens}: "
+                             "the first turn could not use its budget; raise it or lower --max-tokens")  # fmt: skip
+        if self.env_timeout_s < 0:
+            raise ValueError(f"--env-timeout-s must be >= 0 (0 = no limit), got {self.env_timeout_s}")
+        if self.env_workers < 0:
+            raise ValueError(f"--env-workers must be >= 0 (0 = in this process), got {self.env_workers}")
+        if self.env_reward not in ENV_REWARDS:
+            raise ValueError(f"--env-reward must be one of {ENV_REWARDS}, got {self.env_reward!r}")
+        if self.tools and self.env not in (None, "tools"):
+            raise ValueError(f"--tools runs the built-in tool environment; it cannot be combined with --env {self.env}")

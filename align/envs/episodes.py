@@ -1,0 +1,308 @@
+"""Running episodes: the policy and an environment take turns until the environment is done, a budget runs out or
+``--max-turns`` is reached; the result is one ``Episode`` per (row, sample), laid out for the learner exactly as
+sampled (token-in/token-out).
+
+An ``Episode`` is a ``Completion`` whose ``token_ids`` are every token after the first prompt: each turn's sampled
+ids (ending with the stop token) followed by the environment's reply as suffix ids (``align.chat.TurnRenderer``:
+the template's junction tokens, the messages, the next generation prompt). ``mask`` is True on the policy's tokens
+only; the environment's tokens have logprob 0.0 and mask False, so they are context for the loss, the KL, the entropy
+bonus, every normaliser and the rho correction.
+
+Budgets: a turn's ``max_tokens`` = min(``--max-tokens``, what is left of ``--max-episode-tokens``, what is left of the
+context). A turn cut by its budget (the environment still scores it), or an observation that does not fit what is
+left, ends the episode as ``length`` (``truncated``; an observation is never cut mid-way).
+
+Concurrency: on the native sampler (``align.rollout.sessions``) the live episodes' next turns are one batched
+generate and each keeps its KV cache; on a spool client (a vLLM worker or a fleet) each episode runs on its own thread
+and submits its next turn as soon as its environment step returns (no barrier across episodes; the permit pool of
+``--max-inflight-requests`` bounds what is in flight).
+
+Failures: an environment call that raises, times out or returns the wrong type makes that episode unscorable
+(``error``); the step goes on. ``collect_episodes`` raises when every episode of a step failed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from align.envs import EnvError
+from align.rollout.protocol import Completion, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Episode(Completion):
+    """One episode, as the learner reads it (a ``Completion`` with a per-token ``mask``) and as the log shows it."""
+
+    prompt_ids: list[int] = field(default_factory=list)  # the first prompt (reset's render)
+    mask: list[bool] = field(default_factory=list)  # per token of token_ids: True = sampled by the policy
+    turns: list[dict] = field(
+        default_factory=list
+    )  # per turn: policy_tokens, env_tokens, finish_reason, reward, version
+    messages: list[dict] = field(default_factory=list)  # the conversation: first prompt, then assistant / environment
+    text: str = ""  # the final assistant message (what --reward functions score)
+    env_reward: float | None = None  # the per-turn rewards combined (--env-reward); None: none given
+    error: str | None = None  # the environment failed: unscorable
+    timed_out: bool = False
+    truncated: bool = False  # a budget or the context ended it
+    tool_calls: int = 0
+    tool_errors: int = 0
+    chat: bool = False  # every message is a chat message (a str prompt or observation makes it False)
+
+    @property
+    def policy_tokens(self) -> int:
+        return sum(self.mask)
+
+
+def combine_rewards(rewards: list[float | None], how: str) -> float | None:
+    given = [r for r in rewards if r is not None]
+    if not given:
+        return None
+    return given[-1] if how == "last" else float(sum(given))
+
+
+class _Live:
+    """One episode while it runs: its ids so far and the turn bookkeeping shared by both schedulers."""
+
+    def __init__(self, key: int, row: int, sample: int, runner: EpisodeRunner) -> None:
+        self.key, self.runner = key, runner
+        self.ep = Episode(row, sample, [], [], "stop", [], 0)
+        self.rewards: list[float | None] = []
+        self.done = False
+
+    def fail(self, e: EnvError) -> None:
+        self.ep.error = str(e)
+        self.ep.timed_out = type(e).__name__ == "EnvTimeout"
+        self.done = True
+
+    def begin(self, obs: list[dict] | str) -> None:
+        self.ep.prompt_ids = self.runner.renderer.first(obs)
+        self.ep.messages = list(obs) if isinstance(obs, list) else [{"role": "user", "content": obs}]
+        self.ep.chat = isinstance(obs, list)
+        if len(self.ep.prompt_ids) >= self.runner.context:
+            self.fail(EnvError(f"the first prompt has {len(self.ep.prompt_ids)} tokens: no room in the context of "
+                               f"{self.runner.context}"))  # fmt: skip
+
+    def budget(self) -> int:
+        r = self.runner
+        used = len(self.ep.token_ids)
+        left = r.max_tokens
+        if r.cfg.max_episode_tokens:
+            left = min(left, r.cfg.max_episode_tokens - used)
+        return min(left, r.context - len(self.ep.prompt_ids) - used)
+
+    def add_turn(self, ids: list[int], lps: list[float], slps: list[float], finish: str, version: int) -> str:
+        """Record a sampled turn; returns its text (the stop token dropped)."""
+        ep = self.ep
+        ep.token_ids += ids
+        ep.logprobs += lps
+        ep.sampled_logprobs += slps
+        ep.mask += [True] * len(ids)
+        ep.weights_version = version
+        ep.turns.append({"policy_tokens": len(ids), "env_tokens": 0, "finish_reason": finish, "reward": None,
+                         "weights_version": version})  # fmt: skip
+        text = self.runner.decode(ids)
+        ep.messages.append({"role": "assistant", "content": text})
+        ep.text = text
+        if finish == "length":  # cut by its budget: the environment still scores it, then the episode ends
+            ep.finish_reason, ep.truncated = "length", True
+        return text
+
+    def add_step(self, st: Any) -> list[int] | None:
+        """Record the environment's answer; returns the suffix ids to prefill next, or None when the episode ended."""
+        ep, r = self.ep, self.runner
+        ep.turns[-1]["reward"] = st.reward
+        self.rewards.append(st.reward)
+        info = st.info or {}
+        ep.tool_calls += info.get("tool_calls", 0)
+        ep.tool_errors += info.get("tool_errors", 0)
+        if st.observation is not None:
+            obs = st.observation
+            ep.messages += obs if isinstance(obs, list) else [{"role": "environment", "content": obs}]
+            ep.chat = ep.chat and isinstance(obs, list)
+        if st.done or ep.truncated or len(ep.turns) >= r.cfg.max_turns:
+            self.done = True
+            return None
+        suffix = r.renderer.suffix(st.observation)
+        room = self.budget() - len(suffix)
+        if room < 1:  # the observation and at least one policy token do not fit: ends as length, never cut
+            ep.finish_reason, ep.truncated, self.done = "length", True, True
+            return None
+        ep.token_ids += suffix
+        ep.logprobs += [0.0] * len(suffix)
+        ep.sampled_logprobs += [0.0] * len(suffix)
+        ep.mask += [False] * len(suffix)
+        ep.turns[-1]["env_tokens"] = len(suffix)
+        return suffix
+
+    def finish(self) -> Episode:
+        if not self.ep.prompt_ids:  # failed before its first prompt: one placeholder token, nothing to learn from
+            self.ep.prompt_ids = [0]
+        self.ep.env_reward = combine_rewards(self.rewards, self.runner.cfg.env_reward)
+        return self.ep
+
+
+class EpisodeRunner:
+    """Runs a step's episodes on a rollout client. ``envs``: an ``align.envs.runner.EnvRunner``; ``renderer``: an
+    ``align.chat.TurnRenderer``; ``decode(ids) -> str`` drops a trailing stop token."""
+
+    def __init__(self, envs: Any, renderer: Any, decode: Callable[[list[int]], str], cfg: Any, max_tokens: int,
+                 context: int) -> None:  # fmt: skip
+        self.envs, self.renderer, self.decode, self.cfg = envs, renderer, decode, cfg
+        self.max_tokens, self.context = max_tokens, context
+        self._next_key = 0
+        self._lock = threading.Lock()
+        self.compared = False
+
+    def run(self, client: Any, rows: list[dict], G: int, params: SamplingParams) -> list[Episode]:
+        """G episodes of each row; returned in (row, sample) order, every one (failed ones carry ``error``)."""
+        with self._lock:
+            first = self._next_key
+            self._next_key += len(rows) * G
+        live = [_Live(first + p * G + g, p, g, self) for p in range(len(rows)) for g in range(G)]
+        try:
+            opened = self.envs.call_many([(e.key, "open", (rows[e.ep.prompt_index],)) for e in live])
+            todo = [e for e, res in zip(live, opened) if not _failed(e, res)]
+            for e, obs in zip(todo, self.envs.call_many([(e.key, "reset", ()) for e in todo])):
+                if not _failed(e, obs):
+                    e.begin(obs)
+            model = _native_model(client)
+            if model is not None:
+                self._run_native(model, client, [e for e in live if not e.done], params)
+            else:
+                self._run_threads(client, [e for e in live if not e.done], params)
+        finally:
+            for e in live:
+                self.envs.close_episode(e.key)
+        return [e.finish() for e in live]
+
+    # ---------------------------------------------------------------------- the native sampler: turn waves
+
+    def _run_native(self, model: Any, client: Any, live: list[_Live], params: SamplingParams) -> None:
+        from align.rollout.sessions import Session
+
+        if not live:
+            return
+        version = getattr(client, "weights_version", 0)
+        sess = Session(model, dataclasses.replace(params, n=1))
+        turns = sess.start([e.ep.prompt_ids for e in live], 1, [max(1, e.budget()) for e in live])
+        rows = list(range(len(live)))  # the session's row of each episode in ``live``
+        while True:
+            stepping = []
+            for i, t in zip(rows, turns):
+                e = live[i]
+                text = e.add_turn(t.token_ids, t.logprobs, t.sampled_logprobs, t.finish_reason, version)
+                if not e.done:
+                    stepping.append((i, text))
+            results = self.envs.call_many([(live[i].key, "step", (text,)) for i, text in stepping])
+            nxt, suffixes = [], []
+            for (i, _), st in zip(stepping, results):
+                e = live[i]
+                if _failed(e, st):
+                    continue
+                suffix = e.add_step(st)
+                if suffix is not None:
+                    nxt.append(i)
+                    suffixes.append(suffix)
+            if not nxt:
+                return
+            turns = sess.next(nxt, suffixes, [live[i].budget() for i in nxt])
+            rows = nxt
+
+    # ---------------------------------------------------------------------- a spool client: one thread per episode
+
+    def _run_threads(self, client: Any, live: list[_Live], params: SamplingParams) -> None:
+        errors: list[BaseException] = []
+
+        def episode(e: _Live) -> None:
+            try:
+                ids = list(e.ep.prompt_ids)
+                while True:
+                    seed = None if params.seed is None else params.seed + 7919 * e.key + 104_729 * len(e.ep.turns)
+                    p = dataclasses.replace(params, n=1, max_tokens=e.budget(), seed=seed)
+                    c = client.generate([ids], p)[0]
+                    text = e.add_turn(c.token_ids, list(c.logprobs), list(c.sampled_logprobs or c.logprobs),
+                                      c.finish_reason, c.weights_version)  # fmt: skip
+                    if e.done:
+                        return
+                    try:
+                        st = self.envs.step(e.key, text)
+                    except EnvError as err:
+                        e.fail(err)
+                        return
+                    suffix = e.add_step(st)
+                    if suffix is None:
+                        return
+                    ids = e.ep.prompt_ids + e.ep.token_ids
+            except BaseException as err:  # noqa: BLE001 -- a rollout failure (dead worker): raised by run()
+                errors.append(err)
+
+        threads = [threading.Thread(target=episode, args=(e,), name=f"align-episode-{e.key}", daemon=True)
+                   for e in live]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
+
+def _failed(e: _Live, result: Any) -> bool:
+    if isinstance(result, EnvError):
+        e.fail(result)
+        return True
+    return False
+
+
+def _native_model(client: Any) -> Any:
+    """The model of a native client (or of one behind a permit wrapper); None for spool clients."""
+    from align.rollout.client import NativeClient
+
+    inner = client if isinstance(client, NativeClient) else getattr(client, "client", None)
+    return inner.model if isinstance(inner, NativeClient) else None
+
+
+def env_stats(episodes: list[Episode]) -> dict[str, float]:
+    """The ``env/*`` metrics of one step."""
+    n = max(len(episodes), 1)
+    return {
+        "env/turns_mean": sum(len(e.turns) for e in episodes) / n,
+        "env/policy_tokens_mean": sum(e.policy_tokens for e in episodes) / n,
+        "env/env_tokens_mean": sum(len(e.token_ids) - e.policy_tokens for e in episodes) / n,
+        "env/errors": sum(e.error is not None and not e.timed_out for e in episodes),
+        "env/timeouts": sum(e.timed_out for e in episodes),
+        "env/truncated_frac": sum(e.truncated for e in episodes) / n,
+        "env/tool_calls_mean": sum(e.tool_calls for e in episodes) / n,
+        "env/tool_errors": sum(e.tool_errors for e in episodes),
+    }
+
+
+def episode_scores(episodes: list[Episode], items: list[tuple[dict, str]], scorer: Any) -> Any:
+    """``Scores`` of a step's episodes: the environment's reward (term ``env``) plus the ``--reward`` functions on
+    the final assistant message, if any. Unscorable (NaN): a failed episode, one whose reward function failed, and one
+    with no reward at all (the environment gave none and every reward function abstained)."""
+    from align.rewards import Scores
+
+    base = scorer.score(items) if scorer is not None else None
+    out = Scores([], {"env": [], **(base.terms if base else {})}, list(base.errors) if base else [],
+                 base.timeouts if base else 0, base.failed if base else 0)  # fmt: skip
+    failed_reward = set(base.failed_at) if base else set()
+    for j, e in enumerate(episodes):
+        env = math.nan if e.env_reward is None or e.error else e.env_reward
+        out.terms["env"].append(env)
+        if e.error:
+            out.errors.append(e.error)
+            out.timeouts += e.timed_out
+            out.failed += j not in failed_reward
+        parts = [v for v in (env, base.totals[j] if base else math.nan) if math.isfinite(v)]
+        bad = e.error is not None or j in failed_reward or not parts
+        out.totals.append(math.nan if bad else float(sum(parts)))
+        out.failed_at += [j] if e.error is not None or j in failed_reward else []
+    return out

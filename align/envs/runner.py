@@ -1,0 +1,451 @@
+"""Running environments: the episodes of one environment class, in this process (``--env-workers 0``) or in N
+worker processes (``--env-workers N``), with a deadline on every call (``--env-timeout-s``, 0 = none).
+
+One interface for both modes, ``EnvRunner``: ``open(episode, row)`` constructs ``cls(**row)``, ``reset`` / ``step``
+call the episode's instance and check what it returns (``check_observation`` / ``check_step``), ``close_episode``
+drops it, and ``call_many`` runs a batch of calls at once (the native sampler steps all live episodes together).
+
+Failures: every failure of a call is an ``EnvError`` whose message holds the traceback of the environment's code,
+or "timed out after --env-timeout-s N s" (``EnvTimeout``, its subclass); the caller counts the episode as failed.
+
+In process (``workers=0``): the deadline is the reward code's (``align.rewards.call_in_process``): a SIGALRM timer
+on the main thread (it interrupts Python code and sleeps), a watchdog on other threads (Python code only: a sleep
+finishes first); a bare ``except:`` in the environment cannot swallow it. Calls are serialised by one lock, so an
+environment class need not be thread-safe.
+
+Worker processes (``workers >= 1``, ``python -m align.envs.runner --worker``): each worker loads the class from the
+spec once and keeps a dict episode -> instance; an episode's state lives only in its worker, and the episode is
+sticky to the worker its ``open`` went to (the least loaded). Requests and replies are JSON lines over pipes
+(nothing is pickled, so a row must be JSON values); the environment's prints go to the worker's stderr, never into
+the protocol. Calls on one worker are serialised, calls on different workers run in parallel. A call past its
+deadline gets its worker killed with its process group (what the environment started dies with it) and replaced
+by a fresh one; a worker that exits (``os._exit``, a segfault) is noticed by its pid and replaced the same way.
+Either way the worker's *other* episodes are lost with it: their next call raises ``EnvError`` ("the worker was
+replaced ..."). A worker whose trainer is gone (even by SIGKILL) kills its process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+from align.data import InputError
+from align.envs import EnvError, Step, check_env_class, check_observation, check_step
+from align.rewards import CallTimeout, call_in_process, load_spec, spec_of
+
+STARTUP_TIMEOUT_S = 120.0  # a worker's start (python + the environment's module) never counts against a call
+WATCH_S = 0.2  # how often a waiting call checks that its worker is alive (a pipe can outlive its worker)
+CLOSE_GRACE_S = 5.0  # close(): how long workers get to exit on EOF before their process group is killed
+OPS = ("open", "reset", "step")
+
+
+class EnvTimeout(EnvError):
+    """An environment call ran past ``--env-timeout-s``."""
+
+
+def load_env_class(spec: str, flag: str = "--env") -> type:
+    """The environment class named by ``module:Class`` or ``path/file.py:Class``; ``InputError`` naming ``flag``
+    for a spec without module or class, a missing file or module, something that is not a class, or a class
+    without ``reset`` / ``step``."""
+    cls = load_spec(spec, flag, kind="Class")
+    check_env_class(cls, flag)
+    return cls
+
+
+# ------------------------------------------------------------------------------------------------ one call
+
+
+def _row_brief(row: Any) -> str:
+    r = repr(row)
+    return r if len(r) <= 120 else r[:117] + "..."
+
+
+def _user_call(fn: Any, args: tuple, kwargs: dict, what: str, row: Any, timeout_s: float) -> Any:
+    """The environment's code, its exception or timeout turned into an ``EnvError`` naming the call and the row."""
+    try:
+        return call_in_process(fn, args, kwargs, timeout_s)
+    except CallTimeout:
+        raise EnvTimeout(f"{what} timed out after --env-timeout-s {timeout_s} s (row {_row_brief(row)})") from None
+    except Exception:  # noqa: BLE001 -- the environment's error: the episode fails, the run goes on
+        raise EnvError(f"{what} raised (row {_row_brief(row)}):\n{traceback.format_exc()}") from None
+
+
+def _apply(envs: dict[int, tuple[Any, dict]], cls: type, op: str, episode: int, arg: Any, timeout_s: float) -> Any:
+    """``op`` on ``episode`` (``envs``: episode -> (instance, row)), its result checked. The same code runs in this
+    process and in a worker, so both modes give the same results and messages."""
+    if op == "open":
+        envs[episode] = (_user_call(cls, (), arg, f"{cls.__name__}(**row)", arg, timeout_s), arg)
+        return None
+    if episode not in envs:  # the caller checks first; a worker must not die of it
+        raise EnvError(f"episode {episode} has no environment instance here (its open failed or never ran)")
+    env, row = envs[episode]
+    if op == "reset":
+        obs = _user_call(env.reset, (), {}, "reset()", row, timeout_s)
+        return check_observation(obs, f"reset() (row {_row_brief(row)})")
+    out = _user_call(env.step, (arg,), {}, "step()", row, timeout_s)
+    return check_step(out, f"step() (row {_row_brief(row)})")
+
+
+# ------------------------------------------------------------------------------------------------ a worker
+
+
+_TIMEOUT, _DEAD = object(), object()
+
+
+class _Worker:
+    """One worker process: its pipes, a line buffer and, once it is lost (timed out, exited), why."""
+
+    def __init__(self, spec: str):
+        self.spec = spec
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self.proc = subprocess.Popen(  # its own session: killpg ends what the environment started with it
+            [sys.executable, "-m", "align.envs.runner", "--worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            bufsize=0,
+            start_new_session=True,
+        )
+        self.started = time.monotonic()
+        self.buf, self.ready, self.next_id = b"", False, 0
+        self.lost: str | None = None
+        self.killed = False
+        with contextlib.suppress(OSError):  # died at once: the startup read reports it
+            self._send(json.dumps({"spec": spec}) + "\n")
+
+    def request(self, payload: str, timeout_s: float, what: str) -> Any:
+        """Send one call and wait for its reply: the value, or ``EnvError`` (the environment's error, the worker's
+        exit) / ``EnvTimeout``; after an exit or a timeout the worker is killed and ``lost`` says why."""
+        if not self.ready:
+            self._wait_ready()
+        self.next_id += 1
+        with contextlib.suppress(OSError, ValueError):  # exited (or closed) since its last reply: the read sees it
+            self._send(f'{{"id": {self.next_id}, "call": {payload}}}\n')
+        reply = self._reply(time.monotonic() + timeout_s if timeout_s > 0 else math.inf)
+        if reply is _TIMEOUT:
+            self._lose(f"{what} timed out after --env-timeout-s {timeout_s} s")
+            raise EnvTimeout(f"{self.lost}; its worker was killed (with what it started) and replaced")
+        if reply is _DEAD or reply.get("id") != self.next_id:
+            self.kill()
+            why = "exited" if reply is _DEAD else f"answered out of turn ({reply!r:.80})"
+            self.lost = f"the environment worker {why} (exit code {self.proc.returncode}) during {what}"
+            raise EnvError(f"{self.lost}; its stderr says why")
+        if "error" in reply:
+            raise EnvError(reply["error"])
+        return reply["ok"]
+
+    def _wait_ready(self) -> None:
+        reply = self._reply(self.started + STARTUP_TIMEOUT_S)
+        if isinstance(reply, dict) and reply.get("ready"):
+            self.ready = True
+            return
+        if reply is _TIMEOUT:
+            why = f"did not start within {STARTUP_TIMEOUT_S} s"
+        elif reply is _DEAD:
+            why = "exited while loading it; its stderr says why"
+        else:
+            why = f"could not load it:\n{reply.get('error')}"
+        self._lose(f"an environment worker for {self.spec!r} {why}")
+        raise EnvError(self.lost)
+
+    def _reply(self, deadline: float) -> Any:
+        """The next JSON line, ``_TIMEOUT`` past ``deadline``, or ``_DEAD`` once the process exited (EOF, or its pid
+        exited while a process it forked holds the pipe open) with no complete line left to read."""
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.buf:
+            now = time.monotonic()
+            if now >= deadline:
+                return _TIMEOUT
+            exited = self.proc.poll() is not None
+            if select.select([fd], [], [], 0 if exited else min(deadline - now, WATCH_S))[0]:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    return _DEAD
+                self.buf += chunk
+            elif exited:
+                return _DEAD
+        line, self.buf = self.buf.split(b"\n", 1)
+        try:
+            return json.loads(line)
+        except ValueError:
+            return {"id": None, "garbled": line[:80].decode(errors="replace")}
+
+    def send_close(self, episode: int) -> None:
+        """Drop an episode's instance (no reply: nothing the caller could act on)."""
+        if self.lost is None:
+            with contextlib.suppress(OSError):
+                self._send(f'{{"id": null, "call": {{"op": "close", "episode": {episode}}}}}\n')
+
+    def _send(self, line: str) -> None:
+        """All of ``line`` (a pipe write a signal interrupts can be partial)."""
+        view = memoryview(line.encode())
+        while view:
+            view = view[os.write(self.proc.stdin.fileno(), view) :]
+
+    def _lose(self, why: str) -> None:
+        self.lost = why
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL to the worker's process group, once (a second killpg could reach a reused process group id)."""
+        if self.killed:
+            return
+        self.killed = True
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # the worker and what its environment started
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError):
+                f.close()
+
+
+# ------------------------------------------------------------------------------------------------ the runner
+
+
+class EnvRunner:
+    """Episodes of one environment class: in this process (``workers=0``) or in N worker processes
+    (``workers >= 1``, each episode sticky to one worker). Thread-safe: several threads may call at once (calls on
+    different workers run in parallel; calls on one worker, or in process, are serialised).
+
+    A call that fails raises ``EnvError`` (``EnvTimeout`` past ``timeout_s``) with the environment's traceback; the
+    episode stays open. A worker killed for a timeout, or one that exited, is replaced, and it takes its *other*
+    episodes with it: their next call raises ``EnvError`` ("the worker was replaced ..."). ``spec`` is how a worker
+    loads the class (``path/file.py:Class`` / ``module:Class``; derived from ``cls`` when it is importable); ``cls``
+    is used in process (the Python API's ``env=MyEnv``)."""
+
+    def __init__(self, spec: str | None, cls: type | None, workers: int, timeout_s: float):
+        if workers < 0:
+            raise ValueError(f"--env-workers must be >= 0 (0 = in process), got {workers}")
+        if not timeout_s >= 0:
+            raise ValueError(f"--env-timeout-s must be >= 0 (0 = no timeout), got {timeout_s}")
+        if cls is None:
+            if spec is None:
+                raise ValueError("EnvRunner needs an environment: a spec ('path/file.py:Class') or a class")
+            cls = load_env_class(spec)
+        check_env_class(cls)
+        self.cls, self.workers, self.timeout_s = cls, workers, timeout_s
+        self._lock = threading.Lock()  # in process: every call; with workers: the episode table
+        self._envs: dict[int, tuple[Any, dict]] = {}  # in process: episode -> (instance, row)
+        self._home: dict[int, tuple[int, _Worker | None]] = {}  # with workers: episode -> (slot, its worker)
+        self._load = [0] * workers  # open episodes per slot
+        self._closed = False
+        self._pool: list[_Worker] = []
+        if workers >= 1:
+            self.spec = spec or spec_of(cls)
+            if self.spec is None:
+                raise InputError(
+                    f"--env-workers {workers}: the environment class {cls.__qualname__} is defined in __main__ or "
+                    "inside a function, so worker processes cannot load it; define it in a module or file and pass "
+                    "--env 'module:Class' / 'path/file.py:Class', or use --env-workers 0"
+                )
+            self._slot_locks = [threading.Lock() for _ in range(workers)]
+            self._pool = [_Worker(self.spec) for _ in range(workers)]
+
+    def open(self, episode: int, row: dict) -> None:
+        """Construct ``cls(**row)`` for ``episode``; ``row`` must be JSON values with workers (``InputError``)."""
+        self._run(self._route(episode, "open"), episode, "open", self._payload(episode, "open", row), row)
+
+    def reset(self, episode: int) -> list[dict] | str:
+        """The episode's first messages (chat) or plain prompt, checked with ``check_observation``."""
+        return self._run(self._route(episode, "reset"), episode, "reset", self._payload(episode, "reset", None), None)
+
+    def step(self, episode: int, completion: str) -> Step:
+        """The environment's answer to the policy's ``completion``, checked with ``check_step``."""
+        payload = self._payload(episode, "step", completion)
+        return self._run(self._route(episode, "step"), episode, "step", payload, completion)
+
+    def call_many(self, calls: list[tuple[int, str, tuple]]) -> list:
+        """``[(episode, "open" | "reset" | "step", args)]`` run concurrently (one thread per worker involved, each
+        running its calls in order; in order in process): each result is the value or the ``EnvError`` (returned,
+        not raised). A row that is not JSON raises ``InputError`` before anything runs."""
+        payloads = [self._payload(e, op, args[0] if args else None) for e, op, args in calls]
+        slots = [self._route(e, op) for e, op, _ in calls]
+        results: list[Any] = [None] * len(calls)
+        queues: dict[int, list[int]] = {}
+        for i, j in enumerate(slots):
+            queues.setdefault(j, []).append(i)
+
+        def drain(idx: list[int]) -> None:
+            for i in idx:
+                e, op, args = calls[i]
+                try:
+                    results[i] = self._run(slots[i], e, op, payloads[i], args[0] if args else None)
+                except Exception as err:  # noqa: BLE001 -- EnvError is the call's result; others re-raised below
+                    results[i] = err
+
+        if len(queues) <= 1:
+            drain(list(range(len(calls))))
+        else:
+            threads = [threading.Thread(target=drain, args=(idx,), daemon=True) for idx in queues.values()]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        for r in results:
+            if isinstance(r, Exception) and not isinstance(r, EnvError):
+                raise r
+        return results
+
+    def close_episode(self, episode: int) -> None:
+        """Drop the episode's instance (never raises; an unknown or lost episode is a no-op)."""
+        home = self._drop(episode)
+        if home is None or home[1] is None:
+            return
+        j, w = home
+        with self._slot_locks[j]:
+            if self._pool and self._pool[j] is w:
+                w.send_close(episode)
+
+    def close(self) -> None:
+        """End every worker (EOF, then its process group is killed) and drop every episode; idempotent."""
+        self._closed = True
+        pool, self._pool = self._pool, []
+        for w in pool:
+            with contextlib.suppress(OSError):
+                w.proc.stdin.close()
+        deadline = time.monotonic() + CLOSE_GRACE_S
+        for w in pool:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            w.kill()
+        with self._lock:
+            self._envs.clear()
+            self._home.clear()
+
+    def __enter__(self) -> EnvRunner:  # noqa: PYI034
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -------------------------------------------------------------------------------------------- internals
+
+    def _payload(self, episode: int, op: str, arg: Any) -> str | None:
+        if op not in OPS:
+            raise ValueError(f"unknown environment call {op!r}; expected one of {OPS}")
+        if not self.workers:
+            return None
+        msg: dict[str, Any] = {"op": op, "episode": episode}
+        if op != "reset":
+            msg["row" if op == "open" else "completion"] = arg
+        try:
+            return json.dumps(msg)
+        except (TypeError, ValueError) as e:
+            raise InputError(
+                f"--env-workers {self.workers} sends each data row to the environment workers as JSON, and the row "
+                f"of episode {episode} is not JSON ({e}): make its columns JSON values or use --env-workers 0"
+            ) from None
+
+    def _route(self, episode: int, op: str) -> int:
+        """The worker slot of ``episode``; ``open`` picks the least loaded one (-1: in process)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("EnvRunner is closed")
+            if not self.workers:  # checked when the call runs (an open may precede it in the same call_many)
+                return -1
+            known = episode in self._home
+            if op == "open" and known:
+                raise ValueError(f"episode {episode} is already open; close_episode() it first")
+            if op != "open" and not known:
+                raise ValueError(f"episode {episode} is not open; call open(episode, row) first")
+            if op == "open":
+                j = min(range(self.workers), key=self._load.__getitem__)
+                self._home[episode], self._load[j] = (j, None), self._load[j] + 1
+            return self._home[episode][0]
+
+    def _run(self, j: int, episode: int, op: str, payload: str | None, arg: Any) -> Any:
+        if j < 0:
+            with self._lock:
+                if (episode in self._envs) != (op != "open"):
+                    raise ValueError(f"episode {episode} is {'already' if op == 'open' else 'not'} open")
+                return _apply(self._envs, self.cls, op, episode, arg, self.timeout_s)
+        what = f"{'the constructor' if op == 'open' else op + '()'} of episode {episode}"
+        with self._slot_locks[j]:
+            w = self._pool[j] if self._pool else None
+            with self._lock:
+                home = self._home.get(episode)
+                if home is not None and op == "open":
+                    self._home[episode] = home = (j, w)
+            if w is None or home is None or home[1] is None:
+                raise ValueError(f"episode {episode} is not open (closed meanwhile, or the runner is closed)")
+            if home[1] is not w:
+                raise EnvError(f"episode {episode}: the worker was replaced ({home[1].lost}), and the episode's "
+                               "state went with it")  # fmt: skip
+            try:
+                value = w.request(payload, self.timeout_s, what)
+            except EnvError:
+                if w.lost is not None and self._pool and not self._closed:
+                    self._pool[j] = _Worker(self.spec)
+                if op == "open":
+                    self._drop(episode)
+                raise
+        return Step(**value) if op == "step" else value
+
+    def _drop(self, episode: int) -> tuple[int, _Worker | None] | None:
+        with self._lock:
+            self._envs.pop(episode, None)
+            home = self._home.pop(episode, None)
+            if home is not None:
+                self._load[home[0]] -= 1
+        return home
+
+
+# ------------------------------------------------------------------------------------------------ the worker side
+
+
+def _worker_main() -> None:
+    """A worker: JSON lines in on stdin, replies out on the original stdout (the environment's prints go to stderr,
+    and its reads of stdin see an empty file)."""
+    from align.rollout.process import exit_with_parent
+
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    inp = os.fdopen(os.dup(0), "r")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which closes the runner
+    exit_with_parent(os.getppid(), grace_s=0)  # a trainer gone (even by SIGKILL) takes a hung worker's group with it
+    spec = json.loads(inp.readline())["spec"]
+    try:
+        cls = load_env_class(spec)
+    except Exception:  # noqa: BLE001 -- reported to the trainer, which raises it as the call's EnvError
+        out.write(json.dumps({"error": traceback.format_exc()}) + "\n")
+        return
+    out.write(json.dumps({"ready": True}) + "\n")
+    envs: dict[int, tuple[Any, dict]] = {}
+    for line in inp:
+        msg = json.loads(line)
+        call = msg["call"]
+        op, episode = call["op"], call["episode"]
+        if op == "close":
+            envs.pop(episode, None)
+            continue
+        try:
+            value = _apply(envs, cls, op, episode, call.get("row", call.get("completion")), 0.0)
+            reply = {"id": msg["id"], "ok": value._asdict() if isinstance(value, Step) else value}
+        except EnvError as e:
+            reply = {"id": msg["id"], "error": str(e)}
+        try:
+            text = json.dumps(reply)
+        except (TypeError, ValueError) as e:
+            text = json.dumps({"id": msg["id"], "error": f"{op}() returned a value that is not JSON ({e}); with "
+                               "--env-workers >= 1 it travels as JSON: use str, numbers, lists and dicts"})  # fmt: skip
+        out.write(text + "\n")
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
+    _worker_main()

@@ -1,0 +1,48 @@
+"""``InputError``, the one error for bad user input, and the checked readers that raise it.
+
+A module of its own so that ``align.data`` (rows, prompts) and ``align.chat`` (tokenizer, chat template, turns)
+both import it without importing each other in a circle; ``from align.data import InputError`` stays the
+public spelling."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+class InputError(ValueError):
+    """Bad user input (data file, tokenizer, reward spec, flags), found before the model is loaded."""
+
+
+def need_extra(module: str, extra: str, what: str) -> Any:
+    """``module`` imported, or an ``InputError`` naming the optional extra that installs it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise InputError(
+            f"{what} needs the optional package {module.split('.')[0]!r}: pip install 'align[{extra}]'"
+        ) from None
+
+
+def read_text(path: Path, what: str) -> str:
+    """A UTF-8 text file; a byte that is not UTF-8 is an ``InputError`` naming ``file:line``."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise InputError(f"{path}:{line}: not UTF-8 text (byte {raw[e.start : e.start + 1]!r}); {what}") from None
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object file ({} when the file is absent or not an object); invalid JSON is an ``InputError``."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(read_text(path, "a tokenizer's JSON files are UTF-8"))
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}: not valid JSON ({e})") from None
+    return data if isinstance(data, dict) else {}

@@ -1,0 +1,110 @@
+"""The multi-turn stage of a run (``--env``, ``--tools``, ``--task multiturn``): the environment runner and the turn
+renderer opened with the run, each step's episodes collected and scored as ``Groups``, and the in-process eval of
+held-out episodes (pass@k over the same scores). The episode mechanics are ``align.envs.episodes``."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import replace
+from typing import Any
+
+from align.data import InputError
+from align.envs.episodes import EpisodeRunner, episode_scores
+from align.rollout.groups import Groups
+
+log = logging.getLogger(__name__)
+
+
+class RunEpisodes:
+    """A run's episodes: ``collect(t, client, run)`` is steps 1-3 of the loop for an environment task."""
+
+    def __init__(self, run: Any) -> None:
+        from align.chat import TurnRenderer
+        from align.envs.runner import EnvRunner
+
+        cfg, task = run.cfg, run.task
+        self.cfg = cfg
+        self.envs = EnvRunner(task.env_spec, task.env, cfg.envs.env_workers, cfg.envs.env_timeout_s)
+        self.renderer = TurnRenderer(task.tokenizer, tools=getattr(task.env, "tools", None))
+        self.runner: EpisodeRunner | None = None  # made once the model's context is known (_open_policy)
+        self.warned = False
+
+    def runner_for(self, run: Any) -> EpisodeRunner:
+        if self.runner is None:
+            self.runner = EpisodeRunner(self.envs, self.renderer, run.completion_text, self.cfg.envs,
+                                        self.cfg.max_tokens, run.mcfg.max_position_embeddings)  # fmt: skip
+        return self.runner
+
+    def episodes(self, run: Any, client: Any, rows: list[dict], G: int, params: Any) -> list:
+        eps = self.runner_for(run).run(client, rows, G, params)
+        self.compare_once(eps)
+        return eps
+
+    def compare_once(self, eps: list) -> None:
+        """The token-in/token-out comparator, once per run on a multi-turn chat episode: the ids trained on vs the
+        whole conversation rendered at once (templates that are not append-only differ: reported, not fatal)."""
+        if self.warned:
+            return
+        for e in eps:
+            if len(e.turns) > 1 and e.error is None and e.chat and self.renderer.template is not None:
+                diff = self.renderer.check_append_only(e.messages, e.prompt_ids + e.token_ids)
+                self.warned = True
+                if diff:
+                    log.warning("the chat template is not append-only: rendering the whole conversation at once "
+                                "gives other ids than the turns as sampled (%s); training stays on the sampled "
+                                "tokens", diff)  # fmt: skip
+                return
+
+    def collect(self, t: int, client: Any, run: Any) -> Groups:
+        """Steps 1-3 for step ``t``: rows -> G episodes each -> scores (environment reward + --reward functions)."""
+        cfg = self.cfg
+        idx = run.cursor.next_prompts(cfg.prompts_per_step)
+        params = replace(run.params, seed=cfg.seed * 1_000_003 + t - 1)
+        with run.place.autocast():
+            eps = self.episodes(run, client, [run.task.prompts[i] for i in idx], cfg.group_size, params)
+        failed = [e for e in eps if e.error is not None]
+        if len(failed) == len(eps):
+            raise RuntimeError(f"every episode of step {t} failed in its environment; the first error:\n"
+                               f"{failed[0].error}")  # fmt: skip
+        items = [(run.task.prompts[idx[e.prompt_index]], e.text) for e in eps]
+        scores = episode_scores(eps, items, run.scorer)
+        g = Groups(idx, eps, [e.text for e in eps], scores, sampled_prompts=len(idx), scored=len(eps))
+        g.signal_groups = len(idx)
+        return g
+
+    def evaluate(self, run: Any, sampling: Any) -> dict:
+        """pass@k of the held-out rows' episodes on the live policy (blocking, in this process)."""
+        from align.eval.metrics import score_completions, scored
+        from align.rollout.client import NativeClient
+
+        rows = run.task.eval_prompts
+        client = NativeClient(run.policy)
+        with run.place.autocast():
+            eps = self.episodes(run, client, rows, sampling.n, replace(sampling, n=1))
+        s = episode_scores(eps, [(rows[e.prompt_index], e.text) for e in eps], run.scorer)
+        results = iter([scored(*s.item(j), run.pass_reward) for j in range(len(eps))])
+        metrics = score_completions([[0]] * len(rows), eps, lambda i, ids: next(results), sampling.n)
+        metrics["eval/first_turn_pass@1"] = _first_turn_success(eps)
+        return metrics
+
+    def close(self) -> None:
+        self.envs.close()
+
+
+def _first_turn_success(eps: list) -> float:
+    """The share of episodes whose first turn already earned a positive reward."""
+    ok = [bool(e.turns) and (e.turns[0].get("reward") or 0) > 0 for e in eps]
+    return sum(ok) / max(len(ok), 1) if ok else math.nan
+
+
+def open_episodes(run: Any) -> None:
+    """The run's ``RunEpisodes`` (``run.episodes``, closed with the run as ``run.envs``); refuses what the multi-turn
+    path cannot run yet, before the model loads."""
+    cfg = run.cfg
+    if cfg.eval.uses_snapshots:
+        raise InputError("--env / --tools / --task multiturn evaluate episodes in this process: snapshot eval "
+                         "(--eval-num-gpus, --eval-function-path) does not run environments yet; drop those flags")  # fmt: skip
+    if cfg.adv_refill:
+        raise InputError("--adv-refill does not apply to episodes yet; drop it with --env / --tools")
+    run.episodes = run.envs = RunEpisodes(run)

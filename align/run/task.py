@@ -1,0 +1,164 @@
+"""What a run learns: ``Task`` (prompt rows, tokenizer, reward, held-out rows, optionally an environment class),
+from your data and rewards or a built-in task (``--task reverse`` / ``multiturn``) with its warm-started model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from align import dist
+from align.data import InputError
+from align.run.config import TrainConfig
+
+
+@dataclass
+class Task:
+    """What to learn: prompt dicts, a tokenizer, a reward, held-out prompts."""
+
+    prompts: list[dict]
+    tokenizer: Any
+    reward: Callable[..., float | None]
+    eval_prompts: list[dict] = field(default_factory=list)
+    encoded: tuple[list, list] | None = None  # (prompt ids, eval ids) when align.data already tokenized them
+    env: type | None = None  # an environment class (align.envs): each row is G episodes; reward is optional
+    env_spec: str | None = None  # how an --env-workers process loads it
+
+
+BUILTIN_TASKS = ("reverse", "multiturn")
+
+
+def builtin_task(cfg: TrainConfig) -> tuple[Task, str]:
+    """The built-in task and its warm-started model dir (built once, under {out}/base_model)."""
+    if cfg.task not in BUILTIN_TASKS:
+        raise ValueError(f"unknown built-in task {cfg.task!r}; available: {', '.join(BUILTIN_TASKS)}")
+    import importlib
+
+    from align.atomic import is_committed
+
+    mod = importlib.import_module(f"align.tasks.{cfg.task}")
+    apply_task_defaults(cfg, getattr(mod, "TRAIN_DEFAULTS", {}))
+    env = getattr(mod, "Env", None)
+    task = Task(
+        mod.prompts(5000, "train", cfg.seed),
+        mod.tokenizer(),
+        getattr(mod, "reward", None),
+        mod.prompts(cfg.eval_prompts, "eval", cfg.seed),
+        env=env,
+        env_spec=f"align.tasks.{cfg.task}:Env" if env else None,
+    )
+    if env is None:
+        mod.check_sizes(task.prompts + task.eval_prompts, task.tokenizer, cfg.max_tokens)  # before the warm start
+    else:
+        mod.check_sizes(task.prompts + task.eval_prompts, task.tokenizer, cfg.max_tokens, cfg.envs.max_turns)
+    base = Path(cfg.out) / "base_model"
+    if cfg.model is not None:
+        if not (Path(cfg.model) / "align_tokenizer.json").is_file():
+            raise InputError(
+                f"--model {cfg.model} is not a model of the built-in {cfg.task!r} task (it has no "
+                "align_tokenizer.json); to train it on your data pass --train-data FILE.jsonl and "
+                "--reward FILE.py:FUNCTION (and --eval-data FILE.jsonl to evaluate)"
+            )
+        return task, cfg.model
+    if not is_committed(base):
+        print(f"[align] warm start: {cfg.warm_start_steps} supervised steps of the {cfg.task!r} task's biased "
+              f"mixture -> {base}", flush=True)  # fmt: skip
+        mod.warm_start(base, steps=cfg.warm_start_steps, seed=cfg.seed, log=lambda s: print(f"[align] {s}", flush=True))
+    return task, str(base)
+
+
+def apply_task_defaults(cfg: TrainConfig, defaults: dict) -> None:
+    """A built-in task's own settings (``TRAIN_DEFAULTS``: {"max_tokens": 12, "envs.max_turns": 2, ...}) for every
+    field still at ``TrainConfig``'s default, so the task runs on its embedded default; a flag you set wins."""
+    fresh = TrainConfig()
+    for key, value in defaults.items():
+        *path, name = key.split(".")
+        obj, ref = cfg, fresh
+        for p in path:
+            obj, ref = getattr(obj, p), getattr(ref, p)
+        if getattr(obj, name) == getattr(ref, name):
+            setattr(obj, name, value)
+
+
+def env_task(cfg: TrainConfig, model: str | None, tokenizer: Any, prompts: list | None, reward: Any,
+             eval_prompts: list | None, env: Any, tools: list | None) -> tuple[Task, str]:  # fmt: skip
+    """A multi-turn task: rows from ``--train-data`` / ``prompts`` (every column goes to the environment), the
+    environment class from ``--env`` / ``env=`` (or the tool environment from ``--tools`` / ``tools=``), the tokenizer
+    of the model (or ``--tokenizer``), rewards optional (they score the final assistant message and add)."""
+    from align.data import load_tokenizer, read_rows
+    from align.envs.runner import load_env_class
+
+    e = cfg.envs
+    model_path = model or cfg.model
+    if prompts is None and not cfg.data.train_data:
+        raise InputError("--env needs --train-data FILE.jsonl (its rows are the episodes' arguments) and --model DIR; "
+                         "the built-in multi-turn task is --task multiturn (without --env)")  # fmt: skip
+    if model_path is None:
+        raise InputError("--env needs --model DIR (a Hugging Face checkpoint directory)")
+    spec = None
+    if env is None and (tools or e.tools):
+        from align.envs.tools import load_tools, make_tool_env
+
+        # a tool call gets half of the step's limit, so a slow tool is an error message the model reads, not a step timeout
+        env = make_tool_env(load_tools(e.tools, tools), timeout_s=e.env_timeout_s / 2 if e.env_timeout_s else 10.0)
+    elif env is None:
+        spec, env = e.env, load_env_class(e.env, "--env")
+    if prompts is None:
+        prompts = [row for _, row in read_rows(cfg.data.train_data)]
+        if cfg.data.eval_data:
+            eval_prompts = [row for _, row in read_rows(cfg.data.eval_data, "--eval-data")]
+    if tokenizer is None:
+        tokenizer = load_tokenizer(cfg.data.tokenizer or model_path, model_path)
+    rows = [dict(r) for r in prompts]
+    if not rows:
+        raise InputError("no rows to train on (--train-data is empty)")
+    if spec is None and not tools and not e.tools:
+        from align.rewards import spec_of
+
+        spec = spec_of(env)
+    if e.env_workers and spec is None:
+        raise InputError("--env-workers >= 1 loads the environment class in worker processes by its spec; an env= "
+                         "class passed from Python has none: pass --env path/file.py:Class, or use --env-workers 0")  # fmt: skip
+    task = Task(rows, tokenizer, reward, [dict(r) for r in eval_prompts or []], env=env, env_spec=spec)
+    return task, model_path
+
+
+def as_records(prompts: list) -> list[dict]:
+    out = []
+    for i, p in enumerate(prompts):
+        rec = {"prompt": p} if isinstance(p, str) else dict(p)
+        if not isinstance(rec.get("prompt"), str):
+            raise ValueError(f"prompt {i} must be a str or a dict with a 'prompt' str, got {type(p).__name__}")  # noqa: TRY004
+        out.append(rec)
+    if not out:
+        raise ValueError("no prompts to train on")
+    return out
+
+
+def resolve_task(cfg: TrainConfig, model: str | None, tokenizer: Any, prompts: list | None, reward: Any,
+                 eval_prompts: list | None, env: Any = None, tools: list | None = None) -> tuple[Task, str]:  # fmt: skip
+    """The task (your data from ``--train-data`` / the arguments, or the built-in one) and its model dir."""
+    if env is not None or tools or cfg.envs.enabled:
+        return env_task(cfg, model, tokenizer, prompts, reward, eval_prompts, env, tools)
+    ids = None  # the prompts' ids when align.data tokenized them (each row once)
+    if prompts is None and cfg.data.train_data:  # your own data from files (align.data); rewards from --reward
+        if not (model or cfg.model):
+            raise InputError("--train-data needs --model DIR (a Hugging Face checkpoint directory)")
+        from align.data import load_task_data
+
+        tokenizer, prompts, eval_prompts, *ids = load_task_data(cfg.data, model or cfg.model, cfg.max_tokens)
+    has_reward = reward is not None or bool(cfg.rewards.reward)
+    if (prompts is None) == has_reward or (prompts is not None and tokenizer is None):
+        raise InputError(
+            "pass prompts, tokenizer and reward together (CLI: --train-data and --reward), or none of "
+            "them for the built-in task"
+        )
+    if prompts is None:
+        return dist.main_first(lambda: builtin_task(cfg))
+    evals = as_records(eval_prompts) if eval_prompts else []
+    task = Task(as_records(prompts), tokenizer, reward, evals, ids and tuple(ids))
+    model_path = model or cfg.model
+    if model_path is None:
+        raise ValueError("no model: pass model=<HF checkpoint dir> or --model")
+    return task, model_path

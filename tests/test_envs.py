@@ -1,0 +1,222 @@
+"""Multi-turn episodes (align.envs.episodes, align.rollout.sessions, align.run.episodes): the kept KV cache gives the
+teacher-forced logprobs of the whole conversation; environment tokens are context in the loss (a loop reference
+written here, gradients included, with a negative control that counts them); budgets, failures and the training
+loop on the real environment runner (in process and in a worker process)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_learner import CPU, cfg, tiny
+
+from align import learner
+from align.chat import TurnRenderer
+from align.data import InputError
+from align.envs.config import EnvConfig
+from align.envs.episodes import EpisodeRunner, env_stats, episode_scores
+from align.envs.runner import EnvRunner
+from align.rollout.client import NativeClient
+from align.rollout.protocol import SamplingParams
+from align.rollout.sessions import Session
+from align.tasks import reverse
+
+FIXTURES = Path(__file__).parent / "fixtures"
+sys.path.insert(0, str(FIXTURES))
+import turn_envs
+
+
+def teacher_forced(model, ids: list[int], k: int) -> list[float]:
+    """log p of the last ``k`` tokens of ``ids`` from one full forward (the reference)."""
+    with torch.no_grad():
+        lp = model(torch.tensor([ids]))[0].float().log_softmax(-1)
+    n = len(ids)
+    return [lp[n - k - 1 + i, ids[n - k + i]].item() for i in range(k)]
+
+
+def test_kept_cache_turns_carry_the_teacher_forced_logprobs_of_the_whole_conversation():
+    model = tiny(False, vocab=50).eval()
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=3, stop_token_ids=[7])
+    s = Session(model, params)
+    prompts = [[1, 2, 3], [4, 5, 6, 8, 9]]
+    t1 = s.start(prompts, 2, [6, 6, 6, 6])
+    history = {r: prompts[r // 2] + t1[r].token_ids for r in range(4)}
+    for r in range(4):
+        assert t1[r].logprobs == pytest.approx(teacher_forced(model, history[r], len(t1[r].token_ids)), abs=1e-5)
+    # turn 2 for three rows (row 1 is done), suffixes of different lengths; turn 3 for two rows
+    for rows, suffixes, budgets in (([0, 2, 3], [[10, 11], [12], [13, 14, 15]], [5, 4, 6]), ([3, 0], [[16], [17, 18]], [3, 4])):  # fmt: skip
+        turns = s.next(rows, suffixes, budgets)
+        for r, sx, t, m in zip(rows, suffixes, turns, budgets):
+            before = history[r] + sx
+            history[r] = before + t.token_ids
+            assert 1 <= len(t.token_ids) <= m
+            assert t.finish_reason == ("stop" if t.token_ids[-1] == 7 else "length")
+            got = t.logprobs
+            assert got == pytest.approx(teacher_forced(model, history[r], len(t.token_ids)), abs=1e-5)
+            # negative control: the same tokens without the environment's suffix in the context score differently
+            cut = history[r][: len(before) - len(sx)] + t.token_ids
+            assert max(abs(a - b) for a, b in zip(got, teacher_forced(model, cut, len(t.token_ids)))) > 1e-3
+    with pytest.raises(ValueError, match="not live"):
+        s.next([1], [[3]], [2])
+
+
+def make_runner(env_cls, workers: int = 0, timeout_s: float = 5.0, **env_kw):
+    tok = reverse.tokenizer()
+    spec = f"turn_envs:{env_cls.__name__}" if workers else None
+    envs = EnvRunner(spec, env_cls, workers, timeout_s)
+    ecfg = EnvConfig(**env_kw)
+    decode = lambda ids: tok.decode(ids[:-1] if ids and ids[-1] == tok.eos_token_id else ids)
+    return EpisodeRunner(envs, TurnRenderer(tok), decode, ecfg, max_tokens=8, context=32), envs, tok
+
+
+def rev_model(seed: int = 0):
+    tok = reverse.tokenizer()
+    from align.model import Transformer
+
+    return Transformer(reverse.model_config(tok)).init_weights(std=0.2, seed=seed).eval()
+
+
+PARAMS = SamplingParams(n=1, temperature=1.0, max_tokens=8, seed=11, stop_token_ids=[2])
+ROWS = [{"prompt": "abc=", "answer": "cba"}, {"prompt": "hgfe=", "answer": "efgh"}]
+
+
+def test_episodes_lay_out_policy_and_environment_tokens_token_in_token_out():
+    runner, envs, tok = make_runner(turn_envs.Feedback, max_turns=3)
+    model = rev_model()
+    with envs:
+        eps = runner.run(NativeClient(model), ROWS, 3, PARAMS)
+    assert [(e.prompt_index, e.sample_index) for e in eps] == [(p, g) for p in range(2) for g in range(3)]
+    multi = 0
+    for e in eps:
+        assert e.prompt_ids == tok.encode(ROWS[e.prompt_index]["prompt"])
+        assert len(e.mask) == len(e.token_ids) == len(e.logprobs) == len(e.sampled_logprobs)
+        at = 0
+        for turn in e.turns:  # each turn: its sampled ids (mask True), then the environment's ids (mask False)
+            assert e.mask[at : at + turn["policy_tokens"]] == [True] * turn["policy_tokens"]
+            at += turn["policy_tokens"]
+            env_ids = e.token_ids[at : at + turn["env_tokens"]]
+            assert e.mask[at : at + turn["env_tokens"]] == [False] * turn["env_tokens"]
+            assert env_ids == (tok.encode(turn_envs.FEEDBACK, add_bos=False) if turn["env_tokens"] else [])
+            assert all(lp == 0.0 for lp in e.logprobs[at : at + turn["env_tokens"]])
+            at += turn["env_tokens"]
+        assert at == len(e.token_ids) and 1 <= len(e.turns) <= 3
+        multi += len(e.turns) > 1
+        # the logprobs are those of the whole conversation, teacher-forced (the kept cache is exact)
+        full = e.prompt_ids + e.token_ids
+        ref = teacher_forced(model, full, len(e.token_ids))
+        got = [lp for lp, m in zip(e.logprobs, e.mask) if m]
+        assert got == pytest.approx([r for r, m in zip(ref, e.mask) if m], abs=1e-5)
+        assert e.env_reward == (1.0 if e.text == ROWS[e.prompt_index]["answer"] else 0.0)
+    assert multi >= 2  # the random model fails some first turns: the test sees real multi-turn episodes
+
+
+def test_environment_tokens_are_context_in_the_loss_against_a_loop_reference():
+    runner, envs, _ = make_runner(turn_envs.Feedback, max_turns=3)
+    with envs:
+        eps = runner.run(NativeClient(rev_model()), ROWS, 3, PARAMS)
+    assert any(not all(e.mask) for e in eps)
+    c = cfg(prompts_per_step=2, group_size=3, max_tokens=8, temperature=1.0)
+    adv = torch.tensor([[1.0, -0.5, 0.25], [-1.0, 0.75, 0.5]])
+    valid = torch.ones(2, 3, dtype=torch.bool)
+    model = rev_model(seed=1).train()
+    b = learner.make_batch([[0], [0]], eps, adv, valid, c, torch.device("cpu"))
+    st = learner.backward_batch(model, None, c, *b, place=CPU)
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    def reference(count_env: bool) -> tuple[float, dict]:
+        """token_mean on-policy: -sum_i A_i sum_{t in policy tokens} ratio_t / (policy tokens), ratio = 1."""
+        ref = rev_model(seed=1).train()
+        terms, n = [], 0
+        for e in eps:
+            ids = e.prompt_ids + e.token_ids
+            lp = ref(torch.tensor([ids[:-1]]))[0].float().log_softmax(-1)
+            for t, m in enumerate(e.mask):
+                if m or count_env:
+                    pos = len(e.prompt_ids) - 1 + t
+                    x = lp[pos, ids[pos + 1]]  # ratio exp(x - x.detach()) = 1, with the gradient of x
+                    terms.append(-adv[e.prompt_index, e.sample_index] * torch.exp(x - x.detach()))
+                    n += 1
+        loss = torch.stack(terms).sum() / n
+        loss.backward()
+        return float(loss.detach()), {k: p.grad for k, p in ref.named_parameters()}
+
+    want_loss, want = reference(count_env=False)
+    from align.grpo import merge_stats
+
+    assert merge_stats(st)["loss"] == pytest.approx(want_loss, rel=1e-5)
+    for k, g in got.items():
+        torch.testing.assert_close(g, want[k], rtol=1e-4, atol=1e-5)
+    _, wrong = reference(count_env=True)  # negative control: counting the environment's tokens
+    assert max((got[k] - wrong[k]).abs().max().item() for k in got) > 1e-4
+    # the lengths the advantages and the stats see are the policy's tokens
+    from align.rollout.groups import Groups
+
+    scores = episode_scores(eps, [({}, e.text) for e in eps], None)
+    lengths = Groups([0, 1], eps, [e.text for e in eps], scores).tensors(3).lengths
+    assert lengths.flatten().tolist() == [float(sum(e.mask)) for e in eps]
+    assert math.isfinite(want_loss)
+
+
+def test_budgets_failures_and_timeouts_end_episodes_not_steps():
+    model = rev_model()
+    # --max-episode-tokens: every turn is clamped to what is left; an observation that does not fit ends as length
+    runner, envs, _ = make_runner(turn_envs.Feedback, max_turns=6, max_episode_tokens=12)
+    with envs:
+        eps = runner.run(NativeClient(model), ROWS, 4, PARAMS)
+    assert all(len(e.token_ids) <= 12 for e in eps)
+    assert any(e.truncated and e.finish_reason == "length" for e in eps)
+    # an environment that raises on some rows, and one that hangs: those episodes are unscorable, the rest go on
+    runner, envs, _ = make_runner(turn_envs.Flaky, max_turns=3, timeout_s=1.0)
+    with envs:
+        eps = runner.run(NativeClient(model), [*ROWS, {"prompt": "raise=", "answer": "x"},
+                                               {"prompt": "hang=", "answer": "x"}], 2, PARAMS)  # fmt: skip
+    errs = [e for e in eps if e.error]
+    assert {e.prompt_index for e in errs} == {2, 3}
+    assert any("ZeroDivisionError" in e.error for e in errs if e.prompt_index == 2)
+    assert all(e.timed_out for e in errs if e.prompt_index == 3)
+    stats = env_stats(eps)
+    assert stats["env/errors"] == 2 and stats["env/timeouts"] == 2
+    scores = episode_scores(eps, [({}, e.text) for e in eps], None)
+    assert [math.isnan(t) for t in scores.totals] == [e.error is not None for e in eps]
+    assert scores.failed == 4 and scores.timeouts == 2
+
+
+def test_an_env_spec_without_its_class_or_methods_is_refused_by_name(tmp_path):
+    from align.envs.runner import load_env_class
+
+    with pytest.raises(InputError, match="--env"):
+        load_env_class("turn_envs", "--env")
+    with pytest.raises(InputError, match="reset"):
+        load_env_class("turn_envs:NoReset", "--env")
+    with pytest.raises(ValueError, match="--max-turns"):
+        EnvConfig(max_turns=0).check(8)
+    with pytest.raises(ValueError, match="--max-episode-tokens 4 is below --max-tokens 8"):
+        EnvConfig(max_episode_tokens=4).check(8)
+
+
+def test_training_on_episodes_in_process_and_in_a_worker_gives_the_same_run(tmp_path):
+    import json
+
+    from align.model import save_pretrained
+    from align.run.config import TrainConfig
+    from align.train import train
+
+    model_dir = str(save_pretrained(rev_model(), tmp_path / "model"))
+
+    rows = reverse.prompts(64, "train")
+    runs = []
+    for workers in (0, 1):
+        c = TrainConfig(out=str(tmp_path / f"run{workers}"), steps=2, prompts_per_step=2, group_size=3, max_tokens=8,
+                        envs=EnvConfig(max_turns=3, env_workers=workers))  # fmt: skip
+        c.eval.eval_interval = 0
+        s = train(c, model=model_dir, tokenizer=reverse.tokenizer(), prompts=rows, env=turn_envs.Feedback)
+        assert s["steps"] == 2
+        recs = [json.loads(x) for x in (tmp_path / f"run{workers}" / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in recs if "loss" in r]
+        assert len(steps) == 2 and all("env/turns_mean" in r and "reward/env_mean" in r for r in steps)
+        runs.append([(r["loss"], r["env/turns_mean"], r["env/env_tokens_mean"], r["reward_mean"]) for r in steps])
+    assert runs[0] == runs[1]
+    assert any(r[2] > 0 for r in runs[0])  # some episodes had a second turn
