@@ -16,6 +16,7 @@ import torch
 from helpers_train import PROMPTS, TOK
 
 from align import dist
+from align.envs import Step
 from align.eval import CheckpointEvalFn
 from align.train import TrainConfig, train
 
@@ -34,6 +35,19 @@ class WeightSum(CheckpointEvalFn):
 
 
 HANG = {}
+
+
+class Retry:
+    """The environment of the multi-turn run: a completion with two or more 'a's ends the episode, else '=' asks again."""
+
+    def __init__(self, prompt: str, **_):
+        self.prompt = prompt
+
+    def reset(self) -> str:
+        return self.prompt
+
+    def step(self, completion: str) -> Step:
+        return Step(None, 1.0, True) if completion.count("a") >= 2 else Step("=", 0.0, False)
 
 
 def reward(prompt: str, completion: str, **_) -> float:
@@ -66,7 +80,7 @@ def main() -> None:
         cfg.eval.eval_interval = 0
     cfg.log.log_completions_every = 0
     train(cfg, model=spec["model"], tokenizer=TOK, prompts=PROMPTS, reward=reward,
-          eval_prompts=EVAL_PROMPTS if spec.get("eval") else None)  # fmt: skip
+          eval_prompts=EVAL_PROMPTS if spec.get("eval") else None, env=Retry if spec.get("env") else None)  # fmt: skip
     if torch.distributed.is_initialized():  # tests/test_dist.py: every torchrun run checks train() ended its group
         sys.exit("train() returned with its process group still initialised")
     if dist.is_main():  # torchrun's RANK once the group is gone

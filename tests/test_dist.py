@@ -42,7 +42,7 @@ def test_generate_rows_samples_what_the_whole_call_samples(char_model_2l):
 
 
 def _run(tmp_path: Path, name: str, model: str, nproc: int, per_rank_normaliser: bool = False, hang: dict | None = None,
-         kill_in_save: dict | None = None, expect_fail: bool = False, with_eval: bool = False,
+         kill_in_save: dict | None = None, expect_fail: bool = False, with_eval: bool = False, with_env: bool = False,
          **extra) -> dict:  # fmt: skip
     out = tmp_path / name
     cfg = {
@@ -63,6 +63,7 @@ def _run(tmp_path: Path, name: str, model: str, nproc: int, per_rank_normaliser:
         "hang": hang or {},
         "kill_in_save": kill_in_save or {},
         "eval": with_eval,
+        "env": with_env,
     }
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd = (launcher if nproc > 1 else [sys.executable]) + [str(DRIVER), json.dumps(spec)]
@@ -134,6 +135,21 @@ def test_two_ranks_give_the_single_process_result(tmp_path, char_model_2l, extra
     bad = _run(tmp_path, "bad", char_model_2l, 2, per_rank_normaliser=True, **extra)
     assert bad["recs"][0]["reward_mean"] == one["recs"][0]["reward_mean"]  # same first rollouts...
     assert _max_param_diff(one["params"], bad["params"]) > PARAM_TOL  # ...but not the whole-batch gradient
+
+
+@pytest.mark.slow
+def test_two_ranks_with_an_environment_give_the_single_process_result(tmp_path, char_model_2l):
+    """Multi-turn episodes (tests/dist_driver.py's Retry environment): each rank runs its share of the episodes on
+    the kept-cache sampler, every rank trains on all of them; the run equals one process."""
+    one = _run(tmp_path, "one", char_model_2l, 1, with_env=True, envs={"max_turns": 3})
+    two = _run(tmp_path, "two", char_model_2l, 2, with_env=True, envs={"max_turns": 3})
+    assert one["calls"] == two["calls"] and len(one["calls"]) == STEPS * 16  # the same final answers, in order
+    assert any(r["env/turns_mean"] > 1 for r in one["recs"])  # real multi-turn episodes
+    for a, b in zip(one["recs"], two["recs"]):
+        assert a["reward_mean"] == b["reward_mean"] and a["env/env_tokens_mean"] == b["env/env_tokens_mean"]
+        for k in ("loss", "grad_norm"):
+            assert abs(a[k] - b[k]) <= LOSS_TOL, (a["step"], k, a[k], b[k])
+    assert _max_param_diff(one["params"], two["params"]) <= PARAM_TOL
 
 
 NODE_TIMEOUT_S = 150.0  # each launcher of the two-node run (both start, rendezvous and train 3 steps on 2 cores)

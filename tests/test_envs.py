@@ -220,3 +220,50 @@ def test_training_on_episodes_in_process_and_in_a_worker_gives_the_same_run(tmp_
         runs.append([(r["loss"], r["env/turns_mean"], r["env/env_tokens_mean"], r["reward_mean"]) for r in steps])
     assert runs[0] == runs[1]
     assert any(r[2] > 0 for r in runs[0])  # some episodes had a second turn
+
+
+def test_a_share_of_the_episodes_samples_what_the_whole_session_samples():
+    """torchrun runs each rank's share of a step's episodes in its own Session: with the rows' global ids they draw
+    what one process draws, turn after turn (each turn has its own stream)."""
+    model = tiny(False, vocab=50).eval()
+    params = SamplingParams(n=1, temperature=1.0, max_tokens=5, seed=4, stop_token_ids=[7])
+    prompts = [[1, 2], [3, 4, 5], [6], [8, 9, 10, 11]]
+
+    def two_turns(rows: list[int], total: int | None, ids: list[int] | None) -> list[list[int]]:
+        s = Session(model, params, total_rows=total)
+        first = s.start([prompts[r] for r in rows], 1, [5] * len(rows), ids)
+        second = s.next(ids or list(range(len(rows))), [[12, 13]] * len(rows), [5] * len(rows))
+        return [a.token_ids + b.token_ids for a, b in zip(first, second)]
+
+    whole = two_turns([0, 1, 2, 3], None, None)
+    halves = two_turns([0, 1], 4, [0, 1]) + two_turns([2, 3], 4, [2, 3])
+    assert halves == whole
+    alone = two_turns([2, 3], None, None)  # negative control: the second half as a session of its own
+    assert alone != whole[2:]
+
+
+@pytest.mark.parametrize("K", [0, 1])
+def test_a_resumed_episode_run_logs_what_the_uninterrupted_run_logs(tmp_path, K):
+    """Checkpoint at step 2, resume to step 4 (K = 1: the pending batch of episodes is in the checkpoint): the same
+    records as 4 steps in one go."""
+    import json
+
+    from align.model import save_pretrained
+    from align.run.config import TrainConfig
+    from align.train import train
+
+    model_dir = str(save_pretrained(rev_model(), tmp_path / "model"))
+    rows = reverse.prompts(64, "train")
+
+    def run(name: str, steps: int) -> list[tuple]:
+        c = TrainConfig(out=str(tmp_path / name), steps=steps, prompts_per_step=2, group_size=3, max_tokens=8,
+                        checkpoint_every=2, max_async_steps=K, envs=EnvConfig(max_turns=3))  # fmt: skip
+        c.eval.eval_interval = 0
+        train(c, model=model_dir, tokenizer=reverse.tokenizer(), prompts=rows, env=turn_envs.Feedback)
+        recs = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["loss"], r["env/env_tokens_mean"], r["reward_mean"]) for r in recs if "loss" in r]
+
+    straight = run("straight", 4)
+    run("resumed", 2)
+    assert run("resumed", 4) == straight
+    assert len(straight) == 4 and any(r[2] > 0 for r in straight)

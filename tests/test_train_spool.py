@@ -55,6 +55,34 @@ def test_grpo_with_spool_rollout(tmp_path):
     assert not any(p.is_dir() for p in (tmp_path / "run").iterdir() if p.name.startswith("spool-proc"))
 
 
+def test_episodes_on_the_spool_worker_train_on_what_vllm_sampled(tmp_path):
+    """Multi-turn episodes on the real vLLM worker: each episode submits its next turn as its own request (prompt +
+    every earlier turn's sampled ids + the environment's ids). The trainer's teacher-forced recompute of every policy
+    token across the turns matches vLLM's logprobs (rho ~1), so the ids trained on are the ids sampled."""
+    require_rollout_venv()
+    import sys
+    from pathlib import Path
+
+    from align.envs.config import EnvConfig
+
+    sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+    import turn_envs
+
+    tok = reverse.tokenizer()
+    model = save_pretrained(Transformer(reverse.model_config(tok)).init_weights(std=0.2, seed=0), tmp_path / "base")
+    cfg = TrainConfig(out=str(tmp_path / "run"), steps=2, prompts_per_step=3, group_size=4, max_tokens=6, lr=1e-2,
+                      rollout="spool", rollout_in_process=True, rollout_timeout_s=600, checkpoint_every=0,
+                      envs=EnvConfig(max_turns=3))  # fmt: skip
+    cfg.eval.eval_interval = 0
+    summary = train(cfg, model=str(model), tokenizer=tok, prompts=reverse.prompts(16, "train"), env=turn_envs.Feedback)
+    assert summary["steps"] == 2
+    recs = [r for r in (json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())]
+    assert [r["step"] for r in recs] == [1, 2]
+    assert any(r["env/env_tokens_mean"] > 0 and r["env/turns_mean"] > 1 for r in recs)  # real later turns
+    for r in recs:
+        assert r["mismatch_abs_max"] < MISMATCH_TOL, r["mismatch_abs_max"]
+
+
 @pytest.mark.slow
 def test_resume_attached_to_a_running_worker_samples_the_resumed_weights(tmp_path):
     """--no-spawn-worker: the worker keeps whatever it loaded last (here: the base model again, as after a

@@ -173,11 +173,20 @@ class EpisodeRunner:
             for e, obs in zip(todo, self.envs.call_many([(e.key, "reset", ()) for e in todo])):
                 if not _failed(e, obs):
                     e.begin(obs)
-            model = _native_model(client)
-            if model is not None:
-                self._run_native(model, client, [e for e in live if not e.done], params)
-            else:
+            model, sharded = _native_model(client)
+            if model is None:
                 self._run_threads(client, [e for e in live if not e.done], params)
+            elif not sharded:
+                self._run_native(model, client, live, params)
+            else:  # torchrun: each rank runs its share on the full weights; every rank gets every episode
+                from align import dist
+
+                lo, hi = dist.share(len(live))
+                full = dist.full_model(model)
+                self._run_native(full, client, live, params, range(lo, hi))
+                del full
+                mine = [e.finish() for e in live[lo:hi]]
+                return [ep for part in dist.gather(mine) for ep in part]
         finally:
             for e in live:
                 self.envs.close_episode(e.key)
@@ -185,15 +194,18 @@ class EpisodeRunner:
 
     # ---------------------------------------------------------------------- the native sampler: turn waves
 
-    def _run_native(self, model: Any, client: Any, live: list[_Live], params: SamplingParams) -> None:
+    def _run_native(self, model: Any, client: Any, live: list[_Live], params: SamplingParams,
+                    share: range | None = None) -> None:  # fmt: skip
+        """Turn waves on one ``Session``; a row's id is its episode's index in ``live`` (its draws depend only on it),
+        so a rank's ``share`` of the episodes samples what one process samples for them."""
         from align.rollout.sessions import Session
 
-        if not live:
+        rows = [i for i in (share if share is not None else range(len(live))) if not live[i].done]
+        if not rows:
             return
         version = getattr(client, "weights_version", 0)
-        sess = Session(model, dataclasses.replace(params, n=1))
-        turns = sess.start([e.ep.prompt_ids for e in live], 1, [max(1, e.budget()) for e in live])
-        rows = list(range(len(live)))  # the session's row of each episode in ``live``
+        sess = Session(model, dataclasses.replace(params, n=1), total_rows=len(live))
+        turns = sess.start([live[i].ep.prompt_ids for i in rows], 1, [max(1, live[i].budget()) for i in rows], rows)
         while True:
             stepping = []
             for i, t in zip(rows, turns):
@@ -261,12 +273,14 @@ def _failed(e: _Live, result: Any) -> bool:
     return False
 
 
-def _native_model(client: Any) -> Any:
-    """The model of a native client (or of one behind a permit wrapper); None for spool clients."""
-    from align.rollout.client import NativeClient
+def _native_model(client: Any) -> tuple[Any, bool]:
+    """(the model, sharded) of a native client (or of one behind a permit wrapper); (None, False) for spool clients."""
+    from align.rollout.client import NativeClient, ShardedNativeClient
 
-    inner = client if isinstance(client, NativeClient) else getattr(client, "client", None)
-    return inner.model if isinstance(inner, NativeClient) else None
+    for c in (client, getattr(client, "client", None)):
+        if isinstance(c, (NativeClient, ShardedNativeClient)):
+            return c.model, isinstance(c, ShardedNativeClient)
+    return None, False
 
 
 def env_stats(episodes: list[Episode]) -> dict[str, float]:

@@ -118,8 +118,10 @@ class Produced:
 
     @classmethod
     def from_state(cls, d: dict) -> Produced:
+        from align.envs.episodes import Episode
+
         b = dict(d["batch"])
-        b["completions"] = [Completion(**c) for c in b["completions"]]
+        b["completions"] = [(Episode if "mask" in c else Completion)(**c) for c in b["completions"]]
         b["scores"] = Scores(**b["scores"])
         return cls(int(d["step"]), int(d["version"]), Groups(**b), d["cursor"], float(d.get("seconds", 0.0)))
 

@@ -9,7 +9,9 @@ Key decisions
   turns the cache keeps only the rows that go on, and grows to fit the next turn.
 - Per-row token budgets (``max_new`` per row): the runner clamps each turn to the episode's and the context's remainder.
 - The uniforms of every step are drawn for all of the session's original rows and indexed by row id (as
-  ``native.sample_next`` does), so a row samples the same tokens whichever other rows are still live.
+  ``native.sample_next`` does), and each turn has its own generator (seeded by the seed and the turn), so a row
+  samples the same tokens whichever other rows are live or how long their earlier turns ran; ``total_rows`` and
+  ``row_ids`` make these rows a part of a larger session (``align.dist``: one rank's share of a step's episodes).
 
 Shapes: R live rows, S cache slots, V vocabulary.
 """
@@ -40,17 +42,15 @@ class Session:
     prompt (one shared prefill per prompt); ``next`` appends each continuing row's new tokens and samples its next
     turn. Rows are named by their index in ``start``'s output (prompt-major)."""
 
-    def __init__(self, model: Transformer, params: SamplingParams, pack_weights: bool = True) -> None:
+    def __init__(self, model: Transformer, params: SamplingParams, pack_weights: bool = True,
+                 total_rows: int | None = None) -> None:  # fmt: skip
         self.model, self.params = model, params
         self.context = model.config.max_position_embeddings
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
         if torch.is_autocast_enabled(self.device.type):
             self.dtype = torch.get_autocast_dtype(self.device.type)
-        self.generator = None
-        if params.seed is not None:
-            self.generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        self.pack_weights = pack_weights
+        self.pack_weights, self.total_rows, self.turn = pack_weights, total_rows, 0
         self.cache: KVCache | None = None
         self.rows: list[int] = []  # original row id of each cache row
         self.pos: torch.Tensor | None = None  # (R,) each row's next position (its real token count)
@@ -60,8 +60,11 @@ class Session:
     def _packed(self, rows: int):
         return packed_weights(self.model, rows) if self.pack_weights else contextlib.nullcontext()
 
-    def start(self, prompts: list[list[int]], n: int, max_new: list[int]) -> list[Turn]:
-        """The first turn: ``n`` rows per prompt; ``max_new`` per row (``len(prompts) * n``, each >= 1)."""
+    def start(
+        self, prompts: list[list[int]], n: int, max_new: list[int], row_ids: list[int] | None = None
+    ) -> list[Turn]:
+        """The first turn: ``n`` rows per prompt; ``max_new`` per row (``len(prompts) * n``, each >= 1). ``row_ids``
+        names the rows (default 0, 1, ...; each < ``total_rows``): a row's draws depend only on its id."""
         if len(max_new) != len(prompts) * n or min(max_new) < 1:
             raise ValueError(f"max_new needs one budget >= 1 per row ({len(prompts) * n} rows), got {max_new}")
         cfg = self.model.config
@@ -82,8 +85,12 @@ class Session:
             cache.length = L
             rows = torch.arange(P, device=dev).repeat_interleave(n)
             cache.select(rows)
-            self.cache, self.total = cache, P * n
-            self.rows, self.pos = list(range(P * n)), lens[rows].clone()
+            ids = list(range(P * n)) if row_ids is None else list(row_ids)
+            self.total = self.total_rows if self.total_rows is not None else P * n
+            if len(ids) != P * n or len(set(ids)) != len(ids) or not all(0 <= i < self.total for i in ids):
+                raise ValueError(f"row_ids must name the {P * n} rows uniquely in [0, {self.total}), got {row_ids}")
+            self.cache = cache
+            self.rows, self.pos = ids, lens[rows].clone()
             return self._decode(logits[rows], max_new)
 
     def next(self, rows: list[int], new_ids: list[list[int]], max_new: list[int]) -> list[Turn]:
@@ -140,6 +147,10 @@ class Session:
         """Sample until every row stopped or used its budget; the slots a row wrote after its end become invalid."""
         params, cache, dev = self.params, self.cache, self.device
         R = len(self.rows)
+        generator = None
+        if params.seed is not None:  # one stream per turn: earlier turns' lengths never shift a later turn's draws
+            generator = torch.Generator(device=dev).manual_seed(params.seed * 1_000_003 + self.turn)
+        self.turn += 1
         budget = torch.tensor(max_new, device=dev)
         room = self.context - self.pos  # (R,) positions left: the last token needs none after it
         budget = torch.minimum(budget, room)
@@ -155,7 +166,7 @@ class Session:
         start = cache.length
         tok = torch.zeros(R, dtype=torch.long, device=dev)
         for t in range(steps):
-            tok, lp, slp = sample_next(logits, params, self.generator, row_id, self.total)
+            tok, lp, slp = sample_next(logits, params, generator, row_id, self.total)
             out_tok[:, t], out_lp[:, t], out_slp[:, t] = tok, lp, slp
             hit = torch.isin(tok, stop_ids) if stop_ids is not None else torch.zeros_like(done)
             hit &= ~done
