@@ -12,8 +12,8 @@ Where things live, by floor (imports point down only; ``tests/test_layout.py`` c
 - ``align.eval``: held-out evaluation (blocking, snapshot dispatch, fleets, pinned epochs) and its metrics.
 - ``align.rollout``: prompts -> scored groups: ``protocol`` (the spool contract, stdlib), ``process``, ``native``
   (the sampler), ``cpu_kernel``, ``client``, ``watcher``, ``groups``, ``engines``, ``pipeline``.
-- what goes in: ``data``, ``rewards``, ``verifiers``, ``tasks``, ``envs`` (the environment API; ``runner``: its
-  episodes in process or in worker processes).
+- what goes in: ``data``, ``rewards`` (+ ``reward_pool``: the worker processes), ``verifiers``, ``tasks``, ``envs``
+  (the environment API; ``runner``: its episodes in process or in worker processes).
 - the algorithm, no run state: ``model``, ``kernels``, ``lora``, ``grpo``, ``advantages``, ``learner``, ``device``,
   ``dist``; ``atomic`` (stdlib: atomic files and the commit marker) under everything.
 """

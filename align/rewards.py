@@ -16,7 +16,7 @@ Failure semantics (a row that fails is counted, never lost silently):
 Execution: ``--reward-workers 1`` calls the rewards in this process; the timeout is then a SIGALRM timer on the
 main thread (it interrupts Python code and sleeps, not a C call that holds the GIL) and, on another thread (the
 ``--max-async-steps`` producer), a watchdog that raises in that thread (Python code only: a sleep finishes first).
-``--reward-workers N > 1`` runs them in N worker processes (``python -m align.rewards``, JSON lines over pipes:
+``--reward-workers N > 1`` runs them in N worker processes (``align.reward_pool``, JSON lines over pipes:
 nothing is pickled); a call past its deadline gets its worker killed and replaced, so a hung reward never
 hangs the run. Workers load the rewards from their specs, so ``fields`` must be JSON values.
 
@@ -31,16 +31,10 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
-import json
 import math
-import os
-import select
-import selectors
 import signal
-import subprocess
 import sys
 import threading
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -91,6 +85,17 @@ class RewardConfig:
                 f"--reward-weights has {len(self.reward_weights)} value(s) for {len(self.reward)} "
                 f"--reward function(s); give one weight per --reward"
             )
+
+
+class Interrupted(BaseException):
+    """A stop signal (SIGTERM / SIGINT) that ends a wait: raised by ``align.train.main``'s handler before the loop
+    starts, by the rollout pipeline's waits once a stop is flagged, and by reward scoring on the main thread
+    (``RewardScorer.score(should_stop=...)``), so neither setup, a stuck producer nor a reward stuck in a sleep
+    holds the trainer thread. A ``BaseException``: a reward's ``except Exception`` does not swallow it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by signal {signum}")
+        self.signum = signum
 
 
 # ------------------------------------------------------------------------------------------------ loading
@@ -269,14 +274,43 @@ def _call_on_thread(fn: Callable, args: tuple, kwargs: dict, timeout_s: float) -
                 raise CallTimeout
 
 
-def call_in_process(fn: Callable, args: tuple, kwargs: dict, timeout_s: float) -> Any:
+@contextlib.contextmanager
+def _stop_cuts_call(should_stop: Callable[[], int | None] | None) -> Any:
+    """While a reward runs on the main thread: a SIGTERM / SIGINT runs the run's own handler (which flags the stop),
+    then cuts the call with ``Interrupted``; else a reward blocked in a sleep holds the exit up to its timeout."""
+    olds = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)} if should_stop is not None else {}
+    olds = {s: h for s, h in olds.items() if callable(h)}  # SIG_DFL / SIG_IGN: nothing to chain to
+
+    def on_stop(signum: int, frame: Any) -> None:
+        olds[signum](signum, frame)
+        if signum_flagged := should_stop():
+            raise Interrupted(signum_flagged)
+
+    for s in olds:
+        signal.signal(s, on_stop)
+    try:
+        yield
+    finally:
+        for s, h in olds.items():
+            signal.signal(s, h)
+
+
+def call_in_process(
+    fn: Callable, args: tuple, kwargs: dict, timeout_s: float, should_stop: Callable[[], int | None] | None = None
+) -> Any:
     """``fn(*args, **kwargs)``, or ``CallTimeout`` once it runs past ``timeout_s`` (0 = no timeout): a SIGALRM timer on
     the main thread, ``_call_on_thread``'s watchdog elsewhere. A call that catches the timeout (a bare ``except:``)
-    and returns or raises still ends in ``CallTimeout``."""
+    and returns or raises still ends in ``CallTimeout``. ``should_stop`` (main thread only): a SIGTERM / SIGINT that
+    sets it cuts the call with ``Interrupted`` (``_stop_cuts_call``)."""
+    if threading.current_thread() is not threading.main_thread():
+        return _call_on_thread(fn, args, kwargs, timeout_s) if timeout_s > 0 else fn(*args, **kwargs)
+    with _stop_cuts_call(should_stop):
+        return _call_with_alarm(fn, args, kwargs, timeout_s)
+
+
+def _call_with_alarm(fn: Callable, args: tuple, kwargs: dict, timeout_s: float) -> Any:
     if timeout_s <= 0 or not hasattr(signal, "setitimer"):
         return fn(*args, **kwargs)
-    if threading.current_thread() is not threading.main_thread():
-        return _call_on_thread(fn, args, kwargs, timeout_s)
 
     fired: list[bool] = []
 
@@ -317,6 +351,8 @@ class RewardScorer:
                     "processes cannot load them; define them in a module or file and pass "
                     "'module:function' / 'path/file.py:function', or use --reward-workers 1"
                 )
+            from align.reward_pool import WorkerPool  # the pool imports this module (load_spec, _value)
+
             self.pool = WorkerPool([r.spec for r in rewards], workers, timeout_s)
         self._lock = threading.Lock()
 
@@ -324,27 +360,37 @@ class RewardScorer:
     def names(self) -> list[str]:
         return [r.name for r in self.rewards]
 
-    def score(self, items: list[tuple[dict, str]]) -> Scores:
-        """``items``: (prompt record, completion text). Thread-safe (eval may score from another thread)."""
+    def score(self, items: list[tuple[dict, str]], should_stop: Callable[[], int | None] | None = None) -> Scores:
+        """``items``: (prompt record, completion text). Thread-safe (eval may score from another thread).
+
+        ``should_stop`` (the run's stop flag: the signal number, if any): once it is set, scoring ends with
+        ``Interrupted`` within a poll (``reward_pool.WATCH_S``) whatever the rewards do: no further call starts, a
+        running one is cut (in this process on the main thread: by the signal itself; in the pool: its worker is
+        killed)."""
+
+        def check_stop() -> None:
+            if should_stop is not None and (signum := should_stop()):
+                raise Interrupted(signum)
+
         with self._lock:
             if self.pool is not None:
                 calls = [(k, i, rec, text) for i, (rec, text) in enumerate(items) for k in range(len(self.rewards))]
-                results = self.pool.run([(k, rec["prompt"], text, _fields(rec)) for k, _, rec, text in calls])
+                results = self.pool.run([(k, rec["prompt"], text, _fields(rec)) for k, _, rec, text in calls],
+                                        check_stop)  # fmt: skip
             else:
                 results = []
                 for i, (rec, text) in enumerate(items):
                     for k, r in enumerate(self.rewards):
+                        check_stop()  # also a stop a reward swallowed (a bare ``except:``) in the call before
                         try:
-                            results.append(
-                                (
-                                    "ok",
-                                    _value(call_in_process(r.fn, (rec["prompt"], text), _fields(rec), self.timeout_s)),
-                                )
-                            )
+                            args = (rec["prompt"], text)
+                            v = call_in_process(r.fn, args, _fields(rec), self.timeout_s, should_stop)
+                            results.append(("ok", _value(v)))
                         except CallTimeout:
                             results.append(("timeout", f"reward {r.name!r} timed out after {self.timeout_s} s"))
                         except Exception:  # noqa: BLE001 -- a user's reward: counted as unscorable, the run goes on
                             results.append(("error", traceback.format_exc()))
+                check_stop()
         return self._combine(len(items), results)
 
     def _combine(self, n: int, results: list[tuple[str, Any]]) -> Scores:
@@ -390,191 +436,3 @@ def make_scorer(cfg: RewardConfig, fns: Any, records: list[dict]) -> RewardScore
     for r in rewards:
         check_signature(r.name, r.fn, columns)
     return RewardScorer(rewards, cfg.reward_weights, cfg.reward_workers, cfg.reward_timeout_s)
-
-
-# ------------------------------------------------------------------------------------------------ worker pool
-
-
-WATCH_S = 0.2  # how often the pool checks its busy workers are alive (a pipe can outlive its worker)
-STARTUP_TIMEOUT_S = 120.0  # a worker's start (python + the reward modules) never counts against a call's timeout
-
-
-class _Worker:
-    def __init__(self, specs: list[str], sel: selectors.BaseSelector):
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self.proc = subprocess.Popen(  # its own session: kill() ends the processes a reward started with it
-            [sys.executable, "-m", "align.rewards", "--worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            bufsize=0,
-            start_new_session=True,
-        )
-        self.sel, self.buf, self.ready = sel, b"", False
-        self.task: int | None = None
-        self.deadline = time.monotonic() + STARTUP_TIMEOUT_S  # until ready: the start deadline
-        self.proc.stdin.write((json.dumps({"specs": specs}) + "\n").encode())
-        sel.register(self.proc.stdout, selectors.EVENT_READ, self)
-
-    def kill(self) -> None:
-        try:
-            self.sel.unregister(self.proc.stdout)
-        except (KeyError, ValueError):
-            pass
-        with contextlib.suppress(ProcessLookupError, PermissionError):  # the worker and what its rewards started
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
-
-
-class WorkerPool:
-    """N worker processes running reward calls with a per-call deadline; a late or dead worker is replaced."""
-
-    def __init__(self, specs: list[str], n: int, timeout_s: float):
-        self.specs, self.n, self.timeout_s = specs, n, timeout_s
-        self.sel = selectors.DefaultSelector()
-        self.workers: list[_Worker] = []
-
-    def _replace(self, j: int) -> None:
-        self.workers[j].kill()
-        self.workers[j] = _Worker(self.specs, self.sel)
-
-    def run(self, calls: list[tuple[int, str, str, dict]]) -> list[tuple[str, Any]]:
-        """``calls``: (reward index, prompt, completion, fields) -> [("ok", float) | ("error", tb) | ("timeout", msg)]."""
-        results: list[tuple[str, Any] | None] = [None] * len(calls)
-        payloads = []
-        for k, prompt, completion, fields in calls:
-            try:
-                payloads.append(json.dumps({"r": k, "prompt": str(prompt), "completion": completion, "fields": fields}))
-            except (TypeError, ValueError) as e:
-                raise InputError(
-                    f"--reward-workers > 1 sends each row's fields to the workers as JSON, and a row's "
-                    f"fields are not JSON values ({e}); use --reward-workers 1"
-                ) from None
-        while len(self.workers) < self.n:
-            self.workers.append(_Worker(self.specs, self.sel))
-        todo = list(range(len(calls)))[::-1]
-        while todo or any(w.task is not None for w in self.workers):
-            for w in self.workers:
-                if w.ready and w.task is None and todo:
-                    t = todo.pop()
-                    w.task, w.deadline = t, time.monotonic() + self.timeout_s if self.timeout_s > 0 else math.inf
-                    try:
-                        w.proc.stdin.write(f'{{"id": {t}, "call": {payloads[t]}}}\n'.encode())
-                    except OSError:  # died since its last answer: the read below sees EOF and reports it
-                        pass
-            wait = (
-                max(0.0, min(w.deadline for w in self.workers if w.task is not None or not w.ready) - time.monotonic())
-                if any(w.task is not None or not w.ready for w in self.workers)
-                else 0.0
-            )
-            for key, _ in self.sel.select(timeout=min(wait, WATCH_S)):
-                self._read(key.data, results)
-            for w in self.workers:  # exited, but a process it forked holds its pipe open: no EOF ever comes
-                if w.task is not None and w.proc.poll() is not None:
-                    self._drain_dead(w, results)
-            now = time.monotonic()
-            for j, w in enumerate(self.workers):
-                if now < w.deadline:
-                    continue
-                if not w.ready:
-                    w.kill()
-                    raise RuntimeError(
-                        f"a reward worker did not start within {STARTUP_TIMEOUT_S} s (loading {self.specs})"
-                    )
-                if w.task is not None:
-                    results[w.task] = ("timeout", f"reward call timed out after {self.timeout_s} s")
-                    self._replace(j)
-            for j, w in enumerate(self.workers):
-                if w.proc.poll() is not None and w.task is None and w.ready and not w.buf:
-                    self._replace(j)
-        assert all(r is not None for r in results)
-        return results  # type: ignore[return-value]
-
-    def _drain_dead(self, w: _Worker, results: list) -> None:
-        """A worker whose process exited: its last answer if it wrote one, else its task is an error."""
-        fd = w.proc.stdout.fileno()
-        while w.task is not None and select.select([fd], [], [], 0)[0]:
-            n = len(w.buf)
-            self._read(w, results)
-            if w.proc.stdout.closed or len(w.buf) == n:
-                break
-        if w.task is not None:
-            rc = w.proc.returncode
-            results[w.task] = ("error", f"reward worker exited (exit code {rc}) while scoring; see its stderr")
-            w.task = None
-        w.kill()
-        w.ready, w.deadline = True, math.inf  # dead: replaced before its next task
-
-    def _read(self, w: _Worker, results: list) -> None:
-        chunk = os.read(w.proc.stdout.fileno(), 1 << 16)
-        if not chunk:
-            w.kill()
-            if not w.ready:
-                raise RuntimeError(
-                    f"a reward worker exited while loading {self.specs} (exit code "
-                    f"{w.proc.returncode}); its error is on stderr above"
-                )
-            if w.task is not None:
-                results[w.task] = (
-                    "error",
-                    f"reward worker died (exit code {w.proc.returncode}) while scoring; see its stderr",
-                )
-                w.task = None
-            w.ready, w.deadline = True, math.inf  # dead: replaced before its next task
-            return
-        w.buf += chunk
-        while b"\n" in w.buf:
-            line, w.buf = w.buf.split(b"\n", 1)
-            msg = json.loads(line)
-            if msg.get("ready"):
-                w.ready, w.deadline = True, math.inf
-            elif w.task is not None and msg["id"] == w.task:
-                results[w.task] = ("ok", _value(msg["value"])) if "value" in msg else ("error", msg["error"])
-                w.task, w.deadline = None, math.inf
-
-    def close(self) -> None:
-        for w in self.workers:
-            try:
-                w.proc.stdin.close()
-            except OSError:
-                pass
-        deadline = time.monotonic() + 5
-        for w in self.workers:
-            try:
-                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            w.kill()
-        self.workers = []
-        self.sel.close()
-
-
-def _worker_main() -> None:
-    """A pool worker: JSON lines in on stdin, results out on the original stdout (the reward's prints go to stderr)."""
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which closes the pool
-    init = json.loads(sys.stdin.readline())
-    fns = [load_spec(s) for s in init["specs"]]
-    out.write(json.dumps({"ready": True}) + "\n")
-    for line in sys.stdin:
-        msg = json.loads(line)
-        call = msg["call"]
-        try:
-            v = fns[call["r"]](call["prompt"], call["completion"], **call["fields"])
-            reply = {"id": msg["id"], "value": None if v is None else float(v)}
-        except Exception:  # noqa: BLE001 -- reported to the trainer, which counts it
-            reply = {"id": msg["id"], "error": traceback.format_exc()}
-        out.write(json.dumps(reply) + "\n")
-
-
-if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
-    _worker_main()

@@ -903,19 +903,40 @@ def test_startup_removes_only_our_leftovers_of_a_crashed_run(tmp_path):
     import fcntl
 
     root = tmp_path / "eval_hf"
-    for d in (".step_3.partial-1a2b3c4d", ".step_2.stale-deadbeef", "fleet-old/engine_0", "fleet-live/engine_0",
-              "step_4", "notes", ".step_x"):  # fmt: skip
+    for d in (".step_3.partial-r1-1a2b3c4d", ".step_2.stale-r1-deadbeef", "fleet-old/engine_0", "fleet-live/engine_0",
+              "step_4", "notes", ".step_x", ".step_5.partial-1a2b3c4d"):  # fmt: skip
         (root / d).mkdir(parents=True)
     (root / "fleet-old" / "engine_0.log").write_text("old log")
     (root / "fleet-old" / "engine_0" / "worker.lock").write_text("")
     (root / "step_4" / MARKER).write_text("{}")
-    (root / ".step_9.partial-file").write_text("a file, not ours")
+    (root / ".step_9.partial-r1-0000abcd").write_text("a file, not ours")
     with open(root / "fleet-live" / "engine_0" / "worker.lock", "w") as live:  # a live worker of another run
         fcntl.flock(live.fileno(), fcntl.LOCK_EX)
         c = cfg(tmp_path)
-        d = EvalDispatcher(c, EvalRunner(c, toy_set(), eval_fn=FakeEvalFn()), Exporter())
+        d = EvalDispatcher(c, EvalRunner(c, toy_set(), eval_fn=FakeEvalFn()), Exporter(), run_id="r1")
         d.close()
-    assert sorted(os.listdir(root)) == [".step_9.partial-file", ".step_x", "fleet-live", "notes", "step_4"]
+    kept = [".step_5.partial-1a2b3c4d", ".step_9.partial-r1-0000abcd", ".step_x", "fleet-live", "notes", "step_4"]
+    assert sorted(os.listdir(root)) == kept  # .step_5: no run id, so no run can tell it is its own
+
+
+def test_startup_removes_only_this_runs_temporaries_in_a_shared_eval_dir(tmp_path):
+    """Two runs share --eval-hf-dir: a start of run A removes the temporaries a killed export of A left, never B's
+    (B may be exporting right now: its ``.partial`` is the snapshot it is writing)."""
+    root = tmp_path / "eval_hf"
+    a, b = "a" * 32, "b" * 32
+    ex = Exporter()
+    export_snapshot(ex, str(root), 1, run_id=a)
+    assert os.path.basename(ex.calls[0]).startswith(f".step_1.partial-{a}-")  # the export's temporary names its run
+    mine = [f".step_3.partial-{a}-1a2b3c4d", f".step_2.stale-{a}-deadbeef"]
+    theirs = [f".step_3.partial-{b}-1a2b3c4d", f".step_2.stale-{b}-deadbeef"]
+    prefixed = f".step_4.partial-{a}-x-0123abcd"  # run "{a}-x": an id that starts with ours is not ours
+    for d in mine + theirs + [prefixed]:
+        (root / d).mkdir()
+    c = cfg(tmp_path)
+    EvalDispatcher(c, EvalRunner(c, toy_set(), eval_fn=FakeEvalFn()), Exporter(), run_id=a).close()
+    assert sorted(os.listdir(root)) == sorted(theirs + [prefixed, "step_1"])
+    EvalDispatcher(c, EvalRunner(c, toy_set(), eval_fn=FakeEvalFn()), Exporter(), run_id=b).close()
+    assert sorted(os.listdir(root)) == [prefixed, "step_1"]  # control: B's start removes B's own
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,14 @@ FORBIDDEN = [
     (["align/eval/"], ["align.run", "align.train"]),
     (["align/envs/", "align/chat.py"], ["align.run", "align.eval", "align.train"]),
     (
-        ["align/data.py", "align/errors.py", "align/rewards.py", "align/verifiers.py", "align/tasks/"],
+        [
+            "align/data.py",
+            "align/errors.py",
+            "align/rewards.py",
+            "align/reward_pool.py",
+            "align/verifiers.py",
+            "align/tasks/",
+        ],
         ["align.run", "align.train"],
     ),
 ]

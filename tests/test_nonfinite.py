@@ -112,6 +112,50 @@ def test_resume_from_a_checkpoint_with_swapped_dtype_is_named(tmp_path, char_mod
     assert [d.name for _, d in ckpt.committed(out / "checkpoints")] == ["step_2"]
 
 
+def test_resume_from_nan_optimizer_state_or_dcp_shards_is_refused(tmp_path, char_model):
+    """NaN in a checkpoint's optimizer state (trainer_state.pt) or in a sharded (DCP) checkpoint's weights was
+    loaded and trained on (an AdamW moment of NaN makes its parameter NaN at the first step). Both are refused at
+    resume, naming the checkpoint and the earlier one to resume from; nothing is written. Controls: the earlier
+    checkpoint resumes, and the same DCP checkpoint without the NaN loads."""
+    out = tmp_path / "run"
+    run(cfg_for(out, steps=2, checkpoint_every=1), char_model)
+    f = out / "checkpoints" / "step_2" / "trainer_state.pt"
+    state = torch.load(f, weights_only=True)
+    next(iter(state["optimizer"]["state"].values()))["exp_avg"].view(-1)[0] = math.nan
+    torch.save(state, f)
+    with pytest.raises(
+        ckpt.CheckpointError, match=r"checkpoint \S*step_2 holds NaN/inf in optimizer state 'exp_avg' of model\.\S+: "
+        r"training on from it would spread them; resume from .* --resume-from step_1"
+    ):  # fmt: skip
+        run(cfg_for(out, steps=4, checkpoint_every=1), char_model)
+    assert [d.name for _, d in ckpt.committed(out / "checkpoints")] == ["step_1", "step_2"]
+    assert len(records(out)) == 2
+    run(cfg_for(out, steps=3, checkpoint_every=1, resume_from="step_1"), char_model)  # control: the earlier one
+    assert [r["step"] for r in records(out)][-2:] == [2, 3]
+
+    def sharded(poisoned: bool) -> tuple[Path, dict]:
+        m = load_pretrained(char_model)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        m(torch.tensor([[1, 2, 3]])).float().sum().backward()
+        opt.step()
+        if poisoned:
+            with torch.no_grad():
+                dict(m.named_parameters())[SWAPPED].view(-1)[0] = math.nan
+        d = ckpt.save_sharded(tmp_path / f"dcp{poisoned}", 1, m, opt, {"scheduler": {}, "cursor": {"epoch": 0,
+                              "index": 4}}, keep=2)  # fmt: skip
+        return d, ckpt.load_state(d)
+
+    for poisoned in (False, True):  # control first: the intact DCP checkpoint loads
+        d, state = sharded(poisoned)
+        fresh = load_pretrained(char_model)
+        opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        if not poisoned:
+            ckpt.restore_any(d, state, fresh, opt)
+            continue
+        with pytest.raises(ckpt.CheckpointError, match=rf"checkpoint \S*step_1 holds NaN/inf in weight {SWAPPED}"):
+            ckpt.restore_any(d, state, fresh, opt)
+
+
 # ------------------------------------------------------------------------------------------------ the step
 
 

@@ -730,6 +730,39 @@ def test_heartbeat_that_is_a_fifo_or_a_device_is_refused_without_blocking(tmp_pa
     assert sp.read_heartbeat()["state"] == "ready"
 
 
+def test_heartbeat_of_another_user_is_ignored_counted_and_warned_once(tmp_path, monkeypatch, caplog):
+    """A heartbeat.json not written by the spool's owner was trusted: a forged 'stopped' heartbeat told the client
+    its worker was gone (and ended the run). Now it reads as no heartbeat, counted, with one warning. The file is
+    chowned to another uid when this user may (root); else os.fstat is patched to report another owner for it."""
+    sp = Spool(tmp_path / "spool").ensure()
+    sp.write_heartbeat("stopped", error="forged by another user")
+    other = os.getuid() + 1
+    try:
+        os.chown(sp.heartbeat_path, other, -1)
+    except PermissionError:  # not root: make the owner check see another uid
+        real_fstat, ino = os.fstat, os.stat(sp.heartbeat_path).st_ino
+
+        def fstat(fd):
+            st = real_fstat(fd)
+            if st.st_ino != ino:
+                return st
+            fields = list(st)
+            fields[4] = other  # st_uid
+            return os.stat_result(fields)
+
+        monkeypatch.setattr(os, "fstat", fstat)
+    with caplog.at_level("WARNING", logger="align.rollout.protocol"):
+        assert sp.read_heartbeat() is None and sp.read_heartbeat() is None
+    assert sp.foreign_heartbeats == 2
+    warned = [r.getMessage() for r in caplog.records if "heartbeat.json" in r.getMessage()]
+    assert len(warned) == 1 and f"written by uid {other}" in warned[0], warned
+    assert P.heartbeat_problem(sp.read_heartbeat(), stale_s=30.0) is None  # the forged 'stopped' decides nothing
+    monkeypatch.undo()
+    if os.stat(sp.heartbeat_path).st_uid != os.getuid():
+        os.chown(sp.heartbeat_path, os.getuid(), -1)
+    assert sp.read_heartbeat()["state"] == "stopped"  # negative control: the owner's heartbeat is read
+
+
 def test_heartbeat_read_is_bounded(tmp_path, monkeypatch):
     sp = Spool(tmp_path / "spool").ensure()
     sp.write_heartbeat("ready")

@@ -21,7 +21,8 @@ Every settled exported snapshot enters the retention ring exactly once, whatever
 ``eval_keep_snapshots`` and deletes older ones. Each snapshot carries the run's id (``.align-export.json``,
 ``align.atomic.write_export_marker``): a ``step_N`` whose marker does not name this run is never replaced
 (``export_failed``) nor deleted by the ring. Dirs the dispatcher did not export are never deleted, except
-leftovers of crashed predecessors under our own names, removed at startup (``clean_leftovers``).
+leftovers of crashed predecessors of this run (named with its id) under our own names, removed at startup
+(``clean_leftovers``).
 A ``CheckpointEvalFn`` call is bounded by ``eval_timeout_s`` (then ``timeout``); once ``should_stop()`` (a signal)
 no training-thread call waits on an eval for long (``interrupted``).
 Every skipped point yields exactly one ``eval/skipped_{reason}`` record at its step; under ``ci_test`` the next
@@ -39,6 +40,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -76,20 +78,34 @@ def namespaced(metrics: dict) -> Record:
     return {k if str(k).startswith("eval/") else f"eval/{k}": v for k, v in metrics.items()}
 
 
-def clean_leftovers(root: str) -> list[str]:
+def _temp_name(step: int, kind: str, run_id: str) -> str:
+    """A temporary beside ``step_{step}`` (``kind``: ``partial`` = an export not yet committed, ``stale`` = a
+    replaced snapshot not yet removed), named with the run that made it so that only that run removes it."""
+    return f".step_{step}.{kind}-{run_id}-{uuid.uuid4().hex[:8]}"
+
+
+_TEMP = re.compile(r"\.step_\d+\.(?:partial|stale)-(?P<run_id>.+)-[0-9a-f]{8}")
+
+
+def clean_leftovers(root: str, run_id: str) -> list[str]:
     """Delete what crashed predecessors left under ``root`` (only our own names); returns what was removed.
 
-    ``.step_N.partial-*`` (an export that never committed), ``.step_N.stale-*`` (a replaced snapshot not yet
-    removed) and ``fleet-*`` dirs (fleet spools and logs) whose workers are gone: a fleet dir whose spool lock a
-    live worker still holds is kept. Committed ``step_N`` snapshots are left alone (replaced by name when that step
-    is exported again)."""
+    ``.step_N.partial-{run_id}-*`` (an export that never committed) and ``.step_N.stale-{run_id}-*`` (a replaced
+    snapshot not yet removed) of this run only: another run sharing ``--eval-hf-dir`` may be exporting right now.
+    ``fleet-*`` dirs (fleet spools and logs) whose workers are gone: a fleet dir whose spool lock a live worker still
+    holds is kept. Committed ``step_N`` snapshots are left alone (replaced by name when that step is exported
+    again)."""
     removed = []
     pats = (".step_*.partial-*", ".step_*.stale-*", "fleet-*")
     for path in sorted(p for pat in pats for p in glob.glob(os.path.join(glob.escape(root), pat))):
         if not os.path.isdir(path) or os.path.islink(path):
             continue
-        if os.path.basename(path).startswith("fleet-") and _fleet_in_use(path):
-            continue
+        name = os.path.basename(path)
+        if name.startswith("fleet-"):
+            if _fleet_in_use(path):
+                continue
+        elif (m := _TEMP.fullmatch(name)) is None or m["run_id"] != run_id:
+            continue  # another run's temporary (or not one of ours at all)
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     if removed:
@@ -127,13 +143,15 @@ def export_snapshot(export_fn: Callable[[str], None], root: str, step: int, run_
     ``export_fn(path)`` writes an HF dir at ``path`` (e.g. ``align.model.save_pretrained``). If it wrote no
     marker, one is written here, after everything else, and the run's marker (``run_id``; None: a fresh one) after
     it; then the dir is renamed into place, replacing a stale ``step_{step}`` only when its marker names the same
-    run (moved aside first, so no old marker can vouch for new shards); anything else is RuntimeError.
+    run (moved aside first, so no old marker can vouch for new shards); anything else is RuntimeError. Both
+    temporaries (``.step_N.partial-{run_id}-*``, ``.step_N.stale-{run_id}-*``) carry the run id: a killed export's
+    are removed by the next start of the same run (``clean_leftovers``), never by another run.
     """
     run_id = run_id or uuid.uuid4().hex
     os.makedirs(root, exist_ok=True)
     final = snapshot_dir(root, step)
     _check_replaceable(final, run_id)  # before the export's work
-    tmp = os.path.join(root, f".step_{step}.partial-{uuid.uuid4().hex[:8]}")
+    tmp = os.path.join(root, _temp_name(step, "partial", run_id))
     try:
         export_fn(tmp)
         if not os.path.isdir(tmp) or not os.listdir(tmp):
@@ -147,7 +165,7 @@ def export_snapshot(export_fn: Callable[[str], None], root: str, step: int, run_
         write_export_marker(tmp, run_id, step)
         _check_replaceable(final, run_id)  # again: another process may have written it meanwhile
         if os.path.exists(final):
-            old = os.path.join(root, f".step_{step}.stale-{uuid.uuid4().hex[:8]}")
+            old = os.path.join(root, _temp_name(step, "stale", run_id))
             os.replace(final, old)
             shutil.rmtree(old, ignore_errors=True)
         os.replace(tmp, final)
@@ -318,7 +336,7 @@ class EvalDispatcher:
         self.cfg, self.runner, self.export_fn = cfg, runner, export_fn
         self.should_stop = should_stop or (lambda: False)
         self.run_id = run_id or uuid.uuid4().hex
-        clean_leftovers(cfg.eval_hf_dir)
+        clean_leftovers(cfg.eval_hf_dir, self.run_id)
         self._abandoned: set[int] = set()  # steps given up at a stop; their late outcome is dropped
         self.pending: collections.deque[_Point] = collections.deque()
         self.exported: list[str] = []  # the retention ring: settled exported dirs, oldest first

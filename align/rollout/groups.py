@@ -109,7 +109,8 @@ def collect_groups(
     set aside and fresh prompts sampled (round r = 1..max_rounds) until ``P`` groups have signal; if the rounds
     run out, set-aside groups fill the batch (their advantages are zero). ``sample(idx, round)`` returns
     completions whose ``prompt_index`` indexes ``idx``; ``text_of(completion)`` is what the rewards read;
-    ``score(items, completions)`` scores the (record, text) items (``names``: its terms)."""
+    ``score(items, completions)`` scores the (record, text) items (``names``: its terms; a run's stop flag rides in
+    it: ``RewardScorer.score(items, should_stop)`` ends with ``Interrupted``)."""
     kept: list[Group] = []
     dropped: list[Group] = []
     errors: list[str] = []

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from align.rewards import Scores
+from align.rewards import Interrupted, Scores  # Interrupted: also raised by the reward scoring
 from align.rollout.engines import (
     WAIT_POLL_S,
     NativeEngine,
@@ -63,16 +63,6 @@ log = logging.getLogger(__name__)
 
 STOP_WAIT_S = 10.0  # after a stop signal, how long a checkpoint waits for its pending batches before saving fewer
 STOP_JOIN_S = 2.0  # after a stop signal, how long close waits for a producer (it may be stuck in a reward's sleep)
-
-
-class Interrupted(BaseException):
-    """A stop signal (SIGTERM / SIGINT) that ends a wait: raised by ``align.train.main``'s handler before the loop
-    starts, and by the pipeline's waits (polled every ``WAIT_POLL_S``) once a stop is flagged, so neither setup nor
-    a producer stuck in a reward holds the trainer thread."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"stopped by signal {signum}")
-        self.signum = signum
 
 
 def version_for(step: int, max_async_steps: int, floor: int = 0) -> int:
@@ -297,7 +287,13 @@ class RolloutPipeline:
         """The batch of step ``t`` and its async metrics (empty with K = 0)."""
         if not self.is_async:
             t0 = time.perf_counter()
-            batch = self.collect(t, self.published, self.client)
+            before = None if self.cursor is None else dict(self.cursor)
+            try:
+                batch = self.collect(t, self.published, self.client)
+            except Interrupted:  # a signal cut the rewards: the step is dropped, its prompts redrawn on resume
+                if before is not None:
+                    self.cursor.update(before)  # what the checkpoint of step t-1 stores
+                raise
             if self.engine is not None:  # a spool worker: every answer from the weights this run published last
                 check_weights_version(batch.completions, self.published, self.client.spool.root)
             return Produced(t, self.published, batch, seconds=time.perf_counter() - t0), {}
@@ -547,7 +543,8 @@ def make_pipeline(
     K = cfg.max_async_steps
     if K == 0:
         sync = SyncSpool(client, snapshots, step, cfg.sync_every) if cfg.rollout == "spool" else None
-        return RolloutPipeline(0, collect, engine=sync, client=client, start_step=step, last_step=cfg.steps)
+        return RolloutPipeline(0, collect, engine=sync, client=client, start_step=step, last_step=cfg.steps,
+                               cursor=cursor)  # fmt: skip
     from align import dist
 
     if dist.active():

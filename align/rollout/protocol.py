@@ -27,7 +27,9 @@ Spool protocol (after CPython's ``mailbox.Maildir``): one JSON file per message.
 
 Trust: the spool is this user's (0700; one of another user's, or writable by group / others, is refused), and a
 message is read only from a file of this user's whose ``mac`` (HMAC-SHA256 of the secret over the envelope and
-body) checks; anything else is moved to rejected/, counted (``Spool.untrusted``) and never answered.
+body) checks; anything else is moved to rejected/, counted (``Spool.untrusted``) and never answered. A
+``heartbeat.json`` of another user is ignored (read as no heartbeat), counted (``Spool.foreign_heartbeats``) and
+warned about once per ``Spool``.
 
 A message is never modified after it is published. Every message carries ``protocol``,
 ``version``, ``kind``, ``id``, ``created`` and a kind-specific ``body``; a file with an
@@ -46,6 +48,7 @@ import fcntl
 import hmac
 import itertools
 import json
+import logging
 import math
 import os
 import re
@@ -71,6 +74,8 @@ from align.atomic import (  # noqa: F401
     snapshot_marker,
 )
 from align.rollout.process import TORCHRUN_VARS, exit_with_parent, pid_alive, watch_parent, worker_env  # noqa: F401
+
+log = logging.getLogger(__name__)
 
 PROTOCOL = "align-spool"
 PROTOCOL_VERSION = 1
@@ -449,6 +454,7 @@ class Spool:
         self.secret_path = self.root / "secret"
         self._key: bytes | None = None
         self.untrusted = 0  # messages refused by ``read``: not the owner's, or no valid MAC
+        self.foreign_heartbeats = 0  # heartbeat reads that found another user's file (ignored)
 
     @property
     def key(self) -> bytes:
@@ -641,10 +647,17 @@ class Spool:
 
     def read_heartbeat(self) -> dict | None:
         """The last heartbeat, or None when the worker has not written one yet. Read as a message is (a FIFO,
-        device or symlink is refused without blocking), and at most ``HEARTBEAT_MAX_BYTES``."""
+        device or symlink is refused without blocking; a file of another user than the spool's owner is ignored:
+        None, counted in ``foreign_heartbeats``, warned about once), and at most ``HEARTBEAT_MAX_BYTES``. Unlike a
+        message it carries no MAC: it is rewritten every second and decides nothing but liveness."""
         try:
-            text = _read_text(self.heartbeat_path, self.heartbeat_path, max_bytes=HEARTBEAT_MAX_BYTES)
+            text = _read_text(self.heartbeat_path, self.heartbeat_path, os.getuid(), HEARTBEAT_MAX_BYTES)
         except FileNotFoundError:
+            return None
+        except UntrustedMessageError as e:
+            self.foreign_heartbeats += 1
+            if self.foreign_heartbeats == 1:
+                log.warning("%s; ignored (the spool's worker runs as this user; remove the file)", e)
             return None
         try:
             hb = json.loads(text)

@@ -517,10 +517,13 @@ def _open_pipeline(run: Run) -> None:
 
         if task.env is not None:  # episodes (align.envs.episodes): the same stage, one conversation per sample
             return run.episodes.collect(t, gen, run)
+        # a signal cuts the rewards at K = 0 in one process (a reward stuck in a sleep would hold the exit); K >= 1
+        # abandons the producer instead (pipeline), and under torchrun every rank finishes the step (agree_on_signal)
+        stop = None if run.pipe.is_async or dist.active() else run.pipe.should_stop
         # --adv-refill: more prompts until enough groups have signal
         return collect_groups(cfg.prompts_per_step, run.cursor.next_prompts, sample,
                               lambda c: run.completion_text(c.token_ids), lambda i: task.prompts[i],
-                              lambda items, comps: run.scorer.score(items), run.scorer.names, cfg.adv_refill,
+                              lambda items, comps: run.scorer.score(items, stop), run.scorer.names, cfg.adv_refill,
                               cfg.max_refill_rounds)  # fmt: skip
 
     snapshots = run.out / "rollout_snapshots"

@@ -475,12 +475,34 @@ def save_any(root: Path, step: int, model: torch.nn.Module, opt: torch.optim.Opt
 
 def restore_any(ckpt: Path, state: dict, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     """Optimizer (and, for a sharded checkpoint, model) state and RNG states of any checkpoint, at any world size;
-    a single-process checkpoint's model was already loaded from its ``model/``."""
+    a single-process checkpoint's model was already loaded from its ``model/`` (``load_pretrained`` refuses NaN /
+    inf weights there). Then NaN / inf in what was loaded is refused (``refuse_nonfinite``)."""
     if is_sharded(ckpt):
         restore_sharded(ckpt, state, model, opt)
     else:
         restore_optimizer_any(model, opt, state, ckpt)
         set_rng_state(state["rng"])
+    refuse_nonfinite(ckpt, model, opt)
+
+
+def refuse_nonfinite(ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """A ``CheckpointError`` naming ``ckpt`` when the model's weights (a DCP checkpoint's shards) or the optimizer
+    state loaded from it hold a NaN / inf: training on from it would only spread them (an AdamW moment of NaN makes
+    its parameter NaN at the first step). torchrun: every rank checks its shards and all raise together."""
+    from align.learner import nonfinite_parameters
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    bad = [f"weight {n}" for n in nonfinite_parameters(model)]
+    for p, s in opt.state.items():
+        for k, t in s.items():
+            local = t.to_local() if hasattr(t, "to_local") else t
+            if isinstance(local, torch.Tensor) and local.is_floating_point() and not bool(torch.isfinite(local).all()):
+                bad.append(f"optimizer state {k!r} of {names.get(id(p), 'a parameter')}")
+    if dist.max_int(len(bad)):
+        what = ", ".join(bad[:3]) + (" and more" if len(bad) > 3 else "") if bad else "another rank's shards"
+        raise CheckpointError(
+            f"checkpoint {ckpt} holds NaN/inf in {what}: training on from it would spread them; {_previous_hint(ckpt)}"
+        )
 
 
 def restore_optimizer_any(model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict, ckpt: Any) -> None:

@@ -1,0 +1,221 @@
+"""The reward worker pool of ``--reward-workers N > 1``: N processes (``python -m align.reward_pool --worker``)
+that load the rewards from their specs and answer JSON lines over pipes (nothing is pickled, so ``fields`` must be
+JSON values). A call past its deadline gets its worker killed with its process group (what the reward started) and
+replaced, so a hung reward never hangs the run; a worker that exited while a forked child holds its pipe is noticed
+from its pid (``WATCH_S``). ``align.rewards.RewardScorer`` drives it; the failure semantics are its docstring's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import select
+import selectors
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from align.data import InputError
+from align.rewards import _value, load_spec
+
+WATCH_S = 0.2  # how often the pool checks its busy workers are alive (a pipe can outlive its worker)
+STARTUP_TIMEOUT_S = 120.0  # a worker's start (python + the reward modules) never counts against a call's timeout
+
+
+class _Worker:
+    def __init__(self, specs: list[str], sel: selectors.BaseSelector):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self.proc = subprocess.Popen(  # its own session: kill() ends the processes a reward started with it
+            [sys.executable, "-m", "align.reward_pool", "--worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            bufsize=0,
+            start_new_session=True,
+        )
+        self.sel, self.buf, self.ready = sel, b"", False
+        self.task: int | None = None
+        self.deadline = time.monotonic() + STARTUP_TIMEOUT_S  # until ready: the start deadline
+        self.proc.stdin.write((json.dumps({"specs": specs}) + "\n").encode())
+        sel.register(self.proc.stdout, selectors.EVENT_READ, self)
+
+    def kill(self) -> None:
+        try:
+            self.sel.unregister(self.proc.stdout)
+        except (KeyError, ValueError):
+            pass
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # the worker and what its rewards started
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+
+class WorkerPool:
+    """N worker processes running reward calls with a per-call deadline; a late or dead worker is replaced."""
+
+    def __init__(self, specs: list[str], n: int, timeout_s: float):
+        self.specs, self.n, self.timeout_s = specs, n, timeout_s
+        self.sel = selectors.DefaultSelector()
+        self.workers: list[_Worker] = []
+
+    def _replace(self, j: int) -> None:
+        self.workers[j].kill()
+        self.workers[j] = _Worker(self.specs, self.sel)
+
+    def run(
+        self, calls: list[tuple[int, str, str, dict]], check_stop: Callable[[], None] = lambda: None
+    ) -> list[tuple[str, Any]]:
+        """``calls``: (reward index, prompt, completion, fields) -> [("ok", float) | ("error", tb) | ("timeout", msg)].
+        ``check_stop`` runs every ``WATCH_S`` at most; what it raises (``Interrupted``) ends the run, its busy
+        workers killed (replaced before the next call)."""
+        results: list[tuple[str, Any] | None] = [None] * len(calls)
+        payloads = []
+        for k, prompt, completion, fields in calls:
+            try:
+                payloads.append(json.dumps({"r": k, "prompt": str(prompt), "completion": completion, "fields": fields}))
+            except (TypeError, ValueError) as e:
+                raise InputError(
+                    f"--reward-workers > 1 sends each row's fields to the workers as JSON, and a row's "
+                    f"fields are not JSON values ({e}); use --reward-workers 1"
+                ) from None
+        while len(self.workers) < self.n:
+            self.workers.append(_Worker(self.specs, self.sel))
+        todo = list(range(len(calls)))[::-1]
+        while todo or any(w.task is not None for w in self.workers):
+            try:
+                check_stop()
+            except BaseException:
+                for w in self.workers:
+                    if w.task is not None:
+                        w.kill()
+                        w.task, w.ready, w.deadline = None, True, math.inf  # dead: replaced before its next task
+                raise
+            for w in self.workers:
+                if w.ready and w.task is None and todo:
+                    t = todo.pop()
+                    w.task, w.deadline = t, time.monotonic() + self.timeout_s if self.timeout_s > 0 else math.inf
+                    try:
+                        w.proc.stdin.write(f'{{"id": {t}, "call": {payloads[t]}}}\n'.encode())
+                    except OSError:  # died since its last answer: the read below sees EOF and reports it
+                        pass
+            wait = (
+                max(0.0, min(w.deadline for w in self.workers if w.task is not None or not w.ready) - time.monotonic())
+                if any(w.task is not None or not w.ready for w in self.workers)
+                else 0.0
+            )
+            for key, _ in self.sel.select(timeout=min(wait, WATCH_S)):
+                self._read(key.data, results)
+            for w in self.workers:  # exited, but a process it forked holds its pipe open: no EOF ever comes
+                if w.task is not None and w.proc.poll() is not None:
+                    self._drain_dead(w, results)
+            now = time.monotonic()
+            for j, w in enumerate(self.workers):
+                if now < w.deadline:
+                    continue
+                if not w.ready:
+                    w.kill()
+                    raise RuntimeError(
+                        f"a reward worker did not start within {STARTUP_TIMEOUT_S} s (loading {self.specs})"
+                    )
+                if w.task is not None:
+                    results[w.task] = ("timeout", f"reward call timed out after {self.timeout_s} s")
+                    self._replace(j)
+            for j, w in enumerate(self.workers):
+                if w.proc.poll() is not None and w.task is None and w.ready and not w.buf:
+                    self._replace(j)
+        assert all(r is not None for r in results)
+        return results  # type: ignore[return-value]
+
+    def _drain_dead(self, w: _Worker, results: list) -> None:
+        """A worker whose process exited: its last answer if it wrote one, else its task is an error."""
+        fd = w.proc.stdout.fileno()
+        while w.task is not None and select.select([fd], [], [], 0)[0]:
+            n = len(w.buf)
+            self._read(w, results)
+            if w.proc.stdout.closed or len(w.buf) == n:
+                break
+        if w.task is not None:
+            rc = w.proc.returncode
+            results[w.task] = ("error", f"reward worker exited (exit code {rc}) while scoring; see its stderr")
+            w.task = None
+        w.kill()
+        w.ready, w.deadline = True, math.inf  # dead: replaced before its next task
+
+    def _read(self, w: _Worker, results: list) -> None:
+        chunk = os.read(w.proc.stdout.fileno(), 1 << 16)
+        if not chunk:
+            w.kill()
+            if not w.ready:
+                raise RuntimeError(
+                    f"a reward worker exited while loading {self.specs} (exit code "
+                    f"{w.proc.returncode}); its error is on stderr above"
+                )
+            if w.task is not None:
+                results[w.task] = (
+                    "error",
+                    f"reward worker died (exit code {w.proc.returncode}) while scoring; see its stderr",
+                )
+                w.task = None
+            w.ready, w.deadline = True, math.inf  # dead: replaced before its next task
+            return
+        w.buf += chunk
+        while b"\n" in w.buf:
+            line, w.buf = w.buf.split(b"\n", 1)
+            msg = json.loads(line)
+            if msg.get("ready"):
+                w.ready, w.deadline = True, math.inf
+            elif w.task is not None and msg["id"] == w.task:
+                results[w.task] = ("ok", _value(msg["value"])) if "value" in msg else ("error", msg["error"])
+                w.task, w.deadline = None, math.inf
+
+    def close(self) -> None:
+        for w in self.workers:
+            try:
+                w.proc.stdin.close()
+            except OSError:
+                pass
+        deadline = time.monotonic() + 5
+        for w in self.workers:
+            try:
+                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            w.kill()
+        self.workers = []
+        self.sel.close()
+
+
+def _worker_main() -> None:
+    """A pool worker: JSON lines in on stdin, results out on the original stdout (the reward's prints go to stderr)."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which closes the pool
+    init = json.loads(sys.stdin.readline())
+    fns = [load_spec(s) for s in init["specs"]]
+    out.write(json.dumps({"ready": True}) + "\n")
+    for line in sys.stdin:
+        msg = json.loads(line)
+        call = msg["call"]
+        try:
+            v = fns[call["r"]](call["prompt"], call["completion"], **call["fields"])
+            reply = {"id": msg["id"], "value": None if v is None else float(v)}
+        except Exception:  # noqa: BLE001 -- reported to the trainer, which counts it
+            reply = {"id": msg["id"], "error": traceback.format_exc()}
+        out.write(json.dumps(reply) + "\n")
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
+    _worker_main()
