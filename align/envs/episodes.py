@@ -298,13 +298,13 @@ def env_stats(episodes: list[Episode]) -> dict[str, float]:
     }
 
 
-def episode_scores(episodes: list[Episode], items: list[tuple[dict, str]], scorer: Any) -> Any:
+def episode_scores(episodes: list[Episode], items: list[tuple[dict, str]], scorer: Any, should_stop: Any = None) -> Any:
     """``Scores`` of a step's episodes: the environment's reward (term ``env``) plus the ``--reward`` functions on
     the final assistant message, if any. Unscorable (NaN): a failed episode, one whose reward function failed, and one
     with no reward at all (the environment gave none and every reward function abstained)."""
     from align.rewards import Scores
 
-    base = scorer.score(items) if scorer is not None else None
+    base = scorer.score(items, should_stop) if scorer is not None else None
     out = Scores([], {"env": [], **(base.terms if base else {})}, list(base.errors) if base else [],
                  base.timeouts if base else 0, base.failed if base else 0)  # fmt: skip
     failed_reward = set(base.failed_at) if base else set()

@@ -68,7 +68,10 @@ class RunEpisodes:
             raise RuntimeError(f"every episode of step {t} failed in its environment; the first error:\n"
                                f"{failed[0].error}")  # fmt: skip
         items = [(run.task.prompts[idx[e.prompt_index]], e.text) for e in eps]
-        scores = episode_scores(eps, items, run.scorer)
+        from align import dist
+
+        stop = None if run.pipe.is_async or dist.active() else run.pipe.should_stop  # K = 0: a signal cuts the rewards
+        scores = episode_scores(eps, items, run.scorer, stop)
         g = Groups(idx, eps, [e.text for e in eps], scores, sampled_prompts=len(idx), scored=len(eps))
         g.signal_groups = len(idx)
         return g
