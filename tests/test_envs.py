@@ -267,3 +267,57 @@ def test_a_resumed_episode_run_logs_what_the_uninterrupted_run_logs(tmp_path, K)
     run("resumed", 2)
     assert run("resumed", 4) == straight
     assert len(straight) == 4 and any(r[2] > 0 for r in straight)
+
+
+def test_lora_trains_on_episodes(tmp_path):
+    import json
+
+    from align.model import save_pretrained
+    from align.run.config import TrainConfig
+    from align.train import train
+
+    model_dir = str(save_pretrained(rev_model(), tmp_path / "model"))
+    c = TrainConfig(out=str(tmp_path / "run"), steps=2, prompts_per_step=2, group_size=3, max_tokens=8, lr=1e-2,
+                    envs=EnvConfig(max_turns=3))  # fmt: skip
+    c.lora.rank = 4
+    c.eval.eval_interval = 0
+    dense = lambda prompt, completion, **_: len(completion) / 8  # noqa: E731 -- adds to the environment's reward
+    train(c, model=model_dir, tokenizer=reverse.tokenizer(), prompts=reverse.prompts(64, "train"),
+          env=turn_envs.Feedback, reward=dense)  # fmt: skip
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if "loss" in r] == [1, 2] and all(r["grad_norm"] > 0 for r in recs if "loss" in r)
+    assert (tmp_path / "run" / "checkpoints" / "step_2" / "adapter" / "adapter_model.safetensors").is_file()
+    assert all("reward/env_mean" in r and "reward/<lambda>_mean" in r for r in recs if "loss" in r)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--env", "no_such_module:Env"], "no module 'no_such_module'"),
+        (["--env", "tests/fixtures/turn_envs.py"], "--env"),
+        (["--env", "tests/fixtures/turn_envs.py:NoReset"], "reset"),
+        (["--env", "tests/fixtures/turn_envs.py:Feedback", "--max-turns", "0"], "--max-turns must be >= 1"),
+        (["--env", "tests/fixtures/turn_envs.py:Feedback", "--max-episode-tokens", "3"], "below --max-tokens"),
+        (["--env", "tests/fixtures/turn_envs.py:Feedback", "--train-data", ""], "--env needs --train-data"),
+        (["--tools", "tests/fixtures/turn_envs.py:Feedback"], "--tools"),
+    ],
+)
+def test_bad_environment_flags_fail_by_name_before_any_model_loads(tmp_path, monkeypatch, capsys, args, message):
+    import align.model
+    from align.train import main
+
+    def no_load(*a, **k):
+        raise AssertionError("the model loaded before the flags were checked")
+
+    monkeypatch.setattr(align.model, "load_pretrained", no_load)
+    monkeypatch.chdir(Path(__file__).parents[1])
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"prompt": "abc=", "answer": "cba"}\n')
+    argv = ["--out", str(tmp_path / "run"), "--model", str(tmp_path / "no_model"), "--train-data", str(data), *args]
+    try:
+        rc = main(argv)
+    except (SystemExit, ValueError) as e:  # argparse / config checks
+        rc, err = 2, str(e) + capsys.readouterr().err
+    else:
+        err = capsys.readouterr().err
+    assert rc == 2 and message in err, err
