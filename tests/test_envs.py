@@ -281,7 +281,7 @@ def test_lora_trains_on_episodes(tmp_path):
                     envs=EnvConfig(max_turns=3))  # fmt: skip
     c.lora.rank = 4
     c.eval.eval_interval = 0
-    dense = lambda prompt, completion, **_: len(completion) / 8  # noqa: E731 -- adds to the environment's reward
+    dense = lambda prompt, completion, **_: len(completion) / 8
     train(c, model=model_dir, tokenizer=reverse.tokenizer(), prompts=reverse.prompts(64, "train"),
           env=turn_envs.Feedback, reward=dense)  # fmt: skip
     recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
