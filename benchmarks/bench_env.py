@@ -33,6 +33,9 @@ from align.rollout.protocol import SamplingParams
 from align.rollout.sessions import Session
 
 OBS = [5, 6, 7, 8, 9, 10, 11, 12]  # what the environment says each turn (8 tokens)
+# the runner's turns must end with a stop token (a turn cut by max_tokens ends its episode): 1/8 of the vocabulary
+# stops, so a turn is ~8 tokens and almost never reaches 64
+STOPS = list(range(0, 512, 8))
 
 
 class Instant:
@@ -76,10 +79,10 @@ def bench_spool(a: argparse.Namespace) -> None:
     worker = spawn_worker(tmp / "spool", model=path, log_path=tmp / "worker.log", in_process=True,
                           max_model_len=1024, dtype="float32")  # fmt: skip
     client = make_rollout_client("spool", spool=tmp / "spool", timeout_s=600, worker=worker)
-    params = SamplingParams(n=1, temperature=1.0, max_tokens=a.max_tokens, seed=1, stop_token_ids=[])
+    params = SamplingParams(n=1, temperature=1.0, max_tokens=64, seed=1, stop_token_ids=STOPS)
     rows = [{"seed": i} for i in range(a.episodes)]
     envs = EnvRunner(None, Sleepy, 0, 0.0)
-    runner = EpisodeRunner(envs, _Renderer(), lambda ids: "x", EnvConfig(max_turns=a.turns), a.max_tokens, 1024)
+    runner = EpisodeRunner(envs, _Renderer(), lambda ids: "x", EnvConfig(max_turns=a.turns), 64, 1024)
 
     def barrier() -> None:
         hist = [list(range(3, 67)) for _ in rows]
@@ -166,7 +169,10 @@ def main() -> None:
     model = model_of(a.layers, a.hidden)
     prompts = [list(range(3, 67)) for _ in range(a.episodes)]
     params = SamplingParams(n=1, temperature=1.0, max_tokens=a.max_tokens, seed=1, stop_token_ids=[])
-    times: dict[str, list[float]] = {"kept": [], "reprefill": [], "runner": [], "session": []}
+    one = SamplingParams(n=1, temperature=1.0, max_tokens=1, seed=1, stop_token_ids=[])  # a turn = its prefill
+    every = SamplingParams(n=1, temperature=1.0, max_tokens=1, seed=1, stop_token_ids=list(range(512)))  # stops
+    times: dict[str, list[float]] = {"kept": [], "reprefill": [], "runner": [], "session": [], "kept1": [],
+                                     "reprefill1": []}  # fmt: skip
     tokens: dict[str, int] = {}
     envs = EnvRunner(None, Instant, 0, 0.0)
     runner = EpisodeRunner(envs, _Renderer(), lambda ids: "x", EnvConfig(max_turns=a.turns), a.max_tokens, 1024)
@@ -177,11 +183,14 @@ def main() -> None:
                 t0 = time.perf_counter()
                 tokens[name] = fn(model, prompts, params, a.turns)
                 times[name].append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                fn(model, prompts, one, a.turns)
+                times[name + "1"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            runner.run(NativeClient(model), rows, 1, params)
+            runner.run(NativeClient(model), rows, 1, every)  # the same turns as kept(one): 1-token turns
             times["runner"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            kept(model, prompts, params, a.turns)
+            kept(model, prompts, one, a.turns)
             times["session"].append(time.perf_counter() - t0)
     envs.close()
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -196,6 +205,8 @@ def main() -> None:
     print(
         f"    ratio kept/re-prefill: tokens {tokens['kept'] / tokens['reprefill']:.2f}x, time {med['kept'] / med['reprefill']:.2f}x (target <= 0.5x time)"
     )
+    print(f"    prefill alone (1 token per turn): kept {med['kept1'] / n * 1e3:.2f} ms/episode, re-prefill "
+          f"{med['reprefill1'] / n * 1e3:.2f} ms/episode: {med['kept1'] / med['reprefill1']:.2f}x")  # fmt: skip
     per_turn = (med["runner"] - med["session"]) / (n * a.turns)
     print(f"(c) environment machinery per turn (instant env): {per_turn * 1e6:.0f} us "
           f"({med['runner'] / med['session']:.2f}x the bare session calls)")  # fmt: skip
