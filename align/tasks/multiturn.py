@@ -23,10 +23,8 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from align.envs import Step
-from align.model import ModelConfig, Transformer, save_pretrained
+from align.model import ModelConfig
 from align.tasks import reverse
 from align.tasks.tokenizer import CharTokenizer
 
@@ -148,33 +146,16 @@ def warm_start(
 ) -> Path:
     """Supervised warm start on both turns' formats, biased to repeat the first answer; saves an HF checkpoint
     (with ``align_tokenizer.json``) at ``path``."""
+    from align.tasks.warm import supervised
+
     tok = tokenizer()
-    torch.manual_seed(seed)
-    model = Transformer(model_config(tok)).init_weights(seed=seed).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / steps))
-    rng = random.Random(seed)
     data = prompts(4000, "train", seed=seed)
-    for step in range(steps):
+
+    def examples(rng: random.Random) -> list[tuple[list[int], list[int]]]:
         rows = [_warm_example(r, tok, rng) for r in rng.sample(data, batch)]
-        L = max(len(ids) for ids, _ in rows)
-        ids = torch.zeros(batch, L, dtype=torch.long)  # (B, L) right-padded
-        labels = torch.full((batch, L), -100, dtype=torch.long)  # (B, L): labels[t] is the token at t + 1
-        for i, (x, y) in enumerate(rows):
-            ids[i, : len(x)] = torch.tensor(x)
-            labels[i, : len(y) - 1] = torch.tensor(y[1:])
-        logits = model(ids)  # (B, L, V)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if log and (step % 100 == 0 or step == steps - 1):
-            log(f"warm start step {step + 1}/{steps} | loss {loss.item():.3f}")
-    path = save_pretrained(model.eval(), path)
-    tok.save(path)
-    return path
+        return [(ids, labels[1:]) for ids, labels in rows]  # label t: the token after position t
+
+    return supervised(path, tok, model_config(tok), examples, steps=steps, lr=lr, seed=seed, log=log)
 
 
 def check_sizes(rows: list[dict], tok: CharTokenizer, max_tokens: int, max_turns: int) -> None:

@@ -12,9 +12,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-import torch
-
-from align.model import ModelConfig, Transformer, save_pretrained
+from align.model import ModelConfig
 from align.tasks.tokenizer import CharTokenizer
 
 ALPHABET = "abcdefgh="
@@ -76,38 +74,21 @@ def warm_start(
     path: str | Path, *, steps: int = 400, batch: int = 64, lr: float = 3e-3, seed: int = 0, log=print
 ) -> Path:
     """Supervised warm start on the biased copy/reverse mixture; saves an HF checkpoint at ``path``."""
+    from align.tasks.warm import supervised
+
     tok = tokenizer()
-    torch.manual_seed(seed)
-    model = Transformer(model_config(tok)).init_weights(seed=seed).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / steps))
-    rng = random.Random(seed)
     data = prompts(4000, "train", seed=seed)
-    for step in range(steps):
+
+    def examples(rng: random.Random) -> list[tuple[list[int], list[int]]]:
         rows = []
         for ex in rng.sample(data, batch):
             word = ex["prompt"][:-1]
             target = word if rng.random() < COPY_FRACTION else word[::-1]
-            p = tok.encode(ex["prompt"])
-            rows.append((p, tok.encode(target, add_bos=False) + [tok.eos_token_id]))
-        L = max(len(p) + len(c) for p, c in rows)
-        ids = torch.zeros(batch, L, dtype=torch.long)  # (B, L) right-padded
-        labels = torch.full((batch, L), -100, dtype=torch.long)
-        for i, (p, c) in enumerate(rows):
-            ids[i, : len(p) + len(c)] = torch.tensor(p + c)
-            labels[i, len(p) - 1 : len(p) + len(c) - 1] = torch.tensor(c)
-        logits = model(ids)  # (B, L, V)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if log and (step % 100 == 0 or step == steps - 1):
-            log(f"warm start step {step + 1}/{steps} | loss {loss.item():.3f}")
-    path = save_pretrained(model.eval(), path)
-    tok.save(path)
-    return path
+            p, c = tok.encode(ex["prompt"]), tok.encode(target, add_bos=False) + [tok.eos_token_id]
+            rows.append((p + c, [-100] * (len(p) - 1) + c))  # label t: the token after position t
+        return rows
+
+    return supervised(path, tok, model_config(tok), examples, steps=steps, lr=lr, seed=seed, log=log)
 
 
 def check_sizes(prompts: list[dict], tok: CharTokenizer, max_tokens: int) -> None:
