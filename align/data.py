@@ -106,13 +106,19 @@ def read_rows(path: str | Path, flag: str = "--train-data") -> list[tuple[str, d
     return list(iter_rows(path, flag))
 
 
-def _parquet_rows(path: Path, flag: str) -> list[tuple[str, dict]]:
+PARQUET_BATCH_ROWS = 1024  # rows decoded at a time: a large file is streamed, never held whole as Python objects
+
+
+def _parquet_rows(path: Path, flag: str) -> Iterator[tuple[str, dict]]:
     pq = need_extra("pyarrow.parquet", "parquet", f"{flag} {path} (Parquet)")
+    i = 0
     try:
-        table = pq.read_table(path)
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=PARQUET_BATCH_ROWS):
+            for row in batch.to_pylist():
+                yield f"{path}:row {i}", row
+                i += 1
     except (OSError, ValueError) as e:  # ArrowInvalid is a ValueError; re-raised with the flag and file named
         raise InputError(f"{flag} {path}: not a readable Parquet file ({e})") from None
-    return [(f"{path}:row {i}", row) for i, row in enumerate(table.to_pylist())]
 
 
 def _jsonl_rows(path: Path, flag: str) -> Iterator[tuple[str, dict]]:

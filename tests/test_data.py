@@ -263,6 +263,41 @@ def test_parquet_rows_in_a_venv_with_pyarrow(tmp_path):
     assert json.loads(out.stdout.splitlines()[-1]) == [{"prompt": "a?", "answer": 1}, {"prompt": "b?", "answer": 2}]
 
 
+def test_parquet_rows_are_streamed_a_batch_at_a_time(tmp_path):
+    """The first row of a 5000-row file arrives after one batch was decoded (pq.read_table held the whole file as
+    Python objects); every row still arrives, in order, named by its row number."""
+    venv = require_rollout_venv()
+    code = textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        import pyarrow as pa, pyarrow.parquet as pq
+        from align import data
+        path = {str(tmp_path / "big.parquet")!r}
+        pq.write_table(pa.table({{"prompt": [f"q{{i}}" for i in range(5000)]}}), path, row_group_size=500)
+        decoded = []
+        stock = pq.ParquetFile.iter_batches
+
+        def counted(self, *a, **k):
+            for b in stock(self, *a, **k):
+                decoded.append(b.num_rows)
+                yield b
+
+        pq.ParquetFile.iter_batches = counted
+        it = data.iter_rows(path)
+        first = next(it)
+        after_first = sum(decoded)
+        rest = list(it)
+        print(json.dumps([first[0], after_first, len(rest) + 1, rest[-1][1]["prompt"]]))
+    """)
+    out = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", code], check=False, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    where, after_first, n, last = json.loads(out.stdout.splitlines()[-1])
+    assert where.endswith("big.parquet:row 0") and n == 5000 and last == "q4999"
+    assert after_first <= 1024  # one batch of PARQUET_BATCH_ROWS, not the file
+
+
 def test_missing_hf_extra_names_it(tmp_path, monkeypatch):
     d = make_bpe_tokenizer(tmp_path / "t")
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # import raises ImportError, as when not installed
