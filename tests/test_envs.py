@@ -269,7 +269,7 @@ def test_a_resumed_episode_run_logs_what_the_uninterrupted_run_logs(tmp_path, K)
     assert len(straight) == 4 and any(r[2] > 0 for r in straight)
 
 
-def test_lora_trains_on_episodes(tmp_path):
+def test_lora_trains_on_episodes_and_held_out_episodes_are_evaluated(tmp_path):
     import json
 
     from align.model import save_pretrained
@@ -280,14 +280,17 @@ def test_lora_trains_on_episodes(tmp_path):
     c = TrainConfig(out=str(tmp_path / "run"), steps=2, prompts_per_step=2, group_size=3, max_tokens=8, lr=1e-2,
                     envs=EnvConfig(max_turns=3))  # fmt: skip
     c.lora.rank = 4
-    c.eval.eval_interval = 0
+    c.eval.eval_interval, c.eval.eval_n = 1, 2
     dense = lambda prompt, completion, **_: len(completion) / 8
     train(c, model=model_dir, tokenizer=reverse.tokenizer(), prompts=reverse.prompts(64, "train"),
-          env=turn_envs.Feedback, reward=dense)  # fmt: skip
+          env=turn_envs.Feedback, reward=dense, eval_prompts=reverse.prompts(4, "eval"))  # fmt: skip
     recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs if "loss" in r] == [1, 2] and all(r["grad_norm"] > 0 for r in recs if "loss" in r)
     assert (tmp_path / "run" / "checkpoints" / "step_2" / "adapter" / "adapter_model.safetensors").is_file()
     assert all("reward/env_mean" in r and "reward/<lambda>_mean" in r for r in recs if "loss" in r)
+    evals = [r for r in recs if "eval/pass@1" in r]  # steps 0, 1, 2: episodes of the held-out rows, G = eval_n
+    assert [r["step"] for r in evals] == [0, 1, 2]
+    assert all(0 <= r["eval/first_turn_pass@1"] <= r["eval/pass@1"] <= 1 for r in evals)
 
 
 @pytest.mark.parametrize(

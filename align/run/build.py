@@ -273,7 +273,8 @@ def _open_files_and_task(run: Run, model: Any, tokenizer: Any, prompts: Any, rew
     run.pass_reward = None  # the reward that decides pass@k (--eval-pass-reward); refused before the model loads
     names = ["env"] * (task.env is not None) + (run.scorer.names if run.scorer else [])
     if task.eval_prompts and cfg.eval.eval_interval > 0:
-        run.pass_reward = pass_reward_for(names, cfg.eval.eval_pass_reward)
+        choice = cfg.eval.eval_pass_reward or ("env" if task.env is not None else None)  # episodes: the env's verdict
+        run.pass_reward = pass_reward_for(names, choice)
     if task.env is not None:
         from align.run.episodes import open_episodes
 
