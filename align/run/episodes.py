@@ -11,7 +11,6 @@ from typing import Any
 
 from align.data import InputError
 from align.envs.episodes import EpisodeRunner, episode_scores
-from align.rollout.groups import Groups
 
 log = logging.getLogger(__name__)
 
@@ -56,25 +55,29 @@ class RunEpisodes:
                                 "tokens", diff)  # fmt: skip
                 return
 
-    def collect(self, t: int, client: Any, run: Any) -> Groups:
-        """Steps 1-3 for step ``t``: rows -> G episodes each -> scores (environment reward + --reward functions)."""
-        cfg = self.cfg
-        idx = run.cursor.next_prompts(cfg.prompts_per_step)
-        params = replace(run.params, seed=cfg.seed * 1_000_003 + t - 1)
-        with run.place.autocast():
-            eps = self.episodes(run, client, [run.task.prompts[i] for i in idx], cfg.group_size, params)
-        failed = [e for e in eps if e.error is not None]
-        if len(failed) == len(eps):
-            raise RuntimeError(f"every episode of step {t} failed in its environment; the first error:\n"
-                               f"{failed[0].error}")  # fmt: skip
-        items = [(run.task.prompts[idx[e.prompt_index]], e.text) for e in eps]
+    def collect(self, t: int, client: Any, run: Any) -> Any:
+        """Steps 1-3 for step ``t``: rows -> G episodes each -> scores (environment reward + --reward functions),
+        through the same ``collect_groups`` as single-turn groups (so ``--adv-refill`` works on episodes too)."""
         from align import dist
+        from align.rollout.groups import collect_groups
+
+        cfg, prompts = self.cfg, run.task.prompts
+
+        def sample(idx: list[int], round_: int) -> list:
+            params = replace(run.params, seed=cfg.seed * 1_000_003 + t - 1 + round_ * 100_000_007)
+            with run.place.autocast():
+                eps = self.episodes(run, client, [prompts[i] for i in idx], cfg.group_size, params)
+            failed = [e for e in eps if e.error is not None]
+            if len(failed) == len(eps):
+                raise RuntimeError(f"every episode of step {t} failed in its environment; the first error:\n"
+                                   f"{failed[0].error}")  # fmt: skip
+            return eps
 
         stop = None if run.pipe.is_async or dist.active() else run.pipe.should_stop  # K = 0: a signal cuts the rewards
-        scores = episode_scores(eps, items, run.scorer, stop)
-        g = Groups(idx, eps, [e.text for e in eps], scores, sampled_prompts=len(idx), scored=len(eps))
-        g.signal_groups = len(idx)
-        return g
+        names = ["env", *(run.scorer.names if run.scorer else [])]
+        return collect_groups(cfg.prompts_per_step, run.cursor.next_prompts, sample, lambda e: e.text,
+                              lambda i: prompts[i], lambda items, eps: episode_scores(eps, items, run.scorer, stop),
+                              names, cfg.adv_refill, cfg.max_refill_rounds)  # fmt: skip
 
     def evaluate(self, run: Any, sampling: Any) -> dict:
         """pass@k of the held-out rows' episodes on the live policy (blocking, in this process)."""
@@ -108,6 +111,4 @@ def open_episodes(run: Any) -> None:
     if cfg.eval.uses_snapshots:
         raise InputError("--env / --tools / --task multiturn evaluate episodes in this process: snapshot eval "
                          "(--eval-num-gpus, --eval-function-path) does not run environments yet; drop those flags")  # fmt: skip
-    if cfg.adv_refill:
-        raise InputError("--adv-refill does not apply to episodes yet; drop it with --env / --tools")
     run.episodes = run.envs = RunEpisodes(run)
