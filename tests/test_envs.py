@@ -337,7 +337,9 @@ def test_dapo_refill_samples_more_rows_until_the_episode_groups_have_signal(tmp_
     c = TrainConfig(out=str(tmp_path / "run"), steps=2, prompts_per_step=2, group_size=3, max_tokens=8,
                     adv_refill=True, max_refill_rounds=2, envs=EnvConfig(max_turns=2))  # fmt: skip
     c.eval.eval_interval = 0
-    train(c, model=model_dir, tokenizer=reverse.tokenizer(), prompts=reverse.prompts(64, "train"), env=turn_envs.Feedback)
+    train(
+        c, model=model_dir, tokenizer=reverse.tokenizer(), prompts=reverse.prompts(64, "train"), env=turn_envs.Feedback
+    )
     recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     # a random model never reverses a word: no group has signal, so every step uses all its refill rounds
     assert [(r["refill_rounds"], r["refill_prompts"], r["signal_groups"]) for r in recs] == [(2, 4, 0)] * 2
