@@ -58,7 +58,11 @@ def engine_actor_class():
 
         def generate(self, messages: list[str]) -> list[str]:
             now = time.time()
-            return self._serve(self.w.serve_generate, [(P.Message.from_json(m), now) for m in messages])
+            return self._serve(self._generate, [(P.Message.from_json(m), now) for m in messages])
+
+        def _generate(self, batch: list[tuple[P.Message, float]]) -> None:
+            self.w.serve_generate(batch)  # adds them to the engine
+            self.w.drain()  # serves them to the end: the driver routes a call's answers back together
 
         def sync(self, message: str) -> list[str]:
             return self._serve(self.w.serve_sync, P.Message.from_json(message))

@@ -6,7 +6,9 @@ by hand:
 
     .venv-rollout/bin/python extras/vllm_rollout/rollout_worker.py --spool runs/x/spool --model <hf dir>
 
-Loop: claim requests in file-name order; consecutive generate requests are served as one vLLM batch;
+Loop: claim requests in file-name order; generate requests join the running engine between its steps
+(continuous batching, up to ``--max-batch-requests`` in flight) and each is answered once all its sequences
+finished; a command waits until nothing is in flight, and nothing after it is claimed before it ran;
 ``sync_weights`` reloads the committed snapshot into the running engine
 (``collective_rpc("reload_weights", weights_path=...)``), rebuilding the engine when the architecture
 changed or reload fails; a committed PEFT adapter dir (LoRA training, worker started with
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import fcntl
 import gc
 import hashlib
@@ -72,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--seed", type=int, default=0, help="engine seed (requests carry their own sampling seeds)")
     ap.add_argument("--max-lora-rank", type=int, default=0, help="serve LoRA adapters up to this rank (0 = off)")
-    ap.add_argument("--max-batch-requests", type=int, default=64, help="generate requests served in one engine call")
+    ap.add_argument("--max-batch-requests", type=int, default=64, help="generate requests in flight at once")
     ap.add_argument("--heartbeat-s", type=float, default=1.0)
     ap.add_argument("--poll-s", type=float, default=0.02)
     ap.add_argument("--log-path", default=None, help="this worker's log file (recorded in the heartbeat for clients)")
@@ -108,6 +111,20 @@ def _arch(config_path: Path) -> dict:
     return {k: v for k, v in cfg.items() if k not in _NON_ARCH_KEYS}
 
 
+@dataclasses.dataclass
+class Running:
+    """A generate request in flight: its sequences' outputs (prompt-major, then sample) as they finish."""
+
+    msg: P.Message
+    claimed_at: float
+    params: P.SamplingParams
+    outs: list  # vLLM RequestOutput per sequence, None until it finished
+    left: int  # sequences not finished yet
+    started: float  # perf_counter when added to the engine
+    tokens_before: int  # Worker.finished_tokens then
+    peak: int = 0  # most requests in flight during its life
+
+
 class Worker:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -121,6 +138,9 @@ class Worker:
         self.lora_ids = 0
         self.vocab_size = int(json.loads((self.model_dir / "config.json").read_text()).get("vocab_size", 0))
         self.arch = _arch(self.model_dir / "config.json")  # kept: the snapshot dir may be deleted once loaded
+        self.running: dict[str, Running] = {}  # generate requests in flight, by message id
+        self.running_seqs: dict[str, tuple[Running, int]] = {}  # engine request id -> (its request, sequence index)
+        self.finished_tokens = 0  # completion tokens of every finished sequence (the batch figures' basis)
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat_loop, daemon=True, name="heartbeat")
 
@@ -192,55 +212,102 @@ class Worker:
         return None
 
     def serve_generate(self, batch: list[tuple[P.Message, float]]) -> None:
+        """Add each claimed request's sequences to the running engine; ``step`` serves them (continuous batching:
+        ``run`` admits new requests between engine steps, ``drain`` waits for all in flight).
+
+        A bad request is answered at once; one the engine refuses is answered ``engine_error`` (EngineDead raised)."""
         from vllm import SamplingParams as VSP
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
-        inputs, sps, owners = [], [], []
+        engine = self.llm.llm_engine
         for msg, claimed_at in batch:
             params = P.SamplingParams.from_dict(msg.body["params"])
             problem = self.check_generate(msg.body["prompts"], params)
             if problem is not None:
                 self.answer(P.error_response(msg.id, "bad_request", problem))
                 continue
-            owners.append((msg, claimed_at, params, len(inputs)))
             first = msg.body.get("first_prompt_index", 0)  # a torchrun rank's share: seeds by global prompt index
-            for i, prompt in enumerate(msg.body["prompts"]):
-                for j in range(params.n):
-                    inputs.append(TokensPrompt(prompt_token_ids=prompt))
-                    sps.append(
-                        VSP(
+            ids: list[str] = []
+            try:
+                for i, prompt in enumerate(msg.body["prompts"]):
+                    for j in range(params.n):
+                        sp = VSP(
                             n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                             max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids),
                             ignore_eos=True,  # stop only on the requested ids, as the native sampler does
                             seed=sample_seed(params.seed, first + i, j), logprobs=0, detokenize=False,
-                        )
-                    )  # fmt: skip
-        if not owners:
-            return
-        self.set_state("busy")
-        t0 = time.perf_counter()
-        try:
-            outs = self.llm.generate(inputs, sps, use_tqdm=False, lora_request=self.lora)
-        except Exception as e:
-            log.exception("engine failed on %d requests", len(owners))
-            for msg, _, _, _ in owners:
+                            output_kind=RequestOutputKind.FINAL_ONLY,  # one output per sequence, when it finishes
+                        )  # fmt: skip
+                        # the prompt rendering LLM.generate does, then the engine's own unique id per sequence
+                        engine_input = self.llm._preprocess_cmpl_one(TokensPrompt(prompt_token_ids=prompt))
+                        ids.append(f"{msg.id}:{len(ids)}")
+                        engine.add_request(ids[-1], engine_input, sp, lora_request=self.lora)
+            except Exception as e:
+                log.exception("engine refused request %s", msg.id)
+                with contextlib.suppress(Exception):
+                    engine.abort_request(ids)
                 self.answer(P.error_response(msg.id, "engine_error", f"{e.__class__.__name__}: {e}"))
+                if "EngineDead" in e.__class__.__name__:
+                    raise
+                continue
+            job = Running(
+                msg, claimed_at, params, [None] * len(ids), len(ids), time.perf_counter(), self.finished_tokens
+            )
+            self.running[msg.id] = job
+            self.running_seqs.update({rid: (job, k) for k, rid in enumerate(ids)})
+        for job in self.running.values():
+            job.peak = max(job.peak, len(self.running))
+        if self.running and self.state != "busy":
+            self.set_state("busy")
+
+    def step(self) -> None:
+        """One engine step; answer every request whose sequences have all finished (``engine_error`` for all in
+        flight when the engine fails; EngineDead re-raised)."""
+        try:
+            outs = self.llm.llm_engine.step()
+        except Exception as e:
+            log.exception("engine failed on %d requests", len(self.running))
+            with contextlib.suppress(Exception):
+                self.llm.llm_engine.abort_request(list(self.running_seqs))
+            for job in self.running.values():
+                self.answer(P.error_response(job.msg.id, "engine_error", f"{e.__class__.__name__}: {e}"))
+            self.running.clear()
+            self.running_seqs.clear()
+            self.set_state("ready")
             if "EngineDead" in e.__class__.__name__:
                 raise
             return
-        gen_s = time.perf_counter() - t0
-        total_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        for msg, claimed_at, params, start in owners:
-            count = len(msg.body["prompts"]) * params.n
-            comps = [self.completion(outs[start + k], k // params.n, k % params.n, params) for k in range(count)]
-            timings = {
-                "queue_s": max(0.0, claimed_at - msg.created), "generate_s": gen_s, "batch_requests": len(owners),
-                "batch_completion_tokens": total_tokens, "completion_tokens": sum(len(c.token_ids) for c in comps),
-                "tokens_per_s": total_tokens / max(gen_s, 1e-9),
-            }  # fmt: skip
-            body = {"completions": [c.to_dict() for c in comps], "weights_version": self.version}
-            self.answer(P.Message("completions", msg.id, {**body, "logprob_basis": self.basis, "timings": timings}))
-        self.set_state("ready")
+        for out in outs:
+            if not out.finished or out.request_id not in self.running_seqs:
+                continue
+            job, k = self.running_seqs.pop(out.request_id)
+            job.outs[k], job.left = out, job.left - 1
+            self.finished_tokens += len(out.outputs[0].token_ids)
+            if job.left == 0:
+                del self.running[job.msg.id]
+                self.answer_job(job)
+        if not self.running:
+            self.set_state("ready")
+
+    def drain(self) -> None:
+        """Step the engine until every request in flight is answered."""
+        while self.running:
+            self.step()
+
+    def answer_job(self, job: Running) -> None:
+        """Answer a request whose sequences all finished; the batch figures cover the engine while it was in flight."""
+        msg, params = job.msg, job.params
+        gen_s = time.perf_counter() - job.started
+        total_tokens = self.finished_tokens - job.tokens_before
+        comps = [self.completion(out, k // params.n, k % params.n, params) for k, out in enumerate(job.outs)]
+        timings = {
+            "queue_s": max(0.0, job.claimed_at - msg.created), "generate_s": gen_s, "batch_requests": job.peak,
+            "batch_completion_tokens": total_tokens, "completion_tokens": sum(len(c.token_ids) for c in comps),
+            "tokens_per_s": total_tokens / max(gen_s, 1e-9),
+        }  # fmt: skip
+        body = {"completions": [c.to_dict() for c in comps], "weights_version": self.version}
+        self.answer(P.Message("completions", msg.id, {**body, "logprob_basis": self.basis, "timings": timings}))
 
     def completion(self, out, prompt_index: int, sample_index: int, params: P.SamplingParams) -> P.Completion:
         o = out.outputs[0]
@@ -337,8 +404,11 @@ class Worker:
 
     # -- main loop ---------------------------------------------------------------------------------
     def next_batch(self) -> tuple[list[tuple[P.Message, float]], P.Message | None]:
-        """Claim consecutive generate requests (up to --max-batch-requests) and/or the command after them."""
+        """Claim consecutive generate requests (up to --max-batch-requests in flight) and/or the command after them."""
         batch: list[tuple[P.Message, float]] = []
+        limit = self.args.max_batch_requests - len(self.running)
+        if limit < 1:
+            return batch, None
         for path in self.spool.pending():
             claimed = self.spool.claim(path)
             if claimed is None:
@@ -361,7 +431,7 @@ class Worker:
             if msg.kind != "generate":
                 return batch, msg
             batch.append((msg, time.time()))
-            if len(batch) >= self.args.max_batch_requests:
+            if len(batch) >= limit:
                 break
         return batch, None
 
@@ -379,18 +449,25 @@ class Worker:
             return 2
         self.set_state("ready")
         log.info("serving %s (logprobs %s, weights version %d)", self.spool.root, self.basis, self.version)
+        command = None  # claimed; runs once nothing is in flight (the requests claimed before it answered)
         while True:
-            batch, command = self.next_batch()
-            if batch:
-                self.serve_generate(batch)
+            batch = []
+            if command is None:
+                batch, command = self.next_batch()
+                if batch:
+                    self.serve_generate(batch)
+            if self.running:
+                self.step()
+                continue
             if command is None:
                 if not batch:
                     time.sleep(self.args.poll_s)
                 continue
-            if command.kind == "sync_weights":
-                self.serve_sync(command)
-            elif command.kind == "shutdown":
-                self.answer(P.Message("stopped", command.id, {}))
+            command, pending = None, command
+            if pending.kind == "sync_weights":
+                self.serve_sync(pending)
+            elif pending.kind == "shutdown":
+                self.answer(P.Message("stopped", pending.id, {}))
                 log.info("shutdown requested")
                 return 0
 
