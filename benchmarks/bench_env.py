@@ -81,7 +81,9 @@ def bench_spool(a: argparse.Namespace) -> None:
     client = make_rollout_client("spool", spool=tmp / "spool", timeout_s=600, worker=worker)
     params = SamplingParams(n=1, temperature=1.0, max_tokens=64, seed=1, stop_token_ids=STOPS)
     rows = [{"seed": i} for i in range(a.episodes)]
-    envs = EnvRunner(None, Sleepy, 0, 0.0)
+    # in process (--env-workers 0) EnvRunner serialises every step (one lock), so the episodes' sleeps add up; the
+    # barrier sleeps in a thread pool: worker processes let per-episode submission's steps overlap as well
+    envs = EnvRunner(f"{Path(__file__).resolve()}:Sleepy", Sleepy, a.env_workers, 0.0)
     runner = EpisodeRunner(envs, _Renderer(), lambda ids: "x", EnvConfig(max_turns=a.turns), 64, 1024)
 
     def barrier() -> None:
@@ -164,6 +166,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--spool", action="store_true", help="also (a): the real vLLM CPU worker (.venv-rollout)")
+    ap.add_argument("--env-workers", type=int, default=0, help="(a): environment worker processes (0 = in process)")
     a = ap.parse_args()
     torch.manual_seed(0)
     model = model_of(a.layers, a.hidden)
