@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import fcntl
 import gc
 import hashlib
@@ -111,18 +110,18 @@ def _arch(config_path: Path) -> dict:
     return {k: v for k, v in cfg.items() if k not in _NON_ARCH_KEYS}
 
 
-@dataclasses.dataclass
 class Running:
-    """A generate request in flight: its sequences' outputs (prompt-major, then sample) as they finish."""
+    """A generate request in flight: its sequences' outputs (prompt-major, then sample) as they finish.
 
-    msg: P.Message
-    claimed_at: float
-    params: P.SamplingParams
-    outs: list  # vLLM RequestOutput per sequence, None until it finished
-    left: int  # sequences not finished yet
-    started: float  # perf_counter when added to the engine
-    tokens_before: int  # Worker.finished_tokens then
-    peak: int = 0  # most requests in flight during its life
+    A plain class, not a dataclass: tests load this file by path, outside ``sys.modules``."""
+
+    def __init__(self, msg: P.Message, claimed_at: float, params: P.SamplingParams, count: int, tokens: int) -> None:
+        self.msg, self.claimed_at, self.params = msg, claimed_at, params
+        self.outs: list = [None] * count  # vLLM RequestOutput per sequence, None until it finished
+        self.left = count  # sequences not finished yet
+        self.started = time.perf_counter()  # when added to the engine
+        self.tokens_before = tokens  # Worker.finished_tokens then
+        self.peak = 0  # most requests in flight during its life
 
 
 class Worker:
@@ -251,9 +250,7 @@ class Worker:
                 if "EngineDead" in e.__class__.__name__:
                     raise
                 continue
-            job = Running(
-                msg, claimed_at, params, [None] * len(ids), len(ids), time.perf_counter(), self.finished_tokens
-            )
+            job = Running(msg, claimed_at, params, len(ids), self.finished_tokens)
             self.running[msg.id] = job
             self.running_seqs.update({rid: (job, k) for k, rid in enumerate(ids)})
         for job in self.running.values():
