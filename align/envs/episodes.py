@@ -79,7 +79,9 @@ class _Live:
 
     def fail(self, e: EnvError) -> None:
         self.ep.error = str(e)
-        self.ep.timed_out = type(e).__name__ == "EnvTimeout"
+        from align.envs.runner import EnvTimeout
+
+        self.ep.timed_out = isinstance(e, EnvTimeout)
         self.done = True
 
     def begin(self, obs: list[dict] | str) -> None:
