@@ -1,0 +1,7 @@
+"""``python -m align.sft``: see ``align.sft``."""
+
+import sys
+
+from align.sft import main
+
+sys.exit(main())
