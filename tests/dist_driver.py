@@ -69,7 +69,7 @@ def sft(spec: dict) -> None:
     for run in spec["sft"]:
         # the negative control: each rank divides by its own target count (at least 1, so that a rank without rows
         # still runs its padding forward/backward and the collectives stay aligned)
-        own = lambda counts: (max(counts[0], 1), counts[1])  # noqa: E731
+        own = lambda counts: (max(counts[0], 1), counts[1])
         dist.reduce_counts = own if run.get("per_rank_normaliser") else stock
         sft_train(SFTConfig(**run["cfg"]), model=spec["model"], tokenizer=TOK, rows=spec["rows"],
                   eval_rows=spec["eval_rows"])  # fmt: skip
