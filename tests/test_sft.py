@@ -45,10 +45,6 @@ WORDS = ("ab", "cd", "bca", "dd", "abc", "cab", "dab", "bb", "dcab")
 ROWS = [{"prompt": w + "=", "completion": w[::-1], "answer": w[::-1]} for w in WORDS]  # 9 rows of 3 to 5 targets
 
 
-def rev_reward(prompt: str, completion: str, answer: str, **_) -> float:
-    return float(completion == answer)
-
-
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory) -> tuple[HFTokenizer, str]:
     """(the BPE tokenizer with Qwen2.5's template, a random-weight model dir over its vocabulary with its files)."""
@@ -173,17 +169,21 @@ def test_two_torchrun_ranks_give_the_single_process_result(tmp_path, char_model)
 
 
 def sft_args(out: Path, model: str, rows: Path, *extra: str) -> list[str]:
-    """A CLI run: 9 rows x 12 epochs in batches of 3 (36 steps), a checkpoint every 4, eval (loss, pass@k) every 12."""
+    """A CLI run: 9 rows x 12 epochs in batches of 3 (36 steps), a checkpoint every 4, eval (loss, pass@k of the
+    exact-match reward beside ``rows``) every 12."""
     return ["--model", model, "--train-data", str(rows), "--eval-data", str(rows), "--out", str(out), "--epochs",
             "12", "--batch-size", "3", "--lr", "1e-2", "--warmup-steps", "0", "--checkpoint-every", "4",
             "--eval-interval", "12", "--eval-n", "2", "--max-tokens", "5", "--threads", "1", "--reward",
-            f"{Path(__file__).resolve()}:rev_reward", *extra]  # fmt: skip
+            f"{rows.parent / 'rewards.py'}:exact", *extra]  # fmt: skip
 
 
 def test_kill_9_then_rerun_resumes_exactly(tmp_path, char_model):
     model = char_model_dir(tmp_path, char_model)
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    (tmp_path / "rewards.py").write_text(
+        "def exact(prompt, completion, answer, **_):\n    return float(completion == answer)\n"
+    )
     whole = tmp_path / "whole"
     assert main(sft_args(whole, model, rows)) == 0
     out = tmp_path / "killed"
