@@ -112,8 +112,17 @@ def _open_data(run: SFTRun, model: str | None, tokenizer: Any, rows: list | None
                          f"tokens); raise it to >= {longest}")  # fmt: skip
     has_reward = reward is not None or bool(cfg.rewards.reward)
     run.scorer = run.pass_reward = None
-    if has_reward and run.eval_examples:
+    if has_reward and not run.eval_examples:
+        raise InputError("--reward scores the eval's samples (pass@k): pass --eval-data FILE.jsonl too, or drop it")
+    if has_reward:
         from align.eval.metrics import pass_reward_for
+
+        budget = cfg.eval.eval_max_tokens or cfg.max_tokens
+        context = config.get("max_position_embeddings")
+        for e in run.eval_examples:
+            if isinstance(context, int) and e.prompt + budget > context:
+                raise InputError(f"{e.where}: the prompt is {e.prompt} tokens; with --max-tokens {budget} the eval's "
+                                 f"samples do not fit the model's context of {context}; lower --max-tokens")  # fmt: skip
 
         run.scorer = make_scorer(cfg.rewards, reward, [e.record for e in run.eval_examples])
         run.pass_reward = pass_reward_for(run.scorer.names, cfg.eval.eval_pass_reward)
