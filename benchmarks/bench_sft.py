@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--eval-interval", type=int, default=1000, help="eval points besides before/after (default none)")
     args = ap.parse_args()
 
     from align.sft import SFTConfig, train
@@ -64,17 +65,18 @@ def main() -> None:
     t0 = time.monotonic()
     base = out / "base_model"
     if not (base / "config.json").is_file():
-        reverse.warm_start(base, steps=800, seed=0, log=None)
+        reverse.warm_start(base, steps=800, seed=0, log=lambda line: print(f"[bench] {line}", flush=True))
     t_warm = time.monotonic() - t0
     words = reverse.prompts(args.rows, "train", seed=0)
     t1 = time.monotonic()
     rows = correct_rows(base, words, args.source, args.samples, seed=1)
     t_rows = time.monotonic() - t1
+    print(f"[bench] {len(rows)} SFT rows ({args.source}) in {t_rows:.0f} s", flush=True)
     held_out = [{"prompt": w["prompt"], "completion": w["answer"], "answer": w["answer"]}
                 for w in reverse.prompts(200, "eval", seed=0)]  # fmt: skip
     cfg = SFTConfig(out=str(out / f"sft_{args.source}"), epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                     warmup_steps=3, threads=args.threads, checkpoint_every=0, max_tokens=10)  # fmt: skip
-    cfg.eval.eval_interval, cfg.eval.eval_n = 10, 4
+    cfg.eval.eval_interval, cfg.eval.eval_n = args.eval_interval, 4
     t2 = time.monotonic()
     s = train(cfg, model=str(base), tokenizer=reverse.tokenizer(), rows=rows, eval_rows=held_out,
               reward=reverse.reward)  # fmt: skip
