@@ -76,6 +76,10 @@ class LeanConfig:
         default=HEADER,
         metadata=_h("The import header a fresh REPL runs once; its env is reused for every proof (Goedel's)."),
     )
+    server_batch: int = field(default=8, metadata=_h("With --lean-server: at most this many proofs per POST /verify."))
+    retry_backoff_s: float = field(
+        default=1.0, metadata=_h("With --lean-server: seconds before the first retry, doubling after each.")
+    )
     retries: int = field(
         default=1,
         metadata=_h("Retries of one proof after a REPL crash / bad JSON or a failed server request (with backoff)."),
@@ -96,10 +100,10 @@ class LeanConfig:
                 f"'lake exe repl' in a Mathlib project) or --lean-server URL (kimina-lean-server); got "
                 f"--lean-repl {self.repl!r} --lean-server {self.server!r}"
             )
-        for name in ("workers",):
+        for name in ("workers", "server_batch"):
             if getattr(self, name) < 1:
-                raise InputError(f"--lean-{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_uses", "memory_mb", "max_proof_chars", "retries"):
+                raise InputError(f"--lean-{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_uses", "memory_mb", "max_proof_chars", "retries", "retry_backoff_s"):
             if getattr(self, name) < 0:
                 raise InputError(f"--lean-{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         for name in ("timeout_s", "import_timeout_s"):
