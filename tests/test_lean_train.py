@@ -1,0 +1,291 @@
+"""Training a prover (``--env lean``, align/lean/env.py, align/lean/corrections.py): Goedel's first prompt byte for
+byte lean_gen's, each verdict's reward and feedback, correction rounds as masked turns, correction prompts in the
+batch byte for byte lean_gen's for the same failure, bad input before the model loads, the queue across kill -9.
+
+No Lean compiler exists on these machines: every verification goes through ``extras/vllm_rollout/lean_repl_standin.py``
+(launched by path as --lean-repl), which replays replies recorded from the real Lean REPL
+(tests/lean_fixtures/standin_replies.json). ``ScriptedVerifier`` stands in for the pool only in the env's unit tests
+(it says so), and ``ScriptedClient`` for a policy that writes proofs (a random tiny model never writes a lean4 block).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from align.envs import check_step
+from align.lean import goedel
+from align.lean.env import CORRECTION_KEY, LeanEnv, problem_code
+from align.lean.verify import Verdict
+from align.rollout.protocol import Completion
+
+ROOT = Path(__file__).resolve().parents[1]
+EXTRAS = ROOT / "extras" / "vllm_rollout"
+FIX = Path(__file__).resolve().parent / "lean_fixtures"
+MINIF2F = Path(__file__).resolve().parent / "data" / "minif2f_test.jsonl"
+STANDIN = f"{sys.executable} {EXTRAS / 'lean_repl_standin.py'} --replies {FIX / 'standin_replies.json'}"
+ROWS = [{"name": f"t{i}", "formal_statement": f"theorem t{i} : {i} + 1 = {i + 1} := by\n"} for i in range(6)]
+ERR = "\nError 1:\n\nCorresponding Code:\n```lean4\n<error>x</error>\n\n```\n\nError Message: unsolved goals\n"
+
+
+def _load(name: str):
+    """An extras/vllm_rollout module by path, as tests/test_lean_gen_contract.py loads them (never via sys.path)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, EXTRAS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class ScriptedVerifier:
+    """A stand-in for the verifier pool in the env's unit tests: verdicts by a rule on the completion text."""
+
+    def __init__(self):
+        self.pool = concurrent.futures.ThreadPoolExecutor(2)
+        self.seen: list[tuple[str, str]] = []
+
+    def verdict(self, completion: str) -> Verdict:
+        if "PROVED" in completion:
+            return Verdict(True, None, "proof")
+        if "CRASH" in completion:
+            return Verdict(False, "verifier_error", None, detail="the REPL crashed twice")
+        if "SORRY" in completion:
+            return Verdict(False, "sorry", "proof")
+        return Verdict(False, "lean_error", "proof", errors=ERR)
+
+    def submit(self, lean4_code: str, completion: str) -> concurrent.futures.Future:
+        self.seen.append((lean4_code, completion))
+        return self.pool.submit(self.verdict, completion)
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------ rows and prompts
+
+
+def test_problem_rows_give_lean_gens_first_prompt_byte_for_byte():
+    """All 244 miniF2F problems as Goedel rows (name, formal_statement, informal_prefix; no lean4_code): the first
+    turn is the messages lean_gen plans for the same problems (lean_records.plan_round0, loaded by path)."""
+    lr = _load("lean_records")
+    full = [json.loads(line) for line in MINIF2F.read_text().splitlines()]
+    problems, skips = lr.load_problems(str(MINIF2F))
+    assert not skips and len(problems) == 244
+    planned = {it["problem_id"]: it["messages"] for it in lr.plan_round0(problems, 1, 0)}
+    Env = LeanEnv.bind(ScriptedVerifier())
+    for row in full:
+        goedel_row = {k: row[k] for k in ("name", "formal_statement", "informal_prefix")}
+        assert Env(**goedel_row).reset() == planned[row["name"]]
+    # negative control: a statement without its prefix gets it in front, and then the prompt differs
+    row = {k: full[0][k] for k in ("name", "informal_prefix")}
+    row["formal_statement"] = full[0]["formal_statement"].replace(full[0]["informal_prefix"], "")
+    assert problem_code(row).startswith(full[0]["informal_prefix"])
+    bare = {"name": "x", "formal_statement": row["formal_statement"]}
+    assert Env(**bare).reset() != planned[full[0]["name"]]
+
+
+# ------------------------------------------------------------------------------------------------ the environment
+
+
+def test_each_verdict_gives_its_reward_feedback_and_named_info():
+    v = ScriptedVerifier()
+    Env = LeanEnv.bind(v)
+    env = Env(**ROWS[0])
+    assert check_step(env.step("```lean4\nPROVED\n```")) == (None, 1.0, True, {"lean/ok": 1})
+    assert v.seen[-1] == (problem_code(ROWS[0]), "```lean4\nPROVED\n```")
+    crash = check_step(Env(**ROWS[0]).step("CRASH"))
+    assert crash.done and math.isnan(crash.reward) and crash.info == {"lean/rejected_verifier_error": 1}
+    assert check_step(Env(**ROWS[0]).step("SORRY")) == (None, 0.0, True, {"lean/rejected_sorry": 1})
+    env = Env(**ROWS[0])
+    first, second = check_step(env.step("wrong")), check_step(env.step("wrong again"))
+    assert first.observation == [{"role": "user", "content": goedel.correction_feedback(ERR, 1)}]
+    assert second.observation == [{"role": "user", "content": goedel.correction_feedback(ERR, 2)}]
+    assert (first.reward, first.done, first.info) == (0.0, False, {"lean/rejected_lean_error": 1})
+    assert "Round 0" in first.observation[0]["content"] and "Round 1" in second.observation[0]["content"]
+    # a correction row asks for round k: its feedback names round k, and its first turn counts as a correction
+    corr = {**ROWS[0], CORRECTION_KEY: {"messages": [{"role": "user", "content": "m"}], "round": 2}}
+    env = Env(**corr)
+    assert env.reset() == [{"role": "user", "content": "m"}]
+    st = check_step(env.step("wrong"))
+    assert (
+        st.info == {"lean/rejected_lean_error": 1, "lean/correction": 1} and "Round 2" in st.observation[0]["content"]
+    )
+
+
+def test_error_text_is_cut_to_lean_error_tokens():
+    from align.tasks.tokenizer import CharTokenizer
+
+    tok = CharTokenizer(sorted(set(ERR)))
+    env = LeanEnv.bind(ScriptedVerifier(), error_tokens=10, tokenizer=tok)(**ROWS[0])
+    fb = env.step("wrong").observation[0]["content"]
+    assert ERR[:9] + "\n... [Truncated to --lean-error-tokens]" in fb and ERR not in fb  # 10 ids: BOS + 9 chars
+    whole = LeanEnv.bind(ScriptedVerifier(), error_tokens=len(ERR) + 1, tokenizer=tok)(**ROWS[0])  # BOS + text
+    assert whole.step("wrong").observation[0]["content"] == goedel.correction_feedback(ERR, 1)  # fits: unchanged
+
+
+def test_unbound_env_and_bad_rows_are_refused_by_name():
+    from align.data import InputError
+
+    with pytest.raises(RuntimeError, match="no verifier"):
+        LeanEnv(**ROWS[0])
+    with pytest.raises(InputError, match=r"f\.jsonl:2: the row has no 'formal_statement'"):
+        LeanEnv.check_rows([("f.jsonl:1", ROWS[0]), ("f.jsonl:2", {"name": "x", "problem": "1+1=2"})])
+    with pytest.raises(InputError, match=r"f\.jsonl:1: the statement has no ':= by'"):
+        LeanEnv.check_rows([("f.jsonl:1", {"name": "x", "formal_statement": "theorem x : True := trivial"})])
+    LeanEnv.check_rows([("f.jsonl:1", ROWS[0])])  # a good row passes
+
+
+class ScriptedClient:
+    """A policy that writes the given completions in turn (a stand-in: a random tiny model never writes a proof)."""
+
+    def __init__(self, tok, texts: list[str], stop: int):
+        self.tok, self.texts, self.stop, self.n = tok, texts, stop, 0
+        self.prompts: list[list[int]] = []
+
+    def generate(self, prompts, params):
+        self.prompts.append(list(prompts[0]))
+        text = self.texts[min(self.n, len(self.texts) - 1)]
+        self.n += 1
+        ids = self.tok.encode(text) + [self.stop]
+        return [Completion(0, 0, ids, [-0.5] * len(ids), "stop", [-0.5] * len(ids), 0)]
+
+
+# ------------------------------------------------------------------------------------------------ a tiny prover
+
+STATEMENT = "theorem t : 1 + 1 = 2 := by\n"  # every training row states it (so a copied answer keeps the statement)
+PROOFS = (
+    "```lean4\ntheorem t : 1 + 1 = 2 := by\n  norm_num\n```",
+    "```lean4\ntheorem t : 1 + 1 = 2 := by\n  simp\n```",
+)
+SFT_STEPS = 40
+
+
+def lean_rows(n: int) -> list[dict]:
+    return [{"name": f"p{i}", "formal_statement": STATEMENT} for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def prover(tmp_path_factory) -> str:
+    """A tiny Qwen2 (random weights, then SFT_STEPS supervised steps) that answers Goedel's prompt for STATEMENT with
+    one of PROOFS and its stop token: the stand-in REPL accepts the norm_num one and answers the simp one with the
+    recorded compiler errors, so sampled episodes get both verdicts, correction feedback and second turns. The
+    tokenizer is a byte-level BPE with Qwen3's chat template (tests/helpers_tokenizer.py)."""
+    import torch
+    from helpers_tokenizer import make_bpe_tokenizer
+
+    from align.chat import TurnRenderer
+    from align.data import load_tokenizer
+    from align.model import ModelConfig, Transformer, save_pretrained
+
+    d = tmp_path_factory.mktemp("prover")
+    corpus = [goedel.initial_prompt(STATEMENT), goedel.correction_feedback(ERR, 1), *PROOFS] * 20  # short prompts
+    make_bpe_tokenizer(d / "base", vocab_size=500, template="qwen3", corpus=corpus)
+    tok = load_tokenizer(str(d / "base"), str(d / "base"))
+    eos = tok.eos_token_id if isinstance(tok.eos_token_id, int) else tok.eos_token_id[0]
+    cfg = ModelConfig("qwen2", 512, 64, 128, 2, 4, 2, 16, max_position_embeddings=1024, qkv_bias=True,
+                      eos_token_id=eos)  # fmt: skip
+    model = Transformer(cfg).init_weights(std=0.2, seed=0)
+    prompt = TurnRenderer(tok).first(goedel.initial_messages(STATEMENT))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    seqs = [prompt + tok.encode(p) + [eos] for p in PROOFS]
+    for step in range(SFT_STEPS):
+        ids = torch.tensor([seqs[step % 2]])  # (1, T)
+        logits = model(ids[:, :-1])  # (1, T-1, V)
+        n = len(seqs[step % 2]) - len(prompt)
+        loss = torch.nn.functional.cross_entropy(logits[0, -n:], ids[0, -n:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    save_pretrained(model.eval(), d / "model", copy_tokenizer_from=d / "base")
+    return str(d / "model")
+
+
+@pytest.fixture
+def verifier():
+    from align.lean.config import LeanConfig
+    from align.lean.verify import LeanVerifier
+
+    v = LeanVerifier(LeanConfig(repl=STANDIN, workers=2))
+    yield v
+    v.close()
+
+
+def lean_cfg(out, **kw):
+    """A small --env lean run on the stand-in REPL: 2 problems x 4 episodes per step, no eval."""
+    from align.train import TrainConfig
+
+    base = {"out": str(out), "steps": 2, "prompts_per_step": 2, "group_size": 4, "max_tokens": 24, "lr": 1e-3,
+            "warmup_steps": 0, "micro_batch_size": 8, "threads": 1}  # fmt: skip
+    base.update(kw)
+    c = TrainConfig(**base)
+    c.envs.env, c.envs.max_turns = "lean", 1
+    c.lean.repl, c.lean.workers = STANDIN, 2
+    c.eval.eval_interval = 0
+    return c
+
+
+def lean_argv(out, model, data, *extra) -> list[str]:
+    return ["--out", str(out), "--model", model, "--train-data", str(data), "--env", "lean", "--lean-repl", STANDIN,
+            "--lean-workers", "2", "--steps", "4", "--checkpoint-every", "2", "--prompts-per-step", "2",
+            "--group-size", "4", "--max-tokens", "24", "--lr", "1e-3", "--warmup-steps", "0", "--threads", "1",
+            "--eval-interval", "0", "--max-turns", "1", *extra]  # fmt: skip
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ episodes and runs
+
+
+def test_correction_rounds_are_masked_turns_and_the_last_verdict_is_the_reward(prover, verifier):
+    """--max-turns 3 with the real verifier pool over the stand-in REPL: a failed attempt is answered with Goedel's
+    correction feedback of its round as environment tokens (mask False), the episode's reward is its last verdict."""
+    from align.chat import TurnRenderer
+    from align.data import load_tokenizer
+    from align.envs.config import EnvConfig
+    from align.envs.episodes import EpisodeRunner
+    from align.envs.runner import EnvRunner
+    from align.rollout.protocol import SamplingParams
+
+    tok = load_tokenizer(prover, prover)
+    renderer = TurnRenderer(tok)
+    eos = 2
+    decode = lambda ids: tok.decode(ids[:-1] if ids and ids[-1] == eos else ids)
+    with EnvRunner(None, LeanEnv.bind(verifier), 0, 30.0) as envs:
+        runner = EpisodeRunner(envs, renderer, decode, EnvConfig(max_turns=3), 64, 1024)
+        client = ScriptedClient(tok, [PROOFS[1], "no code", PROOFS[0]], eos)  # errors, format (ends), -
+        ep = runner.run(client, lean_rows(1), 1, SamplingParams(n=1, max_tokens=64))[0]
+        client = ScriptedClient(tok, [PROOFS[1], PROOFS[1], PROOFS[0]], eos)
+        solved = runner.run(client, lean_rows(1), 1, SamplingParams(n=1, max_tokens=64))[0]
+    assert [t["info"] for t in ep.turns] == [{"lean/rejected_lean_error": 1}, {"lean/rejected_format": 1}]
+    assert ep.env_reward == 0.0 and ep.error is None
+    assert [t["info"] for t in solved.turns] == [{"lean/rejected_lean_error": 1}] * 2 + [{"lean/ok": 1}]
+    assert solved.env_reward == 1.0 and [t["reward"] for t in solved.turns] == [0.0, 0.0, 1.0]
+    errors = verifier.verify([(STATEMENT, PROOFS[1])])[0].errors
+    assert errors and "Error Message: unsolved goals" in errors
+    first = goedel.initial_messages(STATEMENT)
+    want = goedel.correction_messages(goedel.correction_messages(first, PROOFS[1], errors, 1), PROOFS[1], errors, 2)
+    assert solved.messages[:-1] == want and solved.messages[-1] == {"role": "assistant", "content": PROOFS[0]}
+    at = 0
+    for turn in solved.turns:  # policy ids (mask True) then the feedback's ids (mask False, logprob 0)
+        assert all(solved.mask[at : at + turn["policy_tokens"]])
+        at += turn["policy_tokens"]
+        assert not any(solved.mask[at : at + turn["env_tokens"]])
+        assert all(lp == 0.0 for lp in solved.logprobs[at : at + turn["env_tokens"]])
+        at += turn["env_tokens"]
+    assert [t["env_tokens"] > 0 for t in solved.turns] == [True, True, False] and at == len(solved.token_ids)
+    # the next prompt the policy saw is the conversation so far: the round-2 correction prompt as suffix ids
+    assert client.prompts[2] == solved.prompt_ids + solved.token_ids[: at - solved.turns[-1]["policy_tokens"]]
+    assert tok.decode(client.prompts[1], skip_special_tokens=False).endswith(
+        goedel.render_qwen3(want[:3]).split(PROOFS[1])[-1]
+    )
