@@ -289,3 +289,159 @@ def test_correction_rounds_are_masked_turns_and_the_last_verdict_is_the_reward(p
     assert tok.decode(client.prompts[1], skip_special_tokens=False).endswith(
         goedel.render_qwen3(want[:3]).split(PROOFS[1])[-1]
     )
+
+
+def test_training_a_prover_end_to_end_with_corrections_in_the_batch_and_eval(prover, tmp_path):
+    """train() with --env lean on the stand-in REPL: rewards are the verdicts, every step logs the lean/* counts,
+    step 2 draws a correction prompt from step 1's failures (Goedel's correction messages), the completions log
+    names each rejection, and the held-out problems are evaluated through the same pool."""
+    from align.train import train
+
+    cfg = lean_cfg(tmp_path / "run", lean_corrections={"lean_correction_fraction": 0.5})
+    cfg.eval.eval_interval, cfg.eval.eval_n = 2, 2
+    cfg.log.log_completions_every = 1
+    train(cfg, model=prover, prompts=lean_rows(4), eval_prompts=lean_rows(2))
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        counted = r["lean/proved"] + sum(v for k, v in r.items() if k.startswith("lean/rejected_"))
+        assert counted + r["lean/verifier_errors"] == 8  # one verdict per episode (one turn each)
+        assert r["reward_mean"] == pytest.approx(r["lean/proved"] / 8)
+        assert r["lean/rejected_lean_error"] > 0 and r["lean/verifier_errors"] == 0
+    assert [r["lean/correction_prompts"] for r in steps] == [0.0, 1.0]  # round(0.5 * 2) = 1 from step 1's failures
+    samples = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    infos = {k for s in samples for e in s["episodes"] for t in e["turns"] for k in t.get("info", {})}
+    assert {"lean/ok", "lean/rejected_lean_error"} <= infos
+    corr = [e for s in samples if s["step"] == 2 for e in s["episodes"] if "lean/correction" in e["turns"][0]["info"]]
+    assert len(corr) == 4  # the correction group: G episodes of one correction prompt
+    first = goedel.initial_messages(STATEMENT)
+    failed = next(e for s in samples if s["step"] == 1 for e in s["episodes"] if e["turns"][0]["reward"] == 0.0)
+    assert corr[0]["messages"][:2] == first + [{"role": "assistant", "content": failed["messages"][1]["content"]}]
+    assert corr[0]["messages"][2]["content"].startswith("The proof (Round 0) is not correct.")
+    evals = [r for r in recs if "eval/pass@1" in r]
+    assert [r["step"] for r in evals] == [0, 2] and all(0 < r["eval/pass@1"] <= 1 for r in evals)  # verified proofs
+
+
+def test_a_correction_prompt_is_lean_gens_for_the_same_failure(prover, verifier, tmp_path):
+    """The same failed attempt through the trainer (episode -> queue -> correction row -> LeanEnv.reset) and through
+    lean_gen's code path (lean_records.make_record -> pipeline_gen_verify.verify_record on the stand-in REPL ->
+    lean_records.plan_corrections): the same messages, rendered to the same ids."""
+    from types import SimpleNamespace
+
+    from align.chat import TurnRenderer
+    from align.data import load_tokenizer
+    from align.envs.config import EnvConfig
+    from align.envs.episodes import EpisodeRunner
+    from align.envs.runner import EnvRunner
+    from align.lean.corrections import CorrectionConfig, CorrectionQueue
+    from align.rollout.protocol import SamplingParams
+    from align.run.build import DataCursor
+
+    lr, pgv = _load("lean_records"), _load("pipeline_gen_verify")
+    tok, rows = load_tokenizer(prover, prover), lean_rows(3)
+    renderer = TurnRenderer(tok)
+    with EnvRunner(None, LeanEnv.bind(verifier), 0, 30.0) as envs:
+        runner = EpisodeRunner(envs, renderer, lambda ids: tok.decode(ids[:-1]), EnvConfig(max_turns=1), 64, 1024)
+        ep = runner.run(ScriptedClient(tok, [PROOFS[1]], 2), rows[:1], 1, SamplingParams(n=1, max_tokens=64))[0]
+    queue = CorrectionQueue(CorrectionConfig(lean_correction_fraction=0.5), rows, DataCursor(3, 0))
+    queue.begin(1)
+    assert queue.add(SimpleNamespace(idx=[0], completions=[ep]), 1) == 1
+    queue.begin(2)
+    idx = queue.next_prompts(2)
+    assert idx[0] == 3 and idx[1] < 3  # one correction (index past the rows), one fresh problem
+    ours = LeanEnv.bind(verifier)(**queue.row(idx[0])).reset()
+    # lean_gen: the problem, its round-0 sample, its verification record, the round-1 plan
+    problems = {"p0": {"problem_id": "p0", "lean4_code": goedel.formal_statement(problem_code(rows[0]))}}
+    item = lr.plan_round0(problems, 1, 0)[0]
+    gen = lr.make_record(item, prompt_ids=ep.prompt_ids, completion_ids=ep.token_ids, completion_text=ep.text,
+                         finish_reason="stop", budget=lr.token_budget(64, 1024, len(ep.prompt_ids)), cap_tokens=64,
+                         sampling={}, model_rev="test", adapter=None, trajectory_cap=None, session=0)  # fmt: skip
+    repl = pgv.Repl(STANDIN, None, 30.0, 30.0)
+    try:
+        verif = pgv.verify_record(gen, repl, pgv.STANDARD_AXIOMS)
+    finally:
+        repl.close()
+    assert verif["accepted"] is False and verif["repl_errors"]
+    planned, skips = lr.plan_corrections(problems, 1, 1, 0, [([verif], [gen])])
+    assert not skips and planned[0]["messages"] == ours
+    assert renderer.first(ours) == tok.encode(goedel.render_qwen3(planned[0]["messages"]))  # Qwen3's rendering
+    # negative control: another failure's errors give another prompt
+    other = dict(verif, repl_errors=verif["repl_errors"][:1])
+    assert lr.plan_corrections(problems, 1, 1, 0, [([other], [gen])])[0][0]["messages"] != ours
+
+
+@pytest.mark.parametrize(
+    ("case", "extra", "message"),
+    [
+        ("no_verifier", ["--lean-repl", ""], "needs exactly one of --lean-repl CMD"),
+        ("no_statement", [], "rows.jsonl:2: the row has no 'formal_statement'"),
+        ("no_by", [], "rows.jsonl:1: the statement has no ':= by'"),
+        ("missing_program", ["--lean-repl", "no_such_lean_repl_xyz"], "not found or not executable"),
+        ("exits_at_once", ["--lean-repl", f"{sys.executable} -c pass"], "did not start a Lean REPL"),
+        ("env_workers", ["--env-workers", "1"], "--env-workers 1 does not apply"),
+        ("fraction", ["--lean-correction-fraction", "1.5"], "--lean-correction-fraction must be in [0, 1)"),
+    ],
+)
+def test_bad_lean_input_fails_by_name_before_the_model_loads(prover, tmp_path, monkeypatch, capsys, case, extra,
+                                                             message):  # fmt: skip
+    import align.model
+    from align.train import main
+
+    def no_load(*a, **k):
+        raise AssertionError("the model loaded before the input was checked")
+
+    monkeypatch.setattr(align.model, "load_pretrained", no_load)
+    rows = lean_rows(2)
+    if case == "no_statement":
+        rows[1] = {"name": "p1", "problem": "1 + 1 = 2"}
+    if case == "no_by":
+        rows[0] = {"name": "p0", "formal_statement": "theorem t : 1 + 1 = 2 := rfl"}
+    data = write_rows(tmp_path / "rows.jsonl", rows)
+    try:
+        rc = main(lean_argv(tmp_path / "run", prover, data, *extra))
+    except (SystemExit, ValueError) as e:  # argparse / config checks
+        rc, err = 2, str(e) + capsys.readouterr().err
+    else:
+        err = capsys.readouterr().err
+    assert rc == 2 and message in err, err
+
+
+def test_the_correction_queue_survives_kill_9_and_the_resumed_run_logs_what_the_uninterrupted_one_logs(
+    prover, tmp_path
+):
+    """4 steps in one go vs a CLI run killed (SIGKILL) after its step-2 checkpoint and rerun: the same metrics,
+    corrections drawn after the resume included. Negative control: the same checkpoint with its queue emptied
+    resumes into other records."""
+    import shutil
+
+    import torch
+    from helpers_train import comparable, run_cli, wait_for
+
+    from align.atomic import is_committed
+    from align.train import main
+
+    data = write_rows(tmp_path / "rows.jsonl", lean_rows(4))
+    extra = ("--lean-correction-fraction", "0.5", "--log-completions-every", "0")
+    assert main(lean_argv(tmp_path / "straight", prover, data, *extra)) == 0
+    killed = tmp_path / "killed"
+    proc = run_cli(lean_argv(killed, prover, data, *extra))
+    try:
+        wait_for(lambda: is_committed(killed / "checkpoints" / "step_2"), proc)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not (killed / "checkpoints" / "step_4").exists()  # killed mid-run: the rerun has steps 3 and 4 to do
+    state = torch.load(killed / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=True)
+    assert state["cursor"]["lean_corrections"]  # the queue is in the checkpoint
+    shutil.copytree(killed, tmp_path / "emptied")
+    assert main(lean_argv(killed, prover, data, *extra)) == 0
+    straight = comparable(tmp_path / "straight")
+    assert comparable(killed) == straight
+    assert [r["lean/correction_prompts"] for r in straight if "loss" in r][2:] == [1.0, 1.0]
+    # negative control: resuming without the queue draws fresh problems where the run drew corrections
+    path = tmp_path / "emptied" / "checkpoints" / "step_2" / "trainer_state.pt"
+    state["cursor"]["lean_corrections"] = []
+    torch.save(state, path)
+    assert main(lean_argv(tmp_path / "emptied", prover, data, *extra)) == 0
+    assert comparable(tmp_path / "emptied")[:2] == straight[:2] and comparable(tmp_path / "emptied") != straight
