@@ -29,6 +29,7 @@ import time
 
 from align.lean.goedel import DEFAULT_IMPORTS
 
+EXIT_WAIT_S = 2.0  # how long a REPL that closed stdout gets to exit before it is killed
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -142,9 +143,15 @@ class Repl:
         tail = self.stderr.read().decode("utf-8", "replace").strip()
         return f"; stderr: {tail}" if tail else ""
 
-    def _fail(self, text: str) -> ReplError:
-        """Kill the process (the stream is out of step or the REPL is gone) and name what happened."""
-        code = self.proc.poll() if self.proc is not None else None
+    def _fail(self, text: str, exiting: bool = False) -> ReplError:
+        """Kill the process (the stream is out of step or the REPL is gone) and name what happened; ``exiting``
+        (stdout closed): give it a moment to exit, so its exit code is named."""
+        code = None
+        if self.proc is not None:
+            try:
+                code = self.proc.wait(EXIT_WAIT_S) if exiting else self.proc.poll()
+            except subprocess.TimeoutExpired:
+                pass
         err = ReplError(text + (f" (exit code {code})" if code is not None else "") + self._stderr_tail())
         self.close()
         return err
@@ -158,7 +165,7 @@ class Repl:
             self.proc.stdin.write((json.dumps(obj) + "\n\n").encode())
             self.proc.stdin.flush()
         except OSError as exc:  # BrokenPipeError: the REPL is gone
-            raise self._fail(f"EOF ERROR: {exc}") from None
+            raise self._fail(f"EOF ERROR: {exc}", exiting=True) from None
         deadline = time.monotonic() + limit
         sel = selectors.DefaultSelector()
         sel.register(self.proc.stdout, selectors.EVENT_READ)
@@ -184,7 +191,7 @@ class Repl:
                     raise self._fail(f"TIMEOUT ERROR: no reply within {limit} s (process group killed)")
                 chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
                 if not chunk:
-                    raise self._fail("EOF ERROR: the REPL exited")
+                    raise self._fail("EOF ERROR: the REPL exited", exiting=True)
                 self.buf += chunk
         finally:
             sel.close()

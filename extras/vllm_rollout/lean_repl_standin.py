@@ -14,7 +14,7 @@ replies file: ``{"rules": [{"match": REGEX, "reply": {...}}], "default": {...}}`
 tests and benchmark (a rule may carry one instead of, or besides, a reply):
 
 * ``"fault": "crash"``: exit 3 without replying (``"once_file": PATH``: only while PATH does not exist; the
-  stand-in creates it, so a retry on a fresh process succeeds);
+  stand-in creates it, so a retry on a fresh process succeeds: a rule without a reply lets later rules answer);
 * ``"fault": "hang"``: never reply (the client's timeout must kill it);
 * ``"fault": "malformed"``: reply ``"raw"`` text (default ``{"env": 1,``) that is not JSON;
 * ``"alloc_mb": N``: keep N MiB more resident memory (to pass a memory limit).
@@ -94,13 +94,16 @@ def serve(rules: list[dict], default: dict, stdin=sys.stdin, stdout=sys.stdout, 
         if "env" not in cmd:
             reply: dict = {"env": env}
         else:
-            rule = next((r for r in rules if re.search(r["match"], text)), None)
-            if rule is not None:
-                try:
-                    _fault(rule, stdout)
-                except _Replied:
-                    continue
-            reply = None if rule is None else rule.get("reply")
+            reply = None
+            try:
+                for rule in rules:  # a matching rule acts out its fault; the first with a reply answers
+                    if re.search(rule["match"], text):
+                        _fault(rule, stdout)
+                        reply = rule.get("reply")
+                        if reply is not None:
+                            break
+            except _Replied:
+                continue
             if reply is None and text.startswith("#print axioms"):
                 reply = _axioms_reply(text.split()[-1])
             elif delay is not None:
