@@ -177,18 +177,35 @@ def test_without_retries_a_transient_crash_is_a_verifier_error(replies):
         v.close()
 
 
-def test_a_hang_hits_the_timeout_and_the_process_group_is_killed(replies):
-    v = LeanVerifier(cfg_for(replies, timeout_s=1.0))
+def test_a_hang_hits_the_timeout_and_the_process_group_is_killed(replies, tmp_path):
+    """The REPL command starts a child first (as ``lake exe repl`` does): the timeout must kill the whole group."""
+    child = tmp_path / "child.pid"
+    cmd = f"sh -c 'sleep 300 & echo $! > {child}; exec {sys.executable} {STANDIN} --replies {replies}'"
+    v = LeanVerifier(LeanConfig(repl=cmd, workers=1, timeout_s=1.0))
     try:
-        pid = v.repls[0].pid
+        pid, child_pid = v.repls[0].pid, int(child.read_text())
+        assert _alive(child_pid)  # control: the child runs beside the REPL
         t0 = time.monotonic()
         (x,) = v.verify([(STMT, proof("  norm_num [HANG]"))])
         assert time.monotonic() - t0 < 10
         assert x.reason == "verifier_error" and "TIMEOUT ERROR" in x.detail
         assert v.repls[0].proc is None and not Path(f"/proc/{pid}").exists()  # killed and reaped
+        deadline = time.monotonic() + WAIT_S
+        while _alive(child_pid) and time.monotonic() < deadline:  # init reaps the orphaned child
+            time.sleep(0.05)
+        assert not _alive(child_pid)
         assert v.verify([(STMT, proof("  norm_num"))])[0].ok and v.repls[0].starts == 2
     finally:
         v.close()
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie waiting for its parent to reap it counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def test_malformed_json_is_named(replies):
