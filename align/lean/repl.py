@@ -29,11 +29,17 @@ import time
 
 from align.lean.goedel import DEFAULT_IMPORTS
 
+EXIT_WAIT_S = 2.0  # how long a REPL that closed stdout gets to exit before it is killed
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 class ReplError(RuntimeError):
-    """The REPL failed (crash/EOF, malformed JSON, timeout, a bad import reply); the message names which."""
+    """The REPL failed; the message names how, ``kind`` says it for code: ``eof`` (crashed / closed stdout),
+    ``json`` (malformed reply), ``timeout``, ``import`` (the header did not create env 0)."""
+
+    def __init__(self, message: str, kind: str = "eof") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 def _group_alive(pgid: int) -> bool:
@@ -128,7 +134,7 @@ class Repl:
         try:
             reply = self.send({"cmd": self.header}, self.import_timeout)
             if reply.get("env") != 0 or "messages" in reply:
-                raise ReplError(f"REPL import command did not create env 0: {reply}")
+                raise ReplError(f"REPL import command did not create env 0: {reply}", "import")
         except ReplError:
             self.close()
             raise
@@ -142,10 +148,16 @@ class Repl:
         tail = self.stderr.read().decode("utf-8", "replace").strip()
         return f"; stderr: {tail}" if tail else ""
 
-    def _fail(self, text: str) -> ReplError:
-        """Kill the process (the stream is out of step or the REPL is gone) and name what happened."""
-        code = self.proc.poll() if self.proc is not None else None
-        err = ReplError(text + (f" (exit code {code})" if code is not None else "") + self._stderr_tail())
+    def _fail(self, text: str, kind: str) -> ReplError:
+        """Kill the process (the stream is out of step or the REPL is gone) and name what happened; after an EOF
+        the process gets a moment to exit, so its exit code is named."""
+        code = None
+        if self.proc is not None:
+            try:
+                code = self.proc.wait(EXIT_WAIT_S) if kind == "eof" else self.proc.poll()
+            except subprocess.TimeoutExpired:
+                pass
+        err = ReplError(text + (f" (exit code {code})" if code is not None else "") + self._stderr_tail(), kind)
         self.close()
         return err
 
@@ -158,7 +170,7 @@ class Repl:
             self.proc.stdin.write((json.dumps(obj) + "\n\n").encode())
             self.proc.stdin.flush()
         except OSError as exc:  # BrokenPipeError: the REPL is gone
-            raise self._fail(f"EOF ERROR: {exc}") from None
+            raise self._fail(f"EOF ERROR: {exc}", "eof") from None
         deadline = time.monotonic() + limit
         sel = selectors.DefaultSelector()
         sel.register(self.proc.stdout, selectors.EVENT_READ)
@@ -172,7 +184,7 @@ class Repl:
                         reply = json.loads(body.decode())
                     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                         raise self._fail(
-                            f"JSONDECODE ERROR: the REPL answered malformed JSON ({exc}): {body[:200]!r}"
+                            f"JSONDECODE ERROR: the REPL answered malformed JSON ({exc}): {body[:200]!r}", "json"
                         ) from None
                     if not isinstance(reply, dict):
                         raise self._fail(
@@ -181,10 +193,10 @@ class Repl:
                     return reply
                 left = deadline - time.monotonic()
                 if left <= 0 or not sel.select(left):
-                    raise self._fail(f"TIMEOUT ERROR: no reply within {limit} s (process group killed)")
+                    raise self._fail(f"TIMEOUT ERROR: no reply within {limit} s (process group killed)", "timeout")
                 chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
                 if not chunk:
-                    raise self._fail("EOF ERROR: the REPL exited")
+                    raise self._fail("EOF ERROR: the REPL exited", "eof")
                 self.buf += chunk
         finally:
             sel.close()

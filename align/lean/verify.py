@@ -89,12 +89,13 @@ class LeanVerifier:
         self.repls: list[Repl] = []
         self.server: LeanServer | None = None
         self._idle: queue.Queue = queue.Queue()
-        self._pool = concurrent.futures.ThreadPoolExecutor(cfg.workers, thread_name_prefix="lean")
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         if cfg.server:
             self.server = LeanServer(
                 cfg.server, cfg.workers, cfg.server_batch, cfg.timeout_s, cfg.retries, cfg.retry_backoff_s
             )
             return
+        self._pool = concurrent.futures.ThreadPoolExecutor(cfg.workers, thread_name_prefix="lean")
         starts = [self._pool.submit(self._start_repl) for _ in range(cfg.workers)]
         failures = []
         for f in starts:
@@ -148,7 +149,7 @@ class LeanVerifier:
                         axioms = guards.parse_axioms(repl.send({"cmd": f"#print axioms {name}", "env": reply["env"]}))
                     return judge(code, view, reply, axioms, self.cfg, "env" not in reply)
                 except ReplError as e:
-                    if "TIMEOUT" in str(e) or attempt >= self.cfg.retries:
+                    if e.kind == "timeout" or attempt >= self.cfg.retries:
                         return Verdict(False, "verifier_error", code, detail=str(e)[:500])
                     attempt += 1
                     log.warning("Lean REPL failed (%s); retrying on a fresh process", e)
@@ -185,7 +186,8 @@ class LeanVerifier:
         return outer
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         for r in self.repls:
             r.close()
         if self.server is not None:

@@ -14,19 +14,21 @@ replies file: ``{"rules": [{"match": REGEX, "reply": {...}}], "default": {...}}`
 tests and benchmark (a rule may carry one instead of, or besides, a reply):
 
 * ``"fault": "crash"``: exit 3 without replying (``"once_file": PATH``: only while PATH does not exist; the
-  stand-in creates it, so a retry on a fresh process succeeds);
+  stand-in creates it, so a retry on a fresh process succeeds: a rule without a reply lets later rules answer);
 * ``"fault": "hang"``: never reply (the client's timeout must kill it);
 * ``"fault": "malformed"``: reply ``"raw"`` text (default ``{"env": 1,``) that is not JSON;
 * ``"alloc_mb": N``: keep N MiB more resident memory (to pass a memory limit).
 
 ``--latency-median S --latency-sigma X``: each proof command (not the import) waits a log-normal time with that
-median (seconds) and shape before its reply, ``--seed`` per process; ``--scale F`` multiplies every delay
-(``--import-latency S`` too). The delays are the latency model of ``benchmarks/bench_lean.py``.
+median (seconds) and shape before its reply, drawn from ``--seed`` and the command text (so a proof costs the
+same in any process); ``--scale F`` multiplies every delay (``--import-latency S`` too). This is the latency
+model of ``benchmarks/bench_lean.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -94,17 +96,20 @@ def serve(rules: list[dict], default: dict, stdin=sys.stdin, stdout=sys.stdout, 
         if "env" not in cmd:
             reply: dict = {"env": env}
         else:
-            rule = next((r for r in rules if re.search(r["match"], text)), None)
-            if rule is not None:
-                try:
-                    _fault(rule, stdout)
-                except _Replied:
-                    continue
-            reply = None if rule is None else rule.get("reply")
+            reply = None
+            try:
+                for rule in rules:  # a matching rule acts out its fault; the first with a reply answers
+                    if re.search(rule["match"], text):
+                        _fault(rule, stdout)
+                        reply = rule.get("reply")
+                        if reply is not None:
+                            break
+            except _Replied:
+                continue
             if reply is None and text.startswith("#print axioms"):
                 reply = _axioms_reply(text.split()[-1])
             elif delay is not None:
-                time.sleep(delay())
+                time.sleep(delay(text))
             reply = dict(default if reply is None else reply)
             if "env" in reply:
                 reply["env"] = env
@@ -119,15 +124,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency-sigma", type=float, default=1.0, help="log-normal shape: the tail's weight")
     p.add_argument("--import-latency", type=float, default=0.0, help="seconds the import command takes")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every delay (a quick benchmark run)")
-    p.add_argument("--seed", type=int, default=None, help="latency seed (default: the process id)")
+    p.add_argument("--seed", type=int, default=0, help="latency seed (with the command text)")
     a = p.parse_args(argv)
     with open(a.replies, encoding="utf-8") as f:
         spec = json.load(f)
-    rng = random.Random(os.getpid() if a.seed is None else a.seed)
     delay = None
     if a.latency_median > 0:
         mu = math.log(a.latency_median)
-        delay = lambda: a.scale * rng.lognormvariate(mu, a.latency_sigma)
+
+        def delay(text: str) -> float:  # a property of the proof, not of the process: same work for any pool size
+            digest = hashlib.sha256(f"{a.seed}\x00{text}".encode()).digest()
+            return a.scale * random.Random(digest).lognormvariate(mu, a.latency_sigma)
+
     if a.import_latency > 0:
         time.sleep(a.scale * a.import_latency)
     serve(spec.get("rules", []), spec["default"], delay=delay)
