@@ -445,3 +445,26 @@ def test_the_correction_queue_survives_kill_9_and_the_resumed_run_logs_what_the_
     torch.save(state, path)
     assert main(lean_argv(tmp_path / "emptied", prover, data, *extra)) == 0
     assert comparable(tmp_path / "emptied")[:2] == straight[:2] and comparable(tmp_path / "emptied") != straight
+
+
+def test_the_queue_with_async_rollouts_resumes_exactly(prover, tmp_path):
+    """--max-async-steps 1: the checkpoint of step 2 holds step 3's batch, generated before it, with the queue in its
+    cursor; resuming from it (the later checkpoint removed) logs what the uninterrupted run logged, corrections
+    included."""
+    import shutil
+
+    from helpers_train import comparable
+
+    from align.train import train
+
+    def run(name: str) -> list[dict]:
+        c = lean_cfg(tmp_path / name, steps=4, checkpoint_every=2, max_async_steps=1,
+                     lean_corrections={"lean_correction_fraction": 0.5})  # fmt: skip
+        train(c, model=prover, prompts=lean_rows(4))
+        return [{k: v for k, v in r.items() if not k.endswith("_s")} for r in comparable(tmp_path / name)]  # timings
+
+    straight = run("straight")
+    shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_4")
+    assert run("resumed") == straight
+    assert [r["lean/correction_prompts"] for r in straight] == [0.0, 1.0, 1.0, 1.0]
