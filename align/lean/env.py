@@ -27,7 +27,6 @@ verdict while the pool verifies N proofs and the other episodes go on generating
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
 from collections.abc import Callable
 from typing import Any
@@ -38,7 +37,6 @@ from align.envs import Step
 CORRECTION_KEY = "lean_correction"  # a correction row's prompt: {"messages", "round"}
 REASONS = ("format", "too_long", "statement_changed", "sorry", "banned", "axioms", "lean_error", "verifier_error")
 ERRORS_CUT = "\n... [Truncated to --lean-error-tokens] ...\n"
-POLL_S = 1.0  # a step waits on its verdict in slices, so the --env-timeout-s watchdog can interrupt it
 
 
 def problem_code(row: dict) -> str:
@@ -125,13 +123,7 @@ class LeanEnv:
     def step(self, completion: str) -> Step:
         from align.lean import goedel
 
-        future = self.verifier.submit(self.code, completion)
-        while True:
-            try:
-                v = future.result(timeout=POLL_S)
-                break
-            except concurrent.futures.TimeoutError:
-                continue
+        v = self.verifier.submit(self.code, completion).result()  # bounded by the verifier's own --lean-timeout-s
         self.turn += 1
         info = verdict_info(None if v.ok else v.reason, self.correction, self.turn == 1)
         if v.ok:

@@ -27,7 +27,9 @@ class RunEpisodes:
         self.verifier = self.queue = None  # --env lean: the verifier pool this run started; the correction queue
         if is_lean(task.env):
             self._open_lean(run)
-        self.envs = EnvRunner(task.env_spec, task.env, cfg.envs.env_workers, cfg.envs.env_timeout_s)
+        # --env lean: each proof is bounded by the verifier itself (--lean-timeout-s, --lean-retries), not the env call
+        timeout_s = 0.0 if is_lean(task.env) else cfg.envs.env_timeout_s
+        self.envs = EnvRunner(task.env_spec, task.env, cfg.envs.env_workers, timeout_s)
         self.renderer = TurnRenderer(task.tokenizer, tools=getattr(task.env, "tools", None))
         self.runner: EpisodeRunner | None = None  # made once the model's context is known (_open_policy)
         self.warned = False
