@@ -468,3 +468,33 @@ def test_the_queue_with_async_rollouts_resumes_exactly(prover, tmp_path):
     shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_4")
     assert run("resumed") == straight
     assert [r["lean/correction_prompts"] for r in straight] == [0.0, 1.0, 1.0, 1.0]
+
+
+def test_episode_steps_wait_on_the_pool_at_once_not_one_after_another():
+    """LeanEnv.concurrent: EnvRunner runs the episodes' steps together, so each waits only on its own verdict. A
+    verifier whose verdicts need two proofs in flight at once passes; the negative control (the same class with
+    concurrent = False, serialised as any environment) never has two in flight and times out."""
+    import threading
+
+    from align.envs.runner import EnvRunner
+
+    class PairVerifier(ScriptedVerifier):
+        def __init__(self, wait_s: float):
+            super().__init__()
+            self.barrier = threading.Barrier(2, timeout=wait_s)
+
+        def verdict(self, completion: str) -> Verdict:
+            try:
+                self.barrier.wait()
+            except threading.BrokenBarrierError:
+                return Verdict(False, "verifier_error", None, detail="alone")
+            return super().verdict(completion)
+
+    def steps(env_cls) -> list:
+        with EnvRunner(None, env_cls, 0, 0.0) as envs:
+            envs.call_many([(k, "open", (ROWS[k],)) for k in range(2)])
+            return envs.call_many([(k, "step", ("PROVED",)) for k in range(2)])
+
+    assert [s.reward for s in steps(LeanEnv.bind(PairVerifier(30.0)))] == [1.0, 1.0]
+    serial = type("Serial", (LeanEnv.bind(PairVerifier(0.5)),), {"concurrent": False})
+    assert [s.info for s in steps(serial)] == [{"lean/rejected_verifier_error": 1}] * 2
