@@ -122,6 +122,8 @@ class Run:
     # ---------------------------------------------------------------------- per-step helpers
 
     def prompt_ids(self, groups: Any) -> list[list[int]]:
+        if self.task.env is not None:  # an episode carries its own first prompt (a --env lean correction has no row)
+            return [[] for _ in groups.idx]
         return [self.encoded[i] for i in groups.idx]
 
     def completion_text(self, ids: list[int]) -> str:
@@ -138,11 +140,14 @@ class Run:
 
     def log(self, rec: dict, groups: Any, scores: Any, adv: torch.Tensor) -> None:
         """The step's record to metrics.jsonl and the progress line; sample groups every --log-completions-every."""
+        if self.envs is not None:  # the environment's own metrics (--env lean: lean/*)
+            rec.update(self.envs.metrics(groups.completions))
         self.metrics.write(rec)
         self.progress.update(rec["step"], format_line(rec))
         every = self.cfg.log.log_completions_every
         if every and rec["step"] % every == 0:
-            prompts = [self.task.prompts[i].get("prompt", "") for i in groups.idx]
+            rows = self.task.prompts  # an index past the rows is a --env lean correction prompt (its episodes show it)
+            prompts = [rows[i].get("prompt", "") if i < len(rows) else "" for i in groups.idx]
             for r in sample_groups(rec["step"], prompts, groups.completions, groups.texts, scores.total, adv,
                                    scores.terms, self.cfg.log.log_completions_groups):  # fmt: skip
                 self.samples.write(r)
@@ -279,7 +284,7 @@ def _open_files_and_task(run: Run, model: Any, tokenizer: Any, prompts: Any, rew
         from align.run.episodes import open_episodes
 
         open_episodes(run)  # the environment runner and the turn renderer; refuses what it cannot run
-    new_config = {**asdict(cfg), "model": run.model_path}
+    new_config = json.loads(json.dumps({**asdict(cfg), "model": run.model_path}))  # as saved: tuples are lists
     if ckpt.latest(out / "checkpoints"):  # resuming: refuse changed math, apply (and log) operational changes
         for change in safety.check_resume_config(out / "config.json", new_config):
             print(f"[align] resume: applying changed setting {change}", flush=True)

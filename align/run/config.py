@@ -17,6 +17,8 @@ from align.data import DataConfig
 from align.envs.config import EnvConfig
 from align.eval.config import EvalConfig
 from align.grpo import LossConfig
+from align.lean.config import LeanConfig
+from align.lean.corrections import CorrectionConfig
 from align.lora import LoraConfig
 from align.rewards import RewardConfig
 from align.run.cli import from_dict
@@ -218,6 +220,8 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(eval_interval=10, eval_n=4))
     lora: LoraConfig = field(default_factory=LoraConfig)
     envs: EnvConfig = field(default_factory=EnvConfig)
+    lean: LeanConfig = field(default_factory=LeanConfig)  # --env lean: the verifier (--lean-repl, ...)
+    lean_corrections: CorrectionConfig = field(default_factory=CorrectionConfig)  # --lean-correction-fraction, ...
 
     def __post_init__(self) -> None:
         for name, cls in (
@@ -229,6 +233,8 @@ class TrainConfig:
             ("log", LogConfig),
             ("lora", LoraConfig),
             ("envs", EnvConfig),
+            ("lean", LeanConfig),
+            ("lean_corrections", CorrectionConfig),
         ):
             if isinstance(getattr(self, name), dict):
                 setattr(self, name, from_dict(cls, getattr(self, name), f"{name}."))
@@ -290,6 +296,7 @@ class TrainConfig:
 CLI_PREFIXES = {
     "adv": "adv-",
     "lora": "lora-",
+    "lean": "lean-",
 }  # loss fields are flat (--eps-low, --kl-coef, --loss NAME); eval fields are eval_*
 
 
