@@ -128,6 +128,13 @@ def test_guards_are_what_reject(replies):
         v.close()
 
 
+def test_the_format_gate_counts_only_the_answer(verifier):
+    draft = "<think>\nA first try:\n```lean4\ntheorem x : True := by trivial\n```\n</think>\n\n"
+    assert verifier_ok(verifier, draft + proof("  norm_num"))
+    unclosed = verifier.verify([(STMT, draft.replace("</think>", "") + proof("  norm_num"))])[0]  # control
+    assert (unclosed.reason, unclosed.detail) == ("format", "2 lean4 code blocks in the answer, need exactly 1")
+
+
 def verifier_ok(v: LeanVerifier, completion: str) -> bool:
     return v.verify([(STMT, completion)])[0].ok
 
