@@ -67,7 +67,10 @@ def test_signal_and_gradient_equal_a_loop_reference(wrong):
     lp_ref = lp.detach().clone().requires_grad_(True)
     ref = _loop_loss(lp_ref, old, behav, teacher, adv, mask, ref_coef, cfg)
     (ref_grad,) = torch.autograd.grad(ref, lp_ref)
-    close = abs(float(loss.detach()) - float(ref.detach())) < SIGNAL_TOL and float((grad - ref_grad).abs().max()) < SIGNAL_TOL
+    close = (
+        abs(float(loss.detach()) - float(ref.detach())) < SIGNAL_TOL
+        and float((grad - ref_grad).abs().max()) < SIGNAL_TOL
+    )
     assert close == (wrong is None), (float(loss), float(ref))
     n = int(mask.sum())
     assert stats["distill/reverse_kl_mean"] == pytest.approx(float((behav - teacher)[mask].sum()) / n, abs=1e-6)
