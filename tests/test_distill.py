@@ -197,3 +197,31 @@ def test_spool_score_equals_native_teacher_logprobs(tmp_path):
     wrong = InProcessTeacher(other)(batch, cfg, None, None)
     assert float((served - wrong)[m].abs().max()) > 100 * SCORE_TOL
     shutil.rmtree(tmp_path / "spool", ignore_errors=True)
+
+
+def test_special_tokens_with_other_ids_are_refused(tmp_path):
+    """Two BPE tokenizers that encode plain text alike but swap the ids of two special tokens: refused (the special
+    tokens are among the checked strings); an unchanged copy (negative control) passes, chat template included."""
+    from helpers_tokenizer import make_bpe_tokenizer
+
+    from align.chat import load_tokenizer
+    from align.run.teacher import SAMPLE_TEXTS, check_tokenizers
+
+    s = make_bpe_tokenizer(tmp_path / "s")
+    spec = json.loads((s / "tokenizer.json").read_text())
+    for d in ("same", "swapped"):
+        shutil.copytree(s, tmp_path / d)
+    ids = {t["content"]: t["id"] for t in spec["added_tokens"]}
+    a, b = "<|begin_of_text|>", "<|start_header_id|>"  # neither a stop token nor in the qwen2.5 template
+    for t in spec["added_tokens"]:
+        t["id"] = {a: ids[b], b: ids[a]}.get(t["content"], t["id"])
+    spec["model"]["vocab"][a], spec["model"]["vocab"][b] = ids[b], ids[a]
+    (tmp_path / "swapped" / "tokenizer.json").write_text(json.dumps(spec))
+    toks = {d: load_tokenizer(tmp_path / d) for d in ("s", "same", "swapped")}
+    for d, tok in toks.items():
+        (tmp_path / d / "config.json").write_text(json.dumps({"vocab_size": tok.vocab_size}))
+    texts = list(SAMPLE_TEXTS)
+    assert all(toks["s"].encode(x) == toks["swapped"].encode(x) for x in texts)  # plain text cannot tell them apart
+    check_tokenizers(str(s), str(tmp_path / "same"), toks["s"], toks["same"], texts)
+    with pytest.raises(InputError, match=r"swapped does not tokenize as the student .*'<\|begin_of_text\|>' encodes"):
+        check_tokenizers(str(s), str(tmp_path / "swapped"), toks["s"], toks["swapped"], texts)
