@@ -104,9 +104,12 @@ def main() -> None:
     ap.add_argument("--eval-interval", type=int, default=5)
     ap.add_argument("--target", type=float, default=0.85)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=0, help="(c): torch threads of the in-process teacher (0: torch's)")
     ap.add_argument("--skip-b", action="store_true", help="only (c)")
     ap.add_argument("--skip-worker", action="store_true", help="(c) without the vLLM worker")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="bench_distill_") as tmp:
         work = Path(tmp)
         if not args.skip_b:
