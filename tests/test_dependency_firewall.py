@@ -75,6 +75,7 @@ STDLIB_ONLY = [
     "align", "align.rollout", "align.atomic", "align.rollout.process", "align.rollout.protocol", "align.envs.runner",
     "align.lean.goedel", "align.lean.config", "align.lean.repl", "align.lean.server", "align.lean.guards",
     "align.lean.verify",  # the Lean verifier: extras/vllm_rollout (the rollout venv) imports it too
+    "align.rollout.scoring",
 ]  # fmt: skip
 
 

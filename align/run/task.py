@@ -170,7 +170,7 @@ def resolve_task(cfg: TrainConfig, model: str | None, tokenizer: Any, prompts: l
         from align.data import load_task_data
 
         tokenizer, prompts, eval_prompts, *ids = load_task_data(cfg.data, model or cfg.model, cfg.max_tokens)
-    has_reward = reward is not None or bool(cfg.rewards.reward)
+    has_reward = reward is not None or bool(cfg.rewards.reward) or (cfg.distill.distill_only and prompts is not None)
     if (prompts is None) == has_reward or (prompts is not None and tokenizer is None):
         raise InputError(
             "pass prompts, tokenizer and reward together (CLI: --train-data and --reward), or none of "
