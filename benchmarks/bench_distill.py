@@ -10,7 +10,8 @@ vLLM spool worker.
 (b) Both runs start from ``--student`` (the teacher run's warm start), with the task's defaults (32 prompts x 8
 completions per step, the same seed, so the same prompts per step) and a held-out eval (200 words, 4 samples at
 T = 1) every ``--eval-interval`` steps; printed: the first evaluated step at or above ``--target`` for each, and their
-ratio. (c) One step's batch (the student's samples of 32 x 8 prompts) scored ``--repeats`` times by the frozen teacher
+ratio; ``--teacher-coef``, ``--distill-lr`` and ``--with-reward`` (the teacher signal added to GRPO's rather than
+alone) vary the distillation run, ``--skip-grpo`` runs it alone. (c) One step's batch (the student's samples of 32 x 8 prompts) scored ``--repeats`` times by the frozen teacher
 in this process and by a vLLM CPU worker (fp32, in-process engine) through ``score`` requests; printed: the median
 seconds per step of each and their ratio (the worker's start excluded).
 """
@@ -40,11 +41,14 @@ def steps_to(out: Path, target: float) -> tuple[int | None, list[tuple[int, floa
     return next((s for s, v in curve if v >= target), None), curve
 
 
-def run(out: Path, student: str, steps: int, eval_interval: int, teacher: str | None) -> float:
-    cfg = TrainConfig(out=str(out), model=student, steps=steps, checkpoint_every=0)
-    cfg.eval.eval_interval = eval_interval
+def run(out: Path, student: str, steps: int, args: argparse.Namespace, teacher: str | None) -> float:
+    """One training run from ``student``: GRPO (``teacher`` None) or distillation with the flags' coef, lr, reward."""
+    lr = args.distill_lr if teacher is not None and args.distill_lr else TrainConfig.lr
+    cfg = TrainConfig(out=str(out), model=student, steps=steps, checkpoint_every=0, lr=lr, threads=args.threads)
+    cfg.eval.eval_interval = args.eval_interval
     if teacher is not None:
-        cfg.distill.teacher, cfg.distill.distill_only = teacher, True
+        cfg.distill.teacher, cfg.distill.teacher_coef = teacher, args.teacher_coef
+        cfg.distill.distill_only = not args.with_reward
     t0 = time.monotonic()
     train(cfg)
     return time.monotonic() - t0
@@ -104,7 +108,11 @@ def main() -> None:
     ap.add_argument("--eval-interval", type=int, default=5)
     ap.add_argument("--target", type=float, default=0.85)
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--threads", type=int, default=0, help="(c): torch threads of the in-process teacher (0: torch's)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads of the runs and of (c) (0: auto)")
+    ap.add_argument("--teacher-coef", type=float, default=1.0, help="(b): the distillation run's --teacher-coef")
+    ap.add_argument("--distill-lr", type=float, default=0.0, help="(b): the distillation run's --lr (0: the default)")
+    ap.add_argument("--with-reward", action="store_true", help="(b): the teacher signal added to GRPO's, not alone")
+    ap.add_argument("--skip-grpo", action="store_true", help="(b): the distillation run only")
     ap.add_argument("--skip-b", action="store_true", help="only (c)")
     ap.add_argument("--skip-worker", action="store_true", help="(c) without the vLLM worker")
     args = ap.parse_args()
@@ -114,17 +122,17 @@ def main() -> None:
         work = Path(tmp)
         if not args.skip_b:
             results = {}
-            for name, teacher, steps in (
-                ("distill", args.teacher, args.distill_steps),
-                ("grpo", None, args.grpo_steps),
-            ):
-                wall = run(work / name, args.student, steps, args.eval_interval, teacher)
+            runs = [("distill", args.teacher, args.distill_steps), ("grpo", None, args.grpo_steps)]
+            for name, teacher, steps in runs[: 1 if args.skip_grpo else 2]:
+                wall = run(work / name, args.student, steps, args, teacher)
                 results[name] = steps_to(work / name, args.target)
                 print(f"(b) {name}: pass@1 curve {results[name][1]} | first step >= {args.target}: "
                       f"{results[name][0]} | wall {wall:.0f} s", flush=True)  # fmt: skip
-            d, g = results["distill"][0], results["grpo"][0]
+            d, g = results["distill"][0], results.get("grpo", (None,))[0]
+            lr = args.distill_lr or TrainConfig.lr
             ratio = f"{d / g:.2f}x" if d and g else "n/a (a run did not reach the target)"
-            print(f"(b) steps to {args.target}: distill-only {d} vs GRPO {g}: {ratio}", flush=True)
+            what = f"{'GRPO + teacher' if args.with_reward else 'distill-only'} (coef {args.teacher_coef}, lr {lr})"
+            print(f"(b) steps to {args.target}: {what} {d} vs GRPO {g}: {ratio}", flush=True)
         scoring_cost(args.student, args.teacher, args.repeats, work, args.skip_worker)
 
 

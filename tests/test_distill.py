@@ -1,18 +1,19 @@
 """On-policy distillation (``--teacher``, align/run/teacher.py): the per-token reverse-KL signal against a loop
 reference (gradient included, with rho correction), teacher == student giving no signal and no gradient, the vLLM
-worker's ``score`` request against native teacher logprobs, an older worker refused, a mismatched tokenizer and
-bad flags refused before the model loads."""
+worker a ``--teacher-worker`` run spawns against native teacher logprobs, an older worker refused, a mismatched
+tokenizer and bad flags refused before the model loads."""
 
 from __future__ import annotations
 
 import json
 import math
 import shutil
+import time
 
 import pytest
 import torch
 from helpers_models import require_rollout_venv
-from helpers_train import PROMPTS, TOK, build_char_model, cfg_for, records
+from helpers_train import POLL_S, PROMPTS, TOK, a_reward, build_char_model, cfg_for, records
 
 from align.advantages import add_teacher_signal
 from align.data import InputError
@@ -160,43 +161,53 @@ def test_an_older_worker_is_refused_with_a_clear_message(tmp_path):
 
 @pytest.mark.rollout
 @pytest.mark.e2e
-def test_spool_score_equals_native_teacher_logprobs(tmp_path):
-    """The real vLLM CPU worker (fp32) answers score requests with the teacher's exact token logprobs: the
-    ``--teacher-worker`` source equals the in-process one on a real batch within 1e-4; the logprobs of another
-    model (negative control) do not."""
+def test_teacher_worker_run_trains_on_the_teachers_exact_logprobs(tmp_path, monkeypatch):
+    """``train()`` with ``--teacher DIR --teacher-worker`` (2 steps) spawns the vLLM CPU worker (fp32) through the
+    run's own code path, and the logprobs its ``score`` answers give the run equal, per token, the in-process
+    teacher's of the same batches within 1e-4 (a torchrun rank's rows alike); another model's (negative control) do
+    not. metrics.jsonl logs each step's distill figures of exactly those logprobs, and the worker is gone after the
+    run. The student's context (64) is longer than the teacher's (32): the worker gets the teacher's."""
     require_rollout_venv()
-    from align.learner import make_batch
     from align.model import load_pretrained
-    from align.rollout.client import make_rollout_client, spawn_worker
-    from align.rollout.native import generate
-    from align.rollout.protocol import SamplingParams
-    from align.run.teacher import InProcessTeacher, WorkerTeacher
+    from align.run import teacher as teacher_mod
+    from align.train import train
 
+    student = _model_with_tokenizer(tmp_path / "s")
+    conf = json.loads((tmp_path / "s" / "config.json").read_text())
+    (tmp_path / "s" / "config.json").write_text(json.dumps({**conf, "max_position_embeddings": 64}))
     teacher_dir = _model_with_tokenizer(tmp_path / "t", layers=2)
-    teacher = load_pretrained(teacher_dir)
-    other = load_pretrained(_model_with_tokenizer(tmp_path / "o", layers=1))
-    prompts = [TOK.encode(p["prompt"]) for p in PROMPTS[:4]]
-    params = SamplingParams(n=3, max_tokens=4, stop_token_ids=[TOK.eos_token_id], seed=0)
-    comps = generate(other, prompts, params)  # any student's samples: the teacher scores them
-    cfg = cfg_for(tmp_path / "run")
-    P, G = len(prompts), params.n
-    batch = make_batch(prompts, comps, torch.zeros(P, G), torch.ones(P, G, dtype=torch.bool), cfg, "cpu")
-    native = InProcessTeacher(teacher)(batch, cfg, None, None)
-    worker = spawn_worker(tmp_path / "spool", log_path=tmp_path / "worker.log", model=teacher_dir, max_model_len=32,
-                          dtype="float32", in_process=True)  # fmt: skip
-    try:
-        client = make_rollout_client("spool", spool=tmp_path / "spool", timeout_s=600, worker=worker)
-        served = WorkerTeacher(client)(batch, cfg, None, None)
-        rows = torch.tensor([0, 5, 7])
-        part = WorkerTeacher(client)(batch, cfg, None, rows)  # a torchrun rank's rows only
-    finally:
-        worker.shutdown()
-    m = batch.mask
-    assert float((served - native)[m].abs().max()) <= SCORE_TOL
-    assert float((part[rows] - native[rows])[m[rows]].abs().max()) <= SCORE_TOL
-    wrong = InProcessTeacher(other)(batch, cfg, None, None)
-    assert float((served - wrong)[m].abs().max()) > 100 * SCORE_TOL
-    shutil.rmtree(tmp_path / "spool", ignore_errors=True)
+    seen = []  # (batch, the worker's logprobs, those of rows 0, 5, 7 alone, the worker handle) per step
+    served = teacher_mod.WorkerTeacher.__call__
+
+    def spy(self, batch, cfg, place, rows):  # the real call, recorded; the run gets its answer unchanged
+        out = served(self, batch, cfg, place, rows)
+        part = served(self, batch, cfg, place, torch.tensor([0, 5, 7]))
+        seen.append((type(batch)(*(t.clone() for t in batch)), out.clone(), part, self.worker))
+        return out
+
+    monkeypatch.setattr(teacher_mod.WorkerTeacher, "__call__", spy)
+    cfg = cfg_for(tmp_path / "run", steps=2, checkpoint_every=0, rollout_in_process=True)
+    cfg.distill.teacher, cfg.distill.teacher_worker = teacher_dir, True
+    train(cfg, model=student, tokenizer=TOK, prompts=PROMPTS, reward=a_reward)
+    assert len(seen) == 2 and (tmp_path / "run" / "teacher_worker.log").is_file()
+    worker = seen[0][3]
+    deadline = time.monotonic() + 30
+    while worker.alive() and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    assert not worker.alive(), "the teacher worker outlived its run"
+    native_teacher, other = load_pretrained(teacher_dir), load_pretrained(student)
+    for (batch, lp, part, _), rec in zip(seen, [r for r in records(tmp_path / "run") if "reward_mean" in r]):
+        m, rows = batch.mask, torch.tensor([0, 5, 7])
+        native = teacher_mod.InProcessTeacher(native_teacher)(batch, cfg, None, None)
+        assert float((lp - native)[m].abs().max()) <= SCORE_TOL
+        assert float((part[rows] - native[rows])[m[rows]].abs().max()) <= SCORE_TOL
+        wrong = teacher_mod.InProcessTeacher(other)(batch, cfg, None, None)
+        assert float((lp - wrong)[m].abs().max()) > 100 * SCORE_TOL
+        t, s = float(lp[m].mean()), float(batch.behav[m].mean())
+        assert rec["distill/teacher_logprob_mean"] == pytest.approx(t, abs=1e-6)
+        assert rec["distill/student_logprob_mean"] == pytest.approx(s, abs=1e-6)
+        assert rec["distill/reverse_kl_mean"] == pytest.approx(s - t, abs=1e-6)
+        assert abs(rec["distill/teacher_logprob_mean"] - float(native[m].mean())) <= SCORE_TOL
 
 
 def test_special_tokens_with_other_ids_are_refused(tmp_path):

@@ -216,11 +216,14 @@ def open_teacher(run: Any) -> InProcessTeacher | WorkerTeacher | None:
     from align.rollout import client as client_mod
 
     spool = run.out / TEACHER_SPOOL
+    dist.check_shared_dir(spool)  # torchrun: every rank writes score requests there
     worker = None
-    if dist.is_main():
+    if dist.is_main():  # the teacher's own context (vLLM refuses a max_model_len past its config's), not the student's
+        context = model_lib.ModelConfig.from_hf_config(json.loads((Path(d.teacher) / "config.json").read_text()))
+        context = context.max_position_embeddings
         worker = client_mod.spawn_worker(spool, gpu=d.teacher_gpu, log_path=run.out / "teacher_worker.log",
-                                         model=d.teacher, max_model_len=run.mcfg.max_position_embeddings,
-                                         dtype=place.compute_dtype_name, in_process=cfg.rollout_in_process)  # fmt: skip
+                                         model=d.teacher, max_model_len=context, dtype=place.compute_dtype_name,
+                                         in_process=cfg.rollout_in_process)  # fmt: skip
     dist.barrier()
     client = client_mod.make_rollout_client("spool", spool=spool, timeout_s=cfg.rollout_timeout_s, worker=worker)
     return WorkerTeacher(client, worker)
