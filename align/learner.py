@@ -32,6 +32,7 @@ from torch import Tensor
 
 from align import dist, packing
 from align.device import PRECISIONS, Placement, precision_from_legacy
+from align.errors import InputError
 from align.grpo import SUM_STATS, merge_stats, normalisers, policy_loss
 from align.kernels import linear_token_logprobs
 from align.lora import adapters_disabled
@@ -150,12 +151,13 @@ def token_logprobs(model: torch.nn.Module, inputs: Tensor, targets: Tensor, temp
 
 def packed_token_logprobs(model: torch.nn.Module, inputs: Tensor, targets: Tensor, mask: Tensor,
                           row: packing.PackedRow, temperature: float, *, place: Placement | None = None,
-                          backend: str = "auto", with_entropy: bool = True) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+                          backend: str = "auto", with_entropy: bool = True,
+                          pad_to: int = 0) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """``token_logprobs(mask=mask)`` of the batch rows ``row.rows`` ((rows, L), L their longest), computed on one
     packed row (``align.packing``): each prompt once, its completions after it. The same values and gradients as
-    the padded call, up to float summation order."""
+    the padded call, up to float summation order. ``pad_to``: ``packing.build``'s (CUDA rows: the token budget)."""
     place = place or placement_of(model)
-    pk = packing.build(inputs, targets, mask, row)
+    pk = packing.build(inputs, targets, mask, row, pad_to=pad_to)
     with place.autocast():
         hidden = model(pk.ids, positions=pk.positions, layout=pk.layout, return_hidden=True)  # (1, T, E)
     hidden = hidden[0].index_select(0, pk.source)  # (M, E): a prompt's last state once for each of its completions
@@ -219,11 +221,13 @@ def micro_batches(lengths: Sequence[int], cfg: Any) -> list[list[int]]:
 
 
 def check_token_budget(cfg: Any, prompt_lengths: Sequence[int]) -> None:
-    """Refuse a ``--micro-batch-tokens`` budget smaller than the longest row a step can hold."""
+    """Refuse, before the model loads, a ``--micro-batch-tokens`` budget smaller than the longest row a step can
+    hold: a prompt plus a full-length completion (padded or packed, the same size: a packed segment of one
+    completion is its padded row)."""
     budget = getattr(cfg, "micro_batch_tokens", None)
     if budget and prompt_lengths and max(prompt_lengths) + cfg.max_tokens - 1 > budget:
         longest = max(prompt_lengths) + cfg.max_tokens - 1
-        raise ValueError(f"--micro-batch-tokens {budget} is smaller than the longest sequence a step can hold "
+        raise InputError(f"--micro-batch-tokens {budget} is smaller than the longest sequence a step can hold "
                          f"(longest prompt {max(prompt_lengths)} + --max-tokens {cfg.max_tokens} - 1 = {longest}); "
                          f"raise it to >= {longest}")  # fmt: skip
 
@@ -250,7 +254,8 @@ def micro_batch_logprobs(model: torch.nn.Module, inputs: Tensor, targets: Tensor
     longest row: by a packed row or by the padded rows, the same values either way."""
     kw = {"place": place, "backend": cfg.logprob_backend, "with_entropy": with_entropy}
     if isinstance(mb, packing.PackedRow):
-        lp, ent = packed_token_logprobs(model, inputs, targets, mask, mb, cfg.temperature, **kw)
+        budget = getattr(cfg, "micro_batch_tokens", 0)
+        lp, ent = packed_token_logprobs(model, inputs, targets, mask, mb, cfg.temperature, pad_to=budget, **kw)
         return mb.rows, lp.shape[1], lp, ent
     L = max(row_lengths(_rows(mask, mb, mask.shape[1])))
     x, y, m = _rows(inputs, mb, L), _rows(targets, mb, L), _rows(mask, mb, L)  # (mb, L)

@@ -117,9 +117,16 @@ def _one_row(inputs: Tensor, plen: Sequence[int], lengths: Sequence[int], rows: 
     return PackedRow(groups, sum(p + sum(lengths[r] - p for r in members) for p, members in groups))
 
 
-def build(inputs: Tensor, targets: Tensor, mask: Tensor, row: PackedRow, backend: str = "auto") -> Packed:
+FLEX_BLOCK = 128  # FlexAttention's block size: a flex row is padded to a multiple of it
+
+
+def build(inputs: Tensor, targets: Tensor, mask: Tensor, row: PackedRow, backend: str = "auto",
+          pad_to: int = 0) -> Packed:  # fmt: skip
     """The tensors of ``row`` on ``inputs``' device, from the padded (N, L) batch. The output layout (rows, L) is
-    ``row.rows`` by the longest of them. ``backend``: the packed attention backend, auto = flex on CUDA, else sdpa."""
+    ``row.rows`` by the longest of them. ``backend``: the packed attention backend, auto = flex on CUDA, else sdpa.
+    A flex row is padded (one segment of padding, attending only to itself and never scored) to ``pad_to`` tokens
+    (the ``--micro-batch-tokens`` budget: every row has one shape, so the compiled kernel is built once) or to the
+    next multiple of ``FLEX_BLOCK``; an sdpa row is never padded."""
     dev, host = inputs.device, mask.cpu()
     if backend == "auto":
         backend = "flex" if dev.type == "cuda" else "sdpa"
@@ -143,6 +150,11 @@ def build(inputs: Tensor, targets: Tensor, mask: Tensor, row: PackedRow, backend
             L = max(L, p + n)
         segments.append(seg)
         at = c
+    if backend == "flex" and (pad := max(pad_to, -(-at // FLEX_BLOCK) * FLEX_BLOCK) - at) > 0:
+        ids.append(torch.zeros(pad, dtype=inputs.dtype, device=dev))
+        pos.append(torch.arange(pad))
+        segments.append(Segment(at, pad))
+        at += pad
     layout = PackedLayout(segments, at, backend)
     t_all, r_all = torch.cat(dest_t), torch.cat(dest_rows)
     src = torch.cat(source).to(dev)

@@ -78,7 +78,7 @@ class TrainConfig:
         ),
     )
     pack_sequences: bool = field(
-        default=False,
+        default=True,
         metadata=_h(
             "Learner forwards on packed rows: each group's prompt once, its completions after it, no padding (the same gradients); --no-pack-sequences pads every completion to its micro-batch's longest row."
         ),
