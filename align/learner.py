@@ -9,6 +9,10 @@ Key decisions
   (mini-)batch (``align.grpo.normalisers``). ``--micro-batch-tokens T`` sorts the rows by length (longest first)
   and packs at most T tokens per micro-batch counting padding (rows x its longest row); ``--micro-batch-size``
   takes consecutive rows. Each micro-batch is cut to its longest row; rows with no token to learn from are skipped.
+- ``--pack-sequences`` (the default): each micro-batch is one packed row instead (``align.packing``): a group's
+  prompt once, its completions after it, no padding; the logprobs come back in the padded (rows, L) layout, so the
+  loss, the normalisers and the old / reference logprobs are the padded path's, and so are the gradients (up to
+  float summation order: tests/test_packing.py). ``--no-pack-sequences`` runs the padded rows above.
 - ``--updates-per-batch K`` x ``--mini-batches M`` optimizer steps per batch (PPO epochs, TRL ``num_iterations``):
   the M mini-batches are consecutive slices of the rows (ordered by prompt: whole groups when M divides the
   prompts), visited in order K times; each optimizer step is normalised by its own mini-batch's counts. With
