@@ -117,7 +117,7 @@ def _one_row(inputs: Tensor, plen: Sequence[int], lengths: Sequence[int], rows: 
     return PackedRow(groups, sum(p + sum(lengths[r] - p for r in members) for p, members in groups))
 
 
-FLEX_BLOCK = 128  # FlexAttention's block size: a flex row is padded to a multiple of it
+FLEX_BLOCK = 128  # FlexAttention's block size: the shortest flex row
 
 
 def build(inputs: Tensor, targets: Tensor, mask: Tensor, row: PackedRow, backend: str = "auto",
@@ -125,8 +125,9 @@ def build(inputs: Tensor, targets: Tensor, mask: Tensor, row: PackedRow, backend
     """The tensors of ``row`` on ``inputs``' device, from the padded (N, L) batch. The output layout (rows, L) is
     ``row.rows`` by the longest of them. ``backend``: the packed attention backend, auto = flex on CUDA, else sdpa.
     A flex row is padded (one segment of padding, attending only to itself and never scored) to ``pad_to`` tokens
-    (the ``--micro-batch-tokens`` budget: every row has one shape, so the compiled kernel is built once) or to the
-    next multiple of ``FLEX_BLOCK``; an sdpa row is never padded."""
+    (the ``--micro-batch-tokens`` budget: every row has one shape, so the compiled kernel is built once) or, without
+    a budget, to the next power of two (a handful of shapes, each compiled once), at least ``FLEX_BLOCK``; an sdpa row
+    is never padded."""
     dev, host = inputs.device, mask.cpu()
     if backend == "auto":
         backend = "flex" if dev.type == "cuda" else "sdpa"
@@ -150,7 +151,7 @@ def build(inputs: Tensor, targets: Tensor, mask: Tensor, row: PackedRow, backend
             L = max(L, p + n)
         segments.append(seg)
         at = c
-    if backend == "flex" and (pad := max(pad_to, -(-at // FLEX_BLOCK) * FLEX_BLOCK) - at) > 0:
+    if backend == "flex" and (pad := max(pad_to or 1 << (at - 1).bit_length(), FLEX_BLOCK) - at) > 0:
         ids.append(torch.zeros(pad, dtype=inputs.dtype, device=dev))
         pos.append(torch.arange(pad))
         segments.append(Segment(at, pad))
