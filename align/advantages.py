@@ -172,3 +172,26 @@ def _mean(x: Tensor) -> float:
 
 def _std(x: Tensor) -> float:
     return float(x.std(unbiased=False)) if x.numel() else 0.0
+
+
+def add_teacher_signal(adv: Tensor, mask: Tensor, student_logprobs: Tensor, teacher_logprobs: Tensor,
+                       coef: float) -> tuple[Tensor, dict[str, float]]:  # fmt: skip
+    """On-policy distillation: per-token advantages (N, L) = ``adv`` (N,) + ``coef`` * -(log pi_student(y_t) -
+    log pi_teacher(y_t)) on the masked tokens (0 elsewhere), and the signal's statistics over those tokens.
+
+    The signal is the negated single-sample estimate of the per-token reverse KL(student || teacher) on the
+    student's own samples (Agarwal et al. 2024, GKD with lambda = 1; Thinking Machines 2025, "On-policy
+    distillation"). ``student_logprobs`` are the sampler's (mu, the distribution the tokens were drawn from),
+    treated as constants: the signal is a fixed reward per token for the whole batch, like the reward advantage,
+    and reaches the weights only through the policy loss's ratio (and rho correction). ``mask`` (N, L) bool;
+    all inputs (N, L) except ``adv``."""
+    s, t = student_logprobs.detach().float(), teacher_logprobs.detach().float()
+    rkl = torch.where(mask, s - t, 0.0)  # (N, L)
+    out = torch.where(mask, adv.float()[:, None] - coef * rkl, 0.0)  # (N, L)
+    n = int(mask.sum())
+    stats = {
+        "distill/reverse_kl_mean": float(rkl.sum()) / n if n else 0.0,
+        "distill/teacher_logprob_mean": float(torch.where(mask, t, 0.0).sum()) / n if n else 0.0,
+        "distill/student_logprob_mean": float(torch.where(mask, s, 0.0).sum()) / n if n else 0.0,
+    }
+    return out, stats

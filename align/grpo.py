@@ -3,7 +3,8 @@
 Shapes: B sequences (completions) in this micro-batch, T completion tokens (padded). Per token,
 ``logprobs`` (B, T) is log pi_theta (with grad), ``old_logprobs`` log pi_old (the trainer's own
 recompute before the update), ``behav_logprobs`` log mu (the sampler's), ``ref_logprobs`` log
-pi_ref; ``mask`` (B, T) bool, True = the token counts. ``advantages`` is (B,), one per sequence.
+pi_ref; ``mask`` (B, T) bool, True = the token counts. ``advantages`` is (B,), one per sequence, or (B, T), one
+per token (on-policy distillation adds a per-token teacher term: ``align.advantages.add_teacher_signal``).
 The ratio is r_t = pi_theta / pi_old = exp(logprobs - old_logprobs), A_i the advantage.
 
 Surrogates (per token, a loss to minimise; ``eps_low``, ``eps_high`` asymmetric, DAPO clip-higher):
@@ -366,7 +367,8 @@ def policy_loss(
 
     lp, old = clean(logprobs), clean(old_logprobs.detach())
     row = mask.any(-1)  # (B,)
-    adv = torch.where(row, advantages.detach().to(lp.dtype), 0.0)[:, None]  # (B, 1)
+    a = advantages.detach().to(lp.dtype)
+    adv = torch.where(row, a, 0.0)[:, None] if a.dim() == 1 else torch.where(mask, a, 0.0)  # (B, 1) or (B, T)
     if not torch.isfinite(adv).all():
         raise ValueError(
             "advantages are NaN/inf on sequences with masked tokens: pass valid= (compute_advantages' second "
@@ -449,8 +451,9 @@ def _check(cfg, logprobs, old_logprobs, advantages, mask, behav_logprobs, ref_lo
                     ("ref_logprobs", ref_logprobs), ("entropy", entropy)):  # fmt: skip
         if t is not None and t.shape != logprobs.shape:
             raise ValueError(f"{name} shape {tuple(t.shape)} != logprobs shape {tuple(logprobs.shape)}")
-    if advantages.shape != logprobs.shape[:1]:
-        raise ValueError(f"advantages shape {tuple(advantages.shape)} != (B,) = ({logprobs.shape[0]},)")
+    if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
+        raise ValueError(f"advantages shape {tuple(advantages.shape)} is neither (B,) = ({logprobs.shape[0]},) nor "
+                         f"(B, T) = {tuple(logprobs.shape)}")  # fmt: skip
     if mask.dtype != torch.bool:
         raise ValueError(f"mask must be a bool tensor (True = token counts), got {mask.dtype}")
     if cfg.use_rho_correction and behav_logprobs is None:

@@ -21,6 +21,9 @@ Key decisions
   the ratio is 1 and rho = pi_old / mu measures exactly the sampler-trainer mismatch). Reference logprobs (KL)
   are computed once per batch, before any update. A LoRA reference model (in LoRA runs: the policy itself) runs
   with its adapters off (``align.lora.adapters_disabled``): the frozen base, held once.
+- On-policy distillation (``teacher``): the teacher's logprobs of the batch are computed once per batch, next to the
+  reference ones, and ``align.advantages.add_teacher_signal`` turns the advantages into per-token ones (N, L) with
+  the sampler's logprobs as the student's; every update of the batch then sees the same signal.
 
 Shapes: N completions of the step, L padded row length (prompt + completion - 1), E hidden size, V vocabulary.
 """
@@ -28,13 +31,14 @@ Shapes: N completions of the step, L padded row length (prompt + completion - 1)
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from align import dist, packing
+from align.advantages import add_teacher_signal
 from align.device import PRECISIONS, Placement, precision_from_legacy
 from align.errors import InputError
 from align.grpo import SUM_STATS, merge_stats, normalisers, policy_loss
@@ -338,8 +342,12 @@ def backward_batch(policy: torch.nn.Module, ref_model: torch.nn.Module | None, c
 # ------------------------------------------------------------------------------------------------ the update
 
 
+Teacher = Callable[[Batch, Any, Placement, Tensor | None], Tensor]
+"""(batch, cfg, place, rows) -> the teacher's logprobs (N, L) of the batch's targets (``rows``: at least those)."""
+
+
 def optimize(policy: torch.nn.Module, ref_model: torch.nn.Module | None, opt: torch.optim.Optimizer, cfg: Any,
-             place: Placement, batch: Batch) -> Update:  # fmt: skip
+             place: Placement, batch: Batch, teacher: Teacher | None = None) -> Update:  # fmt: skip
     """``cfg.updates_per_batch`` x ``cfg.mini_batches`` optimizer steps on one batch (see the module docstring)."""
     K, M = getattr(cfg, "updates_per_batch", 1), getattr(cfg, "mini_batches", 1)
     minis = torch.arange(batch.inputs.shape[0], device=batch.inputs.device).tensor_split(M)
@@ -347,6 +355,9 @@ def optimize(policy: torch.nn.Module, ref_model: torch.nn.Module | None, opt: to
     mine = torch.cat(minis) if dist.active() else None  # torchrun: ref / old logprobs of this rank's rows only
     ref = reference_logprobs(ref_model, batch, cfg, place, mine) if ref_model is not None else None
     old = batch_logprobs(policy, batch, cfg, place, mine) if K * M > 1 else None
+    distill: dict[str, float] = {}
+    if teacher is not None:  # on-policy distillation: the teacher's per-token signal joins the advantages
+        batch, distill = teacher_signal(batch, teacher(batch, cfg, place, mine), cfg.distill.teacher_coef, mine)
     per_update, norms, skipped, skipped_norms = [], [], [], []
     for _ in range(K):
         for rows in minis:
@@ -369,8 +380,19 @@ def optimize(policy: torch.nn.Module, ref_model: torch.nn.Module | None, opt: to
             opt.step()
             per_update.append(merged)
     norms = norms if per_update else skipped_norms  # every step skipped: the record shows why
-    return Update(summarise(per_update or skipped, K), sum(norms) / len(norms) if norms else 0.0, per_update,
-                  len(skipped))  # fmt: skip
+    return Update({**summarise(per_update or skipped, K), **distill}, sum(norms) / len(norms) if norms else 0.0,
+                  per_update, len(skipped))  # fmt: skip
+
+
+def teacher_signal(batch: Batch, teacher_lp: Tensor, coef: float, rows: Tensor | None) -> tuple[Batch, dict]:
+    """The batch with per-token advantages (``add_teacher_signal``, the sampler's logprobs as the student's) and the
+    signal's statistics over every rank's tokens (``rows``: this rank's under torchrun; the others' stay unused)."""
+    mask = batch.mask
+    if rows is not None:
+        mask = mask & torch.zeros_like(mask).index_fill_(0, rows, True)  # (N, L)
+    adv, st = add_teacher_signal(batch.advantages, mask, batch.behav, teacher_lp, coef)  # (N, L)
+    merged = dist.merge_rank_stats([{**st, "num_tokens": float(mask.sum())}], merge_stats)
+    return batch._replace(advantages=adv), {k: v for k, v in merged[0].items() if k != "num_tokens"}
 
 
 def grad_norm(policy: torch.nn.Module, clip: float) -> float:
@@ -423,7 +445,8 @@ def summarise(per_update: list[dict[str, float]], K: int) -> dict[str, float]:
 
 
 def update(policy: torch.nn.Module, ref_model: torch.nn.Module | None, opt: torch.optim.Optimizer, cfg: Any,
-           place: Placement, prompt_ids: list[list[int]], completions: list, adv: Tensor, valid: Tensor) -> Update:  # fmt: skip
+           place: Placement, prompt_ids: list[list[int]], completions: list, adv: Tensor, valid: Tensor,
+           teacher: Teacher | None = None) -> Update:  # fmt: skip
     """The learning part of one training step: the step's batch on ``place.device``, then ``optimize``."""
     return optimize(policy, ref_model, opt, cfg, place, make_batch(prompt_ids, completions, adv, valid, cfg,
-                                                                   place.device))  # fmt: skip
+                                                                   place.device), teacher)  # fmt: skip

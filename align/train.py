@@ -81,7 +81,7 @@ def train(
                                                        truncated=scores.truncated, max_tokens=cfg.max_tokens)  # fmt: skip
             # 5. loss / backward / optimizer step(s) (align.learner: fused logprobs, micro-batches, global normalisers)
             upd = learner.update(run.policy, run.ref_model, run.opt, cfg, run.place, run.prompt_ids(groups),
-                                 groups.completions, adv, valid)  # fmt: skip
+                                 groups.completions, adv, valid, run.teacher)  # fmt: skip
             run.sched.step()
             run.step += 1
             # 6. weights to the rollout engine (every backend, every K; nothing to do for the native sampler at K = 0)

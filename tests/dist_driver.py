@@ -18,6 +18,7 @@ from helpers_train import PROMPTS, TOK
 from align import dist
 from align.envs import Step
 from align.eval import CheckpointEvalFn
+from align.lean.env import LeanEnv
 from align.train import TrainConfig, train
 
 EVAL_PROMPTS = [{"prompt": w + "="} for w in ("ca", "dba", "a")]
@@ -37,17 +38,34 @@ class WeightSum(CheckpointEvalFn):
 HANG = {}
 
 
-class Retry:
-    """The environment of the multi-turn run: a completion with two or more 'a's ends the episode, else '=' asks again."""
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STANDIN = (f"{sys.executable} {ROOT}/extras/vllm_rollout/lean_repl_standin.py --replies "
+           f"{ROOT}/tests/lean_fixtures/standin_replies.json")  # fmt: skip
+STATEMENT = "theorem t : 1 + 1 = 2 := by\n"
+PROOFS = (
+    "```lean4\ntheorem t : 1 + 1 = 2 := by\n  norm_num\n```",
+    "```lean4\ntheorem t : 1 + 1 = 2 := by\n  simp\n```",
+)
+
+
+class Retry(LeanEnv):
+    """The environment of the multi-turn run, on --env lean's stage (each rank's own LeanVerifier pool over the REPL
+    stand-in, verdict rewards, lean/* metrics): a completion with two or more 'a's stands for a proof the stand-in
+    accepts (reward 1, the episode ends), any other for one it answers with compiler errors, whose correction
+    feedback the char task reads as '=' (its tokenizer has no chat template) before it tries again."""
+
+    check_rows = staticmethod(lambda rows: None)  # the char task's rows are words, not Lean problems
 
     def __init__(self, prompt: str, **_):
+        super().__init__(name=prompt, formal_statement=STATEMENT)
         self.prompt = prompt
 
     def reset(self) -> str:
         return self.prompt
 
     def step(self, completion: str) -> Step:
-        return Step(None, 1.0, True) if completion.count("a") >= 2 else Step("=", 0.0, False)
+        st = super().step(PROOFS[completion.count("a") < 2])
+        return st if st.observation is None else st._replace(observation="=")
 
 
 def reward(prompt: str, completion: str, **_) -> float:
@@ -76,6 +94,7 @@ def main() -> None:
 
         dcp.save = save
     cfg = TrainConfig(**spec["cfg"])
+    cfg.lean.repl, cfg.lean.workers = STANDIN, 2  # the verifier of the environment case (Retry)
     if not spec.get("eval"):
         cfg.eval.eval_interval = 0
     cfg.log.log_completions_every = 0

@@ -38,11 +38,13 @@ def make_bpe_tokenizer(
     eos_token: str = "<|im_end|>",
     template_in_config: bool = True,
     generation_eos: list[int] | None = None,
+    corpus: list[str] | None = None,
 ) -> Path:
     """Train a byte-level BPE on ``CORPUS`` and write tokenizer.json + tokenizer_config.json (+ chat template).
 
     ``bos`` adds a post-processor that prepends <|begin_of_text|> (as Llama-3's tokenizer does);
-    ``template_in_config=False`` writes the template to chat_template.jinja instead of tokenizer_config.json."""
+    ``template_in_config=False`` writes the template to chat_template.jinja instead of tokenizer_config.json;
+    ``corpus`` replaces ``CORPUS`` (text the tests' prompts are made of tokenizes into fewer, longer tokens)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -54,7 +56,7 @@ def make_bpe_tokenizer(
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(CORPUS, trainer)
+    tok.train_from_iterator(CORPUS if corpus is None else corpus, trainer)
     if bos:
         bos_id = tok.token_to_id("<|begin_of_text|>")
         tok.post_processor = processors.TemplateProcessing(

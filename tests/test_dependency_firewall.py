@@ -72,7 +72,10 @@ def test_negative_control_planted_import_is_caught(tmp_path):
 # Modules that must import with torch (and numpy, triton, safetensors) absent: the worker's one import and what it
 # pulls in, the atomic-file helpers every floor uses, and the environment runner (its worker process starts fast).
 STDLIB_ONLY = [
-    "align", "align.rollout", "align.atomic", "align.rollout.process", "align.rollout.protocol", "align.envs.runner"
+    "align", "align.rollout", "align.atomic", "align.rollout.process", "align.rollout.protocol", "align.envs.runner",
+    "align.lean.goedel", "align.lean.config", "align.lean.repl", "align.lean.server", "align.lean.guards",
+    "align.lean.verify",  # the Lean verifier: extras/vllm_rollout (the rollout venv) imports it too
+    "align.rollout.scoring",
 ]  # fmt: skip
 
 

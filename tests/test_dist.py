@@ -141,14 +141,19 @@ def test_two_ranks_give_the_single_process_result(tmp_path, char_model_2l, extra
 
 @pytest.mark.slow
 def test_two_ranks_with_an_environment_give_the_single_process_result(tmp_path, char_model_2l):
-    """Multi-turn episodes (tests/dist_driver.py's Retry environment): each rank runs its share of the episodes on
-    the kept-cache sampler, every rank trains on all of them; the run equals one process."""
+    """Multi-turn episodes (tests/dist_driver.py's Retry environment, on --env lean's stage: each rank verifies its
+    share through its own pool of REPL stand-ins): each rank runs its share of the episodes on the kept-cache
+    sampler, every rank trains on all of them; the run, lean/* metrics included, equals one process."""
     one = _run(tmp_path, "one", char_model_2l, 1, with_env=True, envs={"max_turns": 3})
     two = _run(tmp_path, "two", char_model_2l, 2, with_env=True, envs={"max_turns": 3})
     assert one["calls"] == two["calls"] and len(one["calls"]) == STEPS * 16  # the same final answers, in order
     assert any(r["env/turns_mean"] > 1 for r in one["recs"])  # real multi-turn episodes
+    assert sum(r["lean/proved"] for r in one["recs"]) > 0 and sum(r["lean/rejected_lean_error"] for r in one["recs"])
     for a, b in zip(one["recs"], two["recs"]):
         assert a["reward_mean"] == b["reward_mean"] and a["env/env_tokens_mean"] == b["env/env_tokens_mean"]
+        assert {k: v for k, v in a.items() if k.startswith("lean/")} == {
+            k: v for k, v in b.items() if k.startswith("lean/")
+        }
         for k in ("loss", "grad_norm"):
             assert abs(a[k] - b[k]) <= LOSS_TOL, (a["step"], k, a[k], b[k])
     assert _max_param_diff(one["params"], two["params"]) <= PARAM_TOL

@@ -21,7 +21,7 @@ FORBIDDEN = [
     ([f"align/{m}.py" for m in ALGORITHM], ["align.run", "align.rollout.pipeline", "align.eval", "align.train"]),
     (["align/rollout/"], ["align.run", "align.eval", "align.train"]),
     (["align/eval/"], ["align.run", "align.train"]),
-    (["align/envs/", "align/chat.py"], ["align.run", "align.eval", "align.train"]),
+    (["align/envs/", "align/chat.py", "align/lean/"], ["align.run", "align.eval", "align.train"]),
     (
         [
             "align/data.py",

@@ -18,7 +18,8 @@ class EnvConfig:
         default=None,
         metadata=_h(
             "Multi-turn environment class, 'path/file.py:Class' or 'module:Class' (needs --train-data); "
-            "'tools' = the built-in tool environment (with --tools)."
+            "'tools' = the built-in tool environment (with --tools); 'lean' = the built-in Lean prover "
+            "environment (Goedel prompts, the Lean verifier: --lean-repl / --lean-server)."
         ),
     )
     max_turns: int = field(default=4, metadata=_h("With --env: at most this many policy turns per episode."))

@@ -92,10 +92,12 @@ class _Live:
             self.fail(EnvError(f"the first prompt has {len(self.ep.prompt_ids)} tokens: no room in the context of "
                                f"{self.runner.context}"))  # fmt: skip
 
-    def budget(self) -> int:
+    def budget(self, turn_cap: bool = True) -> int:
+        """Tokens the next turn may sample: what is left of --max-episode-tokens and of the context, and (with
+        ``turn_cap``) at most --max-tokens; without it, whether an observation fits before that turn."""
         r = self.runner
         used = len(self.ep.token_ids)
-        left = r.max_tokens
+        left = r.max_tokens if turn_cap else r.context
         if r.cfg.max_episode_tokens:
             left = min(left, r.cfg.max_episode_tokens - used)
         return min(left, r.context - len(self.ep.prompt_ids) - used)
@@ -125,6 +127,8 @@ class _Live:
         info = st.info or {}
         ep.tool_calls += info.get("tool_calls", 0)
         ep.tool_errors += info.get("tool_errors", 0)
+        if other := {k: v for k, v in info.items() if k not in ("tool_calls", "tool_errors")}:
+            ep.turns[-1]["info"] = other  # the environment's own counts (e.g. the Lean verdict), kept per turn
         if st.observation is not None:
             obs = st.observation
             ep.messages += obs if isinstance(obs, list) else [{"role": "environment", "content": obs}]
@@ -133,7 +137,7 @@ class _Live:
             self.done = True
             return None
         suffix = r.renderer.suffix(st.observation)
-        room = self.budget() - len(suffix)
+        room = self.budget(turn_cap=False) - len(suffix)  # an observation longer than --max-tokens may fit
         if room < 1:  # the observation and at least one policy token do not fit: ends as length, never cut
             ep.finish_reason, ep.truncated, self.done = "length", True, True
             return None

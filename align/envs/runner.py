@@ -217,7 +217,8 @@ class _Worker:
 class EnvRunner:
     """Episodes of one environment class: in this process (``workers=0``) or in N worker processes
     (``workers >= 1``, each episode sticky to one worker). Thread-safe: several threads may call at once (calls on
-    different workers run in parallel; calls on one worker, or in process, are serialised).
+    different workers run in parallel; calls on one worker, or in process, are serialised, unless the class sets
+    ``concurrent = True``: then in-process calls run at once, and ``call_many`` gives each its own thread).
 
     A call that fails raises ``EnvError`` (``EnvTimeout`` past ``timeout_s``) with the environment's traceback; the
     episode stays open. A worker killed for a timeout, or one that exited, is replaced, and it takes its *other*
@@ -236,6 +237,9 @@ class EnvRunner:
             cls = load_env_class(spec)
         check_env_class(cls)
         self.cls, self.workers, self.timeout_s = cls, workers, timeout_s
+        # a class that sets ``concurrent = True`` (its instances are independent and thread-safe, e.g. each waits on
+        # a shared verifier pool) is called without the in-process lock, and call_many runs its calls at once
+        self.concurrent = not workers and getattr(cls, "concurrent", False) is True
         self._lock = threading.Lock()  # in process: every call; with workers: the episode table
         self._envs: dict[int, tuple[Any, dict]] = {}  # in process: episode -> (instance, row)
         self._home: dict[int, tuple[int, _Worker | None]] = {}  # with workers: episode -> (slot, its worker)
@@ -285,6 +289,8 @@ class EnvRunner:
                 except Exception as err:  # noqa: BLE001 -- EnvError is the call's result; others re-raised below
                     results[i] = err
 
+        if self.concurrent:
+            queues = {i: [i] for i in range(len(calls))}
         if len(queues) <= 1:
             drain(list(range(len(calls))))
         else:
@@ -367,7 +373,7 @@ class EnvRunner:
 
     def _run(self, j: int, episode: int, op: str, payload: str | None, arg: Any) -> Any:
         if j < 0:
-            with self._lock:
+            with self._lock if not self.concurrent else contextlib.nullcontext():
                 if (episode in self._envs) != (op != "open"):
                     raise ValueError(f"episode {episode} is {'already' if op == 'open' else 'not'} open")
                 return _apply(self._envs, self.cls, op, episode, arg, self.timeout_s)

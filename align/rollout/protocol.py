@@ -79,6 +79,7 @@ log = logging.getLogger(__name__)
 
 PROTOCOL = "align-spool"
 PROTOCOL_VERSION = 1
+PROTOCOL_MINOR = 1  # minor versions only add request kinds (1: ``score``, align/rollout/scoring.py); heartbeat "minor"
 HEARTBEAT_MAX_BYTES = 1 << 20  # a heartbeat is ~200 bytes; a bigger file is not one (e.g. a link to /dev/zero)
 
 # What Completion.logprobs holds, per backend:
@@ -89,8 +90,8 @@ HEARTBEAT_MAX_BYTES = 1 << 20  # a heartbeat is ~200 bytes; a bigger file is not
 #                (vLLM logprobs_mode=processed_logprobs); equals "training" when no truncation is active
 LOGPROB_BASES = ("training", "raw", "processed")
 
-REQUEST_KINDS = ("generate", "sync_weights", "shutdown")
-RESPONSE_KINDS = ("completions", "synced", "error", "stopped")
+REQUEST_KINDS = ("generate", "sync_weights", "shutdown", "score")
+RESPONSE_KINDS = ("completions", "synced", "error", "stopped", "scores")
 # Required body fields and their JSON types, per kind. Extra fields are allowed (forward compatible).
 _BODY_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "generate": {"prompts": (list,), "params": (dict,)},
@@ -100,6 +101,8 @@ _BODY_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "synced": {"version": (int,), "seconds": (int, float), "method": (str,)},
     "error": {"error": (str,), "message": (str,)},
     "stopped": {},
+    "score": {"sequences": (list,), "starts": (list,)},
+    "scores": {"logprobs": (list,)},
 }
 _ID_RE = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9._-]{0,127}\Z")  # \Z: "$" would accept a trailing newline
 _SPOOL_DIRS = ("tmp", "requests", "claimed", "done", "responses", "rejected", "waiters")
@@ -641,7 +644,8 @@ class Spool:
     # -- heartbeat ------------------------------------------------------------------------------
     def write_heartbeat(self, state: str, **info: object) -> None:
         """Rewrite heartbeat.json atomically: state is 'starting' | 'ready' | 'busy' | 'stopped' | 'failed'."""
-        hb = {"protocol": PROTOCOL, "version": PROTOCOL_VERSION, "kind": "heartbeat", "state": state}
+        hb = {"protocol": PROTOCOL, "version": PROTOCOL_VERSION, "minor": PROTOCOL_MINOR, "kind": "heartbeat"}
+        hb["state"] = state
         hb.update(pid=os.getpid(), host=socket.gethostname(), time=time.time(), **info)
         atomic_write_text(self.heartbeat_path, json.dumps(hb), tmp_dir=self.root / "tmp")
 

@@ -33,6 +33,7 @@ from align.run.config import TrainConfig, lr_lambda
 from align.run.log import MetricsLog, Progress, check_logger, format_line, make_logger, sample_groups
 from align.run.plot import write_plot
 from align.run.task import resolve_task
+from align.run.teacher import check_teacher, open_teacher, unscored
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,7 @@ class Run:
         self.cfg, self.stop_flag, self.out = cfg, stop_flag, Path(cfg.out)
         self.t_start = time.monotonic()
         self.worker = self.client = self.scorer = self.pipe = self.out_lock = self.spool_lock = self.envs = None
+        self.teacher: Any = None  # on-policy distillation (align.run.teacher)
         self.metrics: Any = None
         self.samples: Any = None
         self.progress: Any = dist.RankLog()
@@ -122,6 +124,8 @@ class Run:
     # ---------------------------------------------------------------------- per-step helpers
 
     def prompt_ids(self, groups: Any) -> list[list[int]]:
+        if self.task.env is not None:  # an episode carries its own first prompt (a --env lean correction has no row)
+            return [[] for _ in groups.idx]
         return [self.encoded[i] for i in groups.idx]
 
     def completion_text(self, ids: list[int]) -> str:
@@ -138,11 +142,14 @@ class Run:
 
     def log(self, rec: dict, groups: Any, scores: Any, adv: torch.Tensor) -> None:
         """The step's record to metrics.jsonl and the progress line; sample groups every --log-completions-every."""
+        if self.envs is not None:  # the environment's own metrics (--env lean: lean/*)
+            rec.update(self.envs.metrics(groups.completions))
         self.metrics.write(rec)
         self.progress.update(rec["step"], format_line(rec))
         every = self.cfg.log.log_completions_every
         if every and rec["step"] % every == 0:
-            prompts = [self.task.prompts[i].get("prompt", "") for i in groups.idx]
+            rows = self.task.prompts  # an index past the rows is a --env lean correction prompt (its episodes show it)
+            prompts = [rows[i].get("prompt", "") if i < len(rows) else "" for i in groups.idx]
             for r in sample_groups(rec["step"], prompts, groups.completions, groups.texts, scores.total, adv,
                                    scores.terms, self.cfg.log.log_completions_groups):  # fmt: skip
                 self.samples.write(r)
@@ -189,12 +196,12 @@ class Run:
             if getattr(self, "evaluator", None) is not None:
                 self.emit(self.evaluator.drain(after_error=after_error))
         finally:
-            for part in (self.pipe, self.client, self.scorer, self.envs, self.metrics):
+            for part in (self.pipe, self.client, self.scorer, self.envs, self.metrics, self.teacher):
                 if part is not None:
                     part.close()
             if self.worker is not None:
                 self.worker.shutdown()
-            self.pipe = self.client = self.scorer = self.metrics = self.worker = self.envs = None
+            self.pipe = self.client = self.scorer = self.metrics = self.worker = self.envs = self.teacher = None
             safety.release(self.spool_lock)  # the worker is gone: another trainer may take the spool
             self.spool_lock = None
             if after_error is not None:  # the run ends here; else summary() releases --out after export_final
@@ -269,7 +276,9 @@ def _open_files_and_task(run: Run, model: Any, tokenizer: Any, prompts: Any, rew
     task = run.task
     rows = task.prompts + task.eval_prompts
     has_reward = task.reward is not None or cfg.rewards.reward
-    run.scorer = make_scorer(cfg.rewards, task.reward, rows) if task.env is None or has_reward else None
+    needs_scorer = (task.env is None or has_reward) and (has_reward or not cfg.distill.distill_only)
+    run.scorer = make_scorer(cfg.rewards, task.reward, rows) if needs_scorer else None
+    check_teacher(cfg, run.model_path, task.tokenizer, task.prompts)  # --teacher: an HF dir, the same tokenizer
     run.pass_reward = None  # the reward that decides pass@k (--eval-pass-reward); refused before the model loads
     names = ["env"] * (task.env is not None) + (run.scorer.names if run.scorer else [])
     if task.eval_prompts and cfg.eval.eval_interval > 0:
@@ -279,7 +288,7 @@ def _open_files_and_task(run: Run, model: Any, tokenizer: Any, prompts: Any, rew
         from align.run.episodes import open_episodes
 
         open_episodes(run)  # the environment runner and the turn renderer; refuses what it cannot run
-    new_config = {**asdict(cfg), "model": run.model_path}
+    new_config = json.loads(json.dumps({**asdict(cfg), "model": run.model_path}))  # as saved: tuples are lists
     if ckpt.latest(out / "checkpoints"):  # resuming: refuse changed math, apply (and log) operational changes
         for change in safety.check_resume_config(out / "config.json", new_config):
             print(f"[align] resume: applying changed setting {change}", flush=True)
@@ -344,6 +353,7 @@ def _open_policy(run: Run) -> None:
     run.cursor = DataCursor(len(run.task.prompts), cfg.seed, cursor)
     run.nonfinite = learner.NonFiniteSteps(cfg.max_nonfinite_steps, (state or {}).get("nonfinite_steps", 0))
     run.policy, run.ref_model, run.mcfg, run.resumed = policy, ref_model, mcfg, bool(resume)
+    run.teacher = open_teacher(run)  # --teacher: frozen like the reference, or a vLLM worker
     if not resume:
         torch.manual_seed(cfg.seed)
 
@@ -522,10 +532,11 @@ def _open_pipeline(run: Run) -> None:
         # abandons the producer instead (pipeline), and under torchrun every rank finishes the step (agree_on_signal)
         stop = None if run.pipe.is_async or dist.active() else run.pipe.should_stop
         # --adv-refill: more prompts until enough groups have signal
+        score, names = (unscored, []) if cfg.distill.distill_only else (
+            lambda items, comps: run.scorer.score(items, stop), run.scorer.names)  # fmt: skip
         return collect_groups(cfg.prompts_per_step, run.cursor.next_prompts, sample,
-                              lambda c: run.completion_text(c.token_ids), lambda i: task.prompts[i],
-                              lambda items, comps: run.scorer.score(items, stop), run.scorer.names, cfg.adv_refill,
-                              cfg.max_refill_rounds)  # fmt: skip
+                              lambda c: run.completion_text(c.token_ids), lambda i: task.prompts[i], score, names,
+                              cfg.adv_refill, cfg.max_refill_rounds)  # fmt: skip
 
     snapshots = run.out / "rollout_snapshots"
     run.pipe = make_pipeline(cfg, collect, run.policy, run.client, run.step, run.cursor.state, run.pending, snapshots)

@@ -90,9 +90,15 @@ def build_parser(cls: type, prefixes: dict[str, str], description: str = "") -> 
             )
         elif tp is dict:
             parser.add_argument(f"--{flag}", type=json.loads, **kw)
+        elif tp is tuple:  # a comma list: --lean-banned native_decide,#exit
+            parser.add_argument(f"--{flag}", type=_comma_tuple, **kw)
         else:
             parser.add_argument(f"--{flag}", type=tp, **kw)
     return parser
+
+
+def _comma_tuple(text: str) -> tuple[str, ...]:
+    return tuple(w.strip() for w in text.split(",") if w.strip())
 
 
 def _type_name(tp: Any) -> str:
@@ -101,7 +107,7 @@ def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is list:
+    if origin in (list, tuple):
         args = typing.get_args(tp)
         return f"list of {_type_name(args[0])}" if args else "list"
     if dataclasses.is_dataclass(tp):
@@ -133,6 +139,10 @@ def check_value(key: str, value: Any, tp: Any) -> Any:
             raise fail()
         args = typing.get_args(tp)
         return [check_value(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)] if args else value
+    if origin is tuple:  # tuple[X, ...]: a JSON list (config.json) or a tuple (defaults, flags)
+        if not isinstance(value, (list, tuple)):
+            raise fail()
+        return tuple(check_value(f"{key}[{i}]", v, typing.get_args(tp)[0]) for i, v in enumerate(value))
     if tp is bool:
         if not isinstance(value, bool):
             raise fail()

@@ -17,11 +17,14 @@ from align.data import DataConfig
 from align.envs.config import EnvConfig
 from align.eval.config import EvalConfig
 from align.grpo import LossConfig
+from align.lean.config import LeanConfig
+from align.lean.corrections import CorrectionConfig
 from align.lora import LoraConfig
 from align.rewards import RewardConfig
 from align.run.cli import from_dict
 from align.run.log import LogConfig
 from align.run.presets import PRESET_NAMES
+from align.run.teacher import DistillConfig
 
 
 def _h(text: str) -> Any:
@@ -224,6 +227,9 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(eval_interval=10, eval_n=4))
     lora: LoraConfig = field(default_factory=LoraConfig)
     envs: EnvConfig = field(default_factory=EnvConfig)
+    lean: LeanConfig = field(default_factory=LeanConfig)  # --env lean: the verifier (--lean-repl, ...)
+    lean_corrections: CorrectionConfig = field(default_factory=CorrectionConfig)  # --lean-correction-fraction, ...
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def __post_init__(self) -> None:
         for name, cls in (
@@ -235,6 +241,9 @@ class TrainConfig:
             ("log", LogConfig),
             ("lora", LoraConfig),
             ("envs", EnvConfig),
+            ("lean", LeanConfig),
+            ("lean_corrections", CorrectionConfig),
+            ("distill", DistillConfig),
         ):
             if isinstance(getattr(self, name), dict):
                 setattr(self, name, from_dict(cls, getattr(self, name), f"{name}."))
@@ -277,6 +286,8 @@ class TrainConfig:
                 f"--sync-every {self.sync_every} does not apply: drop it (or use --max-async-steps 0)"
             )
         self.eval.check_save_hf(self.save_hf)
+        if self.distill.distill_only and self.adv_refill:
+            raise ValueError("--adv-refill samples until groups differ in reward; --distill-only computes no reward")
         if self.merge_lora and not self.lora.enabled:
             raise ValueError("--merge-lora needs --lora-rank > 0 (it merges the adapter into the --save-hf export)")
         from align.learner import check_config
@@ -296,6 +307,7 @@ class TrainConfig:
 CLI_PREFIXES = {
     "adv": "adv-",
     "lora": "lora-",
+    "lean": "lean-",
 }  # loss fields are flat (--eps-low, --kl-coef, --loss NAME); eval fields are eval_*
 
 

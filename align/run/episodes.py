@@ -24,10 +24,40 @@ class RunEpisodes:
 
         cfg, task = run.cfg, run.task
         self.cfg = cfg
-        self.envs = EnvRunner(task.env_spec, task.env, cfg.envs.env_workers, cfg.envs.env_timeout_s)
+        self.verifier = self.queue = None  # --env lean: the verifier pool this run started; the correction queue
+        if is_lean(task.env):
+            self._open_lean(run)
+        # --env lean: each proof is bounded by the verifier itself (--lean-timeout-s, --lean-retries), not the env call
+        timeout_s = 0.0 if is_lean(task.env) else cfg.envs.env_timeout_s
+        self.envs = EnvRunner(task.env_spec, task.env, cfg.envs.env_workers, timeout_s)
         self.renderer = TurnRenderer(task.tokenizer, tools=getattr(task.env, "tools", None))
         self.runner: EpisodeRunner | None = None  # made once the model's context is known (_open_policy)
         self.warned = False
+
+    def _open_lean(self, run: Any) -> None:
+        """--env lean: start the verifier pool (unless the class came bound to one), bind the environment class to it;
+        with --lean-correction-fraction the correction queue over the rows and the data cursor (made later)."""
+        cfg, task = run.cfg, run.task
+        verifier = task.env.verifier
+        if verifier is None:
+            from align.lean.verify import LeanVerifier
+
+            verifier = self.verifier = LeanVerifier(cfg.lean)  # a REPL that cannot start fails here, before the model
+        task.env = task.env.bind(verifier, cfg.lean_corrections.lean_error_tokens, task.tokenizer)
+        self.lean_cfg = cfg.lean_corrections
+
+    def queue_for(self, run: Any) -> Any:
+        """The correction queue (None without --lean-correction-fraction), once the data cursor exists."""
+        if self.queue is None and is_lean(run.task.env) and self.lean_cfg.lean_correction_fraction > 0:
+            from align.lean.corrections import CorrectionQueue
+
+            self.queue = CorrectionQueue(self.lean_cfg, run.task.prompts, run.cursor)
+        return self.queue
+
+    def metrics(self, episodes: list) -> dict:
+        """The environment's own per-step metrics (a class may define ``metrics(episodes)``: --env lean does)."""
+        fn = getattr(self.envs.cls, "metrics", None)
+        return fn(episodes) if fn is not None else {}
 
     def runner_for(self, run: Any) -> EpisodeRunner:
         if self.runner is None:
@@ -61,12 +91,16 @@ class RunEpisodes:
         from align import dist
         from align.rollout.groups import collect_groups
 
-        cfg, prompts = self.cfg, run.task.prompts
+        cfg, queue = self.cfg, self.queue_for(run)
+        row, next_prompts = (queue.row, queue.next_prompts) if queue else (run.task.prompts.__getitem__,
+                                                                          run.cursor.next_prompts)  # fmt: skip
+        if queue:
+            queue.begin(t)
 
         def sample(idx: list[int], round_: int) -> list:
             params = replace(run.params, seed=cfg.seed * 1_000_003 + t - 1 + round_ * 100_000_007)
             with run.place.autocast():
-                eps = self.episodes(run, client, [prompts[i] for i in idx], cfg.group_size, params)
+                eps = self.episodes(run, client, [row(i) for i in idx], cfg.group_size, params)
             failed = [e for e in eps if e.error is not None]
             if len(failed) == len(eps):
                 raise RuntimeError(f"every episode of step {t} failed in its environment; the first error:\n"
@@ -75,9 +109,12 @@ class RunEpisodes:
 
         stop = None if run.pipe.is_async or dist.active() else run.pipe.should_stop  # K = 0: a signal cuts the rewards
         names = ["env", *(run.scorer.names if run.scorer else [])]
-        return collect_groups(cfg.prompts_per_step, run.cursor.next_prompts, sample, lambda e: e.text,
-                              lambda i: prompts[i], lambda items, eps: episode_scores(eps, items, run.scorer, stop),
-                              names, cfg.adv_refill, cfg.max_refill_rounds)  # fmt: skip
+        groups = collect_groups(cfg.prompts_per_step, next_prompts, sample, lambda e: e.text, row,
+                                lambda items, eps: episode_scores(eps, items, run.scorer, stop), names, cfg.adv_refill,
+                                cfg.max_refill_rounds)  # fmt: skip
+        if queue:
+            queue.add(groups, t)
+        return groups
 
     def evaluate(self, run: Any, sampling: Any) -> dict:
         """pass@k of the held-out rows' episodes on the live policy (blocking, in this process)."""
@@ -95,7 +132,18 @@ class RunEpisodes:
         return metrics
 
     def close(self) -> None:
-        self.envs.close()
+        try:
+            self.envs.close()
+        finally:
+            if self.verifier is not None:
+                self.verifier.close()
+
+
+def is_lean(env: Any) -> bool:
+    """The built-in Lean environment (``--env lean``) or a class derived from it."""
+    from align.lean.env import LeanEnv
+
+    return isinstance(env, type) and issubclass(env, LeanEnv)
 
 
 def _first_turn_success(eps: list) -> float:

@@ -27,6 +27,7 @@ class Task:
 
 
 BUILTIN_TASKS = ("reverse", "multiturn")
+LEAN_ENV = "lean"  # --env lean: the built-in Lean environment (align.lean.env)
 
 
 def builtin_task(cfg: TrainConfig) -> tuple[Task, str]:
@@ -102,12 +103,19 @@ def env_task(cfg: TrainConfig, model: str | None, tokenizer: Any, prompts: list 
 
         # a tool call gets half of the step's limit, so a slow tool is an error message the model reads, not a step timeout
         env = make_tool_env(load_tools(e.tools, tools), timeout_s=e.env_timeout_s / 2 if e.env_timeout_s else 10.0)
+    elif env is None and e.env == LEAN_ENV:  # the built-in Lean prover environment, by name
+        from align.lean.env import LeanEnv
+
+        env = LeanEnv
     elif env is None:
         spec, env = e.env, load_env_class(e.env, "--env")
+    located = None  # (file:line, row) of each row read here, for the errors of a built-in environment's check
     if prompts is None:
-        prompts = [row for _, row in read_rows(cfg.data.train_data)]
+        located = read_rows(cfg.data.train_data)
+        prompts = [row for _, row in located]
         if cfg.data.eval_data:
-            eval_prompts = [row for _, row in read_rows(cfg.data.eval_data, "--eval-data")]
+            evals = read_rows(cfg.data.eval_data, "--eval-data")
+            located, eval_prompts = located + evals, [row for _, row in evals]
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.data.tokenizer or model_path, model_path)
     rows = [dict(r) for r in prompts]
@@ -120,8 +128,22 @@ def env_task(cfg: TrainConfig, model: str | None, tokenizer: Any, prompts: list 
     if e.env_workers and spec is None:
         raise InputError("--env-workers >= 1 loads the environment class in worker processes by its spec; an env= "
                          "class passed from Python has none: pass --env path/file.py:Class, or use --env-workers 0")  # fmt: skip
+    if getattr(env, "check_rows", None) is not None:  # --env lean: problems, statements and verifier checked now
+        lean_checks(cfg, env, located or [(f"prompts[{i}]", r) for i, r in enumerate(rows)] +
+                    [(f"eval_prompts[{i}]", r) for i, r in enumerate(eval_prompts or [])])  # fmt: skip
     task = Task(rows, tokenizer, reward, [dict(r) for r in eval_prompts or []], env=env, env_spec=spec)
     return task, model_path
+
+
+def lean_checks(cfg: TrainConfig, env: type, located: list[tuple[str, dict]]) -> None:
+    """--env lean before the model loads: every row a Lean problem (file:line named), one verifier configured (unless
+    the class came bound to one), environments in this process."""
+    env.check_rows(located)
+    if env.verifier is None:
+        cfg.lean.check()
+    if cfg.envs.env_workers:
+        raise InputError(f"--env lean verifies in its own pool of Lean processes (--lean-workers); --env-workers "
+                         f"{cfg.envs.env_workers} does not apply: drop it (or pass --env-workers 0)")  # fmt: skip
 
 
 def as_records(prompts: list) -> list[dict]:
@@ -148,7 +170,7 @@ def resolve_task(cfg: TrainConfig, model: str | None, tokenizer: Any, prompts: l
         from align.data import load_task_data
 
         tokenizer, prompts, eval_prompts, *ids = load_task_data(cfg.data, model or cfg.model, cfg.max_tokens)
-    has_reward = reward is not None or bool(cfg.rewards.reward)
+    has_reward = reward is not None or bool(cfg.rewards.reward) or (cfg.distill.distill_only and prompts is not None)
     if (prompts is None) == has_reward or (prompts is not None and tokenizer is None):
         raise InputError(
             "pass prompts, tokenizer and reward together (CLI: --train-data and --reward), or none of "

@@ -21,111 +21,29 @@ import argparse
 import json
 import os
 import re
-import selectors
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(0, str(Path(HERE).resolve().parents[1]))  # the repo's own align (its stdlib-only align.lean)
 import lean_prompts as lp
 
+from align.lean.guards import AXIOM_DECL, FORBIDDEN, STANDARD_AXIOMS, parse_axioms, theorem_name
+from align.lean.repl import Repl, ReplError, reap_group
+
+__all__ = ["AXIOM_DECL", "FORBIDDEN", "STANDARD_AXIOMS", "Repl", "ReplError", "main", "reap_group", "verify_record"]
+
 EXIT_MANIFEST = 4
-STANDARD_AXIOMS = ("propext", "Classical.choice", "Quot.sound")
 SHM_PATTERNS = re.compile(r"^(nccl|vllm|torch_|psm_|sem\.mp-|cuda)")
-FORBIDDEN = re.compile(r"(?<![\w.'])(sorry|admit|sorryAx)(?![\w'!?])")
-AXIOM_DECL = re.compile(
-    r"^\s*(?:@\[[^\]]*\]\s*)?(?:(?:private|protected|noncomputable|unsafe)\s+)*axiom\s", re.MULTILINE
-)
 
 
-# --- Lean REPL client ---------------------------------------------------------------------------------------------------
-
-
-class ReplError(RuntimeError):
-    pass
-
-
-class Repl:
-    """One Lean REPL process (``--repl-cmd``) speaking the leanprover-community/repl JSON protocol."""
-
-    def __init__(self, cmd: str, cwd: str | None, timeout: float, import_timeout: float) -> None:
-        self.cmd, self.cwd, self.timeout, self.import_timeout = cmd, cwd, timeout, import_timeout
-        self.proc = None
-        self.start()
-
-    def start(self) -> None:
-        self.close()
-        self.proc = subprocess.Popen(
-            shlex.split(self.cmd),
-            cwd=self.cwd,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        self.buf = b""
-        try:
-            reply = self.send({"cmd": lp.DEFAULT_IMPORTS}, self.import_timeout)
-            if reply.get("env") != 0 or "messages" in reply:
-                raise ReplError(f"REPL import command did not create env 0: {reply}")
-        except ReplError:
-            self.close()
-            raise
-
-    def send(self, obj: dict, timeout: float | None = None) -> dict:
-        try:
-            self.proc.stdin.write((json.dumps(obj) + "\n\n").encode())
-            self.proc.stdin.flush()
-        except OSError as exc:  # BrokenPipeError: the REPL is gone
-            raise ReplError(f"EOF ERROR: {exc}") from None
-        deadline = time.monotonic() + (timeout or self.timeout)
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        try:
-            while True:
-                text = self.buf.replace(b"\r\n", b"\n").lstrip(b"\n")
-                if b"\n\n" in text:
-                    body, _, rest = text.partition(b"\n\n")
-                    self.buf = rest
-                    try:
-                        return json.loads(body.decode())
-                    except json.JSONDecodeError as exc:
-                        raise ReplError(f"JSONDECODE ERROR: {exc}") from None
-                left = deadline - time.monotonic()
-                if left <= 0 or not sel.select(left):
-                    raise ReplError(f"TIMEOUT ERROR: no reply within {timeout or self.timeout} s")
-                chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
-                if not chunk:
-                    raise ReplError("EOF ERROR: the REPL exited")
-                self.buf += chunk
-        finally:
-            sel.close()
-
-    def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            reap_group(self.proc.pid, grace_s=2)
-            self.proc.wait()
-        self.proc = None
-
-
-def theorem_name(lean4_code: str) -> str | None:
-    m = re.search(r"theorem\s+([^\s(:{\[]+)", lp.remove_comments(lean4_code))
-    return m.group(1) if m else None
-
-
-def parse_axioms(reply: dict) -> list[str] | None:
-    for m in reply.get("messages", []):
-        d = m.get("data", "")
-        if "does not depend on any axioms" in d:
-            return []
-        if "depends on axioms:" in d:
-            inner = d.split("depends on axioms:", 1)[1].strip().strip("[]")
-            return [a.strip() for a in inner.split(",") if a.strip()]
-    return None
+# --- verification (the REPL client and the guards' text rules are align.lean's) --------------------------------------
 
 
 def verify_record(rec: dict, repl: Repl, allowed_axioms: tuple[str, ...]) -> dict:
@@ -157,9 +75,7 @@ def verify_record(rec: dict, repl: Repl, allowed_axioms: tuple[str, ...]) -> dic
         reasons.append(f"no_lean_code:{rec.get('lean_code_error')}")
     if repl_code:
         try:
-            reply = repl.send(
-                {"cmd": repl_code, "allTactics": False, "ast": False, "premises": False, "tactics": False, "env": 0}
-            )
+            reply = repl.run(repl_code)
         except ReplError as exc:
             out["system_error"] = str(exc)
             reasons.append("system_error")
@@ -229,36 +145,6 @@ def verify_file(gen_path: str, verif_path: str, args) -> dict:
 
 
 # --- generator process hygiene ------------------------------------------------------------------------------------------
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-def reap_group(pgid: int, grace_s: float = 10.0) -> None:
-    """SIGTERM the whole process group (engine cores, TP workers), SIGKILL what is left after ``grace_s``."""
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        if not _group_alive(pgid):
-            return
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and _group_alive(pgid):
-            try:  # reap our own exited children of the group, else they stay zombies and look alive
-                while os.waitpid(-pgid, os.WNOHANG)[0]:
-                    pass
-            except ChildProcessError:
-                pass
-            if _group_alive(pgid):
-                time.sleep(0.1)
 
 
 def _open_paths() -> set[str]:

@@ -13,7 +13,8 @@ finished; a command waits until nothing is in flight, and nothing after it is cl
 (``collective_rpc("reload_weights", weights_path=...)``), rebuilding the engine when the architecture
 changed or reload fails; a committed PEFT adapter dir (LoRA training, worker started with
 ``--max-lora-rank``) is loaded as a new ``LoRARequest`` on the unchanged base model (no engine rebuild, no
-base reload) and serves every later request; ``shutdown`` answers and exits. A heartbeat thread rewrites
+base reload) and serves every later request; ``score`` (protocol 1.1, ``align/rollout/scoring.py``) answers the
+exact logprob of each given token (vLLM ``prompt_logprobs``); ``shutdown`` answers and exits. A heartbeat thread rewrites
 ``heartbeat.json`` every ``--heartbeat-s``. One worker per spool (``worker.lock``). On start,
 requests a dead predecessor had claimed but not answered are served again (answers are keyed by
 request id, so none is answered twice).
@@ -395,6 +396,39 @@ class Worker:
         self.set_state("ready")
         return None
 
+    def serve_score(self, msg: P.Message) -> None:
+        """A ``score`` request (align/rollout/scoring.py): vLLM ``prompt_logprobs=1`` on a prompt of each sequence's
+        ids gives the exact logprob of every given token (the token itself is always among them, whatever the top-1);
+        the one token generated per sequence is discarded."""
+        from vllm import SamplingParams as VSP
+        from vllm.inputs import TokensPrompt
+
+        from align.rollout import scoring
+
+        problem = scoring.score_problem(msg.body, self.vocab_size, self.args.max_model_len)
+        if problem is not None:
+            return self.answer(P.error_response(msg.id, "bad_request", problem))
+        self.set_state("busy")
+        seqs, starts = msg.body["sequences"], msg.body["starts"]
+        sp = VSP(n=1, temperature=1.0, max_tokens=1, prompt_logprobs=1, detokenize=False)
+        t0 = time.perf_counter()
+        try:
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], sp, use_tqdm=False,
+                                     lora_request=self.lora)  # fmt: skip
+        except Exception as e:
+            log.exception("engine failed on score request %s", msg.id)
+            self.answer(P.error_response(msg.id, "engine_error", f"{e.__class__.__name__}: {e}"))
+            self.set_state("ready")
+            if "EngineDead" in e.__class__.__name__:
+                raise
+            return None
+        lps = [[float(out.prompt_logprobs[j][s[j]].logprob) for j in range(first, len(s))]
+               for out, s, first in zip(outs, seqs, starts)]  # fmt: skip
+        timings = {"score_s": time.perf_counter() - t0, "tokens": sum(len(s) for s in seqs)}
+        self.answer(P.Message("scores", msg.id, {"logprobs": lps, "timings": timings}))
+        self.set_state("ready")
+        return None
+
     def answer(self, msg: P.Message) -> None:
         self.spool.respond(msg)
         self.spool.finish(msg.id)
@@ -463,6 +497,8 @@ class Worker:
             command, pending = None, command
             if pending.kind == "sync_weights":
                 self.serve_sync(pending)
+            elif pending.kind == "score":
+                self.serve_score(pending)
             elif pending.kind == "shutdown":
                 self.answer(P.Message("stopped", pending.id, {}))
                 log.info("shutdown requested")

@@ -1,0 +1,130 @@
+"""Guards against reward hacking: what a proof must satisfy besides "Lean reports no error".
+
+Each guard returns its ``Verdict.reason`` (``align.lean.verify.REASONS``) and a short detail, or None:
+
+- ``format``: the answer (the text after the last ``</think>``, the whole text without one) holds exactly one
+  lean4 code block (Goedel's extraction patterns); with the gate off, at least one anywhere (Goedel's rule);
+- ``too_long``: the assembled proof (Goedel's ``full_code``) is longer than ``--lean-max-proof-chars``;
+- ``statement_changed``: the theorem statement in the model's block (``theorem ... := by``, the one Goedel's
+  assembly replaces by the dataset's) differs from the dataset's after stripping comments and all whitespace,
+  or the block has none;
+- ``sorry``: ``sorry`` / ``admit`` / ``sorryAx`` outside comments (and, after compiling, a ``sorry`` Lean saw);
+- ``banned``: a word of ``--lean-banned`` outside comments, or ``apply?`` / ``exact?`` (Goedel refuses them);
+- ``axioms``: an ``axiom`` declaration, or ``#print axioms`` of the theorem lists more than ``--lean-allowed-axioms``
+  (propext, Classical.choice, Quot.sound).
+
+The text rules (``FORBIDDEN``, ``AXIOM_DECL``, ``theorem_name``, ``parse_axioms``) are the ones
+``extras/vllm_rollout/pipeline_gen_verify.py`` applies too. stdlib only.
+"""
+
+from __future__ import annotations
+
+import re
+
+from align.lean import goedel
+
+STANDARD_AXIOMS = ("propext", "Classical.choice", "Quot.sound")
+FORBIDDEN = re.compile(r"(?<![\w.'])(sorry|admit|sorryAx)(?![\w'!?])")
+AXIOM_DECL = re.compile(
+    r"^\s*(?:@\[[^\]]*\]\s*)?(?:(?:private|protected|noncomputable|unsafe)\s+)*axiom\s", re.MULTILINE
+)
+STATEMENT = re.compile(r"((?:theorem).*?:=\s*by\s*sorry)", re.DOTALL)  # goedel.replace_statement_in_proof's
+PROOF_STATEMENT = re.compile(r"((?:^|\s)theorem\s+.*?:=\s*by)", re.DOTALL)
+
+
+def theorem_name(lean4_code: str) -> str | None:
+    """The dataset theorem's name (what ``#print axioms`` is asked about)."""
+    m = re.search(r"theorem\s+([^\s(:{\[]+)", goedel.remove_comments(lean4_code))
+    return m.group(1) if m else None
+
+
+def parse_axioms(reply: dict) -> list[str] | None:
+    """The axioms ``#print axioms`` lists in a REPL reply; None when the reply does not say."""
+    for m in reply.get("messages", []):
+        d = m.get("data", "")
+        if "does not depend on any axioms" in d:
+            return []
+        if "depends on axioms:" in d:
+            inner = d.split("depends on axioms:", 1)[1].strip().strip("[]")
+            return [a.strip() for a in inner.split(",") if a.strip()]
+    return None
+
+
+def squash(text: str) -> str:
+    """``text`` without comments and without any whitespace: the statement comparison's normal form."""
+    return "".join(goedel.remove_comments(text).split())
+
+
+def answer_blocks(completion: str) -> int:
+    """Lean code blocks in the answer (after the last ``</think>``), counted with Goedel's first matching pattern."""
+    answer = completion.rsplit("</think>", 1)[-1]
+    for pattern in goedel.EXTRACT_PATTERNS:
+        found = re.findall(pattern, answer, re.DOTALL)
+        if found:
+            return len(found)
+    return 0
+
+
+def statement_changed(lean4_code: str, completion: str) -> str | None:
+    """Why the model's theorem statement is not the dataset's (None when it is)."""
+    want = STATEMENT.search(goedel.remove_comments(goedel.formal_statement(lean4_code)))
+    block = goedel.extract_block(completion)
+    have = None if block is None else PROOF_STATEMENT.search(goedel.remove_comments(block))
+    if want is None or have is None:
+        return "no 'theorem ... := by' in the model's code" if want is not None else "no theorem in the statement"
+    if squash(want.group(1)[: -len("sorry")]) != squash(have.group(1)):
+        return "the model's theorem statement differs from the dataset's"
+    return None
+
+
+def _word(word: str) -> re.Pattern:
+    return re.compile(r"(?<![\w.'])" + re.escape(word) + r"(?![\w'])")
+
+
+def banned_word(code: str, banned: tuple[str, ...]) -> str | None:
+    """The first banned word used outside comments in ``code``, or None."""
+    body = goedel.remove_comments(code)
+    return next((w for w in banned if _word(w).search(body)), None)
+
+
+def text_guards(
+    lean4_code: str,
+    completion: str,
+    code: str | None,
+    code_error: str | None,
+    banned: tuple[str, ...],
+    max_chars: int,
+    format_gate: bool = True,
+) -> tuple[str, str] | None:
+    """The guards that need no compiler, cheapest first: ``(reason, detail)`` of the first that rejects.
+
+    ``code, code_error`` are ``goedel.full_code(lean4_code, completion)``."""
+    blocks = answer_blocks(completion)
+    if code_error == "no_code_block" or (format_gate and blocks != 1):
+        return "format", f"{blocks} lean4 code blocks in the answer, need exactly 1" if format_gate else "no code"
+    if code_error == "apply_or_exact_used":
+        return "banned", "apply? / exact?"
+    if code_error == "statement_theorem_not_found":
+        return "verifier_error", "the row's formal_statement has no 'theorem ... := by sorry'"
+    if code_error == "proof_theorem_not_found" or code is None:
+        return "statement_changed", "no 'theorem ... := by' in the model's code"
+    if max_chars and len(code) > max_chars:
+        return "too_long", f"{len(code)} chars > --lean-max-proof-chars {max_chars}"
+    why = statement_changed(lean4_code, completion)
+    if why:
+        return "statement_changed", why
+    body = goedel.remove_comments(code)
+    m = FORBIDDEN.search(body)
+    if m:
+        return "sorry", m.group(1)
+    word = banned_word(code, banned)
+    if word:
+        return "banned", word
+    if AXIOM_DECL.search(body):
+        return "axioms", "declares an axiom"
+    return None
+
+
+def extra_axioms(axioms: list[str], allowed: tuple[str, ...]) -> list[str]:
+    """The axioms beyond ``allowed``, sorted."""
+    return sorted(set(axioms) - set(allowed))

@@ -1,0 +1,132 @@
+"""On-policy distillation on the built-in reverse task: (b) steps to a held-out pass@1 target, ``--distill-only`` from
+a GRPO-trained teacher vs GRPO, from the same warm start; (c) the teacher's scoring cost per step, in process vs a
+vLLM spool worker.
+
+    # the teacher: the default GRPO run of the built-in task (100 steps), exported as an HF dir
+    .venv/bin/python -m align.train --out /tmp/distill_teacher --save-hf /tmp/distill_teacher_hf
+    .venv/bin/python benchmarks/bench_distill.py --teacher /tmp/distill_teacher_hf \\
+        --student /tmp/distill_teacher/base_model [--grpo-steps 80] [--distill-steps 40] [--skip-worker]
+
+(b) Both runs start from ``--student`` (the teacher run's warm start), with the task's defaults (32 prompts x 8
+completions per step, the same seed, so the same prompts per step) and a held-out eval (200 words, 4 samples at
+T = 1) every ``--eval-interval`` steps; printed: the first evaluated step at or above ``--target`` for each, and their
+ratio. (c) One step's batch (the student's samples of 32 x 8 prompts) scored ``--repeats`` times by the frozen teacher
+in this process and by a vLLM CPU worker (fp32, in-process engine) through ``score`` requests; printed: the median
+seconds per step of each and their ratio (the worker's start excluded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch
+
+from align.train import TrainConfig, train
+
+
+def steps_to(out: Path, target: float) -> tuple[int | None, list[tuple[int, float]]]:
+    """The first step whose held-out pass@1 reaches ``target`` (None: never), and every (step, pass@1)."""
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    curve = [(r["step"], r["eval/pass@1"]) for r in recs if "eval/pass@1" in r]
+    return next((s for s, v in curve if v >= target), None), curve
+
+
+def run(out: Path, student: str, steps: int, eval_interval: int, teacher: str | None) -> float:
+    cfg = TrainConfig(out=str(out), model=student, steps=steps, checkpoint_every=0)
+    cfg.eval.eval_interval = eval_interval
+    if teacher is not None:
+        cfg.distill.teacher, cfg.distill.distill_only = teacher, True
+    t0 = time.monotonic()
+    train(cfg)
+    return time.monotonic() - t0
+
+
+def scoring_cost(student: str, teacher: str, repeats: int, work: Path, skip_worker: bool) -> None:
+    from align.learner import make_batch
+    from align.model import load_pretrained
+    from align.rollout.client import make_rollout_client, spawn_worker
+    from align.rollout.native import generate
+    from align.rollout.protocol import SamplingParams
+    from align.run.teacher import InProcessTeacher, WorkerTeacher
+    from align.tasks import reverse
+
+    tok = reverse.tokenizer()
+    cfg = TrainConfig(out=str(work / "c"))
+    P, G = cfg.prompts_per_step, cfg.group_size
+    prompts = [tok.encode(p["prompt"]) for p in reverse.prompts(P, "train")]
+    params = SamplingParams(n=G, max_tokens=12, stop_token_ids=[tok.eos_token_id], seed=0)
+    comps = generate(load_pretrained(student), prompts, params)
+    batch = make_batch(prompts, comps, torch.zeros(P, G), torch.ones(P, G, dtype=torch.bool), cfg, "cpu")
+
+    def median_s(fn) -> float:
+        fn()  # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    native = InProcessTeacher(load_pretrained(teacher))
+    t_native = median_s(lambda: native(batch, cfg, None, None))
+    print(f"(c) in-process teacher: {t_native * 1e3:.1f} ms per step ({P * G} completions, "
+          f"{int(batch.mask.sum())} scored tokens)", flush=True)  # fmt: skip
+    if skip_worker:
+        return
+    worker = spawn_worker(work / "spool", log_path=work / "worker.log", model=teacher, max_model_len=32,
+                          dtype="float32", in_process=True)  # fmt: skip
+    try:
+        client = make_rollout_client("spool", spool=work / "spool", timeout_s=600, worker=worker)
+        remote = WorkerTeacher(client)
+        t_worker = median_s(lambda: remote(batch, cfg, None, None))
+        diff = float((remote(batch, cfg, None, None) - native(batch, cfg, None, None))[batch.mask].abs().max())
+    finally:
+        worker.shutdown()
+    print(f"(c) vLLM worker teacher: {t_worker * 1e3:.1f} ms per step (score requests); worker / in-process = "
+          f"{t_worker / t_native:.2f}x; max |logprob difference| {diff:.1e}", flush=True)  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--teacher", required=True, help="the GRPO-trained teacher (an HF dir with align_tokenizer.json)")
+    ap.add_argument("--student", required=True, help="the warm start both runs train from")
+    ap.add_argument("--grpo-steps", type=int, default=80)
+    ap.add_argument("--distill-steps", type=int, default=40)
+    ap.add_argument("--eval-interval", type=int, default=5)
+    ap.add_argument("--target", type=float, default=0.85)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=0, help="(c): torch threads of the in-process teacher (0: torch's)")
+    ap.add_argument("--skip-b", action="store_true", help="only (c)")
+    ap.add_argument("--skip-worker", action="store_true", help="(c) without the vLLM worker")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="bench_distill_") as tmp:
+        work = Path(tmp)
+        if not args.skip_b:
+            results = {}
+            for name, teacher, steps in (
+                ("distill", args.teacher, args.distill_steps),
+                ("grpo", None, args.grpo_steps),
+            ):
+                wall = run(work / name, args.student, steps, args.eval_interval, teacher)
+                results[name] = steps_to(work / name, args.target)
+                print(f"(b) {name}: pass@1 curve {results[name][1]} | first step >= {args.target}: "
+                      f"{results[name][0]} | wall {wall:.0f} s", flush=True)  # fmt: skip
+            d, g = results["distill"][0], results["grpo"][0]
+            ratio = f"{d / g:.2f}x" if d and g else "n/a (a run did not reach the target)"
+            print(f"(b) steps to {args.target}: distill-only {d} vs GRPO {g}: {ratio}", flush=True)
+        scoring_cost(args.student, args.teacher, args.repeats, work, args.skip_worker)
+
+
+if __name__ == "__main__":
+    main()
