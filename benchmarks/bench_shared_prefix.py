@@ -173,8 +173,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"shared-prefix packing: one forward + backward per path | {'--quick' if args.quick else 'full'} | {load}")
     print(f"{'shape':<12}{'case':<5}{'tokens padded/packed':>21}{'padded s':>10}{'packed s':>10}{'time x':>8}"
           f"{'padded MB':>11}{'packed MB':>11}{'mem x':>7}")  # fmt: skip
-    for shape in SHAPES if args.shape == "all" else [args.shape]:
-        for case in CASES if args.case == "all" else [args.case]:
+    shapes = list(SHAPES) if args.shape == "all" else [args.shape]
+    cases = list(CASES) if args.case == "all" else [args.case]
+    for shape in shapes:
+        for case in cases:
             args.shape, args.case = shape, case
             r = run_case(args, keep)
             print(f"{shape:<12}{case:<5}{r['padded_tokens']:>12}/{r['packed_tokens']:<8}{r['padded']:>10.2f}"
