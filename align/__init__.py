@@ -6,7 +6,8 @@ you need (``align.model``, ``align.grpo``, ``align.train``, ...).
 
 Where things live, by floor (imports point down only; ``tests/test_layout.py`` checks it):
 
-- ``align.train``: ``train()``, the step's stages on one page; ``main(argv)``, the CLI.
+- ``align.train``: ``train()``, the step's stages on one page; ``main(argv)``, the CLI. ``align.sft`` beside it:
+  supervised fine-tuning (``config``, ``data``: rows and ``--from-verified``, ``run``: its setup on ``align.run``).
 - ``align.run``: a run directory and its life: ``config`` (TrainConfig), ``cli``, ``presets``, ``build``
   (``open_run() -> Run``), ``checkpoint`` (single-process and DCP), ``safety``, ``log``, ``plot``, ``teacher``
   (on-policy distillation's teacher).

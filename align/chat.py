@@ -494,6 +494,40 @@ class TurnRenderer:
         text = obs if isinstance(obs, str) else self.suffix_text(obs)
         return _encode(self.tok, text, special=False)
 
+    def stop_id(self) -> int:
+        """The id of the stop token that ends an assistant message in this template (the tokenizer's first stop id
+        for a tokenizer without a template): the last id of ``assistant``."""
+        stops = getattr(self.tok, "eos_token_id", None)
+        ids = list(stops) if isinstance(stops, (list, tuple)) else [stops] if isinstance(stops, int) else []
+        if self.template is not None:
+            stop, _ = self._end_of_mark()
+            ids = [i for i in ids if self.tok.decode([i], skip_special_tokens=False) == stop]
+        if not ids:
+            raise InputError(f"{self.name}: the tokenizer has no stop token (eos_token / generation_config.json "
+                             "eos_token_id), so an assistant target could never end; give it one")  # fmt: skip
+        return ids[0]
+
+    def assistant(self, message: dict | str) -> list[int]:
+        """The ids a policy trained on this template samples for the assistant ``message`` (a supervised target):
+        the text the template puts between the generation prompt and the assistant's stop token, encoded, then the
+        stop id, exactly as the engine returns a sampled turn (so ``first`` + ``assistant`` + ``suffix`` ... is the
+        token-in/token-out conversation of an episode). Rendered against the fixed synthetic prefix, as ``suffix``:
+        render(prefix, add_generation_prompt=True) must be a prefix of render(prefix + [message],
+        add_generation_prompt=False), else InputError naming the template. A str: its text without a template (the
+        plain-text prompts of a tokenizer without one), encoded as is, then the stop id."""
+        if isinstance(message, str):
+            return _encode(self.tok, message, special=False) + [self.stop_id()]
+        stop, _ = self._end_of_mark()
+        prompt = self._render(list(PREFIX), add_generation_prompt=True)
+        both = self._render([*PREFIX, message], add_generation_prompt=False)
+        cut = self._assistant_end(both, len(prompt), stop) if both.startswith(prompt) else -1
+        if cut < 0:
+            raise InputError(
+                f"{self.name}: an assistant message does not render as the generation prompt followed by the "
+                f"message and the stop token {stop!r}, so its target tokens cannot be told apart from the context"
+            )
+        return _encode(self.tok, both[len(prompt) : cut - len(stop)], special=False) + [self.stop_id()]
+
     def check_append_only(self, messages: list[dict], ids: list[int]) -> str | None:
         """The comparator: ids accumulated turn by turn vs the whole conversation (messages: the first messages, then
         assistant/env messages in order) rendered at once with the template and encoded. None when equal, else a

@@ -79,12 +79,12 @@ def check_supported(cfg: Any, n: int) -> None:
     if rep < 1 or shard_n < 0 or rep * (shard_n or n // rep) != n or n % rep:
         raise ValueError(f"--dp-replicate {rep} x --dp-shard {shard_n} does not make the world size {n}; pass "
                          f"--dp-replicate R and --dp-shard S with R x S = {n} (--dp-shard 0: {n} / R)")  # fmt: skip
-    if cfg.prompts_per_step % n:
+    if getattr(cfg, "prompts_per_step", 0) % n:  # align.sft splits its rows unevenly: no such rule
         raise ValueError(f"--prompts-per-step {cfg.prompts_per_step} is not divisible by the world size {n} "
                          f"(torchrun --nproc-per-node x nodes); make it a multiple of {n}")  # fmt: skip
     unsupported = {
         "--lora-rank > 0": cfg.lora.enabled,
-        "--adv-refill": cfg.adv_refill,
+        "--adv-refill": getattr(cfg, "adv_refill", False),
     }
     bad = [k for k, v in unsupported.items() if v]
     if bad:

@@ -450,3 +450,39 @@ def update(policy: torch.nn.Module, ref_model: torch.nn.Module | None, opt: torc
     """The learning part of one training step: the step's batch on ``place.device``, then ``optimize``."""
     return optimize(policy, ref_model, opt, cfg, place, make_batch(prompt_ids, completions, adv, valid, cfg,
                                                                    place.device), teacher)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------ supervised (align.sft)
+
+
+def nll_backward(policy: torch.nn.Module, cfg: Any, inputs: Tensor, targets: Tensor, mask: Tensor, *,
+                 place: Placement | None = None, backward: bool = True) -> dict[str, float]:  # fmt: skip
+    """Mean token negative log-likelihood of ``targets`` over ``mask`` (True = a target token; (N, L) like the
+    rest), the supervised loss of ``align.sft``: the fused logprobs at T = 1, the step's micro-batches, and every
+    micro-batch divided by the target count of all the rows given (torchrun: summed over ranks, with the busiest
+    rank's micro-batch count), so micro-batching and data parallelism give the whole-batch loss and gradient.
+    ``backward``: accumulate the gradient into ``.grad``; False (under ``torch.no_grad()``) measures the loss only.
+    Returns {"loss", "num_tokens"} of the whole batch, every rank's rows included."""
+    total, _ = dist.reduce_counts(normalisers(mask))
+    if total == 0:
+        return {"loss": 0.0, "num_tokens": 0}
+    lengths = row_lengths(mask)
+    mbs = micro_batches(lengths, cfg)
+    mbs += [[]] * (dist.max_int(len(mbs)) - len(mbs))
+    stats = []
+    for idx in mbs:
+        if not idx:  # padding micro-batch (torchrun): the same forward/backward collectives, no gradient
+            pad = torch.zeros(1, 1, dtype=torch.long, device=mask.device)  # (1, 1): this rank may hold no row at all
+            lp, _ = token_logprobs(policy, pad, pad, 1.0, place=place, backend=cfg.logprob_backend, with_entropy=False)
+            if backward:
+                (lp.sum() * 0.0).backward()
+            continue
+        L = max(lengths[i] for i in idx)
+        m = _rows(mask, idx, L)  # (mb, L)
+        lp, _ = token_logprobs(policy, _rows(inputs, idx, L), _rows(targets, idx, L), 1.0, place=place,
+                               backend=cfg.logprob_backend, with_entropy=False, mask=m)  # fmt: skip
+        loss = -lp[m].sum() / total  # this micro-batch's share of the whole-batch mean
+        if backward:
+            loss.backward()
+        stats.append({"loss": float(loss.detach()), "num_tokens": int(m.sum())})
+    return merge_stats(dist.merge_rank_stats(stats, merge_stats))

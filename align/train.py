@@ -153,15 +153,11 @@ def print_summary(s: dict) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    from align.learner import NonFiniteError
+def stop_on_signals(stop_flag: dict) -> dict:
+    """SIGTERM / SIGINT handlers for a training loop: before the loop (``stop_flag["loop"]`` unset) a signal raises
+    ``Interrupted``; in it, the loop finishes the step, checkpoints and returns; a second signal stops at once.
+    Returns the previous handlers (restore them with ``signal.signal``)."""
     from align.rollout.pipeline import Interrupted
-    from align.run.checkpoint import CheckpointError
-    from align.run.presets import parse
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = parse(TrainConfig, argv, CLI_PREFIXES, description=__doc__.split("\n\n")[0])
-    stop_flag: dict = {}
 
     def on_signal(signum, frame):
         if stop_flag.get("signal"):  # second signal: stop now
@@ -172,7 +168,19 @@ def main(argv: list[str] | None = None) -> int:
             raise Interrupted(signum)
         print(f"\n[align] got signal {signum}: finishing this step, writing a checkpoint, then exiting", flush=True)
 
-    old = {s: signal.signal(s, on_signal) for s in SIGNAL_EXIT}
+    return {s: signal.signal(s, on_signal) for s in SIGNAL_EXIT}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from align.learner import NonFiniteError
+    from align.rollout.pipeline import Interrupted
+    from align.run.checkpoint import CheckpointError
+    from align.run.presets import parse
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = parse(TrainConfig, argv, CLI_PREFIXES, description=__doc__.split("\n\n")[0])
+    stop_flag: dict = {}
+    old = stop_on_signals(stop_flag)
     try:
         summary = train(cfg, stop_flag=stop_flag)
     except (InputError, CheckpointError) as e:  # bad input (before the model loads); a checkpoint that cannot resume

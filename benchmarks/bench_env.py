@@ -52,7 +52,9 @@ class Instant:
 
 
 class Sleepy(Instant):
-    """Sleeps 0-200 ms per step (seeded by the episode), then asks again."""
+    """Sleeps 0-200 ms per step (seeded by the episode), then asks again. Its instances share nothing: concurrent."""
+
+    concurrent = True
 
     def __init__(self, seed: int = 0, **_):
         import random
@@ -81,8 +83,8 @@ def bench_spool(a: argparse.Namespace) -> None:
     client = make_rollout_client("spool", spool=tmp / "spool", timeout_s=600, worker=worker)
     params = SamplingParams(n=1, temperature=1.0, max_tokens=64, seed=1, stop_token_ids=STOPS)
     rows = [{"seed": i} for i in range(a.episodes)]
-    # in process (--env-workers 0) EnvRunner serialises every step (one lock), so the episodes' sleeps add up; the
-    # barrier sleeps in a thread pool: worker processes let per-episode submission's steps overlap as well
+    # in process (--env-workers 0) Sleepy is ``concurrent``: each episode's steps run on its own thread under its own
+    # lock, so the episodes' sleeps overlap, as the barrier's do in its thread pool; --env-workers N: worker processes
     envs = EnvRunner(f"{Path(__file__).resolve()}:Sleepy", Sleepy, a.env_workers, 0.0)
     runner = EpisodeRunner(envs, _Renderer(), lambda ids: "x", EnvConfig(max_turns=a.turns), 64, 1024)
 

@@ -2,7 +2,7 @@
 
 argv[1]: JSON {"cfg": TrainConfig fields, "model": dir, "calls": path, "per_rank_normaliser": bool, "hang": {rank,
 after_calls}, "kill_in_save": {rank, call}, "eval": bool (held-out prompts, cfg["eval"] kept)}. Rank 0 writes
-the (prompt, completion) pairs the reward saw, in call order, to "calls"."""
+the (prompt, completion) pairs the reward saw, in call order, to "calls". With "sft": tests/test_sft.py's runs (``sft``)."""
 
 from __future__ import annotations
 
@@ -75,8 +75,29 @@ def reward(prompt: str, completion: str, **_) -> float:
     return completion.count("a") / 4
 
 
+def sft(spec: dict) -> None:
+    """tests/test_sft.py: ``align.sft.train`` once per entry of spec["sft"] ({"cfg": SFTConfig fields,
+    "per_rank_normaliser": bool}) on spec["rows"] / spec["eval_rows"], in this one launch, in a process group this
+    driver owns (train() uses it and leaves it)."""
+    from align.sft import SFTConfig
+    from align.sft import train as sft_train
+
+    torch.distributed.init_process_group("gloo")
+    stock = dist.reduce_counts
+    for run in spec["sft"]:
+        # the negative control: each rank divides by its own target count (at least 1, so that a rank without rows
+        # still runs its padding forward/backward and the collectives stay aligned)
+        own = lambda counts: (max(counts[0], 1), counts[1])
+        dist.reduce_counts = own if run.get("per_rank_normaliser") else stock
+        sft_train(SFTConfig(**run["cfg"]), model=spec["model"], tokenizer=TOK, rows=spec["rows"],
+                  eval_rows=spec["eval_rows"])  # fmt: skip
+    torch.distributed.destroy_process_group()
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
+    if "sft" in spec:
+        return sft(spec)
     if spec.get("per_rank_normaliser"):  # the negative control: each rank divides by its own counts
         dist.reduce_counts = lambda counts: counts
     HANG.update(spec.get("hang", {}))

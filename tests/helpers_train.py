@@ -93,11 +93,12 @@ def comparable(out) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS and not k.endswith("seconds")} for r in records(out)]
 
 
-def run_cli(args: list[str], **kw) -> subprocess.Popen:
-    """``python -m align.train ARGS`` on this checkout, stdout and stderr together in ``proc.stdout``."""
+def run_cli(args: list[str], module: str = "align.train", **kw) -> subprocess.Popen:
+    """``python -m align.train ARGS`` (or another ``module``, e.g. ``align.sft``) on this checkout, stdout and stderr
+    together in ``proc.stdout``."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(
-        [sys.executable, "-m", "align.train", *args],
+        [sys.executable, "-m", module, *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

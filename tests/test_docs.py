@@ -47,12 +47,20 @@ PATH_RE = re.compile(r"(?<![\w./~{}<>$-])(?:" + "|".join(map(re.escape, REPO_DIR
 LINK_RE = re.compile(r"\]\(([^)\s]+)\)")
 
 
+GENERATED_CLIS = ("align.train", "align.sft")  # CLIs whose flags are generated from config dataclasses
+
+
 @functools.cache
 def train_flags() -> frozenset[str]:
-    """The flags of ``python -m align.train``, read from its ``--help`` (the generated parser): usage and option lines."""
+    """The flags of ``python -m align.train`` and ``python -m align.sft``, read from their ``--help``."""
+    return frozenset().union(*(help_flags(m) for m in GENERATED_CLIS))
+
+
+def help_flags(module: str) -> frozenset[str]:
+    """The flags of ``python -m MODULE``, read from its ``--help`` (the generated parser): usage and option lines."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     out = subprocess.run(
-        [sys.executable, "-m", "align.train", "--help"],
+        [sys.executable, "-m", module, "--help"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -60,7 +68,7 @@ def train_flags() -> frozenset[str]:
         timeout=300,
         check=False,
     )
-    assert out.returncode == 0, f"python -m align.train --help failed:\n{out.stderr[-2000:]}"
+    assert out.returncode == 0, f"python -m {module} --help failed:\n{out.stderr[-2000:]}"
     usage, options = out.stdout.split("\n\n", 1)  # the usage block lists every flag but -h / --help
     invocations = re.findall(r"^  (-\S.*?)(?:  |$)", options, flags=re.MULTILINE)  # "  --adv-refill, --no-adv-refill"
     return frozenset(re.findall(r"--[a-z0-9][a-z0-9-]*", usage + "\n" + "\n".join(invocations)))
@@ -156,6 +164,7 @@ def test_negative_control_unknown_flag_is_caught():
     known = known_flags()
     # The collection is not vacuous: a generated TrainConfig flag, its --no- form, and a worker flag from the scan.
     assert {"--rollout-gpu", "--no-spawn-worker", "--eval-max-in-flight"} <= train_flags()
+    assert {"--from-verified", "--train-on", "--per-problem-k"} <= help_flags("align.sft")
     assert {"--logprobs-mode", "--no-enforce-eager", "--corrections-from"} <= source_flags()
     readme = (ROOT / "README.md").read_text()
     planted = readme + "\nRun it with `--rollout-gpus 1` and `--no-such-flag`.\n"

@@ -190,6 +190,54 @@ def test_call_many_runs_two_workers_in_parallel():
         assert len(set(pids)) == 2
 
 
+class Meet:
+    """step() waits at a barrier shared by every instance: it passes only when two steps are inside at once."""
+
+    concurrent = True  # instances may be called from several threads: EnvRunner serialises only each episode's calls
+    barrier: threading.Barrier
+
+    def __init__(self, **_):
+        pass
+
+    def reset(self) -> str:
+        return "p"
+
+    def step(self, completion: str) -> Step:
+        try:
+            Meet.barrier.wait()
+        except threading.BrokenBarrierError:
+            return Step("alone", 0.0, True)
+        return Step("met", 0.0, True)
+
+
+MEET_WAIT_S = 2.0  # how long a step waits for a second one (the serialised case waits it out once)
+
+
+class MeetSerial(Meet):
+    concurrent = False  # the default: every in-process call under one lock
+
+
+@pytest.mark.parametrize(
+    ("cls", "episodes", "expected"),
+    [(Meet, (0, 1), ["met", "met"]), (Meet, (0, 0), ["alone", "alone"]), (MeetSerial, (0, 1), ["alone", "alone"])],
+)
+def test_a_concurrent_class_steps_different_episodes_at_once_and_one_episode_never(cls, episodes, expected):
+    """Two threads step in process: a ``concurrent`` class's two episodes are inside at once (the spool path's
+    episode threads wait in parallel); one episode's two steps are serialised by its own lock, and a class that is
+    not ``concurrent`` has every call serialised (negative controls: the barrier breaks)."""
+    Meet.barrier = threading.Barrier(2, timeout=MEET_WAIT_S)
+    with EnvRunner(None, cls, 0, 0.0) as r:
+        for e in set(episodes):
+            r.open(e, {})
+        out: list[str] = []
+        threads = [threading.Thread(target=lambda e=e: out.append(r.step(e, "x").observation)) for e in episodes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=10 * MEET_WAIT_S)
+        assert sorted(out) == expected
+
+
 def test_episodes_are_sticky_to_their_worker():
     """4 episodes on 2 workers, 3 interleaved turns: each counter advances on its own, always in the same worker."""
     with EnvRunner(SPEC, None, 2, 30.0) as r:

@@ -326,6 +326,31 @@ def test_bad_environment_flags_fail_by_name_before_any_model_loads(tmp_path, mon
     assert rc == 2 and message in err, err
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--eval-function-path", "tests/fixtures/envs.py:f"], "a CheckpointEvalFn cannot drive"),
+        (["--eval-num-gpus", "1"], "the eval fleet does not run episodes yet"),
+    ],
+)
+def test_snapshot_eval_of_episodes_is_refused_by_flag_before_the_model_loads(tmp_path, monkeypatch, capsys, flags,
+                                                                             message):  # fmt: skip
+    import align.model
+    from align.train import main
+
+    monkeypatch.setattr(align.model, "load_pretrained", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.chdir(Path(__file__).parents[1])
+    (tmp_path / "tok").mkdir()
+    reverse.tokenizer().save(tmp_path / "tok")  # the tokenizer loads before the environment path is opened
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"prompt": "abc=", "answer": "cba"}\n')
+    argv = ["--out", str(tmp_path / "run"), "--model", str(tmp_path / "tok"), "--train-data", str(data),
+            "--eval-data", str(data), "--env", "tests/fixtures/turn_envs.py:Feedback", "--eval-interval", "1",
+            "--eval-hf-dir", str(tmp_path / "snaps"), *flags]  # fmt: skip
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_dapo_refill_samples_more_rows_until_the_episode_groups_have_signal(tmp_path):
     import json
 

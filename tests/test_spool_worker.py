@@ -197,6 +197,24 @@ def test_second_worker_on_the_same_spool_is_refused(fleet, models):
     assert P.Spool(fleet.spool).read_heartbeat()["pid"] == fleet.handle.pid  # the live worker's heartbeat intact
 
 
+def test_a_request_written_mid_flight_joins_the_running_engine(fleet):
+    """Continuous batching: a short request written while a long one generates is admitted between engine steps and
+    answered while the long one is still in flight (a barrier worker would answer it only after the long one)."""
+    sp = P.Spool(fleet.spool)
+    long = P.generate_request([[i + 3, i + 4, i + 5] for i in range(8)], SamplingParams(max_tokens=200, seed=1))
+    sp.submit(long)
+    deadline = time.monotonic() + CALL_TIMEOUT_S
+    while sp.request_state(long.id) != "claimed":  # in the engine (the worker adds what it claims at once)
+        assert time.monotonic() < deadline, "the worker never claimed the long request"
+        time.sleep(0.005)
+    short = fleet.client.generate([[7, 8]], SamplingParams(max_tokens=2, seed=2))
+    assert len(short[0].token_ids) == 2
+    assert sp.request_state(long.id) == "claimed", "the short request was answered only after the long one"
+    assert fleet.client.last_timings["batch_requests"] == 2  # it shared the engine with the long one
+    body = fleet.client.wait(long.id, expect="completions")
+    assert [len(c["token_ids"]) for c in body["completions"]] == [200] * 8 and body["timings"]["batch_requests"] == 2
+
+
 def test_kill_mid_request_then_restart_resumes(fleet, models):
     params = SamplingParams(n=2, max_tokens=128, seed=5)
     prompts = [[i + 3, i + 4, i + 5] for i in range(4)]

@@ -11,7 +11,9 @@ or "timed out after --env-timeout-s N s" (``EnvTimeout``, its subclass); the cal
 In process (``workers=0``): the deadline is the reward code's (``align.rewards.call_in_process``): a SIGALRM timer
 on the main thread (it interrupts Python code and sleeps), a watchdog on other threads (Python code only: a sleep
 finishes first); a bare ``except:`` in the environment cannot swallow it. Calls are serialised by one lock, so an
-environment class need not be thread-safe.
+environment class need not be thread-safe; a class that sets ``concurrent = True`` has only its calls on one episode
+serialised (a lock per episode: an instance is never entered by two threads), and different episodes' calls run at
+once, so a step that waits (I/O, a sleep, a verifier) holds up only its own episode.
 
 Worker processes (``workers >= 1``, ``python -m align.envs.runner --worker``): each worker loads the class from the
 spec once and keeps a dict episode -> instance; an episode's state lives only in its worker, and the episode is
@@ -218,7 +220,8 @@ class EnvRunner:
     """Episodes of one environment class: in this process (``workers=0``) or in N worker processes
     (``workers >= 1``, each episode sticky to one worker). Thread-safe: several threads may call at once (calls on
     different workers run in parallel; calls on one worker, or in process, are serialised, unless the class sets
-    ``concurrent = True``: then in-process calls run at once, and ``call_many`` gives each its own thread).
+    ``concurrent = True``: then in-process calls on different episodes run at once (one episode's calls stay
+    serialised by its own lock), and ``call_many`` gives each its own thread).
 
     A call that fails raises ``EnvError`` (``EnvTimeout`` past ``timeout_s``) with the environment's traceback; the
     episode stays open. A worker killed for a timeout, or one that exited, is replaced, and it takes its *other*
@@ -242,6 +245,7 @@ class EnvRunner:
         self.concurrent = not workers and getattr(cls, "concurrent", False) is True
         self._lock = threading.Lock()  # in process: every call; with workers: the episode table
         self._envs: dict[int, tuple[Any, dict]] = {}  # in process: episode -> (instance, row)
+        self._episode_locks: dict[int, threading.Lock] = {}  # in process, concurrent classes: one per episode
         self._home: dict[int, tuple[int, _Worker | None]] = {}  # with workers: episode -> (slot, its worker)
         self._load = [0] * workers  # open episodes per slot
         self._closed = False
@@ -328,6 +332,7 @@ class EnvRunner:
             w.kill()
         with self._lock:
             self._envs.clear()
+            self._episode_locks.clear()
             self._home.clear()
 
     def __enter__(self) -> EnvRunner:  # noqa: PYI034
@@ -373,7 +378,7 @@ class EnvRunner:
 
     def _run(self, j: int, episode: int, op: str, payload: str | None, arg: Any) -> Any:
         if j < 0:
-            with self._lock if not self.concurrent else contextlib.nullcontext():
+            with self._lock if not self.concurrent else self._episode_lock(episode):
                 if (episode in self._envs) != (op != "open"):
                     raise ValueError(f"episode {episode} is {'already' if op == 'open' else 'not'} open")
                 return _apply(self._envs, self.cls, op, episode, arg, self.timeout_s)
@@ -399,9 +404,15 @@ class EnvRunner:
                 raise
         return Step(**value) if op == "step" else value
 
+    def _episode_lock(self, episode: int) -> threading.Lock:
+        """The lock of one episode's calls (a concurrent class in process): other episodes' calls do not wait."""
+        with self._lock:
+            return self._episode_locks.setdefault(episode, threading.Lock())
+
     def _drop(self, episode: int) -> tuple[int, _Worker | None] | None:
         with self._lock:
             self._envs.pop(episode, None)
+            self._episode_locks.pop(episode, None)
             home = self._home.pop(episode, None)
             if home is not None:
                 self._load[home[0]] -= 1

@@ -93,7 +93,7 @@ class Checkpointer:
         if not (due or force) or (not due and (r.out / "checkpoints" / f"step_{step}").is_dir()):
             return False  # forced but committed already: a signal while the next step waited for its rollouts
         extra = {"scheduler": r.sched.state_dict(), "nonfinite_steps": r.nonfinite.count,
-                 **r.pipe.checkpoint_state(step, r.cursor.state)}  # fmt: skip
+                 **r.checkpoint_state(step)}  # fmt: skip
         ckpt.save_any(r.out / "checkpoints", step, r.policy, r.opt, extra, r.cfg.keep_checkpoints)
         r.write_plot()
         return True
@@ -107,6 +107,7 @@ class Run:
 
     cfg: TrainConfig
     out: Path
+    plot_title = "align GRPO"
 
     def __init__(self, cfg: TrainConfig, stop_flag: dict) -> None:
         self.cfg, self.stop_flag, self.out = cfg, stop_flag, Path(cfg.out)
@@ -130,6 +131,11 @@ class Run:
 
     def completion_text(self, ids: list[int]) -> str:
         return self.task.tokenizer.decode(ids[:-1] if ids and ids[-1] in self.stops else ids)
+
+    def checkpoint_state(self, step: int) -> dict:
+        """What a checkpoint after ``step`` keeps besides the weights, optimizer and schedule: the data cursor and
+        (K >= 1) the rollout pipeline's pending batches."""
+        return self.pipe.checkpoint_state(step, self.cursor.state)
 
     def check_rewards(self, groups: Any, step: int) -> None:
         groups.check_scores(step, self.first_error)
@@ -162,7 +168,7 @@ class Run:
 
     def write_plot(self) -> None:
         if dist.is_main():
-            write_plot(self.out / "plot.svg", self.records, title=f"align GRPO: {self.out.name}")
+            write_plot(self.out / "plot.svg", self.records, title=f"{self.plot_title}: {self.out.name}")
 
     def baseline_dir(self) -> str:
         """The step-0 snapshot: the base model; in LoRA mode with an eval fleet the untrained adapter (written once,
@@ -288,7 +294,12 @@ def _open_files_and_task(run: Run, model: Any, tokenizer: Any, prompts: Any, rew
         from align.run.episodes import open_episodes
 
         open_episodes(run)  # the environment runner and the turn renderer; refuses what it cannot run
-    new_config = json.loads(json.dumps({**asdict(cfg), "model": run.model_path}))  # as saved: tuples are lists
+    write_config(cfg, out, run.model_path)
+
+
+def write_config(cfg: Any, out: Path, model_path: str) -> None:
+    """``{out}/config.json``; resuming, a changed setting that changes the math is refused, others are applied."""
+    new_config = json.loads(json.dumps({**asdict(cfg), "model": model_path}))  # as saved: tuples are lists
     if ckpt.latest(out / "checkpoints"):  # resuming: refuse changed math, apply (and log) operational changes
         for change in safety.check_resume_config(out / "config.json", new_config):
             print(f"[align] resume: applying changed setting {change}", flush=True)
@@ -300,8 +311,6 @@ def _open_files_and_task(run: Run, model: Any, tokenizer: Any, prompts: Any, rew
 
 def _open_policy(run: Run) -> None:
     """Policy (resumed, LoRA, sharded), reference, optimizer, schedule; the prompts encoded and checked."""
-    from align.device import make_optimizer, resolve_threads
-
     cfg, place, out = run.cfg, run.place, run.out
     tok = run.task.tokenizer
     if run.task.env is not None:  # an episode's first prompt is its environment's reset(): no prompt ids here
@@ -311,22 +320,8 @@ def _open_policy(run: Run) -> None:
                                                              (run.task.prompts, run.task.eval_prompts))  # fmt: skip
     learner.check_token_budget(cfg, [len(ids) for ids in run.encoded])  # before the model loads
     load = model_lib.load_pretrained  # looked up at call time (tests patch align.model.load_pretrained)
-    resume = dist.main_first(lambda: ckpt.pick(out / "checkpoints", cfg.resume_from))  # rank 0 moves later ones aside
-    if cfg.lora.enabled:  # frozen base + trainable adapters; a LoRA checkpoint holds only the adapter
-        policy = load(run.model_path, dtype=place.param_dtype, device=place.device)
-        lora.apply_lora(policy, cfg.lora, base_model=run.model_path, seed=cfg.seed)
-        if resume:
-            ckpt.load_adapter(policy, resume[1])
-    elif resume and not ckpt.is_sharded(resume[1]):
-        policy = ckpt.load_model(resume[1], place.param_dtype, device=place.device)
-    else:  # a sharded (torchrun) checkpoint is loaded into this model after sharding
-        policy = load(run.model_path, dtype=place.param_dtype, device=place.device)
-    state = ckpt.load_state(resume[1]) if resume else None
-    if resume and ckpt.is_sharded(resume[1]):  # on every rank, before any collective
-        ckpt.check_model_config(resume[1], state, policy)
-    policy.gradient_checkpointing = cfg.gradient_checkpointing
+    policy, resume, state = load_policy(cfg, place, run.model_path, out)
     mcfg = policy.config
-    torch.set_num_threads(resolve_threads(cfg.threads))  # --threads 0: OMP_NUM_THREADS, else every CPU
     ref_model = None
     if cfg.loss.kl_coef > 0 and cfg.lora.enabled:  # the policy with its adapters off is the frozen base: no 2nd copy
         ref_model = policy  # (align.learner.reference_logprobs runs it inside align.lora.adapters_disabled)
@@ -340,14 +335,9 @@ def _open_policy(run: Run) -> None:
                 f"of {mcfg.max_position_embeddings}; shorten it or lower --max-tokens"
             )
     policy, ref_model = dist.shard(policy, place.precision), ref_model and dist.shard(ref_model, place.precision)
-    run.opt = make_optimizer(
-        lora.trainable_parameters(policy), place, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay
-    )
-    run.sched = torch.optim.lr_scheduler.LambdaLR(run.opt, lr_lambda(cfg))
+    run.opt, run.sched = open_optimizer(cfg, policy, place, resume, state)
     cursor, run.pending = None, []
-    if resume:  # any world size resumes any checkpoint (DCP resharding, or the full single-process state)
-        ckpt.restore_any(resume[1], state, policy, run.opt)
-        run.sched.load_state_dict(state["scheduler"])
+    if resume:
         run.step, cursor, run.pending = state["step"], state["cursor"], state.get("pending_batches", [])
         print(f"[align] resuming from {resume[1]} (step {run.step})", flush=True)
     run.cursor = DataCursor(len(run.task.prompts), cfg.seed, cursor)
@@ -356,6 +346,49 @@ def _open_policy(run: Run) -> None:
     run.teacher = open_teacher(run)  # --teacher: frozen like the reference, or a vLLM worker
     if not resume:
         torch.manual_seed(cfg.seed)
+
+
+def load_policy(cfg: Any, place: Any, model_path: str, out: Path) -> tuple[torch.nn.Module, tuple | None, dict | None]:
+    """(policy, the checkpoint to resume or None, its trainer state or None): the model of ``model_path`` (LoRA:
+    frozen base + trainable adapters; a LoRA checkpoint holds only the adapter), or a resumed single-process
+    checkpoint's; a sharded (torchrun) checkpoint is loaded into it after sharding (``open_optimizer``). Sets
+    gradient checkpointing and the CPU threads."""
+    from align.device import resolve_threads
+
+    load = model_lib.load_pretrained  # looked up at call time (tests patch align.model.load_pretrained)
+    resume = dist.main_first(lambda: ckpt.pick(out / "checkpoints", cfg.resume_from))  # rank 0 moves later ones aside
+    if cfg.lora.enabled:
+        policy = load(model_path, dtype=place.param_dtype, device=place.device)
+        lora.apply_lora(policy, cfg.lora, base_model=model_path, seed=cfg.seed)
+        if resume:
+            ckpt.load_adapter(policy, resume[1])
+    elif resume and not ckpt.is_sharded(resume[1]):
+        policy = ckpt.load_model(resume[1], place.param_dtype, device=place.device)
+    else:
+        policy = load(model_path, dtype=place.param_dtype, device=place.device)
+    state = ckpt.load_state(resume[1]) if resume else None
+    if resume and ckpt.is_sharded(resume[1]):  # on every rank, before any collective
+        ckpt.check_model_config(resume[1], state, policy)
+    policy.gradient_checkpointing = cfg.gradient_checkpointing
+    torch.set_num_threads(resolve_threads(cfg.threads))  # --threads 0: OMP_NUM_THREADS, else every CPU
+    return policy, resume, state
+
+
+def open_optimizer(cfg: Any, policy: torch.nn.Module, place: Any, resume: tuple | None,
+                   state: dict | None) -> tuple[torch.optim.Optimizer, Any]:  # fmt: skip
+    """AdamW on the trainable parameters and the LR schedule (``lr_lambda``) of the (sharded) policy; resuming, their
+    states (and a sharded checkpoint's weights) restored: any world size resumes any checkpoint (DCP resharding, or
+    the full single-process state)."""
+    from align.device import make_optimizer
+
+    opt = make_optimizer(
+        lora.trainable_parameters(policy), place, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    if resume:
+        ckpt.restore_any(resume[1], state, policy, opt)
+        sched.load_state_dict(state["scheduler"])
+    return opt, sched
 
 
 def _open_logs(run: Run) -> None:

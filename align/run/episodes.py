@@ -156,7 +156,14 @@ def open_episodes(run: Any) -> None:
     """The run's ``RunEpisodes`` (``run.episodes``, closed with the run as ``run.envs``); refuses what the multi-turn
     path cannot run yet, before the model loads."""
     cfg = run.cfg
+    if cfg.eval.eval_function_path:  # the function owns generation on its own backend; the turn loop is here
+        raise InputError(f"--eval-function-path {cfg.eval.eval_function_path!r} evaluates a snapshot on your own "
+                         "backend, but an episode's turns (the environment, the chat-template suffixes, token-in/"
+                         "token-out) run in align's loop, which a CheckpointEvalFn cannot drive: drop "
+                         "--eval-function-path (held-out episodes are then evaluated in this process on the live "
+                         "policy) or run the environment inside your function on plain --train-data rows")  # fmt: skip
     if cfg.eval.uses_snapshots:
-        raise InputError("--env / --tools / --task multiturn evaluate episodes in this process: snapshot eval "
-                         "(--eval-num-gpus, --eval-function-path) does not run environments yet; drop those flags")  # fmt: skip
+        raise InputError(f"--eval-num-gpus {cfg.eval.eval_num_gpus}: the eval fleet does not run episodes yet "
+                         "(--env / --tools / --task multiturn); drop --eval-num-gpus: held-out episodes are then "
+                         "evaluated in this process on the live policy, blocking, at each --eval-interval")  # fmt: skip
     run.episodes = run.envs = RunEpisodes(run)

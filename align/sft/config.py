@@ -1,0 +1,171 @@
+"""``SFTConfig``: every setting of a supervised fine-tuning run, the single source of the ``python -m align.sft`` flags.
+
+The settings a GRPO run has too (optimizer, schedule, device and precision, micro-batching, torchrun, checkpoints,
+``--save-hf``) are ``TrainConfig``'s own fields, copied by name with their defaults and help (``shared``), and the
+nested sections are the same dataclasses (``LoraConfig``, ``EvalConfig``, ``RewardConfig``, ``LogConfig``), so a flag
+means the same in both commands and no default exists twice. What is SFT's own: the data (``SFTDataConfig``:
+row files, ``--train-on``, ``--from-verified``), ``--epochs`` and ``--batch-size``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from align.data import DataConfig
+from align.eval.config import EvalConfig
+from align.lora import LoraConfig
+from align.rewards import RewardConfig
+from align.run.cli import from_dict
+from align.run.config import TrainConfig
+from align.run.log import LogConfig
+
+TRAIN_ON = ("all", "last")
+
+
+def shared(cls: type, name: str, **metadata: Any) -> Any:
+    """A new field with the default (or default factory) and help of ``cls``'s field ``name``: one definition for
+    the settings two configs share; ``metadata`` (e.g. ``help=``) replaces what differs."""
+    f = {f.name: f for f in dataclasses.fields(cls)}[name]
+    kw = {"default": f.default} if f.default is not dataclasses.MISSING else {"default_factory": f.default_factory}
+    return field(**kw, metadata={**f.metadata, **metadata})
+
+
+def _h(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass
+class SFTDataConfig:
+    train_data: str | None = field(
+        default=None,
+        metadata=_h(
+            "SFT rows: a .jsonl or .parquet file, each row 'messages' (a chat; its assistant turns are the targets) "
+            "or 'prompt' + 'completion' (a string prompt or a chat list, and the assistant's text)."
+        ),
+    )
+    eval_data: str | None = field(
+        default=None,
+        metadata=_h("Held-out rows, same format: eval/loss; with --reward also sampled pass@k on their prompts."),
+    )
+    tokenizer: str | None = shared(DataConfig, "tokenizer")
+    train_on: str = field(
+        default="all",
+        metadata=_h(
+            "Which assistant turns of a 'messages' row are targets: 'all', or 'last' (earlier ones are context)."
+        ),
+    )
+    from_verified: list[str] = field(
+        default_factory=list,
+        metadata=_h(
+            "Expert iteration: train on the verified samples of pipeline_gen_verify results, GEN.jsonl VERIF.jsonl "
+            "pairs (several rounds: more pairs); the recorded prompt ids and sampled completion ids, never "
+            "re-tokenized. Replaces --train-data."
+        ),
+    )
+    per_problem_k: int = field(
+        default=4,
+        metadata=_h("With --from-verified: at most this many verified samples per problem, distinct proofs (0 = all)."),
+    )
+
+    def __post_init__(self) -> None:
+        if self.train_on not in TRAIN_ON:
+            raise ValueError(f"--train-on must be one of {TRAIN_ON}, got {self.train_on!r}")
+        if len(self.from_verified) % 2:
+            raise ValueError(
+                f"--from-verified takes GEN.jsonl VERIF.jsonl pairs, got {len(self.from_verified)} path(s): "
+                f"{self.from_verified}; pass each generation file followed by its verification file"
+            )
+        if self.from_verified and self.train_data:
+            raise ValueError("--from-verified and --train-data both name the training rows; pass one of them")
+        if self.per_problem_k < 0:
+            raise ValueError(f"--per-problem-k must be >= 0 (0 = every verified sample), got {self.per_problem_k}")
+
+
+@dataclass
+class SFTConfig:
+    out: str = field(default="runs/sft", metadata=_h("Run directory: config, metrics, checkpoints, plot."))
+    model: str | None = field(default=None, metadata=_h("HF checkpoint dir to fine-tune (Llama/Qwen2/Qwen3)."))
+    seed: int = field(
+        default=0, metadata=_h("Seed for the data order (a shuffle per epoch), eval sampling, LoRA init.")
+    )
+    epochs: int = field(default=1, metadata=_h("Passes over the training rows (each one in its own shuffled order)."))
+    batch_size: int = field(default=32, metadata=_h("Rows per optimizer step (the last step takes what is left)."))
+    steps: int = field(
+        default=0, metadata=_h("Optimizer steps; 0 = --epochs passes over the rows (ceil(epochs * rows / batch)).")
+    )
+    lr: float = field(default=1e-4, metadata=_h("Peak AdamW learning rate."))
+    warmup_steps: int = shared(TrainConfig, "warmup_steps")
+    lr_schedule: str = shared(TrainConfig, "lr_schedule")
+    min_lr_ratio: float = shared(TrainConfig, "min_lr_ratio")
+    weight_decay: float = shared(TrainConfig, "weight_decay")
+    adam_betas: list[float] = shared(TrainConfig, "adam_betas")  # noqa: RUF009 -- a field(default_factory=...)
+    grad_clip: float = shared(TrainConfig, "grad_clip")
+    max_nonfinite_steps: int = shared(TrainConfig, "max_nonfinite_steps")
+    micro_batch_size: int = shared(TrainConfig, "micro_batch_size", help="Rows per forward/backward; never changes the result.")  # fmt: skip
+    micro_batch_tokens: int = shared(TrainConfig, "micro_batch_tokens")
+    device: str = shared(TrainConfig, "device")
+    precision: str = shared(TrainConfig, "precision")
+    gradient_checkpointing: bool = shared(TrainConfig, "gradient_checkpointing")
+    dist_timeout_s: float = shared(TrainConfig, "dist_timeout_s")
+    dp_replicate: int = shared(TrainConfig, "dp_replicate")
+    dp_shard: int = shared(TrainConfig, "dp_shard")
+    threads: int = shared(TrainConfig, "threads")
+    logprob_backend: str = shared(TrainConfig, "logprob_backend")
+    max_tokens: int = field(default=10, metadata=_h("Max new tokens per eval completion (pass@k with --reward)."))
+    temperature: float = field(default=1.0, metadata=_h("Eval sampling temperature (--eval-temperature wins)."))
+    top_p: float = shared(TrainConfig, "top_p")
+    top_k: int = shared(TrainConfig, "top_k")
+    checkpoint_every: int = shared(TrainConfig, "checkpoint_every")
+    keep_checkpoints: int = shared(TrainConfig, "keep_checkpoints")
+    save_hf: str | None = shared(TrainConfig, "save_hf")
+    overwrite: bool = shared(TrainConfig, "overwrite")
+    resume_from: str | None = shared(TrainConfig, "resume_from")
+    merge_lora: bool = shared(TrainConfig, "merge_lora")
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    rewards: RewardConfig = field(default_factory=RewardConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    eval: EvalConfig = field(default_factory=lambda: EvalConfig(eval_interval=10, eval_n=4))
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+    def __post_init__(self) -> None:
+        sections = {"data": SFTDataConfig, "rewards": RewardConfig, "log": LogConfig, "eval": EvalConfig,
+                    "lora": LoraConfig}  # fmt: skip
+        for name, cls in sections.items():
+            if isinstance(getattr(self, name), dict):
+                setattr(self, name, from_dict(cls, getattr(self, name), f"{name}."))
+        for k in ("epochs", "batch_size", "micro_batch_size", "max_tokens", "max_nonfinite_steps"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(self, k)}")
+        for k in ("steps", "warmup_steps", "checkpoint_every", "keep_checkpoints", "threads", "top_k",
+                  "micro_batch_tokens"):  # fmt: skip
+            if getattr(self, k) < 0:
+                raise ValueError(f"--{k.replace('_', '-')} must be >= 0, got {getattr(self, k)}")
+        for k in ("lr", "temperature"):
+            if not (math.isfinite(getattr(self, k)) and getattr(self, k) > 0):
+                raise ValueError(f"--{k} must be a finite number > 0, got {getattr(self, k)}")
+        choices = {"lr_schedule": ("constant", "linear", "cosine"),
+                   "logprob_backend": ("auto", "torch", "triton", "reference")}  # fmt: skip
+        for k, allowed in choices.items():
+            if getattr(self, k) not in allowed:
+                raise ValueError(f"--{k.replace('_', '-')} must be one of {allowed}, got {getattr(self, k)!r}")
+        if not (0 < self.top_p <= 1) or not (0 <= self.min_lr_ratio <= 1):
+            raise ValueError(f"--top-p must be in (0, 1] and --min-lr-ratio in [0, 1], got {self.top_p}, "
+                             f"{self.min_lr_ratio}")  # fmt: skip
+        if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
+            raise ValueError(f"--adam-betas {self.adam_betas} is invalid: need two values in [0, 1), e.g. 0.9 0.99")
+        if self.eval.uses_snapshots:
+            raise ValueError("align.sft evaluates in process: --eval-num-gpus and --eval-function-path are "
+                             "align.train's snapshot eval; drop them")  # fmt: skip
+        self.eval.check_save_hf(self.save_hf)
+        if self.merge_lora and not self.lora.enabled:
+            raise ValueError("--merge-lora needs --lora-rank > 0 (it merges the adapter into the --save-hf export)")
+
+    def total_steps(self, rows: int) -> int:
+        """The run's optimizer steps for ``rows`` training rows: ``steps``, else ``epochs`` passes over them."""
+        return self.steps or math.ceil(self.epochs * rows / self.batch_size)
+
+
+CLI_PREFIXES = {"lora": "lora-"}  # the data, eval, reward and log fields are flat, as in align.train

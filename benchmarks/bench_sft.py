@@ -1,0 +1,100 @@
+"""SFT of the built-in reverse task's warm-started model on correct completions: held-out pass@1 before -> after, and
+the wall time (issue 29, measured (a)).
+
+The warm start is the main job's (``align.tasks.reverse.warm_start``, 800 steps: it mostly copies, pass@1 ~0.34).
+The correct completions come from ``--source``:
+
+- ``self`` (default): expert iteration from the warm-started model itself: ``--samples`` completions per training
+  prompt sampled at T = 1, the correct ones kept (at most one per prompt), their sampled ids as they are;
+- ``reference``: the task's reference answers (the reversed word) as the completions.
+
+A GRPO-trained model's completions would be the issue's source; both here are cheaper stand-ins (a correct
+completion of this task is the reversed word whoever samples it). Eval: the main job's, 200 held-out words, 4
+samples per prompt at T = 1, pass@1.
+
+    python benchmarks/bench_sft.py --out runs/bench_sft [--source self|reference] [--rows 1024] [--epochs 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def correct_rows(model_dir: Path, words: list[dict], source: str, samples: int, seed: int) -> list[dict]:
+    """SFT rows {"prompt", "completion", "answer"} of correct completions for ``words``."""
+    if source == "reference":
+        return [{"prompt": w["prompt"], "completion": w["answer"], "answer": w["answer"]} for w in words]
+    from align.model import load_pretrained
+    from align.rollout.native import generate
+    from align.rollout.protocol import SamplingParams
+    from align.tasks import reverse
+
+    tok, model = reverse.tokenizer(), load_pretrained(model_dir)
+    params = SamplingParams(n=samples, temperature=1.0, max_tokens=10, stop_token_ids=[tok.eos_token_id], seed=seed)
+    comps = generate(model, [tok.encode(w["prompt"]) for w in words], params)
+    rows, done = [], set()
+    for c in comps:
+        w = words[c.prompt_index]
+        text = tok.decode(c.token_ids[:-1] if c.token_ids[-1:] == [tok.eos_token_id] else c.token_ids)
+        if c.prompt_index not in done and reverse.reward(w["prompt"], text, w["answer"]) == 1.0:
+            done.add(c.prompt_index)
+            rows.append({"prompt": w["prompt"], "completion": text, "answer": w["answer"]})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="runs/bench_sft")
+    ap.add_argument("--source", choices=("self", "reference"), default="self")
+    ap.add_argument("--rows", type=int, default=1024, help="training prompts the correct completions come from")
+    ap.add_argument("--samples", type=int, default=4, help="--source self: samples per prompt")
+    ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--eval-interval", type=int, default=1000, help="eval points besides before/after (default none)")
+    args = ap.parse_args()
+
+    from align.sft import SFTConfig, train
+    from align.tasks import reverse
+
+    out = Path(args.out)
+    t0 = time.monotonic()
+    base = out / "base_model"
+    if not (base / "config.json").is_file():
+        reverse.warm_start(base, steps=800, seed=0, log=lambda line: print(f"[bench] {line}", flush=True))
+    t_warm = time.monotonic() - t0
+    words = reverse.prompts(args.rows, "train", seed=0)
+    t1 = time.monotonic()
+    rows = correct_rows(base, words, args.source, args.samples, seed=1)
+    t_rows = time.monotonic() - t1
+    print(f"[bench] {len(rows)} SFT rows ({args.source}) in {t_rows:.0f} s", flush=True)
+    held_out = [{"prompt": w["prompt"], "completion": w["answer"], "answer": w["answer"]}
+                for w in reverse.prompts(200, "eval", seed=0)]  # fmt: skip
+    cfg = SFTConfig(out=str(out / f"sft_{args.source}"), epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+                    warmup_steps=3, threads=args.threads, checkpoint_every=0, max_tokens=10)  # fmt: skip
+    cfg.eval.eval_interval, cfg.eval.eval_n = args.eval_interval, 4
+    t2 = time.monotonic()
+    s = train(cfg, model=str(base), tokenizer=reverse.tokenizer(), rows=rows, eval_rows=held_out,
+              reward=reverse.reward)  # fmt: skip
+    t_sft = time.monotonic() - t2
+    result = {
+        "source": args.source,
+        "sft_rows": len(rows),
+        "steps": s["steps"],
+        "pass@1_before": s["eval_start"],
+        "pass@1_after": s["eval_end"],
+        "eval_loss_before": s["eval_loss_start"],
+        "eval_loss_after": s["eval_loss_end"],
+        "warm_start_s": round(t_warm, 1),
+        "rows_s": round(t_rows, 1),
+        "sft_s (with its evals)": round(t_sft, 1),
+    }
+    print(json.dumps(result, indent=1), flush=True)
+
+
+if __name__ == "__main__":
+    main()
