@@ -9,6 +9,10 @@ Key decisions
   (mini-)batch (``align.grpo.normalisers``). ``--micro-batch-tokens T`` sorts the rows by length (longest first)
   and packs at most T tokens per micro-batch counting padding (rows x its longest row); ``--micro-batch-size``
   takes consecutive rows. Each micro-batch is cut to its longest row; rows with no token to learn from are skipped.
+- ``--pack-sequences`` (the default): each micro-batch is one packed row instead (``align.packing``): a group's
+  prompt once, its completions after it, no padding; the logprobs come back in the padded (rows, L) layout, so the
+  loss, the normalisers and the old / reference logprobs are the padded path's, and so are the gradients (up to
+  float summation order: tests/test_packing.py). ``--no-pack-sequences`` runs the padded rows above.
 - ``--updates-per-batch K`` x ``--mini-batches M`` optimizer steps per batch (PPO epochs, TRL ``num_iterations``):
   the M mini-batches are consecutive slices of the rows (ordered by prompt: whole groups when M divides the
   prompts), visited in order K times; each optimizer step is normalised by its own mini-batch's counts. With
@@ -33,9 +37,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from align import dist
+from align import dist, packing
 from align.advantages import add_teacher_signal
 from align.device import PRECISIONS, Placement, precision_from_legacy
+from align.errors import InputError
 from align.grpo import SUM_STATS, merge_stats, normalisers, policy_loss
 from align.kernels import linear_token_logprobs
 from align.lora import adapters_disabled
@@ -144,20 +149,44 @@ def token_logprobs(model: torch.nn.Module, inputs: Tensor, targets: Tensor, temp
     place = place or placement_of(model)
     with place.autocast():
         hidden = model(inputs, return_hidden=True)  # (B, L, E)
-    weight = model.lm_head.weight  # (V, E); the embedding itself when tied
-    if mask is not None:  # (M, E) and (M,): the scored positions of the flattened (B * L)
-        idx = mask.reshape(-1).nonzero().squeeze(-1)
-        hidden, targets = hidden.reshape(-1, hidden.shape[-1]).index_select(0, idx), targets.reshape(-1)[idx]
-    if place.precision == "bf16-mixed":  # the head in bf16 like every other matmul of the forward
-        hidden, weight = hidden.to(torch.bfloat16), weight.to(torch.bfloat16)
-    lp, ent = linear_token_logprobs(hidden, weight, targets, temperature, with_entropy=with_entropy, backend=backend)
     if mask is None:
-        return lp, ent
+        return fused_head(model, hidden, targets, temperature, place, backend, with_entropy)
+    idx = mask.reshape(-1).nonzero().squeeze(-1)  # (M,) the scored positions of the flattened (B * L)
+    hidden, targets = hidden.reshape(-1, hidden.shape[-1]).index_select(0, idx), targets.reshape(-1)[idx]
+    lp, ent = fused_head(model, hidden, targets, temperature, place, backend, with_entropy)
+    return spread(lp, idx, mask.shape), spread(ent, idx, mask.shape) if ent is not None else None
 
-    def spread(x: Tensor) -> Tensor:  # (M,) -> (B, L), zeros off the mask
-        return torch.zeros(mask.numel(), dtype=x.dtype, device=x.device).index_copy(0, idx, x).view(mask.shape)
 
-    return spread(lp), spread(ent) if ent is not None else None
+def packed_token_logprobs(model: torch.nn.Module, inputs: Tensor, targets: Tensor, mask: Tensor,
+                          row: packing.PackedRow, temperature: float, *, place: Placement | None = None,
+                          backend: str = "auto", with_entropy: bool = True,
+                          pad_to: int = 0) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """``token_logprobs(mask=mask)`` of the batch rows ``row.rows`` ((rows, L), L their longest), computed on one
+    packed row (``align.packing``): each prompt once, its completions after it. The same values and gradients as
+    the padded call, up to float summation order. ``pad_to``: ``packing.build``'s (CUDA rows: the token budget)."""
+    place = place or placement_of(model)
+    pk = packing.build(inputs, targets, mask, row, pad_to=pad_to)
+    with place.autocast():
+        hidden = model(pk.ids, positions=pk.positions, layout=pk.layout, return_hidden=True)  # (1, T, E)
+    hidden = hidden[0].index_select(0, pk.source)  # (M, E): a prompt's last state once for each of its completions
+    lp, ent = fused_head(model, hidden, pk.targets, temperature, place, backend, with_entropy)
+    return spread(lp, pk.dest, pk.shape), spread(ent, pk.dest, pk.shape) if ent is not None else None
+
+
+def fused_head(model: torch.nn.Module, hidden: Tensor, targets: Tensor, temperature: float, place: Placement,
+               backend: str, with_entropy: bool) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """``linear_token_logprobs`` of final hidden states (..., E) through the model's (tied or not) lm_head; in
+    bf16 under ``bf16-mixed``, like every other matmul of the forward."""
+    weight = model.lm_head.weight  # (V, E); the embedding itself when tied
+    if place.precision == "bf16-mixed":
+        hidden, weight = hidden.to(torch.bfloat16), weight.to(torch.bfloat16)
+    return linear_token_logprobs(hidden, weight, targets, temperature, with_entropy=with_entropy, backend=backend)
+
+
+def spread(x: Tensor, idx: Tensor, shape: tuple[int, ...] | torch.Size) -> Tensor:
+    """(M,) values at the flat positions ``idx`` of a zero tensor of ``shape``."""
+    n = math.prod(shape)
+    return torch.zeros(n, dtype=x.dtype, device=x.device).index_copy(0, idx, x).view(*shape)
 
 
 def placement_of(model: torch.nn.Module) -> Placement:
@@ -200,17 +229,45 @@ def micro_batches(lengths: Sequence[int], cfg: Any) -> list[list[int]]:
 
 
 def check_token_budget(cfg: Any, prompt_lengths: Sequence[int]) -> None:
-    """Refuse a ``--micro-batch-tokens`` budget smaller than the longest row a step can hold."""
+    """Refuse, before the model loads, a ``--micro-batch-tokens`` budget smaller than the longest row a step can
+    hold: a prompt plus a full-length completion (padded or packed, the same size: a packed segment of one
+    completion is its padded row)."""
     budget = getattr(cfg, "micro_batch_tokens", None)
     if budget and prompt_lengths and max(prompt_lengths) + cfg.max_tokens - 1 > budget:
         longest = max(prompt_lengths) + cfg.max_tokens - 1
-        raise ValueError(f"--micro-batch-tokens {budget} is smaller than the longest sequence a step can hold "
+        raise InputError(f"--micro-batch-tokens {budget} is smaller than the longest sequence a step can hold "
                          f"(longest prompt {max(prompt_lengths)} + --max-tokens {cfg.max_tokens} - 1 = {longest}); "
                          f"raise it to >= {longest}")  # fmt: skip
 
 
 def _rows(t: Tensor, idx: list[int], L: int) -> Tensor:
     return t[torch.tensor(idx, device=t.device), :L] if t.dim() == 2 else t[torch.tensor(idx, device=t.device)]
+
+
+MicroBatch = list[int] | packing.PackedRow  # padded: batch rows; packed: one packed row (--pack-sequences)
+
+
+def plan_micro_batches(inputs: Tensor, mask: Tensor, cfg: Any) -> list[MicroBatch]:
+    """The micro-batches of the rows with something to learn from: packed rows (``align.packing.plan``) under
+    ``cfg.pack_sequences``, else padded row lists (``micro_batches``)."""
+    lengths = row_lengths(mask)
+    if getattr(cfg, "pack_sequences", False):
+        return packing.plan(inputs, mask, lengths, getattr(cfg, "micro_batch_tokens", 0), cfg.micro_batch_size)
+    return micro_batches(lengths, cfg)
+
+
+def micro_batch_logprobs(model: torch.nn.Module, inputs: Tensor, targets: Tensor, mask: Tensor, mb: MicroBatch,
+                         cfg: Any, place: Placement | None, with_entropy: bool = True) -> tuple:  # fmt: skip
+    """(rows, L, logprobs (rows, L), entropy or None) of one micro-batch of the (N, L) batch tensors, L its
+    longest row: by a packed row or by the padded rows, the same values either way."""
+    kw = {"place": place, "backend": cfg.logprob_backend, "with_entropy": with_entropy}
+    if isinstance(mb, packing.PackedRow):
+        budget = getattr(cfg, "micro_batch_tokens", 0)
+        lp, ent = packed_token_logprobs(model, inputs, targets, mask, mb, cfg.temperature, pad_to=budget, **kw)
+        return mb.rows, lp.shape[1], lp, ent
+    L = max(row_lengths(_rows(mask, mb, mask.shape[1])))
+    x, y, m = _rows(inputs, mb, L), _rows(targets, mb, L), _rows(mask, mb, L)  # (mb, L)
+    return (mb, L, *token_logprobs(model, x, y, cfg.temperature, mask=m, **kw))
 
 
 @torch.no_grad()
@@ -220,19 +277,16 @@ def batch_logprobs(model: torch.nn.Module, batch: Batch, cfg: Any, place: Placem
     ``rows``: only these rows (torchrun: this rank's; every rank runs as many forwards as the busiest)."""
     out = torch.zeros(batch.mask.shape, dtype=torch.float32, device=batch.mask.device)  # (N, L)
     sel = list(range(batch.mask.shape[0])) if rows is None else rows.tolist()
-    lengths = row_lengths(batch.mask if rows is None else batch.mask[rows])
-    mbs = micro_batches(lengths, cfg)
+    sub = batch if rows is None else Batch(*(t[rows] for t in batch))
+    mbs = plan_micro_batches(sub.inputs, sub.mask, cfg)
     mbs += [[]] * (dist.max_int(len(mbs)) - len(mbs))
-    for idx in mbs:
-        if not idx:  # padding forward (torchrun): FSDP's all-gathers need every rank
+    for mb in mbs:
+        if not mb:  # padding forward (torchrun): FSDP's all-gathers need every rank
             token_logprobs(model, batch.inputs[:1, :1], batch.targets[:1, :1], cfg.temperature, place=place,
                            backend=cfg.logprob_backend, with_entropy=False)  # fmt: skip
             continue
-        L, g = max(lengths[i] for i in idx), [sel[i] for i in idx]
-        lp, _ = token_logprobs(model, _rows(batch.inputs, g, L), _rows(batch.targets, g, L), cfg.temperature,
-                               place=place, backend=cfg.logprob_backend, with_entropy=False,
-                               mask=_rows(batch.mask, g, L))  # fmt: skip
-        out[torch.tensor(g, device=out.device), :L] = lp
+        idx, L, lp, _ = micro_batch_logprobs(model, sub.inputs, sub.targets, sub.mask, mb, cfg, place, False)
+        out[torch.tensor([sel[i] for i in idx], device=out.device), :L] = lp
     return out
 
 
@@ -261,25 +315,22 @@ def backward_batch(policy: torch.nn.Module, ref_model: torch.nn.Module | None, c
     stats: list[dict] = []
     if total_tokens == 0:
         return stats
-    lengths = row_lengths(mask)
-    mbs = micro_batches(lengths, cfg)
+    mbs = plan_micro_batches(inputs, mask, cfg)
     mbs += [[]] * (dist.max_int(len(mbs)) - len(mbs))
-    for idx in mbs:
-        if not idx:  # padding micro-batch (torchrun): same forward/backward collectives, no gradient
+    for mb in mbs:
+        if not mb:  # padding micro-batch (torchrun): same forward/backward collectives, no gradient
             lp, _ = token_logprobs(policy, inputs[:1, :1], targets[:1, :1], cfg.temperature, place=place,
                                    backend=cfg.logprob_backend, with_entropy=False)  # fmt: skip
             (lp.sum() * 0.0).backward()
             continue
-        L = max(lengths[i] for i in idx)
-        x, y, m = _rows(inputs, idx, L), _rows(targets, idx, L), _rows(mask, idx, L)  # (mb, L)
-        lp, ent = token_logprobs(policy, x, y, cfg.temperature, place=place, backend=cfg.logprob_backend, mask=m)
+        idx, L, lp, ent = micro_batch_logprobs(policy, inputs, targets, mask, mb, cfg, place)
+        m = _rows(mask, idx, L)  # (mb, L)
         ref = None
         if ref_logprobs is not None:
             ref = _rows(ref_logprobs, idx, L)
         elif ref_model is not None:
             with torch.no_grad(), adapters_disabled(ref_model):
-                ref, _ = token_logprobs(ref_model, x, y, cfg.temperature, place=place, backend=cfg.logprob_backend,
-                                        with_entropy=False, mask=m)  # fmt: skip
+                ref = micro_batch_logprobs(ref_model, inputs, targets, mask, mb, cfg, place, False)[2]
         old = lp.detach() if old_logprobs is None else _rows(old_logprobs, idx, L)
         loss, st = policy_loss(cfg.loss, lp, old, _rows(advantages, idx, L), m, behav_logprobs=_rows(behav, idx, L),
                                ref_logprobs=ref, entropy=ent, total_tokens=total_tokens, total_seqs=total_seqs)  # fmt: skip

@@ -4,7 +4,8 @@ Key decisions
 - Parameter names are Hugging Face's (``model.layers.0.self_attn.q_proj.weight``), so loading is a
   strict key match with no permutation, and a saved directory loads unchanged in transformers and vLLM.
 - The model is stateless. The KV cache is an explicit ``KVCache`` owned by the caller (the sampler),
-  so cached and uncached runs are easy to compare.
+  so cached and uncached runs are easy to compare. The attention call itself (RoPE, the cache, packed rows of
+  shared-prefix segments) is in ``align.attention``.
 - Numerics follow the HF reference: RMSNorm in fp32 then cast back, RoPE angles in fp32
   (``inv_freq * position``), rotate-half convention, attention scale ``1/sqrt(head_dim)``.
 
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from align.atomic import COMMIT_MARKER, checkpoint_layout, commit_dir
+from align.attention import KVCache, PackedLayout, apply_rope, attend, cache_mask
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -184,15 +186,6 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, H, T, D); cos/sin (B, 1, T, D) in x's dtype, ``sin`` with its first half negated (``Transformer.rope``).
-    Rotate-half convention (HF): ``x * cos + cat(-x2, x1) * sin`` = ``x * cos + cat(x2, x1) * sin_signed``, the
-    same floats (a negation is exact) without a negated copy of x."""
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + swapped * sin
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -206,32 +199,6 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
-
-
-class KVCache:
-    """Per-layer key/value buffers for B rows and up to S positions, with one shared write index.
-
-    Rows are left-padded so every row writes at the same index; ``valid[b, s]`` is False for padding.
-    The sampler owns the cache; the model only reads and writes the slots it is given.
-    """
-
-    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str):
-        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)  # (L, B, K, S, D)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)  # (B, S)
-        self.length = 0
-
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[3]
-
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (compaction when rows finish, or expansion to n samples per prompt)."""
-        S = self.length
-        self.k = self.k[:, rows, :, :].contiguous() if S else self.k[:, rows]
-        self.v = self.v[:, rows, :, :].contiguous() if S else self.v[:, rows]
-        self.valid = self.valid[rows]
 
 
 class Linear(nn.Linear):
@@ -261,7 +228,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x, cos, sin, layer: int, cache: KVCache | None, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x, cos, sin, layer: int, cache: KVCache | None, how: torch.Tensor | PackedLayout | None):
         B, T, _ = x.shape
         if "qkv" in self.__dict__:  # fused and packed for CPU sampling (native.packed_weights)
             q, k, v = self.qkv(x).split([self.H * self.D, self.K * self.D, self.K * self.D], dim=-1)
@@ -280,11 +247,7 @@ class Attention(nn.Module):
             cache.v[layer, :, :, s0 : s0 + T] = v
             k = cache.k[layer, :, :, : s0 + T]  # (B, K, S, D)
             v = cache.v[layer, :, :, : s0 + T]
-        gqa = self.H != self.K
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        out = attend(q, k, v, how)  # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.H * self.D))
 
 
@@ -312,8 +275,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, layer, cache, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, mask)
+    def forward(self, x, cos, sin, layer, cache, how):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, how)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -358,12 +321,14 @@ class Transformer(nn.Module):
         *,
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        layout: PackedLayout | None = None,
         return_hidden: bool = False,
     ) -> torch.Tensor:
         """input_ids (B, T). Without a cache: causal attention over the row, positions 0..T-1 unless given
         (right padding is harmless: padded positions only follow the real tokens). With a cache: the T new
         tokens are written at ``cache.length`` and attend to every valid cached slot at or before them;
-        the caller sets ``cache.valid`` for the new slots first and advances ``cache.length`` after.
+        the caller sets ``cache.valid`` for the new slots first and advances ``cache.length`` after. With a
+        ``layout`` (``align.packing``): one packed row (B = 1) of shared-prefix segments, ``positions`` per segment.
         Returns logits (B, T, V) in fp32 when the weights are fp32, or the final hidden states (B, T, E)
         when ``return_hidden``."""
         B, T = input_ids.shape
@@ -371,21 +336,12 @@ class Transformer(nn.Module):
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         cos, sin = self.rope(positions, x.dtype)
-        mask = None
-        if cache is not None:
-            s0 = cache.length
-            S = s0 + T
-            mask = cache.valid[:, None, None, :S]  # (B, 1, 1, S): one new token (decode) sees every valid slot
-            if T > 1:
-                key_idx = torch.arange(S, device=x.device)
-                query_idx = torch.arange(s0, S, device=x.device)
-                causal = key_idx[None, :] <= query_idx[:, None]  # (T, S)
-                mask = mask & causal[None, None]  # (B, 1, T, S)
+        how = cache_mask(cache, T) if cache is not None else layout  # (B, 1, T, S), a layout, or None = causal
         for i, layer in enumerate(self.model.layers):
             if self.gradient_checkpointing and self.training and cache is None:
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, i, None, None, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, i, None, how, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, i, cache, mask)
+                x = layer(x, cos, sin, i, cache, how)
         x = self.model.norm(x)
         return x if return_hidden else self.lm_head(x)
 

@@ -24,16 +24,18 @@ if not torch.cuda.is_available():
 print(f"gpu_check: {torch.cuda.get_device_name(0)} | torch {torch.__version__} | CUDA {torch.version.cuda}")
 PYEOF
 
-echo "== 1/3 tests: pytest -m gpu tests/test_gpu.py, then tests/test_kernels.py on the GPU"
+echo "== 1/4 tests: pytest -m gpu tests/test_gpu.py, then tests/test_kernels.py on the GPU"
 timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
 timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py
 
-echo "== 2/3 3-step training, Qwen2.5-0.5B shape, bf16-mixed (8 prompts x G 4, 64 + 128 tokens)"
+echo "== 2/4 3-step training, Qwen2.5-0.5B shape, bf16-mixed (8 prompts x G 4, 64 + 128 tokens)"
 timeout 180 "$PY" benchmarks/bench_train_step.py --train --device cuda --precision bf16-mixed --steps 3 --batch 32 \
     --group 4 --prompt-tokens 64 --max-tokens 128
 
-echo "== 3/3 one step, plain vs fused, Qwen2.5-0.5B shape, 8 x 512 tokens, bf16-mixed"
+echo "== 3/4 one step, plain vs fused, Qwen2.5-0.5B shape, 8 x 512 tokens, bf16-mixed"
 timeout 150 "$PY" benchmarks/bench_train_step.py --device cuda --precision bf16-mixed --batch 8 --seq 512 --reps 3
 timeout 150 "$PY" benchmarks/bench_train_step.py --device cuda --precision bf16-mixed --batch 8 --seq 512 --reps 3 \
     --gradient-checkpointing
+echo "== 4/4 one step, packed vs padded rows (--pack-sequences), both shapes and cases, bf16-mixed"
+timeout 400 "$PY" benchmarks/bench_shared_prefix.py --device cuda --precision bf16-mixed --reps 3
 echo "gpu_check: done"

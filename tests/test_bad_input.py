@@ -232,6 +232,21 @@ def test_bad_run_paths_and_loggers_fail_before_the_model_loads(tmp_path, char_mo
         train(cfg_for(tmp_path / "fresh"), model=char_model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward)
 
 
+def test_a_token_budget_below_one_prompt_and_completion_fails_before_the_model_loads(tmp_path, char_model, monkeypatch):
+    """--micro-batch-tokens smaller than the longest prompt + --max-tokens - 1 (a packed segment of one completion is
+    as long as its padded row): an InputError naming the flag and the size needed, packed or not."""
+    no_model_load(monkeypatch)
+    longest = max(len(TOK.encode(r["prompt"])) for r in PROMPTS) + 4 - 1  # TRAIN_BASE max_tokens 4
+    for pack in (True, False):
+        cfg = cfg_for(tmp_path / f"run{pack}", micro_batch_tokens=longest - 1, pack_sequences=pack)
+        with pytest.raises(InputError, match=rf"--micro-batch-tokens {longest - 1} .* raise it to >= {longest}"):
+            train(cfg, model=char_model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward)
+    # negative control: the size it names gets past the check, to the model load
+    cfg = cfg_for(tmp_path / "fits", micro_batch_tokens=longest)
+    with pytest.raises(AssertionError, match="the model was loaded"):
+        train(cfg, model=char_model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward)
+
+
 def test_out_on_a_read_only_filesystem_is_one_line(tmp_path, char_model):
     ro = tmp_path / "ro"
     ro.mkdir()

@@ -89,7 +89,8 @@ def _max_param_diff(a: dict, b: dict) -> float:
 
 
 # The plain step; and K=2 updates x M=2 mini-batches per batch with a token budget (ranks run different numbers of
-# micro-batches: the padding path) and a KL term (the sharded reference model). The second makes 12 AdamW steps,
+# micro-batches: the padding path), packed rows (--pack-sequences: a group split over ranks gets a prompt copy on
+# each) and a KL term (the sharded reference model). The second makes 12 AdamW steps,
 # which amplify the sum-order differences of near-zero gradient entries (Adam's update is ~lr * sign there): its
 # lr is lower so the parameter tolerance stays PARAM_TOL.
 CONFIGS = {
@@ -98,6 +99,7 @@ CONFIGS = {
         "updates_per_batch": 2,
         "mini_batches": 2,
         "micro_batch_tokens": 12,
+        "pack_sequences": True,
         "lr": 1e-3,
         "loss": {"kl_coef": 0.1},
     },

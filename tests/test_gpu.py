@@ -147,3 +147,50 @@ def test_fused_step_peak_memory_is_below_the_plain_one():
     p, f = extra(plain), extra(fused)
     print(f"extra memory plain {p / 2**20:.0f} MiB, fused {f / 2**20:.0f} MiB")
     assert f < MEMORY_RATIO * p
+
+
+PACKED_FP32_TOL = {"rtol": 1e-4, "atol": 1e-5}  # fp32 on CUDA: FlexAttention's fused kernel vs SDPA's, other sum order
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_packed_rows_match_the_padded_path_on_cuda(precision, monkeypatch):
+    """--pack-sequences on CUDA: FlexAttention block masks (compiled), rows padded to the token budget; the loss and
+    every parameter's gradient equal the padded path's (tests/test_packing.py does the same on the CPU's SDPA path).
+    Control: a layout that lets a completion see its sibling does not."""
+    from helpers_learner import cfg
+    from test_packing import siblings_visible
+
+    from align import packing
+
+    model = cuda_tiny(tied=True)
+    b = cuda_batch(model, 12, 3)
+    place = Placement(torch.device("cuda"), precision)
+
+    def run(**kw):
+        model.zero_grad(set_to_none=True)
+        st = merge_stats(learner.backward_batch(model, None, cfg(device="cuda", **kw), *b, place=place))
+        return st, {k: p.grad.clone() for k, p in model.named_parameters()}
+
+    (st_pad, padded), (st_pack, packed) = run(pack_sequences=False), run(pack_sequences=True, micro_batch_tokens=64)
+    rows = learner.plan_micro_batches(b.inputs, b.mask, cfg(device="cuda", pack_sequences=True, micro_batch_tokens=64))
+    assert packing.build(b.inputs, b.targets, b.mask, rows[0], pad_to=64).layout.backend == "flex"
+    tol = PACKED_FP32_TOL if precision == "fp32" else {"rtol": BF16_GRAD_TOL, "atol": 1e-6}
+    assert st_pack["loss"] == pytest.approx(st_pad["loss"], rel=tol["rtol"], abs=tol["atol"])
+
+    def far(grads) -> list[str]:  # the parameters whose gradient is off the padded one by more than the tolerance
+        return [
+            k
+            for k, g in grads.items()
+            if (g - padded[k]).abs().max() > tol["rtol"] * padded[k].abs().max() + tol["atol"]
+        ]
+
+    assert not far(packed)
+    real = packing.build
+
+    def broken(*a, **k):
+        pk = real(*a, **k)
+        pk.layout = siblings_visible(pk.layout)
+        return pk
+
+    monkeypatch.setattr(packing, "build", broken)
+    assert far(run(pack_sequences=True, micro_batch_tokens=64)[1])

@@ -312,6 +312,13 @@ def write_config(cfg: Any, out: Path, model_path: str) -> None:
 def _open_policy(run: Run) -> None:
     """Policy (resumed, LoRA, sharded), reference, optimizer, schedule; the prompts encoded and checked."""
     cfg, place, out = run.cfg, run.place, run.out
+    tok = run.task.tokenizer
+    if run.task.env is not None:  # an episode's first prompt is its environment's reset(): no prompt ids here
+        run.encoded, run.eval_encoded = [[] for _ in run.task.prompts], []
+    else:
+        run.encoded, run.eval_encoded = run.task.encoded or ([tok.encode(r["prompt"]) for r in p] for p in
+                                                             (run.task.prompts, run.task.eval_prompts))  # fmt: skip
+    learner.check_token_budget(cfg, [len(ids) for ids in run.encoded])  # before the model loads
     load = model_lib.load_pretrained  # looked up at call time (tests patch align.model.load_pretrained)
     policy, resume, state = load_policy(cfg, place, run.model_path, out)
     mcfg = policy.config
@@ -320,20 +327,13 @@ def _open_policy(run: Run) -> None:
         ref_model = policy  # (align.learner.reference_logprobs runs it inside align.lora.adapters_disabled)
     elif cfg.loss.kl_coef > 0:
         ref_model = load(run.model_path, dtype=place.frozen_dtype, device=place.device).requires_grad_(False)
-    tok = run.task.tokenizer
-    run.stops = stop_ids(tok, mcfg)
-    if run.task.env is not None:  # an episode's first prompt is its environment's reset(): no prompt ids here
-        run.encoded, run.eval_encoded = [[] for _ in run.task.prompts], []
-    else:
-        run.encoded, run.eval_encoded = run.task.encoded or ([tok.encode(r["prompt"]) for r in p] for p in
-                                                             (run.task.prompts, run.task.eval_prompts))  # fmt: skip
+    run.stops = stop_ids(run.task.tokenizer, mcfg)
     for i, ids in enumerate(run.encoded + run.eval_encoded):
         if len(ids) + cfg.max_tokens > mcfg.max_position_embeddings:
             raise ValueError(
                 f"prompt {i} ({len(ids)} tokens) + --max-tokens {cfg.max_tokens} does not fit the model's context "
                 f"of {mcfg.max_position_embeddings}; shorten it or lower --max-tokens"
             )
-    learner.check_token_budget(cfg, [len(ids) for ids in run.encoded])
     policy, ref_model = dist.shard(policy, place.precision), ref_model and dist.shard(ref_model, place.precision)
     run.opt, run.sched = open_optimizer(cfg, policy, place, resume, state)
     cursor, run.pending = None, []

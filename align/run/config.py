@@ -80,6 +80,12 @@ class TrainConfig:
             "Token budget per forward/backward (rows sorted by length, padding counted); replaces --micro-batch-size when > 0; never changes the result."
         ),
     )
+    pack_sequences: bool = field(
+        default=True,
+        metadata=_h(
+            "Learner forwards on packed rows: each group's prompt once, its completions after it, no padding (the same gradients); --no-pack-sequences pads every completion to its micro-batch's longest row."
+        ),
+    )
     updates_per_batch: int = field(
         default=1,
         metadata=_h(

@@ -1,0 +1,228 @@
+"""Attention for ``align.model``: RoPE, the KV cache, and the attention call over a plain row, a cached step, or a
+packed row of shared-prefix segments.
+
+``attend(q, k, v, how)`` is the one call the model's ``Attention`` layer makes after its projections:
+- ``how`` None: causal attention over the row (training, uncached forwards);
+- a (B, 1, T, S) bool tensor: the KV cache's mask (sampling; ``cache_mask``);
+- a ``PackedLayout``: one row (B = 1) of segments, each a prompt followed by completions that share it
+  (``align.packing`` builds it for the learner). The prompt attends causally to itself; each completion attends to
+  its prompt and causally to itself, never to a sibling or another segment.
+
+Packed backends (all pure torch), picked per layout:
+- ``"sdpa"`` (the CPU path, and a CUDA fallback): per segment, one causal SDPA call over the prompt, then one call
+  for all of its completions, each padded to the segment's longest completion, whose queries see
+  [the prompt's keys; their own keys] with a causal offset. The blocks a completion may not see (its siblings,
+  other segments) are never computed, and no (T, T) mask over the row exists; the only padding is within a segment's
+  completions. A segment with a single completion is one causal call.
+- ``"flex"`` (CUDA): ``torch.nn.attention.flex_attention`` with a block mask from per-token segment / sibling ids,
+  compiled once; FlexAttention skips the fully masked blocks. Chosen for CUDA because it is one kernel per layer
+  over the whole row whatever the number of segments (the per-segment calls launch ~2 kernels per segment and
+  layer); CPU FlexAttention has no backward in torch 2.13, so it is the forward-only path there (tests).
+
+Shapes: B batch, H query heads, K kv heads, T tokens of the row, S cached length, D head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+PACKED_BACKENDS = ("sdpa", "flex")
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, H, T, D); cos/sin (B, 1, T, D) in x's dtype, ``sin`` with its first half negated (``Transformer.rope``).
+    Rotate-half convention (HF): ``x * cos + cat(-x2, x1) * sin`` = ``x * cos + cat(x2, x1) * sin_signed``, the
+    same floats (a negation is exact) without a negated copy of x."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + swapped * sin
+
+
+class KVCache:
+    """Per-layer key/value buffers for B rows and up to S positions, with one shared write index.
+
+    Rows are left-padded so every row writes at the same index; ``valid[b, s]`` is False for padding.
+    The sampler owns the cache; the model only reads and writes the slots it is given.
+    """
+
+    def __init__(self, cfg: Any, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str):
+        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)  # (L, B, K, S, D)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)  # (B, S)
+        self.length = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (compaction when rows finish, or expansion to n samples per prompt)."""
+        S = self.length
+        self.k = self.k[:, rows, :, :].contiguous() if S else self.k[:, rows]
+        self.v = self.v[:, rows, :, :].contiguous() if S else self.v[:, rows]
+        self.valid = self.valid[rows]
+
+
+def cache_mask(cache: KVCache, T: int) -> torch.Tensor:
+    """The mask of T new tokens written at ``cache.length``: every valid cached slot at or before each of them."""
+    s0 = cache.length
+    S = s0 + T
+    mask = cache.valid[:, None, None, :S]  # (B, 1, 1, S): one new token (decode) sees every valid slot
+    if T > 1:
+        key_idx = torch.arange(S, device=mask.device)
+        query_idx = torch.arange(s0, S, device=mask.device)
+        mask = mask & (key_idx[None, :] <= query_idx[:, None])[None, None]  # (B, 1, T, S)
+    return mask
+
+
+# ------------------------------------------------------------------------------------------------ packed rows
+
+
+@dataclass
+class Segment:
+    """One prompt and the completions that share it, in packed-row coordinates: the prompt's tokens are
+    ``[start, start + prompt)``, completion j's own tokens ``[completions[j][0], + completions[j][1])`` (length 0 for
+    a one-token completion: its only scored position is the prompt's last). Completions follow the prompt
+    contiguously, in order."""
+
+    start: int
+    prompt: int
+    completions: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.prompt + sum(n for _, n in self.completions)
+
+
+@dataclass(eq=False)
+class PackedLayout:
+    """The segments of one packed row, covering ``[0, length)`` in order, and the attention backend that runs it.
+    Index tensors are built once per device and shared by every layer (and the backward)."""
+
+    segments: list[Segment]
+    length: int
+    backend: str = "sdpa"
+    _built: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.backend not in PACKED_BACKENDS:
+            raise ValueError(f"packed attention backend {self.backend!r}; expected one of {PACKED_BACKENDS}")
+        at = 0
+        for s in self.segments:  # the segments tile [0, length) in order, each completion right after the last
+            assert s.start == at and s.prompt > 0, (s, at)
+            at += s.prompt
+            for c, n in s.completions:
+                assert c == at and n >= 0, (s, at)
+                at += n
+        assert at == self.length, f"segments cover {at} of {self.length} tokens"
+
+    def ids(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token segment ids and sibling ids (0 = a prompt token, j + 1 = completion j's), int32 (T,) each."""
+        seg, sib = [], []
+        for i, s in enumerate(self.segments):
+            seg += [i] * (s.end - s.start)
+            sib += [0] * s.prompt
+            for j, (_, n) in enumerate(s.completions):
+                sib += [j + 1] * n
+        as_int = {"dtype": torch.int32, "device": device}
+        return torch.tensor(seg, **as_int), torch.tensor(sib, **as_int)
+
+    def group_plans(self, device: torch.device) -> list[tuple | None]:
+        """Per segment, the padded-completions plan of the sdpa backend, or None when the segment is one causal
+        sequence (at most one completion with tokens): (gather index (g * Lc,), mask (g, 1, Lc, P + Lc), unpad index
+        (sum of lengths,), g, Lc)."""
+        key = ("plans", str(device))
+        if key not in self._built:
+            self._built[key] = [_group_plan(s, device) for s in self.segments]
+        return self._built[key]
+
+    def block_mask(self, device: torch.device) -> Any:
+        """FlexAttention's block mask of this row: same segment, causal, and the key a prompt token or a token of
+        the query's own completion."""
+        key = ("block_mask", str(device))
+        if key not in self._built:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            seg, sib = self.ids(device)
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                same = (seg[q_idx] == seg[kv_idx]) & (kv_idx <= q_idx)
+                return same & ((sib[kv_idx] == 0) | (sib[kv_idx] == sib[q_idx]))
+
+            self._built[key] = create_block_mask(mask_mod, None, None, self.length, self.length, device=device)
+        return self._built[key]
+
+
+def _group_plan(s: Segment, device: torch.device) -> tuple | None:
+    comps = [(c, n) for c, n in s.completions if n > 0]
+    if len(comps) <= 1:
+        return None
+    g, Lc, P = len(comps), max(n for _, n in comps), s.prompt
+    slot = torch.arange(Lc)
+    gather = torch.cat([c + torch.clamp(slot, max=n - 1) for c, n in comps])  # (g * Lc,): pad slots repeat a token
+    own = slot[None, :] <= slot[:, None]  # (Lc, Lc) causal within the completion
+    lengths = torch.tensor([n for _, n in comps])
+    mask = torch.cat(
+        (torch.ones(g, Lc, P, dtype=torch.bool), own[None] & (slot[None, None, :] < lengths[:, None, None])), dim=2
+    )[:, None]  # (g, 1, Lc, P + Lc): the whole prompt, then its own earlier tokens (pad keys hidden)
+    unpad = torch.cat([j * Lc + torch.arange(n) for j, (_, n) in enumerate(comps)])  # (sum n,)
+    return gather.to(device), mask.to(device), unpad.to(device), g, Lc
+
+
+_FLEX: dict = {}
+
+
+def _flex_attention() -> Any:
+    """``flex_attention``, compiled once on CUDA (eager elsewhere: CPU tests run its forward only)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if "cuda" not in _FLEX:
+        _FLEX["cuda"] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX["cuda"]
+
+
+def _pad(t: torch.Tensor, gather: torch.Tensor, g: int, Lc: int) -> torch.Tensor:
+    """A segment's completions of t (1, X, T, D), each padded to Lc tokens: (g, X, Lc, D)."""
+    return t[0].index_select(1, gather).unflatten(1, (g, Lc)).transpose(0, 1)
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
+    """Attention of one packed row: q (1, H, T, D), k / v (1, K, T, D) -> (1, H, T, D) (see the module docstring)."""
+    gqa = q.shape[1] != k.shape[1]
+    if layout.backend == "flex":
+        if q.device.type == "cuda":
+            return _flex_attention()(q, k, v, block_mask=layout.block_mask(q.device), enable_gqa=gqa)
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention(q, k, v, block_mask=layout.block_mask(q.device), enable_gqa=gqa)
+    parts = []
+    for s, plan in zip(layout.segments, layout.group_plans(q.device)):
+        a = s.start
+        e = s.end if plan is None else a + s.prompt  # one causal sequence, or the prompt alone
+        parts.append(F.scaled_dot_product_attention(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], is_causal=True,
+                                                    enable_gqa=gqa)[0])  # fmt: skip
+        if plan is None:
+            continue
+        gather, mask, unpad, g, Lc = plan
+        keys = torch.cat((k[:, :, a:e].expand(g, -1, -1, -1), _pad(k, gather, g, Lc)), dim=2)  # (g, K, P + Lc, D)
+        values = torch.cat((v[:, :, a:e].expand(g, -1, -1, -1), _pad(v, gather, g, Lc)), dim=2)
+        queries = _pad(q, gather, g, Lc)  # (g, H, Lc, D)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=gqa)  # (g, H, Lc, D)
+        parts.append(out.transpose(0, 1).flatten(1, 2).index_select(1, unpad))  # (H, sum n, D)
+    return torch.cat(parts, dim=1)[None]  # (1, H, T, D)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, how: torch.Tensor | PackedLayout | None) -> torch.Tensor:
+    """Scaled dot-product attention (scale 1/sqrt(D)) of q (B, H, T, D) over k / v (B, K, S, D): causal when
+    ``how`` is None, under the (B, 1, T, S) bool mask ``how``, or over a ``PackedLayout``'s segments."""
+    if isinstance(how, PackedLayout):
+        return packed_attention(q, k, v, how)
+    gqa = q.shape[1] != k.shape[1]
+    if how is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=how, enable_gqa=gqa)
