@@ -20,4 +20,4 @@ if ! command -v rsvg-convert >/dev/null; then   # renders plot.svg in tests/test
 fi
 export TRITON_INTERPRET=${TRITON_INTERPRET:-1}   # run Triton kernels for real on the CPU
 export ALIGN_FAIL_ON_SKIP=1   # a skip is a failure unless the test is marked gpu
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q --durations=30 "$@"   # the 30 slowest: where the suite's time goes
