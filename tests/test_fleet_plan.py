@@ -83,6 +83,14 @@ def test_a_layout_that_fits_exactly_is_accepted():
     assert p.num_bundles == 6
 
 
+def test_one_gpu_engines_spread_over_nodes_and_tensor_parallel_ones_pack():
+    """SPREAD (soft) puts one-GPU engines on distinct nodes where it can and lets Ray re-place a dead node's bundles;
+    a tensor-parallel engine (in either region) keeps its bundles packed."""
+    assert placement.pg_strategy(placement.plan(0, 2, 1, eval_num_gpus=1)) == "SPREAD"
+    assert placement.pg_strategy(placement.plan(0, 2, 2)) == "PACK"
+    assert placement.pg_strategy(placement.plan(0, 2, 1, eval_num_gpus=2, eval_num_gpus_per_engine=2)) == "PACK"
+
+
 PROBE = """
 import runpy, sys
 fleet = sys.argv[1]

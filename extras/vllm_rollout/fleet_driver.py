@@ -27,7 +27,9 @@ Design:
   restarted at the next eval point, on that point's snapshot (each point restarts every dead eval engine once);
   requests it leaves with no live eval engine are answered with an error (the point is skipped), never a hang.
 - Multi-node: ``--ray-address`` joins an existing cluster; the spool must then be on a filesystem that the
-  trainer and the driver share (the engine actors never touch the spool). Without it a local Ray instance is
+  trainer and the driver share (the engine actors never touch the spool). One-GPU engines are spread over the
+  nodes (``placement.pg_strategy``); a dead node's bundles are re-reserved by Ray on a node with a free GPU and
+  its engines restarted there (a restart cancelled by the dying node is retried). Without it a local Ray instance is
   started; on a machine without GPUs it declares logical GPUs so placement is exercised and runs vLLM's CPU build.
 """
 
@@ -45,7 +47,7 @@ from pathlib import Path
 
 import rollout_worker as rw  # stdlib only at import; puts the repo root on sys.path
 from fleet_engine import Call, EngineSlot, Job, engine_actor_class
-from placement import Plan, plan_from_args
+from placement import Plan, pg_strategy, plan_from_args
 
 from align.rollout import protocol as P
 
@@ -132,7 +134,7 @@ class FleetWorker(rw.Worker):
                      object_store_memory=LOCAL_OBJECT_STORE_BYTES)  # fmt: skip
         self.ray_up = True
         n = self.plan.num_bundles if self.eval_argv else self.plan.num_bundles - len(self.plan.eval)
-        self.pg = placement_group([{"GPU": 1.0}] * n, strategy="PACK")
+        self.pg = placement_group([{"GPU": 1.0}] * n, strategy=pg_strategy(self.plan))
         ready, _ = ray.wait([self.pg.ready()], timeout=f.engine_start_timeout_s)
         if not ready:
             raise RuntimeError(
@@ -177,7 +179,8 @@ class FleetWorker(rw.Worker):
         )
         log.info("eval router started in its runner actor (pid %s)", ray.get(self.eval_runner.pid.remote()))
 
-    def _start_engine(self, e: EngineSlot):
+    def _start_engine(self, e: EngineSlot, retry: bool = False):
+        """Start engine ``e``'s actor in its bundle; ``retry`` keeps the clock of the start it repeats."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         env = _actor_env()
@@ -196,7 +199,7 @@ class FleetWorker(rw.Worker):
         e.actor = self.actor_cls.options(
             num_cpus=0, num_gpus=1 if tp == 1 else 0, scheduling_strategy=strategy, runtime_env={"env_vars": env}
         ).remote(argv, str(path), version)
-        e.started_at = time.monotonic()
+        e.started_at = e.started_at if retry else time.monotonic()
         ref = e.actor.info.remote()
         self.inflight[ref] = Call("start", e, e.actor)
         return ref
@@ -337,6 +340,11 @@ class FleetWorker(rw.Worker):
             try:
                 result = ray.get(ref)
             except Exception as err:  # noqa: BLE001 - the actor died (or its engine broke): route around it
+                if call.kind == "start" and call.actor is e.actor and e.state == "restarting" and _unscheduled(err):
+                    # its bundle was still on a node that died meanwhile: Ray re-places the bundle, start again
+                    log.warning("engine %d's restart was cancelled before it ran (its node died?); retrying", e.index)
+                    self._start_engine(e, retry=True)
+                    return
                 if call.actor is e.actor and e.state in ("ready", "restarting"):
                     self._engine_died(e, f"{err.__class__.__name__}: {str(err).strip().splitlines()[-1][:300]}")
                 if call.kind == "generate":
@@ -542,6 +550,13 @@ def _actor_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parents[1])])
     return env
+
+
+def _unscheduled(err: Exception) -> bool:
+    """An actor cancelled before it ran (a system failure such as its node's death, not an error in its code)."""
+    import ray
+
+    return isinstance(err, ray.exceptions.ActorDiedError) and not err.actor_init_failed and "never ran" in str(err)
 
 
 def _left(deadline: float) -> float:

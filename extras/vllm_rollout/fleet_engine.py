@@ -48,7 +48,8 @@ def engine_actor_class():
             self.w.state = "ready"
 
         def info(self) -> dict:
-            return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
+                    "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
                     "cpu_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), "version": self.w.version}  # fmt: skip
 
         def _serve(self, fn, arg) -> list[str]:

@@ -94,6 +94,16 @@ def plan(
     )  # fmt: skip
 
 
+def pg_strategy(p: Plan) -> str:
+    """The Ray placement-group strategy: ``SPREAD`` when every engine has one GPU, else ``PACK``.
+
+    One-GPU engines are spread over the nodes, so a node loss takes the fewest engines. Both strategies are soft,
+    so Ray re-reserves a dead node's bundles on any node with free GPUs (the driver then restarts those engines
+    there); a tensor-parallel engine keeps ``PACK``, so its bundles stay on as few nodes as hold them.
+    """
+    return "SPREAD" if all(len(b) == 1 for b in p.rollout_engines + p.eval_engines) else "PACK"
+
+
 # ---------------------------------------------------------------------------------------------
 # Command line (``fleet.py plan`` and the fleet driver's plan flags)
 
