@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from align import kernels, learner
+from align.attention import PackedLayout, Segment
 from align.device import Placement
 from align.grpo import normalisers, policy_loss
 from align.model import ModelConfig, Transformer
@@ -62,3 +63,15 @@ def plain_loss(model, b: learner.Batch, c: TrainConfig, head_scale: float = 1.0)
     tokens, seqs = normalisers(b.mask)
     return policy_loss(c.loss, lp, lp.detach(), b.advantages, b.mask, behav_logprobs=b.behav, entropy=ent,
                        total_tokens=tokens, total_seqs=seqs)  # fmt: skip
+
+
+def siblings_visible(layout: PackedLayout) -> PackedLayout:
+    """The layout with the first two completions of every segment merged into one span: the second sees the first."""
+    segs = []
+    for s in layout.segments:
+        comps = list(s.completions)
+        if len(comps) >= 2:
+            (c0, n0), (_, n1) = comps[:2]
+            comps[:2] = [(c0, n0 + n1)]
+        segs.append(Segment(s.start, s.prompt, comps))
+    return PackedLayout(segs, layout.length, layout.backend)

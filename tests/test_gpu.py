@@ -157,8 +157,7 @@ def test_packed_rows_match_the_padded_path_on_cuda(precision, monkeypatch):
     """--pack-sequences on CUDA: FlexAttention block masks (compiled), rows padded to the token budget; the loss and
     every parameter's gradient equal the padded path's (tests/test_packing.py does the same on the CPU's SDPA path).
     Control: a layout that lets a completion see its sibling does not."""
-    from helpers_learner import cfg
-    from test_packing import siblings_visible
+    from helpers_learner import cfg, siblings_visible
 
     from align import packing
 

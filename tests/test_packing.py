@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers_learner import CPU, cfg
+from helpers_learner import CPU, cfg, siblings_visible
 
 from align import learner, packing
-from align.attention import PackedLayout, Segment
 from align.grpo import merge_stats
 from align.lora import LoraConfig, apply_lora
 from align.model import ModelConfig, Transformer
@@ -175,18 +174,6 @@ def test_flex_attention_block_mask_equals_the_sdpa_layout():
 
 
 # ------------------------------------------------------------------------------------------------ negative controls
-
-
-def siblings_visible(layout: PackedLayout) -> PackedLayout:
-    """The layout with the first two completions of every segment merged into one span: the second sees the first."""
-    segs = []
-    for s in layout.segments:
-        comps = list(s.completions)
-        if len(comps) >= 2:
-            (c0, n0), (_, n1) = comps[:2]
-            comps[:2] = [(c0, n0 + n1)]
-        segs.append(Segment(s.start, s.prompt, comps))
-    return PackedLayout(segs, layout.length, layout.backend)
 
 
 BREAKS = {
