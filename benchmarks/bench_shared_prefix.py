@@ -34,7 +34,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_train_step import MB, QWEN25_05B, _status_kb
+from bench_train_step import MB, QWEN25_05B, step_extra_bytes
 
 SMALL = {"model_type": "qwen2", "vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1408,
          "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "qkv_bias": True,
@@ -94,23 +94,10 @@ def make_step(place, model, batch, cfg):
 
 
 def child_memory(args) -> dict:
-    import torch
 
     place, model, batch, cfgs = build(args)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    step = make_step(place, model, batch, cfgs[args.child])
-    if place.device.type == "cuda":
-        torch.cuda.synchronize(place.device)
-        before = torch.cuda.memory_allocated(place.device)
-        torch.cuda.reset_peak_memory_stats(place.device)
-        step()
-        extra = torch.cuda.max_memory_allocated(place.device) - before - grad_bytes
-    else:
-        before = _status_kb("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
-        step()
-        extra = (_status_kb("VmHWM") - before) * 1024 - grad_bytes
+    extra = step_extra_bytes(place, make_step(place, model, batch, cfgs[args.child]), grad_bytes)
     return {"extra_mb": extra / MB, "weights_mb": grad_bytes / MB}
 
 

@@ -100,24 +100,29 @@ def make_step(path: str, place, model, inputs, targets):
     return step
 
 
-def child_memory(args) -> dict:
+def step_extra_bytes(place, step, grad_bytes: int) -> int:
+    """Peak memory one call of ``step`` adds beyond what was live before it and the gradients it creates: CUDA's
+    allocator peak, or on the CPU the RSS high-water mark (VmHWM, reset first)."""
     import torch
 
-    place, model, inputs, targets = build(args)
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    step = make_step(args.child, place, model, inputs, targets)
     if place.device.type == "cuda":
         torch.cuda.synchronize(place.device)
         before = torch.cuda.memory_allocated(place.device)
         torch.cuda.reset_peak_memory_stats(place.device)
         step()
-        extra = torch.cuda.max_memory_allocated(place.device) - before - grad_bytes
-    else:
-        before = _status_kb("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
-        step()
-        extra = (_status_kb("VmHWM") - before) * 1024 - grad_bytes
+        return torch.cuda.max_memory_allocated(place.device) - before - grad_bytes
+    before = _status_kb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+    step()
+    return (_status_kb("VmHWM") - before) * 1024 - grad_bytes
+
+
+def child_memory(args) -> dict:
+
+    place, model, inputs, targets = build(args)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    extra = step_extra_bytes(place, make_step(args.child, place, model, inputs, targets), grad_bytes)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"extra_mb": extra / MB, "weights_mb": weights / MB, "grads_mb": grad_bytes / MB}
 
