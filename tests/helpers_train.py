@@ -150,3 +150,25 @@ def wait_for(
 def wait_for_steps(out: Path, n: int, proc: subprocess.Popen, timeout: float = RUN_TIMEOUT_S) -> None:
     """Until the run in ``out`` has logged ``n`` training steps (see ``wait_for``)."""
     wait_for(lambda: train_steps(out) >= n, proc, timeout)
+
+
+def native_episode_rewards(policy, tok, rows: list[dict], env_cls, max_turns: int, max_tokens: int) -> list[float]:
+    """The reference: each held-out row's greedy episode with align's native sampler (kept KV cache, turn waves), one
+    per row, scored as the run scores it (``--env-reward sum``). Built from the pieces, not through align.train's
+    eval."""
+    from align.chat import TurnRenderer
+    from align.envs.config import EnvConfig
+    from align.envs.episodes import EpisodeRunner
+    from align.envs.runner import EnvRunner
+    from align.rollout.client import NativeClient
+    from align.rollout.protocol import SamplingParams
+    from align.run.build import stop_ids
+
+    stops = stop_ids(tok, policy.config)
+    decode = lambda ids: tok.decode(ids[:-1] if ids and ids[-1] in stops else ids)
+    with EnvRunner(None, env_cls, 0, 0.0) as envs:
+        runner = EpisodeRunner(envs, TurnRenderer(tok), decode, EnvConfig(max_turns=max_turns, env_reward="sum"),
+                               max_tokens, policy.config.max_position_embeddings)  # fmt: skip
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=stops)
+        eps = runner.run(NativeClient(policy), rows, 1, params)
+    return [e.env_reward or 0.0 for e in eps]

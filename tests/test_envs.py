@@ -293,6 +293,40 @@ def test_lora_trains_on_episodes_and_held_out_episodes_are_evaluated(tmp_path):
     assert all(0 <= r["eval/first_turn_pass@1"] <= r["eval/pass@1"] <= 1 for r in evals)
 
 
+def test_held_out_episodes_are_evaluated_pinned_to_each_version_with_async_rollouts(tmp_path):
+    """``--max-async-steps 1``: each eval point runs the held-out episodes on the rollout engine under the eval lease,
+    pinned to exactly its version (no training step blocked). Each record equals the reference: the same greedy
+    episodes on align's native sampler from that step's checkpoint."""
+    import json
+
+    from helpers_train import native_episode_rewards
+
+    from align.model import load_pretrained, save_pretrained
+    from align.run.checkpoint import committed
+    from align.run.config import TrainConfig
+    from align.train import train
+
+    model_dir = str(save_pretrained(rev_model(), tmp_path / "model"))
+    rows, tok = reverse.prompts(6, "eval"), reverse.tokenizer()
+    c = TrainConfig(out=str(tmp_path / "run"), steps=3, prompts_per_step=2, group_size=3, max_tokens=8, lr=3e-2,
+                    checkpoint_every=1, keep_checkpoints=3, max_async_steps=1,
+                    envs=EnvConfig(max_turns=3, env_reward="sum"))  # fmt: skip
+    c.eval.eval_interval, c.eval.eval_n, c.eval.eval_temperature = 1, 1, 0.0
+    train(c, model=model_dir, tokenizer=tok, prompts=reverse.prompts(64, "train"), env=turn_envs.Graded,
+          eval_prompts=rows)  # fmt: skip
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r for r in recs if "eval/step" in r}
+    assert sorted(evals) == [0, 1, 2, 3], recs
+    dirs = {0: Path(model_dir), **{s: d / "model" for s, d in committed(tmp_path / "run" / "checkpoints")}}
+    refs = {s: sum(native_episode_rewards(load_pretrained(dirs[s]), tok, rows, turn_envs.Graded, 3, 8)) / len(rows)
+            for s in evals}  # fmt: skip
+    for s, r in evals.items():
+        assert r["eval/weight_version"] == s and r["eval/mixed_version_ratio"] == 0.0, r
+        assert r["eval/train_blocked_seconds"] == 0.0, r  # the pinned posture: on the engine, not in the loop
+        assert r["eval/avg@1"] == pytest.approx(refs[s], abs=1e-6), (s, r, refs)
+    assert len({round(v, 6) for v in refs.values()}) > 1, refs  # control: the fingerprint tells the versions apart
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -330,10 +364,9 @@ def test_bad_environment_flags_fail_by_name_before_any_model_loads(tmp_path, mon
     ("flags", "message"),
     [
         (["--eval-function-path", "tests/fixtures/envs.py:f"], "a CheckpointEvalFn cannot drive"),
-        (["--eval-num-gpus", "1"], "the eval fleet does not run episodes yet"),
     ],
 )
-def test_snapshot_eval_of_episodes_is_refused_by_flag_before_the_model_loads(tmp_path, monkeypatch, capsys, flags,
+def test_an_eval_function_cannot_run_episodes_and_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys, flags,
                                                                              message):  # fmt: skip
     import align.model
     from align.train import main

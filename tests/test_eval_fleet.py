@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers_models import VLLM_TIMEOUT_S, require_rollout_venv
-from helpers_train import partial_credit
+from helpers_train import native_episode_rewards, partial_credit
 
 from align.eval import EvalConfig, EvalSet, make_evaluator
 from align.rollout.protocol import SamplingParams
@@ -216,3 +216,46 @@ def test_training_run_evaluates_on_a_real_fleet_while_it_trains(tmp_path, builti
     assert evals[6][1]["eval/avg@1"] == pytest.approx(native["eval/avg@1"], abs=1e-9), (evals[6][1], native)
     # negative control: the fingerprint tells snapshots apart (the step-2 and step-4 weights score differently)
     assert native["eval/avg@1"] not in (evals[2][1]["eval/avg@1"], evals[4][1]["eval/avg@1"]), (evals, native)
+
+
+@pytest.mark.slow  # one vLLM eval engine start + 2 GRPO steps of episodes: ~50 s on 2 loaded cores
+def test_held_out_episodes_are_evaluated_on_the_fleet_at_each_snapshot(tmp_path, builtin_model):
+    """``--env`` with ``--eval-num-gpus 1``: each eval point runs the held-out rows' episodes (every turn a request to
+    the eval worker, the environment's replies as suffix ids) on the snapshot of its step, while training goes on.
+    The final point equals the reference: the same episodes on align's native sampler from the step-2 weights."""
+    require_rollout_venv()
+    import json
+    import sys
+
+    from align.envs.config import EnvConfig
+    from align.model import load_pretrained
+    from align.run.checkpoint import committed
+    from align.tasks import reverse
+    from align.train import TrainConfig, train
+
+    sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+    import turn_envs
+
+    tok = reverse.tokenizer()
+    eval_rows = reverse.prompts(10, "eval", 0)
+    eval_cfg = EvalConfig(eval_interval=2, eval_num_gpus=1, eval_hf_dir=str(tmp_path / "eval_hf"), eval_temperature=0.0,
+                          eval_timeout_s=VLLM_TIMEOUT_S, ci_test=True)  # fmt: skip
+    cfg = TrainConfig(out=str(tmp_path / "run"), steps=2, prompts_per_step=4, group_size=4, max_tokens=8, lr=1e-2,
+                      checkpoint_every=0, eval=eval_cfg, envs=EnvConfig(max_turns=3, env_reward="sum"))  # fmt: skip
+    train(cfg, model=str(builtin_model), tokenizer=tok, prompts=reverse.prompts(64, "train", 0),
+          env=turn_envs.Graded, eval_prompts=eval_rows)  # fmt: skip
+    records = [json.loads(x) for x in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r for r in records if "eval/step" in r}
+    assert sorted(evals) == [0, 2], records
+    for s, r in evals.items():  # each point measured its own snapshot, read back from the engine
+        assert r["eval/weight_version"] == s and r["eval/mixed_version_ratio"] == 0.0, r
+        assert 0 <= r["eval/first_turn_pass@1"] <= r["eval/pass@1"] <= 1, r
+    (last_step, last_dir), *_ = sorted(committed(Path(cfg.out) / "checkpoints"), reverse=True)
+    assert last_step == 2
+    final = load_pretrained(last_dir / "model")
+    ref = native_episode_rewards(final, tok, eval_rows, turn_envs.Graded, 3, 8)
+    assert evals[2]["eval/avg@1"] == pytest.approx(sum(ref) / len(ref), abs=1e-6), (evals, ref)
+    # negative controls: the step-0 point measured other weights, and one turn (the feedback never read) scores less
+    assert abs(evals[0]["eval/avg@1"] - evals[2]["eval/avg@1"]) > 1e-3, evals
+    one = native_episode_rewards(final, tok, eval_rows, turn_envs.Graded, 1, 8)
+    assert abs(sum(one) - sum(ref)) > 1e-3, (one, ref)

@@ -71,8 +71,8 @@ def combine_rewards(rewards: list[float | None], how: str) -> float | None:
 class _Live:
     """One episode while it runs: its ids so far and the turn bookkeeping shared by both schedulers."""
 
-    def __init__(self, key: int, row: int, sample: int, runner: EpisodeRunner) -> None:
-        self.key, self.runner = key, runner
+    def __init__(self, key: int, index: int, row: int, sample: int, runner: EpisodeRunner) -> None:
+        self.key, self.index, self.runner = key, index, runner  # key: unique in the run; index: within its call
         self.ep = Episode(row, sample, [], [], "stop", [], 0)
         self.rewards: list[float | None] = []
         self.done = False
@@ -172,7 +172,7 @@ class EpisodeRunner:
         with self._lock:
             first = self._next_key
             self._next_key += len(rows) * G
-        live = [_Live(first + p * G + g, p, g, self) for p in range(len(rows)) for g in range(G)]
+        live = [_Live(first + p * G + g, p * G + g, p, g, self) for p in range(len(rows)) for g in range(G)]
         try:
             opened = self.envs.call_many([(e.key, "open", (rows[e.ep.prompt_index],)) for e in live])
             todo = [e for e, res in zip(live, opened) if not _failed(e, res)]
@@ -243,7 +243,9 @@ class EpisodeRunner:
             try:
                 ids = list(e.ep.prompt_ids)
                 while True:
-                    seed = None if params.seed is None else params.seed + 7919 * e.key + 104_729 * len(e.ep.turns)
+                    # the draws depend on the call's seed and the episode's place in it, not on what ran before
+                    # (a concurrent eval, a resumed run): a run replays its episodes exactly
+                    seed = None if params.seed is None else params.seed + 7919 * e.index + 104_729 * len(e.ep.turns)
                     p = dataclasses.replace(params, n=1, max_tokens=e.budget(), seed=seed)
                     c = client.generate([ids], p)[0]
                     text = e.add_turn(c.token_ids, list(c.logprobs), list(c.sampled_logprobs or c.logprobs),

@@ -197,12 +197,18 @@ class EvalSet:
     ``score(prompt_index, completion_token_ids) -> Scored | float | None``: the completion's reward and whether it
     is *correct* (``align.eval.metrics.Scored``), or just the reward, correct when > 0; ``None`` (unscorable)
     counts as reward 0, incorrect.
+
+    ``episodes(client, sampling) -> (metrics, completions)``: held-out *episodes* (an environment task: ``--env``,
+    ``--tools``): the turn loop is align's, so the set is run on the backend's ``client`` (``generate(prompts,
+    params)``: a pinned fleet's, or the rollout engine's under the eval lease) instead of generating ``prompts`` once;
+    ``prompts`` and ``score`` are then placeholders (one per row, for the count).
     """
 
     prompts: list[list[int]]
     score: Callable[[int, list[int]], Any]  # -> Scored | float | None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     name: str = "eval"
+    episodes: Callable[[Any, SamplingParams], tuple[dict, list]] | None = None
 
     def __post_init__(self) -> None:
         if not self.prompts:

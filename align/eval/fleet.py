@@ -25,6 +25,7 @@ same way (the router restarts dead engines, loads and reads every engine's versi
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import logging
 import os
@@ -99,11 +100,13 @@ class FleetState:
 
     def __init__(self, engines: list[FleetEngine]) -> None:
         self.engines = engines
+        self._calls = itertools.count()  # rotates the first engine: one-prompt calls (episode turns) spread too
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         e = len(self.engines)
+        first = next(self._calls) % e
         shards = [(i, prompts[i::e]) for i in range(e) if prompts[i::e]]
-        results = parallel_map(lambda s: self.engines[s[0]].client.generate(s[1], params), shards)
+        results = parallel_map(lambda s: self.engines[(first + s[0]) % e].client.generate(s[1], params), shards)
         out: list[Completion] = []
         for (i, _), completions in zip(shards, results):
             for c in completions:

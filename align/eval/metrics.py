@@ -107,9 +107,19 @@ def score_completions(
     return metrics
 
 
+class GenerateClient:
+    """A rollout client over a bare ``generate(prompts, params)`` (a pinned fleet's), for ``EvalSet.episodes``."""
+
+    def __init__(self, generate: Callable[[list[list[int]], SamplingParams], list[Completion]]) -> None:
+        self.generate = generate
+
+
 def score_eval_set(
     eval_set, sampling: SamplingParams, generate: Callable[[list[list[int]], SamplingParams], list[Completion]]
 ) -> dict[str, float]:
-    """Generate ``sampling.n`` completions per prompt of ``eval_set`` with ``generate`` and score them."""
+    """Generate ``sampling.n`` completions per prompt of ``eval_set`` with ``generate`` and score them (an episode set:
+    its episodes run on ``generate``, ``EvalSet.episodes``)."""
+    if eval_set.episodes is not None:
+        return eval_set.episodes(GenerateClient(generate), sampling)[0]
     completions = generate([list(p) for p in eval_set.prompts], sampling)
     return score_completions(eval_set.prompts, completions, eval_set.score, sampling.n)

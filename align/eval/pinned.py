@@ -20,7 +20,7 @@ class PinnedEvaluator:
     def __init__(self, cfg: Any, pipe: RolloutPipeline, eval_set: Any, permits: int | None, timeout_s: float) -> None:
         from align.eval.metrics import score_completions
 
-        if permits is not None and eval_set.sampling.n > permits:
+        if permits is not None and eval_set.episodes is None and eval_set.sampling.n > permits:
             raise ValueError(
                 f"an eval group of --eval-n {eval_set.sampling.n} completions is larger than --max-inflight-requests "
                 f"{permits}: the eval epoch could never dispatch its cohort and release its lease; lower --eval-n "
@@ -29,7 +29,10 @@ class PinnedEvaluator:
         self.cfg, self.pipe, self.timeout_s = cfg, pipe, timeout_s
         prompts = [list(p) for p in eval_set.prompts]
 
-        def eval_fn() -> tuple:
+        def eval_fn() -> Any:
+            if eval_set.episodes is not None:  # held-out episodes: each turn a request on the engine, under the lease
+                return lambda client: eval_set.episodes(client, eval_set.sampling)
+
             def score(comps: list) -> dict:
                 m = score_completions(prompts, comps, eval_set.score, eval_set.sampling.n)
                 return {k: v for k, v in m.items() if k not in ("eval/weight_version", "eval/mixed_version_ratio")}

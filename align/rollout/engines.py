@@ -101,14 +101,16 @@ class Permits:
 
 class PermitClient:
     """A rollout client whose ``generate`` takes its completions' permits from the shared pool for the request's
-    lifetime (the producer's train requests); everything else is the wrapped client's."""
+    lifetime (the producer's train requests; ``eval_``: a pinned eval epoch's episode turns, with priority); everything
+    else is the wrapped client's."""
 
-    def __init__(self, client: Any, permits: Permits, should_stop: Callable[[], bool] = lambda: False) -> None:
-        self.client, self.permits, self.should_stop = client, permits, should_stop
+    def __init__(self, client: Any, permits: Permits, should_stop: Callable[[], bool] = lambda: False,
+                 eval_: bool = False) -> None:  # fmt: skip
+        self.client, self.permits, self.should_stop, self.eval_ = client, permits, should_stop, eval_
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, **kw: Any) -> list:
         n = len(prompts) * params.n
-        self.permits.take(n, should_stop=self.should_stop)
+        self.permits.take(n, eval_=self.eval_, should_stop=self.should_stop)
         try:
             return self.client.generate(prompts, params, **kw)
         finally:

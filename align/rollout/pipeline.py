@@ -345,7 +345,8 @@ class RolloutPipeline:
 
     def pin_eval(self, eval_fn: Callable[[], tuple], is_due: Callable[[int], bool]) -> None:
         """Run eval epochs on this pipeline's engine, each pinned to one weights version (seed 002): ``eval_fn()``
-        gives ``(prompts, params, permits, score)``; ``publish(step)`` queues an epoch when ``is_due(step)``."""
+        gives ``(prompts, params, permits, score)`` (a cohort), or ``run(client) -> (metrics, completions)`` (held-out
+        episodes, run on the engine's client under the lease); ``publish(step)`` queues an epoch when ``is_due(step)``."""
         self._eval_fn, self.eval_due = eval_fn, is_due
 
     def request_eval(self, step: int) -> None:
@@ -397,12 +398,20 @@ class RolloutPipeline:
                     self.events.append(("drained", e, self.engine.version))
                 if self.engine.version != e:
                     self.engine.use(e)
-            prompts, params, permits, score = self._eval_fn()
-            comps = self._dispatch_cohort(e, prompts, params, permits)
+            job = self._eval_fn()
+            if callable(job):  # held-out episodes (an environment task): turns go out one by one as each returns
+                with self._cond:
+                    self.cohort_sent.add(e)  # no cohort to send first: train at this version shares the engine now
+                    self._cond.notify_all()
+                metrics, comps = job(PermitClient(self.engine.client, self.permits, lambda: self._stop, eval_=True))
+            else:
+                prompts, params, permits, score = job
+                comps = self._dispatch_cohort(e, prompts, params, permits)
+                metrics = score(comps)
             wrong = sum(c.weights_version != e for c in comps)
             rec = {
                 "step": e,
-                **score(comps),
+                **metrics,
                 "eval/step": e,
                 "eval/weight_version": e,
                 "eval/mixed_version_ratio": wrong / max(1, len(comps)),

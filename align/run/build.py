@@ -493,14 +493,15 @@ def _open_eval(run: Run) -> None:
         eval_set = EvalSet(run.eval_encoded, score, eval_sampling, name=run.task_name)
 
     if task.env is not None and task.eval_prompts:  # held-out episodes (align.run.episodes), in this process
-        eval_set = EvalSet([[0]] * len(task.eval_prompts), lambda i, ids: None, eval_sampling, name=run.task_name)
+        eval_set = EvalSet([[0]] * len(task.eval_prompts), lambda i, ids: None, eval_sampling, name=run.task_name,
+                           episodes=lambda client, sampling: run.episodes.evaluate(run, sampling, client))  # fmt: skip
 
     def blocking_eval(at_step: int) -> dict:
         from align.rollout.client import ShardedNativeClient
 
         if task.env is not None:
             policy.eval()
-            return run.episodes.evaluate(run, eval_sampling)
+            return run.episodes.evaluate(run, eval_sampling)[0]
         from align.rollout.native import generate
 
         policy.eval()
@@ -574,7 +575,6 @@ def _open_pipeline(run: Run) -> None:
     snapshots = run.out / "rollout_snapshots"
     run.pipe = make_pipeline(cfg, collect, run.policy, run.client, run.step, run.cursor.state, run.pending, snapshots)
     run.pipe.should_stop = lambda: run.stop_flag.get("signal")  # its waits end on a signal (align.rollout.pipeline)
-    pinned_set = None if task.env is not None else run.eval_set  # episodes: evaluated in this process
-    run.evaluator = pinned_evaluator(run.pipe, run.evaluator, pinned_set, cfg)  # K >= 1: eval on the engine
+    run.evaluator = pinned_evaluator(run.pipe, run.evaluator, run.eval_set, cfg)  # K >= 1: eval on the engine
     if dist.is_main():
         run.progress = Progress(cfg.steps, start=run.step)

@@ -116,20 +116,22 @@ class RunEpisodes:
             queue.add(groups, t)
         return groups
 
-    def evaluate(self, run: Any, sampling: Any) -> dict:
-        """pass@k of the held-out rows' episodes on the live policy (blocking, in this process)."""
+    def evaluate(self, run: Any, sampling: Any, client: Any = None) -> tuple[dict, list]:
+        """pass@k of the held-out rows' episodes and the episodes, on ``client``: the live policy in this process
+        (None: the blocking eval), a pinned fleet's (snapshot eval) or the rollout engine's under the eval lease
+        (pinned eval). The rows' episodes never enter the correction queue."""
         from align.eval.metrics import score_completions, scored
         from align.rollout.client import NativeClient
 
         rows = run.task.eval_prompts
-        client = NativeClient(run.policy)
+        client = NativeClient(run.policy) if client is None else client
         with run.place.autocast():
             eps = self.episodes(run, client, rows, sampling.n, replace(sampling, n=1))
         s = episode_scores(eps, [(rows[e.prompt_index], e.text) for e in eps], run.scorer)
         results = iter([scored(*s.item(j), run.pass_reward) for j in range(len(eps))])
         metrics = score_completions([[0]] * len(rows), eps, lambda i, ids: next(results), sampling.n)
         metrics["eval/first_turn_pass@1"] = _first_turn_success(eps)
-        return metrics
+        return metrics, eps
 
     def close(self) -> None:
         try:
@@ -153,8 +155,8 @@ def _first_turn_success(eps: list) -> float:
 
 
 def open_episodes(run: Any) -> None:
-    """The run's ``RunEpisodes`` (``run.episodes``, closed with the run as ``run.envs``); refuses what the multi-turn
-    path cannot run yet, before the model loads."""
+    """The run's ``RunEpisodes`` (``run.episodes``, closed with the run as ``run.envs``); refuses, before the model
+    loads, the one eval backend that cannot run episodes."""
     cfg = run.cfg
     if cfg.eval.eval_function_path:  # the function owns generation on its own backend; the turn loop is here
         raise InputError(f"--eval-function-path {cfg.eval.eval_function_path!r} evaluates a snapshot on your own "
@@ -162,8 +164,4 @@ def open_episodes(run: Any) -> None:
                          "token-out) run in align's loop, which a CheckpointEvalFn cannot drive: drop "
                          "--eval-function-path (held-out episodes are then evaluated in this process on the live "
                          "policy) or run the environment inside your function on plain --train-data rows")  # fmt: skip
-    if cfg.eval.uses_snapshots:
-        raise InputError(f"--eval-num-gpus {cfg.eval.eval_num_gpus}: the eval fleet does not run episodes yet "
-                         "(--env / --tools / --task multiturn); drop --eval-num-gpus: held-out episodes are then "
-                         "evaluated in this process on the live policy, blocking, at each --eval-interval")  # fmt: skip
     run.episodes = run.envs = RunEpisodes(run)
