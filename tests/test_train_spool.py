@@ -56,9 +56,9 @@ def test_grpo_with_spool_rollout(tmp_path):
 
 
 def test_lean_episodes_on_the_spool_worker_train_on_what_vllm_sampled(prover, tmp_path, monkeypatch):
-    """`--rollout spool --env lean --max-turns 2 --lean-correction-fraction 0.5` on the real vLLM worker and the REPL
-    stand-in (no Lean compiler here: it replays replies recorded from the real REPL, tests/helpers_lean.py). Each
-    episode submits its next turn as its own request: the first prompt (Goedel's, or a correction prompt from the
+    """`--rollout spool --env lean --max-turns 2 --lean-correction-fraction 0.5 --preset dr_grpo` (the recipe's shape,
+    docs/lean.md) on the real vLLM worker and the REPL stand-in (no Lean compiler here: it replays replies recorded
+    from the real REPL, tests/helpers_lean.py). Each episode submits its next turn as its own request: the first prompt (Goedel's, or a correction prompt from the
     queue), every earlier turn's sampled ids and the correction feedback's ids. Checked on what the learner got: each
     policy segment is exactly a completion the worker returned for exactly that prefix (ids and logprobs; every
     returned completion trained once), the feedback between turns is masked environment ids (the chat template's
@@ -100,7 +100,7 @@ def test_lean_episodes_on_the_spool_worker_train_on_what_vllm_sampled(prover, tm
             "--lean-repl", standin(calls), "--lean-workers", "2", "--max-turns", "2", "--lean-correction-fraction",
             "0.5", "--rollout", "spool", "--rollout-in-process", "--rollout-timeout-s", "600", "--steps", "2",
             "--prompts-per-step", "2", "--group-size", "4", "--max-tokens", "24", "--lr", "1e-3", "--warmup-steps",
-            "0", "--threads", "1", "--checkpoint-every", "0", "--eval-interval", "0"]  # fmt: skip
+            "0", "--threads", "1", "--checkpoint-every", "0", "--eval-interval", "0", "--preset", "dr_grpo"]  # fmt: skip
     assert main(argv) == 0
     recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2] and [len(eps) for eps in trained] == [8, 8]
