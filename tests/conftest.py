@@ -92,6 +92,15 @@ def builtin_model_30(tmp_path_factory) -> str:
     return str(reverse.warm_start(tmp_path_factory.mktemp("ws30") / "m", steps=30, log=None))
 
 
+@pytest.fixture(scope="session")
+def prover(tmp_path_factory) -> str:
+    """The tiny prover of the --env lean tests (tests/helpers_lean.make_prover), shared by the native-sampler and the
+    vLLM-worker runs. Tests only read it."""
+    from helpers_lean import make_prover
+
+    return make_prover(tmp_path_factory.mktemp("prover"))
+
+
 # The char task's random-weight model (tests/helpers_train.py), one per module as each module used to build its own
 # (building takes ~0.02 s). Tests only read it (a run writes under its --out; copy the dir to change it), and the
 # teardown fails the module's last test if anything under the dir changed.

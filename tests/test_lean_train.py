@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers_lean import ERR, EXTRAS, PROOFS, STANDIN, STATEMENT, lean_rows
 
 from align.envs import check_step
 from align.lean import goedel
@@ -25,13 +26,8 @@ from align.lean.env import CORRECTION_KEY, LeanEnv, problem_code
 from align.lean.verify import Verdict
 from align.rollout.protocol import Completion
 
-ROOT = Path(__file__).resolve().parents[1]
-EXTRAS = ROOT / "extras" / "vllm_rollout"
-FIX = Path(__file__).resolve().parent / "lean_fixtures"
 MINIF2F = Path(__file__).resolve().parent / "data" / "minif2f_test.jsonl"
-STANDIN = f"{sys.executable} {EXTRAS / 'lean_repl_standin.py'} --replies {FIX / 'standin_replies.json'}"
 ROWS = [{"name": f"t{i}", "formal_statement": f"theorem t{i} : {i} + 1 = {i + 1} := by\n"} for i in range(6)]
-ERR = "\nError 1:\n\nCorresponding Code:\n```lean4\n<error>x</error>\n\n```\n\nError Message: unsolved goals\n"
 
 
 def _load(name: str):
@@ -156,56 +152,6 @@ class ScriptedClient:
         self.n += 1
         ids = self.tok.encode(text) + [self.stop]
         return [Completion(0, 0, ids, [-0.5] * len(ids), "stop", [-0.5] * len(ids), 0)]
-
-
-# ------------------------------------------------------------------------------------------------ a tiny prover
-
-STATEMENT = "theorem t : 1 + 1 = 2 := by\n"  # every training row states it (so a copied answer keeps the statement)
-PROOFS = (
-    "```lean4\ntheorem t : 1 + 1 = 2 := by\n  norm_num\n```",
-    "```lean4\ntheorem t : 1 + 1 = 2 := by\n  simp\n```",
-)
-SFT_STEPS = 40
-
-
-def lean_rows(n: int) -> list[dict]:
-    return [{"name": f"p{i}", "formal_statement": STATEMENT} for i in range(n)]
-
-
-@pytest.fixture(scope="module")
-def prover(tmp_path_factory) -> str:
-    """A tiny Qwen2 (random weights, then SFT_STEPS supervised steps) that answers Goedel's prompt for STATEMENT with
-    one of PROOFS and its stop token: the stand-in REPL accepts the norm_num one and answers the simp one with the
-    recorded compiler errors, so sampled episodes get both verdicts, correction feedback and second turns. The
-    tokenizer is a byte-level BPE with Qwen3's chat template (tests/helpers_tokenizer.py)."""
-    import torch
-    from helpers_tokenizer import make_bpe_tokenizer
-
-    from align.chat import TurnRenderer
-    from align.data import load_tokenizer
-    from align.model import ModelConfig, Transformer, save_pretrained
-
-    d = tmp_path_factory.mktemp("prover")
-    corpus = [goedel.initial_prompt(STATEMENT), goedel.correction_feedback(ERR, 1), *PROOFS] * 20  # short prompts
-    make_bpe_tokenizer(d / "base", vocab_size=500, template="qwen3", corpus=corpus)
-    tok = load_tokenizer(str(d / "base"), str(d / "base"))
-    eos = tok.eos_token_id if isinstance(tok.eos_token_id, int) else tok.eos_token_id[0]
-    cfg = ModelConfig("qwen2", 512, 64, 128, 2, 4, 2, 16, max_position_embeddings=1024, qkv_bias=True,
-                      eos_token_id=eos)  # fmt: skip
-    model = Transformer(cfg).init_weights(std=0.2, seed=0)
-    prompt = TurnRenderer(tok).first(goedel.initial_messages(STATEMENT))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    seqs = [prompt + tok.encode(p) + [eos] for p in PROOFS]
-    for step in range(SFT_STEPS):
-        ids = torch.tensor([seqs[step % 2]])  # (1, T)
-        logits = model(ids[:, :-1])  # (1, T-1, V)
-        n = len(seqs[step % 2]) - len(prompt)
-        loss = torch.nn.functional.cross_entropy(logits[0, -n:], ids[0, -n:])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    save_pretrained(model.eval(), d / "model", copy_tokenizer_from=d / "base")
-    return str(d / "model")
 
 
 @pytest.fixture

@@ -55,32 +55,105 @@ def test_grpo_with_spool_rollout(tmp_path):
     assert not any(p.is_dir() for p in (tmp_path / "run").iterdir() if p.name.startswith("spool-proc"))
 
 
-def test_episodes_on_the_spool_worker_train_on_what_vllm_sampled(tmp_path):
-    """Multi-turn episodes on the real vLLM worker: each episode submits its next turn as its own request (prompt +
-    every earlier turn's sampled ids + the environment's ids). The trainer's teacher-forced recompute of every policy
-    token across the turns matches vLLM's logprobs (rho ~1), so the ids trained on are the ids sampled."""
+def test_lean_episodes_on_the_spool_worker_train_on_what_vllm_sampled(prover, tmp_path, monkeypatch):
+    """`--rollout spool --env lean --max-turns 2 --lean-correction-fraction 0.5 --preset dr_grpo` (the recipe's shape,
+    docs/lean.md) on the real vLLM worker and the REPL stand-in (no Lean compiler here: it replays replies recorded
+    from the real REPL, tests/helpers_lean.py). Each episode submits its next turn as its own request: the first prompt (Goedel's, or a correction prompt from the
+    queue), every earlier turn's sampled ids and the correction feedback's ids. Checked on what the learner got: each
+    policy segment is exactly a completion the worker returned for exactly that prefix (ids and logprobs; every
+    returned completion trained once), the feedback between turns is masked environment ids (the chat template's
+    render of Goedel's feedback, logprob 0, never sampled), the trainer's recompute matches vLLM's logprobs (rho ~1),
+    the lean/* counts add up to the turns verified, step 2 draws a correction prompt from step 1's failures, and
+    every compiled proof (and the #print axioms of each accepted one) reached a stand-in REPL process."""
     require_rollout_venv()
-    import sys
-    from pathlib import Path
+    import inspect
+    from collections import Counter
 
-    from align.envs.config import EnvConfig
+    from helpers_lean import STATEMENT, lean_rows, standin
 
-    sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
-    import turn_envs
+    from align import learner
+    from align.chat import TurnRenderer
+    from align.data import load_tokenizer
+    from align.lean import goedel
+    from align.rollout.client import SpoolClient
+    from align.train import main
 
-    tok = reverse.tokenizer()
-    model = save_pretrained(Transformer(reverse.model_config(tok)).init_weights(std=0.2, seed=0), tmp_path / "base")
-    cfg = TrainConfig(out=str(tmp_path / "run"), steps=2, prompts_per_step=3, group_size=4, max_tokens=6, lr=1e-2,
-                      rollout="spool", rollout_in_process=True, rollout_timeout_s=600, checkpoint_every=0,
-                      envs=EnvConfig(max_turns=3))  # fmt: skip
-    cfg.eval.eval_interval = 0
-    summary = train(cfg, model=str(model), tokenizer=tok, prompts=reverse.prompts(16, "train"), env=turn_envs.Feedback)
-    assert summary["steps"] == 2
-    recs = [r for r in (json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())]
-    assert [r["step"] for r in recs] == [1, 2]
-    assert any(r["env/env_tokens_mean"] > 0 and r["env/turns_mean"] > 1 for r in recs)  # real later turns
-    for r in recs:
+    returned: Counter = Counter()  # (prompt ids, completion ids, logprobs) of every completion the worker returned
+    real_generate, real_update = SpoolClient.generate, learner.update
+    trained: list[list] = []  # per step: the episodes the learner got
+
+    def generate(self, prompts, params, **kw):
+        out = real_generate(self, prompts, params, **kw)
+        returned.update((tuple(prompts[c.prompt_index]), tuple(c.token_ids), tuple(c.logprobs)) for c in out)
+        return out
+
+    def update(*a, **k):
+        trained.append(list(inspect.signature(real_update).bind(*a, **k).arguments["completions"]))
+        return real_update(*a, **k)
+
+    monkeypatch.setattr(SpoolClient, "generate", generate)
+    monkeypatch.setattr(learner, "update", update)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in lean_rows(4)))
+    calls = tmp_path / "repl_calls.jsonl"
+    argv = ["--out", str(tmp_path / "run"), "--model", prover, "--train-data", str(data), "--env", "lean",
+            "--lean-repl", standin(calls), "--lean-workers", "2", "--max-turns", "2", "--lean-correction-fraction",
+            "0.5", "--rollout", "spool", "--rollout-in-process", "--rollout-timeout-s", "600", "--steps", "2",
+            "--prompts-per-step", "2", "--group-size", "4", "--max-tokens", "24", "--lr", "1e-3", "--warmup-steps",
+            "0", "--threads", "1", "--checkpoint-every", "0", "--eval-interval", "0", "--preset", "dr_grpo"]  # fmt: skip
+    assert main(argv) == 0
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2] and [len(eps) for eps in trained] == [8, 8]
+    tok = load_tokenizer(prover, prover)
+    renderer = TurnRenderer(tok)
+    got: Counter = Counter()
+    queued: list[list[dict]] = []  # the first prompts of step 2's correction episodes, as messages
+    compiled: Counter = Counter()  # the compile views of the proofs Lean was asked about (not refused by a text guard)
+    for eps in trained:
+        for e in eps:
+            # the first prompt's messages: Goedel's first prompt, or a correction prompt (+ r failed rounds)
+            n0 = next(n for n in range(1, len(e.messages), 2) if renderer.first(e.messages[:n]) == e.prompt_ids)
+            rounds, at = (n0 - 1) // 2, 0
+            assert rounds == ("lean/correction" in e.turns[0]["info"]) * 2  # a --max-turns 2 failure's 2 rounds
+            if rounds:
+                queued.append(e.messages[:n0])
+            for k, turn in enumerate(e.turns):
+                seg = slice(at, at + turn["policy_tokens"])
+                assert all(e.mask[seg]) and turn["policy_tokens"] > 0
+                got[(tuple(e.prompt_ids + e.token_ids[:at]), tuple(e.token_ids[seg]), tuple(e.logprobs[seg]))] += 1
+                if {"lean/ok", "lean/rejected_lean_error"} & set(turn["info"]):
+                    text = e.messages[n0 + 2 * k]["content"]
+                    compiled[goedel.compile_view(goedel.full_code(STATEMENT, text)[0])] += 1
+                at = seg.stop
+                env = slice(at, at + turn["env_tokens"])
+                if turn["env_tokens"]:  # a correction round: Goedel's feedback as the template renders it, masked
+                    feedback = e.messages[n0 + 2 * k + 1]
+                    assert feedback["content"].startswith(f"The proof (Round {k + rounds}) is not correct.")
+                    assert e.token_ids[env] == renderer.suffix([feedback])
+                    assert not any(e.mask[env]) and all(lp == 0.0 for lp in e.logprobs[env])
+                at = env.stop
+            assert at == len(e.token_ids)
+    assert got == returned  # the trained policy ids are the sampled ones, each once, and nothing else was sampled
+    for r, eps in zip(recs, trained):
         assert r["mismatch_abs_max"] < MISMATCH_TOL, r["mismatch_abs_max"]
+        verdicts = r["lean/proved"] + r["lean/verifier_errors"] + sum(v for k, v in r.items() if "lean/rejected_" in k)
+        assert verdicts == sum(len(e.turns) for e in eps) and r["lean/verifier_errors"] == 0  # one per turn
+        assert r["reward_mean"] == pytest.approx(r["lean/proved"] / 8)  # the last turn's verdict (--env-reward last)
+    assert [r["lean/correction_prompts"] for r in recs] == [0.0, 1.0] and len(queued) == 4  # one group of G
+    assert queued[0] in [e.messages for e in trained[0] if e.env_reward == 0.0]  # a step-1 failure, whole
+    # negative control for got == returned: a second turn's key without the feedback ids in its prefix is no request
+    # the worker answered (the requests carried the environment's ids; a prefix of policy ids alone would not match)
+    two = [e for step in trained for e in step if len(e.turns) == 2]
+    assert two  # real correction rounds as turns
+    for e in two:
+        cut, n = e.turns[0]["policy_tokens"], e.turns[1]["policy_tokens"]
+        key = (tuple(e.prompt_ids + e.token_ids[:cut]), tuple(e.token_ids[-n:]), tuple(e.logprobs[-n:]))
+        assert key not in returned and (key[0] + tuple(e.token_ids[cut:-n]), *key[1:]) in returned
+    sent = [json.loads(x) for x in calls.read_text().splitlines()]
+    proofs = Counter(c["cmd"] for c in sent if c["env"] is not None and not c["cmd"].startswith("#print axioms"))
+    assert proofs == compiled and sum(compiled.values()) > 0
+    assert sum(c["cmd"] == "#print axioms t" for c in sent) == sum(r["lean/proved"] for r in recs)
+    assert len({c["pid"] for c in sent}) >= 2  # the pool's --lean-workers 2 processes
 
 
 @pytest.mark.slow

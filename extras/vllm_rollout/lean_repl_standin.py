@@ -23,6 +23,9 @@ tests and benchmark (a rule may carry one instead of, or besides, a reply):
 median (seconds) and shape before its reply, drawn from ``--seed`` and the command text (so a proof costs the
 same in any process); ``--scale F`` multiplies every delay (``--import-latency S`` too). This is the latency
 model of ``benchmarks/bench_lean.py``.
+
+``--log FILE``: append every command received (``{"pid", "cmd", "env"}``, one JSON line, before it is answered), so a
+test can see which proofs reached a REPL process.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ class _Replied(Exception):
     """The fault already wrote this command's (malformed) reply."""
 
 
-def serve(rules: list[dict], default: dict, stdin=sys.stdin, stdout=sys.stdout, delay=None) -> None:
+def serve(rules: list[dict], default: dict, stdin=sys.stdin, stdout=sys.stdout, delay=None, log=None) -> None:
     env = -1
     block: list[str] = []
     for line in stdin:
@@ -93,6 +96,9 @@ def serve(rules: list[dict], default: dict, stdin=sys.stdin, stdout=sys.stdout, 
         block = []
         text = cmd.get("cmd", "")
         env += 1
+        if log is not None:  # one write per line in append mode: lines of concurrent processes do not interleave
+            with open(log, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"pid": os.getpid(), "cmd": text, "env": cmd.get("env")}) + "\n")
         if "env" not in cmd:
             reply: dict = {"env": env}
         else:
@@ -125,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--import-latency", type=float, default=0.0, help="seconds the import command takes")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every delay (a quick benchmark run)")
     p.add_argument("--seed", type=int, default=0, help="latency seed (with the command text)")
+    p.add_argument("--log", default=None, help="append every command received to this file (JSON lines)")
     a = p.parse_args(argv)
     with open(a.replies, encoding="utf-8") as f:
         spec = json.load(f)
@@ -138,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.import_latency > 0:
         time.sleep(a.scale * a.import_latency)
-    serve(spec.get("rules", []), spec["default"], delay=delay)
+    serve(spec.get("rules", []), spec["default"], delay=delay, log=a.log)
     return 0
 
 
