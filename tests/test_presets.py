@@ -20,6 +20,16 @@ def test_each_preset_sets_its_algorithm():
     base = TrainConfig()
     dr = _parse(["--preset", "dr_grpo", "--max-tokens", "12"])
     assert (dr.loss.name, dr.loss.max_len_norm, dr.loss.seq_count, dr.adv.scale) == ("constant_norm", 12, "all", "none")
+    # an episode holds up to --max-turns turns of policy tokens, capped by --max-episode-tokens
+    env = ["--preset", "dr_grpo", "--max-tokens", "12", "--env", "lean", "--max-turns", "3"]
+    assert _parse(env).loss.max_len_norm == 36
+    assert _parse([*env, "--max-episode-tokens", "30"]).loss.max_len_norm == 30
+    assert (
+        _parse(
+            ["--preset", "dr_grpo", "--max-tokens", "12", "--task", "multiturn", "--max-turns", "2"]
+        ).loss.max_len_norm
+        == 24
+    )
     dapo = _parse(["--preset", "dapo", "--max-tokens", "20"])
     assert (dapo.loss.name, dapo.loss.eps_low, dapo.loss.eps_high) == ("token_mean", 0.2, 0.28)
     assert dapo.adv.filter_zero_variance and dapo.adv.overlong_buffer == 4 and dapo.loss.kl_coef == 0.0

@@ -19,7 +19,10 @@ What each preset sets, and why (the papers' choices this repo supports; anything
   paper's 4096 of 20480). Truncated completions keep their (punished) gradient: overlong *filtering*
   (``--adv-mask-truncated``) is the paper's alternative, not combined with the punishment.
 - ``dr_grpo`` (Liu et al. 2025): constant normaliser B * max_tokens over every sequence (``seq_count all``,
-  the paper's form), unscaled advantages (``adv.scale none``), mean baseline.
+  the paper's form), unscaled advantages (``adv.scale none``), mean baseline. With an environment (``--env``,
+  ``--tools``, ``--task multiturn``) a sample is an episode: the normaliser is its most policy tokens,
+  ``--max-turns`` x ``--max-tokens`` capped by ``--max-episode-tokens`` (which also counts environment tokens, so
+  the cap is an upper bound).
 - ``gspo`` (Zheng et al. 2025): sequence-level ratio, clip 3e-4 / 4e-4 (the paper's ranges), group advantages.
 - ``cispo`` (MiniMax-M1, 2025): clipped, stop-gradient IS weight on every token, no lower bound
   (``eps_low 1``); the upper bound is a tuning knob the paper does not pin: ``--eps-high`` (default 0.2).
@@ -56,7 +59,7 @@ PRESETS: dict[str, dict[str, Value]] = {
     },
     "dr_grpo": {
         "loss.name": "constant_norm",
-        "loss.max_len_norm": lambda get: get("max_tokens"),
+        "loss.max_len_norm": lambda get: policy_token_budget(get),
         "loss.seq_count": "all",
         "adv.scale": "none",
         "adv.baseline": "mean",
@@ -76,6 +79,17 @@ PRESETS: dict[str, dict[str, Value]] = {
     },
 }
 PRESET_NAMES = ("none", *PRESETS)
+
+
+def policy_token_budget(get: Callable[[str], Any]) -> int:
+    """The most policy tokens one sample may hold (Dr. GRPO's constant normaliser): ``--max-tokens``, or for an
+    episode (``--env``, ``--tools``, ``--task multiturn``) every turn's, capped by ``--max-episode-tokens``."""
+    n = get("max_tokens")
+    if get("envs.env") or get("envs.tools") or get("task") == "multiturn":
+        n *= get("envs.max_turns")
+        if get("envs.max_episode_tokens"):
+            n = min(n, get("envs.max_episode_tokens"))
+    return n
 
 
 def _paths(d: dict, prefix: tuple[str, ...] = ()) -> set[tuple[str, ...]]:
