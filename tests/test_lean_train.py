@@ -396,7 +396,7 @@ def test_the_correction_queue_survives_kill_9_and_the_resumed_run_logs_what_the_
 def test_the_queue_with_async_rollouts_resumes_exactly(prover, tmp_path):
     """--max-async-steps 1: the checkpoint of step 2 holds step 3's batch, generated before it, with the queue in its
     cursor; resuming from it (the later checkpoint removed) logs what the uninterrupted run logged, corrections
-    included."""
+    included, and the held-out problems' eval, pinned to each version on the rollout engine, verified by the pool."""
     import shutil
 
     from helpers_train import comparable
@@ -406,14 +406,19 @@ def test_the_queue_with_async_rollouts_resumes_exactly(prover, tmp_path):
     def run(name: str) -> list[dict]:
         c = lean_cfg(tmp_path / name, steps=4, checkpoint_every=2, max_async_steps=1,
                      lean_corrections={"lean_correction_fraction": 0.5})  # fmt: skip
-        train(c, model=prover, prompts=lean_rows(4))
-        return [{k: v for k, v in r.items() if not k.endswith("_s")} for r in comparable(tmp_path / name)]  # timings
+        c.eval.eval_interval, c.eval.eval_n = 2, 2
+        train(c, model=prover, prompts=lean_rows(4), eval_prompts=lean_rows(2))
+        recs = [{k: v for k, v in r.items() if not k.endswith("_s")} for r in comparable(tmp_path / name)]  # timings
+        return sorted(recs, key=lambda r: (r["step"], "eval/step" in r))  # an eval record lands when it is done
 
     straight = run("straight")
     shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
     shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_4")
     assert run("resumed") == straight
-    assert [r["lean/correction_prompts"] for r in straight] == [0.0, 1.0, 1.0, 1.0]
+    assert [r["lean/correction_prompts"] for r in straight if "loss" in r] == [0.0, 1.0, 1.0, 1.0]
+    evals = [r for r in straight if "eval/step" in r]
+    assert [r["step"] for r in evals] == [0, 2, 4] and all(0 < r["eval/pass@1"] <= 1 for r in evals), evals
+    assert all(r["eval/weight_version"] == r["step"] and r["eval/mixed_version_ratio"] == 0.0 for r in evals)
 
 
 def test_episode_steps_wait_on_the_pool_at_once_not_one_after_another():
