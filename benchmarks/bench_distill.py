@@ -9,11 +9,14 @@ vLLM spool worker.
 
 (b) Both runs start from ``--student`` (the teacher run's warm start), with the task's defaults (32 prompts x 8
 completions per step, the same seed, so the same prompts per step) and a held-out eval (200 words, 4 samples at
-T = 1) every ``--eval-interval`` steps; printed: the first evaluated step at or above ``--target`` for each, and their
-ratio; ``--teacher-coef``, ``--distill-lr`` and ``--with-reward`` (the teacher signal added to GRPO's rather than
-alone) vary the distillation run, ``--skip-grpo`` runs it alone. (c) One step's batch (the student's samples of 32 x 8 prompts) scored ``--repeats`` times by the frozen teacher
-in this process and by a vLLM CPU worker (fp32, in-process engine) through ``score`` requests; printed: the median
-seconds per step of each and their ratio (the worker's start excluded).
+T = 1) every ``--eval-interval`` steps; printed side by side: both pass@1 curves, and for 0.70, 0.75, 0.80 and
+``--target`` the first evaluated step at or above it for each and their ratio (distillation / GRPO).
+``--teacher-coef``, ``--distill-lr`` and ``--with-reward`` (the teacher signal added to GRPO's rather than alone) vary
+the distillation run, ``--grpo-lr`` the GRPO run (each method at its own best lr), ``--skip-grpo`` runs distillation
+alone. (c) One step's batch (the student's samples of 32 x 8 prompts)
+scored ``--repeats`` times by the frozen teacher in this process and by a vLLM CPU worker (fp32, in-process engine)
+through ``score`` requests; printed: the median seconds per step of each and their ratio (the worker's start
+excluded).
 """
 
 from __future__ import annotations
@@ -34,16 +37,15 @@ import torch
 from align.train import TrainConfig, train
 
 
-def steps_to(out: Path, target: float) -> tuple[int | None, list[tuple[int, float]]]:
-    """The first step whose held-out pass@1 reaches ``target`` (None: never), and every (step, pass@1)."""
+def pass_curve(out: Path) -> list[tuple[int, float]]:
+    """Every (step, held-out pass@1) of the run in ``out``."""
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    curve = [(r["step"], r["eval/pass@1"]) for r in recs if "eval/pass@1" in r]
-    return next((s for s, v in curve if v >= target), None), curve
+    return [(r["step"], r["eval/pass@1"]) for r in recs if "eval/pass@1" in r]
 
 
 def run(out: Path, student: str, steps: int, args: argparse.Namespace, teacher: str | None) -> float:
     """One training run from ``student``: GRPO (``teacher`` None) or distillation with the flags' coef, lr, reward."""
-    lr = args.distill_lr if teacher is not None and args.distill_lr else TrainConfig.lr
+    lr = (args.distill_lr if teacher is not None else args.grpo_lr) or TrainConfig.lr
     cfg = TrainConfig(out=str(out), model=student, steps=steps, checkpoint_every=0, lr=lr, threads=args.threads)
     cfg.eval.eval_interval = args.eval_interval
     if teacher is not None:
@@ -52,6 +54,27 @@ def run(out: Path, student: str, steps: int, args: argparse.Namespace, teacher: 
     t0 = time.monotonic()
     train(cfg)
     return time.monotonic() - t0
+
+
+def side_by_side(curves: dict[str, list[tuple[int, float]]], args: argparse.Namespace) -> None:
+    """(b)'s figures of both runs in one table: pass@1 per evaluated step, then the first step at or above each
+    threshold up to ``--target`` and the distillation / GRPO ratio of those steps."""
+    lr = args.distill_lr or TrainConfig.lr
+    what = f"{'GRPO + teacher' if args.with_reward else 'distill-only'} (coef {args.teacher_coef}, lr {lr})"
+    names = list(curves)
+    print(f"(b) held-out pass@1 per step: {what} vs GRPO (lr {args.grpo_lr or TrainConfig.lr})")
+    print("(b) step | " + " | ".join(names))
+    by_step = {n: dict(c) for n, c in curves.items()}
+    for step in sorted({s for c in curves.values() for s, _ in c}):
+        print(f"(b) {step:4d} | " + " | ".join(f"{by_step[n].get(step, float('nan')):.3f}" for n in names))
+    for target in sorted({0.7, 0.75, 0.8, args.target}):
+        first = {n: next((s for s, v in c if v >= target), None) for n, c in curves.items()}
+        d, g = first.get("distill"), first.get("grpo")
+        ratio = f"{d / g:.2f}x" if d and g else "n/a (not reached)"
+        print(
+            f"(b) first step >= {target}: " + ", ".join(f"{n} {first[n]}" for n in names) + f" | ratio {ratio}",
+            flush=True,
+        )
 
 
 def scoring_cost(student: str, teacher: str, repeats: int, work: Path, skip_worker: bool) -> None:
@@ -111,6 +134,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads of the runs and of (c) (0: auto)")
     ap.add_argument("--teacher-coef", type=float, default=1.0, help="(b): the distillation run's --teacher-coef")
     ap.add_argument("--distill-lr", type=float, default=0.0, help="(b): the distillation run's --lr (0: the default)")
+    ap.add_argument("--grpo-lr", type=float, default=0.0, help="(b): the GRPO run's --lr (0: the default)")
     ap.add_argument("--with-reward", action="store_true", help="(b): the teacher signal added to GRPO's, not alone")
     ap.add_argument("--skip-grpo", action="store_true", help="(b): the distillation run only")
     ap.add_argument("--skip-b", action="store_true", help="only (c)")
@@ -121,18 +145,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_distill_") as tmp:
         work = Path(tmp)
         if not args.skip_b:
-            results = {}
+            curves = {}
             runs = [("distill", args.teacher, args.distill_steps), ("grpo", None, args.grpo_steps)]
             for name, teacher, steps in runs[: 1 if args.skip_grpo else 2]:
                 wall = run(work / name, args.student, steps, args, teacher)
-                results[name] = steps_to(work / name, args.target)
-                print(f"(b) {name}: pass@1 curve {results[name][1]} | first step >= {args.target}: "
-                      f"{results[name][0]} | wall {wall:.0f} s", flush=True)  # fmt: skip
-            d, g = results["distill"][0], results.get("grpo", (None,))[0]
-            lr = args.distill_lr or TrainConfig.lr
-            ratio = f"{d / g:.2f}x" if d and g else "n/a (a run did not reach the target)"
-            what = f"{'GRPO + teacher' if args.with_reward else 'distill-only'} (coef {args.teacher_coef}, lr {lr})"
-            print(f"(b) steps to {args.target}: {what} {d} vs GRPO {g}: {ratio}", flush=True)
+                curves[name] = pass_curve(work / name)
+                print(f"(b) {name}: wall {wall:.0f} s", flush=True)
+            side_by_side(curves, args)
         scoring_cost(args.student, args.teacher, args.repeats, work, args.skip_worker)
 
 

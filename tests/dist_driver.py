@@ -2,7 +2,9 @@
 
 argv[1]: JSON {"cfg": TrainConfig fields, "model": dir, "calls": path, "per_rank_normaliser": bool, "hang": {rank,
 after_calls}, "kill_in_save": {rank, call}, "eval": bool (held-out prompts, cfg["eval"] kept)}. Rank 0 writes
-the (prompt, completion) pairs the reward saw, in call order, to "calls". With "sft": tests/test_sft.py's runs (``sft``)."""
+the (prompt, completion) pairs the reward saw, in call order, to "calls"; with a --teacher (cfg["distill"]) each rank
+writes the teacher's parameter count it holds and the whole count to "calls" + ".teacher{rank}.json". With "sft":
+tests/test_sft.py's runs (``sft``)."""
 
 from __future__ import annotations
 
@@ -94,6 +96,24 @@ def sft(spec: dict) -> None:
     torch.distributed.destroy_process_group()
 
 
+def record_teacher_shards(path: str) -> None:
+    """Wrap ``open_teacher`` (as align.run.build calls it) to write this rank's share of the in-process teacher's
+    parameters: FSDP2 leaves a rank 1/world of each (DTensor shards), one process all of them."""
+    from align.run import build
+
+    stock = build.open_teacher
+
+    def opened(run):
+        teacher = stock(run)
+        params = list(teacher.model.parameters())
+        local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)
+        with open(f"{path}.teacher{dist.rank()}.json", "w") as fh:
+            json.dump({"local": local, "total": sum(p.numel() for p in params)}, fh)
+        return teacher
+
+    build.open_teacher = opened
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     if "sft" in spec:
@@ -114,6 +134,8 @@ def main() -> None:
             return out
 
         dcp.save = save
+    if spec["cfg"].get("distill", {}).get("teacher"):
+        record_teacher_shards(spec["calls"])
     cfg = TrainConfig(**spec["cfg"])
     cfg.lean.repl, cfg.lean.workers = STANDIN, 2  # the verifier of the environment case (Retry)
     if not spec.get("eval"):

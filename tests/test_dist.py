@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_train import TRAIN_BASE, records, wait_for
+from helpers_train import TOK, TRAIN_BASE, build_char_model, records, wait_for
 
 from align.model import Transformer, load_pretrained
 from align.rollout.native import generate
@@ -75,11 +75,13 @@ def _run(tmp_path: Path, name: str, model: str, nproc: int, per_rank_normaliser:
     every = records(out)
     recs = [r for r in every if "reward_mean" in r]
     params = dict(load_pretrained(cfg["save_hf"]).named_parameters())
+    shards = sorted(tmp_path.glob(f"{name}.calls.json.teacher*.json"))  # --teacher: what each rank held of it
     return {
         "recs": recs,
         "all": every,
         "calls": json.loads((tmp_path / f"{name}.calls.json").read_text()),
         "params": params,
+        "teacher_shards": [json.loads(f.read_text()) for f in shards],
     }
 
 
@@ -241,6 +243,34 @@ def test_hsdp_two_replicas_give_the_single_process_result(tmp_path, char_model_2
             assert abs(a[k] - b[k]) <= LOSS_TOL, (a["step"], k, a[k], b[k])
     assert _max_param_diff(one["params"], dict(load_pretrained(char_model_2l).named_parameters())) > 100 * PARAM_TOL
     assert _max_param_diff(one["params"], two["params"]) <= PARAM_TOL
+
+
+DISTILL_KEYS = ("distill/reverse_kl_mean", "distill/teacher_logprob_mean", "distill/student_logprob_mean")
+
+
+@pytest.mark.slow
+def test_two_ranks_with_a_teacher_give_the_single_process_result(tmp_path, char_model_2l, plain_runs):
+    """On-policy distillation under torchrun (--teacher DIR beside the reward): the frozen teacher is FSDP-sharded
+    like the reference model (each rank holds half of its parameters) and scores each rank's own rows; losses, grad
+    norms, the distill/* figures and the final weights equal one process's. Negative control: the plain runs, the
+    same seed without the teacher, sample the same first batch but differ far past the tolerances from step 1."""
+    teacher = build_char_model(tmp_path / "teacher", layers=1)  # not the student: a real per-token signal
+    TOK.save(teacher)  # the teacher's tokenizer is checked against the student's
+    one, two = (_run(tmp_path, f"run{n}", char_model_2l, n, distill={"teacher": teacher}) for n in (1, 2))
+    (whole,), halves = one["teacher_shards"], two["teacher_shards"]
+    assert whole["local"] == whole["total"] and len(halves) == 2
+    assert all(h["total"] == whole["total"] and h["local"] < 0.6 * h["total"] for h in halves)
+    assert sum(h["local"] for h in halves) == whole["total"]
+    assert one["calls"] == two["calls"] and len(one["calls"]) == STEPS * 16  # the same completions, in order
+    assert all(abs(r["distill/reverse_kl_mean"]) > 100 * LOSS_TOL for r in one["recs"])  # the teacher disagrees
+    for a, b in zip(one["recs"], two["recs"], strict=True):
+        for k in ("loss", "grad_norm", *DISTILL_KEYS):
+            assert abs(a[k] - b[k]) <= LOSS_TOL, (a["step"], k, a[k], b[k])
+    assert _max_param_diff(one["params"], two["params"]) <= PARAM_TOL
+    alone = plain_runs[1]
+    assert alone["calls"][:16] == one["calls"][:16] and "distill/reverse_kl_mean" not in alone["recs"][0]
+    assert abs(alone["recs"][0]["loss"] - one["recs"][0]["loss"]) > 100 * LOSS_TOL
+    assert _max_param_diff(alone["params"], one["params"]) > 100 * PARAM_TOL
 
 
 BF16_LOSS_TOL = 2e-3  # bf16 weights: 1 vs 2 ranks round the summed gradients differently
