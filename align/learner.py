@@ -375,8 +375,7 @@ def optimize(policy: torch.nn.Module, ref_model: torch.nn.Module | None, opt: to
                 skipped.append(merged)
                 skipped_norms.append(norm)
                 continue
-            if cfg.grad_clip > 0:
-                norms.append(norm)
+            norms.append(norm)  # the pre-clip norm (no clipping: the norm itself)
             opt.step()
             per_update.append(merged)
     norms = norms if per_update else skipped_norms  # every step skipped: the record shows why

@@ -202,6 +202,7 @@ def test_the_run_stops_at_max_nonfinite_steps_with_the_last_checkpoint_intact(tm
     ok = cfg_for(tmp_path / "ok", steps=3, lora={"rank": 2, "alpha": 16.0}, grad_clip=0.0)
     run(ok, char_model)
     assert [r["nonfinite_steps"] for r in records(ok.out) if "reward_mean" in r] == [0, 0, 0]
+    assert all(r["grad_norm"] > 0 for r in records(ok.out) if "reward_mean" in r)  # logged without clipping too
 
 
 def test_a_model_holding_nan_is_never_checkpointed(tmp_path, char_model):
