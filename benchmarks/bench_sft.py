@@ -13,6 +13,7 @@ completion of this task is the reversed word whoever samples it). Eval: the main
 samples per prompt at T = 1, pass@1.
 
     python benchmarks/bench_sft.py --out runs/bench_sft [--source self|reference] [--rows 1024] [--epochs 1]
+        [--no-pack-sequences]
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--pack-sequences", action=argparse.BooleanOptionalAction, default=True,
+                    help="the learner's packed rows (align.sft's default); --no-pack-sequences pads every row")  # fmt: skip
     ap.add_argument("--eval-interval", type=int, default=1000, help="eval points besides before/after (default none)")
     args = ap.parse_args()
 
@@ -74,15 +77,18 @@ def main() -> None:
     print(f"[bench] {len(rows)} SFT rows ({args.source}) in {t_rows:.0f} s", flush=True)
     held_out = [{"prompt": w["prompt"], "completion": w["answer"], "answer": w["answer"]}
                 for w in reverse.prompts(200, "eval", seed=0)]  # fmt: skip
-    cfg = SFTConfig(out=str(out / f"sft_{args.source}"), epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-                    warmup_steps=3, threads=args.threads, checkpoint_every=0, max_tokens=10)  # fmt: skip
+    cfg = SFTConfig(out=str(out / f"sft_{args.source}_{'packed' if args.pack_sequences else 'padded'}"),
+                    epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, warmup_steps=3, threads=args.threads,
+                    checkpoint_every=0, max_tokens=10, pack_sequences=args.pack_sequences)  # fmt: skip
     cfg.eval.eval_interval, cfg.eval.eval_n = args.eval_interval, 4
     t2 = time.monotonic()
     s = train(cfg, model=str(base), tokenizer=reverse.tokenizer(), rows=rows, eval_rows=held_out,
               reward=reverse.reward)  # fmt: skip
     t_sft = time.monotonic() - t2
+    records = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
     result = {
         "source": args.source,
+        "pack_sequences": args.pack_sequences,
         "sft_rows": len(rows),
         "steps": s["steps"],
         "pass@1_before": s["eval_start"],
@@ -92,6 +98,7 @@ def main() -> None:
         "warm_start_s": round(t_warm, 1),
         "rows_s": round(t_rows, 1),
         "sft_s (with its evals)": round(t_sft, 1),
+        "train_steps_s (step_time summed)": round(sum(r.get("step_time", 0.0) for r in records), 2),
     }
     print(json.dumps(result, indent=1), flush=True)
 
