@@ -13,7 +13,9 @@ Packed backends (all pure torch), picked per layout:
   for all of its completions, each padded to the segment's longest completion, whose queries see
   [the prompt's keys; their own keys] with a causal offset. The blocks a completion may not see (its siblings,
   other segments) are never computed, and no (T, T) mask over the row exists; the only padding is within a segment's
-  completions. A segment with a single completion is one causal call.
+  completions and below. A segment with a single completion is one causal sequence, and consecutive such segments
+  (SFT rows, groups of G = 1) share one causal call, right-padded to the longest of them (causal: no real query sees
+  a pad slot; the projections and the MLP still run unpadded).
 - ``"flex"`` (CUDA): ``torch.nn.attention.flex_attention`` with a block mask from per-token segment / sibling ids,
   compiled once; FlexAttention skips the fully masked blocks. Chosen for CUDA because it is one kernel per layer
   over the whole row whatever the number of segments (the per-segment calls launch ~2 kernels per segment and
@@ -141,6 +143,28 @@ class PackedLayout:
             self._built[key] = [_group_plan(s, device) for s in self.segments]
         return self._built[key]
 
+    def causal_runs(self, device: torch.device) -> list[tuple]:
+        """The sdpa backend's calls in row order: ("run", gather (n * L,), unpad (sum of lengths,), n, L) for two or
+        more consecutive one-sequence segments, one causal call over them right-padded to the longest (L; causal,
+        so no real query sees a pad slot); ("segment", segment, its ``group_plans`` entry) for the others."""
+        key = ("runs", str(device))
+        if key not in self._built:
+            calls: list[tuple] = []
+            run: list[Segment] = []
+            for s, plan in [*zip(self.segments, self.group_plans(device)), (None, None)]:
+                if s is not None and plan is None:
+                    run.append(s)
+                    continue
+                if len(run) >= 2:
+                    calls.append(("run", *_causal_run(run, device)))
+                else:
+                    calls += [("segment", r, None) for r in run]
+                run = []
+                if s is not None:
+                    calls.append(("segment", s, plan))
+            self._built[key] = calls
+        return self._built[key]
+
     def block_mask(self, device: torch.device) -> Any:
         """FlexAttention's block mask of this row: same segment, causal, and the key a prompt token or a token of
         the query's own completion."""
@@ -174,6 +198,15 @@ def _group_plan(s: Segment, device: torch.device) -> tuple | None:
     return gather.to(device), mask.to(device), unpad.to(device), g, Lc
 
 
+def _causal_run(run: list[Segment], device: torch.device) -> tuple:
+    """(gather (n * L,), unpad (sum of lengths,), n, L) of consecutive one-sequence segments padded to L tokens."""
+    lengths = [s.end - s.start for s in run]
+    L, slot = max(lengths), torch.arange(max(lengths))
+    gather = torch.cat([s.start + torch.clamp(slot, max=n - 1) for s, n in zip(run, lengths)])  # pad slots repeat
+    unpad = torch.cat([j * L + torch.arange(n) for j, n in enumerate(lengths)])
+    return gather.to(device), unpad.to(device), len(run), L
+
+
 _FLEX: dict = {}
 
 
@@ -201,7 +234,14 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
 
         return flex_attention(q, k, v, block_mask=layout.block_mask(q.device), enable_gqa=gqa)
     parts = []
-    for s, plan in zip(layout.segments, layout.group_plans(q.device)):
+    for kind, *call in layout.causal_runs(q.device):
+        if kind == "run":  # consecutive one-sequence segments (SFT rows): one causal call, padded to the longest
+            gather, unpad, n, L = call
+            qs, ks, vs = (_pad(t, gather, n, L) for t in (q, k, v))  # (n, H or K, L, D)
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)  # (n, H, L, D)
+            parts.append(out.transpose(0, 1).flatten(1, 2).index_select(1, unpad))  # (H, sum of lengths, D)
+            continue
+        s, plan = call
         a = s.start
         e = s.end if plan is None else a + s.prompt  # one causal sequence, or the prompt alone
         parts.append(F.scaled_dot_product_attention(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], is_causal=True,
