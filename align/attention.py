@@ -13,9 +13,10 @@ Packed backends (all pure torch), picked per layout:
   for all of its completions, each padded to the segment's longest completion, whose queries see
   [the prompt's keys; their own keys] with a causal offset. The blocks a completion may not see (its siblings,
   other segments) are never computed, and no (T, T) mask over the row exists; the only padding is within a segment's
-  completions and below. A segment with a single completion is one causal sequence, and consecutive such segments
-  (SFT rows, groups of G = 1) share one causal call, right-padded to the longest of them (causal: no real query sees
-  a pad slot; the projections and the MLP still run unpadded).
+  completions and below. A segment with a single completion is one causal sequence, and such segments of similar
+  length (SFT rows, groups of G = 1; ``LENGTH_SLACK``) share one causal call, right-padded to the longest of them
+  (causal: no real query sees a pad slot; the projections and the MLP still run unpadded), the outputs put back in
+  row order by one index.
 - ``"flex"`` (CUDA): ``torch.nn.attention.flex_attention`` with a block mask from per-token segment / sibling ids,
   compiled once; FlexAttention skips the fully masked blocks. Chosen for CUDA because it is one kernel per layer
   over the whole row whatever the number of segments (the per-segment calls launch ~2 kernels per segment and
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 PACKED_BACKENDS = ("sdpa", "flex")
+LENGTH_SLACK = 1.25  # sdpa: one-sequence segments share a causal call when the longest is <= 1.25x the shortest
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -143,26 +145,33 @@ class PackedLayout:
             self._built[key] = [_group_plan(s, device) for s in self.segments]
         return self._built[key]
 
-    def causal_runs(self, device: torch.device) -> list[tuple]:
-        """The sdpa backend's calls in row order: ("run", gather (n * L,), unpad (sum of lengths,), n, L) for two or
-        more consecutive one-sequence segments, one causal call over them right-padded to the longest (L; causal,
-        so no real query sees a pad slot); ("segment", segment, its ``group_plans`` entry) for the others."""
-        key = ("runs", str(device))
+    def sdpa_calls(self, device: torch.device) -> tuple[list[tuple], torch.Tensor | None]:
+        """The sdpa backend's calls, and the permutation of their concatenated outputs back to row order (None: they
+        are in row order). ("bucket", gather (n * L,), unpad (sum of lengths,), n, L): one-sequence segments of
+        similar length (the longest at most ``LENGTH_SLACK`` x the shortest), one causal call right-padded to the
+        longest (causal: no real query sees a pad slot); ("segment", segment, its ``group_plans`` entry): the
+        others, one by one."""
+        key = ("calls", str(device))
         if key not in self._built:
+            plans = self.group_plans(device)
             calls: list[tuple] = []
-            run: list[Segment] = []
-            for s, plan in [*zip(self.segments, self.group_plans(device)), (None, None)]:
-                if s is not None and plan is None:
-                    run.append(s)
-                    continue
-                if len(run) >= 2:
-                    calls.append(("run", *_causal_run(run, device)))
+            covered: list[torch.Tensor] = []  # the row positions of each call's output, in its order
+            buckets: list[list[Segment]] = []  # longest first; a bucket's first segment is its longest
+            for s in sorted((s for s, p in zip(self.segments, plans) if p is None), key=lambda s: s.start - s.end):
+                if buckets and (s.end - s.start) * LENGTH_SLACK >= buckets[-1][0].end - buckets[-1][0].start:
+                    buckets[-1].append(s)
                 else:
-                    calls += [("segment", r, None) for r in run]
-                run = []
-                if s is not None:
-                    calls.append(("segment", s, plan))
-            self._built[key] = calls
+                    buckets.append([s])
+            for b in buckets:
+                calls.append(("bucket", *_bucket(b, device)) if len(b) > 1 else ("segment", b[0], None))
+                covered += [torch.arange(s.start, s.end) for s in b]
+            for s, p in zip(self.segments, plans):
+                if p is not None:
+                    calls.append(("segment", s, p))
+                    covered.append(torch.arange(s.start, s.end))
+            pos = torch.cat(covered)  # (T,)
+            order = None if torch.equal(pos, torch.arange(self.length)) else torch.argsort(pos).to(device)
+            self._built[key] = calls, order
         return self._built[key]
 
     def block_mask(self, device: torch.device) -> Any:
@@ -198,13 +207,13 @@ def _group_plan(s: Segment, device: torch.device) -> tuple | None:
     return gather.to(device), mask.to(device), unpad.to(device), g, Lc
 
 
-def _causal_run(run: list[Segment], device: torch.device) -> tuple:
-    """(gather (n * L,), unpad (sum of lengths,), n, L) of consecutive one-sequence segments padded to L tokens."""
-    lengths = [s.end - s.start for s in run]
+def _bucket(segments: list[Segment], device: torch.device) -> tuple:
+    """(gather (n * L,), unpad (sum of lengths,), n, L) of one-sequence segments, each right-padded to L tokens."""
+    lengths = [s.end - s.start for s in segments]
     L, slot = max(lengths), torch.arange(max(lengths))
-    gather = torch.cat([s.start + torch.clamp(slot, max=n - 1) for s, n in zip(run, lengths)])  # pad slots repeat
+    gather = torch.cat([s.start + torch.clamp(slot, max=n - 1) for s, n in zip(segments, lengths)])  # pads repeat
     unpad = torch.cat([j * L + torch.arange(n) for j, n in enumerate(lengths)])
-    return gather.to(device), unpad.to(device), len(run), L
+    return gather.to(device), unpad.to(device), len(segments), L
 
 
 _FLEX: dict = {}
@@ -234,8 +243,9 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
 
         return flex_attention(q, k, v, block_mask=layout.block_mask(q.device), enable_gqa=gqa)
     parts = []
-    for kind, *call in layout.causal_runs(q.device):
-        if kind == "run":  # consecutive one-sequence segments (SFT rows): one causal call, padded to the longest
+    calls, order = layout.sdpa_calls(q.device)
+    for kind, *call in calls:
+        if kind == "bucket":  # one-sequence segments of similar length (SFT rows): one causal call
             gather, unpad, n, L = call
             qs, ks, vs = (_pad(t, gather, n, L) for t in (q, k, v))  # (n, H or K, L, D)
             out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)  # (n, H, L, D)
@@ -254,7 +264,8 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
         queries = _pad(q, gather, g, Lc)  # (g, H, Lc, D)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=gqa)  # (g, H, Lc, D)
         parts.append(out.transpose(0, 1).flatten(1, 2).index_select(1, unpad))  # (H, sum n, D)
-    return torch.cat(parts, dim=1)[None]  # (1, H, T, D)
+    out = torch.cat(parts, dim=1)  # (H, T, D) in call order
+    return (out if order is None else out.index_select(1, order))[None]  # (1, H, T, D) in row order
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, how: torch.Tensor | PackedLayout | None) -> torch.Tensor:

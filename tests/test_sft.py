@@ -183,8 +183,8 @@ def test_packed_rows_give_the_plain_loop_loss_and_gradient(bpe, monkeypatch):
     # one row; one copy of a shared context: the chat and the chat prompt (its first turns), the two "2+3=" rows
     assert len(one) == 1 and [m for _, m in one[0].groups] == [[0, 4], [1], [2, 3], [5]]
     pairs = learner.plan_micro_batches(batch[0], batch[2], SFTConfig(micro_batch_size=2))  # rows 0-1, 2-3, 4-5
-    calls = packing.build(*batch, pairs[0]).layout.causal_runs(torch.device("cpu"))
-    assert [c[0] for c in calls] == ["run"]  # two one-sequence rows: one causal call, padded to the longer
+    calls, _ = packing.build(*batch, pairs[0]).layout.sdpa_calls(torch.device("cpu"))
+    assert [c[0] for c in calls] == ["bucket"]  # two one-sequence rows of similar length: one causal call
     for kw in ({}, budget, {"micro_batch_size": 2}, {"pack_sequences": False}, {"pack_sequences": False, **budget}):
         loss, got = nll(**kw)
         assert abs(loss - want) <= LOSS_TOL and max_diff(got, ref) <= LOSS_TOL, kw
