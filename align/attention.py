@@ -13,7 +13,10 @@ Packed backends (all pure torch), picked per layout:
   for all of its completions, each padded to the segment's longest completion, whose queries see
   [the prompt's keys; their own keys] with a causal offset. The blocks a completion may not see (its siblings,
   other segments) are never computed, and no (T, T) mask over the row exists; the only padding is within a segment's
-  completions. A segment with a single completion is one causal call.
+  completions and below. A segment with a single completion is one causal sequence, and such segments of similar
+  length (SFT rows, groups of G = 1; ``LENGTH_SLACK``) share one causal call, right-padded to the longest of them
+  (causal: no real query sees a pad slot; the projections and the MLP still run unpadded), the outputs put back in
+  row order by one index.
 - ``"flex"`` (CUDA): ``torch.nn.attention.flex_attention`` with a block mask from per-token segment / sibling ids,
   compiled once; FlexAttention skips the fully masked blocks. Chosen for CUDA because it is one kernel per layer
   over the whole row whatever the number of segments (the per-segment calls launch ~2 kernels per segment and
@@ -31,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 PACKED_BACKENDS = ("sdpa", "flex")
+LENGTH_SLACK = 1.25  # sdpa: one-sequence segments share a causal call when the longest is <= 1.25x the shortest
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -141,6 +145,35 @@ class PackedLayout:
             self._built[key] = [_group_plan(s, device) for s in self.segments]
         return self._built[key]
 
+    def sdpa_calls(self, device: torch.device) -> tuple[list[tuple], torch.Tensor | None]:
+        """The sdpa backend's calls, and the permutation of their concatenated outputs back to row order (None: they
+        are in row order). ("bucket", gather (n * L,), unpad (sum of lengths,), n, L): one-sequence segments of
+        similar length (the longest at most ``LENGTH_SLACK`` x the shortest), one causal call right-padded to the
+        longest (causal: no real query sees a pad slot); ("segment", segment, its ``group_plans`` entry): the
+        others, one by one."""
+        key = ("calls", str(device))
+        if key not in self._built:
+            plans = self.group_plans(device)
+            calls: list[tuple] = []
+            covered: list[torch.Tensor] = []  # the row positions of each call's output, in its order
+            buckets: list[list[Segment]] = []  # longest first; a bucket's first segment is its longest
+            for s in sorted((s for s, p in zip(self.segments, plans) if p is None), key=lambda s: s.start - s.end):
+                if buckets and (s.end - s.start) * LENGTH_SLACK >= buckets[-1][0].end - buckets[-1][0].start:
+                    buckets[-1].append(s)
+                else:
+                    buckets.append([s])
+            for b in buckets:
+                calls.append(("bucket", *_bucket(b, device)) if len(b) > 1 else ("segment", b[0], None))
+                covered += [torch.arange(s.start, s.end) for s in b]
+            for s, p in zip(self.segments, plans):
+                if p is not None:
+                    calls.append(("segment", s, p))
+                    covered.append(torch.arange(s.start, s.end))
+            pos = torch.cat(covered)  # (T,)
+            order = None if torch.equal(pos, torch.arange(self.length)) else torch.argsort(pos).to(device)
+            self._built[key] = calls, order
+        return self._built[key]
+
     def block_mask(self, device: torch.device) -> Any:
         """FlexAttention's block mask of this row: same segment, causal, and the key a prompt token or a token of
         the query's own completion."""
@@ -174,6 +207,15 @@ def _group_plan(s: Segment, device: torch.device) -> tuple | None:
     return gather.to(device), mask.to(device), unpad.to(device), g, Lc
 
 
+def _bucket(segments: list[Segment], device: torch.device) -> tuple:
+    """(gather (n * L,), unpad (sum of lengths,), n, L) of one-sequence segments, each right-padded to L tokens."""
+    lengths = [s.end - s.start for s in segments]
+    L, slot = max(lengths), torch.arange(max(lengths))
+    gather = torch.cat([s.start + torch.clamp(slot, max=n - 1) for s, n in zip(segments, lengths)])  # pads repeat
+    unpad = torch.cat([j * L + torch.arange(n) for j, n in enumerate(lengths)])
+    return gather.to(device), unpad.to(device), len(segments), L
+
+
 _FLEX: dict = {}
 
 
@@ -201,7 +243,15 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
 
         return flex_attention(q, k, v, block_mask=layout.block_mask(q.device), enable_gqa=gqa)
     parts = []
-    for s, plan in zip(layout.segments, layout.group_plans(q.device)):
+    calls, order = layout.sdpa_calls(q.device)
+    for kind, *call in calls:
+        if kind == "bucket":  # one-sequence segments of similar length (SFT rows): one causal call
+            gather, unpad, n, L = call
+            qs, ks, vs = (_pad(t, gather, n, L) for t in (q, k, v))  # (n, H or K, L, D)
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)  # (n, H, L, D)
+            parts.append(out.transpose(0, 1).flatten(1, 2).index_select(1, unpad))  # (H, sum of lengths, D)
+            continue
+        s, plan = call
         a = s.start
         e = s.end if plan is None else a + s.prompt  # one causal sequence, or the prompt alone
         parts.append(F.scaled_dot_product_attention(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], is_causal=True,
@@ -214,7 +264,8 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
         queries = _pad(q, gather, g, Lc)  # (g, H, Lc, D)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=gqa)  # (g, H, Lc, D)
         parts.append(out.transpose(0, 1).flatten(1, 2).index_select(1, unpad))  # (H, sum n, D)
-    return torch.cat(parts, dim=1)[None]  # (1, H, T, D)
+    out = torch.cat(parts, dim=1)  # (H, T, D) in call order
+    return (out if order is None else out.index_select(1, order))[None]  # (1, H, T, D) in row order
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, how: torch.Tensor | PackedLayout | None) -> torch.Tensor:

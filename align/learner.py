@@ -257,17 +257,20 @@ def plan_micro_batches(inputs: Tensor, mask: Tensor, cfg: Any) -> list[MicroBatc
 
 
 def micro_batch_logprobs(model: torch.nn.Module, inputs: Tensor, targets: Tensor, mask: Tensor, mb: MicroBatch,
-                         cfg: Any, place: Placement | None, with_entropy: bool = True) -> tuple:  # fmt: skip
+                         cfg: Any, place: Placement | None, with_entropy: bool = True,
+                         temperature: float | None = None) -> tuple:  # fmt: skip
     """(rows, L, logprobs (rows, L), entropy or None) of one micro-batch of the (N, L) batch tensors, L its
-    longest row: by a packed row or by the padded rows, the same values either way."""
+    longest row: by a packed row or by the padded rows, the same values either way. ``temperature``: None =
+    ``cfg.temperature`` (the sampler's); ``nll_backward`` passes 1 (its ``cfg.temperature`` is the eval's)."""
+    t = cfg.temperature if temperature is None else temperature
     kw = {"place": place, "backend": cfg.logprob_backend, "with_entropy": with_entropy}
     if isinstance(mb, packing.PackedRow):
         budget = getattr(cfg, "micro_batch_tokens", 0)
-        lp, ent = packed_token_logprobs(model, inputs, targets, mask, mb, cfg.temperature, pad_to=budget, **kw)
+        lp, ent = packed_token_logprobs(model, inputs, targets, mask, mb, t, pad_to=budget, **kw)
         return mb.rows, lp.shape[1], lp, ent
     L = max(row_lengths(_rows(mask, mb, mask.shape[1])))
     x, y, m = _rows(inputs, mb, L), _rows(targets, mb, L), _rows(mask, mb, L)  # (mb, L)
-    return (mb, L, *token_logprobs(model, x, y, cfg.temperature, mask=m, **kw))
+    return (mb, L, *token_logprobs(model, x, y, t, mask=m, **kw))
 
 
 @torch.no_grad()
@@ -457,29 +460,28 @@ def update(policy: torch.nn.Module, ref_model: torch.nn.Module | None, opt: torc
 def nll_backward(policy: torch.nn.Module, cfg: Any, inputs: Tensor, targets: Tensor, mask: Tensor, *,
                  place: Placement | None = None, backward: bool = True) -> dict[str, float]:  # fmt: skip
     """Mean token negative log-likelihood of ``targets`` over ``mask`` (True = a target token; (N, L) like the
-    rest), the supervised loss of ``align.sft``: the fused logprobs at T = 1, the step's micro-batches, and every
-    micro-batch divided by the target count of all the rows given (torchrun: summed over ranks, with the busiest
-    rank's micro-batch count), so micro-batching and data parallelism give the whole-batch loss and gradient.
+    rest), the supervised loss of ``align.sft``: the fused logprobs at T = 1 by the step's micro-batches
+    (``plan_micro_batches``: packed rows under ``cfg.pack_sequences``, a row's context before its first target
+    being its prompt, so rows with the same context share one copy of it; else padded rows), every micro-batch
+    divided by the target count of all the rows given (torchrun: summed over ranks, with the busiest rank's
+    micro-batch count), so packing, micro-batching and data parallelism give the whole-batch loss and gradient.
     ``backward``: accumulate the gradient into ``.grad``; False (under ``torch.no_grad()``) measures the loss only.
     Returns {"loss", "num_tokens"} of the whole batch, every rank's rows included."""
     total, _ = dist.reduce_counts(normalisers(mask))
     if total == 0:
         return {"loss": 0.0, "num_tokens": 0}
-    lengths = row_lengths(mask)
-    mbs = micro_batches(lengths, cfg)
+    mbs = plan_micro_batches(inputs, mask, cfg)
     mbs += [[]] * (dist.max_int(len(mbs)) - len(mbs))
     stats = []
-    for idx in mbs:
-        if not idx:  # padding micro-batch (torchrun): the same forward/backward collectives, no gradient
+    for mb in mbs:
+        if not mb:  # padding micro-batch (torchrun): the same forward/backward collectives, no gradient
             pad = torch.zeros(1, 1, dtype=torch.long, device=mask.device)  # (1, 1): this rank may hold no row at all
             lp, _ = token_logprobs(policy, pad, pad, 1.0, place=place, backend=cfg.logprob_backend, with_entropy=False)
             if backward:
                 (lp.sum() * 0.0).backward()
             continue
-        L = max(lengths[i] for i in idx)
+        idx, L, lp, _ = micro_batch_logprobs(policy, inputs, targets, mask, mb, cfg, place, False, temperature=1.0)
         m = _rows(mask, idx, L)  # (mb, L)
-        lp, _ = token_logprobs(policy, _rows(inputs, idx, L), _rows(targets, idx, L), 1.0, place=place,
-                               backend=cfg.logprob_backend, with_entropy=False, mask=m)  # fmt: skip
         loss = -lp[m].sum() / total  # this micro-batch's share of the whole-batch mean
         if backward:
             loss.backward()

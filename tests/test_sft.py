@@ -22,7 +22,8 @@ import torch
 from helpers_tokenizer import make_bpe_tokenizer
 from helpers_train import TOK, comparable, records, run_cli, wait_for
 
-from align import learner
+from align import learner, lora, packing
+from align.attention import PackedLayout, Segment
 from align.data import HFTokenizer
 from align.model import ModelConfig, Transformer, load_pretrained, save_pretrained
 from align.sft import SFTConfig, main, train
@@ -76,12 +77,16 @@ def runs_of(mask: list[bool], ids: list[int]) -> list[list[int]]:
     return out
 
 
-def reference_nll(model: Transformer, ids: list[int], mask: list[bool]) -> torch.Tensor:
-    """Mean token NLL over ``mask`` from the full (L, V) logits: the plain reference."""
+def nll_sum(model: Transformer, ids: list[int], mask: list[bool]) -> torch.Tensor:
+    """Summed token NLL over ``mask`` of one row alone, from the full (L, V) logits: the plain reference."""
     logits = model(torch.tensor([ids[:-1]]))[0].float()  # (L, V)
     lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]  # (L,)
-    m = torch.tensor(mask[1:])
-    return -lp[m].mean()
+    return -lp[torch.tensor(mask[1:])].sum()
+
+
+def reference_nll(model: Transformer, ids: list[int], mask: list[bool]) -> torch.Tensor:
+    """Mean token NLL over ``mask`` of one row."""
+    return nll_sum(model, ids, mask) / sum(mask[1:])
 
 
 def test_the_loss_counts_exactly_the_assistant_tokens(bpe):
@@ -135,6 +140,73 @@ def test_micro_batches_give_the_whole_batch_gradient(char_model):
     assert max(float((local[k] - whole[k]).abs().max()) for k in whole) > 1e-4
 
 
+def grads_of(model: Transformer) -> dict[str, torch.Tensor]:
+    return {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def packing_rows(tok: HFTokenizer) -> list:
+    """Rows that exercise the packed layout: a two-turn chat (context between its targets), the same chat with only
+    its last turn a target, two rows with the same prompt (one shared copy), a chat prompt, ragged lengths."""
+    rs = Renderers(tok)
+    raw = [(CHAT, "all"), (CHAT, "last"), ({"prompt": "2+3=", "completion": "5"}, "all"),
+           ({"prompt": "2+3=", "completion": "five, said the model"}, "all"),
+           ({"prompt": CHAT["messages"][:2], "completion": "42"}, "all"), (ROWS[3], "all")]  # fmt: skip
+    return [render_row(r, f"p:{i}", rs, on) for i, (r, on) in enumerate(raw)]
+
+
+def test_packed_rows_give_the_plain_loop_loss_and_gradient(bpe, monkeypatch):
+    """The plain loop (each row alone, full logits, the summed NLL over the whole batch's target count) vs
+    ``nll_backward`` packed (one row; a token budget: several) and padded. Controls: a packed row whose rows see
+    each other (one causal span, positions running on), and each packed row normalised by its own target count."""
+    tok, model_dir = bpe
+    model, rows = load_pretrained(model_dir), packing_rows(tok)
+    model.zero_grad(set_to_none=True)
+    want = sum(nll_sum(model, e.ids, e.mask) for e in rows) / sum(sum(e.mask[1:]) for e in rows)
+    want.backward()
+    want, ref = float(want.detach()), grads_of(model)
+    batch = tensors(rows, "cpu")
+    longest = max(len(e.ids) - 1 for e in rows)
+
+    def nll(**kw) -> tuple[float, dict]:
+        model.zero_grad(set_to_none=True)
+        return learner.nll_backward(model, SFTConfig(**kw), *batch)["loss"], grads_of(model)
+
+    budget = {"micro_batch_tokens": longest + 8}
+    mbs = learner.plan_micro_batches(batch[0], batch[2], SFTConfig(**budget))
+    assert len(mbs) > 1 and all(isinstance(r, packing.PackedRow) and r.tokens <= longest + 8 for r in mbs)
+    one = learner.plan_micro_batches(batch[0], batch[2], SFTConfig())
+    # one row; one copy of a shared context: the chat and the chat prompt (its first turns), the two "2+3=" rows
+    assert len(one) == 1 and [m for _, m in one[0].groups] == [[0, 4], [1], [2, 3], [5]]
+    pairs = learner.plan_micro_batches(batch[0], batch[2], SFTConfig(micro_batch_size=2))  # rows 0-1, 2-3, 4-5
+    calls, _ = packing.build(*batch, pairs[0]).layout.sdpa_calls(torch.device("cpu"))
+    assert [c[0] for c in calls] == ["bucket"]  # two one-sequence rows of similar length: one causal call
+    for kw in ({}, budget, {"micro_batch_size": 2}, {"pack_sequences": False}, {"pack_sequences": False, **budget}):
+        loss, got = nll(**kw)
+        assert abs(loss - want) <= LOSS_TOL and max_diff(got, ref) <= LOSS_TOL, kw
+    # control 1: each packed row as its own batch (its own target count) is another gradient
+    model.zero_grad(set_to_none=True)
+    for r in mbs:
+        learner.nll_backward(model, SFTConfig(**budget), *tensors([rows[i] for i in r.rows], "cpu"))
+    assert max_diff(grads_of(model), ref) > 100 * LOSS_TOL
+    # control 2: the rows of a packed row laid end to end as one causal sequence (no segment isolation)
+    real = packing.build
+
+    def unisolated(*a, **k) -> packing.Packed:
+        pk = real(*a, **k)
+        n = pk.layout.length
+        pk.layout, pk.positions = PackedLayout([Segment(0, n)], n, pk.layout.backend), torch.arange(n)[None]
+        return pk
+
+    monkeypatch.setattr(packing, "build", unisolated)
+    loss, got = nll()
+    assert abs(loss - want) > 100 * LOSS_TOL and max_diff(got, ref) > 100 * LOSS_TOL
+
+
 def test_two_torchrun_ranks_give_the_single_process_result(tmp_path, char_model):
     """One launch of 2 ranks (tests/dist_driver.py) runs the SFT twice: as it is, and with each rank normalising by
     its own target count (the negative control); one process here. 9 rows in batches of 4: the last step gives
@@ -166,6 +238,47 @@ def test_two_torchrun_ranks_give_the_single_process_result(tmp_path, char_model)
     assert diff(params["one"], start) > 100 * PARAM_TOL  # it trained
     assert diff(params["one"], params["two"]) <= PARAM_TOL
     assert diff(params["one"], params["bad"]) > PARAM_TOL  # negative control: per-rank normalisers are caught
+
+
+def test_lora_sft_trains_only_the_adapters_and_exports_them(tmp_path, char_model, monkeypatch):
+    """``--lora-rank``: after the steps every base weight is bit-identical and only the adapters moved, the eval loss
+    on the (tiny, overfit) training rows goes down, the checkpoint holds the adapter only, and ``--save-hf``'s adapter
+    dir loads onto the base (``align.lora.load_adapter``) as the trained policy. Control: the full fine-tune, same
+    run otherwise, moves the base weights."""
+    import align.sft.run as sft_run
+
+    model = char_model_dir(tmp_path, char_model)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    real, runs = sft_run.open_sft, []
+    monkeypatch.setattr(sft_run, "open_sft", lambda *a, **k: runs.append(real(*a, **k)) or runs[-1])  # keep the run
+
+    def sft(name: str, *extra: str) -> dict[str, torch.Tensor]:
+        args = ["--model", model, "--train-data", str(data), "--eval-data", str(data), "--out", str(tmp_path / name),
+                "--steps", "6", "--batch-size", "9", "--lr", "1e-2", "--warmup-steps", "0", "--eval-interval", "6",
+                "--checkpoint-every", "6", "--threads", "1", *extra]  # fmt: skip
+        assert main(args) == 0
+        return {k: p.detach().clone() for k, p in runs[-1].policy.named_parameters()}
+
+    base = load_pretrained(model).state_dict()
+    trained = sft("lora", "--lora-rank", "4", "--lora-alpha", "8", "--save-hf", str(tmp_path / "adapter"))
+    assert all(torch.equal(trained[k], base[k]) for k in base)  # the base, bit for bit
+    adapters = sorted(k for k in trained if k not in base)
+    assert len(adapters) == 2 * 7 and all(".lora_" in k for k in adapters)  # A and B of the one layer's 7 linears
+    assert {k for k, p in runs[-1].policy.named_parameters() if p.requires_grad} == set(adapters)
+    assert all(float(trained[k].abs().max()) > 0 for k in adapters if "lora_B" in k)  # B left its zero init
+    evals = [r["eval/loss"] for r in records(tmp_path / "lora") if "eval/loss" in r]
+    assert len(evals) == 2 and evals[1] < 0.7 * evals[0]  # it learned the rows
+    step = tmp_path / "lora" / "checkpoints" / "step_6"
+    assert (step / "adapter" / "adapter_model.safetensors").is_file() and not (step / "model").exists()
+    assert lora.adapter_base(tmp_path / "adapter") == model
+    loaded = lora.load_adapter(load_pretrained(model), tmp_path / "adapter")
+    ids = torch.tensor([TOK.encode("abc=cba")])
+    with torch.no_grad():
+        want, got = runs[-1].policy(ids), loaded(ids)
+        assert float((got - want).abs().max()) <= LOSS_TOL < float((load_pretrained(model)(ids) - want).abs().max())
+    full = sft("full")  # control: without --lora-rank the base weights move
+    assert max(float((full[k] - base[k]).abs().max()) for k in base) > 1e-3
 
 
 def sft_args(out: Path, model: str, rows: Path, *extra: str) -> list[str]:

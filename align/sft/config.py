@@ -106,6 +106,10 @@ class SFTConfig:
     max_nonfinite_steps: int = shared(TrainConfig, "max_nonfinite_steps")
     micro_batch_size: int = shared(TrainConfig, "micro_batch_size", help="Rows per forward/backward; never changes the result.")  # fmt: skip
     micro_batch_tokens: int = shared(TrainConfig, "micro_batch_tokens")
+    pack_sequences: bool = shared(TrainConfig, "pack_sequences", help="Forwards on packed rows: the rows end to end, "
+                                  "each attending only to itself (rows with the same context before their first "
+                                  "target share one copy of it), no padding (the same loss and gradients); "
+                                  "--no-pack-sequences pads every row to its micro-batch's longest.")  # fmt: skip
     device: str = shared(TrainConfig, "device")
     precision: str = shared(TrainConfig, "precision")
     gradient_checkpointing: bool = shared(TrainConfig, "gradient_checkpointing")
