@@ -7,7 +7,7 @@
     output);
 (c) the environment machinery's overhead per turn with an instant environment: ``EpisodeRunner`` end to end vs the
     bare session calls of the same turns;
-(a) with ``--spool``: an environment whose step sleeps 0-200 ms at random, on the real vLLM CPU worker
+(a) with ``--spool``: an environment whose step sleeps 0-200 ms at random (``--spool-sleep-s``), on the vLLM CPU worker
     (``.venv-rollout``): episodes/s with per-episode submission (``EpisodeRunner``: each episode's next turn goes out
     as soon as its step returns) vs a turn-wave barrier on the same client (every live episode's turn in one request,
     then every live episode's step at once, all waited for; an episode whose turn was cut by max_tokens is stepped,
@@ -18,10 +18,11 @@
 
 Repeats interleaved (per-episode and barrier alternate, their order swapped every repeat), medians and each repeat's
 ratio (the spread); the load average is printed beside the figures: the machines are shared, so read the ratios.
+On a shared machine use ``--threads 1``: two torch threads beside other jobs' made (b) 10-100x slower, and noisy.
 
     .venv/bin/python benchmarks/bench_env.py [--layers 4 --hidden 256 --episodes 16 --turns 4 --max-tokens 32
         --obs-tokens 8 300 --repeats 3 --threads 0] [--spool [--spool-only] --spool-episodes 16 --spool-turns 8
-        --spool-turn-tokens 4 --spool-layers 2 --spool-hidden 128]
+        --spool-turn-tokens 4 --spool-layers 2 --spool-hidden 128 --spool-sleep-s 0.2 --env-workers 0]
 """
 
 from __future__ import annotations
