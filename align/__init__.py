@@ -12,9 +12,9 @@ Where things live, by floor (imports point down only; ``tests/test_layout.py`` c
   (``open_run() -> Run``), ``checkpoint`` (single-process and DCP), ``safety``, ``log``, ``plot``, ``teacher``
   (on-policy distillation's teacher).
 - ``align.eval``: held-out evaluation (blocking, snapshot dispatch, fleets, pinned epochs) and its metrics.
-- ``align.rollout``: prompts -> scored groups: ``protocol`` (the spool contract, stdlib), ``process``, ``native``
-  (the sampler), ``cpu_kernel``, ``client``, ``scoring`` (the ``score`` request, stdlib), ``watcher``, ``groups``,
-  ``engines``, ``pipeline``.
+- ``align.rollout``: prompts -> scored groups: ``protocol`` (the spool contract, stdlib), ``spool`` (its
+  transport, stdlib), ``process``, ``native`` (the sampler), ``cpu_kernel``, ``client``, ``scoring`` (the ``score``
+  request, stdlib), ``watcher``, ``groups``, ``engines``, ``pipeline``.
 - what goes in: ``data``, ``rewards`` (+ ``reward_pool``: the worker processes), ``verifiers``, ``tasks``, ``envs``
   (the environment API; ``runner``: its episodes in process or in worker processes).
 - the algorithm, no run state: ``model`` (+ ``attention``), ``packing``, ``kernels``, ``lora``, ``grpo``,

@@ -29,7 +29,8 @@ import torch
 
 from align.model import Transformer, save_pretrained
 from align.rollout.client import DEFAULT_VENV, REPO_ROOT, WORKER_SCRIPT, WorkerHandle
-from align.rollout.protocol import Spool, worker_env
+from align.rollout.protocol import worker_env
+from align.rollout.spool import Spool
 from align.tasks import reverse
 from align.train import TrainConfig, train
 

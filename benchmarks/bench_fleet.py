@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 from align.model import Transformer, save_pretrained
 from align.rollout.client import DEFAULT_VENV, REPO_ROOT, WORKER_SCRIPT, WorkerHandle, make_rollout_client, spawn_worker
-from align.rollout.protocol import SamplingParams, Spool, generate_request, worker_env
+from align.rollout.protocol import SamplingParams, generate_request, worker_env
+from align.rollout.spool import Spool
 from align.tasks import reverse
 
 MAX_MODEL_LEN = 128  # the tiny reverse-task Qwen2 shape (3 layers, hidden 128) with room for 4 + 32 tokens

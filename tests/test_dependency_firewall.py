@@ -1,5 +1,5 @@
 """The firewall: core align imports only stdlib, torch, triton, numpy, safetensors;
-align/rollout/protocol.py imports with torch absent; nothing in align reaches extras/."""
+align/rollout/protocol.py and spool.py import with torch absent; nothing in align reaches extras/."""
 
 from __future__ import annotations
 
@@ -70,34 +70,50 @@ def test_negative_control_planted_import_is_caught(tmp_path):
 
 
 # Modules that must import with torch (and numpy, triton, safetensors) absent: the worker's one import and what it
-# pulls in, the atomic-file helpers every floor uses, and the environment runner (its worker process starts fast).
+# pulls in (the spool transport, which the protocol re-exports), the atomic-file helpers every floor uses, and the
+# environment runner (its worker process starts fast).
 STDLIB_ONLY = [
-    "align", "align.rollout", "align.atomic", "align.rollout.process", "align.rollout.protocol", "align.envs.runner",
+    "align", "align.rollout", "align.atomic", "align.rollout.process", "align.rollout.protocol",
+    "align.rollout.spool", "align.envs.runner",
     "align.lean.goedel", "align.lean.config", "align.lean.repl", "align.lean.server", "align.lean.guards",
     "align.lean.verify",  # the Lean verifier: extras/vllm_rollout (the rollout venv) imports it too
     "align.rollout.scoring",
 ]  # fmt: skip
+NO_TORCH = ("torch", "numpy", "triton", "safetensors")
 
 
-def test_protocol_imports_without_torch():
+def import_without_torch(modules: list[str], extra_path: str | None = None) -> subprocess.CompletedProcess:
+    """Import ``modules`` in a fresh interpreter where ``NO_TORCH`` cannot be imported; prints "ok" if all load."""
     code = textwrap.dedent(f"""
         import sys
-        sys.path.insert(0, {str(ROOT)!r})
-        for name in ("torch", "numpy", "triton", "safetensors"):
+        sys.path[:0] = {[p for p in (extra_path, str(ROOT)) if p]!r}
+        for name in {list(NO_TORCH)!r}:
             sys.modules[name] = None  # makes `import torch` raise ImportError
         import importlib
-        for name in {STDLIB_ONLY!r}:
+        for name in {modules!r}:
             importlib.import_module(name)
         print("ok")
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=60)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=60)
+
+
+def test_protocol_imports_without_torch():
+    out = import_without_torch(STDLIB_ONLY)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
-def test_negative_control_torch_blocker_works():
-    code = "import sys; sys.modules['torch'] = None\ntry:\n    import torch\nexcept ImportError:\n    print('blocked')"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=60)
-    assert out.stdout.strip() == "blocked"
+def test_negative_control_torch_blocker_works(tmp_path):
+    # spool.py with a stray module-level `import torch` planted, beside the stdlib-only list: the check must fail on
+    # it, naming torch; the same list without it loads.
+    source = (ROOT / "align" / "rollout" / "spool.py").read_text()
+    planted = source.replace(
+        "from __future__ import annotations\n", "from __future__ import annotations\nimport torch\n"
+    )
+    assert planted != source
+    (tmp_path / "planted_spool.py").write_text(planted)
+    out = import_without_torch([*STDLIB_ONLY, "planted_spool"], str(tmp_path))
+    assert out.returncode != 0 and out.stdout.strip() != "ok" and "torch" in out.stderr, out.stderr[-2000:]
+    assert import_without_torch(STDLIB_ONLY, str(tmp_path)).stdout.strip() == "ok"
 
 
 def imports_of(path: Path) -> set[str]:

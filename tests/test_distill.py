@@ -144,8 +144,9 @@ def test_an_older_worker_is_refused_with_a_clear_message(tmp_path):
     """A worker from before minor versions (its heartbeat has no "minor") is refused before any request is sent;
     the heartbeat of this checkout's worker (negative control) announces a minor that serves score."""
     from align.rollout.client import SpoolClient
-    from align.rollout.protocol import PROTOCOL, Spool
+    from align.rollout.protocol import PROTOCOL
     from align.rollout.scoring import SCORE_MINOR, WorkerTooOldError, score, worker_minor
+    from align.rollout.spool import Spool
 
     spool = Spool(tmp_path / "spool").ensure()
     spool.write_heartbeat("ready")

@@ -19,7 +19,7 @@ import time
 import pytest
 from helpers_models import require_rollout_venv
 
-from align.rollout.protocol import Spool
+from align.rollout.spool import Spool
 
 pytestmark = [pytest.mark.rollout, pytest.mark.slow]
 

@@ -256,7 +256,7 @@ def test_router_client_version_is_every_eval_engines_read_back(tmp_path):
     from types import SimpleNamespace
 
     from align.eval.fleet import RouterClient
-    from align.rollout.protocol import Spool
+    from align.rollout.spool import Spool
 
     spool = Spool(tmp_path / "eval_spool").ensure()
     client = RouterClient(SimpleNamespace(spool=spool))

@@ -12,7 +12,6 @@ ALIGN = ROOT / "align"
 EXTRAS = ROOT / "extras" / "vllm_rollout"
 
 MAX_FILE_LINES = 600
-FILE_SIZE_EXCEPTIONS = {"align/rollout/protocol.py"}  # the seed-fixed wire contract (a message-agnostic Spool: later)
 MAX_TRAIN_LINES = 80
 ALGORITHM = ["model", "attention", "packing", "kernels", "lora", "grpo", "advantages", "learner", "device", "dist",
              "atomic"]  # fmt: skip
@@ -62,12 +61,12 @@ def violations(root: Path, rules: list[tuple[list[str], list[str]]]) -> list[str
     return out
 
 
-def long_files(root: Path, limit: int, exceptions: set[str]) -> list[str]:
+def long_files(root: Path, limit: int) -> list[str]:
     out = []
     for f in sorted((root / "align").rglob("*.py")):
         rel = f.relative_to(root).as_posix()
         n = len(f.read_text().splitlines())
-        if n > limit and rel not in exceptions:
+        if n > limit:
             out.append(f"{rel}: {n} lines")
     return out
 
@@ -101,16 +100,14 @@ def import_cycles(folder: Path) -> list[list[str]]:
 
 
 def test_no_align_file_passes_the_size_budget():
-    assert long_files(ROOT, MAX_FILE_LINES, FILE_SIZE_EXCEPTIONS) == []
-    for rel in FILE_SIZE_EXCEPTIONS:  # an exception that no longer needs it goes
-        assert len((ROOT / rel).read_text().splitlines()) > MAX_FILE_LINES, f"{rel} fits now: drop its exception"
+    assert long_files(ROOT, MAX_FILE_LINES) == []
 
 
 def test_negative_control_a_long_file_is_caught(tmp_path):
     (tmp_path / "align").mkdir()
     (tmp_path / "align" / "big.py").write_text("x = 1\n" * (MAX_FILE_LINES + 1))
     (tmp_path / "align" / "ok.py").write_text("x = 1\n" * MAX_FILE_LINES)
-    assert long_files(tmp_path, MAX_FILE_LINES, set()) == [f"align/big.py: {MAX_FILE_LINES + 1} lines"]
+    assert long_files(tmp_path, MAX_FILE_LINES) == [f"align/big.py: {MAX_FILE_LINES + 1} lines"]
 
 
 def test_train_reads_as_a_page_of_stages():

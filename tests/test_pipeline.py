@@ -315,7 +315,7 @@ def test_a_shutdown_the_dead_worker_never_served_is_withdrawn(tmp_path):
     new worker served it and stopped ('worker ... is stopped' on the rerun). The process here stands in for a worker
     that never reads its spool (no vLLM needed to show the message handling)."""
     from align.rollout.client import WorkerHandle
-    from align.rollout.protocol import Spool
+    from align.rollout.spool import Spool
 
     spool = Spool(tmp_path / "spool").ensure()
     proc = subprocess.Popen(["sleep", "60"], start_new_session=True)

@@ -71,7 +71,7 @@ def test_a_worker_killed_mid_pipeline_fails_fast_and_the_rerun_resumes(tmp_path)
     import time
 
     from align.rollout.client import WorkerDiedError
-    from align.rollout.protocol import Spool
+    from align.rollout.spool import Spool
 
     require_rollout_venv()
     tok = reverse.tokenizer()

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from align.rollout import protocol as P
+from align.rollout import spool as S
 from align.rollout.client import (
     NativeClient,
     RolloutError,
@@ -26,7 +27,8 @@ from align.rollout.client import (
     make_rollout_client,
     spawn_worker,
 )
-from align.rollout.protocol import Completion, Message, ProtocolError, SamplingParams, Spool
+from align.rollout.protocol import Completion, Message, ProtocolError, SamplingParams
+from align.rollout.spool import Spool
 
 REPO = Path(__file__).resolve().parents[1]
 FAST_TIMEOUT_S = 5.0  # every client call in this file must return well within this
@@ -52,10 +54,34 @@ def test_protocol_and_client_import_without_torch():
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
 
 
+def test_spool_names_stay_importable_from_protocol():
+    """The worker imports only ``protocol`` (``P.Spool``): the spool's public names resolve there to spool.py's
+    objects, loaded on first use (protocol alone does not load spool.py: no import circle). An unknown name is still
+    an AttributeError (negative control: the lookup does not answer everything)."""
+    code = (
+        "import sys\n"
+        "import align.rollout.protocol as P\n"
+        "assert 'align.rollout.spool' not in sys.modules, 'protocol loaded spool.py at import'\n"
+        "from align.rollout.protocol import AlreadyWaitingError, HEARTBEAT_MAX_BYTES, Spool, heartbeat_problem\n"
+        "from align.rollout.protocol import read_message\n"
+        "import align.rollout.spool as S\n"
+        "got = (Spool, read_message, heartbeat_problem, AlreadyWaitingError, HEARTBEAT_MAX_BYTES)\n"
+        "want = (S.Spool, S.read_message, S.heartbeat_problem, S.AlreadyWaitingError, S.HEARTBEAT_MAX_BYTES)\n"
+        "assert all(a is b for a, b in zip(got, want, strict=True)), got\n"
+        "try:\n    P.Spools\nexcept AttributeError as e:\n    print('ok', e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=False, cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0 and "ok module 'align.rollout.protocol' has no attribute 'Spools'" in out.stdout, (
+        out.stderr
+    )
+
+
 def test_message_round_trip_keeps_every_field(tmp_path):
     params = SamplingParams(n=3, temperature=0.7, top_p=0.9, top_k=5, max_tokens=7, stop_token_ids=[2], seed=11)
     msg = P.generate_request([[5, 6], [7]], params)
-    back = P.read_message(_write(tmp_path / "m.json", msg.to_json()))
+    back = S.read_message(_write(tmp_path / "m.json", msg.to_json()))
     assert back == msg and SamplingParams.from_dict(back.body["params"]) == params
     c = Completion(1, 2, [4, 2], [-0.5, -1.0], "stop", sampled_logprobs=None, weights_version=3)
     assert Completion.from_dict(json.loads(json.dumps(c.to_dict()))) == c
@@ -88,17 +114,17 @@ def _corrupt(text: str) -> dict[str, str | bytes]:
 @pytest.mark.parametrize("defect", list(_corrupt(P.generate_request([[1]], SamplingParams()).to_json())))
 def test_malformed_file_is_rejected_naming_the_file(tmp_path, defect):
     good = _valid(tmp_path)
-    P.read_message(good)  # negative control: the intact file reads
+    S.read_message(good)  # negative control: the intact file reads
     bad = _write(tmp_path / "bad.json", _corrupt(good.read_text())[defect])
     with pytest.raises(ProtocolError, match="bad.json"):
-        P.read_message(bad)
+        S.read_message(bad)
 
 
 def test_unknown_version_error_says_what_to_do(tmp_path):
     d = json.loads(_valid(tmp_path).read_text())
     bad = _write(tmp_path / "v9.json", json.dumps({**d, "version": 9}))
     with pytest.raises(ProtocolError, match=r"v9.json: unsupported protocol version 9 .*same align checkout"):
-        P.read_message(bad)
+        S.read_message(bad)
 
 
 def test_atomic_write_failure_leaves_nothing(tmp_path, monkeypatch):
@@ -119,7 +145,7 @@ def test_atomic_write_failure_leaves_nothing(tmp_path, monkeypatch):
 _CLAIMER = """
 import sys
 from pathlib import Path
-from align.rollout.protocol import Spool
+from align.rollout.spool import Spool
 sp = Spool(sys.argv[1])
 got = []
 for _ in range(50):
@@ -238,15 +264,15 @@ def test_logprob_basis_warning():
 
 def test_heartbeat_problem(tmp_path):
     sp = Spool(tmp_path).ensure()
-    assert P.heartbeat_problem(None, 1.0) is None  # not started yet: tolerated (the call's timeout bounds it)
+    assert S.heartbeat_problem(None, 1.0) is None  # not started yet: tolerated (the call's timeout bounds it)
     sp.write_heartbeat("ready")
     hb = sp.read_heartbeat()
-    assert P.heartbeat_problem(hb, 5.0) is None
-    assert "stopped heart-beating" in P.heartbeat_problem(hb, 5.0, now=hb["time"] + 6)
-    assert "is stopped" in P.heartbeat_problem({**hb, "state": "stopped"}, 5.0)
+    assert S.heartbeat_problem(hb, 5.0) is None
+    assert "stopped heart-beating" in S.heartbeat_problem(hb, 5.0, now=hb["time"] + 6)
+    assert "is stopped" in S.heartbeat_problem({**hb, "state": "stopped"}, 5.0)
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    assert "is gone" in P.heartbeat_problem({**hb, "pid": gone.pid}, 5.0)
+    assert "is gone" in S.heartbeat_problem({**hb, "pid": gone.pid}, 5.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,7 +494,7 @@ def test_message_id_with_a_trailing_newline_is_refused(tmp_path):
         Message("shutdown", "abc\n", {})
     text = Message("shutdown", "abc", {}).to_json().replace('"id":"abc"', '"id":"abc\\n"')
     with pytest.raises(ProtocolError, match="bad message id"):
-        P.read_message(_write(tmp_path / "m.json", text))
+        S.read_message(_write(tmp_path / "m.json", text))
 
 
 def _load_worker_module():
@@ -506,7 +532,7 @@ def test_worker_rejects_a_directory_and_a_fifo_named_json_without_blocking(tmp_p
     assert [m.id for m, _ in batch] == [good.id] and command is None
     for name, kind in (("r0-dir", "a directory"), ("r1-fifo", "a FIFO")):
         assert (sp.root / "rejected" / f"{name}.json").exists()
-        err = P.read_message(sp.root / "responses" / f"{name}.json")
+        err = S.read_message(sp.root / "responses" / f"{name}.json")
         assert err.kind == "error" and f"not a regular file ({kind})" in err.body["message"]
     worker.heartbeat()
     assert sp.read_heartbeat()["vocab_size"] == 0  # the fake config has none: the client then skips the id check
@@ -603,7 +629,7 @@ def _as_other_user(path: Path, monkeypatch) -> None:
 
 def test_spool_is_created_private_and_a_shared_or_foreign_one_is_refused(tmp_path, monkeypatch):
     sp = Spool(tmp_path / "new" / "spool").ensure()
-    for d in (sp.root, *(sp.root / n for n in P._SPOOL_DIRS)):
+    for d in (sp.root, *(sp.root / n for n in S._SPOOL_DIRS)):
         assert oct(d.stat().st_mode & 0o777) == oct(0o700), d
     assert oct(sp.secret_path.stat().st_mode & 0o777) == oct(0o600) and len(sp.key) >= 32
     assert Spool(sp.root).key == sp.key  # one secret per spool: the other side reads the same one
@@ -718,7 +744,7 @@ def test_heartbeat_that_is_a_fifo_or_a_device_is_refused_without_blocking(tmp_pa
     sp.heartbeat_path.symlink_to("/dev/zero")
     code = (  # in a child with a 1 GiB address-space limit: the old code's unbounded read fails there, not here
         "import resource; resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))\n"
-        "from align.rollout.protocol import Spool, ProtocolError\n"
+        "from align.rollout.protocol import ProtocolError\nfrom align.rollout.spool import Spool\n"
         f"try: Spool({str(sp.root)!r}).read_heartbeat()\n"
         "except ProtocolError as e: print('refused:', e)\n"
     )
@@ -751,12 +777,12 @@ def test_heartbeat_of_another_user_is_ignored_counted_and_warned_once(tmp_path, 
             return os.stat_result(fields)
 
         monkeypatch.setattr(os, "fstat", fstat)
-    with caplog.at_level("WARNING", logger="align.rollout.protocol"):
+    with caplog.at_level("WARNING", logger="align.rollout.spool"):
         assert sp.read_heartbeat() is None and sp.read_heartbeat() is None
     assert sp.foreign_heartbeats == 2
     warned = [r.getMessage() for r in caplog.records if "heartbeat.json" in r.getMessage()]
     assert len(warned) == 1 and f"written by uid {other}" in warned[0], warned
-    assert P.heartbeat_problem(sp.read_heartbeat(), stale_s=30.0) is None  # the forged 'stopped' decides nothing
+    assert S.heartbeat_problem(sp.read_heartbeat(), stale_s=30.0) is None  # the forged 'stopped' decides nothing
     monkeypatch.undo()
     if os.stat(sp.heartbeat_path).st_uid != os.getuid():
         os.chown(sp.heartbeat_path, os.getuid(), -1)
@@ -767,7 +793,7 @@ def test_heartbeat_read_is_bounded(tmp_path, monkeypatch):
     sp = Spool(tmp_path / "spool").ensure()
     sp.write_heartbeat("ready")
     size = sp.heartbeat_path.stat().st_size
-    monkeypatch.setattr(P, "HEARTBEAT_MAX_BYTES", size, raising=False)
+    monkeypatch.setattr(S, "HEARTBEAT_MAX_BYTES", size)
     assert sp.read_heartbeat()["state"] == "ready"  # negative control: at the bound it reads
     with open(sp.heartbeat_path, "ab") as f:
         f.write(b" ")

@@ -24,6 +24,7 @@ from helpers_models import require_rollout_venv as _require_rollout_venv
 from align.rollout import protocol as P
 from align.rollout.client import RolloutError, WorkerDiedError, make_rollout_client, spawn_worker
 from align.rollout.protocol import SamplingParams
+from align.rollout.spool import Spool
 
 pytestmark = pytest.mark.rollout
 
@@ -167,7 +168,7 @@ def test_bad_requests_are_clear_errors_and_the_worker_survives(fleet, models):
         client.generate(PROMPTS[:1], SamplingParams(max_tokens=300))
     with pytest.raises(RolloutError, match=r"outside the vocabulary \[0, 512\): \[999\]"):
         client.generate([[1, 999]], SamplingParams())
-    sp = P.Spool(fleet.spool)
+    sp = Spool(fleet.spool)
     for path, why in ((models["partial"], "not committed"), (fleet.root / "nowhere", "does not exist")):
         msg = P.sync_request(path, 9)  # past the client's own checks, straight to the worker
         sp.submit(msg)
@@ -194,13 +195,13 @@ def test_bad_requests_are_clear_errors_and_the_worker_survives(fleet, models):
 def test_second_worker_on_the_same_spool_is_refused(fleet, models):
     with pytest.raises(RuntimeError, match=r"(?s)failed to start.*already serves"):
         spawn_worker(fleet.spool, model=models["v1"], log_path=fleet.root / "second.log", ready_timeout_s=60)
-    assert P.Spool(fleet.spool).read_heartbeat()["pid"] == fleet.handle.pid  # the live worker's heartbeat intact
+    assert Spool(fleet.spool).read_heartbeat()["pid"] == fleet.handle.pid  # the live worker's heartbeat intact
 
 
 def test_a_request_written_mid_flight_joins_the_running_engine(fleet):
     """Continuous batching: a short request written while a long one generates is admitted between engine steps and
     answered while the long one is still in flight (a barrier worker would answer it only after the long one)."""
-    sp = P.Spool(fleet.spool)
+    sp = Spool(fleet.spool)
     long = P.generate_request([[i + 3, i + 4, i + 5] for i in range(8)], SamplingParams(max_tokens=200, seed=1))
     sp.submit(long)
     deadline = time.monotonic() + CALL_TIMEOUT_S
@@ -219,7 +220,7 @@ def test_kill_mid_request_then_restart_resumes(fleet, models):
     params = SamplingParams(n=2, max_tokens=128, seed=5)
     prompts = [[i + 3, i + 4, i + 5] for i in range(4)]
     expected = fleet.client.generate(prompts, params)
-    client, handle, sp = fleet.client, fleet.handle, P.Spool(fleet.spool)
+    client, handle, sp = fleet.client, fleet.handle, Spool(fleet.spool)
     msg = P.generate_request(prompts, params)
     sp.submit(msg)
     deadline = time.monotonic() + 60
@@ -272,7 +273,7 @@ def test_invalid_model_fails_cleanly(fleet, models, tmp_path):
     (bad / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchModelForCausalLM"]}))
     with pytest.raises(RuntimeError, match=r"(?s)rollout worker failed to start.*log"):
         spawn_worker(tmp_path / "spool", model=bad, in_process=True, ready_timeout_s=READY_TIMEOUT_S)
-    hb = P.Spool(tmp_path / "spool").read_heartbeat()
+    hb = Spool(tmp_path / "spool").read_heartbeat()
     assert hb["state"] == "failed" and "engine failed to start" in hb["error"]
 
 
@@ -281,7 +282,7 @@ def test_shutdown_leaves_no_process(fleet):
     assert handle.alive()
     handle.shutdown()
     assert handle.returncode == 0 and not handle.group_alive()
-    assert P.Spool(fleet.spool).read_heartbeat()["state"] == "stopped"
+    assert Spool(fleet.spool).read_heartbeat()["state"] == "stopped"
 
 
 PARENT_EXIT_S = 10.0  # the watch sees the pipe's EOF at once, then SIGKILLs the worker's group (measured ~1 s)
@@ -327,9 +328,9 @@ def test_worker_exits_when_its_launcher_is_killed_and_a_rerun_gets_the_spool(mod
     worker_pid = None
     try:
         assert launcher.stdout.readline().strip() == "ready", f"launcher failed; log:\n{log.read_text()[-3000:]}"
-        worker_pid = P.Spool(spool).read_heartbeat()["pid"]
+        worker_pid = Spool(spool).read_heartbeat()["pid"]
         assert P.pid_alive(worker_pid) and _group_members(worker_pid)
-        assert not flock_free(P.Spool(spool).lock_path)  # control: the live worker holds worker.lock
+        assert not flock_free(Spool(spool).lock_path)  # control: the live worker holds worker.lock
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait()
         t0 = time.monotonic()
@@ -339,9 +340,9 @@ def test_worker_exits_when_its_launcher_is_killed_and_a_rerun_gets_the_spool(mod
             )
             time.sleep(0.1)
         print(f"\nworker group gone {time.monotonic() - t0:.1f} s after kill -9 of its launcher")
-        hb = P.Spool(spool).read_heartbeat()
+        hb = Spool(spool).read_heartbeat()
         assert hb["state"] == "failed" and "launching process" in hb["error"], hb
-        assert_flock_released(P.Spool(spool).lock_path)  # the rerun gets the spool (worker.lock)
+        assert_flock_released(Spool(spool).lock_path)  # the rerun gets the spool (worker.lock)
     finally:
         if launcher.poll() is None:
             launcher.kill()

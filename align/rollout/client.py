@@ -30,20 +30,18 @@ from typing import IO, Any
 
 from align.atomic import hold_lock
 from align.rollout.protocol import (
-    AlreadyWaitingError,
     Completion,
     Message,
     SamplingParams,
-    Spool,
     check_completions,
     check_hf_dir,
     generate_request,
-    heartbeat_problem,
     shutdown_request,
     snapshot_marker,
     sync_request,
     worker_env,
 )
+from align.rollout.spool import AlreadyWaitingError, Spool, heartbeat_problem
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +103,7 @@ class NativeClient:
 
 
 class SpoolClient:
-    """Talks to a rollout worker through a spool directory (``align.rollout.protocol``).
+    """Talks to a rollout worker through a spool directory (``align.rollout.spool``).
 
     Every call returns within ``timeout_s``: a worker that dies (its process is gone, or
     ``worker`` handle exited) or whose heartbeat is older than ``stale_s`` raises

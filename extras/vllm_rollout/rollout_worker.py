@@ -1,4 +1,4 @@
-"""vLLM rollout worker: serves a spool directory (align/rollout/protocol.py) with a vLLM engine.
+"""vLLM rollout worker: serves a spool directory (align/rollout/spool.py) with a vLLM engine.
 
 Runs under ``.venv-rollout`` (vllm, ray, pyarrow, torch), never the align venv. From align it imports
 only ``align.rollout.protocol`` (stdlib only). Usually launched by ``align.rollout.client.spawn_worker``;
