@@ -14,12 +14,17 @@ import sys
 from ray.cluster_utils import Cluster
 
 OBJECT_STORE_BYTES = 80 * 1024**2  # requests and answers are small; Ray's default takes 30% of RAM per node
+# The GCS pings each raylet every period and declares the node dead after 5 failed pings in a row: a killed raylet
+# fails each ping at once (connection refused), so that is 5 periods after the kill (Ray's 3 s default: ~15 s the
+# test waits). A live raylet still has 5 x Ray's 10 s ping timeout to answer on loaded cores.
+HEALTH_CHECK_PERIOD_MS = 1000
 
 
 def main() -> None:
     gpus = int(sys.argv[1])
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0,
-                                                            "object_store_memory": OBJECT_STORE_BYTES})  # fmt: skip
+    head = {"num_cpus": 1, "num_gpus": 0, "object_store_memory": OBJECT_STORE_BYTES,
+            "_system_config": {"health_check_period_ms": HEALTH_CHECK_PERIOD_MS}}  # fmt: skip
+    cluster = Cluster(initialize_head=True, head_node_args=head)
     nodes = {name: cluster.add_node(num_cpus=1, num_gpus=gpus, object_store_memory=OBJECT_STORE_BYTES) for name in "ab"}
     cluster.wait_for_nodes()
     print(json.dumps({"address": cluster.address, "nodes": {k: n.node_id for k, n in nodes.items()}}), flush=True)

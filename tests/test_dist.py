@@ -211,11 +211,12 @@ def _run_two_nodes(tmp_path: Path, name: str, model: str, **extra) -> dict:
 
 
 @pytest.mark.slow
-def test_two_nodes_give_the_single_process_result(tmp_path, char_model_2l):
+def test_two_nodes_give_the_single_process_result(tmp_path, char_model_2l, plain_runs):
     """``torchrun --nnodes 2`` (two launchers, c10d rendezvous, gloo, one rank per node) trains exactly as one
-    process: the same completions in order, losses and grad norms within LOSS_TOL, parameters within PARAM_TOL.
-    Negative control: the same two nodes with another --seed sample other completions and end elsewhere."""
-    one = _run(tmp_path, "one", char_model_2l, 1)
+    process (plain_runs' one-process run): the same completions in order, losses and grad norms within LOSS_TOL,
+    parameters within PARAM_TOL. Negative control: the same two nodes with another --seed sample other completions
+    and end elsewhere."""
+    one = plain_runs[1]
     two = _run_two_nodes(tmp_path, "nodes", char_model_2l, checkpoint_every=STEPS)  # a checkpoint changes nothing
     ckpt = tmp_path / "nodes" / "checkpoints" / f"step_{STEPS}"
     assert sorted(p.name for p in ckpt.glob("rng_rank*.pt")) == ["rng_rank0.pt", "rng_rank1.pt"]  # two ranks ran
@@ -232,10 +233,11 @@ def test_two_nodes_give_the_single_process_result(tmp_path, char_model_2l):
 
 
 @pytest.mark.slow
-def test_hsdp_two_replicas_give_the_single_process_result(tmp_path, char_model_2l):
+def test_hsdp_two_replicas_give_the_single_process_result(tmp_path, char_model_2l, plain_runs):
     """--dp-replicate 2 (HSDP on a (2, 1) DeviceMesh: each rank holds a full replica, gradients all-reduced across
-    replicas) trains exactly as one process (the per-rank-normaliser control is the plain FSDP test's)."""
-    one = _run(tmp_path, "one", char_model_2l, 1)
+    replicas) trains exactly as one process (plain_runs' one-process run, which checkpoints: this one does not, so
+    a checkpoint is also shown to change nothing; the per-rank-normaliser control is the plain FSDP test's)."""
+    one = plain_runs[1]
     two = _run(tmp_path, "two", char_model_2l, 2, dp_replicate=2)
     assert one["calls"] == two["calls"]
     for a, b in zip(one["recs"], two["recs"], strict=True):
