@@ -98,11 +98,13 @@ def side_by_side(
 
 
 def summary(starts: dict[str, tuple[float, dict[float, dict[str, int | None]]]]) -> None:
-    """One line per start, side by side: its pass@1 and, per threshold, the steps of both runs and their ratio."""
+    """One line per start, side by side: its pass@1 and, per threshold, the steps of both runs ("-": not reached
+    within the run) and their ratio."""
     targets = sorted({t for _, firsts in starts.values() for t in firsts})
     print("(b) start (pass@1) | " + " | ".join(f"to {t}: distill / grpo (ratio)" for t in targets))
     for label, (p0, firsts) in starts.items():
-        cells = [f"{firsts[t].get('distill')} / {firsts[t].get('grpo')} ({ratio(firsts[t])})" for t in targets]
+        cells = [" / ".join(str(firsts[t].get(n) or "-") for n in ("distill", "grpo")) + f" ({ratio(firsts[t])})"
+                 for t in targets]  # fmt: skip
         print(f"(b) {label} ({p0:.3f}) | " + " | ".join(cells), flush=True)
 
 
