@@ -129,6 +129,11 @@ def test_warm_start_writes_a_loadable_model(tmp_path):
     assert tok.alphabet == mt.ALPHABET and model.config.max_position_embeddings == mt.CONTEXT
     episode = tok.encode("ca?d=dfac") + [tok.eos_token_id] + tok.encode("|b=dbac", add_bos=False)
     assert model(torch.tensor([episode])).shape == (1, len(episode), tok.vocab_size)
+    # steps = 0: the seeded random weights, saved the same way (the weak end of a benchmark's starts)
+    raw = load_pretrained(mt.warm_start(tmp_path / "raw", steps=0, batch=8, log=None), require_marker=True)
+    assert any(not torch.equal(a, b) for a, b in zip(raw.state_dict().values(), model.state_dict().values()))
+    with pytest.raises(ValueError, match="steps >= 0"):
+        mt.warm_start(tmp_path / "neg", steps=-1, batch=8, log=None)
 
 
 def test_check_sizes_names_the_flag():

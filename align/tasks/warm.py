@@ -29,7 +29,10 @@ def supervised(
     torch.manual_seed(seed)
     model = Transformer(model_cfg).init_weights(seed=seed).train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / steps))
+    if steps < 0:
+        raise ValueError(f"a warm start needs steps >= 0 (0 = the seeded random weights), got {steps}")
+    decay = max(steps, 1)  # steps = 0: no step runs, the schedule is never read
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / decay))
     rng = random.Random(seed)
     for step in range(steps):
         rows = examples(rng)
