@@ -41,6 +41,12 @@ def _valid(tmp_path: Path) -> Path:
     return path
 
 
+def python(code: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter at the repo root (what a worker process sees at import)."""
+    return subprocess.run([sys.executable, "-c", code], check=False, cwd=REPO, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+
+
 def test_protocol_and_client_import_without_torch():
     code = (
         "import sys; sys.modules['torch'] = None; sys.modules['numpy'] = None\n"
@@ -48,9 +54,7 @@ def test_protocol_and_client_import_without_torch():
         "assert 'torch' not in {m for m, v in sys.modules.items() if v is not None}\n"
         "print('ok')"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], check=False, cwd=REPO, capture_output=True, text=True, timeout=60
-    )
+    out = python(code)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
 
 
@@ -70,9 +74,7 @@ def test_spool_names_stay_importable_from_protocol():
         "assert all(a is b for a, b in zip(got, want, strict=True)), got\n"
         "try:\n    P.Spools\nexcept AttributeError as e:\n    print('ok', e)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], check=False, cwd=REPO, capture_output=True, text=True, timeout=60
-    )
+    out = python(code)
     assert out.returncode == 0 and "ok module 'align.rollout.protocol' has no attribute 'Spools'" in out.stdout, (
         out.stderr
     )
