@@ -3,8 +3,9 @@
 argv[1]: JSON {"cfg": TrainConfig fields, "model": dir, "calls": path, "per_rank_normaliser": bool, "hang": {rank,
 after_calls}, "kill_in_save": {rank, call}, "eval": bool (held-out prompts, cfg["eval"] kept)}. Rank 0 writes
 the (prompt, completion) pairs the reward saw, in call order, to "calls"; with a --teacher (cfg["distill"]) each rank
-writes the teacher's parameter count it holds and the whole count to "calls" + ".teacher{rank}.json". With "sft":
-tests/test_sft.py's runs (``sft``)."""
+writes the teacher's parameter count it holds and the whole count to "calls" + ".teacher{rank}.json". With "runs"
+(a list of such specs): each in turn in this one launch (``batch``), which saves a torchrun and a torch import per
+run. With "sft": tests/test_sft.py's runs (``sft``)."""
 
 from __future__ import annotations
 
@@ -114,10 +115,14 @@ def record_teacher_shards(path: str) -> None:
     build.open_teacher = opened
 
 
-def main() -> None:
-    spec = json.loads(sys.argv[1])
-    if "sft" in spec:
-        return sft(spec)
+def run(spec: dict, owns_group: bool) -> None:
+    """One ``train()`` of ``spec``, its patches undone after it. ``owns_group``: train() creates and must end the
+    process group (one run per launch); else it runs in the group ``batch`` made and must leave it."""
+    from align.run import build
+
+    stock_counts, stock_teacher = dist.reduce_counts, build.open_teacher
+    CALLS.clear()
+    HANG.clear()
     if spec.get("per_rank_normaliser"):  # the negative control: each rank divides by its own counts
         dist.reduce_counts = lambda counts: counts
     HANG.update(spec.get("hang", {}))
@@ -141,13 +146,41 @@ def main() -> None:
     if not spec.get("eval"):
         cfg.eval.eval_interval = 0
     cfg.log.log_completions_every = 0
-    train(cfg, model=spec["model"], tokenizer=TOK, prompts=PROMPTS, reward=reward,
-          eval_prompts=EVAL_PROMPTS if spec.get("eval") else None, env=Retry if spec.get("env") else None)  # fmt: skip
-    if torch.distributed.is_initialized():  # tests/test_dist.py: every torchrun run checks train() ended its group
+    try:
+        train(cfg, model=spec["model"], tokenizer=TOK, prompts=PROMPTS, reward=reward,
+              eval_prompts=EVAL_PROMPTS if spec.get("eval") else None, env=Retry if spec.get("env") else None)  # fmt: skip
+    finally:
+        dist.reduce_counts, build.open_teacher = stock_counts, stock_teacher
+    # tests/test_dist.py: every torchrun run checks train() ended the group it created and left the caller's
+    if owns_group and torch.distributed.is_initialized():
         sys.exit("train() returned with its process group still initialised")
+    if not owns_group and dist.env_world_size() > 1 and not torch.distributed.is_initialized():
+        sys.exit("train() ended a process group it did not create")
     if dist.is_main():  # torchrun's RANK once the group is gone
         with open(spec["calls"], "w") as fh:
             json.dump(CALLS, fh)
+
+
+def batch(specs: list[dict]) -> None:
+    """Every spec in turn in this one launch; under torchrun in one process group this driver owns (train() uses it
+    and leaves it, as a caller's group)."""
+    grouped = dist.env_world_size() > 1
+    if grouped:
+        torch.distributed.init_process_group("gloo")
+    for spec in specs:
+        run(spec, owns_group=False)
+    if grouped:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    if "sft" in spec:
+        return sft(spec)
+    if "runs" in spec:
+        return batch(spec["runs"])
+    run(spec, owns_group=True)
 
 
 if __name__ == "__main__":

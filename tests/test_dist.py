@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -41,12 +42,11 @@ def test_generate_rows_samples_what_the_whole_call_samples(char_model_2l):
         generate(model, prompts, params, rows=(3, 12))
 
 
-def _run(tmp_path: Path, name: str, model: str, nproc: int, per_rank_normaliser: bool = False, hang: dict | None = None,
-         kill_in_save: dict | None = None, expect_fail: bool = False, with_eval: bool = False, with_env: bool = False,
-         **extra) -> dict:  # fmt: skip
-    out = tmp_path / name
+def _spec(tmp_path: Path, name: str, model: str, per_rank_normaliser: bool = False, hang: dict | None = None,
+          kill_in_save: dict | None = None, with_eval: bool = False, with_env: bool = False, **extra) -> dict:  # fmt: skip
+    """tests/dist_driver.py's spec of one run: out dir ``tmp_path/name``, its HF export ``tmp_path/name.hf``."""
     cfg = {
-        "out": str(out),
+        "out": str(tmp_path / name),
         **TRAIN_BASE,
         "steps": STEPS,
         "checkpoint_every": 0,
@@ -55,7 +55,7 @@ def _run(tmp_path: Path, name: str, model: str, nproc: int, per_rank_normaliser:
         "threads": 1,
         **extra,
     }
-    spec = {
+    return {
         "cfg": cfg,
         "model": model,
         "calls": str(tmp_path / f"{name}.calls.json"),
@@ -65,24 +65,50 @@ def _run(tmp_path: Path, name: str, model: str, nproc: int, per_rank_normaliser:
         "eval": with_eval,
         "env": with_env,
     }
+
+
+def _launch(tmp_path: Path, spec: dict, nproc: int, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """The driver on ``spec`` in one process (``nproc`` 1) or under ``torchrun --nproc-per-node nproc``."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd = (launcher if nproc > 1 else [sys.executable]) + [str(DRIVER), json.dumps(spec)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)
-    if hang or kill_in_save or expect_fail:
-        return {"returncode": p.returncode, "log": p.stdout + p.stderr}
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    every = records(out)
-    recs = [r for r in every if "reward_mean" in r]
-    params = dict(load_pretrained(cfg["save_hf"]).named_parameters())
-    shards = sorted(tmp_path.glob(f"{name}.calls.json.teacher*.json"))  # --teacher: what each rank held of it
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=tmp_path, check=False)
+
+
+def _result(spec: dict) -> dict:
+    """What a finished run left: its checkpoint names, its step records, every record, the reward calls, the exported
+    parameters and (with --teacher) what each rank held of the teacher."""
+    calls = Path(spec["calls"])
+    every = records(spec["cfg"]["out"])
+    shards = sorted(calls.parent.glob(f"{calls.name}.teacher*.json"))
+    ckpts = Path(spec["cfg"]["out"]) / "checkpoints"
     return {
-        "recs": recs,
+        "checkpoints": sorted(p.name for p in ckpts.iterdir()) if ckpts.is_dir() else [],  # as the run left them
+        "recs": [r for r in every if "reward_mean" in r],
         "all": every,
-        "calls": json.loads((tmp_path / f"{name}.calls.json").read_text()),
-        "params": params,
+        "calls": json.loads(calls.read_text()),
+        "params": dict(load_pretrained(spec["cfg"]["save_hf"]).named_parameters()),
         "teacher_shards": [json.loads(f.read_text()) for f in shards],
     }
+
+
+def _run(tmp_path: Path, name: str, model: str, nproc: int, expect_fail: bool = False, **kw) -> dict:
+    """One run in a launch of its own (train() creates and ends the process group); ``kw``: ``_spec``'s."""
+    spec = _spec(tmp_path, name, model, **kw)
+    p = _launch(tmp_path, spec, nproc)
+    if kw.get("hang") or kw.get("kill_in_save") or expect_fail:
+        return {"returncode": p.returncode, "log": p.stdout + p.stderr}
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    return _result(spec)
+
+
+def _run_batch(tmp_path: Path, model: str, nproc: int, runs: dict[str, dict]) -> dict[str, dict]:
+    """Several runs, each in turn, in ONE launch (one torchrun, one torch import; under torchrun one process group
+    the driver owns): ``runs`` maps a run name to ``_spec``'s keywords; returns name -> ``_result`` (+ its dir)."""
+    specs = {name: _spec(tmp_path, name, model, **kw) for name, kw in runs.items()}
+    p = _launch(tmp_path, {"runs": list(specs.values())}, nproc, timeout_s=300 * len(specs))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    return {name: {**_result(spec), "dir": tmp_path, "name": name} for name, spec in specs.items()}
 
 
 def _max_param_diff(a: dict, b: dict) -> float:
@@ -108,24 +134,93 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module")
-def plain_runs(tmp_path_factory, char_model_2l) -> dict:
-    """The plain config in 1 process and on 2 ranks, checkpointing at steps 2 and 3: compared with each other
-    below, and each resumed with the other world size (test_resume_with_another_world_size)."""
-    d = tmp_path_factory.mktemp("plain")
+EVAL = {"eval_interval": 1, "eval_max_tokens": 4}
+DISTILL_KEYS = ("distill/reverse_kl_mean", "distill/teacher_logprob_mean", "distill/student_logprob_mean")
+
+
+def _compared_runs(d: Path, nproc: int, teacher: str) -> dict[str, dict]:
+    """The runs each made once in 1 process and once on 2 ranks and compared (name -> ``_spec`` keywords). Blocking
+    eval: every rank samples its share of the held-out prompts; snapshot eval: every rank enters the weights gather
+    at the same eval step, rank 0 exports and dispatches (tests/dist_driver.py's WeightSum)."""
+    snapshot = {"eval_function_path": f"{DRIVER}:WeightSum", "eval_hf_dir": str(d / f"eval_snapshot{nproc}.eval")}
     return {
-        n: {**_run(d, f"run{n}", char_model_2l, n, checkpoint_every=2), "dir": d, "name": f"run{n}"} for n in (1, 2)
+        **CONFIGS,
+        "plain": {"checkpoint_every": 2},  # checkpoints at steps 2 and 3: resumed with the other world size below
+        "env": {"with_env": True, "envs": {"max_turns": 3}},
+        "teacher": {"distill": {"teacher": teacher}},
+        "bf16": {"precision": "bf16"},
+        "eval_blocking": {"with_eval": True, "steps": 2, "eval": EVAL},
+        "eval_snapshot": {"with_eval": True, "steps": 2, "eval": {**EVAL, **snapshot}},
     }
 
 
+@pytest.fixture(scope="module")
+def batches(tmp_path_factory, char_model_2l) -> dict[int, dict[str, dict]]:
+    """Every compared run, in two launches (a launch per run spent most of its time starting torch): one process
+    runs all of ``_compared_runs`` in turn; one torchrun of 2 ranks runs them again, plus the negative controls
+    (each rank normalising by its own counts: ``NAME_bad``), HSDP (``hsdp``) and the one-process plain run's
+    resumes (``again``, ``scaled``: ``_resumes``). {1: name -> result, 2: name -> result}."""
+    d = tmp_path_factory.mktemp("batches")
+    teacher = build_char_model(d / "teacher", layers=1)  # not the student: a real per-token signal
+    TOK.save(teacher)  # the teacher's tokenizer is checked against the student's
+    bad = {"per_rank_normaliser": True}
+    controls = {"plain_bad": bad, "bf16_bad": {**bad, "precision": "bf16"}, "hsdp": {"dp_replicate": 2}}
+    controls |= {f"{name}_bad": {**bad, **kw} for name, kw in CONFIGS.items() if kw}
+    out = {}
+    for n in (1, 2):
+        runs = _compared_runs(d, n, teacher) | (controls if n == 2 else {})
+        if n == 2:  # test_single_process_checkpoint_resumes_on_two_ranks: the one-process run, resumed on 2 ranks
+            runs |= _resumes(out[1]["plain"], _scale_trainer_state_second_moments)
+        made = _run_batch(d, char_model_2l, n, {f"{name}{n}": kw for name, kw in runs.items()})
+        out[n] = {name: made[f"{name}{n}"] for name in runs}
+    return out
+
+
+def _resumes(run: dict, scale: Callable[[Path], None]) -> dict[str, dict]:
+    """``_spec`` keywords of two resumes of ``run`` (checkpoints at steps 2 and 3) from step_2, redoing step 3:
+    ``again`` in its own dir; ``scaled`` in a copy whose step_2 optimizer state ``scale`` rewrote with exp_avg_sq x 4
+    (the negative control: the optimizer state is restored, so the redone step differs)."""
+    import shutil
+
+    run_dir = run["dir"] / run["name"]
+    copy = run["dir"] / f"{run['name']}.scaled"
+    shutil.copytree(run_dir, copy)
+    scale(copy / "checkpoints" / "step_2")
+    return {
+        "again": {"out": str(run_dir), "resume_from": "step_2"},
+        "scaled": {"out": str(copy), "resume_from": "step_2"},
+    }
+
+
+def _scale_trainer_state_second_moments(ckpt: Path) -> None:
+    """Rewrite a one-process checkpoint's optimizer state (trainer_state.pt) with exp_avg_sq x 4."""
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
+    for s in state["optimizer"]["state"].values():
+        s["exp_avg_sq"] *= 4
+    torch.save(state, ckpt / "trainer_state.pt")
+
+
+@pytest.fixture(scope="module")
+def resumed_in_one_process(batches, char_model_2l) -> dict[str, dict]:
+    """The 2-rank run's sharded checkpoint resumed in one process (test_sharded_checkpoint_resumes_in_one_process_
+    and_after_a_kill), as written and with its DCP optimizer state scaled: one launch."""
+    run = batches[2]["plain"]
+    scale = lambda ckpt: _scale_dcp_second_moments(ckpt, char_model_2l)
+    return _run_batch(run["dir"], char_model_2l, 1, _resumes(run, scale))
+
+
+@pytest.fixture(scope="module")
+def plain_runs(batches) -> dict[int, dict]:
+    """The plain config in 1 process and on 2 ranks, checkpointing at steps 2 and 3: compared with each other
+    below, and each resumed with the other world size (``_resumes``)."""
+    return {n: batches[n]["plain"] for n in (1, 2)}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", CONFIGS.values(), ids=CONFIGS.keys())
-def test_two_ranks_give_the_single_process_result(tmp_path, char_model_2l, extra, plain_runs):
-    if extra:
-        one = _run(tmp_path, "one", char_model_2l, 1, **extra)
-        two = _run(tmp_path, "two", char_model_2l, 2, **extra)
-    else:  # the plain runs also checkpoint (steps 2 and 3): that changes nothing they compute
-        one, two = plain_runs[1], plain_runs[2]
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_two_ranks_give_the_single_process_result(char_model_2l, config, batches):
+    # the plain runs also checkpoint (steps 2 and 3): that changes nothing they compute
+    one, two = batches[1][config], batches[2][config]
     assert [r["step"] for r in one["recs"]] == [r["step"] for r in two["recs"]] == list(range(1, STEPS + 1))
     assert one["calls"] == two["calls"] and len(one["calls"]) == STEPS * 16  # the same completions, in order
     for a, b in zip(one["recs"], two["recs"]):
@@ -136,18 +231,17 @@ def test_two_ranks_give_the_single_process_result(tmp_path, char_model_2l, extra
     assert _max_param_diff(one["params"], base) > 100 * PARAM_TOL  # it trained
     assert _max_param_diff(one["params"], two["params"]) <= PARAM_TOL
     # negative control: each rank normalising by its own token counts is caught
-    bad = _run(tmp_path, "bad", char_model_2l, 2, per_rank_normaliser=True, **extra)
+    bad = batches[2][f"{config}_bad"]
     assert bad["recs"][0]["reward_mean"] == one["recs"][0]["reward_mean"]  # same first rollouts...
     assert _max_param_diff(one["params"], bad["params"]) > PARAM_TOL  # ...but not the whole-batch gradient
 
 
 @pytest.mark.slow
-def test_two_ranks_with_an_environment_give_the_single_process_result(tmp_path, char_model_2l):
+def test_two_ranks_with_an_environment_give_the_single_process_result(batches):
     """Multi-turn episodes (tests/dist_driver.py's Retry environment, on --env lean's stage: each rank verifies its
     share through its own pool of REPL stand-ins): each rank runs its share of the episodes on the kept-cache
     sampler, every rank trains on all of them; the run, lean/* metrics included, equals one process."""
-    one = _run(tmp_path, "one", char_model_2l, 1, with_env=True, envs={"max_turns": 3})
-    two = _run(tmp_path, "two", char_model_2l, 2, with_env=True, envs={"max_turns": 3})
+    one, two = batches[1]["env"], batches[2]["env"]
     assert one["calls"] == two["calls"] and len(one["calls"]) == STEPS * 16  # the same final answers, in order
     assert any(r["env/turns_mean"] > 1 for r in one["recs"])  # real multi-turn episodes
     assert sum(r["lean/proved"] for r in one["recs"]) > 0 and sum(r["lean/rejected_lean_error"] for r in one["recs"])
@@ -172,25 +266,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_two_nodes(tmp_path: Path, name: str, model: str, **extra) -> dict:
+def _run_two_nodes(tmp_path: Path, model: str, runs: dict[str, dict]) -> dict[str, dict]:
     """Two torchrun launchers on this machine, one process each (``--nnodes 2 --node-rank R``), meeting at a c10d
     rendezvous on 127.0.0.1:PORT, the way two hosts would (node 0 hosts the rendezvous store: ``is_host``). They
-    share the run dir, as two nodes share a filesystem: the same ``_run`` spec and driver as the one-node runs."""
-    out = tmp_path / name
-    cfg = {"out": str(out), **TRAIN_BASE, "steps": STEPS, "checkpoint_every": 0, "save_hf": str(tmp_path / f"{name}.hf"),
-           "device": "cpu", "threads": 1, **extra}  # fmt: skip
-    spec = {"cfg": cfg, "model": model, "calls": str(tmp_path / f"{name}.calls.json")}
+    share the run dir, as two nodes share a filesystem, and make each of ``runs`` (name -> ``_spec`` keywords) in
+    turn: the same ``_run_batch`` specs and driver as the one-node runs."""
+    specs = {name: _spec(tmp_path, name, model, **kw) for name, kw in runs.items()}
     endpoint = f"127.0.0.1:{_free_port()}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     procs = []
     for node in (0, 1):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
-               "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={name}",
+               "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=nodes",
                f"--rdzv-conf=is_host={'true' if node == 0 else 'false'}", "--max-restarts=0",
-               str(DRIVER), json.dumps(spec)]  # fmt: skip
-        with open(tmp_path / f"{name}.node{node}.log", "w") as log:  # the child keeps its own copy of the fd
+               str(DRIVER), json.dumps({"runs": list(specs.values())})]  # fmt: skip
+        with open(tmp_path / f"nodes.node{node}.log", "w") as log:  # the child keeps its own copy of the fd
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path))
-    deadline = time.monotonic() + NODE_TIMEOUT_S
+    deadline = time.monotonic() + NODE_TIMEOUT_S * len(specs)
     try:
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -201,23 +293,20 @@ def _run_two_nodes(tmp_path: Path, name: str, model: str, **extra) -> dict:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    logs = [(tmp_path / f"{name}.node{n}.log").read_text() for n in (0, 1)]
+    logs = [(tmp_path / f"nodes.node{n}.log").read_text() for n in (0, 1)]
     assert [p.returncode for p in procs] == [0, 0], "\n----\n".join(x[-4000:] for x in logs)
-    return {
-        "recs": [r for r in records(out) if "reward_mean" in r],
-        "calls": json.loads((tmp_path / f"{name}.calls.json").read_text()),
-        "params": dict(load_pretrained(cfg["save_hf"]).named_parameters()),
-    }
+    return {name: _result(spec) for name, spec in specs.items()}
 
 
 @pytest.mark.slow
 def test_two_nodes_give_the_single_process_result(tmp_path, char_model_2l, plain_runs):
     """``torchrun --nnodes 2`` (two launchers, c10d rendezvous, gloo, one rank per node) trains exactly as one
     process (plain_runs' one-process run): the same completions in order, losses and grad norms within LOSS_TOL,
-    parameters within PARAM_TOL. Negative control: the same two nodes with another --seed sample other completions
-    and end elsewhere."""
+    parameters within PARAM_TOL. Negative control: the same two nodes (the same launch, next run) with another
+    --seed sample other completions and end elsewhere."""
     one = plain_runs[1]
-    two = _run_two_nodes(tmp_path, "nodes", char_model_2l, checkpoint_every=STEPS)  # a checkpoint changes nothing
+    runs = _run_two_nodes(tmp_path, char_model_2l, {"nodes": {"checkpoint_every": STEPS}, "seed1": {"seed": 1}})
+    two = runs["nodes"]  # a checkpoint changes nothing
     ckpt = tmp_path / "nodes" / "checkpoints" / f"step_{STEPS}"
     assert sorted(p.name for p in ckpt.glob("rng_rank*.pt")) == ["rng_rank0.pt", "rng_rank1.pt"]  # two ranks ran
     assert [r["step"] for r in two["recs"]] == list(range(1, STEPS + 1))
@@ -227,18 +316,17 @@ def test_two_nodes_give_the_single_process_result(tmp_path, char_model_2l, plain
         for k in ("loss", "grad_norm", "entropy"):
             assert abs(a[k] - b[k]) <= LOSS_TOL, (a["step"], k, a[k], b[k])
     assert _max_param_diff(one["params"], two["params"]) <= PARAM_TOL
-    other = _run_two_nodes(tmp_path, "seed1", char_model_2l, seed=1)
+    other = runs["seed1"]
     assert other["calls"] != one["calls"]
     assert _max_param_diff(one["params"], other["params"]) > PARAM_TOL
 
 
 @pytest.mark.slow
-def test_hsdp_two_replicas_give_the_single_process_result(tmp_path, char_model_2l, plain_runs):
+def test_hsdp_two_replicas_give_the_single_process_result(char_model_2l, plain_runs, batches):
     """--dp-replicate 2 (HSDP on a (2, 1) DeviceMesh: each rank holds a full replica, gradients all-reduced across
     replicas) trains exactly as one process (plain_runs' one-process run, which checkpoints: this one does not, so
     a checkpoint is also shown to change nothing; the per-rank-normaliser control is the plain FSDP test's)."""
-    one = plain_runs[1]
-    two = _run(tmp_path, "two", char_model_2l, 2, dp_replicate=2)
+    one, two = plain_runs[1], batches[2]["hsdp"]
     assert one["calls"] == two["calls"]
     for a, b in zip(one["recs"], two["recs"], strict=True):
         for k in ("loss", "grad_norm"):
@@ -247,18 +335,13 @@ def test_hsdp_two_replicas_give_the_single_process_result(tmp_path, char_model_2
     assert _max_param_diff(one["params"], two["params"]) <= PARAM_TOL
 
 
-DISTILL_KEYS = ("distill/reverse_kl_mean", "distill/teacher_logprob_mean", "distill/student_logprob_mean")
-
-
 @pytest.mark.slow
-def test_two_ranks_with_a_teacher_give_the_single_process_result(tmp_path, char_model_2l, plain_runs):
+def test_two_ranks_with_a_teacher_give_the_single_process_result(plain_runs, batches):
     """On-policy distillation under torchrun (--teacher DIR beside the reward): the frozen teacher is FSDP-sharded
     like the reference model (each rank holds half of its parameters) and scores each rank's own rows; losses, grad
     norms, the distill/* figures and the final weights equal one process's. Negative control: the plain runs, the
     same seed without the teacher, sample the same first batch but differ far past the tolerances from step 1."""
-    teacher = build_char_model(tmp_path / "teacher", layers=1)  # not the student: a real per-token signal
-    TOK.save(teacher)  # the teacher's tokenizer is checked against the student's
-    one, two = (_run(tmp_path, f"run{n}", char_model_2l, n, distill={"teacher": teacher}) for n in (1, 2))
+    one, two = batches[1]["teacher"], batches[2]["teacher"]
     (whole,), halves = one["teacher_shards"], two["teacher_shards"]
     assert whole["local"] == whole["total"] and len(halves) == 2
     assert all(h["total"] == whole["total"] and h["local"] < 0.6 * h["total"] for h in halves)
@@ -279,25 +362,13 @@ BF16_LOSS_TOL = 2e-3  # bf16 weights: 1 vs 2 ranks round the summed gradients di
 
 
 @pytest.mark.slow
-def test_two_ranks_bf16_weights(tmp_path, char_model_2l):
+def test_two_ranks_bf16_weights(batches):
     """--precision bf16 (bf16 shards, AdamW32's fp32 moments sharded like them, fp32 gradient reduction): the same
     completions at step 1, losses within BF16_LOSS_TOL over 3 steps; a per-rank normaliser is caught."""
-    one = _run(tmp_path, "one", char_model_2l, 1, precision="bf16")
-    two = _run(tmp_path, "two", char_model_2l, 2, precision="bf16")
-    bad = _run(tmp_path, "bad", char_model_2l, 2, per_rank_normaliser=True, precision="bf16")
+    one, two, bad = batches[1]["bf16"], batches[2]["bf16"], batches[2]["bf16_bad"]
     assert one["calls"][:16] == two["calls"][:16]
     assert all(abs(a["loss"] - b["loss"]) <= BF16_LOSS_TOL for a, b in zip(one["recs"], two["recs"]))
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(one["recs"], bad["recs"])) > BF16_LOSS_TOL
-
-
-def _resume(plain_runs: dict, model: str, first: int, second: int) -> tuple[dict, dict, Path, str]:
-    """``first`` ranks ran 3 steps (plain_runs: checkpoints at steps 2 and 3); ``second`` ranks resume that run
-    from step_2 and redo step 3: (uninterrupted, resumed, its dir, its name)."""
-    whole = plain_runs[first]
-    tmp_path, name = whole["dir"], whole["name"]
-    assert sorted(p.name for p in (tmp_path / name / "checkpoints").iterdir()) == ["step_2", "step_3"]
-    again = _run(tmp_path, name, model, second, resume_from="step_2", save_hf=str(tmp_path / f"{name}.again.hf"))
-    return whole, again, tmp_path, name
 
 
 def _assert_same_last_step(whole: dict, again: dict) -> None:
@@ -331,18 +402,19 @@ def _scale_dcp_second_moments(ckpt: Path, model: str) -> None:
 
 
 @pytest.mark.slow
-def test_sharded_checkpoint_resumes_in_one_process_and_after_a_kill(tmp_path, char_model_2l, plain_runs):
+def test_sharded_checkpoint_resumes_in_one_process_and_after_a_kill(tmp_path, char_model_2l, plain_runs,
+                                                                    resumed_in_one_process):  # fmt: skip
     """2 ranks write DCP checkpoints (each rank its shards, rank 0 commits): one process resumes step_2 and redoes
     step 3 exactly (DCP resharding); a rank kill -9'd after writing its step-3 shards leaves no committed step_3, and
     rerunning the same command resumes step_2 and ends where the uninterrupted run ended."""
-    whole, again, run_dir, name = _resume(plain_runs, char_model_2l, 2, 1)
-    step2 = run_dir / name / "checkpoints" / "step_2"
+    whole, again = plain_runs[2], resumed_in_one_process["again"]
+    assert whole["checkpoints"] == ["step_2", "step_3"]  # before the resume
+    step2 = whole["dir"] / whole["name"] / "checkpoints" / "step_2"
     assert sorted(p.name for p in (step2 / "dcp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert not (step2 / "model").exists() and (step2 / "rng_rank1.pt").is_file()
     _assert_same_last_step(whole, again)
     # negative control: the optimizer state is restored (step 3 redone with its second moments scaled differs)
-    _scale_dcp_second_moments(step2, char_model_2l)
-    bad = _run(run_dir, name, char_model_2l, 1, resume_from="step_2", save_hf=str(run_dir / f"{name}.bad.hf"))
+    bad = resumed_in_one_process["scaled"]
     assert _max_param_diff(whole["params"], bad["params"]) > PARAM_TOL
     # kill -9 of rank 1 after its step-3 shards (rank 0 waits at the barrier before the marker)
     killed = _run(tmp_path, "kill", char_model_2l, 2, kill_in_save={"rank": 1, "call": 2}, checkpoint_every=2)
@@ -356,18 +428,14 @@ def test_sharded_checkpoint_resumes_in_one_process_and_after_a_kill(tmp_path, ch
 
 
 @pytest.mark.slow
-def test_single_process_checkpoint_resumes_on_two_ranks(char_model_2l, plain_runs):
+def test_single_process_checkpoint_resumes_on_two_ranks(plain_runs, batches):
     """A checkpoint written by one process (HF model + trainer_state.pt) resumes under torchrun: the redone step is
     the same step."""
-    whole, again, tmp_path, name = _resume(plain_runs, char_model_2l, 1, 2)
+    whole, again = plain_runs[1], batches[2]["again"]
+    assert whole["checkpoints"] == ["step_2", "step_3"]  # before the resume
     _assert_same_last_step(whole, again)
     # negative control: the optimizer state is restored (step 3 redone with its second moments scaled differs)
-    state_path = tmp_path / name / "checkpoints" / "step_2" / "trainer_state.pt"
-    state = torch.load(state_path, weights_only=True)
-    for s in state["optimizer"]["state"].values():
-        s["exp_avg_sq"] *= 4
-    torch.save(state, state_path)
-    bad = _run(tmp_path, name, char_model_2l, 2, resume_from="step_2", save_hf=str(tmp_path / f"{name}.bad.hf"))
+    bad = batches[2]["scaled"]
     assert _max_param_diff(whole["params"], bad["params"]) > PARAM_TOL
 
 
@@ -617,18 +685,11 @@ EVAL_TOL = 1e-4  # the snapshot eval's sum of |w| (~5e3) of 1 vs 2 ranks (parame
 
 @pytest.mark.slow
 @pytest.mark.parametrize("posture", ["blocking", "snapshot"])
-def test_eval_under_torchrun_measures_what_one_process_measures(tmp_path, char_model_2l, posture):
+def test_eval_under_torchrun_measures_what_one_process_measures(batches, posture):
     """Blocking eval: every rank samples its share of the held-out prompts; snapshot eval: every rank enters the
     weights gather at the same eval step, rank 0 exports and dispatches. The eval records equal one process's."""
-    ev = {"eval_interval": 1, "eval_max_tokens": 4}
-    if posture == "snapshot":
-        ev |= {"eval_function_path": f"{DRIVER}:WeightSum", "eval_hf_dir": str(tmp_path / "{name}")}
-    runs = {}
-    for name, nproc in (("one", 1), ("two", 2)):
-        e = {**ev, "eval_hf_dir": ev["eval_hf_dir"].format(name=f"{name}.eval")} if "eval_hf_dir" in ev else ev
-        runs[name] = _run(tmp_path, name, char_model_2l, nproc, with_eval=True, steps=2, eval=e)
     key = "eval/avg@1" if posture == "blocking" else "eval/weight_sum"
-    one, two = ([r for r in runs[n]["all"] if key in r] for n in ("one", "two"))
+    one, two = ([r for r in batches[n][f"eval_{posture}"]["all"] if key in r] for n in (1, 2))
     assert [r["step"] for r in one] == [r["step"] for r in two] == [0, 1, 2]
     for a, b in zip(one, two, strict=True):
         assert abs(a[key] - b[key]) <= EVAL_TOL, (a, b)

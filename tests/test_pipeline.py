@@ -22,7 +22,7 @@ from align.rollout.groups import Groups
 from align.rollout.protocol import Completion, SamplingParams
 from align.rollout.watcher import WeightWatcher
 from align.tasks import reverse
-from align.train import TrainConfig, train
+from align.train import TrainConfig, main, train
 
 PRODUCER_FAILURE_TIMEOUT_S = 10.0  # a producer exception reaches the trainer well within this
 
@@ -226,11 +226,15 @@ def test_a_backend_without_version_stamps_is_refused(tmp_path):
 # ------------------------------------------------------------------------------------------------ kill -9 / SIGTERM
 
 
-def cli(out: Path, model: str, *extra: str) -> subprocess.Popen:
+def cli_args(out: Path, model: str, *extra: str) -> list[str]:
     args = ["--out", str(out), "--model", model, "--steps", "7", "--prompts-per-step", "4", "--group-size", "4"]
     args += ["--max-tokens", "6", "--checkpoint-every", "2", "--eval-interval", "0", "--max-async-steps", "2"]
-    args += ["--log-completions-every", "1", "--keep-checkpoints", "10", *extra]
-    return run_cli(args)
+    return args + ["--log-completions-every", "1", "--keep-checkpoints", "10", *extra]
+
+
+def cli(out: Path, model: str, *extra: str) -> subprocess.Popen:
+    """The run in a process of its own: the runs that are killed or signalled (the others run ``main`` here)."""
+    return run_cli(cli_args(out, model, *extra))
 
 
 def logged(out: Path) -> tuple[list[dict], list[dict]]:
@@ -253,8 +257,7 @@ def builtin_model(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, builtin_model) -> Path:
     out = tmp_path_factory.mktemp("full")
-    proc = cli(out, builtin_model)
-    assert proc.wait(timeout=600) == 0, proc.stdout.read()[-3000:]
+    assert main(cli_args(out, builtin_model)) == 0
     return out
 
 
@@ -291,8 +294,7 @@ def test_kill_9_then_rerun_logs_exactly_the_uninterrupted_run(tmp_path, builtin_
     state["cursor"]["index"] -= 4
     torch.save(state, lost / "checkpoints" / "step_2" / "trainer_state.pt")
     assert ckpt.latest(lost / "checkpoints")[0] == 2
-    again = cli(lost, builtin_model)
-    assert again.wait(timeout=600) == 0, again.stdout.read()[-3000:]
+    assert main(cli_args(lost, builtin_model)) == 0
     assert logged(lost)[0][:2] == logged(uninterrupted)[0][:2]
     assert logged(lost)[0][2:] != logged(uninterrupted)[0][2:]
 
@@ -305,8 +307,7 @@ def test_sigterm_checkpoints_and_exits_then_resumes_exactly(tmp_path, builtin_mo
     proc.send_signal(signal.SIGTERM)
     text = proc.communicate(timeout=300)[0]
     assert proc.returncode == 143, text[-3000:]
-    rerun = cli(out, builtin_model, "--checkpoint-every", "0")
-    assert rerun.wait(timeout=600) == 0, rerun.stdout.read()[-3000:]
+    assert main(cli_args(out, builtin_model, "--checkpoint-every", "0")) == 0  # the rerun
     assert logged(out) == logged(uninterrupted)
 
 

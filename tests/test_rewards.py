@@ -248,8 +248,8 @@ HARD_FILE = textwrap.dedent("""
     def swallow(prompt, completion, **fields):
         if completion != "hang":
             return 1.0
-        try:  # short sleeps: off the main thread the timeout lands only between blocking calls
-            for _ in range(300):
+        try:  # short sleeps: off the main thread the timeout lands only between blocking calls; 3 s outlasts the
+            for _ in range(30):  # 0.3 s timeout 10x, and caps the test where the timeout lands only once it returns
                 time.sleep(0.1)
         except:  # noqa: E722 -- a user's bare except catches the in-process timeout
             pass

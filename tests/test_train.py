@@ -87,33 +87,29 @@ def test_micro_batch_size_does_not_change_the_gradient(char_model):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, builtin_model) -> Path:
     out = tmp_path_factory.mktemp("full")
-    proc = run_cli(cli_args(out, builtin_model))
-    assert proc.wait(timeout=600) == 0, proc.stdout.read()[-3000:]
+    assert main(cli_args(out, builtin_model)) == 0  # in this process: only the killed and signalled runs need their own
     return out
 
 
-def test_kill_9_then_rerun_resumes_exactly(tmp_path, builtin_model, uninterrupted):
+def test_kill_9_then_rerun_resumes_exactly(tmp_path, builtin_model, uninterrupted, capsys):
     out = tmp_path / "killed"
     proc = run_cli(cli_args(out, builtin_model))
     wait_for_steps(out, 5, proc)  # checkpoints exist at 2 and 4; step 5 or 6 may be mid-write
     proc.kill()
     proc.wait()
-    rerun = run_cli(cli_args(out, builtin_model))
-    log = rerun.communicate(timeout=600)[0]
-    assert rerun.returncode == 0, log[-3000:]
-    assert "resuming from" in log
+    assert main(cli_args(out, builtin_model)) == 0  # the rerun, in this process
+    assert "resuming from" in capsys.readouterr().out
     assert comparable(out) == comparable(uninterrupted)
     # negative control: a different seed gives a different log, so the equality above is not vacuous
     other = tmp_path / "seed1"
-    proc = run_cli(cli_args(other, builtin_model) + ["--seed", "1", "--steps", "2"])
-    assert proc.wait(timeout=600) == 0
+    assert main(cli_args(other, builtin_model) + ["--seed", "1", "--steps", "2"]) == 0
     assert comparable(other)[1] != comparable(uninterrupted)[1]
 
 
 ASYNC_TIMINGS = {"async/trainer_wait_s", "async/generator_idle_s", "async/inflight"}  # wall-clock, never compared
 
 
-def test_kill_9_of_an_episode_run_then_rerun_logs_the_uninterrupted_run(tmp_path, builtin_model):
+def test_kill_9_of_an_episode_run_then_rerun_logs_the_uninterrupted_run(tmp_path, builtin_model, capsys):
     """--env (tests/fixtures/turn_envs.py:Feedback, a second turn after a wrong answer) with --max-async-steps 1:
     kill -9 after step 3 of 10 (checkpoint 2 holds step 3's pending batch of episodes), rerun: the same metrics as the
     uninterrupted run, episodes with environment turns included."""
@@ -137,10 +133,9 @@ def test_kill_9_of_an_episode_run_then_rerun_logs_the_uninterrupted_run(tmp_path
     wait_for_steps(out, 3, proc)  # steps take ~0.1 s here: 7 more leave the poll ample time to kill mid-run
     proc.kill()
     assert proc.wait() == -signal.SIGKILL  # killed mid-run, not finished
-    rerun = run_cli(args(out))
-    log = rerun.communicate(timeout=600)[0]
-    assert rerun.returncode == 0, log[-3000:]
-    assert "resuming from" in log
+    capsys.readouterr()
+    assert main(args(out)) == 0  # the rerun, in this process
+    assert "resuming from" in capsys.readouterr().out
     steps = [r for r in logged(straight) if "loss" in r]
     assert len(steps) == 10 and any(r["env/env_tokens_mean"] > 0 for r in steps)  # episodes had environment turns
     assert logged(out) == logged(straight)
@@ -164,8 +159,7 @@ def test_signal_checkpoints_and_exits(tmp_path, builtin_model, uninterrupted):
         steps = sorted(int(p.name.split("_")[1]) for p in (out / "checkpoints").iterdir())
         assert steps[:-1] == done and (done[-1] if done else 2) < steps[-1] < 8, (steps, done)  # one more: this stop's
         done = steps
-    rerun = run_cli(cli_args(out, builtin_model))
-    assert rerun.wait(timeout=600) == 0
+    assert main(cli_args(out, builtin_model)) == 0  # the last rerun, in this process
     assert comparable(out) == comparable(uninterrupted)
 
 
