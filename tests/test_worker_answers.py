@@ -114,3 +114,30 @@ def test_busy_and_ready_reach_the_heartbeat_without_waiting_for_the_next_beat(tm
     finally:
         worker.close(None)
     assert worker.spool.read_heartbeat()["state"] == "stopped"
+
+
+def test_a_request_answered_while_its_state_is_read_is_never_read_as_consumed(tmp_path, monkeypatch):
+    """The worker publishes (response, then claimed/ -> done/) between any two of the client's looks at the folders:
+    under load a waiting thread can be descheduled there. Seen at 32 episodes x 16 turns on 2 cores: a turn's
+    wait() read 'done' ('already answered and its response consumed') for an answer lying in responses/."""
+    import pathlib
+
+    worker = _worker(tmp_path)
+    (req,) = _claimed(worker, 1)
+    sp = worker.spool
+    exists, armed = pathlib.Path.exists, []
+
+    def exists_then_publish(path: pathlib.Path) -> bool:  # the worker's publish right after the first look
+        found = exists(path)
+        if armed and path.stem == req.id:
+            armed.clear()
+            worker.publish(P.Message("completions", req.id, {"completions": [], "weights_version": 0}))
+        return found
+
+    monkeypatch.setattr(pathlib.Path, "exists", exists_then_publish)
+    armed.append(True)
+    assert sp.request_state(req.id) == "answered"
+    assert not armed  # the publish happened mid-read
+    monkeypatch.undo()
+    (sp.root / "responses" / f"{req.id}.json").unlink()  # the client took it
+    assert sp.request_state(req.id) == "done"  # consumed: now it is
