@@ -179,15 +179,23 @@ class Spool:
         return self.reject(path, name)
 
     def request_state(self, msg_id: str) -> str | None:
-        """'answered' | 'done' | 'claimed' | 'pending', or None for an unknown id."""
-        for state, folder in (
-            ("answered", "responses"),
-            ("done", "done"),
-            ("claimed", "claimed"),
-            ("pending", "requests"),
-        ):
-            if self._path(folder, msg_id).exists():
-                return state
+        """'answered' | 'done' | 'claimed' | 'pending', or None for an unknown id.
+
+        A request moves while this looks (requests/ -> claimed/; its response written, then claimed/ -> done/), so
+        the folders are looked at in that order, and a response is looked for after the request was found past
+        requests/: each look can only find it where it was or further on. (Looking at responses/ before done/
+        read a request answered between the two looks as 'done', its response consumed.) ``recover`` moves a
+        claimed request back to requests/ once per worker start: a miss is looked at once more."""
+        for _ in range(2):
+            if self._path("requests", msg_id).exists():
+                return "pending"
+            claimed = self._path("claimed", msg_id).exists()
+            if self._path("responses", msg_id).exists():
+                return "answered"
+            if claimed:
+                return "claimed"
+            if self._path("done", msg_id).exists():
+                return "answered" if self._path("responses", msg_id).exists() else "done"
         return None
 
     def take_response(self, msg_id: str, check: Callable[[Message, str], None] | None = None) -> Message | None:

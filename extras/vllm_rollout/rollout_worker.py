@@ -43,13 +43,16 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (tests), not run as a script
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from worker_answers import ResponseWriter, Running, completions_message
+from worker_commands import Commands, arch_of
+
 from align.rollout import protocol as P
 
 log = logging.getLogger("rollout_worker")
 
 VLLM_LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
-# config.json keys that do not change the architecture (a reload suffices when only these differ).
-_NON_ARCH_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache", "architectures"}
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's MaxLoRARanks
 
 
@@ -106,26 +109,7 @@ def sample_seed(seed: int | None, prompt_index: int, sample_index: int) -> int |
     return int.from_bytes(digest, "little") >> 2  # < 2**62: fits a torch generator seed
 
 
-def _arch(config_path: Path) -> dict:
-    cfg = json.loads(config_path.read_text())
-    return {k: v for k, v in cfg.items() if k not in _NON_ARCH_KEYS}
-
-
-class Running:
-    """A generate request in flight: its sequences' outputs (prompt-major, then sample) as they finish.
-
-    A plain class, not a dataclass: tests load this file by path, outside ``sys.modules``."""
-
-    def __init__(self, msg: P.Message, claimed_at: float, params: P.SamplingParams, count: int, tokens: int) -> None:
-        self.msg, self.claimed_at, self.params = msg, claimed_at, params
-        self.outs: list = [None] * count  # vLLM RequestOutput per sequence, None until it finished
-        self.left = count  # sequences not finished yet
-        self.started = time.perf_counter()  # when added to the engine
-        self.tokens_before = tokens  # Worker.finished_tokens then
-        self.peak = 0  # most requests in flight during its life
-
-
-class Worker:
+class Worker(Commands):
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.spool = P.Spool(args.spool).ensure()
@@ -137,11 +121,13 @@ class Worker:
         self.lora = None  # the LoRARequest serving the current adapter version (LoRA training)
         self.lora_ids = 0
         self.vocab_size = int(json.loads((self.model_dir / "config.json").read_text()).get("vocab_size", 0))
-        self.arch = _arch(self.model_dir / "config.json")  # kept: the snapshot dir may be deleted once loaded
+        self.arch = arch_of(self.model_dir / "config.json")  # kept: the snapshot dir may be deleted once loaded
         self.running: dict[str, Running] = {}  # generate requests in flight, by message id
         self.running_seqs: dict[str, tuple[Running, int]] = {}  # engine request id -> (its request, sequence index)
         self.finished_tokens = 0  # completion tokens of every finished sequence (the batch figures' basis)
+        self.writer = ResponseWriter(self.publish)
         self._stop = threading.Event()
+        self._wake = threading.Event()  # flip_state: the heartbeat thread writes the new state now
         self._beat = threading.Thread(target=self._heartbeat_loop, daemon=True, name="heartbeat")
 
     # -- liveness ----------------------------------------------------------------------------------
@@ -153,7 +139,11 @@ class Worker:
         self.spool.write_heartbeat(self.state, **info)
 
     def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self.args.heartbeat_s):
+        while True:
+            self._wake.wait(self.args.heartbeat_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.heartbeat()
             except OSError as e:  # a full disk must not kill the worker; the client sees the stale heartbeat
@@ -162,6 +152,12 @@ class Worker:
     def set_state(self, state: str, error: str | None = None) -> None:
         self.state, self.error = state, error
         self.heartbeat()
+
+    def flip_state(self, state: str) -> None:
+        """Serving's busy/ready flips: the heartbeat thread, woken for it, writes the new state (one fsync'ed write
+        each, off the loop)."""
+        self.state = state
+        self._wake.set()
 
     # -- engine ------------------------------------------------------------------------------------
     def build_engine(self, model_dir: Path):
@@ -238,6 +234,7 @@ class Worker:
                             ignore_eos=True,  # stop only on the requested ids, as the native sampler does
                             seed=sample_seed(params.seed, first + i, j), logprobs=0, detokenize=False,
                             output_kind=RequestOutputKind.FINAL_ONLY,  # one output per sequence, when it finishes
+                            skip_clone=True,  # one per sequence, never reused: vLLM's deepcopy of it is ~2 ms
                         )  # fmt: skip
                         # the prompt rendering LLM.generate does, then the engine's own unique id per sequence
                         engine_input = self.llm._preprocess_cmpl_one(TokensPrompt(prompt_token_ids=prompt))
@@ -257,7 +254,7 @@ class Worker:
         for job in self.running.values():
             job.peak = max(job.peak, len(self.running))
         if self.running and self.state != "busy":
-            self.set_state("busy")
+            self.flip_state("busy")
 
     def step(self) -> None:
         """One engine step; answer every request whose sequences have all finished (``engine_error`` for all in
@@ -286,7 +283,7 @@ class Worker:
                 del self.running[job.msg.id]
                 self.answer_job(job)
         if not self.running:
-            self.set_state("ready")
+            self.flip_state("ready")
 
     def drain(self) -> None:
         """Step the engine until every request in flight is answered."""
@@ -294,18 +291,10 @@ class Worker:
             self.step()
 
     def answer_job(self, job: Running) -> None:
-        """Answer a request whose sequences all finished; the batch figures cover the engine while it was in flight."""
-        msg, params = job.msg, job.params
-        gen_s = time.perf_counter() - job.started
-        total_tokens = self.finished_tokens - job.tokens_before
+        """Answer a request whose sequences all finished."""
+        params = job.params
         comps = [self.completion(out, k // params.n, k % params.n, params) for k, out in enumerate(job.outs)]
-        timings = {
-            "queue_s": max(0.0, job.claimed_at - msg.created), "generate_s": gen_s, "batch_requests": job.peak,
-            "batch_completion_tokens": total_tokens, "completion_tokens": sum(len(c.token_ids) for c in comps),
-            "tokens_per_s": total_tokens / max(gen_s, 1e-9),
-        }  # fmt: skip
-        body = {"completions": [c.to_dict() for c in comps], "weights_version": self.version}
-        self.answer(P.Message("completions", msg.id, {**body, "logprob_basis": self.basis, "timings": timings}))
+        self.answer(completions_message(job, comps, self.finished_tokens, self.version, self.basis))
 
     def completion(self, out, prompt_index: int, sample_index: int, params: P.SamplingParams) -> P.Completion:
         o = out.outputs[0]
@@ -320,116 +309,12 @@ class Worker:
             sampled_logprobs=lps if exact else None, weights_version=self.version,
         )  # fmt: skip
 
-    def serve_sync(self, msg: P.Message) -> None:
-        path, version = Path(msg.body["path"]), msg.body["version"]
-        if (path / "adapter_config.json").is_file():
-            return self.serve_adapter_sync(msg, path, version)
-        try:
-            P.check_hf_dir(path)
-        except ValueError as e:
-            return self.answer(P.error_response(msg.id, "bad_snapshot", str(e)))
-        if P.snapshot_marker(path) is None:
-            problem = f"snapshot {path} is not committed (no {' / '.join(P.SNAPSHOT_MARKERS)} marker)"
-            return self.answer(P.error_response(msg.id, "bad_snapshot", problem))
-        self.set_state("busy")
-        t0 = time.perf_counter()
-        method = "rebuild"
-        new_arch = _arch(path / "config.json")
-        same_arch = new_arch == self.arch  # never re-read the loaded snapshot: its owner may have deleted it
-        if self.args.sync_mode != "rebuild" and same_arch:
-            try:
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
-                self.llm.reset_prefix_cache()
-                method = "reload"
-            except Exception as e:
-                if self.args.sync_mode == "reload":
-                    self.answer(P.error_response(msg.id, "sync_failed", f"reload_weights failed: {e}"))
-                    raise
-                log.warning("reload_weights failed (%s); rebuilding the engine", e)
-        if method == "rebuild":
-            self.drop_engine()
-            try:
-                self.llm = self.build_engine(path)
-            except Exception as e:
-                self.answer(P.error_response(msg.id, "sync_failed", f"engine rebuild on {path} failed: {e}"))
-                raise
-            self.vocab_size = int(json.loads((path / "config.json").read_text()).get("vocab_size", 0))
-        seconds = time.perf_counter() - t0
-        self.model_dir, self.version, self.arch = path, version, new_arch
-        log.info("weights version %d from %s by %s in %.2f s", version, path, method, seconds)
-        self.answer(P.Message("synced", msg.id, {"version": version, "seconds": seconds, "method": method}))
-        self.set_state("ready")
-
-    def serve_adapter_sync(self, msg: P.Message, path: Path, version: int) -> None:
-        """Load a committed PEFT adapter as a new LoRARequest (a fresh id per version) and drop the previous one."""
-        from vllm.lora.request import LoRARequest
-
-        problem = None
-        if not self.args.max_lora_rank:
-            problem = f"{path} is a LoRA adapter but this worker was started without --max-lora-rank"
-        elif P.snapshot_marker(path) is None:
-            problem = f"adapter {path} is not committed (no {' / '.join(P.SNAPSHOT_MARKERS)} marker)"
-        else:
-            rank = json.loads((path / "adapter_config.json").read_text()).get("r", 0)
-            if not isinstance(rank, int) or not 0 < rank <= self.args.max_lora_rank:
-                problem = f"adapter {path} has rank {rank!r}; this worker serves ranks up to --max-lora-rank"
-        if problem:
-            return self.answer(P.error_response(msg.id, "bad_snapshot", problem))
-        self.set_state("busy")
-        t0 = time.perf_counter()
-        self.lora_ids += 1
-        request = LoRARequest(f"v{version}", self.lora_ids, str(path))
-        try:
-            self.llm.llm_engine.add_lora(request)  # load now: errors surface on the sync, not the next generate
-        except Exception as e:  # noqa: BLE001 - answered; the previous adapter keeps serving
-            self.answer(P.error_response(msg.id, "sync_failed", f"loading adapter {path} failed: {e}"))
-            self.set_state("ready")
-            return None
-        old, self.lora = self.lora, request
-        if old is not None and old.lora_int_id in self.llm.llm_engine.list_loras():
-            self.llm.llm_engine.remove_lora(old.lora_int_id)
-        self.llm.reset_prefix_cache()
-        seconds = time.perf_counter() - t0
-        self.version = version
-        log.info("weights version %d: adapter %s as LoRA %d in %.2f s", version, path, request.lora_int_id, seconds)
-        self.answer(P.Message("synced", msg.id, {"version": version, "seconds": seconds, "method": "lora"}))
-        self.set_state("ready")
-        return None
-
-    def serve_score(self, msg: P.Message) -> None:
-        """A ``score`` request (align/rollout/scoring.py): vLLM ``prompt_logprobs=1`` on a prompt of each sequence's
-        ids gives the exact logprob of every given token (the token itself is always among them, whatever the top-1);
-        the one token generated per sequence is discarded."""
-        from vllm import SamplingParams as VSP
-        from vllm.inputs import TokensPrompt
-
-        from align.rollout import scoring
-
-        problem = scoring.score_problem(msg.body, self.vocab_size, self.args.max_model_len)
-        if problem is not None:
-            return self.answer(P.error_response(msg.id, "bad_request", problem))
-        self.set_state("busy")
-        seqs, starts = msg.body["sequences"], msg.body["starts"]
-        sp = VSP(n=1, temperature=1.0, max_tokens=1, prompt_logprobs=1, detokenize=False)
-        t0 = time.perf_counter()
-        try:
-            outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], sp, use_tqdm=False,
-                                     lora_request=self.lora)  # fmt: skip
-        except Exception as e:
-            log.exception("engine failed on score request %s", msg.id)
-            self.answer(P.error_response(msg.id, "engine_error", f"{e.__class__.__name__}: {e}"))
-            self.set_state("ready")
-            if "EngineDead" in e.__class__.__name__:
-                raise
-            return None
-        lps = [[float(out.prompt_logprobs[j][s[j]].logprob) for j in range(first, len(s))]
-               for out, s, first in zip(outs, seqs, starts)]  # fmt: skip
-        timings = {"score_s": time.perf_counter() - t0, "tokens": sum(len(s) for s in seqs)}
-        self.answer(P.Message("scores", msg.id, {"logprobs": lps, "timings": timings}))
-        self.set_state("ready")
-        return None
-
     def answer(self, msg: P.Message) -> None:
+        """Publish ``msg`` on the writer's thread (the loop goes on stepping the engine)."""
+        self.writer.put(msg)
+
+    def publish(self, msg: P.Message) -> None:
+        """The response on disk, then its request moved from claimed/ to done/ (the writer's thread)."""
         self.spool.respond(msg)
         self.spool.finish(msg.id)
 
@@ -482,6 +367,7 @@ class Worker:
         log.info("serving %s (logprobs %s, weights version %d)", self.spool.root, self.basis, self.version)
         command = None  # claimed; runs once nothing is in flight (the requests claimed before it answered)
         while True:
+            self.writer.check()  # a response that could not be published fails the loop (e.g. a full disk)
             batch = []
             if command is None:
                 batch, command = self.next_batch()
@@ -501,11 +387,15 @@ class Worker:
                 self.serve_score(pending)
             elif pending.kind == "shutdown":
                 self.answer(P.Message("stopped", pending.id, {}))
+                self.writer.flush()
+                self.writer.check()
                 log.info("shutdown requested")
                 return 0
 
     def close(self, error: str | None) -> None:
+        self.writer.close(timeout_s=30.0)  # the answers of a worker that stops are published first
         self._stop.set()
+        self._wake.set()
         if error or self.state != "failed":  # keep a startup failure's record
             self.state, self.error = ("failed", error) if error else ("stopped", None)
         with contextlib.suppress(OSError):

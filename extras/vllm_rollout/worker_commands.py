@@ -1,0 +1,140 @@
+"""The rollout worker's commands (run once nothing is in flight): ``sync_weights`` (a committed snapshot reloaded
+into the running engine, or the engine rebuilt when the architecture changed or reload fails; a committed PEFT
+adapter dir loaded as a new ``LoRARequest``) and ``score`` (the exact logprob of given tokens).
+
+A mixin of ``rollout_worker.Worker``: it uses the worker's engine (``self.llm``), arguments, state and ``answer``.
+Stdlib only at import, like the worker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from align.rollout import protocol as P
+
+log = logging.getLogger("rollout_worker")
+
+# config.json keys that do not change the architecture (a reload suffices when only these differ).
+_NON_ARCH_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache", "architectures"}
+
+
+def arch_of(config_path: Path) -> dict:
+    """The architecture part of a config.json: what decides between a weights reload and an engine rebuild."""
+    cfg = json.loads(config_path.read_text())
+    return {k: v for k, v in cfg.items() if k not in _NON_ARCH_KEYS}
+
+
+class Commands:
+    """``serve_sync``, ``serve_adapter_sync``, ``serve_score``: see the module docstring."""
+
+    def serve_sync(self, msg: P.Message) -> None:
+        path, version = Path(msg.body["path"]), msg.body["version"]
+        if (path / "adapter_config.json").is_file():
+            return self.serve_adapter_sync(msg, path, version)
+        try:
+            P.check_hf_dir(path)
+        except ValueError as e:
+            return self.answer(P.error_response(msg.id, "bad_snapshot", str(e)))
+        if P.snapshot_marker(path) is None:
+            problem = f"snapshot {path} is not committed (no {' / '.join(P.SNAPSHOT_MARKERS)} marker)"
+            return self.answer(P.error_response(msg.id, "bad_snapshot", problem))
+        self.set_state("busy")
+        t0 = time.perf_counter()
+        method = "rebuild"
+        new_arch = arch_of(path / "config.json")
+        same_arch = new_arch == self.arch  # never re-read the loaded snapshot: its owner may have deleted it
+        if self.args.sync_mode != "rebuild" and same_arch:
+            try:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+                self.llm.reset_prefix_cache()
+                method = "reload"
+            except Exception as e:
+                if self.args.sync_mode == "reload":
+                    self.answer(P.error_response(msg.id, "sync_failed", f"reload_weights failed: {e}"))
+                    raise
+                log.warning("reload_weights failed (%s); rebuilding the engine", e)
+        if method == "rebuild":
+            self.drop_engine()
+            try:
+                self.llm = self.build_engine(path)
+            except Exception as e:
+                self.answer(P.error_response(msg.id, "sync_failed", f"engine rebuild on {path} failed: {e}"))
+                raise
+            self.vocab_size = int(json.loads((path / "config.json").read_text()).get("vocab_size", 0))
+        seconds = time.perf_counter() - t0
+        self.model_dir, self.version, self.arch = path, version, new_arch
+        log.info("weights version %d from %s by %s in %.2f s", version, path, method, seconds)
+        self.answer(P.Message("synced", msg.id, {"version": version, "seconds": seconds, "method": method}))
+        self.set_state("ready")
+
+    def serve_adapter_sync(self, msg: P.Message, path: Path, version: int) -> None:
+        """Load a committed PEFT adapter as a new LoRARequest (a fresh id per version) and drop the previous one."""
+        from vllm.lora.request import LoRARequest
+
+        problem = None
+        if not self.args.max_lora_rank:
+            problem = f"{path} is a LoRA adapter but this worker was started without --max-lora-rank"
+        elif P.snapshot_marker(path) is None:
+            problem = f"adapter {path} is not committed (no {' / '.join(P.SNAPSHOT_MARKERS)} marker)"
+        else:
+            rank = json.loads((path / "adapter_config.json").read_text()).get("r", 0)
+            if not isinstance(rank, int) or not 0 < rank <= self.args.max_lora_rank:
+                problem = f"adapter {path} has rank {rank!r}; this worker serves ranks up to --max-lora-rank"
+        if problem:
+            return self.answer(P.error_response(msg.id, "bad_snapshot", problem))
+        self.set_state("busy")
+        t0 = time.perf_counter()
+        self.lora_ids += 1
+        request = LoRARequest(f"v{version}", self.lora_ids, str(path))
+        try:
+            self.llm.llm_engine.add_lora(request)  # load now: errors surface on the sync, not the next generate
+        except Exception as e:  # noqa: BLE001 - answered; the previous adapter keeps serving
+            self.answer(P.error_response(msg.id, "sync_failed", f"loading adapter {path} failed: {e}"))
+            self.set_state("ready")
+            return None
+        old, self.lora = self.lora, request
+        if old is not None and old.lora_int_id in self.llm.llm_engine.list_loras():
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+        self.llm.reset_prefix_cache()
+        seconds = time.perf_counter() - t0
+        self.version = version
+        log.info("weights version %d: adapter %s as LoRA %d in %.2f s", version, path, request.lora_int_id, seconds)
+        self.answer(P.Message("synced", msg.id, {"version": version, "seconds": seconds, "method": "lora"}))
+        self.set_state("ready")
+        return None
+
+    def serve_score(self, msg: P.Message) -> None:
+        """A ``score`` request (align/rollout/scoring.py): vLLM ``prompt_logprobs=1`` on a prompt of each sequence's
+        ids gives the exact logprob of every given token (the token itself is always among them, whatever the top-1);
+        the one token generated per sequence is discarded."""
+        from vllm import SamplingParams as VSP
+        from vllm.inputs import TokensPrompt
+
+        from align.rollout import scoring
+
+        problem = scoring.score_problem(msg.body, self.vocab_size, self.args.max_model_len)
+        if problem is not None:
+            return self.answer(P.error_response(msg.id, "bad_request", problem))
+        self.set_state("busy")
+        seqs, starts = msg.body["sequences"], msg.body["starts"]
+        sp = VSP(n=1, temperature=1.0, max_tokens=1, prompt_logprobs=1, detokenize=False)
+        t0 = time.perf_counter()
+        try:
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], sp, use_tqdm=False,
+                                     lora_request=self.lora)  # fmt: skip
+        except Exception as e:
+            log.exception("engine failed on score request %s", msg.id)
+            self.answer(P.error_response(msg.id, "engine_error", f"{e.__class__.__name__}: {e}"))
+            self.set_state("ready")
+            if "EngineDead" in e.__class__.__name__:
+                raise
+            return None
+        lps = [[float(out.prompt_logprobs[j][s[j]].logprob) for j in range(first, len(s))]
+               for out, s, first in zip(outs, seqs, starts)]  # fmt: skip
+        timings = {"score_s": time.perf_counter() - t0, "tokens": sum(len(s) for s in seqs)}
+        self.answer(P.Message("scores", msg.id, {"logprobs": lps, "timings": timings}))
+        self.set_state("ready")
+        return None
