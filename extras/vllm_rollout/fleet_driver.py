@@ -48,6 +48,7 @@ from pathlib import Path
 import rollout_worker as rw  # stdlib only at import; puts the repo root on sys.path
 from fleet_engine import Call, EngineSlot, Job, engine_actor_class
 from placement import Plan, pg_strategy, plan_from_args
+from worker_commands import snapshot_problem
 
 from align.rollout import protocol as P
 
@@ -429,12 +430,8 @@ class FleetWorker(rw.Worker):
         import ray
 
         path, version = Path(msg.body["path"]), msg.body["version"]
-        try:
-            P.check_hf_dir(path)
-        except ValueError as e:
-            return self.answer(P.error_response(msg.id, "bad_snapshot", str(e)))
-        if P.snapshot_marker(path) is None:
-            problem = f"snapshot {path} is not committed (no {' / '.join(P.SNAPSHOT_MARKERS)} marker)"
+        problem = snapshot_problem(path)
+        if problem is not None:
             return self.answer(P.error_response(msg.id, "bad_snapshot", problem))
         self.set_state("busy")
         t0 = time.perf_counter()

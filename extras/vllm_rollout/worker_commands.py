@@ -27,6 +27,17 @@ def arch_of(config_path: Path) -> dict:
     return {k: v for k, v in cfg.items() if k not in _NON_ARCH_KEYS}
 
 
+def snapshot_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be loaded as a full snapshot (not an HF checkpoint dir, or not committed), or None."""
+    try:
+        P.check_hf_dir(path)
+    except ValueError as e:
+        return str(e)
+    if P.snapshot_marker(path) is None:
+        return f"snapshot {path} is not committed (no {' / '.join(P.SNAPSHOT_MARKERS)} marker)"
+    return None
+
+
 class Commands:
     """``serve_sync``, ``serve_adapter_sync``, ``serve_score``: see the module docstring."""
 
@@ -34,12 +45,8 @@ class Commands:
         path, version = Path(msg.body["path"]), msg.body["version"]
         if (path / "adapter_config.json").is_file():
             return self.serve_adapter_sync(msg, path, version)
-        try:
-            P.check_hf_dir(path)
-        except ValueError as e:
-            return self.answer(P.error_response(msg.id, "bad_snapshot", str(e)))
-        if P.snapshot_marker(path) is None:
-            problem = f"snapshot {path} is not committed (no {' / '.join(P.SNAPSHOT_MARKERS)} marker)"
+        problem = snapshot_problem(path)
+        if problem is not None:
             return self.answer(P.error_response(msg.id, "bad_snapshot", problem))
         self.set_state("busy")
         t0 = time.perf_counter()
