@@ -264,12 +264,7 @@ def main() -> None:
     ap.add_argument("--spool", action="store_true", help="also (a): the real vLLM CPU worker (.venv-rollout)")
     ap.add_argument("--spool-only", action="store_true", help="(a) alone (implies --spool)")
     ap.add_argument("--spool-episodes", type=int, default=16, help="(a): episodes at once")
-    ap.add_argument(
-        "--spool-turns",
-        type=int,
-        default=16,
-        help="(a): turns per episode (16: at 8 the sleeps alone give only 1.43x, below the 1.5x target)",
-    )
+    ap.add_argument("--spool-turns", type=int, default=16, help="(a): turns per episode (at 8: <= 1.43x)")
     ap.add_argument("--spool-turn-tokens", type=int, default=4, help="(a): mean tokens per turn (1 id in this stops)")
     ap.add_argument("--spool-layers", type=int, default=2, help="(a): the model's layers")
     ap.add_argument("--spool-hidden", type=int, default=128, help="(a): the model's width (vLLM CPU: head_dim >= 32)")
