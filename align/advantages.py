@@ -174,8 +174,9 @@ def _std(x: Tensor) -> float:
     return float(x.std(unbiased=False)) if x.numel() else 0.0
 
 
-def add_teacher_signal(adv: Tensor, mask: Tensor, student_logprobs: Tensor, teacher_logprobs: Tensor,
-                       coef: float) -> tuple[Tensor, dict[str, float]]:  # fmt: skip
+def add_teacher_signal(
+    adv: Tensor, mask: Tensor, student_logprobs: Tensor, teacher_logprobs: Tensor, coef: float
+) -> tuple[Tensor, dict[str, float]]:
     """On-policy distillation: per-token advantages (N, L) = ``adv`` (N,) + ``coef`` * -(log pi_student(y_t) -
     log pi_teacher(y_t)) on the masked tokens (0 elsewhere), and the signal's statistics over those tokens.
 

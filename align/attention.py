@@ -254,8 +254,9 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
         s, plan = call
         a = s.start
         e = s.end if plan is None else a + s.prompt  # one causal sequence, or the prompt alone
-        parts.append(F.scaled_dot_product_attention(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], is_causal=True,
-                                                    enable_gqa=gqa)[0])  # fmt: skip
+        parts.append(
+            F.scaled_dot_product_attention(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], is_causal=True, enable_gqa=gqa)[0]
+        )
         if plan is None:
             continue
         gather, mask, unpad, g, Lc = plan

@@ -124,8 +124,10 @@ def _bounded_environment(jinja2: Any) -> type:
 
         def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
             _check_render(self)
-            if operator == "*" and any(isinstance(a, int) and isinstance(b, (str, list, tuple))
-                                       and len(b) * a > RENDER_MAX_CHARS for a, b in ((left, right), (right, left))):  # fmt: skip
+            if operator == "*" and any(
+                isinstance(a, int) and isinstance(b, (str, list, tuple)) and len(b) * a > RENDER_MAX_CHARS
+                for a, b in ((left, right), (right, left))
+            ):
                 raise RenderBoundError(f"builds a sequence over {RENDER_MAX_CHARS} items")
             if operator == "**" and isinstance(right, int) and right > 4096:  # 10**10**10: a huge int
                 raise RenderBoundError(f"raises to the power {right}")
@@ -192,8 +194,9 @@ class ChatTemplate:
             parsed = self.env.parse(source)
         except jinja2.exceptions.TemplateSyntaxError as e:
             raise InputError(f"{name}: line {e.lineno}: template syntax error: {e.message}") from None
-        for node in parsed.find_all((jinja2.nodes.Include, jinja2.nodes.Import, jinja2.nodes.FromImport,
-                                     jinja2.nodes.Extends)):  # fmt: skip
+        for node in parsed.find_all(
+            (jinja2.nodes.Include, jinja2.nodes.Import, jinja2.nodes.FromImport, jinja2.nodes.Extends)
+        ):
             raise InputError(
                 f"{name}: line {node.lineno}: include / import / extends loads another template file; a chat "
                 "template must be self-contained (paste the other template in)"
@@ -227,8 +230,14 @@ class ChatTemplate:
             if items is not None and not (isinstance(items, list) and all(isinstance(t, dict) for t in items)):
                 raise InputError(f"{name}: {what}= must be a list of JSON objects (dicts), got {items!r:.200}")
         self.env.deadline = time.monotonic() + RENDER_MAX_SECONDS
-        variables = {**self.special_tokens, **kwargs, "messages": messages, "tools": tools, "documents": documents,
-                     "add_generation_prompt": add_generation_prompt}  # fmt: skip
+        variables = {
+            **self.special_tokens,
+            **kwargs,
+            "messages": messages,
+            "tools": tools,
+            "documents": documents,
+            "add_generation_prompt": add_generation_prompt,
+        }
         try:
             parts, size = [], 0
             for part in self.templates[key].generate(**variables):
@@ -258,16 +267,22 @@ def load_chat_template(directory: str | Path) -> ChatTemplate | None:
         files += sorted((d / "additional_chat_templates").glob("*.jinja"))
     source: str | dict[str, str] | None = None
     if files:
-        source = {("default" if f == d / "chat_template.jinja" else f.name.removesuffix(".jinja")):
-                  read_text(f, "a chat template is UTF-8") for f in files}  # fmt: skip
+        source = {
+            ("default" if f == d / "chat_template.jinja" else f.name.removesuffix(".jinja")): read_text(
+                f, "a chat template is UTF-8"
+            )
+            for f in files
+        }
         name = str(files[0]) if len(files) == 1 else f"the chat templates in {d}"
     elif isinstance(config.get("chat_template"), str):
         source, name = config["chat_template"], f"the chat template in {d / 'tokenizer_config.json'}"
     elif isinstance(config.get("chat_template"), list):
         entries = config["chat_template"]
         if not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in entries):
-            raise InputError(f"{d / 'tokenizer_config.json'}: 'chat_template' must be a string or a list of "
-                             '{"name": ..., "template": ...} objects')  # fmt: skip
+            raise InputError(
+                f"{d / 'tokenizer_config.json'}: 'chat_template' must be a string or a list of "
+                '{"name": ..., "template": ...} objects'
+            )
         source, name = (
             {t["name"]: t.get("template") for t in entries},
             f"the chat templates in {d / 'tokenizer_config.json'}",
@@ -503,8 +518,10 @@ class TurnRenderer:
             stop, _ = self._end_of_mark()
             ids = [i for i in ids if self.tok.decode([i], skip_special_tokens=False) == stop]
         if not ids:
-            raise InputError(f"{self.name}: the tokenizer has no stop token (eos_token / generation_config.json "
-                             "eos_token_id), so an assistant target could never end; give it one")  # fmt: skip
+            raise InputError(
+                f"{self.name}: the tokenizer has no stop token (eos_token / generation_config.json "
+                "eos_token_id), so an assistant target could never end; give it one"
+            )
         return ids[0]
 
     def assistant(self, message: dict | str) -> list[int]:

@@ -75,14 +75,18 @@ def resolve_device(spec: str) -> torch.device:
     if spec != "cuda" and not (spec.startswith("cuda:") and spec[5:].isdigit()):
         raise ValueError(f"--device {spec!r} is not one of {DEVICES_HELP}")
     if not torch.cuda.is_available():
-        raise ValueError(f"--device {spec}: CUDA is not available here (torch {torch.__version__}, "
-                         f"built with CUDA {torch.version.cuda}); use --device cpu or a CUDA build of torch on a GPU")  # fmt: skip
+        raise ValueError(
+            f"--device {spec}: CUDA is not available here (torch {torch.__version__}, "
+            f"built with CUDA {torch.version.cuda}); use --device cpu or a CUDA build of torch on a GPU"
+        )
     if spec == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     index, count = int(spec[5:]), torch.cuda.device_count()
     if index >= count:
-        raise ValueError(f"--device {spec}: this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1}); "
-                         "pick one of them or --device cuda")  # fmt: skip
+        raise ValueError(
+            f"--device {spec}: this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1}); "
+            "pick one of them or --device cuda"
+        )
     return torch.device("cuda", index)
 
 
@@ -93,9 +97,11 @@ def resolve_precision(spec: str, device: torch.device) -> str:
     if spec not in PRECISIONS:
         raise ValueError(f"--precision {spec!r} is not one of auto, {', '.join(PRECISIONS)}")
     if spec != "fp32" and not bf16_supported(device):
-        raise ValueError(f"--precision {spec}: {device} has no native bf16 support "
-                         f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else device.type}); "
-                         "use --precision fp32")  # fmt: skip
+        raise ValueError(
+            f"--precision {spec}: {device} has no native bf16 support "
+            f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else device.type}); "
+            "use --precision fp32"
+        )
     return spec
 
 
@@ -109,12 +115,16 @@ def precision_from_legacy(precision: str, dtype: str | None) -> str:
     if dtype is None:
         return precision
     if dtype not in LEGACY_DTYPES:
-        raise ValueError(f"--dtype {dtype!r} must be one of {tuple(LEGACY_DTYPES)}; it is deprecated: use "
-                         f"--precision {' / '.join(PRECISIONS)}")  # fmt: skip
+        raise ValueError(
+            f"--dtype {dtype!r} must be one of {tuple(LEGACY_DTYPES)}; it is deprecated: use "
+            f"--precision {' / '.join(PRECISIONS)}"
+        )
     mapped = LEGACY_DTYPES[dtype]
     if precision not in ("auto", mapped):
-        raise ValueError(f"--dtype {dtype} (deprecated, means --precision {mapped}) contradicts --precision "
-                         f"{precision}; drop --dtype")  # fmt: skip
+        raise ValueError(
+            f"--dtype {dtype} (deprecated, means --precision {mapped}) contradicts --precision "
+            f"{precision}; drop --dtype"
+        )
     return mapped
 
 
@@ -148,8 +158,14 @@ class AdamW32(torch.optim.Optimizer):
     lose most small updates. Here each step reads the bf16 parameter and gradient as fp32, updates fp32 moments, and
     rounds the new parameter to bf16 once. Same update rule and hyper-parameters as torch's AdamW (amsgrad off)."""
 
-    def __init__(self, params: Iterable, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01):  # fmt: skip
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+    ):
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
 
     @torch.no_grad()
@@ -186,8 +202,9 @@ class AdamW32(torch.optim.Optimizer):
                     self.state[p][k] = state_dict["state"][i][k].to(device=p.device, dtype=torch.float32)
 
 
-def make_optimizer(params: Iterable, place: Placement, lr: float, betas: Iterable[float],
-                   weight_decay: float) -> torch.optim.Optimizer:  # fmt: skip
+def make_optimizer(
+    params: Iterable, place: Placement, lr: float, betas: Iterable[float], weight_decay: float
+) -> torch.optim.Optimizer:
     """torch's fused AdamW for fp32 weights (fp32 and bf16-mixed), ``AdamW32`` for bf16 weights.
 
     Fused: one pass over parameter, gradient and both moments per tensor (CPU and CUDA kernels, FSDP2's DTensors

@@ -77,19 +77,22 @@ def check_supported(cfg: Any, n: int) -> None:
     """What this first slice of multi-process training refuses, before any collective could hang."""
     rep, shard_n = getattr(cfg, "dp_replicate", 1), getattr(cfg, "dp_shard", 0)
     if rep < 1 or shard_n < 0 or rep * (shard_n or n // rep) != n or n % rep:
-        raise ValueError(f"--dp-replicate {rep} x --dp-shard {shard_n} does not make the world size {n}; pass "
-                         f"--dp-replicate R and --dp-shard S with R x S = {n} (--dp-shard 0: {n} / R)")  # fmt: skip
+        raise ValueError(
+            f"--dp-replicate {rep} x --dp-shard {shard_n} does not make the world size {n}; pass "
+            f"--dp-replicate R and --dp-shard S with R x S = {n} (--dp-shard 0: {n} / R)"
+        )
     if getattr(cfg, "prompts_per_step", 0) % n:  # align.sft splits its rows unevenly: no such rule
-        raise ValueError(f"--prompts-per-step {cfg.prompts_per_step} is not divisible by the world size {n} "
-                         f"(torchrun --nproc-per-node x nodes); make it a multiple of {n}")  # fmt: skip
+        raise ValueError(
+            f"--prompts-per-step {cfg.prompts_per_step} is not divisible by the world size {n} "
+            f"(torchrun --nproc-per-node x nodes); make it a multiple of {n}"
+        )
     unsupported = {
         "--lora-rank > 0": cfg.lora.enabled,
         "--adv-refill": getattr(cfg, "adv_refill", False),
     }
     bad = [k for k, v in unsupported.items() if v]
     if bad:
-        raise ValueError(f"not supported under torchrun yet: {', '.join(bad)}; run without them or in one "
-                         "process")  # fmt: skip
+        raise ValueError(f"not supported under torchrun yet: {', '.join(bad)}; run without them or in one process")
 
 
 def setup(cfg: Any) -> bool:
@@ -109,16 +112,21 @@ def setup(cfg: Any) -> bool:
     cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
     if cuda:
         if cfg.device.startswith("cuda:"):
-            raise ValueError(f"--device {cfg.device} under torchrun: every rank would use the same GPU; pass "
-                             "--device cuda (each local rank takes GPU LOCAL_RANK)")  # fmt: skip
+            raise ValueError(
+                f"--device {cfg.device} under torchrun: every rank would use the same GPU; pass "
+                "--device cuda (each local rank takes GPU LOCAL_RANK)"
+            )
         count, local_ranks = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", local + 1))
         if max(local + 1, local_ranks) > count:  # every rank refuses, not only those without a GPU
-            raise ValueError(f"{local_ranks} local ranks but this machine has {count} CUDA device(s) (one GPU per "
-                             f"rank); lower torchrun --nproc-per-node to <= {count} or pass --device cpu")  # fmt: skip
+            raise ValueError(
+                f"{local_ranks} local ranks but this machine has {count} CUDA device(s) (one GPU per "
+                f"rank); lower torchrun --nproc-per-node to <= {count} or pass --device cpu"
+            )
         torch.cuda.set_device(local)
     timeout = datetime.timedelta(seconds=getattr(cfg, "dist_timeout_s", 600.0))
-    torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=timeout,
-                                         device_id=torch.device("cuda", local) if cuda else None)  # fmt: skip
+    torch.distributed.init_process_group(
+        "nccl" if cuda else "gloo", timeout=timeout, device_id=torch.device("cuda", local) if cuda else None
+    )
     _make_mesh(cfg, n, "cuda" if cuda else "cpu")
     return True
 
@@ -310,8 +318,10 @@ def check_shared_dir(path: Any) -> None:
     if token is not None:
         token.unlink(missing_ok=True)
     if problems:
-        raise RuntimeError(f"--rollout spool under torchrun needs one spool directory every rank can write (--spool "
-                           f"on a shared filesystem): {'; '.join(problems)}")  # fmt: skip
+        raise RuntimeError(
+            f"--rollout spool under torchrun needs one spool directory every rank can write (--spool "
+            f"on a shared filesystem): {'; '.join(problems)}"
+        )
 
 
 def share_of(n: int, r: int) -> tuple[int, int]:

@@ -280,8 +280,12 @@ class LossConfig:
     rho_high: float = field(default=2.0, metadata={"help": "upper bound kept by the *_mis modes"})
 
     def __post_init__(self) -> None:
-        for key, table in (("name", LOSSES), ("kl_estimator", KL_ESTIMATORS), ("rho_mode", RHO_MODES),
-                           ("seq_count", SEQ_COUNTS)):  # fmt: skip
+        for key, table in (
+            ("name", LOSSES),
+            ("kl_estimator", KL_ESTIMATORS),
+            ("rho_mode", RHO_MODES),
+            ("seq_count", SEQ_COUNTS),
+        ):
             value = getattr(self, key)
             if value not in table:
                 raise ValueError(f"LossConfig.{key}={value!r} is unknown; valid: {', '.join(table)}")
@@ -447,13 +451,20 @@ def _check(cfg, logprobs, old_logprobs, advantages, mask, behav_logprobs, ref_lo
         raise TypeError(f"cfg must be a LossConfig, got {type(cfg).__name__}")
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be (B, T), got shape {tuple(logprobs.shape)}")
-    for name, t in (("old_logprobs", old_logprobs), ("mask", mask), ("behav_logprobs", behav_logprobs),
-                    ("ref_logprobs", ref_logprobs), ("entropy", entropy)):  # fmt: skip
+    for name, t in (
+        ("old_logprobs", old_logprobs),
+        ("mask", mask),
+        ("behav_logprobs", behav_logprobs),
+        ("ref_logprobs", ref_logprobs),
+        ("entropy", entropy),
+    ):
         if t is not None and t.shape != logprobs.shape:
             raise ValueError(f"{name} shape {tuple(t.shape)} != logprobs shape {tuple(logprobs.shape)}")
     if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
-        raise ValueError(f"advantages shape {tuple(advantages.shape)} is neither (B,) = ({logprobs.shape[0]},) nor "
-                         f"(B, T) = {tuple(logprobs.shape)}")  # fmt: skip
+        raise ValueError(
+            f"advantages shape {tuple(advantages.shape)} is neither (B,) = ({logprobs.shape[0]},) nor "
+            f"(B, T) = {tuple(logprobs.shape)}"
+        )
     if mask.dtype != torch.bool:
         raise ValueError(f"mask must be a bool tensor (True = token counts), got {mask.dtype}")
     if cfg.use_rho_correction and behav_logprobs is None:

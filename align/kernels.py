@@ -174,9 +174,18 @@ def _torch_bwd(logits, targets, lse, entropy, grad_logprobs, grad_entropy, tempe
         rows = slice(r, r + TORCH_ROWS)
         g_ent = grad_entropy[rows] if grad_entropy is not None else None
         _torch_backward(
-            logits[rows], targets[rows], lse[rows], entropy[rows], grad_logprobs[rows], g_ent, temperature, chunk,
-            masked[i], grad[rows], bufs,
-        )  # fmt: skip
+            logits[rows],
+            targets[rows],
+            lse[rows],
+            entropy[rows],
+            grad_logprobs[rows],
+            g_ent,
+            temperature,
+            chunk,
+            masked[i],
+            grad[rows],
+            bufs,
+        )
     return grad
 
 
@@ -291,9 +300,18 @@ def _triton_fwd(logits, targets, temperature, with_entropy, block):
     block = min(block, max(16, 1 << (V - 1).bit_length()))  # a power of two no wider than the vocabulary needs
     if N:
         fwd[(N,)](
-            logits, logits.stride(0), targets, logprobs, entropy, lse, V, float(temperature),
-            BLOCK_V=block, WITH_ENTROPY=with_entropy, num_warps=_num_warps(block),
-        )  # fmt: skip
+            logits,
+            logits.stride(0),
+            targets,
+            logprobs,
+            entropy,
+            lse,
+            V,
+            float(temperature),
+            BLOCK_V=block,
+            WITH_ENTROPY=with_entropy,
+            num_warps=_num_warps(block),
+        )
     return logprobs, entropy, lse, block
 
 
@@ -306,9 +324,21 @@ def _triton_bwd(logits, targets, lse, entropy, grad_logprobs, grad_entropy, temp
     grad_entropy = grad_entropy.float().contiguous() if with_entropy else grad_logprobs
     if N:
         bwd[(N,)](
-            logits, logits.stride(0), targets, lse, entropy, grad_logprobs, grad_entropy, grad, grad.stride(0), V,
-            float(temperature), BLOCK_V=block, WITH_ENTROPY=with_entropy, num_warps=_num_warps(block),
-        )  # fmt: skip
+            logits,
+            logits.stride(0),
+            targets,
+            lse,
+            entropy,
+            grad_logprobs,
+            grad_entropy,
+            grad,
+            grad.stride(0),
+            V,
+            float(temperature),
+            BLOCK_V=block,
+            WITH_ENTROPY=with_entropy,
+            num_warps=_num_warps(block),
+        )
     return grad
 
 
@@ -490,8 +520,10 @@ def linear_token_logprobs(
     block and its gradient, plus the (V, D) float32 weight-gradient sum, whatever N.
     """
     if hidden.shape[-1] != weight.shape[-1] or weight.dim() != 2:
-        raise ValueError(f"weight must be (V, D) with D = hidden.shape[-1], got {tuple(weight.shape)} for hidden "
-                         f"{tuple(hidden.shape)}")  # fmt: skip
+        raise ValueError(
+            f"weight must be (V, D) with D = hidden.shape[-1], got {tuple(weight.shape)} for hidden "
+            f"{tuple(hidden.shape)}"
+        )
     if targets.dtype != torch.long or targets.shape != hidden.shape[:-1]:
         raise ValueError(
             f"targets must be int64 with shape {tuple(hidden.shape[:-1])} (hidden without its last dim), "

@@ -98,8 +98,9 @@ def sequence_batch(prompt_ids: list[list[int]], completions: list, G: int, devic
     )
 
 
-def make_batch(prompt_ids: list[list[int]], completions: list, adv: Tensor, valid: Tensor, cfg: Any,
-               device: torch.device) -> Batch:  # fmt: skip
+def make_batch(
+    prompt_ids: list[list[int]], completions: list, adv: Tensor, valid: Tensor, cfg: Any, device: torch.device
+) -> Batch:
     """The step's ``Batch``: invalid completions (``valid`` False, (P, G)) are masked out; ``adv`` is (P, G)."""
     inputs, targets, mask, full_lp, sampled_lp = sequence_batch(prompt_ids, completions, cfg.group_size, device)
     pi = torch.tensor([c.prompt_index for c in completions])
@@ -126,20 +127,32 @@ def check_config(cfg: Any) -> None:
             f"--micro-batch-tokens must be >= 0 (0 = use --micro-batch-size), got {cfg.micro_batch_tokens}"
         )
     if 0 < cfg.micro_batch_tokens < cfg.max_tokens:
-        raise ValueError(f"--micro-batch-tokens {cfg.micro_batch_tokens} is smaller than --max-tokens {cfg.max_tokens}: "
-                         "a full-length completion could not fit; raise it to at least the longest prompt + --max-tokens")  # fmt: skip
+        raise ValueError(
+            f"--micro-batch-tokens {cfg.micro_batch_tokens} is smaller than --max-tokens {cfg.max_tokens}: "
+            "a full-length completion could not fit; raise it to at least the longest prompt + --max-tokens"
+        )
     n = cfg.prompts_per_step * cfg.group_size
     if cfg.mini_batches > n:
-        raise ValueError(f"--mini-batches {cfg.mini_batches} exceeds the {n} completions of a step "
-                         "(--prompts-per-step x --group-size); lower it")  # fmt: skip
+        raise ValueError(
+            f"--mini-batches {cfg.mini_batches} exceeds the {n} completions of a step "
+            "(--prompts-per-step x --group-size); lower it"
+        )
 
 
 # ------------------------------------------------------------------------------------------------ logprobs
 
 
-def token_logprobs(model: torch.nn.Module, inputs: Tensor, targets: Tensor, temperature: float, *,
-                   place: Placement | None = None, backend: str = "auto", with_entropy: bool = True,
-                   mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+def token_logprobs(
+    model: torch.nn.Module,
+    inputs: Tensor,
+    targets: Tensor,
+    temperature: float,
+    *,
+    place: Placement | None = None,
+    backend: str = "auto",
+    with_entropy: bool = True,
+    mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """Token logprobs (and entropy) of ``targets`` under ``softmax(logits / T)``, float32 (B, L), with the lm_head
     fused into the log-softmax: the (B, L, V) logits never exist. Differentiable w.r.t. every parameter, the
     (tied or not) lm_head included. Use under ``torch.no_grad()`` for old / reference logprobs.
@@ -157,10 +170,19 @@ def token_logprobs(model: torch.nn.Module, inputs: Tensor, targets: Tensor, temp
     return spread(lp, idx, mask.shape), spread(ent, idx, mask.shape) if ent is not None else None
 
 
-def packed_token_logprobs(model: torch.nn.Module, inputs: Tensor, targets: Tensor, mask: Tensor,
-                          row: packing.PackedRow, temperature: float, *, place: Placement | None = None,
-                          backend: str = "auto", with_entropy: bool = True,
-                          pad_to: int = 0) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+def packed_token_logprobs(
+    model: torch.nn.Module,
+    inputs: Tensor,
+    targets: Tensor,
+    mask: Tensor,
+    row: packing.PackedRow,
+    temperature: float,
+    *,
+    place: Placement | None = None,
+    backend: str = "auto",
+    with_entropy: bool = True,
+    pad_to: int = 0,
+) -> tuple[Tensor, Tensor | None]:
     """``token_logprobs(mask=mask)`` of the batch rows ``row.rows`` ((rows, L), L their longest), computed on one
     packed row (``align.packing``): each prompt once, its completions after it. The same values and gradients as
     the padded call, up to float summation order. ``pad_to``: ``packing.build``'s (CUDA rows: the token budget)."""
@@ -173,8 +195,15 @@ def packed_token_logprobs(model: torch.nn.Module, inputs: Tensor, targets: Tenso
     return spread(lp, pk.dest, pk.shape), spread(ent, pk.dest, pk.shape) if ent is not None else None
 
 
-def fused_head(model: torch.nn.Module, hidden: Tensor, targets: Tensor, temperature: float, place: Placement,
-               backend: str, with_entropy: bool) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+def fused_head(
+    model: torch.nn.Module,
+    hidden: Tensor,
+    targets: Tensor,
+    temperature: float,
+    place: Placement,
+    backend: str,
+    with_entropy: bool,
+) -> tuple[Tensor, Tensor | None]:
     """``linear_token_logprobs`` of final hidden states (..., E) through the model's (tied or not) lm_head; in
     bf16 under ``bf16-mixed``, like every other matmul of the forward."""
     weight = model.lm_head.weight  # (V, E); the embedding itself when tied
@@ -217,8 +246,10 @@ def micro_batches(lengths: Sequence[int], cfg: Any) -> list[list[int]]:
         return [rows[s : s + size] for s in range(0, len(rows), size)]
     rows.sort(key=lambda i: -lengths[i])  # stable: equal lengths keep their order
     if rows and lengths[rows[0]] > budget:
-        raise ValueError(f"--micro-batch-tokens {budget} is smaller than the longest sequence of this step "
-                         f"({lengths[rows[0]]} tokens); raise it to at least the longest prompt + --max-tokens")  # fmt: skip
+        raise ValueError(
+            f"--micro-batch-tokens {budget} is smaller than the longest sequence of this step "
+            f"({lengths[rows[0]]} tokens); raise it to at least the longest prompt + --max-tokens"
+        )
     out: list[list[int]] = []
     for i in rows:
         if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= budget:
@@ -235,9 +266,11 @@ def check_token_budget(cfg: Any, prompt_lengths: Sequence[int]) -> None:
     budget = getattr(cfg, "micro_batch_tokens", None)
     if budget and prompt_lengths and max(prompt_lengths) + cfg.max_tokens - 1 > budget:
         longest = max(prompt_lengths) + cfg.max_tokens - 1
-        raise InputError(f"--micro-batch-tokens {budget} is smaller than the longest sequence a step can hold "
-                         f"(longest prompt {max(prompt_lengths)} + --max-tokens {cfg.max_tokens} - 1 = {longest}); "
-                         f"raise it to >= {longest}")  # fmt: skip
+        raise InputError(
+            f"--micro-batch-tokens {budget} is smaller than the longest sequence a step can hold "
+            f"(longest prompt {max(prompt_lengths)} + --max-tokens {cfg.max_tokens} - 1 = {longest}); "
+            f"raise it to >= {longest}"
+        )
 
 
 def _rows(t: Tensor, idx: list[int], L: int) -> Tensor:
@@ -256,9 +289,17 @@ def plan_micro_batches(inputs: Tensor, mask: Tensor, cfg: Any) -> list[MicroBatc
     return micro_batches(lengths, cfg)
 
 
-def micro_batch_logprobs(model: torch.nn.Module, inputs: Tensor, targets: Tensor, mask: Tensor, mb: MicroBatch,
-                         cfg: Any, place: Placement | None, with_entropy: bool = True,
-                         temperature: float | None = None) -> tuple:  # fmt: skip
+def micro_batch_logprobs(
+    model: torch.nn.Module,
+    inputs: Tensor,
+    targets: Tensor,
+    mask: Tensor,
+    mb: MicroBatch,
+    cfg: Any,
+    place: Placement | None,
+    with_entropy: bool = True,
+    temperature: float | None = None,
+) -> tuple:
     """(rows, L, logprobs (rows, L), entropy or None) of one micro-batch of the (N, L) batch tensors, L its
     longest row: by a packed row or by the padded rows, the same values either way. ``temperature``: None =
     ``cfg.temperature`` (the sampler's); ``nll_backward`` passes 1 (its ``cfg.temperature`` is the eval's)."""
@@ -274,8 +315,9 @@ def micro_batch_logprobs(model: torch.nn.Module, inputs: Tensor, targets: Tensor
 
 
 @torch.no_grad()
-def batch_logprobs(model: torch.nn.Module, batch: Batch, cfg: Any, place: Placement | None = None,
-                   rows: Tensor | None = None) -> Tensor:  # fmt: skip
+def batch_logprobs(
+    model: torch.nn.Module, batch: Batch, cfg: Any, place: Placement | None = None, rows: Tensor | None = None
+) -> Tensor:
     """Logprobs (N, L) of the batch's targets under ``model``, no graph, by the step's micro-batches (0 elsewhere).
     ``rows``: only these rows (torchrun: this rank's; every rank runs as many forwards as the busiest)."""
     out = torch.zeros(batch.mask.shape, dtype=torch.float32, device=batch.mask.device)  # (N, L)
@@ -285,25 +327,43 @@ def batch_logprobs(model: torch.nn.Module, batch: Batch, cfg: Any, place: Placem
     mbs += [[]] * (dist.max_int(len(mbs)) - len(mbs))
     for mb in mbs:
         if not mb:  # padding forward (torchrun): FSDP's all-gathers need every rank
-            token_logprobs(model, batch.inputs[:1, :1], batch.targets[:1, :1], cfg.temperature, place=place,
-                           backend=cfg.logprob_backend, with_entropy=False)  # fmt: skip
+            token_logprobs(
+                model,
+                batch.inputs[:1, :1],
+                batch.targets[:1, :1],
+                cfg.temperature,
+                place=place,
+                backend=cfg.logprob_backend,
+                with_entropy=False,
+            )
             continue
         idx, L, lp, _ = micro_batch_logprobs(model, sub.inputs, sub.targets, sub.mask, mb, cfg, place, False)
         out[torch.tensor([sel[i] for i in idx], device=out.device), :L] = lp
     return out
 
 
-def reference_logprobs(ref_model: torch.nn.Module, batch: Batch, cfg: Any, place: Placement | None = None,
-                       rows: Tensor | None = None) -> Tensor:  # fmt: skip
+def reference_logprobs(
+    ref_model: torch.nn.Module, batch: Batch, cfg: Any, place: Placement | None = None, rows: Tensor | None = None
+) -> Tensor:
     """``batch_logprobs`` of the KL reference: a LoRA model (the policy of a LoRA run) with its adapters off."""
     with adapters_disabled(ref_model):
         return batch_logprobs(ref_model, batch, cfg, place, rows)
 
 
-def backward_batch(policy: torch.nn.Module, ref_model: torch.nn.Module | None, cfg: Any, inputs: Tensor,
-                   targets: Tensor, mask: Tensor, advantages: Tensor, behav: Tensor, *,
-                   place: Placement | None = None, old_logprobs: Tensor | None = None,
-                   ref_logprobs: Tensor | None = None) -> list[dict]:  # fmt: skip
+def backward_batch(
+    policy: torch.nn.Module,
+    ref_model: torch.nn.Module | None,
+    cfg: Any,
+    inputs: Tensor,
+    targets: Tensor,
+    mask: Tensor,
+    advantages: Tensor,
+    behav: Tensor,
+    *,
+    place: Placement | None = None,
+    old_logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+) -> list[dict]:
     """Loss and backward over micro-batches, accumulating into ``.grad``; returns the per-micro-batch stats.
 
     The normalisers (token and sequence counts) are those of all the rows given, so the accumulated gradient is
@@ -322,8 +382,15 @@ def backward_batch(policy: torch.nn.Module, ref_model: torch.nn.Module | None, c
     mbs += [[]] * (dist.max_int(len(mbs)) - len(mbs))
     for mb in mbs:
         if not mb:  # padding micro-batch (torchrun): same forward/backward collectives, no gradient
-            lp, _ = token_logprobs(policy, inputs[:1, :1], targets[:1, :1], cfg.temperature, place=place,
-                                   backend=cfg.logprob_backend, with_entropy=False)  # fmt: skip
+            lp, _ = token_logprobs(
+                policy,
+                inputs[:1, :1],
+                targets[:1, :1],
+                cfg.temperature,
+                place=place,
+                backend=cfg.logprob_backend,
+                with_entropy=False,
+            )
             (lp.sum() * 0.0).backward()
             continue
         idx, L, lp, ent = micro_batch_logprobs(policy, inputs, targets, mask, mb, cfg, place)
@@ -335,8 +402,18 @@ def backward_batch(policy: torch.nn.Module, ref_model: torch.nn.Module | None, c
             with torch.no_grad(), adapters_disabled(ref_model):
                 ref = micro_batch_logprobs(ref_model, inputs, targets, mask, mb, cfg, place, False)[2]
         old = lp.detach() if old_logprobs is None else _rows(old_logprobs, idx, L)
-        loss, st = policy_loss(cfg.loss, lp, old, _rows(advantages, idx, L), m, behav_logprobs=_rows(behav, idx, L),
-                               ref_logprobs=ref, entropy=ent, total_tokens=total_tokens, total_seqs=total_seqs)  # fmt: skip
+        loss, st = policy_loss(
+            cfg.loss,
+            lp,
+            old,
+            _rows(advantages, idx, L),
+            m,
+            behav_logprobs=_rows(behav, idx, L),
+            ref_logprobs=ref,
+            entropy=ent,
+            total_tokens=total_tokens,
+            total_seqs=total_seqs,
+        )
         loss.backward()
         stats.append(st)
     return dist.merge_rank_stats(stats, merge_stats)
@@ -349,8 +426,15 @@ Teacher = Callable[[Batch, Any, Placement, Tensor | None], Tensor]
 """(batch, cfg, place, rows) -> the teacher's logprobs (N, L) of the batch's targets (``rows``: at least those)."""
 
 
-def optimize(policy: torch.nn.Module, ref_model: torch.nn.Module | None, opt: torch.optim.Optimizer, cfg: Any,
-             place: Placement, batch: Batch, teacher: Teacher | None = None) -> Update:  # fmt: skip
+def optimize(
+    policy: torch.nn.Module,
+    ref_model: torch.nn.Module | None,
+    opt: torch.optim.Optimizer,
+    cfg: Any,
+    place: Placement,
+    batch: Batch,
+    teacher: Teacher | None = None,
+) -> Update:
     """``cfg.updates_per_batch`` x ``cfg.mini_batches`` optimizer steps on one batch (see the module docstring)."""
     K, M = getattr(cfg, "updates_per_batch", 1), getattr(cfg, "mini_batches", 1)
     minis = torch.arange(batch.inputs.shape[0], device=batch.inputs.device).tensor_split(M)
@@ -382,8 +466,12 @@ def optimize(policy: torch.nn.Module, ref_model: torch.nn.Module | None, opt: to
             opt.step()
             per_update.append(merged)
     norms = norms if per_update else skipped_norms  # every step skipped: the record shows why
-    return Update({**summarise(per_update or skipped, K), **distill}, sum(norms) / len(norms) if norms else 0.0,
-                  per_update, len(skipped))  # fmt: skip
+    return Update(
+        {**summarise(per_update or skipped, K), **distill},
+        sum(norms) / len(norms) if norms else 0.0,
+        per_update,
+        len(skipped),
+    )
 
 
 def teacher_signal(batch: Batch, teacher_lp: Tensor, coef: float, rows: Tensor | None) -> tuple[Batch, dict]:
@@ -407,8 +495,11 @@ def grad_norm(policy: torch.nn.Module, clip: float) -> float:
 
 def nonfinite_parameters(model: torch.nn.Module) -> list[str]:
     """Names of the parameters that hold a NaN or inf (torchrun: in this rank's shards)."""
-    return [n for n, p in model.named_parameters()
-            if not bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())]  # fmt: skip
+    return [
+        n
+        for n, p in model.named_parameters()
+        if not bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())
+    ]
 
 
 class NonFiniteSteps:
@@ -446,19 +537,37 @@ def summarise(per_update: list[dict[str, float]], K: int) -> dict[str, float]:
     return out
 
 
-def update(policy: torch.nn.Module, ref_model: torch.nn.Module | None, opt: torch.optim.Optimizer, cfg: Any,
-           place: Placement, prompt_ids: list[list[int]], completions: list, adv: Tensor, valid: Tensor,
-           teacher: Teacher | None = None) -> Update:  # fmt: skip
+def update(
+    policy: torch.nn.Module,
+    ref_model: torch.nn.Module | None,
+    opt: torch.optim.Optimizer,
+    cfg: Any,
+    place: Placement,
+    prompt_ids: list[list[int]],
+    completions: list,
+    adv: Tensor,
+    valid: Tensor,
+    teacher: Teacher | None = None,
+) -> Update:
     """The learning part of one training step: the step's batch on ``place.device``, then ``optimize``."""
-    return optimize(policy, ref_model, opt, cfg, place, make_batch(prompt_ids, completions, adv, valid, cfg,
-                                                                   place.device), teacher)  # fmt: skip
+    return optimize(
+        policy, ref_model, opt, cfg, place, make_batch(prompt_ids, completions, adv, valid, cfg, place.device), teacher
+    )
 
 
 # ------------------------------------------------------------------------------------------------ supervised (align.sft)
 
 
-def nll_backward(policy: torch.nn.Module, cfg: Any, inputs: Tensor, targets: Tensor, mask: Tensor, *,
-                 place: Placement | None = None, backward: bool = True) -> dict[str, float]:  # fmt: skip
+def nll_backward(
+    policy: torch.nn.Module,
+    cfg: Any,
+    inputs: Tensor,
+    targets: Tensor,
+    mask: Tensor,
+    *,
+    place: Placement | None = None,
+    backward: bool = True,
+) -> dict[str, float]:
     """Mean token negative log-likelihood of ``targets`` over ``mask`` (True = a target token; (N, L) like the
     rest), the supervised loss of ``align.sft``: the fused logprobs at T = 1 by the step's micro-batches
     (``plan_micro_batches``: packed rows under ``cfg.pack_sequences``, a row's context before its first target

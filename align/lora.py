@@ -45,8 +45,16 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # PeftModel(LoraModel(model)): the align name follows this prefix
 # adapter_config.json values align does not implement; a PEFT adapter using them is refused by name.
-UNSUPPORTED = {"use_dora": False, "use_rslora": False, "modules_to_save": None, "layers_to_transform": None,
-               "rank_pattern": {}, "alpha_pattern": {}, "bias": "none", "fan_in_fan_out": False}  # fmt: skip
+UNSUPPORTED = {
+    "use_dora": False,
+    "use_rslora": False,
+    "modules_to_save": None,
+    "layers_to_transform": None,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "bias": "none",
+    "fan_in_fan_out": False,
+}
 
 
 def _h(text: str) -> Any:
@@ -241,10 +249,18 @@ def adapter_config(model: Transformer) -> dict:
     cfg: LoraConfig = model.lora_config
     targets = sorted({name.rsplit(".", 1)[-1] for name in lora_modules(model)})
     return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": model.lora_base,
-        "r": cfg.rank, "lora_alpha": cfg.alpha if cfg.alpha is not None else cfg.rank, "lora_dropout": cfg.dropout,
-        "target_modules": targets, "inference_mode": True, "init_lora_weights": True, "revision": None, **UNSUPPORTED,
-    }  # fmt: skip
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": model.lora_base,
+        "r": cfg.rank,
+        "lora_alpha": cfg.alpha if cfg.alpha is not None else cfg.rank,
+        "lora_dropout": cfg.dropout,
+        "target_modules": targets,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "revision": None,
+        **UNSUPPORTED,
+    }
 
 
 def save_adapter(model: Transformer, path: str | os.PathLike) -> Path:

@@ -62,8 +62,16 @@ class ModelConfig:
     generation_config: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "head_dim", "max_position_embeddings"):  # fmt: skip
+        for k in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if type(getattr(self, k)) is not int or getattr(self, k) <= 0:
                 raise ValueError(f"config.json {k} is {getattr(self, k)!r}: it must be a positive integer")
         if self.model_type not in SUPPORTED_MODEL_TYPES:

@@ -79,8 +79,10 @@ def plan(inputs: Tensor, mask: Tensor, lengths: Sequence[int], budget: int, size
     for p, members in _groups(inputs, plen, rows):
         own = sorted(members, key=lambda r: -(lengths[r] - p))  # stable: equal lengths keep their order
         if lengths[own[0]] > budget:  # a segment of one completion costs its padded row's length
-            raise ValueError(f"--micro-batch-tokens {budget} is smaller than one prompt and its longest completion "
-                             f"({lengths[own[0]]} tokens); raise it to at least the longest prompt + --max-tokens")  # fmt: skip
+            raise ValueError(
+                f"--micro-batch-tokens {budget} is smaller than one prompt and its longest completion "
+                f"({lengths[own[0]]} tokens); raise it to at least the longest prompt + --max-tokens"
+            )
         segs: list[list] = []
         for r in own:
             n = lengths[r] - p
@@ -120,8 +122,9 @@ def _one_row(inputs: Tensor, plen: Sequence[int], lengths: Sequence[int], rows: 
 FLEX_BLOCK = 128  # FlexAttention's block size: the shortest flex row
 
 
-def build(inputs: Tensor, targets: Tensor, mask: Tensor, row: PackedRow, backend: str = "auto",
-          pad_to: int = 0) -> Packed:  # fmt: skip
+def build(
+    inputs: Tensor, targets: Tensor, mask: Tensor, row: PackedRow, backend: str = "auto", pad_to: int = 0
+) -> Packed:
     """The tensors of ``row`` on ``inputs``' device, from the padded (N, L) batch. The output layout (rows, L) is
     ``row.rows`` by the longest of them. ``backend``: the packed attention backend, auto = flex on CUDA, else sdpa.
     A flex row is padded (one segment of padding, attending only to itself and never scored) to ``pad_to`` tokens

@@ -239,8 +239,10 @@ def _value(v: Any) -> float:
 def _checked(kind: str, v: Any, name: str) -> tuple[str, Any]:
     """A call's result with an infinite or beyond-float32 value turned into an error (NaN stays an abstention)."""
     if kind == "ok" and not math.isnan(v) and not abs(v) <= FLOAT32_MAX:
-        return "error", (f"reward {name!r} returned {v!r}, which float32 cannot hold (|reward| <= {FLOAT32_MAX:.4g}); "
-                         "the completion counts as unscorable: return a finite reward (None/NaN abstains)")  # fmt: skip
+        return "error", (
+            f"reward {name!r} returned {v!r}, which float32 cannot hold (|reward| <= {FLOAT32_MAX:.4g}); "
+            "the completion counts as unscorable: return a finite reward (None/NaN abstains)"
+        )
     return kind, v
 
 
@@ -375,8 +377,9 @@ class RewardScorer:
         with self._lock:
             if self.pool is not None:
                 calls = [(k, i, rec, text) for i, (rec, text) in enumerate(items) for k in range(len(self.rewards))]
-                results = self.pool.run([(k, rec["prompt"], text, _fields(rec)) for k, _, rec, text in calls],
-                                        check_stop)  # fmt: skip
+                results = self.pool.run(
+                    [(k, rec["prompt"], text, _fields(rec)) for k, _, rec, text in calls], check_stop
+                )
             else:
                 results = []
                 for i, (rec, text) in enumerate(items):
@@ -411,8 +414,10 @@ class RewardScorer:
             vals = [(w, v) for w, (kind, v) in zip(self.weights, row) if kind == "ok" and math.isfinite(v)]
             total = math.nan if failed or not vals else sum(w * v for w, v in vals)
             if not math.isnan(total) and not abs(total) <= FLOAT32_MAX:  # the weights pushed it out of range
-                out.errors.append(f"the weighted reward sum {total!r} (--reward-weights {self.weights}) is beyond "
-                                  f"float32 (|total| <= {FLOAT32_MAX:.4g}): the completion counts as unscorable")  # fmt: skip
+                out.errors.append(
+                    f"the weighted reward sum {total!r} (--reward-weights {self.weights}) is beyond "
+                    f"float32 (|total| <= {FLOAT32_MAX:.4g}): the completion counts as unscorable"
+                )
                 total, failed = math.nan, True
             out.failed += failed
             out.failed_at += [i] if failed else []

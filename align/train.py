@@ -59,8 +59,17 @@ def train(
     from align.rollout.pipeline import Interrupted
     from align.run.build import open_run
 
-    run = open_run(cfg, model=model, tokenizer=tokenizer, prompts=prompts, reward=reward,
-                   eval_prompts=eval_prompts, env=env, tools=tools, stop_flag=stop_flag)  # fmt: skip
+    run = open_run(
+        cfg,
+        model=model,
+        tokenizer=tokenizer,
+        prompts=prompts,
+        reward=reward,
+        eval_prompts=eval_prompts,
+        env=env,
+        tools=tools,
+        stop_flag=stop_flag,
+    )
     with run:  # closes pipeline, client, scorer, logs and worker; drains the evaluator
         run.emit(run.baseline())  # the step-0 eval, once per run
         run.stop_flag["loop"] = True  # from here a signal stops after the current step (before: main raises)
@@ -77,11 +86,22 @@ def train(
             scores = groups.tensors(cfg.group_size)  # (P, G) total, terms, lengths, truncated; NaN = unscorable
             run.check_rewards(groups, run.step + 1)
             # 4. advantages
-            adv, valid, adv_stats = compute_advantages(scores.total, cfg.adv, lengths=scores.lengths,
-                                                       truncated=scores.truncated, max_tokens=cfg.max_tokens)  # fmt: skip
+            adv, valid, adv_stats = compute_advantages(
+                scores.total, cfg.adv, lengths=scores.lengths, truncated=scores.truncated, max_tokens=cfg.max_tokens
+            )
             # 5. loss / backward / optimizer step(s) (align.learner: fused logprobs, micro-batches, global normalisers)
-            upd = learner.update(run.policy, run.ref_model, run.opt, cfg, run.place, run.prompt_ids(groups),
-                                 groups.completions, adv, valid, run.teacher)  # fmt: skip
+            upd = learner.update(
+                run.policy,
+                run.ref_model,
+                run.opt,
+                cfg,
+                run.place,
+                run.prompt_ids(groups),
+                groups.completions,
+                adv,
+                valid,
+                run.teacher,
+            )
             run.sched.step()
             run.step += 1
             # 6. weights to the rollout engine (every backend, every K; nothing to do for the native sampler at K = 0)
@@ -102,8 +122,17 @@ def train(
     return run.summary()
 
 
-def step_record(step: int, produced: Any, scores: Any, upd: Any, adv_stats: dict, async_stats: dict, sync_s: float,
-                cfg: TrainConfig, sched: Any) -> dict:  # fmt: skip
+def step_record(
+    step: int,
+    produced: Any,
+    scores: Any,
+    upd: Any,
+    adv_stats: dict,
+    async_stats: dict,
+    sync_s: float,
+    cfg: TrainConfig,
+    sched: Any,
+) -> dict:
     """The metrics record of one step (``metrics.jsonl``; the progress line shows a few keys)."""
     from align.envs.episodes import env_stats
 
@@ -112,8 +141,11 @@ def step_record(step: int, produced: Any, scores: Any, upd: Any, adv_stats: dict
     gen_tokens = sum(len(c.token_ids) for c in groups.completions)
     refill = {}
     if cfg.adv_refill:
-        refill = {"refill_rounds": groups.rounds, "refill_prompts": groups.sampled_prompts - len(groups.idx),
-                  "signal_groups": groups.signal_groups}  # fmt: skip
+        refill = {
+            "refill_rounds": groups.rounds,
+            "refill_prompts": groups.sampled_prompts - len(groups.idx),
+            "signal_groups": groups.signal_groups,
+        }
     return {
         "step": step,
         "reward_mean": float(finite.mean()) if finite.numel() else math.nan,

@@ -45,8 +45,10 @@ def check_env_class(cls: Any, flag: str = "--env") -> None:
         raise InputError(f"{flag}: {cls!r} is a {type(cls).__name__}, not a class with reset() and step()")
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
     if missing:
-        raise InputError(f"{flag}: class {cls.__name__} has no {' or '.join(missing)}() method; an environment "
-                         "defines reset(self) -> messages | str and step(self, completion) -> align.envs.Step")  # fmt: skip
+        raise InputError(
+            f"{flag}: class {cls.__name__} has no {' or '.join(missing)}() method; an environment "
+            "defines reset(self) -> messages | str and step(self, completion) -> align.envs.Step"
+        )
 
 
 def check_observation(obs: Any, what: str) -> list[dict] | str:
@@ -78,8 +80,9 @@ def check_step(out: Any, what: str = "step()") -> Step:
         if isinstance(reward, bool) or not isinstance(reward, (int, float)):
             raise EnvError(f"{what}: Step.reward must be a number or None, got {_brief(reward)}")
         reward = float(reward)
-    if info is not None and not (isinstance(info, dict) and all(
-            isinstance(v, int) and not isinstance(v, bool) for v in info.values())):  # fmt: skip
+    if info is not None and not (
+        isinstance(info, dict) and all(isinstance(v, int) and not isinstance(v, bool) for v in info.values())
+    ):
         raise EnvError(f"{what}: Step.info must be a dict of int counts or None, got {_brief(info)}")
     return Step(obs, reward, done, info)
 

@@ -64,8 +64,10 @@ class EnvConfig:
         if self.max_episode_tokens < 0:
             raise ValueError(f"--max-episode-tokens must be >= 0 (0 = no limit), got {self.max_episode_tokens}")
         if 0 < self.max_episode_tokens < max_tokens:
-            raise ValueError(f"--max-episode-tokens {self.max_episode_tokens} is below --max-tokens {max_tokens}: "
-                             "the first turn could not use its budget; raise it or lower --max-tokens")  # fmt: skip
+            raise ValueError(
+                f"--max-episode-tokens {self.max_episode_tokens} is below --max-tokens {max_tokens}: "
+                "the first turn could not use its budget; raise it or lower --max-tokens"
+            )
         if self.env_timeout_s < 0:
             raise ValueError(f"--env-timeout-s must be >= 0 (0 = no limit), got {self.env_timeout_s}")
         if self.env_workers < 0:

@@ -89,8 +89,12 @@ class _Live:
         self.ep.messages = list(obs) if isinstance(obs, list) else [{"role": "user", "content": obs}]
         self.ep.chat = isinstance(obs, list)
         if len(self.ep.prompt_ids) >= self.runner.context:
-            self.fail(EnvError(f"the first prompt has {len(self.ep.prompt_ids)} tokens: no room in the context of "
-                               f"{self.runner.context}"))  # fmt: skip
+            self.fail(
+                EnvError(
+                    f"the first prompt has {len(self.ep.prompt_ids)} tokens: no room in the context of "
+                    f"{self.runner.context}"
+                )
+            )
 
     def budget(self, turn_cap: bool = True) -> int:
         """Tokens the next turn may sample: what is left of --max-episode-tokens and of the context, and (with
@@ -110,8 +114,15 @@ class _Live:
         ep.sampled_logprobs += slps
         ep.mask += [True] * len(ids)
         ep.weights_version = version
-        ep.turns.append({"policy_tokens": len(ids), "env_tokens": 0, "finish_reason": finish, "reward": None,
-                         "weights_version": version})  # fmt: skip
+        ep.turns.append(
+            {
+                "policy_tokens": len(ids),
+                "env_tokens": 0,
+                "finish_reason": finish,
+                "reward": None,
+                "weights_version": version,
+            }
+        )
         text = self.runner.decode(ids)
         ep.messages.append({"role": "assistant", "content": text})
         ep.text = text
@@ -159,8 +170,9 @@ class EpisodeRunner:
     """Runs a step's episodes on a rollout client. ``envs``: an ``align.envs.runner.EnvRunner``; ``renderer``: an
     ``align.chat.TurnRenderer``; ``decode(ids) -> str`` drops a trailing stop token."""
 
-    def __init__(self, envs: Any, renderer: Any, decode: Callable[[list[int]], str], cfg: Any, max_tokens: int,
-                 context: int) -> None:  # fmt: skip
+    def __init__(
+        self, envs: Any, renderer: Any, decode: Callable[[list[int]], str], cfg: Any, max_tokens: int, context: int
+    ) -> None:
         self.envs, self.renderer, self.decode, self.cfg = envs, renderer, decode, cfg
         self.max_tokens, self.context = max_tokens, context
         self._next_key = 0
@@ -200,8 +212,9 @@ class EpisodeRunner:
 
     # ---------------------------------------------------------------------- the native sampler: turn waves
 
-    def _run_native(self, model: Any, client: Any, live: list[_Live], params: SamplingParams,
-                    share: range | None = None) -> None:  # fmt: skip
+    def _run_native(
+        self, model: Any, client: Any, live: list[_Live], params: SamplingParams, share: range | None = None
+    ) -> None:
         """Turn waves on one ``Session``; a row's id is its episode's index in ``live`` (its draws depend only on it),
         so a rank's ``share`` of the episodes samples what one process samples for them."""
         from align.rollout.sessions import Session
@@ -248,8 +261,13 @@ class EpisodeRunner:
                     seed = None if params.seed is None else params.seed + 7919 * e.index + 104_729 * len(e.ep.turns)
                     p = dataclasses.replace(params, n=1, max_tokens=e.budget(), seed=seed)
                     c = client.generate([ids], p)[0]
-                    text = e.add_turn(c.token_ids, list(c.logprobs), list(c.sampled_logprobs or c.logprobs),
-                                      c.finish_reason, c.weights_version)  # fmt: skip
+                    text = e.add_turn(
+                        c.token_ids,
+                        list(c.logprobs),
+                        list(c.sampled_logprobs or c.logprobs),
+                        c.finish_reason,
+                        c.weights_version,
+                    )
                     if e.done:
                         return
                     try:
@@ -264,8 +282,9 @@ class EpisodeRunner:
             except BaseException as err:  # noqa: BLE001 -- a rollout failure (dead worker): raised by run()
                 errors.append(err)
 
-        threads = [threading.Thread(target=episode, args=(e,), name=f"align-episode-{e.key}", daemon=True)
-                   for e in live]  # fmt: skip
+        threads = [
+            threading.Thread(target=episode, args=(e,), name=f"align-episode-{e.key}", daemon=True) for e in live
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -313,8 +332,13 @@ def episode_scores(episodes: list[Episode], items: list[tuple[dict, str]], score
     from align.rewards import Scores
 
     base = scorer.score(items, should_stop) if scorer is not None else None
-    out = Scores([], {"env": [], **(base.terms if base else {})}, list(base.errors) if base else [],
-                 base.timeouts if base else 0, base.failed if base else 0)  # fmt: skip
+    out = Scores(
+        [],
+        {"env": [], **(base.terms if base else {})},
+        list(base.errors) if base else [],
+        base.timeouts if base else 0,
+        base.failed if base else 0,
+    )
     failed_reward = set(base.failed_at) if base else set()
     for j, e in enumerate(episodes):
         env = math.nan if e.env_reward is None or e.error else e.env_reward

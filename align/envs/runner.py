@@ -392,8 +392,9 @@ class EnvRunner:
             if w is None or home is None or home[1] is None:
                 raise ValueError(f"episode {episode} is not open (closed meanwhile, or the runner is closed)")
             if home[1] is not w:
-                raise EnvError(f"episode {episode}: the worker was replaced ({home[1].lost}), and the episode's "
-                               "state went with it")  # fmt: skip
+                raise EnvError(
+                    f"episode {episode}: the worker was replaced ({home[1].lost}), and the episode's state went with it"
+                )
             try:
                 value = w.request(payload, self.timeout_s, what)
             except EnvError:
@@ -459,8 +460,13 @@ def _worker_main() -> None:
         try:
             text = json.dumps(reply)
         except (TypeError, ValueError) as e:
-            text = json.dumps({"id": msg["id"], "error": f"{op}() returned a value that is not JSON ({e}); with "
-                               "--env-workers >= 1 it travels as JSON: use str, numbers, lists and dicts"})  # fmt: skip
+            text = json.dumps(
+                {
+                    "id": msg["id"],
+                    "error": f"{op}() returned a value that is not JSON ({e}); with "
+                    "--env-workers >= 1 it travels as JSON: use str, numbers, lists and dicts",
+                }
+            )
         out.write(text + "\n")
 
 

@@ -86,7 +86,11 @@ def _json_type(hint: Any, where: str) -> dict:
     if origin is tuple and len(args) > 1 and ... not in args:
         return {"type": "array", "prefixItems": [_json_type(t, where) for t in args]}
     if origin is dict:
-        return {"type": "object", "additionalProperties": _json_type(args[1], where)} if len(args) == 2 else {"type": "object"}  # fmt: skip
+        return (
+            {"type": "object", "additionalProperties": _json_type(args[1], where)}
+            if len(args) == 2
+            else {"type": "object"}
+        )
     raise ValueError(f"{where} has the type {hint!r}, which has no JSON schema (use list[...] for a sequence)")
 
 
@@ -123,7 +127,9 @@ def tool_schema(fn: Callable[..., Any]) -> dict:
     try:
         sig, hints = inspect.signature(fn), typing.get_type_hints(fn)
     except (TypeError, ValueError, NameError) as e:
-        raise fail(f"its signature cannot be read ({type(e).__name__}: {e})", "use a plain def with type hints") from None  # fmt: skip
+        raise fail(
+            f"its signature cannot be read ({type(e).__name__}: {e})", "use a plain def with type hints"
+        ) from None
     properties: dict[str, dict] = {}
     required = []
     for pname, param in sig.parameters.items():
@@ -136,7 +142,9 @@ def tool_schema(fn: Callable[..., Any]) -> dict:
         try:
             prop = _json_type(hints[pname], f"parameter {pname!r}")
         except ValueError as e:
-            raise fail(str(e), "use str, int, float, bool, list[...], dict[str, ...], Literal[...] or X | None") from None  # fmt: skip
+            raise fail(
+                str(e), "use str, int, float, bool, list[...], dict[str, ...], Literal[...] or X | None"
+            ) from None
         text = arg_docs[pname]
         if choices := _CHOICES_RE.search(text):
             prop["enum"] = [c.strip() if isinstance(c, str) else c for c in json.loads(choices.group(1))]
@@ -219,8 +227,11 @@ def _call(body: str, args_keys: tuple[str, ...]) -> dict:
     key = next((k for k in args_keys if k in obj), None)
     args = obj[key] if key else {}
     if not isinstance(args, dict):
-        return {"error": f'"{key}" must be a JSON object of named arguments, got a {type(args).__name__}',
-                "name": name, "text": body}  # fmt: skip
+        return {
+            "error": f'"{key}" must be a JSON object of named arguments, got a {type(args).__name__}',
+            "name": name,
+            "text": body,
+        }
     return {"name": name, "arguments": args}
 
 
@@ -235,7 +246,9 @@ def parse_tool_calls(text: str) -> list[dict]:
     is ``{}``.
     """
     if "<tool_call>" in text:
-        return [_call((closed or open_).strip(), ("arguments", "parameters")) for closed, open_ in _HERMES_RE.findall(text)]  # fmt: skip
+        return [
+            _call((closed or open_).strip(), ("arguments", "parameters")) for closed, open_ in _HERMES_RE.findall(text)
+        ]
     body = text.strip()
     for end in _LLAMA_END:
         body = body.removesuffix(end).rstrip()
@@ -268,8 +281,10 @@ def _call_in_thread(fn: Callable[..., Any], args: dict, timeout_s: float) -> Any
     thread.start()
     thread.join(timeout_s or None)
     if thread.is_alive():
-        raise _Abandoned(f"{getattr(fn, '__name__', 'the tool')} ran past the {timeout_s:g} s tool timeout and was "
-                         "abandoned (a Python function cannot be killed: it may still be running)")  # fmt: skip
+        raise _Abandoned(
+            f"{getattr(fn, '__name__', 'the tool')} ran past the {timeout_s:g} s tool timeout and was "
+            "abandoned (a Python function cannot be killed: it may still be running)"
+        )
     if isinstance(box.get("error"), Exception):
         raise box["error"]
     if "error" in box:  # SystemExit and the like: the tool's failure, not a reason to stop the trainer
@@ -283,8 +298,9 @@ def _cut(text: str, max_chars: int) -> str:
     return text[:max_chars] + f"\n[output cut: the first {max_chars} of {len(text)} characters]"
 
 
-def make_tool_env(tools: list[Tool], timeout_s: float = 10.0, max_output_chars: int = 4000,
-                  python_limits: PythonLimits | None = None) -> type:  # fmt: skip
+def make_tool_env(
+    tools: list[Tool], timeout_s: float = 10.0, max_output_chars: int = 4000, python_limits: PythonLimits | None = None
+) -> type:
     """An environment class (``align.envs`` API) over ``tools``: one instance per episode, built from the data
     row (``messages``, or ``prompt``: a string becomes one user message). Each call runs with ``timeout_s``
     (0 = none for user tools) and its result is cut at ``max_output_chars``; the python tool runs under
@@ -339,7 +355,9 @@ def make_tool_env(tools: list[Tool], timeout_s: float = 10.0, max_output_chars: 
                 return [{"role": "user", "content": msgs}]
             if isinstance(msgs, list) and msgs:
                 return copy.deepcopy(msgs)
-            raise EnvError(f"the tool environment needs a 'messages' list or a 'prompt' string; the row has {sorted(self.row)}")  # fmt: skip
+            raise EnvError(
+                f"the tool environment needs a 'messages' list or a 'prompt' string; the row has {sorted(self.row)}"
+            )
 
         def step(self, completion: str) -> Step:
             calls = parse_tool_calls(completion)

@@ -438,8 +438,11 @@ class EvalDispatcher:
                     continue
                 if deadline is None:
                     deadline = time.monotonic() + STOP_GRACE_S
-                    logger.warning("stop requested: waiting up to %g s for %d pending eval point(s)", STOP_GRACE_S,
-                                   len(self.pending))  # fmt: skip
+                    logger.warning(
+                        "stop requested: waiting up to %g s for %d pending eval point(s)",
+                        STOP_GRACE_S,
+                        len(self.pending),
+                    )
                 elif time.monotonic() >= deadline:
                     fut.cancel()
                     self._call(self._abandon())
@@ -511,8 +514,9 @@ class EvalDispatcher:
         while len(self.exported) > self.cfg.eval_keep_snapshots:
             victim = self.exported.pop(0)
             if export_owner(victim) != self.run_id:  # replaced since this run exported it: not ours to delete
-                logger.warning("eval snapshot %s is no longer this run's (owner %s): not deleting it", victim,
-                               export_owner(victim))  # fmt: skip
+                logger.warning(
+                    "eval snapshot %s is no longer this run's (owner %s): not deleting it", victim, export_owner(victim)
+                )
                 continue
             shutil.rmtree(victim, ignore_errors=True)
             logger.info("GC'd consumed eval snapshot %s", victim)

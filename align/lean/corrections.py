@@ -57,8 +57,10 @@ class CorrectionConfig:
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.lean_correction_fraction < 1.0):
-            raise ValueError(f"--lean-correction-fraction must be in [0, 1) (fresh problems feed the queue), got "
-                             f"{self.lean_correction_fraction}")  # fmt: skip
+            raise ValueError(
+                f"--lean-correction-fraction must be in [0, 1) (fresh problems feed the queue), got "
+                f"{self.lean_correction_fraction}"
+            )
         if self.lean_error_tokens < 0:
             raise ValueError(f"--lean-error-tokens must be >= 0 (0 = whole), got {self.lean_error_tokens}")
         if self.lean_correction_max_age < 1:
@@ -68,8 +70,13 @@ class CorrectionConfig:
 def correctable(ep: Any) -> bool:
     """A failed episode whose conversation ends with Goedel's correction feedback (a user message after an answer)."""
     m = ep.messages
-    return (ep.error is None and ep.env_reward == 0.0 and len(m) >= 3 and m[-1]["role"] == "user"
-            and m[-2]["role"] == "assistant")  # fmt: skip
+    return (
+        ep.error is None
+        and ep.env_reward == 0.0
+        and len(m) >= 3
+        and m[-1]["role"] == "user"
+        and m[-2]["role"] == "assistant"
+    )
 
 
 class CorrectionQueue:

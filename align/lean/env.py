@@ -60,13 +60,17 @@ def _check_rows(rows: list[tuple[str, dict]]) -> None:
             raise InputError(f"{where}: a --env lean row is a JSON object with 'formal_statement', got {row!r:.80}")
         has = [k for k in ("formal_statement", "lean4_code") if isinstance(row.get(k), str) and row[k]]
         if not has:
-            raise InputError(f"{where}: the row has no 'formal_statement' (a Lean theorem statement ending ':= by'); "
-                             f"--env lean rows are Goedel / miniF2F problems, got keys {sorted(row)}")  # fmt: skip
+            raise InputError(
+                f"{where}: the row has no 'formal_statement' (a Lean theorem statement ending ':= by'); "
+                f"--env lean rows are Goedel / miniF2F problems, got keys {sorted(row)}"
+            )
         if not isinstance(row.get("informal_prefix") or "", str):
             raise InputError(f"{where}: 'informal_prefix' must be a string, got {row['informal_prefix']!r:.80}")
         if not goedel.has_by_marker(problem_code(row)):
-            raise InputError(f"{where}: the statement has no ':= by' (Goedel's prompt cuts the statement there and "
-                             f"appends ':= by sorry'): {problem_code(row)[-120:]!r}")  # fmt: skip
+            raise InputError(
+                f"{where}: the statement has no ':= by' (Goedel's prompt cuts the statement there and "
+                f"appends ':= by sorry'): {problem_code(row)[-120:]!r}"
+            )
 
 
 def cap_errors(errors: str, max_tokens: int, encode: Callable | None, decode: Callable | None) -> str:

@@ -476,9 +476,15 @@ def spawn_worker(
             logf.write(f"\n[spawn_worker] {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
             logf.flush()
             proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=wenv,
-                cwd=str(REPO_ROOT), start_new_session=True, pass_fds=() if read_fd is None else (read_fd,),
-            )  # fmt: skip
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=wenv,
+                cwd=str(REPO_ROOT),
+                start_new_session=True,
+                pass_fds=() if read_fd is None else (read_fd,),
+            )
     except BaseException:
         if write_fd is not None:
             os.close(write_fd)

@@ -104,8 +104,9 @@ class PermitClient:
     lifetime (the producer's train requests; ``eval_``: a pinned eval epoch's episode turns, with priority); everything
     else is the wrapped client's."""
 
-    def __init__(self, client: Any, permits: Permits, should_stop: Callable[[], bool] = lambda: False,
-                 eval_: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, client: Any, permits: Permits, should_stop: Callable[[], bool] = lambda: False, eval_: bool = False
+    ) -> None:
         self.client, self.permits, self.should_stop, self.eval_ = client, permits, should_stop, eval_
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, **kw: Any) -> list:

@@ -88,10 +88,15 @@ class Groups:
             first_error.append(failures[0])
             log.warning("a reward call failed; the completion counts as unscorable:\n%s", failures[0])
         if s.failed == self.scored:
-            raise RuntimeError(f"the reward function raised on every completion of step {step}; first error:\n{failures[0]}")  # fmt: skip
+            raise RuntimeError(
+                f"the reward function raised on every completion of step {step}; first error:\n{failures[0]}"
+            )
         if self.scored and not any(math.isfinite(t) for t in s.totals):
-            log.warning("step %d: no completion was scorable (every reward abstained or failed): nothing to learn "
-                        "from in this step", step)  # fmt: skip
+            log.warning(
+                "step %d: no completion was scorable (every reward abstained or failed): nothing to learn "
+                "from in this step",
+                step,
+            )
 
 
 def collect_groups(

@@ -492,8 +492,9 @@ class RolloutPipeline:
         self.start()
         complete = self._wait_for(todo, stop_after_s=STOP_WAIT_S)  # a stop: what is ready within STOP_WAIT_S
         with self._cond:
-            pending = [self.ready[t] for t in todo[: next((i for i, t in enumerate(todo) if t not in self.ready),
-                                                          len(todo))]]  # fmt: skip
+            pending = [
+                self.ready[t] for t in todo[: next((i for i, t in enumerate(todo) if t not in self.ready), len(todo))]
+            ]
             missing = step + 1 + len(pending)
             if not complete and not pending and self.producing == missing:  # the resumed run redraws it
                 return {"cursor": dict(self.claim_cursor), "pending_batches": []}
@@ -552,8 +553,9 @@ def make_pipeline(
     K = cfg.max_async_steps
     if K == 0:
         sync = SyncSpool(client, snapshots, step, cfg.sync_every) if cfg.rollout == "spool" else None
-        return RolloutPipeline(0, collect, engine=sync, client=client, start_step=step, last_step=cfg.steps,
-                               cursor=cursor)  # fmt: skip
+        return RolloutPipeline(
+            0, collect, engine=sync, client=client, start_step=step, last_step=cfg.steps, cursor=cursor
+        )
     from align import dist
 
     if dist.active():

@@ -309,10 +309,15 @@ def check_completions(
         sampled = c.get("sampled_logprobs")
         out.append(
             Completion(
-                c["prompt_index"], c["sample_index"], list(c["token_ids"]), [float(x) for x in c["logprobs"]],
-                c["finish_reason"], None if sampled is None else [float(x) for x in sampled], c["weights_version"],
+                c["prompt_index"],
+                c["sample_index"],
+                list(c["token_ids"]),
+                [float(x) for x in c["logprobs"]],
+                c["finish_reason"],
+                None if sampled is None else [float(x) for x in sampled],
+                c["weights_version"],
             )
-        )  # fmt: skip
+        )
     return sorted(out, key=lambda c: (c.prompt_index, c.sample_index))
 
 

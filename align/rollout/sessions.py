@@ -42,8 +42,9 @@ class Session:
     prompt (one shared prefill per prompt); ``next`` appends each continuing row's new tokens and samples its next
     turn. Rows are named by their index in ``start``'s output (prompt-major)."""
 
-    def __init__(self, model: Transformer, params: SamplingParams, pack_weights: bool = True,
-                 total_rows: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, model: Transformer, params: SamplingParams, pack_weights: bool = True, total_rows: int | None = None
+    ) -> None:
         self.model, self.params = model, params
         self.context = model.config.max_position_embeddings
         self.device = model.lm_head.weight.device

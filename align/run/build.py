@@ -92,8 +92,7 @@ class Checkpointer:
         due = last_step or (every and step % every == 0)
         if not (due or force) or (not due and (r.out / "checkpoints" / f"step_{step}").is_dir()):
             return False  # forced but committed already: a signal while the next step waited for its rollouts
-        extra = {"scheduler": r.sched.state_dict(), "nonfinite_steps": r.nonfinite.count,
-                 **r.checkpoint_state(step)}  # fmt: skip
+        extra = {"scheduler": r.sched.state_dict(), "nonfinite_steps": r.nonfinite.count, **r.checkpoint_state(step)}
         ckpt.save_any(r.out / "checkpoints", step, r.policy, r.opt, extra, r.cfg.keep_checkpoints)
         r.write_plot()
         return True
@@ -156,8 +155,16 @@ class Run:
         if every and rec["step"] % every == 0:
             rows = self.task.prompts  # an index past the rows is a --env lean correction prompt (its episodes show it)
             prompts = [rows[i].get("prompt", "") if i < len(rows) else "" for i in groups.idx]
-            for r in sample_groups(rec["step"], prompts, groups.completions, groups.texts, scores.total, adv,
-                                   scores.terms, self.cfg.log.log_completions_groups):  # fmt: skip
+            for r in sample_groups(
+                rec["step"],
+                prompts,
+                groups.completions,
+                groups.texts,
+                scores.total,
+                adv,
+                scores.terms,
+                self.cfg.log.log_completions_groups,
+            ):
                 self.samples.write(r)
 
     def eval_step(self, step: int, is_final: bool) -> list[dict]:
@@ -247,9 +254,18 @@ class Run:
 # ------------------------------------------------------------------------------------------------ open_run
 
 
-def open_run(cfg: TrainConfig, *, model: str | None = None, tokenizer: Any = None, prompts: list | None = None,
-             reward: Callable[..., float | None] | None = None, eval_prompts: list | None = None,
-             env: Any = None, tools: list | None = None, stop_flag: dict | None = None) -> Run:  # fmt: skip
+def open_run(
+    cfg: TrainConfig,
+    *,
+    model: str | None = None,
+    tokenizer: Any = None,
+    prompts: list | None = None,
+    reward: Callable[..., float | None] | None = None,
+    eval_prompts: list | None = None,
+    env: Any = None,
+    tools: list | None = None,
+    stop_flag: dict | None = None,
+) -> Run:
     """Build a ``Run`` (see the module docstring for the order). On a failure after parts started, they are closed."""
     from align.device import resolve as resolve_placement
 
@@ -269,8 +285,9 @@ def open_run(cfg: TrainConfig, *, model: str | None = None, tokenizer: Any = Non
     return run
 
 
-def _open_files_and_task(run: Run, model: Any, tokenizer: Any, prompts: Any, reward: Any, eval_prompts: Any,
-                         env: Any, tools: Any) -> None:  # fmt: skip
+def _open_files_and_task(
+    run: Run, model: Any, tokenizer: Any, prompts: Any, reward: Any, eval_prompts: Any, env: Any, tools: Any
+) -> None:
     from align.eval.metrics import pass_reward_for
     from align.rewards import make_scorer
 
@@ -316,8 +333,9 @@ def _open_policy(run: Run) -> None:
     if run.task.env is not None:  # an episode's first prompt is its environment's reset(): no prompt ids here
         run.encoded, run.eval_encoded = [[] for _ in run.task.prompts], []
     else:
-        run.encoded, run.eval_encoded = run.task.encoded or ([tok.encode(r["prompt"]) for r in p] for p in
-                                                             (run.task.prompts, run.task.eval_prompts))  # fmt: skip
+        run.encoded, run.eval_encoded = run.task.encoded or (
+            [tok.encode(r["prompt"]) for r in p] for p in (run.task.prompts, run.task.eval_prompts)
+        )
     learner.check_token_budget(cfg, [len(ids) for ids in run.encoded])  # before the model loads
     load = model_lib.load_pretrained  # looked up at call time (tests patch align.model.load_pretrained)
     policy, resume, state = load_policy(cfg, place, run.model_path, out)
@@ -374,8 +392,9 @@ def load_policy(cfg: Any, place: Any, model_path: str, out: Path) -> tuple[torch
     return policy, resume, state
 
 
-def open_optimizer(cfg: Any, policy: torch.nn.Module, place: Any, resume: tuple | None,
-                   state: dict | None) -> tuple[torch.optim.Optimizer, Any]:  # fmt: skip
+def open_optimizer(
+    cfg: Any, policy: torch.nn.Module, place: Any, resume: tuple | None, state: dict | None
+) -> tuple[torch.optim.Optimizer, Any]:
     """AdamW on the trainable parameters and the LR schedule (``lr_lambda``) of the (sharded) policy; resuming, their
     states (and a sharded checkpoint's weights) restored: any world size resumes any checkpoint (DCP resharding, or
     the full single-process state)."""
@@ -447,7 +466,9 @@ def _open_rollout(run: Run) -> None:
                 eval_model=run.model_path,  # the step-0 weights, version 0: never deleted by the run (its snapshots are)
                 eval_weights_version=0,
             )
-        client = client_mod.make_rollout_client("spool", spool=spool, timeout_s=cfg.rollout_timeout_s, worker=run.worker)  # fmt: skip
+        client = client_mod.make_rollout_client(
+            "spool", spool=spool, timeout_s=cfg.rollout_timeout_s, worker=run.worker
+        )
         run.client = client_mod.ShardedSpoolClient(client) if dist.active() else client
         if not cfg.spawn_worker or cfg.lora.enabled:  # an attached worker holds whatever it loaded last; LoRA: adapter
             run.client.sync_weights(init_snapshot, step)
@@ -493,8 +514,13 @@ def _open_eval(run: Run) -> None:
         eval_set = EvalSet(run.eval_encoded, score, eval_sampling, name=run.task_name)
 
     if task.env is not None and task.eval_prompts:  # held-out episodes (align.run.episodes), in this process
-        eval_set = EvalSet([[0]] * len(task.eval_prompts), lambda i, ids: None, eval_sampling, name=run.task_name,
-                           episodes=lambda client, sampling: run.episodes.evaluate(run, sampling, client))  # fmt: skip
+        eval_set = EvalSet(
+            [[0]] * len(task.eval_prompts),
+            lambda i, ids: None,
+            eval_sampling,
+            name=run.task_name,
+            episodes=lambda client, sampling: run.episodes.evaluate(run, sampling, client),
+        )
 
     def blocking_eval(at_step: int) -> dict:
         from align.rollout.client import ShardedNativeClient
@@ -566,11 +592,22 @@ def _open_pipeline(run: Run) -> None:
         # abandons the producer instead (pipeline), and under torchrun every rank finishes the step (agree_on_signal)
         stop = None if run.pipe.is_async or dist.active() else run.pipe.should_stop
         # --adv-refill: more prompts until enough groups have signal
-        score, names = (unscored, []) if cfg.distill.distill_only else (
-            lambda items, comps: run.scorer.score(items, stop), run.scorer.names)  # fmt: skip
-        return collect_groups(cfg.prompts_per_step, run.cursor.next_prompts, sample,
-                              lambda c: run.completion_text(c.token_ids), lambda i: task.prompts[i], score, names,
-                              cfg.adv_refill, cfg.max_refill_rounds)  # fmt: skip
+        score, names = (
+            (unscored, [])
+            if cfg.distill.distill_only
+            else (lambda items, comps: run.scorer.score(items, stop), run.scorer.names)
+        )
+        return collect_groups(
+            cfg.prompts_per_step,
+            run.cursor.next_prompts,
+            sample,
+            lambda c: run.completion_text(c.token_ids),
+            lambda i: task.prompts[i],
+            score,
+            names,
+            cfg.adv_refill,
+            cfg.max_refill_rounds,
+        )
 
     snapshots = run.out / "rollout_snapshots"
     run.pipe = make_pipeline(cfg, collect, run.policy, run.client, run.step, run.cursor.state, run.pending, snapshots)

@@ -330,9 +330,11 @@ def _reader(path: Path) -> Any:
                 with open(meta_path, "rb") as fh:
                     metadata = MetadataUnpickler(fh).load()
             except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, OSError) as e:
-                raise CheckpointError(f"{meta_path} cannot be read safely ({type(e).__name__}: {e}); the checkpoint "
-                                      "is corrupt or was not written by align: resume from another one with "
-                                      "--resume-from step_N, or start a fresh run") from None  # fmt: skip
+                raise CheckpointError(
+                    f"{meta_path} cannot be read safely ({type(e).__name__}: {e}); the checkpoint "
+                    "is corrupt or was not written by align: resume from another one with "
+                    "--resume-from step_N, or start a fresh run"
+                ) from None
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -374,8 +376,9 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
-def save_sharded(root: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer, trainer_state: dict,
-         keep: int) -> Path:  # fmt: skip
+def save_sharded(
+    root: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer, trainer_state: dict, keep: int
+) -> Path:
     """Write and commit ``step_{step}`` (a collective every rank enters; see the module docstring)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -398,8 +401,15 @@ def save_sharded(root: Path, step: int, model: torch.nn.Module, opt: torch.optim
     _fsync(rng_path)
     dist.barrier()  # every rank's shards and RNG states are on disk
     if dist.is_main():
-        state = {**trainer_state, "format": FORMAT, "optimizer": DCP_DIR, "step": step, "rng": rng_state(),
-                 "world_size": dist.world(), "model_config": asdict(model.config)}  # fmt: skip
+        state = {
+            **trainer_state,
+            "format": FORMAT,
+            "optimizer": DCP_DIR,
+            "step": step,
+            "rng": rng_state(),
+            "world_size": dist.world(),
+            "model_config": asdict(model.config),
+        }
         torch.save(state, tmp / "trainer_state.pt")
         _fsync(tmp / "trainer_state.pt")
         (tmp / COMMIT_MARKER).write_text(str(step))  # last: commits the step
@@ -417,8 +427,10 @@ def check_model_config(ckpt: Path, state: dict, model: torch.nn.Module) -> None:
     saved, cur = state.get("model_config"), asdict(model.config)
     if saved != cur:
         diff = {k: (saved.get(k), cur.get(k)) for k in cur if saved and saved.get(k) != cur.get(k)} or saved
-        raise CheckpointError(f"{ckpt} was written for another model (checkpoint vs --model: {diff}); resume with "
-                              "the --model that run used, or start a fresh run with a new --out")  # fmt: skip
+        raise CheckpointError(
+            f"{ckpt} was written for another model (checkpoint vs --model: {diff}); resume with "
+            "the --model that run used, or start a fresh run with a new --out"
+        )
 
 
 def restore_sharded(ckpt: Path, state: dict, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
@@ -440,22 +452,27 @@ def restore_sharded(ckpt: Path, state: dict, model: torch.nn.Module, opt: torch.
         if own := next((x for x in errors if isinstance(x, CheckpointError)), None):
             raise own from None
         first = errors[0] if errors else e
-        raise CheckpointError(f"{ckpt / DCP_DIR} cannot be read ({type(first).__name__}: {first}); resume from "
-                              "another committed checkpoint with --resume-from step_N, or start a fresh run") from None  # fmt: skip
+        raise CheckpointError(
+            f"{ckpt / DCP_DIR} cannot be read ({type(first).__name__}: {first}); resume from "
+            "another committed checkpoint with --resume-from step_N, or start a fresh run"
+        ) from None
     set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
     own = ckpt / f"rng_rank{dist.rank()}.pt"
     if own.is_file():
         try:
             set_rng_state(torch.load(own, weights_only=True))
         except (pickle.UnpicklingError, RuntimeError, OSError, EOFError) as e:
-            raise CheckpointError(f"{own} cannot be read ({type(e).__name__}: {e}); resume from another "
-                                  "committed checkpoint with --resume-from step_N") from None  # fmt: skip
+            raise CheckpointError(
+                f"{own} cannot be read ({type(e).__name__}: {e}); resume from another "
+                "committed checkpoint with --resume-from step_N"
+            ) from None
     else:
         set_rng_state(state["rng"])
 
 
-def save_any(root: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer, trainer_state: dict,
-             keep: int) -> None:  # fmt: skip
+def save_any(
+    root: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer, trainer_state: dict, keep: int
+) -> None:
     """The run's checkpoint: sharded (``save_sharded``) under torchrun, ``save_full``'s format in one process.
     A model holding a NaN / inf is never written (the retention ring would then delete the last good one)."""
     from align.learner import nonfinite_parameters
@@ -515,8 +532,10 @@ def restore_optimizer_any(model: torch.nn.Module, opt: torch.optim.Optimizer, st
     fqns = _optimizer_fqns(model, opt)
     ids = [i for g in saved.get("param_groups", []) for i in g["params"]]
     if len(ids) != len(fqns):
-        raise CheckpointError(f"the optimizer state in {ckpt} is for {len(ids)} parameters, the model has "
-                                         f"{len(fqns)}: the checkpoint belongs to another model")  # fmt: skip
+        raise CheckpointError(
+            f"the optimizer state in {ckpt} is for {len(ids)} parameters, the model has "
+            f"{len(fqns)}: the checkpoint belongs to another model"
+        )
     name = dict(zip(ids, fqns))
     full = {
         "state": {name[i]: s for i, s in saved["state"].items()},

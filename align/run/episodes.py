@@ -61,8 +61,14 @@ class RunEpisodes:
 
     def runner_for(self, run: Any) -> EpisodeRunner:
         if self.runner is None:
-            self.runner = EpisodeRunner(self.envs, self.renderer, run.completion_text, self.cfg.envs,
-                                        self.cfg.max_tokens, run.mcfg.max_position_embeddings)  # fmt: skip
+            self.runner = EpisodeRunner(
+                self.envs,
+                self.renderer,
+                run.completion_text,
+                self.cfg.envs,
+                self.cfg.max_tokens,
+                run.mcfg.max_position_embeddings,
+            )
         return self.runner
 
     def episodes(self, run: Any, client: Any, rows: list[dict], G: int, params: Any) -> list:
@@ -80,9 +86,12 @@ class RunEpisodes:
                 diff = self.renderer.check_append_only(e.messages, e.prompt_ids + e.token_ids)
                 self.warned = True
                 if diff:
-                    log.warning("the chat template is not append-only: rendering the whole conversation at once "
-                                "gives other ids than the turns as sampled (%s); training stays on the sampled "
-                                "tokens", diff)  # fmt: skip
+                    log.warning(
+                        "the chat template is not append-only: rendering the whole conversation at once "
+                        "gives other ids than the turns as sampled (%s); training stays on the sampled "
+                        "tokens",
+                        diff,
+                    )
                 return
 
     def collect(self, t: int, client: Any, run: Any) -> Any:
@@ -92,8 +101,9 @@ class RunEpisodes:
         from align.rollout.groups import collect_groups
 
         cfg, queue = self.cfg, self.queue_for(run)
-        row, next_prompts = (queue.row, queue.next_prompts) if queue else (run.task.prompts.__getitem__,
-                                                                          run.cursor.next_prompts)  # fmt: skip
+        row, next_prompts = (
+            (queue.row, queue.next_prompts) if queue else (run.task.prompts.__getitem__, run.cursor.next_prompts)
+        )
         if queue:
             queue.begin(t)
 
@@ -103,15 +113,24 @@ class RunEpisodes:
                 eps = self.episodes(run, client, [row(i) for i in idx], cfg.group_size, params)
             failed = [e for e in eps if e.error is not None]
             if len(failed) == len(eps):
-                raise RuntimeError(f"every episode of step {t} failed in its environment; the first error:\n"
-                                   f"{failed[0].error}")  # fmt: skip
+                raise RuntimeError(
+                    f"every episode of step {t} failed in its environment; the first error:\n{failed[0].error}"
+                )
             return eps
 
         stop = None if run.pipe.is_async or dist.active() else run.pipe.should_stop  # K = 0: a signal cuts the rewards
         names = ["env", *(run.scorer.names if run.scorer else [])]
-        groups = collect_groups(cfg.prompts_per_step, next_prompts, sample, lambda e: e.text, row,
-                                lambda items, eps: episode_scores(eps, items, run.scorer, stop), names, cfg.adv_refill,
-                                cfg.max_refill_rounds)  # fmt: skip
+        groups = collect_groups(
+            cfg.prompts_per_step,
+            next_prompts,
+            sample,
+            lambda e: e.text,
+            row,
+            lambda items, eps: episode_scores(eps, items, run.scorer, stop),
+            names,
+            cfg.adv_refill,
+            cfg.max_refill_rounds,
+        )
         if queue:
             queue.add(groups, t)
         return groups
@@ -159,9 +178,11 @@ def open_episodes(run: Any) -> None:
     loads, the one eval backend that cannot run episodes."""
     cfg = run.cfg
     if cfg.eval.eval_function_path:  # the function owns generation on its own backend; the turn loop is here
-        raise InputError(f"--eval-function-path {cfg.eval.eval_function_path!r} evaluates a snapshot on your own "
-                         "backend, but an episode's turns (the environment, the chat-template suffixes, token-in/"
-                         "token-out) run in align's loop, which a CheckpointEvalFn cannot drive: drop "
-                         "--eval-function-path (held-out episodes are then evaluated in this process on the live "
-                         "policy) or run the environment inside your function on plain --train-data rows")  # fmt: skip
+        raise InputError(
+            f"--eval-function-path {cfg.eval.eval_function_path!r} evaluates a snapshot on your own "
+            "backend, but an episode's turns (the environment, the chat-template suffixes, token-in/"
+            "token-out) run in align's loop, which a CheckpointEvalFn cannot drive: drop "
+            "--eval-function-path (held-out episodes are then evaluated in this process on the live "
+            "policy) or run the environment inside your function on plain --train-data rows"
+        )
     run.episodes = run.envs = RunEpisodes(run)

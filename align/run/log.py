@@ -147,9 +147,18 @@ def sample_groups(
         js = sorted(groups[p], key=lambda j: completions[j].sample_index)
         episodes = {}
         if hasattr(completions[js[0]], "turns"):  # multi-turn: each episode's conversation and turns
-            episodes = {"episodes": [{"messages": completions[j].messages, "turns": completions[j].turns,
-                                      "tool_calls": completions[j].tool_calls, "tool_errors": completions[j].tool_errors,
-                                      "error": completions[j].error} for j in js]}  # fmt: skip
+            episodes = {
+                "episodes": [
+                    {
+                        "messages": completions[j].messages,
+                        "turns": completions[j].turns,
+                        "tool_calls": completions[j].tool_calls,
+                        "tool_errors": completions[j].tool_errors,
+                        "error": completions[j].error,
+                    }
+                    for j in js
+                ]
+            }
         out.append(
             {
                 "step": step,

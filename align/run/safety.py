@@ -44,8 +44,15 @@ RUN_ID_FILE = "run_id"
 LOCK_FILE = ".align.lock"
 STEP_DIR = re.compile(r"step_\d+")  # eval snapshot / checkpoint names
 # files of a Hugging Face model / tokenizer dir that a run dir never holds at its top level
-HF_DIR_FILES = ("tokenizer.json", "tokenizer_config.json", "model.safetensors", "model.safetensors.index.json",
-                "pytorch_model.bin", "generation_config.json", "adapter_config.json")  # fmt: skip
+HF_DIR_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "generation_config.json",
+    "adapter_config.json",
+)
 
 # Settings that may change when a run resumes (dotted keys; "eval." covers every eval setting).
 RESUMABLE = (

@@ -63,8 +63,11 @@ def builtin_task(cfg: TrainConfig) -> tuple[Task, str]:
             )
         return task, cfg.model
     if not is_committed(base):
-        print(f"[align] warm start: {cfg.warm_start_steps} supervised steps of the {cfg.task!r} task's biased "
-              f"mixture -> {base}", flush=True)  # fmt: skip
+        print(
+            f"[align] warm start: {cfg.warm_start_steps} supervised steps of the {cfg.task!r} task's biased "
+            f"mixture -> {base}",
+            flush=True,
+        )
         mod.warm_start(base, steps=cfg.warm_start_steps, seed=cfg.seed, log=lambda s: print(f"[align] {s}", flush=True))
     return task, str(base)
 
@@ -82,8 +85,16 @@ def apply_task_defaults(cfg: TrainConfig, defaults: dict) -> None:
             setattr(obj, name, value)
 
 
-def env_task(cfg: TrainConfig, model: str | None, tokenizer: Any, prompts: list | None, reward: Any,
-             eval_prompts: list | None, env: Any, tools: list | None) -> tuple[Task, str]:  # fmt: skip
+def env_task(
+    cfg: TrainConfig,
+    model: str | None,
+    tokenizer: Any,
+    prompts: list | None,
+    reward: Any,
+    eval_prompts: list | None,
+    env: Any,
+    tools: list | None,
+) -> tuple[Task, str]:
     """A multi-turn task: rows from ``--train-data`` / ``prompts`` (every column goes to the environment), the
     environment class from ``--env`` / ``env=`` (or the tool environment from ``--tools`` / ``tools=``), the tokenizer
     of the model (or ``--tokenizer``), rewards optional (they score the final assistant message and add)."""
@@ -93,8 +104,10 @@ def env_task(cfg: TrainConfig, model: str | None, tokenizer: Any, prompts: list 
     e = cfg.envs
     model_path = model or cfg.model
     if prompts is None and not cfg.data.train_data:
-        raise InputError("--env needs --train-data FILE.jsonl (its rows are the episodes' arguments) and --model DIR; "
-                         "the built-in multi-turn task is --task multiturn (without --env)")  # fmt: skip
+        raise InputError(
+            "--env needs --train-data FILE.jsonl (its rows are the episodes' arguments) and --model DIR; "
+            "the built-in multi-turn task is --task multiturn (without --env)"
+        )
     if model_path is None:
         raise InputError("--env needs --model DIR (a Hugging Face checkpoint directory)")
     spec = None
@@ -126,11 +139,18 @@ def env_task(cfg: TrainConfig, model: str | None, tokenizer: Any, prompts: list 
 
         spec = spec_of(env)
     if e.env_workers and spec is None:
-        raise InputError("--env-workers >= 1 loads the environment class in worker processes by its spec; an env= "
-                         "class passed from Python has none: pass --env path/file.py:Class, or use --env-workers 0")  # fmt: skip
+        raise InputError(
+            "--env-workers >= 1 loads the environment class in worker processes by its spec; an env= "
+            "class passed from Python has none: pass --env path/file.py:Class, or use --env-workers 0"
+        )
     if getattr(env, "check_rows", None) is not None:  # --env lean: problems, statements and verifier checked now
-        lean_checks(cfg, env, located or [(f"prompts[{i}]", r) for i, r in enumerate(rows)] +
-                    [(f"eval_prompts[{i}]", r) for i, r in enumerate(eval_prompts or [])])  # fmt: skip
+        lean_checks(
+            cfg,
+            env,
+            located
+            or [(f"prompts[{i}]", r) for i, r in enumerate(rows)]
+            + [(f"eval_prompts[{i}]", r) for i, r in enumerate(eval_prompts or [])],
+        )
     task = Task(rows, tokenizer, reward, [dict(r) for r in eval_prompts or []], env=env, env_spec=spec)
     return task, model_path
 
@@ -142,8 +162,10 @@ def lean_checks(cfg: TrainConfig, env: type, located: list[tuple[str, dict]]) ->
     if env.verifier is None:
         cfg.lean.check()
     if cfg.envs.env_workers:
-        raise InputError(f"--env lean verifies in its own pool of Lean processes (--lean-workers); --env-workers "
-                         f"{cfg.envs.env_workers} does not apply: drop it (or pass --env-workers 0)")  # fmt: skip
+        raise InputError(
+            f"--env lean verifies in its own pool of Lean processes (--lean-workers); --env-workers "
+            f"{cfg.envs.env_workers} does not apply: drop it (or pass --env-workers 0)"
+        )
 
 
 def as_records(prompts: list) -> list[dict]:
@@ -158,8 +180,16 @@ def as_records(prompts: list) -> list[dict]:
     return out
 
 
-def resolve_task(cfg: TrainConfig, model: str | None, tokenizer: Any, prompts: list | None, reward: Any,
-                 eval_prompts: list | None, env: Any = None, tools: list | None = None) -> tuple[Task, str]:  # fmt: skip
+def resolve_task(
+    cfg: TrainConfig,
+    model: str | None,
+    tokenizer: Any,
+    prompts: list | None,
+    reward: Any,
+    eval_prompts: list | None,
+    env: Any = None,
+    tools: list | None = None,
+) -> tuple[Task, str]:
     """The task (your data from ``--train-data`` / the arguments, or the built-in one) and its model dir."""
     if env is not None or tools or cfg.envs.enabled:
         return env_task(cfg, model, tokenizer, prompts, reward, eval_prompts, env, tools)

@@ -87,8 +87,10 @@ def check_teacher(cfg: Any, student_dir: str, student_tok: Any, prompts: list[di
     except ValueError as e:
         raise InputError(f"--teacher {d.teacher}: {e}") from None
     if d.teacher_worker and cfg.temperature != 1.0:
-        raise InputError(f"--teacher-worker scores with vLLM prompt logprobs, which are before temperature; "
-                         f"--temperature {cfg.temperature} needs the in-process teacher (drop --teacher-worker)")  # fmt: skip
+        raise InputError(
+            f"--teacher-worker scores with vLLM prompt logprobs, which are before temperature; "
+            f"--temperature {cfg.temperature} needs the in-process teacher (drop --teacher-worker)"
+        )
     from align.chat import load_tokenizer
 
     teacher_tok = load_tokenizer(d.teacher, d.teacher, flag="--teacher")
@@ -104,8 +106,10 @@ def check_tokenizers(student_dir: str, teacher_dir: str, student: Any, teacher: 
 
     problem = None
     if vocab(student_dir) != vocab(teacher_dir) or student.vocab_size != teacher.vocab_size:
-        problem = (f"vocabulary sizes differ (model {vocab(student_dir)} vs {vocab(teacher_dir)}, tokenizer "
-                   f"{student.vocab_size} vs {teacher.vocab_size})")  # fmt: skip
+        problem = (
+            f"vocabulary sizes differ (model {vocab(student_dir)} vs {vocab(teacher_dir)}, tokenizer "
+            f"{student.vocab_size} vs {teacher.vocab_size})"
+        )
     elif _stops(student) != _stops(teacher):
         problem = f"stop tokens differ ({_stops(student)} vs {_stops(teacher)})"
     else:
@@ -221,9 +225,15 @@ def open_teacher(run: Any) -> InProcessTeacher | WorkerTeacher | None:
     if dist.is_main():  # the teacher's own context (vLLM refuses a max_model_len past its config's), not the student's
         context = model_lib.ModelConfig.from_hf_config(json.loads((Path(d.teacher) / "config.json").read_text()))
         context = context.max_position_embeddings
-        worker = client_mod.spawn_worker(spool, gpu=d.teacher_gpu, log_path=run.out / "teacher_worker.log",
-                                         model=d.teacher, max_model_len=context, dtype=place.compute_dtype_name,
-                                         in_process=cfg.rollout_in_process)  # fmt: skip
+        worker = client_mod.spawn_worker(
+            spool,
+            gpu=d.teacher_gpu,
+            log_path=run.out / "teacher_worker.log",
+            model=d.teacher,
+            max_model_len=context,
+            dtype=place.compute_dtype_name,
+            in_process=cfg.rollout_in_process,
+        )
     dist.barrier()
     client = client_mod.make_rollout_client("spool", spool=spool, timeout_s=cfg.rollout_timeout_s, worker=worker)
     return WorkerTeacher(client, worker)

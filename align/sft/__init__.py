@@ -30,17 +30,25 @@ from align.sft.config import CLI_PREFIXES, SFTConfig
 __all__ = ["SFTConfig", "main", "train"]
 
 
-def train(cfg: SFTConfig, *, model: str | None = None, tokenizer: Any = None, rows: list | None = None,
-          eval_rows: list | None = None, reward: Callable[..., float | None] | None = None,
-          stop_flag: dict | None = None) -> dict:  # fmt: skip
+def train(
+    cfg: SFTConfig,
+    *,
+    model: str | None = None,
+    tokenizer: Any = None,
+    rows: list | None = None,
+    eval_rows: list | None = None,
+    reward: Callable[..., float | None] | None = None,
+    stop_flag: dict | None = None,
+) -> dict:
     """Fine-tune; returns a summary dict. Resumes from the last committed checkpoint under ``cfg.out``.
     ``rows`` / ``eval_rows`` (dicts in a data file's formats) replace ``--train-data`` / ``--eval-data``;
     ``reward(prompt, completion, **fields)`` adds sampled pass@k to the eval. ``stop_flag``: as ``align.train``."""
     from align import dist, learner
     from align.sft.run import finite, mine, open_sft, tensors
 
-    run = open_sft(cfg, model=model, tokenizer=tokenizer, rows=rows, eval_rows=eval_rows, reward=reward,
-                   stop_flag=stop_flag)  # fmt: skip
+    run = open_sft(
+        cfg, model=model, tokenizer=tokenizer, rows=rows, eval_rows=eval_rows, reward=reward, stop_flag=stop_flag
+    )
     cfg = run.cfg  # with the resolved number of steps
     with run:
         run.emit(run.evaluator.baseline(run.model_path, written=run.metrics.records, resumed=run.resumed))
@@ -62,9 +70,17 @@ def train(cfg: SFTConfig, *, model: str | None = None, tokenizer: Any = None, ro
             run.sched.step()
             run.step += 1
             # 3. log
-            rec = {"step": run.step, "loss": stats["loss"], "num_tokens": stats["num_tokens"], "rows": len(batch),
-                   "epoch": run.cursor.state["epoch"], "lr": run.sched.get_last_lr()[0], "grad_norm": norm,
-                   "nonfinite_steps": int(skipped), "step_time": time.monotonic() - t0}  # fmt: skip
+            rec = {
+                "step": run.step,
+                "loss": stats["loss"],
+                "num_tokens": stats["num_tokens"],
+                "rows": len(batch),
+                "epoch": run.cursor.state["epoch"],
+                "lr": run.sched.get_last_lr()[0],
+                "grad_norm": norm,
+                "nonfinite_steps": int(skipped),
+                "step_time": time.monotonic() - t0,
+            }
             run.metrics.write(rec)
             run.progress.update(run.step, f"step {run.step} | loss {stats['loss']:.4g} | grad_norm {norm:.3g}")
             run.nonfinite.add(learner.Update(stats, norm, [], int(skipped)), run.step)
@@ -115,8 +131,13 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, h)
     if is_main():
         acc = f"held-out pass@1 {s['eval_start']:.3f} -> {s['eval_end']:.3f} | " if s["eval_start"] is not None else ""
-        loss = (f"eval loss {s['eval_loss_start']:.4f} -> {s['eval_loss_end']:.4f} | "
-                if s["eval_loss_start"] is not None else "")  # fmt: skip
-        print(f"[align] sft done: {s['steps']} steps | {loss}{acc}wall {s['wall_s']:.0f}s | run dir {s['out']}",
-              flush=True)  # fmt: skip
+        loss = (
+            f"eval loss {s['eval_loss_start']:.4f} -> {s['eval_loss_end']:.4f} | "
+            if s["eval_loss_start"] is not None
+            else ""
+        )
+        print(
+            f"[align] sft done: {s['steps']} steps | {loss}{acc}wall {s['wall_s']:.0f}s | run dir {s['out']}",
+            flush=True,
+        )
     return SIGNAL_EXIT[s["interrupted"]] if s["interrupted"] else 0

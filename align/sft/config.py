@@ -104,12 +104,18 @@ class SFTConfig:
     adam_betas: list[float] = shared(TrainConfig, "adam_betas")  # noqa: RUF009 -- a field(default_factory=...)
     grad_clip: float = shared(TrainConfig, "grad_clip")
     max_nonfinite_steps: int = shared(TrainConfig, "max_nonfinite_steps")
-    micro_batch_size: int = shared(TrainConfig, "micro_batch_size", help="Rows per forward/backward; never changes the result.")  # fmt: skip
+    micro_batch_size: int = shared(
+        TrainConfig, "micro_batch_size", help="Rows per forward/backward; never changes the result."
+    )
     micro_batch_tokens: int = shared(TrainConfig, "micro_batch_tokens")
-    pack_sequences: bool = shared(TrainConfig, "pack_sequences", help="Forwards on packed rows: the rows end to end, "
-                                  "each attending only to itself (rows with the same context before their first "
-                                  "target share one copy of it), no padding (the same loss and gradients); "
-                                  "--no-pack-sequences pads every row to its micro-batch's longest.")  # fmt: skip
+    pack_sequences: bool = shared(
+        TrainConfig,
+        "pack_sequences",
+        help="Forwards on packed rows: the rows end to end, "
+        "each attending only to itself (rows with the same context before their first "
+        "target share one copy of it), no padding (the same loss and gradients); "
+        "--no-pack-sequences pads every row to its micro-batch's longest.",
+    )
     device: str = shared(TrainConfig, "device")
     precision: str = shared(TrainConfig, "precision")
     gradient_checkpointing: bool = shared(TrainConfig, "gradient_checkpointing")
@@ -135,34 +141,51 @@ class SFTConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
-        sections = {"data": SFTDataConfig, "rewards": RewardConfig, "log": LogConfig, "eval": EvalConfig,
-                    "lora": LoraConfig}  # fmt: skip
+        sections = {
+            "data": SFTDataConfig,
+            "rewards": RewardConfig,
+            "log": LogConfig,
+            "eval": EvalConfig,
+            "lora": LoraConfig,
+        }
         for name, cls in sections.items():
             if isinstance(getattr(self, name), dict):
                 setattr(self, name, from_dict(cls, getattr(self, name), f"{name}."))
         for k in ("epochs", "batch_size", "micro_batch_size", "max_tokens", "max_nonfinite_steps"):
             if getattr(self, k) < 1:
                 raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(self, k)}")
-        for k in ("steps", "warmup_steps", "checkpoint_every", "keep_checkpoints", "threads", "top_k",
-                  "micro_batch_tokens"):  # fmt: skip
+        for k in (
+            "steps",
+            "warmup_steps",
+            "checkpoint_every",
+            "keep_checkpoints",
+            "threads",
+            "top_k",
+            "micro_batch_tokens",
+        ):
             if getattr(self, k) < 0:
                 raise ValueError(f"--{k.replace('_', '-')} must be >= 0, got {getattr(self, k)}")
         for k in ("lr", "temperature"):
             if not (math.isfinite(getattr(self, k)) and getattr(self, k) > 0):
                 raise ValueError(f"--{k} must be a finite number > 0, got {getattr(self, k)}")
-        choices = {"lr_schedule": ("constant", "linear", "cosine"),
-                   "logprob_backend": ("auto", "torch", "triton", "reference")}  # fmt: skip
+        choices = {
+            "lr_schedule": ("constant", "linear", "cosine"),
+            "logprob_backend": ("auto", "torch", "triton", "reference"),
+        }
         for k, allowed in choices.items():
             if getattr(self, k) not in allowed:
                 raise ValueError(f"--{k.replace('_', '-')} must be one of {allowed}, got {getattr(self, k)!r}")
         if not (0 < self.top_p <= 1) or not (0 <= self.min_lr_ratio <= 1):
-            raise ValueError(f"--top-p must be in (0, 1] and --min-lr-ratio in [0, 1], got {self.top_p}, "
-                             f"{self.min_lr_ratio}")  # fmt: skip
+            raise ValueError(
+                f"--top-p must be in (0, 1] and --min-lr-ratio in [0, 1], got {self.top_p}, {self.min_lr_ratio}"
+            )
         if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
             raise ValueError(f"--adam-betas {self.adam_betas} is invalid: need two values in [0, 1), e.g. 0.9 0.99")
         if self.eval.uses_snapshots:
-            raise ValueError("align.sft evaluates in process: --eval-num-gpus and --eval-function-path are "
-                             "align.train's snapshot eval; drop them")  # fmt: skip
+            raise ValueError(
+                "align.sft evaluates in process: --eval-num-gpus and --eval-function-path are "
+                "align.train's snapshot eval; drop them"
+            )
         self.eval.check_save_hf(self.save_hf)
         if self.merge_lora and not self.lora.enabled:
             raise ValueError("--merge-lora needs --lora-rank > 0 (it merges the adapter into the --save-hf export)")

@@ -62,8 +62,9 @@ class Renderers:
 
 
 def _messages(value: Any, where: str, what: str) -> list[dict]:
-    if not (isinstance(value, list) and value and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                      for m in value)):  # fmt: skip
+    if not (
+        isinstance(value, list) and value and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in value)
+    ):
         raise InputError(f"{where}: {what} must be a non-empty list of {{'role': ..., 'content': ...}} objects")
     return value
 
@@ -77,20 +78,29 @@ def render_row(row: dict, where: str, renderers: Renderers, train_on: str) -> Ex
         if "messages" in row:
             return _render_chat(_messages(row["messages"], where, "'messages'"), where, r, train_on, fields)
         if "prompt" not in row or "completion" not in row:
-            raise InputError(f"{where}: an SFT row needs 'messages' (a chat with assistant turns) or 'prompt' + "
-                             f"'completion'; this one has {sorted(row)}")  # fmt: skip
+            raise InputError(
+                f"{where}: an SFT row needs 'messages' (a chat with assistant turns) or 'prompt' + "
+                f"'completion'; this one has {sorted(row)}"
+            )
         prompt, completion = row["prompt"], row["completion"]
         if not isinstance(completion, str) or not completion:
-            raise InputError(f"{where}: 'completion' must be a non-empty string (the assistant's target), got "
-                             f"{json.dumps(completion)[:60]}")  # fmt: skip
+            raise InputError(
+                f"{where}: 'completion' must be a non-empty string (the assistant's target), got "
+                f"{json.dumps(completion)[:60]}"
+            )
         if isinstance(prompt, list):
             chat = [*_messages(prompt, where, "a chat 'prompt'"), {"role": "assistant", "content": completion}]
             return _render_chat(chat, where, r, "last", fields)
         if not isinstance(prompt, str) or not prompt:
             raise InputError(f"{where}: 'prompt' must be a non-empty string or a list of chat messages")
         context, target = r.first(prompt), r.assistant(completion)
-        return Example(context + target, [False] * len(context) + [True] * len(target), where, len(context),
-                       {"prompt": prompt, **fields})  # fmt: skip
+        return Example(
+            context + target,
+            [False] * len(context) + [True] * len(target),
+            where,
+            len(context),
+            {"prompt": prompt, **fields},
+        )
     except InputError as e:
         msg = str(e)
         raise InputError(msg if msg.startswith(where) else f"{where}: {msg}") from None
@@ -100,16 +110,22 @@ def _render_chat(msgs: list[dict], where: str, r: TurnRenderer, train_on: str, f
     """A chat: ``first`` of the context before the first assistant turn, then ``assistant`` / ``suffix`` in turn."""
     roles = [m["role"] for m in msgs]
     if "assistant" not in roles:
-        raise InputError(f"{where}: the row has no assistant turn, so nothing to learn (roles {roles}); SFT rows "
-                         "need at least one assistant message")  # fmt: skip
+        raise InputError(
+            f"{where}: the row has no assistant turn, so nothing to learn (roles {roles}); SFT rows "
+            "need at least one assistant message"
+        )
     if train_on == "last" and roles[-1] != "assistant":
-        raise InputError(f"{where}: --train-on last trains on the last turn, and this row's last turn is "
-                         f"{roles[-1]!r}, not the assistant's; end the row with its assistant turn or use "
-                         "--train-on all")  # fmt: skip
+        raise InputError(
+            f"{where}: --train-on last trains on the last turn, and this row's last turn is "
+            f"{roles[-1]!r}, not the assistant's; end the row with its assistant turn or use "
+            "--train-on all"
+        )
     first = roles.index("assistant")
     if first == 0:
-        raise InputError(f"{where}: the conversation opens with an assistant turn; it needs a context turn (system "
-                         "or user) before it")  # fmt: skip
+        raise InputError(
+            f"{where}: the conversation opens with an assistant turn; it needs a context turn (system "
+            "or user) before it"
+        )
     last = len(roles) - 1 - roles[::-1].index("assistant")
     ids = r.first(msgs[:first])
     mask, prompt, pending = [False] * len(ids), len(ids), []
@@ -134,15 +150,19 @@ def check_fits(ex: Example, config: dict) -> None:
     """The row fits the model's context and its ids the vocabulary (``config``: the model's config.json)."""
     context, vocab = config.get("max_position_embeddings"), config.get("vocab_size")
     if isinstance(context, int) and len(ex.ids) > context:
-        raise InputError(f"{ex.where}: the row is {len(ex.ids)} tokens, over the model's context of {context}; "
-                         "shorten it or drop it")  # fmt: skip
+        raise InputError(
+            f"{ex.where}: the row is {len(ex.ids)} tokens, over the model's context of {context}; shorten it or drop it"
+        )
     if isinstance(vocab, int) and ex.ids and (max(ex.ids) >= vocab or min(ex.ids) < 0):
-        raise InputError(f"{ex.where}: token id {max(ex.ids)} is outside the model's vocabulary ({vocab}); is the "
-                         "tokenizer the model's own?")  # fmt: skip
+        raise InputError(
+            f"{ex.where}: token id {max(ex.ids)} is outside the model's vocabulary ({vocab}); is the "
+            "tokenizer the model's own?"
+        )
 
 
-def load_examples(path: str | None, rows: list | None, flag: str, renderers: Renderers, train_on: str,
-                  config: dict) -> list[Example]:  # fmt: skip
+def load_examples(
+    path: str | None, rows: list | None, flag: str, renderers: Renderers, train_on: str, config: dict
+) -> list[Example]:
     """The ``Example``s of a data file (or of ``rows`` from Python), each rendered and checked once."""
     items = ((f"{flag} row {i}", r) for i, r in enumerate(rows)) if rows is not None else iter_rows(path, flag)
     out = []
@@ -166,8 +186,10 @@ def _records(path: str, need: dict[str, type]) -> list[tuple[str, dict]]:
         for key, tp in need.items():
             v = row.get(key)
             if not isinstance(v, tp) or isinstance(v, bool) != (tp is bool) or v in ("", []):
-                raise InputError(f"{where}: not a pipeline_gen_verify record: {key!r} is {json.dumps(v)[:60]}, "
-                                 f"expected a non-empty {tp.__name__}; pass GEN.jsonl VERIF.jsonl pairs")  # fmt: skip
+                raise InputError(
+                    f"{where}: not a pipeline_gen_verify record: {key!r} is {json.dumps(v)[:60]}, "
+                    f"expected a non-empty {tp.__name__}; pass GEN.jsonl VERIF.jsonl pairs"
+                )
         out.append((where, row))
     return out
 
@@ -192,19 +214,25 @@ def verified_examples(paths: list[str], per_problem_k: int, config: dict) -> lis
         verdict = {}
         for where, v in verifs:
             if v["sample_id"] not in by_id:
-                raise InputError(f"{where}: sample_id {v['sample_id']!r} is not in {gen_path}: {gen_path} and "
-                                 f"{verif_path} do not pair; pass each VERIF after the GEN file it verified")  # fmt: skip
+                raise InputError(
+                    f"{where}: sample_id {v['sample_id']!r} is not in {gen_path}: {gen_path} and "
+                    f"{verif_path} do not pair; pass each VERIF after the GEN file it verified"
+                )
             gen_where, g = by_id[v["sample_id"]]
             if v["problem_id"] != g["problem_id"]:
-                raise InputError(f"{where}: sample_id {v['sample_id']!r} is problem {v['problem_id']!r} here and "
-                                 f"{g['problem_id']!r} at {gen_where}: the files do not pair")  # fmt: skip
+                raise InputError(
+                    f"{where}: sample_id {v['sample_id']!r} is problem {v['problem_id']!r} here and "
+                    f"{g['problem_id']!r} at {gen_where}: the files do not pair"
+                )
             if v["sample_id"] in verdict and verdict[v["sample_id"]] != v["accepted"]:
                 raise InputError(f"{where}: sample_id {v['sample_id']!r} is verified twice with different verdicts")
             verdict[v["sample_id"]] = v["accepted"]
         unverified = [w for w, g in gens if g["sample_id"] not in verdict]
         if unverified:
-            raise InputError(f"{unverified[0]}: this generation record (and {len(unverified) - 1} more) has no "
-                             f"verification record in {verif_path}: the files do not pair")  # fmt: skip
+            raise InputError(
+                f"{unverified[0]}: this generation record (and {len(unverified) - 1} more) has no "
+                f"verification record in {verif_path}: the files do not pair"
+            )
         for where, g in gens:
             if not verdict[g["sample_id"]]:
                 continue
@@ -215,8 +243,13 @@ def verified_examples(paths: list[str], per_problem_k: int, config: dict) -> lis
             proofs.add(proof)
             prompt = _ids(g["prompt_ids"], where, "prompt_ids")
             completion = _ids(g["completion_ids"], where, "completion_ids")
-            ex = Example(prompt + completion, [False] * len(prompt) + [True] * len(completion), where, len(prompt),
-                         {"prompt": "", "problem_id": g["problem_id"]})  # fmt: skip
+            ex = Example(
+                prompt + completion,
+                [False] * len(prompt) + [True] * len(completion),
+                where,
+                len(prompt),
+                {"prompt": "", "problem_id": g["problem_id"]},
+            )
             check_fits(ex, config)
             out.append(ex)
     if not out:

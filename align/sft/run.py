@@ -49,8 +49,11 @@ def tensors(examples: list[Example], device: torch.device) -> tuple[torch.Tensor
     targets = [e.ids[1:] + [0] * (L - len(e.ids) + 1) for e in examples]
     mask = [e.mask[1:] + [False] * (L - len(e.ids) + 1) for e in examples]
     as_long = {"dtype": torch.long, "device": device}
-    return (torch.tensor(inputs, **as_long).view(-1, L), torch.tensor(targets, **as_long).view(-1, L),
-            torch.tensor(mask, dtype=torch.bool, device=device).view(-1, L))  # fmt: skip
+    return (
+        torch.tensor(inputs, **as_long).view(-1, L),
+        torch.tensor(targets, **as_long).view(-1, L),
+        torch.tensor(mask, dtype=torch.bool, device=device).view(-1, L),
+    )
 
 
 def mine(examples: list[Example]) -> list[Example]:
@@ -58,8 +61,16 @@ def mine(examples: list[Example]) -> list[Example]:
     return examples[slice(*dist.share(len(examples)))]
 
 
-def open_sft(cfg: SFTConfig, *, model: str | None, tokenizer: Any, rows: list | None, eval_rows: list | None,
-             reward: Any, stop_flag: dict | None) -> SFTRun:  # fmt: skip
+def open_sft(
+    cfg: SFTConfig,
+    *,
+    model: str | None,
+    tokenizer: Any,
+    rows: list | None,
+    eval_rows: list | None,
+    reward: Any,
+    stop_flag: dict | None,
+) -> SFTRun:
     """Build an ``SFTRun`` (see the module docstring); on a failure after parts started, they are closed."""
     from align.device import resolve as resolve_placement
 
@@ -79,8 +90,9 @@ def open_sft(cfg: SFTConfig, *, model: str | None, tokenizer: Any, rows: list | 
     return run
 
 
-def _open_data(run: SFTRun, model: str | None, tokenizer: Any, rows: list | None, eval_rows: list | None,
-               reward: Any) -> None:  # fmt: skip
+def _open_data(
+    run: SFTRun, model: str | None, tokenizer: Any, rows: list | None, eval_rows: list | None, reward: Any
+) -> None:
     """--out claimed, the rows rendered and checked, the reward loaded, ``cfg.steps`` resolved, config.json."""
     from align.data import InputError, load_tokenizer
     from align.rewards import make_scorer
@@ -108,8 +120,10 @@ def _open_data(run: SFTRun, model: str | None, tokenizer: Any, rows: list | None
         run.eval_examples = load_examples(d.eval_data, eval_rows, "--eval-data", renderers, d.train_on, config)
     longest = max(len(e.ids) - 1 for e in run.examples + run.eval_examples)
     if cfg.micro_batch_tokens and longest > cfg.micro_batch_tokens:
-        raise InputError(f"--micro-batch-tokens {cfg.micro_batch_tokens} is smaller than the longest row ({longest} "
-                         f"tokens); raise it to >= {longest}")  # fmt: skip
+        raise InputError(
+            f"--micro-batch-tokens {cfg.micro_batch_tokens} is smaller than the longest row ({longest} "
+            f"tokens); raise it to >= {longest}"
+        )
     has_reward = reward is not None or bool(cfg.rewards.reward)
     run.scorer = run.pass_reward = None
     if has_reward and not run.eval_examples:
@@ -121,8 +135,10 @@ def _open_data(run: SFTRun, model: str | None, tokenizer: Any, rows: list | None
         context = config.get("max_position_embeddings")
         for e in run.eval_examples:
             if isinstance(context, int) and e.prompt + budget > context:
-                raise InputError(f"{e.where}: the prompt is {e.prompt} tokens; with --max-tokens {budget} the eval's "
-                                 f"samples do not fit the model's context of {context}; lower --max-tokens")  # fmt: skip
+                raise InputError(
+                    f"{e.where}: the prompt is {e.prompt} tokens; with --max-tokens {budget} the eval's "
+                    f"samples do not fit the model's context of {context}; lower --max-tokens"
+                )
 
         run.scorer = make_scorer(cfg.rewards, reward, [e.record for e in run.eval_examples])
         run.pass_reward = pass_reward_for(run.scorer.names, cfg.eval.eval_pass_reward)
@@ -177,15 +193,22 @@ def evaluate(run: SFTRun) -> dict:
     cfg, policy = run.cfg, run.policy
     policy.eval()
     with torch.no_grad():
-        stats = learner.nll_backward(policy, cfg, *tensors(mine(run.eval_examples), run.place.device),
-                                     place=run.place, backward=False)  # fmt: skip
+        stats = learner.nll_backward(
+            policy, cfg, *tensors(mine(run.eval_examples), run.place.device), place=run.place, backward=False
+        )
     out = {"loss": stats["loss"], "tokens": stats["num_tokens"]}
     if run.scorer is None:
         return out
     t = cfg.temperature if cfg.eval.eval_temperature is None else cfg.eval.eval_temperature
-    sampling = SamplingParams(n=cfg.eval.eval_n, temperature=t, top_p=cfg.top_p, top_k=cfg.top_k,
-                              max_tokens=cfg.eval.eval_max_tokens or cfg.max_tokens, stop_token_ids=run.stops,
-                              seed=cfg.seed)  # fmt: skip
+    sampling = SamplingParams(
+        n=cfg.eval.eval_n,
+        temperature=t,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        max_tokens=cfg.eval.eval_max_tokens or cfg.max_tokens,
+        stop_token_ids=run.stops,
+        seed=cfg.seed,
+    )
     prompts = [e.ids[: e.prompt] for e in run.eval_examples]
     with run.place.autocast():
         if dist.active():  # every rank samples its share (the same completions), all score them
