@@ -81,7 +81,7 @@ def tool_model(tmp_path_factory) -> tuple[Path, list[int], list[int], list[int]]
 
 
 def test_a_tool_call_turn_trains_with_the_result_as_masked_environment_tokens(tmp_path, tool_model, monkeypatch):
-    from align.run.episodes import RunEpisodes
+    from align.envs.sampler import Episodes as RunEpisodes
     from align.train import train
 
     model_dir, first, suffix, wrong = tool_model
