@@ -61,8 +61,8 @@ def load_env_class(spec: str, flag: str = "--env") -> type:
     missing file or module, something that is not a class, or a class without ``reset`` / ``step``."""
     if ":" not in spec and spec not in ENVIRONMENTS:
         raise InputError(
-            f"{flag} {spec!r}: no built-in environment of that name (built in: {', '.join(sorted(ENVIRONMENTS))}); "
-            f"your own is {flag} path/to/file.py:Class or module:Class"
+            f"{flag} {spec!r}: expected 'module:Class' or 'path/to/file.py:Class', or the name of a built-in "
+            f"environment ({', '.join(sorted(ENVIRONMENTS))})"
         )
     cls = load_spec(ENVIRONMENTS.get(spec, spec), flag, kind="Class")
     check_env_class(cls, flag)

@@ -26,32 +26,23 @@ class Task:
     env_spec: str | None = None  # how an --env-workers process loads it
 
 
-BUILTIN_TASKS = ("reverse", "multiturn")
-
-
 def builtin_task(cfg: TrainConfig) -> tuple[Task, str]:
-    """The built-in task and its warm-started model dir (built once, under {out}/base_model)."""
-    if cfg.task not in BUILTIN_TASKS:
-        raise ValueError(f"unknown built-in task {cfg.task!r}; available: {', '.join(BUILTIN_TASKS)}")
-    import importlib
-
+    """The built-in task (``align.tasks.TASKS``) and its warm-started model dir (built once, under {out}/base_model)."""
     from align.atomic import is_committed
+    from align.tasks import load_task
 
-    mod = importlib.import_module(f"align.tasks.{cfg.task}")
-    apply_task_defaults(cfg, getattr(mod, "TRAIN_DEFAULTS", {}))
-    env = getattr(mod, "Env", None)
+    mod = load_task(cfg.task)
+    apply_task_defaults(cfg, mod.TRAIN_DEFAULTS)
     task = Task(
         mod.prompts(5000, "train", cfg.seed),
         mod.tokenizer(),
-        getattr(mod, "reward", None),
+        mod.reward,
         mod.prompts(cfg.eval_prompts, "eval", cfg.seed),
-        env=env,
-        env_spec=f"align.tasks.{cfg.task}:Env" if env else None,
+        env=mod.Env,
+        env_spec=f"{mod.__name__}:Env" if mod.Env else None,
     )
-    if env is None:
-        mod.check_sizes(task.prompts + task.eval_prompts, task.tokenizer, cfg.max_tokens)  # before the warm start
-    else:
-        mod.check_sizes(task.prompts + task.eval_prompts, task.tokenizer, cfg.max_tokens, cfg.envs.max_turns)
+    # before the warm start
+    mod.check_sizes(task.prompts + task.eval_prompts, task.tokenizer, cfg.max_tokens, cfg.envs.max_turns)
     base = Path(cfg.out) / "base_model"
     if cfg.model is not None:
         if not (Path(cfg.model) / "align_tokenizer.json").is_file():
@@ -112,13 +103,12 @@ def env_task(
     if model_path is None:
         raise InputError("--env needs --model DIR (a Hugging Face checkpoint directory)")
     spec = None
-    if env is None and tools:  # tools=[fn] from Python: the tool environment over them (and any --tools)
+    if env is None and (tools or e.tools):  # the tool environment over --tools / tools=[fn], built (checked) now
         from align.envs.tools import tool_env
 
         env = tool_env(e, tools)
-    elif env is None:
-        spec = e.env or "tools"  # --tools alone: the built-in tool environment
-        env = load_env_class(spec, "--env")
+    elif env is None:  # a name of align.envs.ENVIRONMENTS or file.py:Class
+        spec, env = e.env, load_env_class(e.env, "--env")
     located = None  # (file:line, row) of each row read here, for the errors of the environment's check_rows
     if prompts is None:
         located = read_rows(cfg.data.train_data)
@@ -131,7 +121,7 @@ def env_task(
     rows = [dict(r) for r in prompts]
     if not rows:
         raise InputError("no rows to train on (--train-data is empty)")
-    if spec is None and not tools:
+    if spec is None and not tools and not e.tools:
         from align.rewards import spec_of
 
         spec = spec_of(env)
