@@ -1,4 +1,4 @@
-"""Multi-turn episodes (align.envs.episodes, align.rollout.sessions, align.run.episodes): the kept KV cache gives the
+"""Multi-turn episodes (align.envs.episodes, align.rollout.sessions, align.envs.sampler): the kept KV cache gives the
 teacher-forced logprobs of the whole conversation; environment tokens are context in the loss (a loop reference
 written here, gradients included, with a negative control that counts them); budgets, failures and the training
 loop on the real environment runner (in process and in a worker process)."""

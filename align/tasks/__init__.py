@@ -63,3 +63,8 @@ def load_task(name: str) -> TaskModule:
     if name not in TASKS:
         raise ValueError(f"unknown built-in task {name!r}; available: {', '.join(TASKS)}")
     return check_task_module(importlib.import_module(TASKS[name]))
+
+
+def is_multi_turn(name: str) -> bool:
+    """Whether the built-in task ``name`` runs episodes (its module sets ``Env``); False for a name that is no task."""
+    return name in TASKS and load_task(name).Env is not None
