@@ -100,11 +100,11 @@ def warm_start(
     return supervised(path, tok, model_config(tok), examples, steps=steps, lr=lr, seed=seed, log=log)
 
 
-def check_sizes(prompts: list[dict], tok: CharTokenizer, max_tokens: int, max_turns: int = 1) -> None:
+def check_sizes(rows: list[dict], tok: CharTokenizer, max_tokens: int, max_turns: int = 1) -> None:
     """Before the warm start: the longest prompt + ``max_tokens`` fits the task model's context (one turn, whatever
     ``max_turns``)."""
     context = model_config(tok).max_position_embeddings
-    longest = max(len(tok.encode(p["prompt"])) for p in prompts)
+    longest = max(len(tok.encode(r["prompt"])) for r in rows)
     if longest + max_tokens > context:
         raise ValueError(
             f"--max-tokens {max_tokens}: the built-in task's prompts are up to {longest} tokens and its model's "
