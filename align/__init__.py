@@ -15,8 +15,9 @@ Where things live, by floor (imports point down only; ``tests/test_layout.py`` c
 - ``align.rollout``: prompts -> scored groups: ``protocol`` (the spool contract, stdlib), ``spool`` (its
   transport, stdlib), ``process``, ``native`` (the sampler), ``cpu_kernel``, ``client``, ``scoring`` (the ``score``
   request, stdlib), ``watcher``, ``groups``, ``engines``, ``pipeline``.
-- what goes in: ``data``, ``rewards`` (+ ``reward_pool``: the worker processes), ``verifiers``, ``tasks``, ``envs``
-  (the environment API; ``runner``: its episodes in process or in worker processes).
+- what goes in: ``data``, ``rewards`` (+ ``reward_pool``: the worker processes), ``verifiers``, ``tasks`` (``TASKS``,
+  the ``TaskModule`` protocol), ``envs`` (the environment API and its hooks, ``ENVIRONMENTS``; ``runner``: episodes in
+  process or in worker processes; ``sampler``: a run's one sampling seam, single-turn and episodes), ``lean``.
 - the algorithm, no run state: ``model`` (+ ``attention``), ``packing``, ``kernels``, ``lora``, ``grpo``,
   ``advantages``, ``learner``, ``device``, ``dist``; ``atomic`` (stdlib: atomic files and the commit marker) under everything.
 """

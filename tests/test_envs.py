@@ -1,4 +1,4 @@
-"""Multi-turn episodes (align.envs.episodes, align.rollout.sessions, align.run.episodes): the kept KV cache gives the
+"""Multi-turn episodes (align.envs.episodes, align.rollout.sessions, align.envs.sampler): the kept KV cache gives the
 teacher-forced logprobs of the whole conversation; environment tokens are context in the loss (a loop reference
 written here, gradients included, with a negative control that counts them); budgets, failures and the training
 loop on the real environment runner (in process and in a worker process)."""
@@ -401,3 +401,48 @@ def test_dapo_refill_samples_more_rows_until_the_episode_groups_have_signal(tmp_
     recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     # a random model never reverses a word: no group has signal, so every step uses all its refill rounds
     assert [(r["refill_rounds"], r["refill_prompts"], r["signal_groups"]) for r in recs] == [(2, 4, 0)] * 2
+
+
+def test_a_new_environment_is_a_file_and_a_row_and_every_hook_runs_in_its_place(tmp_path, monkeypatch):
+    """tests/fixtures/toy_env.py registered as the row "toy" of ``ENVIRONMENTS`` (the file + the row is all it takes)
+    runs by name: ``check_rows`` before the model loads, ``open`` once before any episode (its state reaches every
+    episode), ``draws`` picks each step's rows, ``metrics`` logs its counts, ``close`` once at the end; held-out
+    episodes are evaluated. Controls: a bad row fails in ``check_rows`` before ``open`` and before the model loads; a
+    name that is no row is refused naming the rows."""
+    import json
+
+    import align.model
+    from align.envs import ENVIRONMENTS
+    from align.model import save_pretrained
+    from align.run.config import TrainConfig
+    from align.train import train
+
+    log = tmp_path / "events.txt"
+    monkeypatch.setenv("TOY_ENV_LOG", str(log))
+    monkeypatch.setitem(ENVIRONMENTS, "toy", f"{FIXTURES / 'toy_env.py'}:Toy")
+    model_dir = str(save_pretrained(rev_model(), tmp_path / "model"))
+    rows, evals = reverse.prompts(6, "train"), reverse.prompts(2, "eval")
+
+    def run(name: str, train_rows: list[dict]) -> dict:
+        c = TrainConfig(out=str(tmp_path / name), steps=2, prompts_per_step=2, group_size=2, max_tokens=8,
+                        envs=EnvConfig(env="toy", max_turns=2), checkpoint_every=0)  # fmt: skip
+        c.eval.eval_interval, c.eval.eval_n = 2, 2
+        return train(c, model=model_dir, tokenizer=reverse.tokenizer(), prompts=train_rows, eval_prompts=evals)
+
+    run("run", rows)
+    events = log.read_text().splitlines()
+    assert events[:2] == ["check_rows 8", "open max_turns=2"] and events[-1] == "close hint=="
+    assert [e for e in events if e.startswith(("begin", "add"))] == ["begin 1", "add 1 0 1", "begin 2", "add 2 2 3"]
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "loss" in r]
+    assert len(steps) == 2 and all(r["toy/steps"] == 4 * r["env/turns_mean"] for r in steps), steps  # 4 episodes
+    assert sorted(r["step"] for r in recs if "eval/pass@1" in r) == [0, 2]
+    # controls: a row without 'answer' fails in check_rows, before open and before any model loads
+    log.unlink()
+    monkeypatch.setattr(align.model, "load_pretrained", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(InputError, match=r"prompts\[3\]: a toy row needs an 'answer'"):
+        run("bad", rows[:3] + [{"prompt": "abc="}])
+    assert not log.exists()
+    monkeypatch.delitem(ENVIRONMENTS, "toy")
+    with pytest.raises(InputError, match=r"the name of a built-in environment \(lean, multiturn, tools\)"):
+        run("gone", rows)

@@ -259,3 +259,58 @@ def test_held_out_episodes_are_evaluated_on_the_fleet_at_each_snapshot(tmp_path,
     assert abs(evals[0]["eval/avg@1"] - evals[2]["eval/avg@1"]) > 1e-3, evals
     one = native_episode_rewards(final, tok, eval_rows, turn_envs.Graded, 1, 8)
     assert abs(sum(one) - sum(ref)) > 1e-3, (one, ref)
+
+
+@pytest.mark.slow  # one vLLM eval engine start + 2 GRPO steps of proof episodes + 2 eval points: ~60 s on 2 loaded cores
+def test_lean_minif2f_held_out_is_evaluated_on_its_own_engine_with_the_verifier(tmp_path, prover):
+    """``--env lean --eval-data miniF2F --eval-num-gpus 1`` (docs/lean.md's posture): each eval point runs the held-out
+    problems' proof episodes on the eval worker (the CPU build of vLLM) pinned to its step's snapshot, the Lean verifier
+    (the REPL stand-in: no Lean compiler here, it replays replies recorded from the real REPL) deciding every turn.
+    The final point equals the reference: the same greedy episodes on align's native sampler from the step-2
+    checkpoint through a verifier of its own. Controls: the problem the prover can prove passes and the miniF2F ones
+    do not (pass@1 strictly between 0 and 1: the verdicts are per problem), and its proof reached a stand-in REPL."""
+    require_rollout_venv()
+    import json
+
+    from helpers_lean import STATEMENT, lean_rows, standin
+    from helpers_train import native_episode_rewards
+
+    from align.data import load_tokenizer
+    from align.lean.config import LeanConfig
+    from align.lean.env import LeanEnv
+    from align.lean.verify import LeanVerifier
+    from align.model import load_pretrained
+    from align.run.checkpoint import committed
+    from align.train import main
+
+    minif2f = Path(__file__).parent / "data" / "minif2f_test.jsonl"
+    held_out = [json.loads(x) for x in minif2f.read_text().splitlines()[:4]] + lean_rows(1)
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in held_out))
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lean_rows(4)))
+    log = tmp_path / "repl_commands.jsonl"
+    out = tmp_path / "run"
+    rc = main(["--out", str(out), "--model", prover, "--train-data", str(tmp_path / "train.jsonl"), "--env", "lean",
+               "--lean-repl", standin(log), "--lean-workers", "2", "--steps", "2", "--prompts-per-step", "2",
+               "--group-size", "2", "--max-tokens", "24", "--lr", "1e-3", "--warmup-steps", "0", "--threads", "1",
+               "--max-turns", "2", "--env-reward", "sum", "--checkpoint-every", "0", "--eval-data",
+               str(tmp_path / "eval.jsonl"), "--eval-interval", "2", "--eval-n", "1", "--eval-temperature", "0",
+               "--eval-num-gpus", "1", "--eval-hf-dir", str(tmp_path / "eval_hf"), "--eval-timeout-s",
+               str(VLLM_TIMEOUT_S), "--ci-test"])  # fmt: skip
+    assert rc == 0
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r for r in records if "eval/step" in r}
+    assert sorted(evals) == [0, 2], records
+    for s, r in evals.items():  # each point measured its own snapshot, read back from the engine
+        assert r["eval/weight_version"] == s and r["eval/mixed_version_ratio"] == 0.0, r
+    (last_step, last_dir), *_ = sorted(committed(out / "checkpoints"), reverse=True)
+    assert last_step == 2
+    final, tok = load_pretrained(last_dir / "model"), load_tokenizer(prover, prover)
+    verifier = LeanVerifier(LeanConfig(repl=standin(), workers=2))
+    try:
+        ref = native_episode_rewards(final, tok, held_out, LeanEnv.bind(verifier), 2, 24)
+    finally:
+        verifier.close()
+    assert evals[2]["eval/avg@1"] == pytest.approx(sum(ref) / len(ref), abs=1e-6), (evals, ref)
+    assert 0 < evals[2]["eval/pass@1"] < 1 and ref[-1] == 1.0, (evals[2], ref)  # the provable one, not miniF2F
+    cmds = [json.loads(x)["cmd"] for x in log.read_text().splitlines()]
+    assert any(STATEMENT.split(":=")[0] in c for c in cmds)  # its proof was compiled by a REPL process

@@ -147,3 +147,29 @@ def test_check_sizes_names_the_flag():
     mt.check_sizes(rows, tok, max_tokens=10, max_turns=most)  # the bound it names fits, one more does not
     with pytest.raises(ValueError, match="--max-turns"):
         mt.check_sizes(rows, tok, max_tokens=10, max_turns=most + 1)
+
+
+def test_every_built_in_task_has_the_task_module_members_and_one_signature():
+    """``align.tasks.TASKS``: each module has every ``TaskModule`` member, exactly one of reward / Env, and the same
+    ``check_sizes`` / ``warm_start`` parameters. Controls: a module missing a member, or setting both, is refused."""
+    import inspect
+    import types
+
+    from align.tasks import MEMBERS, TASKS, check_task_module, load_task
+
+    mods = [load_task(name) for name in TASKS]
+    for fn in ("check_sizes", "warm_start", "prompts", "model_config", "tokenizer"):
+        assert len({tuple(inspect.signature(getattr(m, fn)).parameters) for m in mods}) == 1, fn
+    assert [m.Env is not None for m in mods] == [False, True]
+    fake = types.ModuleType("fake_task")
+    for name in MEMBERS:
+        setattr(fake, name, getattr(mods[0], name))
+    check_task_module(fake)
+    fake.Env = mt.Env
+    with pytest.raises(TypeError, match="exactly one of reward and Env"):
+        check_task_module(fake)
+    del fake.check_sizes
+    with pytest.raises(TypeError, match="lacks check_sizes"):
+        check_task_module(fake)
+    with pytest.raises(ValueError, match="unknown built-in task 'nope'; available: reverse, multiturn"):
+        load_task("nope")

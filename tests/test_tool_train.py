@@ -81,13 +81,13 @@ def tool_model(tmp_path_factory) -> tuple[Path, list[int], list[int], list[int]]
 
 
 def test_a_tool_call_turn_trains_with_the_result_as_masked_environment_tokens(tmp_path, tool_model, monkeypatch):
-    from align.run.episodes import RunEpisodes
+    from align.envs.sampler import Episodes
     from align.train import train
 
     model_dir, first, suffix, wrong = tool_model
     seen: list = []  # every episode the trainer ran (a spy on the real method)
-    real = RunEpisodes.episodes
-    monkeypatch.setattr(RunEpisodes, "episodes", lambda self, *a: seen.extend(eps := real(self, *a)) or eps)
+    real = Episodes.episodes
+    monkeypatch.setattr(Episodes, "episodes", lambda self, *a: seen.extend(eps := real(self, *a)) or eps)
     c = TrainConfig(out=str(tmp_path / "run"), steps=2, prompts_per_step=2, group_size=2, max_tokens=80, lr=1e-3,
                     envs=EnvConfig(max_turns=2))  # fmt: skip
     c.eval.eval_interval, c.log.log_completions_every = 0, 1

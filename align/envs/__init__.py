@@ -8,7 +8,32 @@ The environment API (one instance per episode; a group has G episodes of one dat
         def reset(self) -> list[dict] | str: ...        # the first messages (chat) or a plain prompt
         def step(self, completion: str) -> Step: ...    # the policy's answer -> what the environment says back
 
-An environment may set ``tools`` (a list of JSON schemas, passed to the chat template's ``tools=``).
+An environment may set ``tools`` (a list of JSON schemas, passed to the chat template's ``tools=``), and
+``concurrent = True`` (its instances are thread-safe: their steps run at once in this process).
+
+Optional lifecycle hooks on the class (``align.envs.sampler`` calls each one that exists; none is required)::
+
+    @staticmethod
+    def check_rows(rows: list[tuple[str, dict]]) -> None: ...    # (where, row) pairs, before the model loads
+    @classmethod
+    def open(cls, cfg, tokenizer) -> type: ...                    # start what every episode shares (a verifier
+                                                                  # pool); returns the class the episodes run
+    @classmethod
+    def close(cls) -> None: ...                                   # (on what open returned) stop what open started
+    @classmethod
+    def draws(cls, rows: list[dict], cursor) -> Any: ...          # which rows a step samples (default: the data
+                                                                  # cursor's; --env lean: its correction queue)
+    @staticmethod
+    def metrics(episodes: list) -> dict[str, float]: ...          # the environment's own per-step metrics
+
+``cfg`` is the run's ``TrainConfig`` (read, never imported here). A class with ``open`` runs in this process
+(``--env-workers`` is refused for it: a worker process would load it unopened). ``draws`` returns an object with
+``begin(t)``, ``next_prompts(k) -> indices``, ``row(i) -> dict`` and ``add(groups, t)`` (``align.envs.sampler.Rows``
+is the default).
+
+Built-in environments are rows of ``ENVIRONMENTS`` (name -> ``module:Class``), resolved by the same loader as
+``--env path/file.py:Class`` (``align.envs.runner.load_env_class``), so ``--env lean`` and a worker process loading
+``lean`` both find ``align.lean.env:LeanEnv``. Adding one is a file and a row here.
 
 ``Step(observation, reward, done)``: ``observation`` is the environment's next messages (a list of
 ``{"role", "content"}`` dicts, rendered through the chat template as a suffix of the conversation) or a plain
@@ -21,7 +46,14 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-__all__ = ["EnvError", "Step", "check_env_class", "check_observation", "check_step"]
+__all__ = ["ENVIRONMENTS", "EnvError", "Step", "check_env_class", "check_observation", "check_step"]
+
+# name -> "module:Class": the built-in environments (``--env NAME``); a name never contains ':' or '/'
+ENVIRONMENTS: dict[str, str] = {
+    "lean": "align.lean.env:LeanEnv",  # Goedel-Prover's prompt, one verified proof attempt per turn
+    "multiturn": "align.tasks.multiturn:Env",  # the built-in multi-turn task's environment (rows: prompt, answer)
+    "tools": "align.envs.tools:ToolEnv",  # the tool environment over --tools (also what --tools alone picks)
+}
 
 
 class Step(NamedTuple):

@@ -17,9 +17,10 @@ class EnvConfig:
     env: str | None = field(
         default=None,
         metadata=_h(
-            "Multi-turn environment class, 'path/file.py:Class' or 'module:Class' (needs --train-data); "
-            "'tools' = the built-in tool environment (with --tools); 'lean' = the built-in Lean prover "
-            "environment (Goedel prompts, the Lean verifier: --lean-repl / --lean-server)."
+            "Multi-turn environment class, 'path/file.py:Class' or 'module:Class' (needs --train-data), or a "
+            "built-in by name (align.envs.ENVIRONMENTS): 'tools' = the tool environment (with --tools); 'lean' = "
+            "the Lean prover environment (Goedel prompts, the Lean verifier: --lean-repl / --lean-server); "
+            "'multiturn' = the multiturn task's environment."
         ),
     )
     max_turns: int = field(default=4, metadata=_h("With --env: at most this many policy turns per episode."))

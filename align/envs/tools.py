@@ -372,3 +372,28 @@ def make_tool_env(
             return Step(msgs, None, False, {"tool_calls": len(calls), "tool_errors": errors})
 
     return ToolEnv
+
+
+def tool_env(cfg: Any, fns: list | None = None) -> type:
+    """The tool environment over ``cfg.tools`` (an ``EnvConfig``: ``--tools`` specs) and ``fns`` (``tools=[fn]``)."""
+    # a tool call gets half of the step's limit, so a slow tool is an error message the model reads, not a step timeout
+    return make_tool_env(load_tools(cfg.tools, fns), timeout_s=cfg.env_timeout_s / 2 if cfg.env_timeout_s else 10.0)
+
+
+class ToolEnv:
+    """``--env tools`` (``--tools`` alone picks it): the row of ``align.envs.ENVIRONMENTS`` for the tool environment.
+    A recipe, never an episode itself: its ``open`` hook builds the class the episodes run (``make_tool_env``)."""
+
+    @classmethod
+    def open(cls, cfg: Any, tokenizer: Any) -> type:
+        """The tool environment over ``--tools`` (``InputError`` without one)."""
+        return tool_env(cfg.envs)
+
+    def __init__(self, **row: Any) -> None:
+        raise RuntimeError("ToolEnv is opened, never run: ToolEnv.open(cfg, tokenizer) returns the tool environment")
+
+    def reset(self) -> list[dict]:  # never reached (__init__ refuses); the class is an environment for check_env_class
+        raise NotImplementedError
+
+    def step(self, completion: str) -> Step:
+        raise NotImplementedError

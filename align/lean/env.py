@@ -98,6 +98,9 @@ class LeanEnv:
     encode: Callable | None = None
     decode: Callable | None = None
     concurrent = True  # EnvRunner: steps of different episodes may run at once (the verifier is thread-safe)
+    own_timeout = True  # each step is bounded by the verifier (--lean-timeout-s, --lean-retries), not --env-timeout-s
+    owned = False  # open() started the verifier, so close() stops it (a class bound by its caller keeps its own)
+    corrections: Any = None  # the run's CorrectionConfig (open): --lean-correction-fraction
 
     def __init__(self, **row: Any) -> None:
         from align.lean import goedel
@@ -111,7 +114,38 @@ class LeanEnv:
         self.messages = [dict(m) for m in corr["messages"]] if corr else goedel.initial_messages(self.code)
         self.turn = 0
 
-    check_rows = staticmethod(_check_rows)  # align.run.task: the rows checked before the model loads
+    check_rows = staticmethod(_check_rows)  # the environment hook: the rows checked before the model loads
+
+    @classmethod
+    def open(cls, cfg: Any, tokenizer: Any) -> type:
+        """The environment hook (``align.envs``): start the verifier pool (``--lean-repl`` / ``--lean-server``,
+        ``--lean-workers``; unless the class came bound to one: a REPL that cannot start fails here, before the model
+        loads) and bind the episodes to it, error texts cut at ``--lean-error-tokens`` with ``tokenizer``."""
+        verifier = cls.verifier
+        if verifier is None:
+            from align.lean.verify import LeanVerifier
+
+            cfg.lean.check()  # exactly one of --lean-repl / --lean-server
+            verifier = LeanVerifier(cfg.lean)
+        bound = cls.bind(verifier, cfg.lean_corrections.lean_error_tokens, tokenizer)
+        bound.owned, bound.corrections = cls.verifier is None, cfg.lean_corrections
+        return bound
+
+    @classmethod
+    def close(cls) -> None:
+        """The environment hook: stop the verifier pool that ``open`` started."""
+        if cls.owned:
+            cls.verifier.close()
+
+    @classmethod
+    def draws(cls, rows: list[dict], cursor: Any) -> Any:
+        """The environment hook: with ``--lean-correction-fraction`` each step's rows come from the correction queue
+        (``align.lean.corrections``) over the data cursor; None (the cursor's rows) without it."""
+        if cls.corrections is None or cls.corrections.lean_correction_fraction <= 0:
+            return None
+        from align.lean.corrections import CorrectionQueue
+
+        return CorrectionQueue(cls.corrections, rows, cursor)
 
     @classmethod
     def bind(cls, verifier: Any, error_tokens: int = 0, tokenizer: Any = None) -> type:

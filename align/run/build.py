@@ -33,7 +33,7 @@ from align.run.config import TrainConfig, lr_lambda
 from align.run.log import MetricsLog, Progress, check_logger, format_line, make_logger, sample_groups
 from align.run.plot import write_plot
 from align.run.task import resolve_task
-from align.run.teacher import check_teacher, open_teacher, unscored
+from align.run.teacher import check_teacher, open_teacher
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class Run:
     def __init__(self, cfg: TrainConfig, stop_flag: dict) -> None:
         self.cfg, self.stop_flag, self.out = cfg, stop_flag, Path(cfg.out)
         self.t_start = time.monotonic()
-        self.worker = self.client = self.scorer = self.pipe = self.out_lock = self.spool_lock = self.envs = None
+        self.worker = self.client = self.scorer = self.pipe = self.out_lock = self.spool_lock = self.sampler = None
         self.teacher: Any = None  # on-policy distillation (align.run.teacher)
         self.metrics: Any = None
         self.samples: Any = None
@@ -124,9 +124,7 @@ class Run:
     # ---------------------------------------------------------------------- per-step helpers
 
     def prompt_ids(self, groups: Any) -> list[list[int]]:
-        if self.task.env is not None:  # an episode carries its own first prompt (a --env lean correction has no row)
-            return [[] for _ in groups.idx]
-        return [self.encoded[i] for i in groups.idx]
+        return self.sampler.prompt_ids(groups.idx)
 
     def completion_text(self, ids: list[int]) -> str:
         return self.task.tokenizer.decode(ids[:-1] if ids and ids[-1] in self.stops else ids)
@@ -147,13 +145,12 @@ class Run:
 
     def log(self, rec: dict, groups: Any, scores: Any, adv: torch.Tensor) -> None:
         """The step's record to metrics.jsonl and the progress line; sample groups every --log-completions-every."""
-        if self.envs is not None:  # the environment's own metrics (--env lean: lean/*)
-            rec.update(self.envs.metrics(groups.completions))
+        rec.update(self.sampler.metrics(groups.completions))  # an environment's own metrics (its metrics hook)
         self.metrics.write(rec)
         self.progress.update(rec["step"], format_line(rec))
         every = self.cfg.log.log_completions_every
         if every and rec["step"] % every == 0:
-            rows = self.task.prompts  # an index past the rows is a --env lean correction prompt (its episodes show it)
+            rows = self.task.prompts  # an index past the rows is a drawn row of an environment's own (episodes show it)
             prompts = [rows[i].get("prompt", "") if i < len(rows) else "" for i in groups.idx]
             for r in sample_groups(
                 rec["step"],
@@ -209,12 +206,12 @@ class Run:
             if getattr(self, "evaluator", None) is not None:
                 self.emit(self.evaluator.drain(after_error=after_error))
         finally:
-            for part in (self.pipe, self.client, self.scorer, self.envs, self.metrics, self.teacher):
+            for part in (self.pipe, self.client, self.scorer, self.sampler, self.metrics, self.teacher):
                 if part is not None:
                     part.close()
             if self.worker is not None:
                 self.worker.shutdown()
-            self.pipe = self.client = self.scorer = self.metrics = self.worker = self.envs = self.teacher = None
+            self.pipe = self.client = self.scorer = self.metrics = self.worker = self.sampler = self.teacher = None
             safety.release(self.spool_lock)  # the worker is gone: another trainer may take the spool
             self.spool_lock = None
             if after_error is not None:  # the run ends here; else summary() releases --out after export_final
@@ -288,6 +285,7 @@ def open_run(
 def _open_files_and_task(
     run: Run, model: Any, tokenizer: Any, prompts: Any, reward: Any, eval_prompts: Any, env: Any, tools: Any
 ) -> None:
+    from align.envs.sampler import open_sampler
     from align.eval.metrics import pass_reward_for
     from align.rewards import make_scorer
 
@@ -297,20 +295,17 @@ def _open_files_and_task(
     run.task, run.model_path = resolve_task(cfg, model, tokenizer, prompts, reward, eval_prompts, env, tools)
     run.task_name = cfg.task if prompts is None and not cfg.data.train_data else "eval"
     task = run.task
+    # the sampling seam (align.envs.sampler): an environment's open hook (a verifier pool) runs here, before the model
+    sampler = run.sampler = open_sampler(cfg, task)
     rows = task.prompts + task.eval_prompts
     has_reward = task.reward is not None or cfg.rewards.reward
-    needs_scorer = (task.env is None or has_reward) and (has_reward or not cfg.distill.distill_only)
-    run.scorer = make_scorer(cfg.rewards, task.reward, rows) if needs_scorer else None
+    needs_scorer = has_reward or not (sampler.terms or cfg.distill.distill_only)  # an environment rewards by itself
+    run.scorer = sampler.scorer = make_scorer(cfg.rewards, task.reward, rows) if needs_scorer else None
     check_teacher(cfg, run.model_path, task.tokenizer, task.prompts)  # --teacher: an HF dir, the same tokenizer
     run.pass_reward = None  # the reward that decides pass@k (--eval-pass-reward); refused before the model loads
-    names = ["env"] * (task.env is not None) + (run.scorer.names if run.scorer else [])
-    if task.eval_prompts and cfg.eval.eval_interval > 0:
-        choice = cfg.eval.eval_pass_reward or ("env" if task.env is not None else None)  # episodes: the env's verdict
-        run.pass_reward = pass_reward_for(names, choice)
-    if task.env is not None:
-        from align.run.episodes import open_episodes
-
-        open_episodes(run)  # the environment runner and the turn renderer; refuses what it cannot run
+    names = [*sampler.terms, *(run.scorer.names if run.scorer else [])]
+    if task.eval_prompts and cfg.eval.eval_interval > 0:  # episodes: the environment's verdict decides by default
+        run.pass_reward = pass_reward_for(names, cfg.eval.eval_pass_reward or next(iter(sampler.terms), None))
     write_config(cfg, out, run.model_path)
 
 
@@ -329,13 +324,7 @@ def write_config(cfg: Any, out: Path, model_path: str) -> None:
 def _open_policy(run: Run) -> None:
     """Policy (resumed, LoRA, sharded), reference, optimizer, schedule; the prompts encoded and checked."""
     cfg, place, out = run.cfg, run.place, run.out
-    tok = run.task.tokenizer
-    if run.task.env is not None:  # an episode's first prompt is its environment's reset(): no prompt ids here
-        run.encoded, run.eval_encoded = [[] for _ in run.task.prompts], []
-    else:
-        run.encoded, run.eval_encoded = run.task.encoded or (
-            [tok.encode(r["prompt"]) for r in p] for p in (run.task.prompts, run.task.eval_prompts)
-        )
+    run.encoded, run.eval_encoded = run.sampler.encode()  # an episode's first prompt is its reset(): no ids here
     learner.check_token_budget(cfg, [len(ids) for ids in run.encoded])  # before the model loads
     load = model_lib.load_pretrained  # looked up at call time (tests patch align.model.load_pretrained)
     policy, resume, state = load_policy(cfg, place, run.model_path, out)
@@ -489,7 +478,7 @@ def _open_eval(run: Run) -> None:
     from align.eval import EvalSet, make_evaluator
     from align.eval.evaluator import Evaluator
     from align.eval.fleet import EvalFleet
-    from align.eval.metrics import score_completions, scored
+    from align.eval.metrics import score_completions, score_episodes, scored
     from align.rollout.protocol import SamplingParams
 
     cfg, policy, place, task = run.cfg, run.policy, run.place, run.task
@@ -513,24 +502,20 @@ def _open_eval(run: Run) -> None:
 
         eval_set = EvalSet(run.eval_encoded, score, eval_sampling, name=run.task_name)
 
-    if task.env is not None and task.eval_prompts:  # held-out episodes (align.run.episodes), in this process
-        eval_set = EvalSet(
-            [[0]] * len(task.eval_prompts),
-            lambda i, ids: None,
-            eval_sampling,
-            name=run.task_name,
-            episodes=lambda client, sampling: run.episodes.evaluate(run, sampling, client),
-        )
+    def episodes(client: Any, sampling: Any) -> tuple[dict, list]:  # held-out episodes on any client, scored
+        eps, scores = run.sampler.evaluate(client, sampling)
+        return score_episodes(eps, scores, len(task.eval_prompts), sampling.n, run.pass_reward), eps
+
+    if run.sampler.evaluate is not None and task.eval_prompts:  # held-out episodes: the sampler runs them
+        eval_set = EvalSet([[0]] * len(task.eval_prompts), lambda i, ids: None, eval_sampling, run.task_name, episodes)
 
     def blocking_eval(at_step: int) -> dict:
-        from align.rollout.client import ShardedNativeClient
-
-        if task.env is not None:
-            policy.eval()
-            return run.episodes.evaluate(run, eval_sampling)[0]
+        from align.rollout.client import NativeClient, ShardedNativeClient
         from align.rollout.native import generate
 
         policy.eval()
+        if eval_set.episodes is not None:
+            return eval_set.episodes(NativeClient(policy), eval_sampling)[0]
         with place.autocast():  # as the training rollouts (bf16-mixed: bf16 matmuls)
             if dist.active():  # torchrun: every rank samples its share (the same completions), all score them
                 comps = ShardedNativeClient(policy).generate(run.eval_encoded, eval_sampling)
@@ -571,43 +556,23 @@ def _open_pipeline(run: Run) -> None:
     """The rollout pipeline around ``collect`` (prompts -> rollouts -> rewards of one step); with K >= 1 and the
     shared engine, eval epochs pinned to one version (``align.eval.pinned``)."""
     from align.eval.pinned import pinned_evaluator
-    from align.rollout.engines import generate_groups
-    from align.rollout.groups import collect_groups
     from align.rollout.pipeline import make_pipeline
 
-    cfg, task = run.cfg, run.task
+    cfg = run.cfg
+    run.sampler.start(
+        params=run.params,
+        cursor=run.cursor,
+        encoded=run.encoded,
+        decode=run.completion_text,
+        context=run.mcfg.max_position_embeddings,
+        autocast=run.place.autocast,
+    )
 
     def collect(t: int, version: int, gen: Any) -> Any:
         """1-3 of step t: prompts -> rollouts (from weights ``version`` on client ``gen``) -> rewards."""
-
-        def sample(idx: list[int], round_: int) -> list:
-            # the seed depends only on (seed, step, round): resume replays a step exactly
-            p = replace(run.params, seed=cfg.seed * 1_000_003 + t - 1 + round_ * 100_000_007)
-            with run.place.autocast():  # the sampler computes like the trainer (bf16-mixed: bf16 matmuls)
-                return generate_groups(gen, [run.encoded[i] for i in idx], p, cfg.max_inflight_requests)
-
-        if task.env is not None:  # episodes (align.envs.episodes): the same stage, one conversation per sample
-            return run.episodes.collect(t, gen, run)
         # a signal cuts the rewards at K = 0 in one process (a reward stuck in a sleep would hold the exit); K >= 1
         # abandons the producer instead (pipeline), and under torchrun every rank finishes the step (agree_on_signal)
-        stop = None if run.pipe.is_async or dist.active() else run.pipe.should_stop
-        # --adv-refill: more prompts until enough groups have signal
-        score, names = (
-            (unscored, [])
-            if cfg.distill.distill_only
-            else (lambda items, comps: run.scorer.score(items, stop), run.scorer.names)
-        )
-        return collect_groups(
-            cfg.prompts_per_step,
-            run.cursor.next_prompts,
-            sample,
-            lambda c: run.completion_text(c.token_ids),
-            lambda i: task.prompts[i],
-            score,
-            names,
-            cfg.adv_refill,
-            cfg.max_refill_rounds,
-        )
+        return run.sampler.collect(t, gen, None if run.pipe.is_async or dist.active() else run.pipe.should_stop)
 
     snapshots = run.out / "rollout_snapshots"
     run.pipe = make_pipeline(cfg, collect, run.policy, run.client, run.step, run.cursor.state, run.pending, snapshots)

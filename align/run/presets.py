@@ -84,8 +84,10 @@ PRESET_NAMES = ("none", *PRESETS)
 def policy_token_budget(get: Callable[[str], Any]) -> int:
     """The most policy tokens one sample may hold (Dr. GRPO's constant normaliser): ``--max-tokens``, or for an
     episode (``--env``, ``--tools``, ``--task multiturn``) every turn's, capped by ``--max-episode-tokens``."""
+    from align.tasks import is_multi_turn
+
     n = get("max_tokens")
-    if get("envs.env") or get("envs.tools") or get("task") == "multiturn":
+    if get("envs.env") or get("envs.tools") or is_multi_turn(get("task")):
         n *= get("envs.max_turns")
         if get("envs.max_episode_tokens"):
             n = min(n, get("envs.max_episode_tokens"))

@@ -26,33 +26,23 @@ class Task:
     env_spec: str | None = None  # how an --env-workers process loads it
 
 
-BUILTIN_TASKS = ("reverse", "multiturn")
-LEAN_ENV = "lean"  # --env lean: the built-in Lean environment (align.lean.env)
-
-
 def builtin_task(cfg: TrainConfig) -> tuple[Task, str]:
-    """The built-in task and its warm-started model dir (built once, under {out}/base_model)."""
-    if cfg.task not in BUILTIN_TASKS:
-        raise ValueError(f"unknown built-in task {cfg.task!r}; available: {', '.join(BUILTIN_TASKS)}")
-    import importlib
-
+    """The built-in task (``align.tasks.TASKS``) and its warm-started model dir (built once, under {out}/base_model)."""
     from align.atomic import is_committed
+    from align.tasks import load_task
 
-    mod = importlib.import_module(f"align.tasks.{cfg.task}")
-    apply_task_defaults(cfg, getattr(mod, "TRAIN_DEFAULTS", {}))
-    env = getattr(mod, "Env", None)
+    mod = load_task(cfg.task)
+    apply_task_defaults(cfg, mod.TRAIN_DEFAULTS)
     task = Task(
         mod.prompts(5000, "train", cfg.seed),
         mod.tokenizer(),
-        getattr(mod, "reward", None),
+        mod.reward,
         mod.prompts(cfg.eval_prompts, "eval", cfg.seed),
-        env=env,
-        env_spec=f"align.tasks.{cfg.task}:Env" if env else None,
+        env=mod.Env,
+        env_spec=f"{mod.__name__}:Env" if mod.Env else None,
     )
-    if env is None:
-        mod.check_sizes(task.prompts + task.eval_prompts, task.tokenizer, cfg.max_tokens)  # before the warm start
-    else:
-        mod.check_sizes(task.prompts + task.eval_prompts, task.tokenizer, cfg.max_tokens, cfg.envs.max_turns)
+    # before the warm start
+    mod.check_sizes(task.prompts + task.eval_prompts, task.tokenizer, cfg.max_tokens, cfg.envs.max_turns)
     base = Path(cfg.out) / "base_model"
     if cfg.model is not None:
         if not (Path(cfg.model) / "align_tokenizer.json").is_file():
@@ -96,10 +86,12 @@ def env_task(
     tools: list | None,
 ) -> tuple[Task, str]:
     """A multi-turn task: rows from ``--train-data`` / ``prompts`` (every column goes to the environment), the
-    environment class from ``--env`` / ``env=`` (or the tool environment from ``--tools`` / ``tools=``), the tokenizer
-    of the model (or ``--tokenizer``), rewards optional (they score the final assistant message and add)."""
+    environment class from ``--env`` (a name of ``align.envs.ENVIRONMENTS`` or ``file.py:Class``) / ``env=`` (or the
+    tool environment from ``--tools`` / ``tools=``), the tokenizer of the model (or ``--tokenizer``), rewards optional
+    (they score the final assistant message and add)."""
     from align.data import load_tokenizer, read_rows
     from align.envs.runner import load_env_class
+    from align.envs.sampler import check_env
 
     e = cfg.envs
     model_path = model or cfg.model
@@ -111,18 +103,13 @@ def env_task(
     if model_path is None:
         raise InputError("--env needs --model DIR (a Hugging Face checkpoint directory)")
     spec = None
-    if env is None and (tools or e.tools):
-        from align.envs.tools import load_tools, make_tool_env
+    if env is None and (tools or e.tools):  # the tool environment over --tools / tools=[fn], built (checked) now
+        from align.envs.tools import tool_env
 
-        # a tool call gets half of the step's limit, so a slow tool is an error message the model reads, not a step timeout
-        env = make_tool_env(load_tools(e.tools, tools), timeout_s=e.env_timeout_s / 2 if e.env_timeout_s else 10.0)
-    elif env is None and e.env == LEAN_ENV:  # the built-in Lean prover environment, by name
-        from align.lean.env import LeanEnv
-
-        env = LeanEnv
-    elif env is None:
+        env = tool_env(e, tools)
+    elif env is None:  # a name of align.envs.ENVIRONMENTS or file.py:Class
         spec, env = e.env, load_env_class(e.env, "--env")
-    located = None  # (file:line, row) of each row read here, for the errors of a built-in environment's check
+    located = None  # (file:line, row) of each row read here, for the errors of the environment's check_rows
     if prompts is None:
         located = read_rows(cfg.data.train_data)
         prompts = [row for _, row in located]
@@ -143,29 +130,15 @@ def env_task(
             "--env-workers >= 1 loads the environment class in worker processes by its spec; an env= "
             "class passed from Python has none: pass --env path/file.py:Class, or use --env-workers 0"
         )
-    if getattr(env, "check_rows", None) is not None:  # --env lean: problems, statements and verifier checked now
-        lean_checks(
-            cfg,
-            env,
-            located
-            or [(f"prompts[{i}]", r) for i, r in enumerate(rows)]
-            + [(f"eval_prompts[{i}]", r) for i, r in enumerate(eval_prompts or [])],
-        )
+    check_env(  # the environment's check_rows hook, before the model loads
+        env,
+        cfg,
+        located
+        or [(f"prompts[{i}]", r) for i, r in enumerate(rows)]
+        + [(f"eval_prompts[{i}]", r) for i, r in enumerate(eval_prompts or [])],
+    )
     task = Task(rows, tokenizer, reward, [dict(r) for r in eval_prompts or []], env=env, env_spec=spec)
     return task, model_path
-
-
-def lean_checks(cfg: TrainConfig, env: type, located: list[tuple[str, dict]]) -> None:
-    """--env lean before the model loads: every row a Lean problem (file:line named), one verifier configured (unless
-    the class came bound to one), environments in this process."""
-    env.check_rows(located)
-    if env.verifier is None:
-        cfg.lean.check()
-    if cfg.envs.env_workers:
-        raise InputError(
-            f"--env lean verifies in its own pool of Lean processes (--lean-workers); --env-workers "
-            f"{cfg.envs.env_workers} does not apply: drop it (or pass --env-workers 0)"
-        )
 
 
 def as_records(prompts: list) -> list[dict]:

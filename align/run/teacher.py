@@ -237,10 +237,3 @@ def open_teacher(run: Any) -> InProcessTeacher | WorkerTeacher | None:
     dist.barrier()
     client = client_mod.make_rollout_client("spool", spool=spool, timeout_s=cfg.rollout_timeout_s, worker=worker)
     return WorkerTeacher(client, worker)
-
-
-def unscored(items: list, comps: list) -> Any:
-    """``--distill-only``'s scores: no reward function runs; every total is 0 (the group advantage is exactly 0)."""
-    from align.rewards import Scores
-
-    return Scores([0.0] * len(items), {})

@@ -36,6 +36,7 @@ DEFAULT_MAX_TURNS = 2  # one guess, one answer after the feedback
 REPEAT_FRACTION = 0.8  # the warm start's bias: this share of its second answers repeat the first
 # what `python -m align.train --task multiturn` changes from TrainConfig's defaults (a flag you pass wins)
 TRAIN_DEFAULTS = {"steps": 160, "envs.max_turns": DEFAULT_MAX_TURNS}
+reward = None  # multi-turn: the environment (``Env``) rewards each turn
 CONTEXT = 64  # max_position_embeddings: room for a few turns of a 6-letter word
 
 
@@ -158,7 +159,7 @@ def warm_start(
     return supervised(path, tok, model_config(tok), examples, steps=steps, lr=lr, seed=seed, log=log)
 
 
-def check_sizes(rows: list[dict], tok: CharTokenizer, max_tokens: int, max_turns: int) -> None:
+def check_sizes(rows: list[dict], tok: CharTokenizer, max_tokens: int, max_turns: int = 1) -> None:
     """Before the warm start: the longest prompt, ``max_turns`` answers of ``max_tokens`` and the feedback
     between them fit the task model's context (a ``ValueError`` naming the flag to lower)."""
     context = model_config(tok).max_position_embeddings

@@ -10,6 +10,7 @@ has to find and reinforce the reversing behaviour on its own.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 from align.model import ModelConfig
@@ -18,6 +19,8 @@ from align.tasks.tokenizer import CharTokenizer
 ALPHABET = "abcdefgh="
 MIN_LEN, MAX_LEN = 3, 6
 COPY_FRACTION = 0.65  # the warm start's bias: this share of its targets are copies, not reversals
+TRAIN_DEFAULTS: dict = {}  # the embedded default run is TrainConfig's own
+Env = None  # single-turn: ``reward`` scores the completion
 
 
 def tokenizer() -> CharTokenizer:
@@ -71,7 +74,13 @@ def model_config(tok: CharTokenizer) -> ModelConfig:
 
 
 def warm_start(
-    path: str | Path, *, steps: int = 400, batch: int = 64, lr: float = 3e-3, seed: int = 0, log=print
+    path: str | Path,
+    *,
+    steps: int = 400,
+    batch: int = 64,
+    lr: float = 3e-3,
+    seed: int = 0,
+    log: Callable[[str], None] | None = print,
 ) -> Path:
     """Supervised warm start on the biased copy/reverse mixture; saves an HF checkpoint at ``path``."""
     from align.tasks.warm import supervised
@@ -91,10 +100,11 @@ def warm_start(
     return supervised(path, tok, model_config(tok), examples, steps=steps, lr=lr, seed=seed, log=log)
 
 
-def check_sizes(prompts: list[dict], tok: CharTokenizer, max_tokens: int) -> None:
-    """Before the warm start: the longest prompt + ``max_tokens`` fits the task model's context."""
+def check_sizes(rows: list[dict], tok: CharTokenizer, max_tokens: int, max_turns: int = 1) -> None:
+    """Before the warm start: the longest prompt + ``max_tokens`` fits the task model's context (one turn, whatever
+    ``max_turns``)."""
     context = model_config(tok).max_position_embeddings
-    longest = max(len(tok.encode(p["prompt"])) for p in prompts)
+    longest = max(len(tok.encode(r["prompt"])) for r in rows)
     if longest + max_tokens > context:
         raise ValueError(
             f"--max-tokens {max_tokens}: the built-in task's prompts are up to {longest} tokens and its model's "
