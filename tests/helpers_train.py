@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from align.tasks.tokenizer import CharTokenizer
+from align.char_tokenizer import CharTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING_KEYS = {"tokens_per_s", "rollout_time", "sync_time", "step_time"}  # wall-clock figures, never compared

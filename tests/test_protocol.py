@@ -59,13 +59,14 @@ def test_protocol_and_client_import_without_torch():
 
 
 def test_spool_names_stay_importable_from_protocol():
-    """The worker imports only ``protocol`` (``P.Spool``): the spool's public names resolve there to spool.py's
-    objects, loaded on first use (protocol alone does not load spool.py: no import circle). An unknown name is still
-    an AttributeError (negative control: the lookup does not answer everything)."""
+    """The worker imports only ``protocol`` (``P.Spool``, ``P.Message``): the spool's and the message module's public
+    names resolve there to their own modules' objects (protocol imports both; neither imports protocol: no circle,
+    tests/test_layout.py). An unknown name is still an AttributeError (negative control: not everything answers)."""
     code = (
-        "import sys\n"
         "import align.rollout.protocol as P\n"
-        "assert 'align.rollout.spool' not in sys.modules, 'protocol loaded spool.py at import'\n"
+        "import align.rollout.message as M\n"
+        "assert (P.Message, P.SamplingParams, P.ProtocolError, P.new_id) == (M.Message, M.SamplingParams, "
+        "M.ProtocolError, M.new_id)\n"
         "from align.rollout.protocol import AlreadyWaitingError, HEARTBEAT_MAX_BYTES, Spool, heartbeat_problem\n"
         "from align.rollout.protocol import read_message\n"
         "import align.rollout.spool as S\n"

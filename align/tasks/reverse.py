@@ -12,8 +12,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from align.char_tokenizer import CharTokenizer
 from align.model import ModelConfig
-from align.tasks.tokenizer import CharTokenizer
 
 ALPHABET = "abcdefgh="
 MIN_LEN, MAX_LEN = 3, 6
