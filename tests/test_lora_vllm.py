@@ -91,14 +91,13 @@ def test_vllm_serves_align_adapters_with_align_logprobs(tmp_path):
     assert log.count("engine up") == 1, "adapter sync must not rebuild the engine"
 
 
-def test_grpo_with_adapter_only_sync(tmp_path):
-    from align.model import Transformer, save_pretrained
+def test_grpo_with_adapter_only_sync(tmp_path, reverse_model):
     from align.tasks import reverse
     from align.train import TrainConfig, train
 
     require_rollout_venv()
     tok = reverse.tokenizer()
-    model = save_pretrained(Transformer(reverse.model_config(tok)).init_weights(seed=0), tmp_path / "base")
+    model = reverse_model
     cfg = TrainConfig(out=str(tmp_path / "run"), steps=3, prompts_per_step=4, group_size=4, max_tokens=6, lr=5e-2,
                       rollout="spool", rollout_in_process=True, rollout_timeout_s=600, checkpoint_every=0,
                       lora={"rank": 8, "alpha": 16.0})  # fmt: skip

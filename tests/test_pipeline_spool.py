@@ -9,7 +9,6 @@ import json
 import pytest
 from helpers_models import require_rollout_venv
 
-from align.model import Transformer, save_pretrained
 from align.tasks import reverse
 from align.train import TrainConfig, train
 
@@ -18,10 +17,10 @@ pytestmark = [pytest.mark.rollout, pytest.mark.slow]
 K = 2
 
 
-def test_async_spool_rollouts_and_pinned_eval_with_the_real_worker(tmp_path):
+def test_async_spool_rollouts_and_pinned_eval_with_the_real_worker(tmp_path, reverse_model):
     require_rollout_venv()
     tok = reverse.tokenizer()
-    model = save_pretrained(Transformer(reverse.model_config(tok)).init_weights(seed=0), tmp_path / "base")
+    model = reverse_model
     cfg = TrainConfig(
         out=str(tmp_path / "run"),
         steps=5,
@@ -63,7 +62,7 @@ def test_async_spool_rollouts_and_pinned_eval_with_the_real_worker(tmp_path):
     assert snaps == ["v5"]  # every older snapshot was deleted once no work referenced it
 
 
-def test_a_worker_killed_mid_pipeline_fails_fast_and_the_rerun_resumes(tmp_path):
+def test_a_worker_killed_mid_pipeline_fails_fast_and_the_rerun_resumes(tmp_path, reverse_model):
     """kill -9 of the worker while the producer is ahead of the trainer: WorkerDiedError reaches train() within the
     client's liveness check (no hang on the producer thread), the last committed checkpoint stays, a rerun resumes."""
     import os
@@ -75,7 +74,7 @@ def test_a_worker_killed_mid_pipeline_fails_fast_and_the_rerun_resumes(tmp_path)
 
     require_rollout_venv()
     tok = reverse.tokenizer()
-    model = save_pretrained(Transformer(reverse.model_config(tok)).init_weights(seed=0), tmp_path / "base")
+    model = reverse_model
     out = tmp_path / "run"
 
     def cfg() -> TrainConfig:

@@ -14,11 +14,11 @@ no truncation is active, and is ``None`` when the backend cannot provide it.
 A backend that cannot produce the training basis says so in its ``logprob_basis``
 (``LOGPROB_BASES``); ``logprob_basis_warning`` words the consequence for the trainer.
 
-Messages (``align/rollout/message.py``, re-exported here): every message carries ``protocol``, ``version``,
-``kind``, ``id``, ``created`` and a kind-specific ``body`` (``REQUEST_KINDS`` trainer -> worker, ``RESPONSE_KINDS``
-back), and, on a spool, a ``mac``: HMAC-SHA256 of the spool's secret over the envelope and body (``message_mac``). A
-message with an unknown version, a missing field or broken JSON raises ``ProtocolError`` naming its file; one without
-a valid MAC ``UntrustedMessageError``.
+Messages (``align/rollout/message.py``, its message names re-exported here): every message carries ``protocol``,
+``version``, ``kind``, ``id``, ``created`` and a kind-specific ``body`` (``message.REQUEST_KINDS`` trainer -> worker,
+``message.RESPONSE_KINDS`` back), and, on a spool, a ``mac``: HMAC-SHA256 of the spool's secret over the envelope and
+body (``message_mac``). A message with an unknown version, a missing field or broken JSON raises ``ProtocolError``
+naming its file; one without a valid MAC ``UntrustedMessageError``.
 The response to request ``X`` has ``id`` = ``X``. The transport that carries them, one file per message in a spool
 directory (after CPython's ``mailbox.Maildir``), is ``align/rollout/spool.py``; its public names are importable
 from here too, so the worker needs this one import (the floors: ``message`` under ``spool`` under this module).
@@ -44,10 +44,7 @@ from align.atomic import (  # noqa: F401
 )
 from align.rollout.message import (  # noqa: F401
     PROTOCOL,
-    PROTOCOL_MINOR,
     PROTOCOL_VERSION,
-    REQUEST_KINDS,
-    RESPONSE_KINDS,
     Message,
     ProtocolError,
     SamplingParams,
