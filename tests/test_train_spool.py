@@ -8,6 +8,7 @@ import json
 
 import pytest
 from helpers_models import require_rollout_venv
+from helpers_train import spool_cfg
 
 from align.tasks import reverse
 from align.train import TrainConfig, train
@@ -21,19 +22,7 @@ def test_grpo_with_spool_rollout(tmp_path, reverse_model):
     require_rollout_venv()
     tok = reverse.tokenizer()
     model = reverse_model
-    cfg = TrainConfig(
-        out=str(tmp_path / "run"),
-        steps=3,
-        prompts_per_step=4,
-        group_size=4,
-        max_tokens=6,
-        lr=1e-2,
-        rollout="spool",
-        rollout_in_process=True,
-        rollout_timeout_s=600,
-        checkpoint_every=0,
-    )
-    cfg.eval.eval_interval = 0
+    cfg = spool_cfg(tmp_path / "run", steps=3)
     prompts = reverse.prompts(16, "train")
     summary = train(
         cfg,
