@@ -17,11 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_models import VLLM_TIMEOUT_S, require_rollout_venv
+from helpers_models import VLLM_TIMEOUT_S, exact_eval_set, require_rollout_venv
 from helpers_train import fleet_eval_config, greedy_eval, native_episode_rewards, partial_credit
 
-from align.eval import EvalConfig, EvalSet, make_evaluator
-from align.rollout.protocol import SamplingParams
+from align.eval import EvalConfig, make_evaluator
 
 pytestmark = pytest.mark.rollout
 
@@ -79,12 +78,7 @@ def test_fleet_evaluates_exact_snapshots_while_training_continues(base, tmp_path
 
     target = 2  # the eval set rewards exactly the greedy continuations of the step-2 weights
     expected = reference_greedy(base, target, tmp_path)
-    eval_set = EvalSet(
-        prompts=PROMPTS,
-        score=lambda i, toks: float(toks == expected[i]),
-        sampling=SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
-        name="exact_step_2",
-    )
+    eval_set = exact_eval_set(PROMPTS, expected, MAX_TOKENS, step=target)
     cfg = EvalConfig(
         eval_interval=1,
         eval_num_gpus=2,
