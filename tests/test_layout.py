@@ -78,7 +78,9 @@ def module_files(root: Path) -> dict[str, Path]:
 
 def import_graph(root: Path) -> dict[str, set[str]]:
     """``module -> the align modules it imports``, at module level or inside a function, relative imports resolved;
-    ``from align import x`` is ``align.x`` when that is a module, an imported name resolves to its module."""
+    ``from align import x`` is ``align.x`` when that is a module, an imported name resolves to its module. A string
+    that names a module (``"align.x.y"`` or ``"align.x.y:attr"``: what ``importlib`` or a spec loader imports) counts
+    as an import of it too."""
     files = module_files(root)
     graph = {}
     for name, f in files.items():
@@ -93,6 +95,8 @@ def import_graph(root: Path) -> dict[str, set[str]]:
                     up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                     base = ".".join([*up, *([node.module] if node.module else [])])
                 found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names}
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.split(":")[0] in files:
+                found.add(node.value.split(":")[0])
         targets = set()
         for m in found:
             while m and m not in files:  # a name inside a module: the module
@@ -229,13 +233,19 @@ def test_negative_control_a_climbing_import_is_caught(tmp_path):
         "rollout/__init__.py": "",
         "rollout/protocol.py": "from .. import train\nfrom . import spool\n",  # relative imports resolve
         "rollout/spool.py": "import align.rollout\n",
+        "rollout/lazy.py": "import importlib\nNAMES = {'x': 'align.train:x', 'y': 'align.grpo'}\n",  # by name
     }
     for rel, text in files.items():
         (tmp_path / "align" / rel).write_text(text)
-    floors = [("base", " model grpo"), ("rollout", "rollout rollout.protocol rollout.spool"), ("top", "train")]
+    floors = [
+        ("base", " model grpo"),
+        ("rollout", "rollout rollout.protocol rollout.spool rollout.lazy"),
+        ("top", "train"),
+    ]
     assert climbing_imports(tmp_path, floors) == [
         "align.grpo (base) imports align.rollout.protocol (rollout)",
         "align.model (base) imports align.train (top)",
+        "align.rollout.lazy (rollout) imports align.train (top)",
         "align.rollout.protocol (rollout) imports align.train (top)",
     ]
 
@@ -310,6 +320,20 @@ def test_negative_control_a_fmt_skip_is_caught(tmp_path):
     assert fmt_skips(tmp_path, {"align/table.py": "an aligned table", "align/off.py": "another"}) == []
 
 
+def marker_definitions(root: Path) -> list[str]:
+    """The files of ``root/align`` that spell the commit marker's name."""
+    return sorted(
+        f.relative_to(root).as_posix() for f in (root / "align").rglob("*.py") if '".complete"' in f.read_text()
+    )
+
+
 def test_the_commit_marker_is_defined_once():
-    hits = [f.relative_to(ROOT).as_posix() for f in ALIGN.rglob("*.py") if '".complete"' in f.read_text()]
-    assert hits == ["align/atomic.py"]
+    assert marker_definitions(ROOT) == ["align/atomic.py"]
+
+
+def test_negative_control_a_second_commit_marker_is_caught(tmp_path):
+    (tmp_path / "align" / "run").mkdir(parents=True)
+    (tmp_path / "align" / "atomic.py").write_text('COMMIT_MARKER = ".complete"\n')
+    (tmp_path / "align" / "run" / "save.py").write_text('done = path / ".complete"\n')
+    (tmp_path / "align" / "run" / "ok.py").write_text("from align.atomic import COMMIT_MARKER\n")
+    assert marker_definitions(tmp_path) == ["align/atomic.py", "align/run/save.py"]
