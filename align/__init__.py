@@ -4,22 +4,30 @@ Nothing is imported here on purpose: ``import align`` is stdlib-only and cheap, 
 vLLM rollout venv can import ``align.rollout.protocol`` without torch. Import the module
 you need (``align.model``, ``align.grpo``, ``align.train``, ...).
 
-Where things live, by floor (imports point down only; ``tests/test_layout.py`` checks it):
+Where things live, by floor, top first (a module imports modules of its own floor or lower, never higher, and no
+import circle anywhere: ``FLOORS`` in ``tests/test_layout.py`` lists every module and checks both):
 
-- ``align.train``: ``train()``, the step's stages on one page; ``main(argv)``, the CLI. ``align.sft`` beside it:
-  supervised fine-tuning (``config``, ``data``: rows and ``--from-verified``, ``run``: its setup on ``align.run``).
+- entry points: ``align.train``: ``train()``, the step's stages on one page; ``main(argv)``, the CLI. ``align.sft``
+  beside it: supervised fine-tuning (``config``, ``data``: rows and ``--from-verified``, ``run``: its setup on
+  ``align.run``).
 - ``align.run``: a run directory and its life: ``config`` (TrainConfig), ``cli``, ``presets``, ``build``
-  (``open_run() -> Run``), ``checkpoint`` (single-process and DCP), ``safety``, ``log``, ``plot``, ``teacher``
-  (on-policy distillation's teacher).
+  (``open_run() -> Run``), ``checkpoint`` (single-process and DCP), ``safety``, ``log``, ``plot``, ``task``,
+  ``teacher`` (on-policy distillation's teacher).
 - ``align.eval``: held-out evaluation (blocking, snapshot dispatch, fleets, pinned epochs) and its metrics.
-- ``align.rollout``: prompts -> scored groups: ``protocol`` (the spool contract, stdlib), ``spool`` (its
-  transport, stdlib), ``process``, ``native`` (the sampler), ``cpu_kernel``, ``client``, ``scoring`` (the ``score``
-  request, stdlib), ``watcher``, ``groups``, ``engines``, ``pipeline``.
-- what goes in: ``data``, ``rewards`` (+ ``reward_pool``: the worker processes), ``verifiers``, ``tasks`` (``TASKS``,
-  the ``TaskModule`` protocol), ``envs`` (the environment API and its hooks, ``ENVIRONMENTS``; ``runner``: episodes in
-  process or in worker processes; ``sampler``: a run's one sampling seam, single-turn and episodes), ``lean``.
+- ``align.tasks``: the built-in tasks and environments (``TASKS``, ``ENVIRONMENTS``, the ``TaskModule`` protocol; ``reverse``, ``multiturn``) and their warm
+  start.
+- environments: ``align.envs`` (the environment API and its hooks; ``runner``: its episodes in
+  process or in worker processes; ``sampler``: a run's one sampling seam, single-turn and episodes; ``episodes``,
+  ``tools``, ``sandbox``) and ``align.lean`` (the Lean environment, its verifier and correction queue).
+- ``align.rollout``: prompts -> scored groups: ``process``, ``message`` (one spool message, stdlib), ``spool`` (its
+  transport, stdlib), ``protocol`` (the data contract, stdlib: the vLLM worker's one import, re-exporting both),
+  ``native`` (the sampler), ``cpu_kernel``, ``sessions``, ``client``, ``teacher_logprobs`` (the ``score`` request,
+  stdlib), ``watcher``, ``groups`` (``Episode``, ``Groups``), ``engines``, ``pipeline``.
+- what goes in: ``data``, ``chat`` (HF tokenizer, chat template, turns), ``char_tokenizer``, ``specs`` (loading
+  ``module:name`` / ``file.py:name``), ``rewards`` (+ ``reward_pool``: the worker processes), ``verifiers``.
 - the algorithm, no run state: ``model`` (+ ``attention``), ``packing``, ``kernels``, ``lora``, ``grpo``,
-  ``advantages``, ``learner``, ``device``, ``dist``; ``atomic`` (stdlib: atomic files and the commit marker) under everything.
+  ``advantages``, ``learner``, ``device``, ``dist``.
+- stdlib base: ``atomic`` (atomic files and the commit marker), ``errors`` (``InputError``, ``Interrupted``).
 """
 
 __version__ = "0.2.0"

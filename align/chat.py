@@ -396,7 +396,7 @@ def load_tokenizer(directory: str | Path, model_dir: str | Path | None = None, f
         tok.eos_token_id = stop_token_ids(d, tok, model_dir)
         return tok
     if (d / "align_tokenizer.json").is_file():
-        from align.tasks.tokenizer import CharTokenizer
+        from align.char_tokenizer import CharTokenizer
 
         try:
             return CharTokenizer.load(d)

@@ -1,4 +1,5 @@
-"""``InputError``, the one error for bad user input, and the checked readers that raise it.
+"""``InputError``, the one error for bad user input, and the checked readers that raise it; ``Interrupted``, the stop
+signal that ends a wait.
 
 A module of its own so that ``align.data`` (rows, prompts) and ``align.chat`` (tokenizer, chat template, turns)
 both import it without importing each other in a circle; ``from align.data import InputError`` stays the
@@ -46,3 +47,14 @@ def read_json(path: Path) -> dict:
     except json.JSONDecodeError as e:
         raise InputError(f"{path}: not valid JSON ({e})") from None
     return data if isinstance(data, dict) else {}
+
+
+class Interrupted(BaseException):
+    """A stop signal (SIGTERM / SIGINT) that ends a wait: raised by ``align.train.main``'s handler before the loop
+    starts, by the rollout pipeline's waits once a stop is flagged, and by reward scoring on the main thread
+    (``RewardScorer.score(should_stop=...)``), so neither setup, a stuck producer nor a reward stuck in a sleep
+    holds the trainer thread. A ``BaseException``: a reward's ``except Exception`` does not swallow it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by signal {signum}")
+        self.signum = signum

@@ -73,7 +73,7 @@ def sequence_batch(prompt_ids: list[list[int]], completions: list, G: int, devic
     """Right-padded teacher-forcing tensors for the P*G completions, made on ``device``:
     inputs (N, L), targets (N, L), mask (N, L) over completion tokens, behaviour logprobs (N, L) x2 (full, sampled).
 
-    An episode (``align.envs.episodes.Episode``) brings its own first prompt and a per-token ``mask``: its
+    An episode (``align.rollout.groups.Episode``) brings its own first prompt and a per-token ``mask``: its
     environment tokens are context (mask False, logprob 0) like the prompt."""
     firsts = [getattr(c, "prompt_ids", None) or prompt_ids[c.prompt_index] for c in completions]
     seqs = [p + c.token_ids for p, c in zip(firsts, completions)]

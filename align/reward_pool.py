@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from align.data import InputError
-from align.rewards import _value, load_spec
+from align.specs import load_spec
 
 WATCH_S = 0.2  # how often the pool checks its busy workers are alive (a pipe can outlive its worker)
 STARTUP_TIMEOUT_S = 120.0  # a worker's start (python + the reward modules) never counts against a call's timeout
@@ -177,7 +177,8 @@ class WorkerPool:
             if msg.get("ready"):
                 w.ready, w.deadline = True, math.inf
             elif w.task is not None and msg["id"] == w.task:
-                results[w.task] = ("ok", _value(msg["value"])) if "value" in msg else ("error", msg["error"])
+                v = msg.get("value", msg.get("error"))
+                results[w.task] = ("ok", math.nan if v is None else float(v)) if "value" in msg else ("error", v)
                 w.task, w.deadline = None, math.inf
 
     def close(self) -> None:

@@ -1,5 +1,5 @@
-"""Rewards: loading ``module:function`` / ``path/file.py:function`` specs, weighted sums, a worker pool with
-per-call timeouts (the built-in verifiable rewards are in ``align.verifiers``).
+"""Rewards: loading ``module:function`` / ``path/file.py:function`` specs (``align.specs``), weighted sums, a worker
+pool with per-call timeouts (the built-in verifiable rewards are in ``align.verifiers``).
 
 A reward is ``fn(prompt, completion, **fields) -> float | None``; ``fields`` are the prompt row's other columns.
 Several rewards are combined as ``sum_i w_i * r_i`` (``--reward-weights``, default all 1) and each is logged as
@@ -27,21 +27,19 @@ Built-ins live in ``align.verifiers`` and are re-exported here, so ``--reward al
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import math
 import signal
-import sys
 import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from align.data import InputError
+from align.errors import Interrupted
+from align.reward_pool import WorkerPool
+from align.specs import load_spec, spec_of
 
 # the built-ins, named as align.rewards:<fn> in specs and docs
 from align.verifiers import (  # noqa: F401
@@ -87,17 +85,6 @@ class RewardConfig:
             )
 
 
-class Interrupted(BaseException):
-    """A stop signal (SIGTERM / SIGINT) that ends a wait: raised by ``align.train.main``'s handler before the loop
-    starts, by the rollout pipeline's waits once a stop is flagged, and by reward scoring on the main thread
-    (``RewardScorer.score(should_stop=...)``), so neither setup, a stuck producer nor a reward stuck in a sleep
-    holds the trainer thread. A ``BaseException``: a reward's ``except Exception`` does not swallow it."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"stopped by signal {signum}")
-        self.signum = signum
-
-
 # ------------------------------------------------------------------------------------------------ loading
 
 
@@ -106,51 +93,6 @@ class RewardFn:
     name: str
     fn: Callable[..., Any]
     spec: str | None  # how a worker process loads it; None = only callable in this process
-
-
-def _load_file_module(path: Path, flag: str = "--reward") -> Any:
-    digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]
-    name = f"align_reward_{path.stem}_{digest}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise InputError(f"{flag} {path}: cannot load this file as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
-
-
-def load_spec(spec: str, flag: str = "--reward", kind: str = "function") -> Callable[..., Any]:
-    """The callable named by ``module:name`` or ``path/file.py:name``; ``InputError`` naming ``flag`` if there is none
-    (``kind`` is what the flag names: a reward function, an environment class)."""
-    mod_name, sep, fn_name = spec.rpartition(":")
-    if not sep or not mod_name or not fn_name:
-        raise InputError(f"{flag} {spec!r}: expected 'module:{kind}' or 'path/to/file.py:{kind}'")
-    if mod_name.endswith(".py"):
-        path = Path(mod_name)
-        if not path.is_file():
-            raise InputError(f"{flag} {spec!r}: no such file {path}")
-        module = _load_file_module(path, flag)
-    else:
-        try:
-            module = importlib.import_module(mod_name)
-        except ModuleNotFoundError as e:
-            raise InputError(
-                f"{flag} {spec!r}: no module {e.name!r} (is it on PYTHONPATH? a file needs the "
-                f"'.py' path: {flag} path/to/file.py:{kind})"
-            ) from None
-    fn = getattr(module, fn_name, None)
-    if fn is None:
-        raise InputError(f"{flag} {spec!r}: {mod_name} has no attribute {fn_name!r}")
-    if not callable(fn):
-        raise InputError(f"{flag} {spec!r}: {fn_name} is a {type(fn).__name__}, not a {kind}")
-    return fn
 
 
 def check_signature(name: str, fn: Callable[..., Any], field_names: list[str]) -> None:
@@ -167,19 +109,6 @@ def check_signature(name: str, fn: Callable[..., Any], field_names: list[str]) -
             f"reward {name!r} cannot be called as fn(prompt, completion, **fields){cols}: {e}; "
             f"define it as def {getattr(fn, '__name__', 'fn')}(prompt, completion, **fields)"
         ) from None
-
-
-def spec_of(fn: Callable[..., Any]) -> str | None:
-    """How a worker process loads ``fn`` (a function or a class): ``module:name`` / ``path/file.py:name``; None for
-    one defined in ``__main__`` or inside a function."""
-    mod, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
-    if not mod or mod == "__main__" or "<" in qual or "." in qual:
-        return None
-    module = sys.modules.get(mod)
-    path = getattr(module, "__file__", None)
-    if mod.startswith("align_reward_") and path:  # loaded from a file spec
-        return f"{path}:{qual}"
-    return f"{mod}:{qual}"
 
 
 def load_rewards(specs: list[str] | None = None, fns: Any = None) -> list[RewardFn]:
@@ -353,8 +282,6 @@ class RewardScorer:
                     "processes cannot load them; define them in a module or file and pass "
                     "'module:function' / 'path/file.py:function', or use --reward-workers 1"
                 )
-            from align.reward_pool import WorkerPool  # the pool imports this module (load_spec, _value)
-
             self.pool = WorkerPool([r.spec for r in rewards], workers, timeout_s)
         self._lock = threading.Lock()
 

@@ -58,13 +58,13 @@ class SimulatedEngine:
 
 def run_step(verifier, engine, prompts: int, group: int, seed: int) -> tuple[float, list[str]]:
     """Wall time of one step's episodes on the spool path; the completions it verified."""
+    from align.char_tokenizer import CharTokenizer
     from align.chat import TurnRenderer
     from align.envs.config import EnvConfig
     from align.envs.episodes import EpisodeRunner
     from align.envs.runner import EnvRunner
     from align.lean.env import LeanEnv
     from align.rollout.protocol import SamplingParams
-    from align.tasks.tokenizer import CharTokenizer
 
     class BenchEnv(LeanEnv):  # a plain-string first prompt: the bench's tokenizer has no chat template
         def reset(self) -> str:

@@ -5,6 +5,7 @@ TRITON_INTERPRET must be set before triton is first imported, so this runs befor
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,18 +102,23 @@ def prover(tmp_path_factory) -> str:
     return make_prover(tmp_path_factory.mktemp("prover"))
 
 
-# The char task's random-weight model (tests/helpers_train.py), one per module as each module used to build its own
-# (building takes ~0.02 s). Tests only read it (a run writes under its --out; copy the dir to change it), and the
-# teardown fails the module's last test if anything under the dir changed.
+# The char task's random-weight model (tests/helpers_train.py) and the reverse task's (``reverse_model``), one per
+# module as each module used to build its own (building takes ~0.02 s). Tests only read them (a run writes under its
+# --out; copy the dir to change it), and the teardown fails the module's last test if anything under the dir changed.
+
+
+def _read_only(path: str | Path) -> Iterator:
+    from helpers_train import tree_digest
+
+    before = tree_digest(path)
+    yield path
+    assert tree_digest(path) == before, f"a test wrote into the shared model {path}: copy it to change it"
 
 
 def _read_only_char_model(tmp_path_factory, layers: int) -> Iterator[str]:
-    from helpers_train import build_char_model, tree_digest
+    from helpers_train import build_char_model
 
-    path = build_char_model(tmp_path_factory.mktemp(f"char{layers}l") / "m", layers=layers)
-    before = tree_digest(path)
-    yield path
-    assert tree_digest(path) == before, f"a test wrote into the shared char model {path}: copy it to change it"
+    yield from _read_only(build_char_model(tmp_path_factory.mktemp(f"char{layers}l") / "m", layers=layers))
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +131,14 @@ def char_model(tmp_path_factory) -> Iterator[str]:
 def char_model_2l(tmp_path_factory) -> Iterator[str]:
     """The same with 2 decoder layers (two FSDP layer units plus the root, for tests/test_dist.py), read-only."""
     yield from _read_only_char_model(tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="module")
+def reverse_model(tmp_path_factory) -> Iterator[Path]:
+    """The built-in reverse task's model at full depth with random weights (seed 0, no warm start), saved as an HF
+    directory: the base the vLLM-worker runs train from. One per module, read-only like ``char_model``."""
+    from align.model import Transformer, save_pretrained
+    from align.tasks import reverse
+
+    model = Transformer(reverse.model_config(reverse.tokenizer())).init_weights(seed=0)
+    yield from _read_only(save_pretrained(model, tmp_path_factory.mktemp("reverse") / "base"))

@@ -10,6 +10,7 @@ included) that both ``align.model.load_pretrained`` and the vLLM CPU worker load
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -32,6 +33,16 @@ def standin(log: str | Path | None = None) -> str:
 
 
 STANDIN = standin()
+
+
+def load_script(path: Path):
+    """A script of ``extras/vllm_rollout`` (not a package) imported from its file, as ``sys.modules[its stem]`` so
+    the scripts it imports by bare name resolve to it."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def lean_rows(n: int) -> list[dict]:

@@ -1,4 +1,4 @@
-"""flock checks for the tests where a killed process must leave its lock to a rerun."""
+"""flock checks for the tests where a killed process must leave its lock to a rerun; whether a process has exited."""
 
 from __future__ import annotations
 
@@ -30,3 +30,12 @@ def assert_flock_released(path: Path, within_s: float = LOCK_RELEASE_S) -> None:
     while not flock_free(path):
         assert time.monotonic() - t0 < within_s, f"{path} still locked {within_s} s later"
         time.sleep(0.1)
+
+
+def alive(pid: int) -> bool:
+    """The process ``pid`` exists and has not exited (a zombie, exited but not reaped yet, has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -82,6 +82,17 @@ def load_hf(path: str | os.PathLike):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+def exact_eval_set(prompts: list[list[int]], expected: list[list[int]], max_tokens: int, step: int):
+    """An eval set that scores a prompt 1 exactly when its greedy completion is ``expected`` (the greedy continuation
+    of the step-``step`` weights, made by the test), else 0: a point of any other weights scores lower."""
+    from align.eval import EvalSet
+    from align.rollout.protocol import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    score = lambda i, toks: float(toks == expected[i])
+    return EvalSet(prompts=prompts, score=score, sampling=greedy, name=f"exact_step_{step}")
+
+
 def teacher_forced_logprobs(
     hf_model, prompt: list[int], completion: list[int], temperature: float = 1.0
 ) -> list[float]:

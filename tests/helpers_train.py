@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from align.tasks.tokenizer import CharTokenizer
+from align.char_tokenizer import CharTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING_KEYS = {"tokens_per_s", "rollout_time", "sync_time", "step_time"}  # wall-clock figures, never compared
@@ -74,6 +74,18 @@ def cfg_for(out, **kw):
     base = {"out": str(out), **TRAIN_BASE, "steps": 4, "checkpoint_every": 2}
     base.update(kw)
     c = TrainConfig(**base)
+    c.eval.eval_interval = 0
+    return c
+
+
+def spool_cfg(out, **kw):
+    """The reverse task's base run on the real spool path (an in-process vLLM worker, ``--rollout spool``): 4 prompts
+    x 4 completions of up to 6 tokens, lr 1e-2, no checkpoint, no eval; ``kw`` overrides TrainConfig fields."""
+    from align.train import TrainConfig
+
+    spool = {"rollout": "spool", "rollout_in_process": True, "rollout_timeout_s": 600}
+    base = {"out": str(out), "prompts_per_step": 4, "group_size": 4, "max_tokens": 6, "lr": 1e-2, **spool}
+    c = TrainConfig(**{**base, "checkpoint_every": 0, **kw})
     c.eval.eval_interval = 0
     return c
 
@@ -172,3 +184,35 @@ def native_episode_rewards(policy, tok, rows: list[dict], env_cls, max_turns: in
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=stops)
         eps = runner.run(NativeClient(policy), rows, 1, params)
     return [e.env_reward or 0.0 for e in eps]
+
+
+def fleet_eval_config(tmp_path: Path, keep: int):
+    """The eval-fleet runs' eval: every 2 steps on one vLLM eval engine, greedy (so a point can be re-scored with
+    align's own sampler, ``greedy_eval``), snapshots under ``tmp_path / "eval_hf"`` (``keep`` of them kept), any
+    skipped or crashed point failing the run."""
+    from helpers_models import VLLM_TIMEOUT_S
+
+    from align.eval.config import EvalConfig
+
+    fleet = {"eval_interval": 2, "eval_num_gpus": 1, "eval_timeout_s": VLLM_TIMEOUT_S, "ci_test": True}
+    return EvalConfig(**fleet, eval_hf_dir=str(tmp_path / "eval_hf"), eval_keep_snapshots=keep, eval_temperature=0.0)
+
+
+def greedy_eval(policy, tok, eval_prompts: list[dict], max_tokens: int) -> tuple[dict, list]:
+    """What an eval point of ``policy``'s weights must report, from align's own sampler: the greedy completions of
+    the reverse task's ``eval_prompts`` scored with ``partial_credit`` (``score_completions``, avg@1); and the
+    completions."""
+    from align.eval.metrics import score_completions
+    from align.rollout.native import generate
+    from align.rollout.protocol import SamplingParams
+    from align.run.build import stop_ids
+
+    stops = stop_ids(tok, policy.config)
+    encoded = [tok.encode(r["prompt"]) for r in eval_prompts]
+    comps = generate(policy, encoded, SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=stops))
+
+    def reward(i, ids):
+        text = tok.decode(ids[:-1] if ids and ids[-1] in stops else ids)
+        return partial_credit(eval_prompts[i]["prompt"], text, answer=eval_prompts[i]["answer"])
+
+    return score_completions(encoded, comps, reward, 1), comps

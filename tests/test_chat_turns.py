@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 from helpers_tokenizer import make_bpe_tokenizer
 
+from align.char_tokenizer import CharTokenizer
 from align.chat import MARK, PREFIX, TurnRenderer
 from align.data import HFTokenizer, InputError
-from align.tasks.tokenizer import CharTokenizer
 
 WEATHER = {
     "type": "function",

@@ -16,9 +16,9 @@ from helpers_models import require_rollout_venv
 from helpers_train import POLL_S, PROMPTS, TOK, a_reward, build_char_model, cfg_for, records
 
 from align.advantages import add_teacher_signal
+from align.char_tokenizer import CharTokenizer
 from align.data import InputError
 from align.grpo import LossConfig, policy_loss
-from align.tasks.tokenizer import CharTokenizer
 
 SIGNAL_TOL = 1e-6  # fp32 tensor code vs a float64 loop
 SCORE_TOL = 1e-4  # vLLM CPU fp32 vs align's fused head, per token (the issue's bound)
@@ -145,8 +145,8 @@ def test_an_older_worker_is_refused_with_a_clear_message(tmp_path):
     the heartbeat of this checkout's worker (negative control) announces a minor that serves score."""
     from align.rollout.client import SpoolClient
     from align.rollout.protocol import PROTOCOL
-    from align.rollout.scoring import SCORE_MINOR, WorkerTooOldError, score, worker_minor
     from align.rollout.spool import Spool
+    from align.rollout.teacher_logprobs import SCORE_MINOR, WorkerTooOldError, score, worker_minor
 
     spool = Spool(tmp_path / "spool").ensure()
     spool.write_heartbeat("ready")

@@ -16,6 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from helpers_locks import alive
 
 from align.data import InputError
 from align.envs import EnvError, Step
@@ -28,19 +29,11 @@ CUT_OFF_S = 10.0  # a 30-60 s sleep past a 0.5 s timeout ends well within this, 
 GONE_S = 10.0  # killed processes are reaped well within this
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
-    except FileNotFoundError:
-        return False
-
-
 def _wait_gone(pid: int) -> bool:
     deadline = time.monotonic() + GONE_S
-    while _alive(pid) and time.monotonic() < deadline:
+    while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return not _alive(pid)
+    return not alive(pid)
 
 
 def _script(runner: EnvRunner, rows: list[dict]) -> list:
@@ -314,7 +307,7 @@ def test_a_timed_out_workers_children_are_killed(tmp_path):
         r.open(1, {"pidfile": str(pidfile)})
         r.step(1, "spawn")
         finished = int(pidfile.read_text().split()[-2])
-        assert _alive(finished)
+        assert alive(finished)
         assert _wait_gone(hung), "the timed-out step's child outlived its worker"
     assert _wait_gone(finished), "a worker's child outlived close()"
 
@@ -335,7 +328,7 @@ def test_a_killed_trainer_takes_its_hung_worker_with_it(tmp_path):
         while not (pidfile.exists() and pidfile.read_text().endswith("\n")) and time.monotonic() < deadline:
             time.sleep(0.05)
         child, worker = map(int, pidfile.read_text().split())
-        assert _alive(worker) and _alive(child)
+        assert alive(worker) and alive(child)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()

@@ -412,9 +412,9 @@ def test_a_new_environment_is_a_file_and_a_row_and_every_hook_runs_in_its_place(
     import json
 
     import align.model
-    from align.envs import ENVIRONMENTS
     from align.model import save_pretrained
     from align.run.config import TrainConfig
+    from align.tasks import ENVIRONMENTS
     from align.train import train
 
     log = tmp_path / "events.txt"

@@ -17,11 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_models import require_rollout_venv
+from helpers_models import exact_eval_set, require_rollout_venv
 
 from align.eval import EvalConfig, EvalSet, make_evaluator, retarget_args
 from align.eval.checkpoint_eval import _import_target
-from align.rollout.protocol import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "eval" / "external_vllm_eval_fn.py"
@@ -221,12 +220,7 @@ def test_vllm_server_evaluates_each_exact_snapshot(tmp_path, monkeypatch):
         fake_optimizer_step(ref, s)
     hf = load_hf(save_pretrained(ref, tmp_path / "ref_step_2"))
     expected = [greedy_ids(hf, p, MAX_TOKENS) for p in PROMPTS]
-    eval_set = EvalSet(
-        prompts=PROMPTS,
-        score=lambda i, toks: float(toks == expected[i]),
-        sampling=SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
-        name="exact_step_2",
-    )
+    eval_set = exact_eval_set(PROMPTS, expected, MAX_TOKENS, step=2)
     cfg = EvalConfig(
         eval_interval=1,
         eval_function_path=f"{EXAMPLE}:ExternalVllmEvalFn",

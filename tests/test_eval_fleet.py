@@ -17,11 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_models import VLLM_TIMEOUT_S, require_rollout_venv
-from helpers_train import native_episode_rewards, partial_credit
+from helpers_models import VLLM_TIMEOUT_S, exact_eval_set, require_rollout_venv
+from helpers_train import fleet_eval_config, greedy_eval, native_episode_rewards, partial_credit
 
-from align.eval import EvalConfig, EvalSet, make_evaluator
-from align.rollout.protocol import SamplingParams
+from align.eval import EvalConfig, make_evaluator
 
 pytestmark = pytest.mark.rollout
 
@@ -79,12 +78,7 @@ def test_fleet_evaluates_exact_snapshots_while_training_continues(base, tmp_path
 
     target = 2  # the eval set rewards exactly the greedy continuations of the step-2 weights
     expected = reference_greedy(base, target, tmp_path)
-    eval_set = EvalSet(
-        prompts=PROMPTS,
-        score=lambda i, toks: float(toks == expected[i]),
-        sampling=SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
-        name="exact_step_2",
-    )
+    eval_set = exact_eval_set(PROMPTS, expected, MAX_TOKENS, step=target)
     cfg = EvalConfig(
         eval_interval=1,
         eval_num_gpus=2,
@@ -151,10 +145,7 @@ def test_training_run_evaluates_on_a_real_fleet_while_it_trains(tmp_path, builti
     require_rollout_venv()
     import json
 
-    from align.eval.metrics import score_completions
     from align.model import load_pretrained
-    from align.rollout.native import generate
-    from align.run.build import stop_ids
     from align.run.checkpoint import committed
     from align.tasks import reverse
     from align.train import TrainConfig, train
@@ -162,15 +153,7 @@ def test_training_run_evaluates_on_a_real_fleet_while_it_trains(tmp_path, builti
     base = builtin_model_30  # the reverse task after a 30-step warm start (tests/conftest.py)
     tok = reverse.tokenizer()
     eval_prompts = reverse.prompts(24, "eval", 0)
-    eval_cfg = EvalConfig(
-        eval_interval=2,
-        eval_num_gpus=1,
-        eval_hf_dir=str(tmp_path / "eval_hf"),
-        eval_keep_snapshots=0,
-        eval_temperature=0.0,  # greedy: the final point is re-scored below with align's own sampler
-        eval_timeout_s=VLLM_TIMEOUT_S,
-        ci_test=True,  # any skipped or crashed point fails the run
-    )
+    eval_cfg = fleet_eval_config(tmp_path, keep=0)  # greedy: the final point is re-scored below with align's sampler
     cfg = TrainConfig(
         out=str(tmp_path / "run"), steps=6, prompts_per_step=8, group_size=4, checkpoint_every=0, eval=eval_cfg
     )
@@ -202,16 +185,7 @@ def test_training_run_evaluates_on_a_real_fleet_while_it_trains(tmp_path, builti
     # the step-6 record measured exactly the step-6 weights: re-score that policy with align's native sampler
     (last_step, last_dir), *_ = sorted(committed(Path(cfg.out) / "checkpoints"), reverse=True)
     assert last_step == 6
-    policy = load_pretrained(last_dir / "model")
-    stops = stop_ids(tok, policy.config)
-    encoded = [tok.encode(r["prompt"]) for r in eval_prompts]
-    comps = generate(policy, encoded, SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, stop_token_ids=stops))
-
-    def reward(i, ids):
-        text = tok.decode(ids[:-1] if ids and ids[-1] in stops else ids)
-        return partial_credit(eval_prompts[i]["prompt"], text, answer=eval_prompts[i]["answer"])
-
-    native = score_completions(encoded, comps, reward, 1)
+    native, _ = greedy_eval(load_pretrained(last_dir / "model"), tok, eval_prompts, cfg.max_tokens)
     assert native["eval/avg@1"] > 0  # a non-trivial fingerprint
     assert evals[6][1]["eval/avg@1"] == pytest.approx(native["eval/avg@1"], abs=1e-9), (evals[6][1], native)
     # negative control: the fingerprint tells snapshots apart (the step-2 and step-4 weights score differently)

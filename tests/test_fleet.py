@@ -32,14 +32,13 @@ MISMATCH_TOL = 1e-3  # as tests/test_train_spool.py: fp32 vLLM CPU vs align, on-
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
+def fleet(tmp_path_factory, reverse_model):
     require_rollout_venv()
-    from align.model import Transformer, save_pretrained
     from align.tasks import reverse
 
     root = tmp_path_factory.mktemp("fleet")
     tok = reverse.tokenizer()
-    base = save_pretrained(Transformer(reverse.model_config(tok)).init_weights(seed=0), root / "base")
+    base = reverse_model
     handle = spawn_worker(root / "spool", model=base, engines=2, engine_restarts=1, in_process=True,
                           eval_engines=1, eval_spool=root / "eval_spool",
                           dtype="float32", max_model_len=reverse.model_config(tok).max_position_embeddings,

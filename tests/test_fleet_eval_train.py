@@ -27,17 +27,18 @@ TIMEOUT_S = 900.0  # engine starts on 2 shared cores (~30-60 s each, more under 
 DEATH_SEEN_S = 60.0  # the router pings its engines every --heartbeat-s (1 s)
 
 
-def test_train_evals_on_the_ray_fleet_and_a_dead_eval_engine_restarts_at_the_next_point(tmp_path, monkeypatch):
+def test_train_evals_on_the_ray_fleet_and_a_dead_eval_engine_restarts_at_the_next_point(
+    tmp_path, monkeypatch, reverse_model
+):
     require_rollout_venv()
     from align.eval.config import EvalConfig
     from align.eval.fleet import EvalFleet
-    from align.model import Transformer, save_pretrained
     from align.rollout import client as client_mod
     from align.tasks import reverse
     from align.train import TrainConfig, train
 
     tok = reverse.tokenizer()
-    base = save_pretrained(Transformer(reverse.model_config(tok)).init_weights(seed=0), tmp_path / "base")
+    base = reverse_model
     run = tmp_path / "run"
     eval_spool = Spool(run / "eval_spool")
     spawned: list[dict] = []

@@ -140,10 +140,9 @@ def test_plan_command_under_plain_python3_fails_with_the_numbers():
     assert json.loads(ok.stdout)["rollout"] == [2, 3]
 
 
-def test_rollout_num_engines_flag_reaches_spawn_worker(tmp_path, monkeypatch):
+def test_rollout_num_engines_flag_reaches_spawn_worker(tmp_path, monkeypatch, reverse_model):
     """``--rollout-num-engines`` / ``--rollout-engine-restarts`` go from the CLI through train() to spawn_worker.
     spawn_worker is replaced by a recorder that stops the run (the real fleet start is tests/test_fleet.py's)."""
-    from align.model import Transformer, save_pretrained
     from align.rollout import client as client_mod
     from align.run.cli import parse
     from align.tasks import reverse
@@ -163,7 +162,7 @@ def test_rollout_num_engines_flag_reaches_spawn_worker(tmp_path, monkeypatch):
     cfg = parse(TrainConfig, argv, CLI_PREFIXES)
     assert (cfg.rollout_num_engines, cfg.rollout_engine_restarts) == (2, 3)
     tok = reverse.tokenizer()
-    model = save_pretrained(Transformer(reverse.model_config(tok)).init_weights(seed=0), tmp_path / "base")
+    model = reverse_model
     monkeypatch.setattr(client_mod, "spawn_worker", record)
     with pytest.raises(Stop):
         train(cfg, model=str(model), tokenizer=tok, prompts=reverse.prompts(4, "train"), reward=lambda *a, **k: 0.0)
@@ -216,10 +215,9 @@ def test_the_worker_hooks_the_fleet_overrides_exist():
         ([], False, 0),  # the plain worker: --eval-num-gpus keeps its separate spool-worker eval fleet
     ],
 )
-def test_eval_on_ray_flags_reach_spawn_worker(tmp_path, monkeypatch, flags, fleet, eval_engines):
+def test_eval_on_ray_flags_reach_spawn_worker(tmp_path, monkeypatch, flags, fleet, eval_engines, reverse_model):
     """``--eval-num-gpus`` with the Ray fleet asks spawn_worker for the eval engines and the eval spool (the real
     run is tests/test_fleet_eval_train.py's); spawn_worker is replaced by a recorder that stops the run."""
-    from align.model import Transformer, save_pretrained
     from align.rollout import client as client_mod
     from align.run.cli import parse
     from align.tasks import reverse
@@ -239,7 +237,7 @@ def test_eval_on_ray_flags_reach_spawn_worker(tmp_path, monkeypatch, flags, flee
             "--eval-hf-dir", str(tmp_path / "eval_hf"), *flags]  # fmt: skip
     cfg = parse(TrainConfig, argv, CLI_PREFIXES)
     tok = reverse.tokenizer()
-    model = save_pretrained(Transformer(reverse.model_config(tok)).init_weights(seed=0), tmp_path / "base")
+    model = reverse_model
     monkeypatch.setattr(client_mod, "spawn_worker", record)
     with pytest.raises(Stop):
         train(cfg, model=str(model), tokenizer=tok, prompts=reverse.prompts(4, "train"), reward=lambda *a, **k: 0.0)

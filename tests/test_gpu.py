@@ -94,9 +94,9 @@ def test_native_sampler_on_cuda_shares_the_weights_and_matches_the_trainer():
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "bf16"])
 def test_training_loop_on_cuda(tmp_path, precision):
+    from align.char_tokenizer import CharTokenizer
     from align.model import Transformer, save_pretrained
     from align.tasks import reverse
-    from align.tasks.tokenizer import CharTokenizer
     from align.train import TrainConfig, train
 
     tok = CharTokenizer("abcd=")

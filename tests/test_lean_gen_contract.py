@@ -7,7 +7,6 @@ running the reference Goedel-Prover-V2 functions; every one must be reproduced b
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers_lean import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 # ALIGN_LEAN_EXTRAS points the suite at a mutated copy (tests/lean_fixtures/mutants.py)
@@ -23,11 +23,7 @@ FIX = Path(__file__).resolve().parent / "lean_fixtures"
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, EXTRAS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(EXTRAS / f"{name}.py")
 
 
 lp = _load("lean_prompts")
@@ -248,17 +244,24 @@ def test_fidelity_without_reference_fails_clearly(tmp_path):
     assert not (tmp_path / "r.json").exists()
 
 
-def test_lean_prompts_is_stdlib_only():
+def _check_stdlib_only(*scripts: str) -> None:
+    """Importing ``scripts`` (files of EXTRAS, by stem) in a fresh interpreter loads no torch, vLLM, transformers or
+    numpy, and of align only ``align.errors`` and the Lean verifier (``align.lean``)."""
+    load = "s = u.spec_from_file_location({!r}, {!r}); s.loader.exec_module(u.module_from_spec(s))\n"
+    loads = "".join(load.format(n, str(EXTRAS / f"{n}.py")) for n in scripts)
     code = (
         "import sys, importlib.util as u\n"
-        f"s = u.spec_from_file_location('lp', {str(EXTRAS / 'lean_prompts.py')!r}); m = u.module_from_spec(s)\n"
-        "s.loader.exec_module(m)\n"
-        "bad = [k for k in sys.modules if k.split('.')[0] in ('torch','vllm','transformers','numpy')\n"
+        + loads
+        + "bad = [k for k in sys.modules if k.split('.')[0] in ('torch','vllm','transformers','numpy')\n"
         "       or (k.split('.')[0] == 'align' and k not in ('align', 'align.errors', 'align.lean')\n"
         "           and not k.startswith('align.lean.'))]\n"
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_lean_prompts_is_stdlib_only():
+    _check_stdlib_only("lean_prompts")
 
 
 # --- lean_gen pure half ------------------------------------------------------------------------------------------------
@@ -549,18 +552,7 @@ def test_cli_usage_errors_exit_2():
 
 
 def test_lean_gen_pure_half_is_stdlib_only():
-    code = (
-        "import sys, importlib.util as u\n"
-        f"s = u.spec_from_file_location('lg', {str(EXTRAS / 'lean_gen.py')!r}); m = u.module_from_spec(s)\n"
-        "s.loader.exec_module(m)\n"
-        f"s = u.spec_from_file_location('pv', {str(EXTRAS / 'pipeline_gen_verify.py')!r}); m = u.module_from_spec(s)\n"
-        "s.loader.exec_module(m)\n"
-        "bad = [k for k in sys.modules if k.split('.')[0] in ('torch','vllm','transformers','numpy')\n"
-        "       or (k.split('.')[0] == 'align' and k not in ('align', 'align.errors', 'align.lean')\n"
-        "           and not k.startswith('align.lean.'))]\n"
-        "assert not bad, bad\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    _check_stdlib_only("lean_gen", "pipeline_gen_verify")
 
 
 # --- verification against the recorded-REPL stand-in (no Lean here) ----------------------------------------------------

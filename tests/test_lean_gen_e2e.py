@@ -13,16 +13,15 @@ Without .venv-rollout these tests skip, unless ALIGN_REQUIRE_ROLLOUT=1 (scripts/
 from __future__ import annotations
 
 import fcntl
-import importlib.util
 import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from helpers_lean import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 EXTRAS = ROOT / "extras" / "vllm_rollout"
@@ -52,11 +51,7 @@ def _require_rollout() -> None:
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, EXTRAS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(EXTRAS / f"{name}.py")
 
 
 lp = _load("lean_prompts")
@@ -98,6 +93,26 @@ def _reap():
             except ProcessLookupError:
                 pass
             p.wait()
+
+
+def _lean_gen(w: Path, problems: str, out: Path, flags: str, *more: str) -> list[str]:
+    """A lean_gen.py command line on the module's model: ``w / problems`` -> ``out``, then ``flags`` (split on spaces,
+    as typed in a shell) and ``more``."""
+    head = [
+        str(EXTRAS / "lean_gen.py"),
+        "--problems",
+        str(w / problems),
+        "--out",
+        str(out),
+        "--model",
+        str(w / "model"),
+    ]
+    return [*head, *flags.split(), *more]
+
+
+def _python(args: list[str]) -> subprocess.CompletedProcess:
+    """``args`` under the rollout venv's python, to the end, output captured (a run expected to fail fast)."""
+    return subprocess.run([str(RPY), *args], check=False, capture_output=True, text=True, timeout=TIMEOUT_S, env=ENV)
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -223,27 +238,7 @@ def test_verification_via_recorded_repl_and_correction_round(pipeline):
 def test_rerun_resumes_with_zero_new_samples(pipeline, w):
     out = pipeline / "gen_r0.jsonl"
     before = out.read_bytes()
-    rc = _run(
-        [
-            str(EXTRAS / "lean_gen.py"),
-            "--problems",
-            str(w / "p3.jsonl"),
-            "--out",
-            str(out),
-            "--n",
-            "2",
-            "--cap-tokens",
-            "24",
-            "--round",
-            "0",
-            "--seed",
-            "0",
-            "--model",
-            str(w / "model"),
-            *ENGINE,
-        ],
-        w / "rerun.log",
-    )
+    rc = _run(_lean_gen(w, "p3.jsonl", out, "--n 2 --cap-tokens 24 --round 0 --seed 0", *ENGINE), w / "rerun.log")
     assert rc == 0, (w / "rerun.log").read_text()[-3000:]
     assert out.read_bytes() == before
     s = _manifest(out)["sessions"]
@@ -257,30 +252,9 @@ def test_dry_run_round1_renders_with_the_model_template(pipeline, w):
     probs.write_text(
         (w / "p3.jsonl").read_text() + json.dumps({"name": "nob", "lean4_code": "theorem x : True"}) + "\n"
     )
-    rc = _run(
-        [
-            str(EXTRAS / "lean_gen.py"),
-            "--problems",
-            str(probs),
-            "--out",
-            str(out),
-            "--n",
-            "1",
-            "--cap-tokens",
-            "24",
-            "--round",
-            "1",
-            "--corrections-from",
-            str(pipeline / "verif_r0.jsonl"),
-            str(pipeline / "gen_r0.jsonl"),
-            "--model",
-            str(w / "model"),
-            "--max-model-len",
-            "1536",
-            "--dry-run",
-        ],
-        w / "dry.log",
-    )
+    corrections = ["--corrections-from", str(pipeline / "verif_r0.jsonl"), str(pipeline / "gen_r0.jsonl")]
+    flags = "--n 1 --cap-tokens 24 --round 1 --max-model-len 1536 --dry-run"
+    rc = _run(_lean_gen(w, probs.name, out, flags, *corrections), w / "dry.log")
     assert rc == 0, (w / "dry.log").read_text()[-3000:]
     rows = _jsonl(Path(str(out) + ".dry_run.jsonl"))
     planned = [r for r in rows if "skipped" not in r]
@@ -297,30 +271,8 @@ def test_sigterm_gives_143_and_a_resumable_state(w, pipeline):
     out = w / "sig" / "gen.jsonl"
     out.parent.mkdir()
     # one sequence at a time, 8 samples: the signal lands within ~0.1 s of the first record, seconds before the end
-    cmd = [
-        str(EXTRAS / "lean_gen.py"),
-        "--problems",
-        str(w / "p4.jsonl"),
-        "--out",
-        str(out),
-        "--n",
-        "2",
-        "--cap-tokens",
-        "64",
-        "--seed",
-        "0",
-        "--model",
-        str(w / "model"),
-        "--max-model-len",
-        "1024",
-        "--enforce-eager",
-        "--dtype",
-        "float32",
-        "--max-num-seqs",
-        "1",
-        "--refill-window",
-        "1",
-    ]
+    flags = "--n 2 --cap-tokens 64 --seed 0 --max-model-len 1024 --enforce-eager --dtype float32"
+    cmd = _lean_gen(w, "p4.jsonl", out, flags, "--max-num-seqs", "1", "--refill-window", "1")
     p = _start(cmd, w / "sig.log")
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline and p.poll() is None:
@@ -345,27 +297,8 @@ def test_sigterm_gives_143_and_a_resumable_state(w, pipeline):
 def test_lora_adapter_unmerged(w, pipeline):
     out = w / "lora" / "gen.jsonl"
     out.parent.mkdir()
-    cmd = [
-        str(EXTRAS / "lean_gen.py"),
-        "--problems",
-        str(w / "p3.jsonl"),
-        "--out",
-        str(out),
-        "--n",
-        "2",
-        "--cap-tokens",
-        "16",
-        "--seed",
-        "0",
-        "--model",
-        str(w / "model"),
-        *ENGINE,
-        "--lora-adapter",
-        str(w / "adapter"),
-        "--wait-lock",
-        "--lock-file",
-        str(w / "heavy.lock"),
-    ]
+    lora = ["--lora-adapter", str(w / "adapter"), "--wait-lock", "--lock-file", str(w / "heavy.lock")]
+    cmd = _lean_gen(w, "p3.jsonl", out, "--n 2 --cap-tokens 16 --seed 0", *ENGINE, *lora)
     assert _run(cmd, w / "lora.log") == 0, (w / "lora.log").read_text()[-3000:]
     sha = lg.sha256_dir(str(w / "adapter"))
     m = _manifest(out)
@@ -381,62 +314,24 @@ def test_lora_adapter_unmerged(w, pipeline):
 
 
 def test_bad_inputs_fail_clearly(w, pipeline):
-    base = [str(EXTRAS / "lean_gen.py"), "--cap-tokens", "8", "--model", str(w / "model")]
+    def gen(problems: str, out: Path, flags: str = "", *more: str) -> subprocess.CompletedProcess:
+        return _python(_lean_gen(w, problems, out, f"--cap-tokens 8 {flags}", *more))
+
     bad = w / "bad.jsonl"
     bad.write_text('{"name": "a", "lean4_code": "x := by"}\n{oops\n')
-    r = subprocess.run(
-        [str(RPY), *base, "--problems", str(bad), "--out", str(w / "b1.jsonl")],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        env=ENV,
-    )
+    r = gen(bad.name, w / "b1.jsonl")
     assert r.returncode == 2 and "bad.jsonl:2: not valid JSON" in r.stderr
-    r = subprocess.run(
-        [str(RPY), *base, "--problems", str(w / "p3.jsonl"), "--out", str(w / "b2.jsonl"), "--max-model-len", "4096"],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        env=ENV,
-    )
+    r = gen("p3.jsonl", w / "b2.jsonl", "--max-model-len 4096")
     assert r.returncode == 2 and "above the model's position limit 2048" in r.stderr
     other = w / "other_gen.jsonl"
     other.write_text(json.dumps({"sample_id": "zzz_g0", "problem_id": "zzz", "round": 0}) + "\n")
-    r = subprocess.run(
-        [
-            str(RPY),
-            *base,
-            "--problems",
-            str(w / "p3.jsonl"),
-            "--out",
-            str(w / "b3.jsonl"),
-            "--round",
-            "1",
-            "--corrections-from",
-            str(pipeline / "verif_r0.jsonl"),
-            str(other),
-        ],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        env=ENV,
-    )
+    r = gen("p3.jsonl", w / "b3.jsonl", "--round 1", "--corrections-from", str(pipeline / "verif_r0.jsonl"), str(other))
     assert r.returncode == 2 and "none of the verification records" in r.stderr
     out = w / "b4.jsonl"
     fd = os.open(str(out) + ".lock", os.O_RDWR | os.O_CREAT)
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
-        r = subprocess.run(
-            [str(RPY), *base, "--problems", str(w / "p3.jsonl"), "--out", str(out)],
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT_S,
-            env=ENV,
-        )
+        r = gen("p3.jsonl", out)
     finally:
         os.close(fd)
     assert r.returncode == 75 and "held by another launch" in r.stderr and not out.exists()
@@ -445,9 +340,8 @@ def test_bad_inputs_fail_clearly(w, pipeline):
 
 
 def test_pipeline_exits_4_when_the_generator_manifest_is_not_complete(w):
-    r = subprocess.run(
+    r = _python(
         [
-            str(RPY),
             str(EXTRAS / "pipeline_gen_verify.py"),
             "--problems",
             str(w / "p3.jsonl"),
@@ -463,11 +357,6 @@ def test_pipeline_exits_4_when_the_generator_manifest_is_not_complete(w):
             f"--model {w / 'model'} --max-model-len 99999",
             "--repl-cmd",
             "false",
-        ],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        env=ENV,
+        ]
     )
     assert r.returncode == 4 and "not 'complete'" in r.stderr

@@ -117,7 +117,7 @@ def test_each_verdict_gives_its_reward_feedback_and_named_info():
 
 
 def test_error_text_is_cut_to_lean_error_tokens():
-    from align.tasks.tokenizer import CharTokenizer
+    from align.char_tokenizer import CharTokenizer
 
     tok = CharTokenizer(sorted(set(ERR)))
     env = LeanEnv.bind(ScriptedVerifier(), error_tokens=10, tokenizer=tok)(**ROWS[0])

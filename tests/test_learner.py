@@ -358,10 +358,10 @@ def test_training_loop_runs_and_resumes_in_each_precision(tmp_path, precision):
     and a reference model (KL): finite metrics, weights and optimizer state in the documented dtypes, resume."""
     import json
 
+    from align.char_tokenizer import CharTokenizer
     from align.model import save_pretrained
     from align.run import checkpoint as ckpt
     from align.tasks import reverse
-    from align.tasks.tokenizer import CharTokenizer
     from align.train import train
 
     tok = CharTokenizer("abcd=")
@@ -453,9 +453,9 @@ def test_auto_threads_from_omp_num_threads_or_the_cpus(monkeypatch):
 def test_training_sets_the_threads_from_the_model_or_the_flag(tmp_path, monkeypatch, threads):
     """The loop applies --threads: 0 picks ``auto_threads`` (here every one of 4 CPUs), N is N.
     Negative control: the thread count torch had before the run (1, from conftest) differs from both."""
+    from align.char_tokenizer import CharTokenizer
     from align.model import save_pretrained
     from align.tasks import reverse
-    from align.tasks.tokenizer import CharTokenizer
     from align.train import train
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # conftest sets 1 for the suite

@@ -91,18 +91,16 @@ def test_vllm_serves_align_adapters_with_align_logprobs(tmp_path):
     assert log.count("engine up") == 1, "adapter sync must not rebuild the engine"
 
 
-def test_grpo_with_adapter_only_sync(tmp_path):
-    from align.model import Transformer, save_pretrained
+def test_grpo_with_adapter_only_sync(tmp_path, reverse_model):
+    from helpers_train import spool_cfg
+
     from align.tasks import reverse
-    from align.train import TrainConfig, train
+    from align.train import train
 
     require_rollout_venv()
     tok = reverse.tokenizer()
-    model = save_pretrained(Transformer(reverse.model_config(tok)).init_weights(seed=0), tmp_path / "base")
-    cfg = TrainConfig(out=str(tmp_path / "run"), steps=3, prompts_per_step=4, group_size=4, max_tokens=6, lr=5e-2,
-                      rollout="spool", rollout_in_process=True, rollout_timeout_s=600, checkpoint_every=0,
-                      lora={"rank": 8, "alpha": 16.0})  # fmt: skip
-    cfg.eval.eval_interval = 0
+    model = reverse_model
+    cfg = spool_cfg(tmp_path / "run", steps=3, lr=5e-2, lora={"rank": 8, "alpha": 16.0})
     summary = train(cfg, model=str(model), tokenizer=tok, prompts=reverse.prompts(16, "train"),
                     reward=lambda prompt, completion, **_: completion.count("a") / 6)  # fmt: skip
     assert summary["steps"] == 3
@@ -128,13 +126,8 @@ def test_grpo_with_adapter_only_sync(tmp_path):
 def test_eval_fleet_serves_adapter_snapshots(tmp_path, builtin_model_30):
     """LoRA + --eval-num-gpus: each eval snapshot is the adapter (+ its base named inside); the fleet's engines run
     the base model with LoRA enabled and pin each adapter; the final point equals align's own score of it."""
-    from helpers_models import VLLM_TIMEOUT_S
-    from helpers_train import partial_credit
+    from helpers_train import fleet_eval_config, greedy_eval, partial_credit
 
-    from align.eval.config import EvalConfig
-    from align.eval.metrics import score_completions
-    from align.rollout.native import generate
-    from align.run.build import stop_ids
     from align.tasks import reverse
     from align.train import TrainConfig, train
 
@@ -142,15 +135,7 @@ def test_eval_fleet_serves_adapter_snapshots(tmp_path, builtin_model_30):
     base = builtin_model_30  # the reverse task after a 30-step warm start (tests/conftest.py)
     tok = reverse.tokenizer()
     eval_prompts = reverse.prompts(24, "eval", 0)
-    eval_cfg = EvalConfig(
-        eval_interval=2,
-        eval_num_gpus=1,
-        eval_hf_dir=str(tmp_path / "eval_hf"),
-        eval_keep_snapshots=1,
-        eval_temperature=0.0,
-        eval_timeout_s=VLLM_TIMEOUT_S,
-        ci_test=True,
-    )
+    eval_cfg = fleet_eval_config(tmp_path, keep=1)
     cfg = TrainConfig(out=str(tmp_path / "run"), steps=4, prompts_per_step=8, group_size=4, checkpoint_every=0,
                       lr=2e-2, eval=eval_cfg, lora={"rank": 8, "alpha": 16.0})  # fmt: skip
     train(cfg, model=str(base), tokenizer=tok, prompts=reverse.prompts(200, "train", 0), reward=partial_credit,
@@ -162,17 +147,7 @@ def test_eval_fleet_serves_adapter_snapshots(tmp_path, builtin_model_30):
     assert [p.name for p in kept] == ["step_4"] and (kept[0] / "adapter_config.json").is_file()
     assert not (kept[0] / "config.json").exists()  # the adapter only, no full snapshot
     assert lora.adapter_base(kept[0]) == str(base)
-    policy = lora.load_adapter(load_pretrained(base), kept[0])
-    stops = stop_ids(tok, policy.config)
-    encoded = [tok.encode(r["prompt"]) for r in eval_prompts]
-    comps = generate(policy, encoded, SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, stop_token_ids=stops))
-
-    def reward(i, ids):
-        text = tok.decode(ids[:-1] if ids and ids[-1] in stops else ids)
-        return partial_credit(eval_prompts[i]["prompt"], text, answer=eval_prompts[i]["answer"])
-
-    native = score_completions(encoded, comps, reward, 1)
+    native, comps = greedy_eval(lora.load_adapter(load_pretrained(base), kept[0]), tok, eval_prompts, cfg.max_tokens)
     assert evals[4]["eval/avg@1"] == pytest.approx(native["eval/avg@1"], abs=1e-9), (evals[4], native)
-    base_comps = generate(load_pretrained(base), encoded, SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens,
-                                                                         stop_token_ids=stops))  # fmt: skip
+    _, base_comps = greedy_eval(load_pretrained(base), tok, eval_prompts, cfg.max_tokens)
     assert [c.token_ids for c in base_comps] != [c.token_ids for c in comps]  # negative control: the adapter matters

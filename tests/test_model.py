@@ -164,19 +164,13 @@ def test_save_failure_leaves_nothing_and_marker_gate(tmp_path, monkeypatch):
         load_pretrained(tmp_path / "snap", require_marker=True)
 
 
+# a one-layer Qwen2 built in the test (no checkpoint): the config and generation-config round trips
+TINY = {"model_type": "qwen2", "vocab_size": 50, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
+TINY.update(num_attention_heads=2, num_key_value_heads=1, head_dim=16, qkv_bias=True)
+
+
 def test_fresh_model_config_roundtrip(tmp_path):
-    cfg = ModelConfig(
-        model_type="qwen2",
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        qkv_bias=True,
-        eos_token_id=2,
-    )
+    cfg = ModelConfig(**TINY, eos_token_id=2)
     m = Transformer(cfg).init_weights(seed=0)
     path = save_pretrained(m, tmp_path / "m")
     hf_cfg = json.loads((path / "config.json").read_text())
@@ -190,9 +184,7 @@ def test_fresh_model_config_roundtrip(tmp_path):
 def test_save_keeps_the_base_generation_config(tmp_path):
     from align import lora
 
-    cfg = ModelConfig(model_type="qwen2", vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, qkv_bias=True, bos_token_id=1,
-                      eos_token_id=2)  # fmt: skip
+    cfg = ModelConfig(**TINY, bos_token_id=1, eos_token_id=2)
     base = save_pretrained(Transformer(cfg).init_weights(seed=0), tmp_path / "base")
     # negative control: a model built from scratch writes only its token ids
     assert json.loads((base / "generation_config.json").read_text()) == {"bos_token_id": 1, "eos_token_id": 2}

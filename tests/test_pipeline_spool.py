@@ -8,8 +8,8 @@ import json
 
 import pytest
 from helpers_models import require_rollout_venv
+from helpers_train import spool_cfg
 
-from align.model import Transformer, save_pretrained
 from align.tasks import reverse
 from align.train import TrainConfig, train
 
@@ -18,25 +18,12 @@ pytestmark = [pytest.mark.rollout, pytest.mark.slow]
 K = 2
 
 
-def test_async_spool_rollouts_and_pinned_eval_with_the_real_worker(tmp_path):
+def test_async_spool_rollouts_and_pinned_eval_with_the_real_worker(tmp_path, reverse_model):
     require_rollout_venv()
     tok = reverse.tokenizer()
-    model = save_pretrained(Transformer(reverse.model_config(tok)).init_weights(seed=0), tmp_path / "base")
-    cfg = TrainConfig(
-        out=str(tmp_path / "run"),
-        steps=5,
-        prompts_per_step=4,
-        group_size=4,
-        max_tokens=6,
-        lr=1e-2,
-        warmup_steps=0,
-        rollout="spool",
-        rollout_in_process=True,
-        rollout_timeout_s=600,
-        checkpoint_every=0,
-        max_async_steps=K,
-        max_inflight_requests=8,  # two groups per request: the batch is split, groups never are
-    )
+    model = reverse_model
+    # max_inflight_requests 8: two groups per request: the batch is split, groups never are
+    cfg = spool_cfg(tmp_path / "run", steps=5, warmup_steps=0, max_async_steps=K, max_inflight_requests=8)
     cfg.eval.eval_interval = 2
     cfg.eval.eval_n = 2
     summary = train(
@@ -63,7 +50,7 @@ def test_async_spool_rollouts_and_pinned_eval_with_the_real_worker(tmp_path):
     assert snaps == ["v5"]  # every older snapshot was deleted once no work referenced it
 
 
-def test_a_worker_killed_mid_pipeline_fails_fast_and_the_rerun_resumes(tmp_path):
+def test_a_worker_killed_mid_pipeline_fails_fast_and_the_rerun_resumes(tmp_path, reverse_model):
     """kill -9 of the worker while the producer is ahead of the trainer: WorkerDiedError reaches train() within the
     client's liveness check (no hang on the producer thread), the last committed checkpoint stays, a rerun resumes."""
     import os
@@ -75,15 +62,11 @@ def test_a_worker_killed_mid_pipeline_fails_fast_and_the_rerun_resumes(tmp_path)
 
     require_rollout_venv()
     tok = reverse.tokenizer()
-    model = save_pretrained(Transformer(reverse.model_config(tok)).init_weights(seed=0), tmp_path / "base")
+    model = reverse_model
     out = tmp_path / "run"
 
     def cfg() -> TrainConfig:
-        c = TrainConfig(out=str(out), steps=6, prompts_per_step=4, group_size=4, max_tokens=6, lr=1e-2)
-        c.warmup_steps, c.rollout, c.rollout_in_process, c.checkpoint_every, c.max_async_steps = 0, "spool", True, 2, 1
-        c.rollout_timeout_s = 600
-        c.eval.eval_interval = 0
-        return c
+        return spool_cfg(out, steps=6, warmup_steps=0, checkpoint_every=2, max_async_steps=1)
 
     calls = []
 

@@ -32,6 +32,8 @@ from align.rollout.spool import Spool
 
 REPO = Path(__file__).resolve().parents[1]
 FAST_TIMEOUT_S = 5.0  # every client call in this file must return well within this
+# the scripted worker's answer to prompts [[10, 11], [20]] with n=2: (prompt_index, sample_index, token_ids)
+SCRIPTED_ANSWER = [(0, 0, [11]), (0, 1, [12]), (1, 0, [20]), (1, 1, [21])]
 
 
 def _valid(tmp_path: Path) -> Path:
@@ -59,13 +61,14 @@ def test_protocol_and_client_import_without_torch():
 
 
 def test_spool_names_stay_importable_from_protocol():
-    """The worker imports only ``protocol`` (``P.Spool``): the spool's public names resolve there to spool.py's
-    objects, loaded on first use (protocol alone does not load spool.py: no import circle). An unknown name is still
-    an AttributeError (negative control: the lookup does not answer everything)."""
+    """The worker imports only ``protocol`` (``P.Spool``, ``P.Message``): the spool's and the message module's public
+    names resolve there to their own modules' objects (protocol imports both; neither imports protocol: no circle,
+    tests/test_layout.py). An unknown name is still an AttributeError (negative control: not everything answers)."""
     code = (
-        "import sys\n"
         "import align.rollout.protocol as P\n"
-        "assert 'align.rollout.spool' not in sys.modules, 'protocol loaded spool.py at import'\n"
+        "import align.rollout.message as M\n"
+        "assert (P.Message, P.SamplingParams, P.ProtocolError, P.new_id) == (M.Message, M.SamplingParams, "
+        "M.ProtocolError, M.new_id)\n"
         "from align.rollout.protocol import AlreadyWaitingError, HEARTBEAT_MAX_BYTES, Spool, heartbeat_problem\n"
         "from align.rollout.protocol import read_message\n"
         "import align.rollout.spool as S\n"
@@ -344,12 +347,7 @@ def test_spool_client_generate_and_sync(tmp_path, scripted):
     scripted()
     client = make_rollout_client("spool", spool=tmp_path / "spool", timeout_s=FAST_TIMEOUT_S)
     out = client.generate([[10, 11], [20]], SamplingParams(n=2))
-    assert [(c.prompt_index, c.sample_index, c.token_ids) for c in out] == [
-        (0, 0, [11]),
-        (0, 1, [12]),
-        (1, 0, [20]),
-        (1, 1, [21]),
-    ]
+    assert [(c.prompt_index, c.sample_index, c.token_ids) for c in out] == SCRIPTED_ANSWER
     assert client.logprob_basis == "raw" and client.weights_version == 7
     snap = _fake_model_dir(tmp_path)
     with pytest.raises(ValueError, match="not committed"):
@@ -464,12 +462,7 @@ def test_answer_in_order_and_ids_inside_the_announced_vocabulary(tmp_path, scrip
     w = scripted(answer=_tamper(lambda cs, body: cs.reverse()), vocab_size=22)
     client = SpoolClient(tmp_path / "spool", timeout_s=FAST_TIMEOUT_S)
     out = client.generate([[10, 11], [20]], SamplingParams(n=2))
-    assert [(c.prompt_index, c.sample_index, c.token_ids) for c in out] == [
-        (0, 0, [11]),
-        (0, 1, [12]),
-        (1, 0, [20]),
-        (1, 1, [21]),
-    ]
+    assert [(c.prompt_index, c.sample_index, c.token_ids) for c in out] == SCRIPTED_ANSWER
     w.info["vocab_size"] = 21  # the heartbeat announces the vocabulary (the real worker does): 21 is outside it
     deadline = time.monotonic() + FAST_TIMEOUT_S
     while (w.sp.read_heartbeat() or {}).get("vocab_size") != 21:  # the worker's next heartbeat carries it

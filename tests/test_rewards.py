@@ -10,6 +10,7 @@ import time
 from fractions import Fraction
 
 import pytest
+from helpers_locks import alive
 
 from align.data import InputError
 from align.rewards import (
@@ -281,14 +282,6 @@ def hard_file(tmp_path):
     return str(p)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.parametrize("on_thread", [False, True])
 def test_a_bare_except_cannot_swallow_the_in_process_timeout(hard_file, on_thread):
     """The reward catches CallTimeout and returns 0.0: still a timeout, unscorable (the old SIGALRM path scored 0.0).
@@ -322,17 +315,17 @@ def test_a_timed_out_rewards_children_are_killed(hard_file, tmp_path):
         s = scorer.score([({"prompt": "p", "pidfile": str(pidfile)}, "x")])
         assert s.totals == [1.0]
         finished = int(pidfile.read_text().split()[-1])
-        assert _alive(finished)  # control: a live child is seen as alive
+        assert alive(finished)  # control: a live child is seen as alive
         deadline = time.monotonic() + CHILD_GONE_S
-        while _alive(hung) and time.monotonic() < deadline:
+        while alive(hung) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _alive(hung), "the timed-out call's child outlived its worker"
+        assert not alive(hung), "the timed-out call's child outlived its worker"
     finally:
         scorer.close()
     deadline = time.monotonic() + CHILD_GONE_S
-    while _alive(finished) and time.monotonic() < deadline:
+    while alive(finished) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(finished), "a worker's child outlived the pool's close"
+    assert not alive(finished), "a worker's child outlived the pool's close"
 
 
 def test_a_worker_that_exits_while_its_fork_holds_the_pipe(hard_file):

@@ -9,10 +9,10 @@ from collections import Counter
 import pytest
 import torch
 
+from align.char_tokenizer import CharTokenizer
 from align.envs import check_step
 from align.model import load_pretrained
 from align.tasks import multiturn as mt
-from align.tasks.tokenizer import CharTokenizer
 
 ROW = {"prompt": "ca?d=", "answer": "dbac"}  # the word cabd, its b hidden
 

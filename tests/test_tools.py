@@ -103,18 +103,9 @@ def test_schema_comparison_negative_control() -> None:
     from transformers.utils.chat_template_utils import get_json_schema
 
     def changed(location: str, unit: Literal["celsius", "kelvin"] = "celsius") -> float:
-        """Get the current temperature at a location.
-
-        Args:
-            location: The location to get the temperature for, in the format "City, Country".
-            unit: The unit to return the temperature in.
-
-        Returns:
-            The current temperature at the specified location in the specified unit, as a float.
-        """
         return 0.0
 
-    changed.__name__ = "get_current_temperature"
+    changed.__name__, changed.__doc__ = "get_current_temperature", get_current_temperature.__doc__
     assert tool_schema(get_current_temperature) != get_json_schema(changed)
     assert tool_schema(changed) == get_json_schema(changed)
 

@@ -8,8 +8,8 @@ import json
 
 import pytest
 from helpers_models import require_rollout_venv
+from helpers_train import spool_cfg
 
-from align.model import Transformer, save_pretrained
 from align.tasks import reverse
 from align.train import TrainConfig, train
 
@@ -18,23 +18,11 @@ pytestmark = pytest.mark.rollout
 MISMATCH_TOL = 1e-3  # |log pi_old - log mu| per token, fp32 vLLM CPU vs align (measured ~1e-5)
 
 
-def test_grpo_with_spool_rollout(tmp_path):
+def test_grpo_with_spool_rollout(tmp_path, reverse_model):
     require_rollout_venv()
     tok = reverse.tokenizer()
-    model = save_pretrained(Transformer(reverse.model_config(tok)).init_weights(seed=0), tmp_path / "base")
-    cfg = TrainConfig(
-        out=str(tmp_path / "run"),
-        steps=3,
-        prompts_per_step=4,
-        group_size=4,
-        max_tokens=6,
-        lr=1e-2,
-        rollout="spool",
-        rollout_in_process=True,
-        rollout_timeout_s=600,
-        checkpoint_every=0,
-    )
-    cfg.eval.eval_interval = 0
+    model = reverse_model
+    cfg = spool_cfg(tmp_path / "run", steps=3)
     prompts = reverse.prompts(16, "train")
     summary = train(
         cfg,
@@ -157,7 +145,7 @@ def test_lean_episodes_on_the_spool_worker_train_on_what_vllm_sampled(prover, tm
 
 
 @pytest.mark.slow
-def test_resume_attached_to_a_running_worker_samples_the_resumed_weights(tmp_path):
+def test_resume_attached_to_a_running_worker_samples_the_resumed_weights(tmp_path, reverse_model):
     """--no-spawn-worker: the worker keeps whatever it loaded last (here: the base model again, as after a
     restart or another user's sync). The resumed run must sync its checkpoint before step 1 of the rerun,
     or the rollouts come from the wrong policy and the sampler/trainer logprobs disagree."""
@@ -171,7 +159,7 @@ def test_resume_attached_to_a_running_worker_samples_the_resumed_weights(tmp_pat
 
     tok = reverse.tokenizer()
     mcfg = reverse.model_config(tok)
-    base = save_pretrained(Transformer(mcfg).init_weights(seed=0), tmp_path / "base")
+    base = reverse_model
     spool = tmp_path / "spool"
     worker = spawn_worker(
         spool,

@@ -31,9 +31,10 @@ Optional lifecycle hooks on the class (``align.envs.sampler`` calls each one tha
 ``begin(t)``, ``next_prompts(k) -> indices``, ``row(i) -> dict`` and ``add(groups, t)`` (``align.envs.sampler.Rows``
 is the default).
 
-Built-in environments are rows of ``ENVIRONMENTS`` (name -> ``module:Class``), resolved by the same loader as
-``--env path/file.py:Class`` (``align.envs.runner.load_env_class``), so ``--env lean`` and a worker process loading
-``lean`` both find ``align.lean.env:LeanEnv``. Adding one is a file and a row here.
+Built-in environments are rows of ``align.tasks.ENVIRONMENTS`` (name -> ``module:Class``; the table sits on the
+tasks' floor because it names their environments): ``--env lean`` is resolved there to ``align.lean.env:LeanEnv``
+before the same loader as ``--env path/file.py:Class`` (``align.envs.runner.load_env_class``) imports it, in this
+process or a worker. Adding one is a file and a row there.
 
 ``Step(observation, reward, done)``: ``observation`` is the environment's next messages (a list of
 ``{"role", "content"}`` dicts, rendered through the chat template as a suffix of the conversation) or a plain
@@ -46,14 +47,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-__all__ = ["ENVIRONMENTS", "EnvError", "Step", "check_env_class", "check_observation", "check_step"]
-
-# name -> "module:Class": the built-in environments (``--env NAME``); a name never contains ':' or '/'
-ENVIRONMENTS: dict[str, str] = {
-    "lean": "align.lean.env:LeanEnv",  # Goedel-Prover's prompt, one verified proof attempt per turn
-    "multiturn": "align.tasks.multiturn:Env",  # the built-in multi-turn task's environment (rows: prompt, answer)
-    "tools": "align.envs.tools:ToolEnv",  # the tool environment over --tools (also what --tools alone picks)
-}
+__all__ = ["EnvError", "Step", "check_env_class", "check_observation", "check_step"]
 
 
 class Step(NamedTuple):

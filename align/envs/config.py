@@ -18,7 +18,7 @@ class EnvConfig:
         default=None,
         metadata=_h(
             "Multi-turn environment class, 'path/file.py:Class' or 'module:Class' (needs --train-data), or a "
-            "built-in by name (align.envs.ENVIRONMENTS): 'tools' = the tool environment (with --tools); 'lean' = "
+            "built-in by name (align.tasks.ENVIRONMENTS): 'tools' = the tool environment (with --tools); 'lean' = "
             "the Lean prover environment (Goedel prompts, the Lean verifier: --lean-repl / --lean-server); "
             "'multiturn' = the multiturn task's environment."
         ),

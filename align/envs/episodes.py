@@ -28,37 +28,13 @@ import logging
 import math
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from align.envs import EnvError
-from align.rollout.protocol import Completion, SamplingParams
+from align.rollout.groups import Episode
+from align.rollout.protocol import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Episode(Completion):
-    """One episode, as the learner reads it (a ``Completion`` with a per-token ``mask``) and as the log shows it."""
-
-    prompt_ids: list[int] = field(default_factory=list)  # the first prompt (reset's render)
-    mask: list[bool] = field(default_factory=list)  # per token of token_ids: True = sampled by the policy
-    turns: list[dict] = field(
-        default_factory=list
-    )  # per turn: policy_tokens, env_tokens, finish_reason, reward, version
-    messages: list[dict] = field(default_factory=list)  # the conversation: first prompt, then assistant / environment
-    text: str = ""  # the final assistant message (what --reward functions score)
-    env_reward: float | None = None  # the per-turn rewards combined (--env-reward); None: none given
-    error: str | None = None  # the environment failed: unscorable
-    timed_out: bool = False
-    truncated: bool = False  # a budget or the context ended it
-    tool_calls: int = 0
-    tool_errors: int = 0
-    chat: bool = False  # every message is a chat message (a str prompt or observation makes it False)
-
-    @property
-    def policy_tokens(self) -> int:
-        return sum(self.mask)
 
 
 def combine_rewards(rewards: list[float | None], how: str) -> float | None:

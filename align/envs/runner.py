@@ -42,7 +42,7 @@ import traceback
 from typing import Any
 
 from align.data import InputError
-from align.envs import ENVIRONMENTS, EnvError, Step, check_env_class, check_observation, check_step
+from align.envs import EnvError, Step, check_env_class, check_observation, check_step
 from align.rewards import CallTimeout, call_in_process, load_spec, spec_of
 
 STARTUP_TIMEOUT_S = 120.0  # a worker's start (python + the environment's module) never counts against a call
@@ -56,15 +56,10 @@ class EnvTimeout(EnvError):
 
 
 def load_env_class(spec: str, flag: str = "--env") -> type:
-    """The environment class named by a row of ``align.envs.ENVIRONMENTS`` (``lean``), ``module:Class`` or
-    ``path/file.py:Class``; ``InputError`` naming ``flag`` for an unknown name, a spec without module or class, a
-    missing file or module, something that is not a class, or a class without ``reset`` / ``step``."""
-    if ":" not in spec and spec not in ENVIRONMENTS:
-        raise InputError(
-            f"{flag} {spec!r}: expected 'module:Class' or 'path/to/file.py:Class', or the name of a built-in "
-            f"environment ({', '.join(sorted(ENVIRONMENTS))})"
-        )
-    cls = load_spec(ENVIRONMENTS.get(spec, spec), flag, kind="Class")
+    """The environment class named by ``module:Class`` or ``path/file.py:Class`` (a built-in name is resolved first
+    by ``align.tasks.env_spec``); ``InputError`` naming ``flag`` for a spec without module or class, a missing file or
+    module, something that is not a class, or a class without ``reset`` / ``step``."""
+    cls = load_spec(spec, flag, kind="Class")
     check_env_class(cls, flag)
     return cls
 

@@ -381,7 +381,7 @@ def tool_env(cfg: Any, fns: list | None = None) -> type:
 
 
 class ToolEnv:
-    """``--env tools`` (``--tools`` alone picks it): the row of ``align.envs.ENVIRONMENTS`` for the tool environment.
+    """``--env tools`` (``--tools`` alone picks it): the row of ``align.tasks.ENVIRONMENTS`` for the tool environment.
     A recipe, never an episode itself: its ``open`` hook builds the class the episodes run (``make_tool_env``)."""
 
     @classmethod

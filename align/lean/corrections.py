@@ -28,8 +28,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from align.lean.env import CORRECTION_KEY
-
+CORRECTION_KEY = "lean_correction"  # a correction row's prompt: {"messages", "round"}
 STATE_KEY = "lean_corrections"
 
 

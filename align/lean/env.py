@@ -33,8 +33,8 @@ from typing import Any
 
 from align.data import InputError
 from align.envs import Step
+from align.lean.corrections import CORRECTION_KEY, CorrectionQueue
 
-CORRECTION_KEY = "lean_correction"  # a correction row's prompt: {"messages", "round"}
 REASONS = ("format", "too_long", "statement_changed", "sorry", "banned", "axioms", "lean_error", "verifier_error")
 ERRORS_CUT = "\n... [Truncated to --lean-error-tokens] ...\n"
 
@@ -143,8 +143,6 @@ class LeanEnv:
         (``align.lean.corrections``) over the data cursor; None (the cursor's rows) without it."""
         if cls.corrections is None or cls.corrections.lean_correction_fraction <= 0:
             return None
-        from align.lean.corrections import CorrectionQueue
-
         return CorrectionQueue(cls.corrections, rows, cursor)
 
     @classmethod

@@ -1,4 +1,5 @@
-"""A step's rollouts as named types, and the stage that collects them: prompts -> groups of G scored completions.
+"""A step's rollouts as named types (``Episode``: a multi-turn completion; ``Group``, ``Groups``), and the stage that
+collects them: prompts -> groups of G scored completions.
 
 ``collect_groups`` samples ``P`` groups and scores them; with ``--adv-refill`` (DAPO's dynamic sampling, Yu et al.
 2025) groups whose rewards do not differ (``has_signal``) are set aside and fresh prompts sampled until ``P`` groups
@@ -14,12 +15,13 @@ import dataclasses
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
 from align.rewards import Scores
+from align.rollout.protocol import Completion
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +30,29 @@ def has_signal(totals: list[float]) -> bool:
     """A group teaches something only if its scorable rewards differ (DAPO's dynamic-sampling criterion)."""
     finite = [t for t in totals if math.isfinite(t)]
     return len(finite) >= 2 and max(finite) > min(finite)
+
+
+@dataclass
+class Episode(Completion):
+    """One episode, as the learner reads it (a ``Completion`` with a per-token ``mask``) and as the log shows it."""
+
+    prompt_ids: list[int] = field(default_factory=list)  # the first prompt (reset's render)
+    mask: list[bool] = field(default_factory=list)  # per token of token_ids: True = sampled by the policy
+    # per turn: policy_tokens, env_tokens, finish_reason, reward, version
+    turns: list[dict] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)  # the conversation: first prompt, then assistant / environment
+    text: str = ""  # the final assistant message (what --reward functions score)
+    env_reward: float | None = None  # the per-turn rewards combined (--env-reward); None: none given
+    error: str | None = None  # the environment failed: unscorable
+    timed_out: bool = False
+    truncated: bool = False  # a budget or the context ended it
+    tool_calls: int = 0
+    tool_errors: int = 0
+    chat: bool = False  # every message is a chat message (a str prompt or observation makes it False)
+
+    @property
+    def policy_tokens(self) -> int:
+        return sum(self.mask)
 
 
 class Group(NamedTuple):
@@ -79,7 +104,7 @@ class Groups:
             truncated[at] = c.finish_reason == "length"
         return GroupTensors(total, terms, lengths, truncated)
 
-    def check_scores(self, step: int, first_error: list[str]) -> None:
+    def check_reward_failures(self, step: int, first_error: list[str]) -> None:
         """Warn once per run when a reward call failed (``first_error`` holds its message) and at every step where
         no completion was scorable (no gradient); raise when every call of the step failed."""
         s = self.scores

@@ -44,7 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from align.rewards import Interrupted, Scores  # Interrupted: also raised by the reward scoring
+from align.errors import Interrupted  # also raised by the reward scoring
+from align.rewards import Scores
 from align.rollout.engines import (
     WAIT_POLL_S,
     NativeEngine,
@@ -55,7 +56,7 @@ from align.rollout.engines import (
     save_snapshot,
     split_requests,
 )
-from align.rollout.groups import Groups
+from align.rollout.groups import Episode, Groups
 from align.rollout.protocol import Completion, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -118,8 +119,6 @@ class Produced:
 
     @classmethod
     def from_state(cls, d: dict) -> Produced:
-        from align.envs.episodes import Episode
-
         b = dict(d["batch"])
         b["completions"] = [(Episode if "mask" in c else Completion)(**c) for c in b["completions"]]
         b["scores"] = Scores(**b["scores"])

@@ -1,6 +1,6 @@
 """The spool: the filesystem transport of the rollout protocol (``protocol.py``). stdlib only, by contract.
 
-After CPython's ``mailbox.Maildir``: one JSON file per message (``protocol.Message``).
+After CPython's ``mailbox.Maildir``: one JSON file per message (``message.Message``).
 
     spool/tmp/          staging; a message is written here, fsync'ed, then ``os.replace``d
     spool/requests/     published requests (trainer -> worker), processed in file-name order
@@ -14,7 +14,7 @@ After CPython's ``mailbox.Maildir``: one JSON file per message (``protocol.Messa
     spool/secret          the spool's key (0600, made with the spool): every message carries its HMAC
 
 Trust: the spool is this user's (0700; one of another user's, or writable by group / others, is refused), and a
-message is read only from a regular file of this user's whose ``mac`` (``protocol.message_mac``) checks; anything
+message is read only from a regular file of this user's whose ``mac`` (``message.message_mac``) checks; anything
 else is moved to rejected/, counted (``Spool.untrusted``) and never answered. A ``heartbeat.json`` of another user
 is ignored (read as no heartbeat), counted (``Spool.foreign_heartbeats``) and warned about once per ``Spool``.
 
@@ -43,8 +43,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from align.atomic import atomic_write_text, check_private_dir, private_secret
-from align.rollout.process import pid_alive
-from align.rollout.protocol import (
+from align.rollout.message import (
     PROTOCOL,
     PROTOCOL_MINOR,
     PROTOCOL_VERSION,
@@ -54,6 +53,7 @@ from align.rollout.protocol import (
     ProtocolError,
     UntrustedMessageError,
 )
+from align.rollout.process import pid_alive
 
 log = logging.getLogger(__name__)
 

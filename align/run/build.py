@@ -135,7 +135,7 @@ class Run:
         return self.pipe.checkpoint_state(step, self.cursor.state)
 
     def check_rewards(self, groups: Any, step: int) -> None:
-        groups.check_scores(step, self.first_error)
+        groups.check_reward_failures(step, self.first_error)
 
     def emit(self, records: list[dict]) -> None:
         for r in records:

@@ -86,7 +86,7 @@ def env_task(
     tools: list | None,
 ) -> tuple[Task, str]:
     """A multi-turn task: rows from ``--train-data`` / ``prompts`` (every column goes to the environment), the
-    environment class from ``--env`` (a name of ``align.envs.ENVIRONMENTS`` or ``file.py:Class``) / ``env=`` (or the
+    environment class from ``--env`` (a name of ``align.tasks.ENVIRONMENTS`` or ``file.py:Class``) / ``env=`` (or the
     tool environment from ``--tools`` / ``tools=``), the tokenizer of the model (or ``--tokenizer``), rewards optional
     (they score the final assistant message and add)."""
     from align.data import load_tokenizer, read_rows
@@ -107,8 +107,11 @@ def env_task(
         from align.envs.tools import tool_env
 
         env = tool_env(e, tools)
-    elif env is None:  # a name of align.envs.ENVIRONMENTS or file.py:Class
-        spec, env = e.env, load_env_class(e.env, "--env")
+    elif env is None:  # a name of align.tasks.ENVIRONMENTS or file.py:Class
+        from align.tasks import env_spec
+
+        spec = env_spec(e.env)
+        env = load_env_class(spec, "--env")
     located = None  # (file:line, row) of each row read here, for the errors of the environment's check_rows
     if prompts is None:
         located = read_rows(cfg.data.train_data)

@@ -12,7 +12,7 @@ Sources of the teacher's logprobs (same basis as the student's: ``log_softmax(lo
 - in process (default): the teacher loaded frozen like the KL reference (``--precision``'s frozen dtype, FSDP-sharded
   under torchrun) and run through ``align.learner.reference_logprobs``: the fused head on the scored positions only;
 - ``--teacher-worker``: a vLLM worker spawned on ``{out}/teacher_spool`` serving DIR, asked with ``score`` requests
-  (``align.rollout.scoring``: vLLM ``prompt_logprobs`` of the given ids, protocol 1.1). vLLM's prompt logprobs are
+  (``align.rollout.teacher_logprobs``: vLLM ``prompt_logprobs`` of the given ids, protocol 1.1). vLLM's prompt logprobs are
   before temperature, so this source needs ``--temperature 1``.
 
 The teacher must tokenize as the student does (``check_tokenizers``): the same vocabulary size (model and tokenizer),
@@ -179,7 +179,7 @@ class WorkerTeacher:
         import torch
 
         from align.learner import row_lengths
-        from align.rollout.scoring import score
+        from align.rollout.teacher_logprobs import score
 
         sel = list(range(batch.mask.shape[0])) if rows is None else rows.tolist()
         lengths = row_lengths(batch.mask)

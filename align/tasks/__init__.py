@@ -28,6 +28,29 @@ TASKS: dict[str, str] = {
 }
 
 
+# name -> "module:Class": the built-in environments (``--env NAME``); a name never contains ':' or '/'
+ENVIRONMENTS: dict[str, str] = {
+    "lean": "align.lean.env:LeanEnv",  # Goedel-Prover's prompt, one verified proof attempt per turn
+    "multiturn": "align.tasks.multiturn:Env",  # the built-in multi-turn task's environment (rows: prompt, answer)
+    "tools": "align.envs.tools:ToolEnv",  # the tool environment over --tools (also what --tools alone picks)
+}
+
+
+def env_spec(name: str, flag: str = "--env") -> str:
+    """``name`` as ``module:Class``: a row of ``ENVIRONMENTS`` (``lean``), or ``module:Class`` / ``file.py:Class``
+    as given; ``InputError`` naming ``flag`` for a bare name that is no row."""
+    if ":" in name:
+        return name
+    if name not in ENVIRONMENTS:
+        from align.errors import InputError
+
+        raise InputError(
+            f"{flag} {name!r}: expected 'module:Class' or 'path/to/file.py:Class', or the name of a built-in "
+            f"environment ({', '.join(sorted(ENVIRONMENTS))})"
+        )
+    return ENVIRONMENTS[name]
+
+
 class TaskModule(Protocol):
     """What a built-in task module holds (see the module docstring)."""
 

@@ -23,10 +23,10 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
+from align.char_tokenizer import CharTokenizer
 from align.envs import Step
 from align.model import ModelConfig
 from align.tasks import reverse
-from align.tasks.tokenizer import CharTokenizer
 
 LETTERS = "abcdefgh"
 ALPHABET = LETTERS + "=?|"

@@ -13,8 +13,8 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
+from align.char_tokenizer import CharTokenizer
 from align.model import ModelConfig
-from align.tasks.tokenizer import CharTokenizer
 
 ALPHABET = "abcdefgh="
 MIN_LEN, MAX_LEN = 3, 6

@@ -13,7 +13,7 @@ finished; a command waits until nothing is in flight, and nothing after it is cl
 (``collective_rpc("reload_weights", weights_path=...)``), rebuilding the engine when the architecture
 changed or reload fails; a committed PEFT adapter dir (LoRA training, worker started with
 ``--max-lora-rank``) is loaded as a new ``LoRARequest`` on the unchanged base model (no engine rebuild, no
-base reload) and serves every later request; ``score`` (protocol 1.1, ``align/rollout/scoring.py``) answers the
+base reload) and serves every later request; ``score`` (protocol 1.1, ``align/rollout/teacher_logprobs.py``) answers the
 exact logprob of each given token (vLLM ``prompt_logprobs``); ``shutdown`` answers and exits. A heartbeat thread rewrites
 ``heartbeat.json`` every ``--heartbeat-s``. One worker per spool (``worker.lock``). On start,
 requests a dead predecessor had claimed but not answered are served again (answers are keyed by

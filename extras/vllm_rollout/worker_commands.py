@@ -114,15 +114,15 @@ class Commands:
         return None
 
     def serve_score(self, msg: P.Message) -> None:
-        """A ``score`` request (align/rollout/scoring.py): vLLM ``prompt_logprobs=1`` on a prompt of each sequence's
+        """A ``score`` request (align/rollout/teacher_logprobs.py): vLLM ``prompt_logprobs=1`` on a prompt of each sequence's
         ids gives the exact logprob of every given token (the token itself is always among them, whatever the top-1);
         the one token generated per sequence is discarded."""
         from vllm import SamplingParams as VSP
         from vllm.inputs import TokensPrompt
 
-        from align.rollout import scoring
+        from align.rollout import teacher_logprobs
 
-        problem = scoring.score_problem(msg.body, self.vocab_size, self.args.max_model_len)
+        problem = teacher_logprobs.score_problem(msg.body, self.vocab_size, self.args.max_model_len)
         if problem is not None:
             return self.answer(P.error_response(msg.id, "bad_request", problem))
         self.set_state("busy")

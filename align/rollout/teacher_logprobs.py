@@ -68,7 +68,7 @@ def score_request(sequences: list[list[int]], starts: list[int], id: str | None 
     return msg
 
 
-def check_scores(body: dict, request: dict, source: str) -> list[list[float]]:
+def check_logprobs_answer(body: dict, request: dict, source: str) -> list[list[float]]:
     """The logprobs of a ``scores`` answer: one list per requested sequence, one logprob <= 0 per scored token."""
     lps = body["logprobs"]
     if len(lps) != len(request["sequences"]):
@@ -95,7 +95,7 @@ def score(client: Any, sequences: list[list[int]], starts: list[int]) -> list[li
 
     def check(resp: Message, source: str) -> None:
         if resp.kind == "scores":
-            out[:] = check_scores(resp.body, msg.body, source)
+            out[:] = check_logprobs_answer(resp.body, msg.body, source)
 
     try:
         client.wait(msg.id, expect="scores", check=check)

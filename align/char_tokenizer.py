@@ -1,4 +1,4 @@
-"""A character-level tokenizer for the built-in tasks (any object with ``encode``/``decode`` works in align)."""
+"""A character-level tokenizer: the built-in tasks' (any object with ``encode``/``decode`` works in align)."""
 
 from __future__ import annotations
 
