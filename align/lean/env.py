@@ -33,9 +33,10 @@ from typing import Any
 
 from align.data import InputError
 from align.envs import Step
+from align.lean.guards import REASONS
 
 CORRECTION_KEY = "lean_correction"  # a correction row's prompt: {"messages", "round"}
-REASONS = ("format", "too_long", "statement_changed", "sorry", "banned", "axioms", "lean_error", "verifier_error")
+
 ERRORS_CUT = "\n... [Truncated to --lean-error-tokens] ...\n"
 
 

@@ -27,7 +27,7 @@ from align.lean.server import LeanServer
 
 log = logging.getLogger(__name__)
 
-REASONS = ("format", "too_long", "statement_changed", "sorry", "banned", "axioms", "lean_error", "verifier_error")
+REASONS = guards.REASONS
 
 
 @dataclass
