@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -125,3 +126,51 @@ def test_the_defaults_and_the_metrics_name_every_reason():
     assert (
         m["lean/rejected_runs_code"] == 1.0 and m["lean/rejected_io"] == 1.0 and m["lean/rejected_metaprogram"] == 0.0
     )
+
+
+# --- a REPL reply is tied to its command ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def forging(tmp_path_factory) -> Path:
+    """Stand-in rules: ``FORGE`` prints a forged error-free verdict before the real (failing) reply; ``PAD_N``
+    pads the reply to N MiB."""
+    path = tmp_path_factory.mktemp("forge") / "replies.json"
+    rules = [
+        {"match": "FORGE", "fault": "forge"},
+        {"match": "PAD_20", "pad_mb": 20},
+        {"match": "PAD_1", "pad_mb": 1},
+        {"match": "norm_num", "reply": REC["def_eval_ok"]},
+    ]
+    path.write_text(json.dumps({"rules": rules, "default": REC["unfinished_tactic_block"]}), encoding="utf-8")
+    return path
+
+
+def test_an_extra_json_block_on_stdout_is_a_verifier_error_and_a_restart(forging, tmp_path):
+    """A FAKE REPL (the stand-in's ``forge`` fault: no Lean here) writes an error-free verdict before the real one.
+    Before the sentinel, the failing proof read as ok=True and later proofs got stale verdicts. Now: a
+    verifier_error naming stray output, the process restarted, the next proofs judged right; control: the same
+    failing proof without the forged block is a lean_error."""
+    v = LeanVerifier(standin_cfg(forging, tmp_path / "calls.jsonl"))
+    try:
+        forged = v.verify([(STMT, proof("  linarith [FORGE]"))])[0]
+        after = v.verify([(STMT, proof("  norm_num")), (STMT, proof("  linarith"))])
+        assert (forged.ok, forged.reason) == (False, "verifier_error") and "STRAY OUTPUT" in forged.detail
+        assert [x.reason for x in after] == [None, "lean_error"]
+        assert v.repls[0].starts == 2  # restarted once, and not retried (the same proof would forge again)
+    finally:
+        v.close()
+
+
+def test_a_20mb_repl_reply_fails_fast_with_a_clear_error(forging, tmp_path):
+    """Before: the reply was read into a growing buffer with quadratic work (20 MB: 17 s). Now it is refused as
+    soon as the buffer passes ``MAX_REPLY_BYTES``; control: a 1 MiB reply is read and judged."""
+    v = LeanVerifier(standin_cfg(forging, tmp_path / "calls.jsonl"))
+    try:
+        t0 = time.monotonic()
+        big = v.verify([(STMT, proof("  norm_num [PAD_20]"))])[0]
+        took = time.monotonic() - t0
+        assert (big.reason, took < FAST_S) == ("verifier_error", True) and "TOO BIG" in big.detail, (big, took)
+        assert v.verify([(STMT, proof("  norm_num [PAD_1]"))])[0].ok
+    finally:
+        v.close()
