@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -174,3 +176,148 @@ def test_a_20mb_repl_reply_fails_fast_with_a_clear_error(forging, tmp_path):
         assert v.verify([(STMT, proof("  norm_num [PAD_1]"))])[0].ok
     finally:
         v.close()
+
+
+# --- a kimina server that misbehaves (a real http.server on 127.0.0.1) ---------------------------------------------------
+
+
+class Misbehaving(ThreadingHTTPServer):
+    """``GET /health`` answers ok unless ``health`` is ``"drip"``; ``POST /verify`` acts out ``mode``."""
+
+    daemon_threads = True
+
+    def __init__(self, mode: str, health: str = "ok") -> None:
+        super().__init__(("127.0.0.1", 0), _Bad)
+        self.mode, self.health = mode, health
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+class _Bad(BaseHTTPRequestHandler):
+    server: Misbehaving
+
+    def log_message(self, *args) -> None:  # quiet
+        pass
+
+    def _head(self, length: int | None) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        if length is not None:
+            self.send_header("Content-Length", str(length))
+        self.end_headers()
+
+    def _drip(self) -> None:
+        self._head(10**6)
+        for _ in range(int(WAIT_S / 0.05)):  # one byte at a time, each well inside any per-read timeout
+            try:
+                self.wfile.write(b" ")
+                self.wfile.flush()
+            except OSError:
+                return
+            time.sleep(0.05)
+
+    def do_GET(self) -> None:
+        if self.server.health == "drip":
+            return self._drip()
+        data = b'{"status": "ok"}'
+        self._head(len(data))
+        self.wfile.write(data)
+
+    def do_POST(self) -> None:
+        codes = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["codes"]
+        mode = self.server.mode
+        if mode == "ok":  # a proof that compiles, its #print axioms on the snippet's last line (kimina's shape)
+            info = {"severity": "info", "pos": {"line": 10**6, "column": 0}, "data": "'t' depends on axioms: [propext]"}
+            ok = {"env": 0, "messages": [info]}
+            data = json.dumps(
+                {"results": [{"custom_id": c["custom_id"], "error": None, "response": ok} for c in codes]}
+            )
+            self._head(len(data))
+            self.wfile.write(data.encode())
+        elif mode == "bad_status":
+            self.wfile.write(b"NOT HTTP AT ALL\r\n\r\n")
+        elif mode == "incomplete":
+            self._head(1000)
+            self.wfile.write(b'{"results": [')
+        elif mode == "deep":
+            data = b"[" * 200_000 + b"]" * 200_000
+            self._head(len(data))
+            self.wfile.write(data)
+        elif mode == "drip":
+            self._drip()
+        elif mode in ("huge", "huge_unsized"):
+            self._head(20 << 20 if mode == "huge" else None)
+            with_length = mode == "huge"
+            try:
+                for _ in range(20 * 16 if with_length else 40 * 16):  # 20 MB (40 MB without a length)
+                    self.wfile.write(b" " * (1 << 16))
+            except OSError:
+                pass
+        elif mode == "wrong_shape":
+            data = b'{"results": [1, "x", null]}'
+            self._head(len(data))
+            self.wfile.write(data)
+        self.close_connection = True
+
+
+@pytest.fixture
+def bad_server():
+    servers = []
+
+    def make(mode: str, health: str = "ok") -> Misbehaving:
+        servers.append(Misbehaving(mode, health))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.shutdown()
+        s.server_close()
+
+
+@pytest.mark.parametrize(
+    ("mode", "named"),
+    [
+        ("bad_status", "BadStatusLine"),
+        ("incomplete", "IncompleteRead"),
+        ("deep", "RecursionError"),
+        ("drip", "total deadline"),
+        ("huge", "cap"),
+        ("huge_unsized", "cap"),
+        ("wrong_shape", "TypeError"),
+    ],
+)
+def test_a_misbehaving_kimina_server_resolves_every_future(bad_server, monkeypatch, mode, named):
+    """Before: BadStatusLine / IncompleteRead / RecursionError killed the sender thread and left the batch's
+    futures unresolved forever; a dripping server outlived every timeout (urllib's is per read); a 20 MB body was
+    read whole. Now each future is a verifier_error naming the cause, within the request's total deadline, and the
+    client still serves the next batch (control: a behaving server's reply is accepted)."""
+    from align.lean import server as kimina
+
+    monkeypatch.setattr(
+        kimina, "SLACK_S", 1.0, raising=False
+    )  # the total deadline: timeout_s * batch + SLACK_S = 2 s here
+    s = bad_server(mode)
+    v = LeanVerifier(LeanConfig(server=s.url, workers=1, timeout_s=1.0, retries=0))
+    try:
+        t0 = time.monotonic()
+        futs = [v.submit(STMT, proof("  norm_num")) for _ in range(2)]
+        verdicts = [f.result(timeout=WAIT_S) for f in futs]
+        assert time.monotonic() - t0 < FAST_S
+        assert all(x.reason == "verifier_error" and named in x.detail for x in verdicts), verdicts
+        assert all(t.is_alive() for t in v.server._threads)  # the sender survived
+        s.mode = "ok"  # control: the same client, a good reply
+        assert v.submit(STMT, proof("  norm_num")).result(timeout=WAIT_S).ok
+    finally:
+        v.close()
+
+
+def test_a_health_check_that_drips_is_refused_within_its_timeout(bad_server, monkeypatch):
+    from align.errors import InputError
+    from align.lean import server as kimina
+
+    monkeypatch.setattr(kimina, "HEALTH_TIMEOUT_S", 1.0, raising=False)
+    s = bad_server("ok", health="drip")
+    t0 = time.monotonic()
+    with pytest.raises(InputError, match=r"--lean-server .*\(total deadline\)"):
+        LeanVerifier(LeanConfig(server=s.url, workers=1, timeout_s=1.0))
+    assert time.monotonic() - t0 < FAST_S
