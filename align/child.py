@@ -32,6 +32,7 @@ from typing import IO, Any
 
 WATCH_S = 0.2  # how often a wait checks that the child is alive (a pipe can outlive the child)
 READ_CHUNK = 1 << 16
+EXIT_WAIT_S = 1.0  # how long a child that closed its stdout gets to exit, so its exit code can be named
 FRAMES = {"line": b"\n", "block": b"\n\n"}
 
 
@@ -135,13 +136,15 @@ class Child:
             except (ValueError, UnicodeDecodeError) as e:
                 raise ChildError(f"{self.what} sent text that is not JSON ({e}): {body[:200]!r}", "garbled") from None
 
-    def pending(self) -> bool:
-        """Bytes are waiting: in the buffer, or readable from the pipe now (output nobody asked for)."""
-        if self.buf.strip():
-            return True
+    def readable(self) -> bool:
+        """The pipe has bytes (or EOF) to read now: ``feed()`` will not block."""
         with contextlib.suppress(OSError, ValueError):
             return bool(select.select([self.fileno()], [], [], 0)[0])
         return False
+
+    def pending(self) -> bool:
+        """Bytes are waiting: in the buffer, or readable from the pipe now (output nobody asked for)."""
+        return bool(self.buf.strip()) or self.readable()
 
     def read(self, deadline: float = math.inf) -> Any:
         """The next message; ``ChildError`` ``timeout`` past ``deadline``, ``eof`` once the child exited with no
@@ -161,6 +164,9 @@ class Child:
         return msg
 
     def _code(self) -> str:
+        """`` (exit code N)`` once it exited; it closed its stdout, so it gets a moment to (and is reaped)."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(EXIT_WAIT_S)
         return "" if self.proc.returncode is None else f" (exit code {self.proc.returncode})"
 
     # -------------------------------------------------------------------------------------------- lifetime

@@ -171,7 +171,7 @@ class Repl:
         """Kill the process (the stream is out of step or the REPL is gone) and name what happened; after an EOF
         the process gets a moment to exit, so its exit code is named."""
         code = None
-        if self.child is not None:
+        if self.child is not None and "(exit code" not in text:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 code = self.child.proc.wait(EXIT_WAIT_S) if kind == "eof" else self.child.proc.poll()
         err = ReplError(text + (f" (exit code {code})" if code is not None else "") + self._stderr_tail(), kind)
@@ -232,7 +232,7 @@ class Repl:
 
 
 _ERRORS = {  # ChildError.kind -> the message (the names pipeline_gen_verify.py records)
-    "eof": "EOF ERROR: the REPL exited",
+    "eof": "EOF ERROR: {e}",
     "timeout": "TIMEOUT ERROR: no reply within {limit} s (process group killed)",
     "garbled": "JSONDECODE ERROR: the REPL answered malformed JSON ({e})",
     "too_big": "TOO BIG ERROR: {e} (MAX_REPLY_BYTES; process group killed)",
