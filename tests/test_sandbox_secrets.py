@@ -91,14 +91,8 @@ def _probe(how: str, out: Path) -> dict:
     """Start a trainer with the secret in its environment; it runs the probe ``how`` ("tool" / "plain")."""
     code = f"SECRET = {SECRET!r}\nOUT = {str(out)!r}\n" + PROBE
     env = {**os.environ, "HF_TOKEN": SECRET, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run(
-        [sys.executable, "-c", TRAINER, code, how],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        check=False,
-    )
+    argv = [sys.executable, "-c", TRAINER, code, how]
+    r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
