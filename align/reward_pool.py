@@ -1,6 +1,6 @@
 """The reward worker pool of ``--reward-workers N > 1``: N processes (``python -m align.reward_pool --worker``)
-that load the rewards from their specs and answer JSON lines over pipes (nothing is pickled, so ``fields`` must be
-JSON values). A call past its deadline gets its worker killed with its process group (what the reward started) and
+that load the rewards from their specs and answer JSON lines over pipes (``align.child.Child``; nothing is pickled,
+so ``fields`` must be JSON values; a reply over ``MAX_REPLY_BYTES`` fails its call and replaces the worker). A call past its deadline gets its worker killed with its process group (what the reward started) and
 replaced, so a hung reward never hangs the run; a worker that exited while a forked child holds its pipe is noticed
 from its pid (``WATCH_S``). ``align.rewards.RewardScorer`` drives it; the failure semantics are its docstring's.
 """

@@ -254,7 +254,7 @@ def test_lean_prompts_is_stdlib_only():
         f"s = u.spec_from_file_location('lp', {str(EXTRAS / 'lean_prompts.py')!r}); m = u.module_from_spec(s)\n"
         "s.loader.exec_module(m)\n"
         "bad = [k for k in sys.modules if k.split('.')[0] in ('torch','vllm','transformers','numpy')\n"
-        "       or (k.split('.')[0] == 'align' and k not in ('align', 'align.errors', 'align.lean')\n"
+        "       or (k.split('.')[0] == 'align' and k not in ('align', 'align.errors', 'align.child', 'align.lean')\n"
         "           and not k.startswith('align.lean.'))]\n"
         "assert not bad, bad\n"
     )
@@ -556,7 +556,7 @@ def test_lean_gen_pure_half_is_stdlib_only():
         f"s = u.spec_from_file_location('pv', {str(EXTRAS / 'pipeline_gen_verify.py')!r}); m = u.module_from_spec(s)\n"
         "s.loader.exec_module(m)\n"
         "bad = [k for k in sys.modules if k.split('.')[0] in ('torch','vllm','transformers','numpy')\n"
-        "       or (k.split('.')[0] == 'align' and k not in ('align', 'align.errors', 'align.lean')\n"
+        "       or (k.split('.')[0] == 'align' and k not in ('align', 'align.errors', 'align.child', 'align.lean')\n"
         "           and not k.startswith('align.lean.'))]\n"
         "assert not bad, bad\n"
     )

@@ -18,8 +18,9 @@ once, so a step that waits (I/O, a sleep, a verifier) holds up only its own epis
 Worker processes (``workers >= 1``, ``python -m align.envs.runner --worker``): each worker loads the class from the
 spec once and keeps a dict episode -> instance; an episode's state lives only in its worker, and the episode is
 sticky to the worker its ``open`` went to (the least loaded). Requests and replies are JSON lines over pipes
-(nothing is pickled, so a row must be JSON values); the environment's prints go to the worker's stderr, never into
-the protocol. Calls on one worker are serialised, calls on different workers run in parallel. A call past its
+(``align.child.Child``; nothing is pickled, so a row must be JSON values); the environment's prints go to the
+worker's stderr, never into the protocol. A reply over ``MAX_REPLY_BYTES`` fails its call as soon as that many
+bytes arrived (read in linear time, never whole) and the worker is replaced. Calls on one worker are serialised, calls on different workers run in parallel. A call past its
 deadline gets its worker killed with its process group (what the environment started dies with it) and replaced
 by a fresh one; a worker that exits (``os._exit``, a segfault) is noticed by its pid and replaced the same way.
 Either way the worker's *other* episodes are lost with it: their next call raises ``EnvError`` ("the worker was
