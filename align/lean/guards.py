@@ -36,72 +36,23 @@ SOUNDNESS = ("native_decide", "Lean.ofReduceBool", "#exit", "debug.skipKernelTC"
 # trainer's rights). word -> reason. ``runs_code``: commands and tactics that compile and evaluate code;
 # ``metaprogram``: declarations that install code Lean runs later (elaborators, macros, syntax, init hooks);
 # ``io``: the names of IO itself, a second fence should something run code by another route.
+_RUNS_CODE = "#eval #eval! run_cmd run_tac run_elab run_meta by_elab #guard #test #sample plausible slim_check"
+_METAPROGRAM = (
+    "elab elab_rules macro macro_rules syntax declare_syntax_cat initialize builtin_initialize command_elab "
+    "term_elab Lean.Elab Lean.Meta TacticM TermElabM CommandElabM MetaM CoreM "
+    "@[init] @[builtin_init] @[tactic] @[command_elab] @[term_elab] @[macro] @[env_linter]"
+)
+_IO = "IO EIO BaseIO IO.Process IO.FS System.IO IO.getEnv IO.Prim unsafeBaseIO unsafeIO unsafeEIO"
 CODE_RUNNERS = {
-    **dict.fromkeys(
-        (
-            "#eval",
-            "#eval!",
-            "run_cmd",
-            "run_tac",
-            "run_elab",
-            "run_meta",
-            "by_elab",
-            "#guard",
-            "#test",
-            "#sample",
-            "plausible",
-            "slim_check",
-            "unsafeBaseIO",
-            "unsafeIO",
-            "unsafeEIO",
-        ),
-        "runs_code",
-    ),
-    **dict.fromkeys(
-        (
-            "elab",
-            "elab_rules",
-            "macro",
-            "macro_rules",
-            "syntax",
-            "declare_syntax_cat",
-            "initialize",
-            "builtin_initialize",
-            "command_elab",
-            "term_elab",
-            "Lean.Elab",
-            "Lean.Meta",
-            "TacticM",
-            "TermElabM",
-            "CommandElabM",
-            "MetaM",
-            "CoreM",
-            "@[init]",
-            "@[builtin_init]",
-            "@[tactic]",
-            "@[command_elab]",
-            "@[term_elab]",
-            "@[macro]",
-            "@[env_linter]",
-        ),
-        "metaprogram",
-    ),
-    **dict.fromkeys(("IO", "EIO", "BaseIO", "IO.Process", "IO.FS", "System.IO", "IO.getEnv", "IO.Prim"), "io"),
+    **dict.fromkeys(_RUNS_CODE.split(), "runs_code"),
+    **dict.fromkeys(_METAPROGRAM.split(), "metaprogram"),
+    **dict.fromkeys(_IO.split(), "io"),
 }
 BANNED_REASONS = tuple(dict.fromkeys(CODE_RUNNERS.values()))  # the reasons of CODE_RUNNERS, in order
 DEFAULT_BANNED = SOUNDNESS + tuple(CODE_RUNNERS)
 # every Verdict.reason (align.lean.verify.Verdict), each a ``lean/rejected_<reason>`` metric
-REASONS = (
-    "format",
-    "too_long",
-    "statement_changed",
-    "sorry",
-    "banned",
-    *BANNED_REASONS,
-    "axioms",
-    "lean_error",
-    "verifier_error",
-)
+REASONS = ("format", "too_long", "statement_changed", "sorry", "banned", *BANNED_REASONS, "axioms", "lean_error")
+REASONS += ("verifier_error",)
 ATTRIBUTES = re.compile(r"(?:@\[|\battribute\s*\[)([^\]]*)\]")  # @[a, b x] / attribute [a] f
 FORBIDDEN = re.compile(r"(?<![\w.'])(sorry|admit|sorryAx)(?![\w'!?])")
 AXIOM_DECL = re.compile(
