@@ -137,8 +137,9 @@ class WorkerPool:
 
     def _read(self, w: _Worker, results: list) -> None:
         try:
-            if not w.child.feed():
-                return self._dead(w, results, f"died (exit code {w.proc.wait()}) while scoring; see its stderr")
+            if not w.child.feed():  # EOF: killed first (it may have closed stdout and gone on), then named
+                w.kill()
+                return self._dead(w, results, f"died (exit code {w.proc.returncode}) while scoring; see its stderr")
             while (msg := w.child.pop()) is not None:
                 if isinstance(msg, dict) and msg.get("ready"):
                     w.ready, w.deadline = True, math.inf
