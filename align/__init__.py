@@ -18,7 +18,8 @@ Where things live, by floor (imports point down only; ``tests/test_layout.py`` c
 - what goes in: ``data``, ``rewards`` (+ ``reward_pool``: the worker processes), ``verifiers``, ``tasks``, ``envs``
   (the environment API; ``runner``: its episodes in process or in worker processes).
 - the algorithm, no run state: ``model`` (+ ``attention``), ``packing``, ``kernels``, ``lora``, ``grpo``,
-  ``advantages``, ``learner``, ``device``, ``dist``; ``atomic`` (stdlib: atomic files and the commit marker) under everything.
+  ``advantages``, ``learner``, ``device``, ``dist``; ``atomic`` (stdlib: atomic files and the commit marker) under everything,
+  beside ``child`` (stdlib: one child process in its own group, JSON over pipes, deadlines, bounded reads).
 """
 
 __version__ = "0.2.0"
