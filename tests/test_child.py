@@ -116,3 +116,23 @@ def test_send_to_a_dead_child_is_eof():
             c.send({"x": "y" * 4096})
     assert e.value.kind == "eof"
     c.kill()
+
+
+def test_a_reward_workers_20mb_reply_fails_its_call_fast_and_the_pool_goes_on(tmp_path):
+    """The reward pool on ``Child``: a reward whose error (its traceback) is 20 MB fails that call naming the cap,
+    within seconds, and the worker is replaced; control: the other completions score."""
+    from align.rewards import RewardScorer, load_rewards
+
+    f = tmp_path / "huge_rewards.py"
+    f.write_text(
+        "def huge(prompt, completion, **_):\n    if completion == 'big':\n        raise ValueError('x' * 20_000_000)\n    return 1.0\n"
+    )
+    scorer = RewardScorer(load_rewards([f"{f}:huge"]), workers=2, timeout_s=30.0)
+    try:
+        t0 = time.monotonic()
+        s = scorer.score([({"prompt": "p"}, "big"), ({"prompt": "p"}, "a"), ({"prompt": "p"}, "b")])
+        assert time.monotonic() - t0 < 3 * FAST_S
+        assert math.isnan(s.totals[0]) and "16777216 bytes" in s.errors[0] and s.totals[1:] == [1.0, 1.0]
+        assert scorer.score([({"prompt": "p"}, "c")]).totals == [1.0]  # the replaced worker scores
+    finally:
+        scorer.close()
