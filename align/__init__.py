@@ -27,7 +27,8 @@ import circle anywhere: ``FLOORS`` in ``tests/test_layout.py`` lists every modul
   ``module:name`` / ``file.py:name``), ``rewards`` (+ ``reward_pool``: the worker processes), ``verifiers``.
 - the algorithm, no run state: ``model`` (+ ``attention``), ``packing``, ``kernels``, ``lora``, ``grpo``,
   ``advantages``, ``learner``, ``device``, ``dist``.
-- stdlib base: ``atomic`` (atomic files and the commit marker), ``errors`` (``InputError``, ``Interrupted``).
+- stdlib base: ``atomic`` (atomic files and the commit marker), ``child`` (one child process in its own group, JSON
+  over pipes, deadlines, bounded reads), ``errors`` (``InputError``, ``Interrupted``).
 """
 
 __version__ = "0.2.0"

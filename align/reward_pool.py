@@ -1,6 +1,6 @@
 """The reward worker pool of ``--reward-workers N > 1``: N processes (``python -m align.reward_pool --worker``)
-that load the rewards from their specs and answer JSON lines over pipes (nothing is pickled, so ``fields`` must be
-JSON values). A call past its deadline gets its worker killed with its process group (what the reward started) and
+that load the rewards from their specs and answer JSON lines over pipes (``align.child.Child``; nothing is pickled,
+so ``fields`` must be JSON values; a reply over ``MAX_REPLY_BYTES`` fails its call and replaces the worker). A call past its deadline gets its worker killed with its process group (what the reward started) and
 replaced, so a hung reward never hangs the run; a worker that exited while a forked child holds its pipe is noticed
 from its pid (``WATCH_S``). ``align.rewards.RewardScorer`` drives it; the failure semantics are its docstring's.
 """
@@ -11,55 +11,43 @@ import contextlib
 import json
 import math
 import os
-import select
 import selectors
 import signal
-import subprocess
 import sys
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+from align.child import Child, ChildError, close_all
 from align.data import InputError
 from align.specs import load_spec
 
 WATCH_S = 0.2  # how often the pool checks its busy workers are alive (a pipe can outlive its worker)
 STARTUP_TIMEOUT_S = 120.0  # a worker's start (python + the reward modules) never counts against a call's timeout
+CLOSE_GRACE_S = 5.0  # close(): how long workers get to exit on EOF before their process group is killed
+MAX_REPLY_BYTES = 16 << 20  # one reply (a float or a traceback); a bigger one fails its call, the worker is replaced
 
 
 class _Worker:
+    """One worker process (an ``align.child.Child``), its task and its deadline."""
+
     def __init__(self, specs: list[str], sel: selectors.BaseSelector):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self.proc = subprocess.Popen(  # its own session: kill() ends the processes a reward started with it
-            [sys.executable, "-m", "align.reward_pool", "--worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            bufsize=0,
-            start_new_session=True,
-        )
-        self.sel, self.buf, self.ready = sel, b"", False
+        argv = [sys.executable, "-m", "align.reward_pool", "--worker"]
+        self.child = Child(argv, max_bytes=MAX_REPLY_BYTES, env=env, what="a reward worker")
+        self.proc = self.child.proc
+        self.sel, self.ready = sel, False
         self.task: int | None = None
         self.deadline = time.monotonic() + STARTUP_TIMEOUT_S  # until ready: the start deadline
-        self.proc.stdin.write((json.dumps({"specs": specs}) + "\n").encode())
-        sel.register(self.proc.stdout, selectors.EVENT_READ, self)
+        with contextlib.suppress(ChildError):  # died at once: the read reports it
+            self.child.send({"specs": specs})
+        sel.register(self.child.fileno(), selectors.EVENT_READ, self)
 
     def kill(self) -> None:
-        try:
-            self.sel.unregister(self.proc.stdout)
-        except (KeyError, ValueError):
-            pass
-        with contextlib.suppress(ProcessLookupError, PermissionError):  # the worker and what its rewards started
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
+        with contextlib.suppress(KeyError, ValueError):
+            self.sel.unregister(self.child.fileno())
+        self.child.kill()
 
 
 class WorkerPool:
@@ -106,10 +94,8 @@ class WorkerPool:
                 if w.ready and w.task is None and todo:
                     t = todo.pop()
                     w.task, w.deadline = t, time.monotonic() + self.timeout_s if self.timeout_s > 0 else math.inf
-                    try:
-                        w.proc.stdin.write(f'{{"id": {t}, "call": {payloads[t]}}}\n'.encode())
-                    except OSError:  # died since its last answer: the read below sees EOF and reports it
-                        pass
+                    with contextlib.suppress(ChildError):  # died since its last answer: the read below sees it
+                        w.child.send(f'{{"id": {t}, "call": {payloads[t]}}}')
             wait = (
                 max(0.0, min(w.deadline for w in self.workers if w.task is not None or not w.ready) - time.monotonic())
                 if any(w.task is not None or not w.ready for w in self.workers)
@@ -133,19 +119,15 @@ class WorkerPool:
                     results[w.task] = ("timeout", f"reward call timed out after {self.timeout_s} s")
                     self._replace(j)
             for j, w in enumerate(self.workers):
-                if w.proc.poll() is not None and w.task is None and w.ready and not w.buf:
+                if w.task is None and w.ready and not w.child.alive():
                     self._replace(j)
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
 
     def _drain_dead(self, w: _Worker, results: list) -> None:
         """A worker whose process exited: its last answer if it wrote one, else its task is an error."""
-        fd = w.proc.stdout.fileno()
-        while w.task is not None and select.select([fd], [], [], 0)[0]:
-            n = len(w.buf)
+        while w.task is not None and not w.child.killed and w.child.readable():
             self._read(w, results)
-            if w.proc.stdout.closed or len(w.buf) == n:
-                break
         if w.task is not None:
             rc = w.proc.returncode
             results[w.task] = ("error", f"reward worker exited (exit code {rc}) while scoring; see its stderr")
@@ -154,46 +136,39 @@ class WorkerPool:
         w.ready, w.deadline = True, math.inf  # dead: replaced before its next task
 
     def _read(self, w: _Worker, results: list) -> None:
-        chunk = os.read(w.proc.stdout.fileno(), 1 << 16)
-        if not chunk:
-            w.kill()
-            if not w.ready:
-                raise RuntimeError(
-                    f"a reward worker exited while loading {self.specs} (exit code "
-                    f"{w.proc.returncode}); its error is on stderr above"
-                )
-            if w.task is not None:
-                results[w.task] = (
-                    "error",
-                    f"reward worker died (exit code {w.proc.returncode}) while scoring; see its stderr",
-                )
-                w.task = None
-            w.ready, w.deadline = True, math.inf  # dead: replaced before its next task
-            return
-        w.buf += chunk
-        while b"\n" in w.buf:
-            line, w.buf = w.buf.split(b"\n", 1)
-            msg = json.loads(line)
-            if msg.get("ready"):
-                w.ready, w.deadline = True, math.inf
-            elif w.task is not None and msg["id"] == w.task:
-                v = msg.get("value", msg.get("error"))
-                results[w.task] = ("ok", math.nan if v is None else float(v)) if "value" in msg else ("error", v)
-                w.task, w.deadline = None, math.inf
+        try:
+            if not w.child.feed():  # EOF: killed first (it may have closed stdout and gone on), then named
+                w.kill()
+                return self._dead(w, results, f"died (exit code {w.proc.returncode}) while scoring; see its stderr")
+            while (msg := w.child.pop()) is not None:
+                if isinstance(msg, dict) and msg.get("ready"):
+                    w.ready, w.deadline = True, math.inf
+                elif isinstance(msg, dict) and w.task is not None and msg.get("id") == w.task:
+                    v = msg.get("value")
+                    results[w.task] = (
+                        ("ok", math.nan if v is None else float(v)) if "value" in msg else ("error", msg["error"])
+                    )
+                    w.task, w.deadline = None, math.inf
+        except ChildError as e:  # a reply past the cap, or not JSON: the stream is out of step
+            self._dead(w, results, f"was killed: {e}")
+
+    def _dead(self, w: _Worker, results: list, why: str) -> None:
+        w.kill()
+        if not w.ready:
+            raise RuntimeError(
+                f"a reward worker exited while loading {self.specs} (exit code {w.proc.returncode}); its error is "
+                "on stderr above"
+            )
+        if w.task is not None:
+            results[w.task] = ("error", f"reward worker {why}")
+            w.task = None
+        w.ready, w.deadline = True, math.inf  # dead: replaced before its next task
 
     def close(self) -> None:
         for w in self.workers:
-            try:
-                w.proc.stdin.close()
-            except OSError:
-                pass
-        deadline = time.monotonic() + 5
-        for w in self.workers:
-            try:
-                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            w.kill()
+            with contextlib.suppress(KeyError, ValueError):
+                self.sel.unregister(w.child.fileno())
+        close_all([w.child for w in self.workers], CLOSE_GRACE_S)
         self.workers = []
         self.sel.close()
 

@@ -11,7 +11,7 @@ from align.attention import PackedLayout, Segment
 from align.device import Placement
 from align.grpo import normalisers, policy_loss
 from align.model import ModelConfig, Transformer
-from align.rollout.protocol import Completion
+from align.rollout.protocol import Completion, SamplingParams
 from align.train import TrainConfig
 
 CPU = Placement(torch.device("cpu"), "fp32")
@@ -75,3 +75,13 @@ def siblings_visible(layout: PackedLayout) -> PackedLayout:
             comps[:2] = [(c0, n0 + n1)]
         segs.append(Segment(s.start, s.prompt, comps))
     return PackedLayout(segs, layout.length, layout.backend)
+
+
+def rev_model(seed: int = 0):
+    """A random-weight model of the built-in reverse task's shape (the environment tests' policy)."""
+    from align.tasks import reverse
+
+    return Transformer(reverse.model_config(reverse.tokenizer())).init_weights(std=0.2, seed=seed).eval()
+
+
+PARAMS = SamplingParams(n=1, temperature=1.0, max_tokens=8, seed=11, stop_token_ids=[2])

@@ -73,7 +73,7 @@ def test_negative_control_planted_import_is_caught(tmp_path):
 # pulls in (the spool transport, which the protocol re-exports), the atomic-file helpers every floor uses, and the
 # environment runner (its worker process starts fast).
 STDLIB_ONLY = [
-    "align", "align.rollout", "align.atomic", "align.rollout.process", "align.rollout.protocol",
+    "align", "align.rollout", "align.atomic", "align.child", "align.rollout.process", "align.rollout.protocol",
     "align.rollout.spool", "align.rollout.message", "align.specs", "align.envs.runner",
     "align.lean.goedel", "align.lean.config", "align.lean.repl", "align.lean.server", "align.lean.guards",
     "align.lean.verify",  # the Lean verifier: extras/vllm_rollout (the rollout venv) imports it too

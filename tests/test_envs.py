@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_learner import CPU, cfg, tiny
+from helpers_learner import CPU, PARAMS, cfg, rev_model, tiny
 
 from align import learner
 from align.chat import TurnRenderer
@@ -72,14 +72,6 @@ def make_runner(env_cls, workers: int = 0, timeout_s: float = 5.0, **env_kw):
     return EpisodeRunner(envs, TurnRenderer(tok), decode, ecfg, max_tokens=8, context=32), envs, tok
 
 
-def rev_model(seed: int = 0):
-    tok = reverse.tokenizer()
-    from align.model import Transformer
-
-    return Transformer(reverse.model_config(tok)).init_weights(std=0.2, seed=seed).eval()
-
-
-PARAMS = SamplingParams(n=1, temperature=1.0, max_tokens=8, seed=11, stop_token_ids=[2])
 ROWS = [{"prompt": "abc=", "answer": "cba"}, {"prompt": "hgfe=", "answer": "efgh"}]
 
 

@@ -253,7 +253,7 @@ def _check_stdlib_only(*scripts: str) -> None:
         "import sys, importlib.util as u\n"
         + loads
         + "bad = [k for k in sys.modules if k.split('.')[0] in ('torch','vllm','transformers','numpy')\n"
-        "       or (k.split('.')[0] == 'align' and k not in ('align', 'align.errors', 'align.lean')\n"
+        "       or (k.split('.')[0] == 'align' and k not in ('align', 'align.errors', 'align.child', 'align.lean')\n"
         "           and not k.startswith('align.lean.'))]\n"
         "assert not bad, bad\n"
     )

@@ -30,6 +30,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from align.data import MAX_BYTES_PER_TOKEN
 from align.envs import EnvError
 from align.rollout.groups import Episode
 from align.rollout.protocol import SamplingParams
@@ -61,6 +62,13 @@ class _Live:
         self.done = True
 
     def begin(self, obs: list[dict] | str) -> None:
+        size = self.runner.too_big(obs, self.runner.context)
+        if size is not None:  # refused before tokenizing (a 20 MB text took minutes and GBs to tokenize)
+            return self.fail(
+                EnvError(
+                    f"reset() returned {size} bytes: more than the context of {self.runner.context} tokens can hold"
+                )
+            )
         self.ep.prompt_ids = self.runner.renderer.first(obs)
         self.ep.messages = list(obs) if isinstance(obs, list) else [{"role": "user", "content": obs}]
         self.ep.chat = isinstance(obs, list)
@@ -123,6 +131,9 @@ class _Live:
         if st.done or ep.truncated or len(ep.turns) >= r.cfg.max_turns:
             self.done = True
             return None
+        if r.too_big(st.observation, self.budget(turn_cap=False)) is not None:  # cannot fit: never tokenized
+            ep.finish_reason, ep.truncated, self.done = "length", True, True
+            return None
         suffix = r.renderer.suffix(st.observation)
         room = self.budget(turn_cap=False) - len(suffix)  # an observation longer than --max-tokens may fit
         if room < 1:  # the observation and at least one policy token do not fit: ends as length, never cut
@@ -151,9 +162,21 @@ class EpisodeRunner:
     ) -> None:
         self.envs, self.renderer, self.decode, self.cfg = envs, renderer, decode, cfg
         self.max_tokens, self.context = max_tokens, context
+        self.token_bytes = getattr(getattr(renderer, "tok", None), "max_token_bytes", MAX_BYTES_PER_TOKEN)
         self._next_key = 0
         self._lock = threading.Lock()
         self.compared = False
+
+    def too_big(self, obs: list[dict] | str, tokens: int) -> int | None:
+        """The observation's size in bytes when it cannot fit in ``tokens`` tokens (no token of the tokenizer covers
+        more than ``max_token_bytes``: the data prompts' byte limit), else None; linear, before any tokenizing."""
+        texts = [obs] if isinstance(obs, str) else [m.get("content") for m in obs if isinstance(m, dict)]
+        texts = [t for t in texts if isinstance(t, str)]
+        bound = max(0, tokens) * self.token_bytes
+        if 4 * sum(map(len, texts)) <= bound:  # UTF-8: at most 4 bytes a character
+            return None
+        size = sum(len(t.encode("utf-8", "replace")) for t in texts)
+        return size if size > bound else None
 
     def run(self, client: Any, rows: list[dict], G: int, params: SamplingParams) -> list[Episode]:
         """G episodes of each row; returned in (row, sample) order, every one (failed ones carry ``error``)."""

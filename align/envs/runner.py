@@ -18,8 +18,9 @@ once, so a step that waits (I/O, a sleep, a verifier) holds up only its own epis
 Worker processes (``workers >= 1``, ``python -m align.envs.runner --worker``): each worker loads the class from the
 spec once and keeps a dict episode -> instance; an episode's state lives only in its worker, and the episode is
 sticky to the worker its ``open`` went to (the least loaded). Requests and replies are JSON lines over pipes
-(nothing is pickled, so a row must be JSON values); the environment's prints go to the worker's stderr, never into
-the protocol. Calls on one worker are serialised, calls on different workers run in parallel. A call past its
+(``align.child.Child``; nothing is pickled, so a row must be JSON values); the environment's prints go to the
+worker's stderr, never into the protocol. A reply over ``MAX_REPLY_BYTES`` fails its call as soon as that many
+bytes arrived (read in linear time, never whole) and the worker is replaced. Calls on one worker are serialised, calls on different workers run in parallel. A call past its
 deadline gets its worker killed with its process group (what the environment started dies with it) and replaced
 by a fresh one; a worker that exits (``os._exit``, a segfault) is noticed by its pid and replaced the same way.
 Either way the worker's *other* episodes are lost with it: their next call raises ``EnvError`` ("the worker was
@@ -32,21 +33,20 @@ import contextlib
 import json
 import math
 import os
-import select
 import signal
-import subprocess
 import sys
 import threading
 import time
 import traceback
 from typing import Any
 
+from align.child import Child, ChildError, close_all
 from align.data import InputError
 from align.envs import EnvError, Step, check_env_class, check_observation, check_step
 from align.rewards import CallTimeout, call_in_process, load_spec, spec_of
 
 STARTUP_TIMEOUT_S = 120.0  # a worker's start (python + the environment's module) never counts against a call
-WATCH_S = 0.2  # how often a waiting call checks that its worker is alive (a pipe can outlive its worker)
+MAX_REPLY_BYTES = 16 << 20  # one worker reply; a bigger one fails its call (read no further) and replaces the worker
 CLOSE_GRACE_S = 5.0  # close(): how long workers get to exit on EOF before their process group is killed
 OPS = ("open", "reset", "step")
 
@@ -101,116 +101,83 @@ def _apply(envs: dict[int, tuple[Any, dict]], cls: type, op: str, episode: int, 
 # ------------------------------------------------------------------------------------------------ a worker
 
 
-_TIMEOUT, _DEAD = object(), object()
-
-
 class _Worker:
-    """One worker process: its pipes, a line buffer and, once it is lost (timed out, exited), why."""
+    """One worker process (an ``align.child.Child``) and, once it is lost (timed out, exited, a reply too big),
+    why."""
 
     def __init__(self, spec: str):
         self.spec = spec
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self.proc = subprocess.Popen(  # its own session: killpg ends what the environment started with it
+        self.child = Child(
             [sys.executable, "-m", "align.envs.runner", "--worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
+            max_bytes=MAX_REPLY_BYTES,
             env=env,
-            bufsize=0,
-            start_new_session=True,
+            what="the environment worker",
         )
+        self.proc = self.child.proc
         self.started = time.monotonic()
-        self.buf, self.ready, self.next_id = b"", False, 0
+        self.ready, self.next_id = False, 0
         self.lost: str | None = None
-        self.killed = False
-        with contextlib.suppress(OSError):  # died at once: the startup read reports it
-            self._send(json.dumps({"spec": spec}) + "\n")
+        with contextlib.suppress(ChildError):  # died at once: the startup read reports it
+            self.child.send({"spec": spec})
 
     def request(self, payload: str, timeout_s: float, what: str) -> Any:
         """Send one call and wait for its reply: the value, or ``EnvError`` (the environment's error, the worker's
-        exit) / ``EnvTimeout``; after an exit or a timeout the worker is killed and ``lost`` says why."""
+        exit, a reply over ``MAX_REPLY_BYTES``) / ``EnvTimeout``; after any but the environment's own error the
+        worker is killed and ``lost`` says why."""
         if not self.ready:
             self._wait_ready()
         self.next_id += 1
-        with contextlib.suppress(OSError, ValueError):  # exited (or closed) since its last reply: the read sees it
-            self._send(f'{{"id": {self.next_id}, "call": {payload}}}\n')
-        reply = self._reply(time.monotonic() + timeout_s if timeout_s > 0 else math.inf)
-        if reply is _TIMEOUT:
-            self._lose(f"{what} timed out after --env-timeout-s {timeout_s} s")
-            raise EnvTimeout(f"{self.lost}; its worker was killed (with what it started) and replaced")
-        if reply is _DEAD or reply.get("id") != self.next_id:
+        with contextlib.suppress(ChildError):  # exited (or closed) since its last reply: the read sees it
+            self.child.send(f'{{"id": {self.next_id}, "call": {payload}}}')
+        try:
+            reply = self.child.read(time.monotonic() + timeout_s if timeout_s > 0 else math.inf)
+        except ChildError as e:
+            if e.kind == "timeout":
+                self._lose(f"{what} timed out after --env-timeout-s {timeout_s} s")
+                raise EnvTimeout(f"{self.lost}; its worker was killed (with what it started) and replaced") from None
             self.kill()
-            why = "exited" if reply is _DEAD else f"answered out of turn ({reply!r:.80})"
-            self.lost = f"the environment worker {why} (exit code {self.proc.returncode}) during {what}"
+            if e.kind == "eof":
+                self.lost = f"the environment worker exited (exit code {self.proc.returncode}) during {what}"
+                raise EnvError(f"{self.lost}; its stderr says why") from None
+            self.lost = f"{e} during {what}"
+            raise EnvError(f"{self.lost}; the worker was killed and replaced") from None
+        if not isinstance(reply, dict) or reply.get("id") != self.next_id:
+            self._lose(f"the environment worker answered out of turn ({reply!r:.80}) during {what}")
             raise EnvError(f"{self.lost}; its stderr says why")
         if "error" in reply:
             raise EnvError(reply["error"])
         return reply["ok"]
 
     def _wait_ready(self) -> None:
-        reply = self._reply(self.started + STARTUP_TIMEOUT_S)
+        try:
+            reply = self.child.read(self.started + STARTUP_TIMEOUT_S)
+        except ChildError as e:
+            why = {
+                "timeout": f"did not start within {STARTUP_TIMEOUT_S} s",
+                "eof": "exited while loading it; its stderr says why",
+            }.get(e.kind, f"answered its start with {e}")
+            self._lose(f"an environment worker for {self.spec!r} {why}")
+            raise EnvError(self.lost) from None
         if isinstance(reply, dict) and reply.get("ready"):
             self.ready = True
             return
-        if reply is _TIMEOUT:
-            why = f"did not start within {STARTUP_TIMEOUT_S} s"
-        elif reply is _DEAD:
-            why = "exited while loading it; its stderr says why"
-        else:
-            why = f"could not load it:\n{reply.get('error')}"
-        self._lose(f"an environment worker for {self.spec!r} {why}")
+        self._lose(f"an environment worker for {self.spec!r} could not load it:\n{reply.get('error')}")
         raise EnvError(self.lost)
-
-    def _reply(self, deadline: float) -> Any:
-        """The next JSON line, ``_TIMEOUT`` past ``deadline``, or ``_DEAD`` once the process exited (EOF, or its pid
-        exited while a process it forked holds the pipe open) with no complete line left to read."""
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self.buf:
-            now = time.monotonic()
-            if now >= deadline:
-                return _TIMEOUT
-            exited = self.proc.poll() is not None
-            if select.select([fd], [], [], 0 if exited else min(deadline - now, WATCH_S))[0]:
-                chunk = os.read(fd, 1 << 16)
-                if not chunk:
-                    return _DEAD
-                self.buf += chunk
-            elif exited:
-                return _DEAD
-        line, self.buf = self.buf.split(b"\n", 1)
-        try:
-            return json.loads(line)
-        except ValueError:
-            return {"id": None, "garbled": line[:80].decode(errors="replace")}
 
     def send_close(self, episode: int) -> None:
         """Drop an episode's instance (no reply: nothing the caller could act on)."""
         if self.lost is None:
-            with contextlib.suppress(OSError):
-                self._send(f'{{"id": null, "call": {{"op": "close", "episode": {episode}}}}}\n')
-
-    def _send(self, line: str) -> None:
-        """All of ``line`` (a pipe write a signal interrupts can be partial)."""
-        view = memoryview(line.encode())
-        while view:
-            view = view[os.write(self.proc.stdin.fileno(), view) :]
+            with contextlib.suppress(ChildError):
+                self.child.send(f'{{"id": null, "call": {{"op": "close", "episode": {episode}}}}}')
 
     def _lose(self, why: str) -> None:
         self.lost = why
         self.kill()
 
     def kill(self) -> None:
-        """SIGKILL to the worker's process group, once (a second killpg could reach a reused process group id)."""
-        if self.killed:
-            return
-        self.killed = True
-        with contextlib.suppress(ProcessLookupError, PermissionError):  # the worker and what its environment started
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout):
-            with contextlib.suppress(OSError):
-                f.close()
+        """SIGKILL to the worker's process group, once, and reap it."""
+        self.child.kill()
 
 
 # ------------------------------------------------------------------------------------------------ the runner
@@ -322,14 +289,7 @@ class EnvRunner:
         """End every worker (EOF, then its process group is killed) and drop every episode; idempotent."""
         self._closed = True
         pool, self._pool = self._pool, []
-        for w in pool:
-            with contextlib.suppress(OSError):
-                w.proc.stdin.close()
-        deadline = time.monotonic() + CLOSE_GRACE_S
-        for w in pool:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            w.kill()
+        close_all([w.child for w in pool], CLOSE_GRACE_S)
         with self._lock:
             self._envs.clear()
             self._episode_locks.clear()

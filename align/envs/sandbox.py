@@ -1,31 +1,36 @@
-"""The built-in ``python`` tool: the model's code runs in a fresh ``sys.executable -I`` subprocess with limits.
+"""The built-in ``python`` tool: the model's code runs in a fresh ``python -I`` process with limits, started by a
+clean launcher (``align/envs/launcher.py``), as another uid when the trainer is root.
 
-What it bounds, and how:
+What it bounds, and how (each a test in tests/test_tools.py or tests/test_sandbox_secrets.py):
 
-- **time**: a wall timeout; the code runs in its own session (``start_new_session``), and the whole process group
-  is SIGKILLed on the timeout and again after a normal exit, so no child it spawned outlives the call (a child that
-  calls ``setsid()`` itself leaves the group and is not tracked);
-- **resources**: rlimits set in ``preexec_fn`` (``resource``): CPU seconds, address space, file size, number of
-  processes, no core dumps. Linux does not enforce ``RLIMIT_NPROC`` for uid 0, so when the trainer runs as root the
-  child drops ``CAP_SYS_ADMIN`` and ``CAP_SYS_RESOURCE`` from its bounding set and takes ``nobody`` (65534) as its
-  *real* uid (its effective uid stays 0, so it can still read the interpreter): the process limit then holds.
-  ``RLIMIT_NPROC`` counts every task of that real uid, so the limit is that uid's task count now + ``max_procs``;
-- **the environment**: only ``PATH``, ``LANG`` and ``HOME`` (= the temporary directory) reach it, and ``-I``
-  ignores ``PYTHON*`` variables and the user's site-packages: the trainer's secrets in ``os.environ`` do not;
+- **the trainer's secrets**: the code's parent is the launcher, a fresh interpreter the trainer starts with a
+  scrubbed environment (``PATH``, ``LANG``, ``HOME`` = the temporary directory) and only the limits on its command
+  line: ``/proc/$PPID/environ`` holds no secret. When the trainer runs as root, the code runs as ``nobody``
+  (65534: every uid and gid, no supplementary groups, so no capabilities): ``/proc`` of the trainer and of the
+  launcher (root's, mode 0400) are unreadable, and so are the run's files that are not world-readable (the
+  spool's 0600 ``secret``), and it cannot write in the run's ``--out`` (root's directories). Its interpreter is
+  ``sys.executable`` when ``nobody`` can execute it, else the system's ``python3`` (one under ``/root`` is not);
+- **time**: a wall timeout; the launcher leads its own session, and the whole process group is SIGKILLed on the
+  timeout and again after a normal exit, so no child the code spawned outlives the call (a child that calls
+  ``setsid()`` itself leaves the group and is not tracked);
+- **resources**: rlimits the launcher sets in the code's process: CPU seconds, address space, file size, number
+  of processes (``RLIMIT_NPROC``: its uid's task count now + ``max_procs``; Linux does not enforce it for root,
+  which the code never is), no core dumps;
 - **the filesystem it writes**: a fresh temporary directory is its cwd (and ``HOME``), removed after the call;
 - **output**: stdout and stderr together, cut at ``max_output_chars`` with a marker saying so (the rest is read
   and dropped, so the code is not blocked on a full pipe).
 
-What it does NOT isolate: the network (the code can open sockets), the filesystem outside its cwd (readable, and
-writable wherever the trainer's user can write; as root that is everywhere), other processes of the same user,
-and code that deliberately undoes the limits (as root it can take its real uid back). Use a container or a VM
-for untrusted code.
+What it does NOT isolate: the network (the code can open sockets); the filesystem outside its cwd (readable where
+``nobody`` / the trainer's user can read, e.g. world-readable files of ``--out``; as an ordinary user, writable
+wherever that user can write). When the trainer is NOT root the code runs as the trainer's user: the launcher keeps
+``/proc/$PPID`` clean, but the trainer itself (``/proc/<its pid>/environ``, found through the launcher's PPid)
+and every other process of that user stay readable. Use a container or a VM for untrusted code.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import json
 import os
 import resource
 import selectors
@@ -35,16 +40,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from align.child import Child
+
 __all__ = ["PythonLimits", "PythonRun", "python", "run_python"]
 
-_NOBODY = 65534
-_PR_CAPBSET_DROP = 24
-_CAP_SYS_ADMIN, _CAP_SYS_RESOURCE = 21, 24  # the capabilities that exempt a process from RLIMIT_NPROC
+_NOBODY = 65534  # the code's uid when the trainer is root
+LAUNCHER = Path(__file__).with_name("launcher.py")
+SYSTEM_PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3")  # for nobody, when sys.executable is under /root
 _READ_CHUNK = 65536
 _DRAIN_READS = 64  # at most 4 MiB read after the end
 
@@ -89,55 +95,61 @@ def run_python(code: str, limits: PythonLimits) -> PythonRun:
     tmp = Path(tempfile.mkdtemp(prefix="align_python_"))
     try:
         (tmp / "main.py").write_text(code, encoding="utf-8")
+        uid = _NOBODY if os.geteuid() == 0 else None
+        if uid is not None:  # its own directory, and only it: nobody may write there
+            os.chown(tmp / "main.py", uid, uid)
+            os.chown(tmp, uid, uid)
         env = {"PATH": os.environ.get("PATH", os.defpath), "LANG": os.environ.get("LANG", "C.UTF-8"), "HOME": str(tmp)}
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "-u", "main.py"],  # -u: stdout and stderr interleave as written
-            cwd=tmp,
+        spec = {
+            "interpreters": _interpreters(uid),
+            "args": ["-I", "-u", "main.py"],  # -u: stdout and stderr interleave as written
+            "uid": uid,
+            "rlimits": _rlimits(limits, uid),
+        }
+        child = Child(
+            [sys.executable, "-I", "-S", str(LAUNCHER), json.dumps(spec)],
+            max_bytes=0,  # the output is read raw below, never as messages
             env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
+            cwd=str(tmp),
             stderr=subprocess.STDOUT,
-            start_new_session=True,
-            # preexec_fn after fork in a threaded trainer: it only calls into C (prctl, setresuid, setrlimit) with
-            # everything computed before the fork, no import, no lock a thread may hold
-            preexec_fn=_limiter(limits),  # noqa: PLW1509
+            what="the python tool",
         )
-        assert proc.stdout is not None
+        with contextlib.suppress(OSError):
+            child.proc.stdin.close()  # the code reads an empty stdin
         out = _Output(limits.max_output_chars)
         try:
-            timed_out = _read_until(proc, time.monotonic() + limits.timeout_s, out)
+            timed_out = _read_until(child, time.monotonic() + limits.timeout_s, out)
         finally:
-            _kill_group(proc)
-        out.drain(proc.stdout.fileno())  # what was written just before the end (every writer is dead now)
-        proc.stdout.close()
-        return PythonRun(out.text() + _status(timed_out, proc.returncode, limits), timed_out)
+            fd = os.dup(child.fileno())  # what was written just before the end is read after the kill
+            child.kill()  # the launcher's process group: the code and everything it started
+        try:
+            out.drain(fd)  # (every writer is dead now)
+        finally:
+            os.close(fd)
+        return PythonRun(out.text() + _status(timed_out, child.proc.returncode, limits), timed_out)
     finally:
         _remove_tree(tmp)
 
 
-def _limiter(limits: PythonLimits) -> Callable[[], None]:
-    """The ``preexec_fn`` (run in the child between fork and exec): computed here, so the child only calls C."""
-    as_root = os.geteuid() == 0
-    nproc = _tasks_of(_NOBODY if as_root else os.getuid()) + limits.max_procs
-    libc = ctypes.CDLL(None, use_errno=True) if as_root else None
-    rlimits = [  # (which, soft, hard): the CPU hard limit 1 s later, so SIGXCPU (named in the output) comes first
+def _interpreters(uid: int | None) -> list[str]:
+    """The trainer's interpreter, then (run as another uid, which may not reach one under ``/root``) the system's."""
+    found = [sys.executable]
+    if uid is not None:
+        found += [p for p in SYSTEM_PYTHONS if os.path.exists(p) and p != sys.executable]
+    return found
+
+
+def _rlimits(limits: PythonLimits, uid: int | None) -> list[tuple[int, int, int]]:
+    """(which, soft, hard): the CPU hard limit 1 s later, so SIGXCPU (named in the output) comes first.
+    ``RLIMIT_NPROC`` counts every task of the code's real uid: its count now + ``max_procs``."""
+    nproc = _tasks_of(os.getuid() if uid is None else uid) + limits.max_procs
+    return [
         (resource.RLIMIT_CPU, limits.cpu_s, limits.cpu_s + 1),
         (resource.RLIMIT_AS, limits.memory_mb << 20, limits.memory_mb << 20),
         (resource.RLIMIT_FSIZE, limits.file_mb << 20, limits.file_mb << 20),
         (resource.RLIMIT_NPROC, nproc, nproc),
         (resource.RLIMIT_CORE, 0, 0),
     ]
-
-    def preexec() -> None:
-        if libc is not None:
-            for cap in (_CAP_SYS_ADMIN, _CAP_SYS_RESOURCE):
-                if libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
-                    raise OSError(ctypes.get_errno(), f"prctl(PR_CAPBSET_DROP, {cap})")
-            os.setresuid(_NOBODY, 0, 0)
-        for which, soft, hard in rlimits:
-            resource.setrlimit(which, (soft, hard))
-
-    return preexec
 
 
 def _tasks_of(uid: int) -> int:
@@ -179,10 +191,9 @@ class _Output:
         return text[: self.max_chars] + f"\n[output cut: the first {self.max_chars} characters of {self.total} bytes]"
 
 
-def _read_until(proc: subprocess.Popen, deadline: float, out: _Output) -> bool:
+def _read_until(child: Child, deadline: float, out: _Output) -> bool:
     """Read the output until the code's process exits or the deadline passes; True = the deadline passed."""
-    assert proc.stdout is not None
-    fd = proc.stdout.fileno()
+    fd = child.fileno()
     os.set_blocking(fd, False)
     with selectors.DefaultSelector() as sel:
         sel.register(fd, selectors.EVENT_READ)
@@ -193,16 +204,9 @@ def _read_until(proc: subprocess.Popen, deadline: float, out: _Output) -> bool:
                 if not chunk:  # every writer closed the pipe
                     return False
                 out.add(chunk)
-            elif proc.poll() is not None:
+            elif child.proc.poll() is not None:
                 return False
     return True
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the code's process group (it leads its own session) and reap the code's process."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 def _status(timed_out: bool, returncode: int | None, limits: PythonLimits) -> str:

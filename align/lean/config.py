@@ -15,11 +15,7 @@ from typing import Any
 
 from align.errors import InputError
 from align.lean.goedel import HEADER
-
-# The default banned list: words that make Lean accept what it did not check. native_decide trusts the compiler
-# (Lean.ofReduceBool), #exit stops elaboration early so the rest is never checked, debug.skipKernelTC skips the
-# kernel's type check, implemented_by / extern swap a definition's code for unchecked code.
-DEFAULT_BANNED = ("native_decide", "Lean.ofReduceBool", "#exit", "debug.skipKernelTC", "implemented_by", "extern")
+from align.lean.guards import DEFAULT_BANNED
 
 
 def _h(text: str) -> Any:
@@ -59,7 +55,10 @@ class LeanConfig:
     )
     banned: tuple[str, ...] = field(
         default=DEFAULT_BANNED,
-        metadata=_h("Comma list of words a proof may not contain outside comments (reason 'banned'); '' = none."),
+        metadata=_h(
+            "Comma list of words a proof may not contain (reason 'banned'; Lean that runs programs: 'runs_code', "
+            "'metaprogram', 'io'; see docs/lean.md); '' = none."
+        ),
     )
     allowed_axioms: tuple[str, ...] = field(
         default=("propext", "Classical.choice", "Quot.sound"),

@@ -34,8 +34,8 @@ from typing import Any
 from align.data import InputError
 from align.envs import Step
 from align.lean.corrections import CORRECTION_KEY, CorrectionQueue
+from align.lean.guards import REASONS
 
-REASONS = ("format", "too_long", "statement_changed", "sorry", "banned", "axioms", "lean_error", "verifier_error")
 ERRORS_CUT = "\n... [Truncated to --lean-error-tokens] ...\n"
 
 

@@ -9,7 +9,11 @@ Each guard returns its ``Verdict.reason`` (``align.lean.verify.REASONS``) and a 
   assembly replaces by the dataset's) differs from the dataset's after stripping comments and all whitespace,
   or the block has none;
 - ``sorry``: ``sorry`` / ``admit`` / ``sorryAx`` outside comments (and, after compiling, a ``sorry`` Lean saw);
-- ``banned``: a word of ``--lean-banned`` outside comments, or ``apply?`` / ``exact?`` (Goedel refuses them);
+- ``banned``: a word of ``--lean-banned`` in the code Lean would compile, or ``apply?`` / ``exact?`` (Goedel refuses
+  them); a word of ``CODE_RUNNERS`` has its own reason instead (``runs_code``, ``metaprogram``, ``io``): Lean that
+  would run a program while it elaborates (``#eval``, ``run_cmd``, an ``elab`` / ``macro`` / ``syntax`` declaration,
+  an ``@[init]`` attribute, ``IO.Process``, ...). ``«»``-quoted identifiers are unquoted before matching
+  (``«debug».skipKernelTC`` is ``debug.skipKernelTC``), and an entry written ``@[name]`` matches an attribute;
 - ``axioms``: an ``axiom`` declaration, or ``#print axioms`` of the theorem lists more than ``--lean-allowed-axioms``
   (propext, Classical.choice, Quot.sound).
 
@@ -24,6 +28,32 @@ import re
 from align.lean import goedel
 
 STANDARD_AXIOMS = ("propext", "Classical.choice", "Quot.sound")
+# Words that make Lean accept what it did not check: native_decide trusts the compiler (Lean.ofReduceBool), #exit
+# stops elaboration early so the rest is never checked, debug.skipKernelTC skips the kernel's type check,
+# implemented_by / extern swap a definition's code for unchecked code. Reason: ``banned``.
+SOUNDNESS = ("native_decide", "Lean.ofReduceBool", "#exit", "debug.skipKernelTC", "implemented_by", "extern")
+# Lean that runs a program on the verifier host while it elaborates (issue 42: the REPL would run it with the
+# trainer's rights). word -> reason. ``runs_code``: commands and tactics that compile and evaluate code;
+# ``metaprogram``: declarations that install code Lean runs later (elaborators, macros, syntax, init hooks);
+# ``io``: the names of IO itself, a second fence should something run code by another route.
+_RUNS_CODE = "#eval #eval! run_cmd run_tac run_elab run_meta by_elab #guard #test #sample plausible slim_check"
+_METAPROGRAM = (
+    "elab elab_rules macro macro_rules syntax declare_syntax_cat initialize builtin_initialize command_elab "
+    "term_elab Lean.Elab Lean.Meta TacticM TermElabM CommandElabM MetaM CoreM "
+    "@[init] @[builtin_init] @[tactic] @[command_elab] @[term_elab] @[macro] @[env_linter]"
+)
+_IO = "IO EIO BaseIO IO.Process IO.FS System.IO IO.getEnv IO.Prim unsafeBaseIO unsafeIO unsafeEIO"
+CODE_RUNNERS = {
+    **dict.fromkeys(_RUNS_CODE.split(), "runs_code"),
+    **dict.fromkeys(_METAPROGRAM.split(), "metaprogram"),
+    **dict.fromkeys(_IO.split(), "io"),
+}
+BANNED_REASONS = tuple(dict.fromkeys(CODE_RUNNERS.values()))  # the reasons of CODE_RUNNERS, in order
+DEFAULT_BANNED = SOUNDNESS + tuple(CODE_RUNNERS)
+# every Verdict.reason (align.lean.verify.Verdict), each a ``lean/rejected_<reason>`` metric
+REASONS = ("format", "too_long", "statement_changed", "sorry", "banned", *BANNED_REASONS, "axioms", "lean_error")
+REASONS += ("verifier_error",)
+ATTRIBUTES = re.compile(r"(?:@\[|\battribute\s*\[)([^\]]*)\]")  # @[a, b x] / attribute [a] f
 FORBIDDEN = re.compile(r"(?<![\w.'])(sorry|admit|sorryAx)(?![\w'!?])")
 AXIOM_DECL = re.compile(
     r"^\s*(?:@\[[^\]]*\]\s*)?(?:(?:private|protected|noncomputable|unsafe)\s+)*axiom\s", re.MULTILINE
@@ -81,10 +111,41 @@ def _word(word: str) -> re.Pattern:
     return re.compile(r"(?<![\w.'])" + re.escape(word) + r"(?![\w'])")
 
 
+def unquote(code: str) -> str:
+    """``code`` with the ``«»`` of quoted identifiers dropped (``«debug».skipKernelTC`` -> ``debug.skipKernelTC``)."""
+    return code.replace("«", "").replace("»", "")
+
+
+def _attributes(code: str) -> set[str]:
+    """The attribute names of ``@[...]`` and ``attribute [...]`` (the first word of each comma-separated entry)."""
+    names = set()
+    for group in ATTRIBUTES.findall(code):
+        for entry in group.split(","):
+            words = entry.split()
+            while words and words[0] in ("local", "scoped"):
+                words.pop(0)
+            names.update(words[:1])
+    return names
+
+
 def banned_word(code: str, banned: tuple[str, ...]) -> str | None:
-    """The first banned word used outside comments in ``code``, or None."""
-    body = goedel.remove_comments(code)
-    return next((w for w in banned if _word(w).search(body)), None)
+    """The first ``banned`` word in ``code``, or None. ``code`` is matched as Lean compiles it: Goedel's assembly
+    already dropped the proof's comments, and removing them again could hide code (a ``"--"`` string literal), so
+    no second pass; ``«»`` are dropped first. An entry ``@[name]`` matches the attribute ``name``."""
+    text = unquote(code)
+    attributes = _attributes(text) if any(w.startswith("@[") for w in banned) else set()
+    for w in banned:
+        if w.startswith("@[") and w.endswith("]"):
+            if w[2:-1].strip() in attributes:
+                return w
+        elif _word(w).search(text):
+            return w
+    return None
+
+
+def banned_reason(word: str) -> str:
+    """The verdict reason of a banned word: its ``CODE_RUNNERS`` reason, else ``banned``."""
+    return CODE_RUNNERS.get(word, "banned")
 
 
 def text_guards(
@@ -119,7 +180,7 @@ def text_guards(
         return "sorry", m.group(1)
     word = banned_word(code, banned)
     if word:
-        return "banned", word
+        return banned_reason(word), word
     if AXIOM_DECL.search(body):
         return "axioms", "declares an axiom"
     return None

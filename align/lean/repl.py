@@ -7,35 +7,50 @@ environment (``{"cmd": code, "env": 0}``), so Mathlib is imported once per proce
 
 A process is replaced (its whole process group killed: ``lake exe repl`` starts the REPL as a child) when:
 
-- it crashed or closed stdout (``EOF ERROR``), answered text that is not JSON (``JSONDECODE ERROR``), or took
-  longer than the per-proof timeout (``TIMEOUT ERROR``): ``send`` kills it and raises ``ReplError`` with that
-  name; the next ``run`` starts a fresh one;
+- it crashed or closed stdout (``EOF ERROR``), answered text that is not JSON (``JSONDECODE ERROR``), took
+  longer than the per-proof timeout (``TIMEOUT ERROR``), sent a reply over ``MAX_REPLY_BYTES`` (``TOO BIG ERROR``,
+  refused as soon as the buffer passes the cap, read in linear time) or wrote output that is not the reply to the
+  command sent (``STRAY OUTPUT ERROR``, below): ``send`` kills it and raises ``ReplError`` with that name; the
+  next ``run`` starts a fresh one;
 - it compiled ``max_uses`` proofs, or its resident memory (the group's RSS from ``/proc``) passed ``memory_mb``:
   checked before the next proof, so the proof's own env stays usable for follow-up commands (``#print axioms``).
 
+**A reply is tied to its command.** The REPL numbers nothing, and a proof's program (an ``#eval`` writing to
+``/dev/stdout``) could print a JSON block that reads as a verdict. So after the header every command is followed,
+in the same write, by a sentinel command ``#print "align-sentinel-<random nonce>"`` in the header's env; the
+command's reply must be the next block and the sentinel's reply (an info message holding the nonce, which no proof
+can know) the one after, with nothing more waiting. Anything else (an extra block before or after, a stale reply)
+is a corrupted process: it is killed and the command fails with ``kind="stray"`` (never retried: the same proof
+would do it again), so the proof is a ``verifier_error`` and the next proof gets a fresh process.
+
+The process itself is an ``align.child.Child`` (own process group, blank-line framed JSON, bounded reads).
 stdlib only (the rollout venv's ``pipeline_gen_verify.py`` uses it too).
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
-import selectors
+import secrets
 import shlex
 import signal
 import subprocess
 import tempfile
 import time
 
+from align.child import Child, ChildError
 from align.lean.goedel import DEFAULT_IMPORTS
 
 EXIT_WAIT_S = 2.0  # how long a REPL that closed stdout gets to exit before it is killed
+MAX_REPLY_BYTES = 16 << 20  # one reply; a real one is KBs (infotrees are off); a bigger one is refused unread
+SENTINEL = "align-sentinel-"
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 class ReplError(RuntimeError):
     """The REPL failed; the message names how, ``kind`` says it for code: ``eof`` (crashed / closed stdout),
-    ``json`` (malformed reply), ``timeout``, ``import`` (the header did not create env 0)."""
+    ``json`` (malformed reply), ``timeout``, ``too_big`` (a reply past ``MAX_REPLY_BYTES``), ``stray`` (output
+    that is not the command's reply), ``import`` (the header did not create env 0)."""
 
     def __init__(self, message: str, kind: str = "eof") -> None:
         super().__init__(message)
@@ -108,9 +123,10 @@ class Repl:
     ) -> None:
         self.cmd, self.cwd, self.timeout, self.import_timeout = cmd, cwd or None, timeout, import_timeout
         self.header, self.max_uses, self.memory_mb = header, max_uses, memory_mb
-        self.proc: subprocess.Popen | None = None
+        self.child: Child | None = None
         self.stderr = None
         self.env = 0
+        self.tied = False  # after the header: every command goes with a sentinel
         self.uses = 0
         self.starts = 0
         self.start()
@@ -120,16 +136,15 @@ class Repl:
         self.close()
         # a file, not a pipe, so a chatty REPL never blocks on it; it lives as long as the process
         self.stderr = tempfile.TemporaryFile()  # noqa: SIM115
-        self.proc = subprocess.Popen(
+        self.child = Child(
             shlex.split(self.cmd),
+            max_bytes=MAX_REPLY_BYTES,
+            framing="block",
             cwd=self.cwd,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
             stderr=self.stderr,
-            start_new_session=True,
+            what="the REPL",
         )
-        self.buf = b""
-        self.uses = 0
+        self.uses, self.tied = 0, False
         self.starts += 1
         try:
             reply = self.send({"cmd": self.header}, self.import_timeout)
@@ -138,7 +153,11 @@ class Repl:
         except ReplError:
             self.close()
             raise
-        self.env = reply["env"]
+        self.env, self.tied = reply["env"], True
+
+    @property
+    def proc(self):  # the Popen (tests, pipeline_gen_verify)
+        return None if self.child is None else self.child.proc
 
     def _stderr_tail(self) -> str:
         if self.stderr is None:
@@ -152,81 +171,76 @@ class Repl:
         """Kill the process (the stream is out of step or the REPL is gone) and name what happened; after an EOF
         the process gets a moment to exit, so its exit code is named."""
         code = None
-        if self.proc is not None:
-            try:
-                code = self.proc.wait(EXIT_WAIT_S) if kind == "eof" else self.proc.poll()
-            except subprocess.TimeoutExpired:
-                pass
+        if self.child is not None and "(exit code" not in text:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = self.child.proc.wait(EXIT_WAIT_S) if kind == "eof" else self.child.proc.poll()
         err = ReplError(text + (f" (exit code {code})" if code is not None else "") + self._stderr_tail(), kind)
         self.close()
         return err
 
     def send(self, obj: dict, timeout: float | None = None) -> dict:
-        """One command -> its JSON reply. On EOF, malformed JSON or timeout the process is killed first."""
-        if self.proc is None:
+        """One command -> its JSON reply, tied to it by a sentinel after the header (see the module docstring).
+        On EOF, malformed JSON, a reply too big, stray output or a timeout the process is killed first."""
+        if self.child is None:
             self.start()
         limit = timeout or self.timeout
-        try:
-            self.proc.stdin.write((json.dumps(obj) + "\n\n").encode())
-            self.proc.stdin.flush()
-        except OSError as exc:  # BrokenPipeError: the REPL is gone
-            raise self._fail(f"EOF ERROR: {exc}", "eof") from None
         deadline = time.monotonic() + limit
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        nonce = SENTINEL + secrets.token_hex(8) if self.tied else None
         try:
-            while True:
-                text = self.buf.replace(b"\r\n", b"\n").lstrip(b"\n")
-                if b"\n\n" in text:
-                    body, _, rest = text.partition(b"\n\n")
-                    self.buf = rest
-                    try:
-                        reply = json.loads(body.decode())
-                    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                        raise self._fail(
-                            f"JSONDECODE ERROR: the REPL answered malformed JSON ({exc}): {body[:200]!r}", "json"
-                        ) from None
-                    if not isinstance(reply, dict):
-                        raise self._fail(
-                            f"JSONDECODE ERROR: the REPL answered JSON that is not an object: {body[:200]!r}"
-                        )
-                    return reply
-                left = deadline - time.monotonic()
-                if left <= 0 or not sel.select(left):
-                    raise self._fail(f"TIMEOUT ERROR: no reply within {limit} s (process group killed)", "timeout")
-                chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
-                if not chunk:
-                    raise self._fail("EOF ERROR: the REPL exited", "eof")
-                self.buf += chunk
-        finally:
-            sel.close()
+            self.child.send(obj)
+            if nonce is not None:
+                self.child.send({"cmd": f'#print "{nonce}"', "env": self.env})
+            reply = self.child.read(deadline)
+            if nonce is not None:
+                tail = self.child.read(deadline)
+                if not _holds(tail, nonce) or self.child.pending():
+                    raise self._fail(
+                        "STRAY OUTPUT ERROR: the REPL wrote output that is not the reply to the command sent (a "
+                        f"program the proof ran?); process killed. Got {str(reply)[:120]!r} then {str(tail)[:120]!r}",
+                        "stray",
+                    )
+        except ChildError as e:
+            raise self._fail(_ERRORS[e.kind].format(limit=limit, e=e), _KINDS[e.kind]) from None
+        if not isinstance(reply, dict):
+            raise self._fail(
+                f"JSONDECODE ERROR: the REPL answered JSON that is not an object: {str(reply)[:200]!r}", "json"
+            )
+        return reply
 
     def run(self, code: str) -> dict:
         """Compile one proof (``compile_view`` text) in the header's env; restarts first when it is due."""
-        if self.proc is None or (self.max_uses and self.uses >= self.max_uses) or self._over_memory():
+        if self.child is None or (self.max_uses and self.uses >= self.max_uses) or self._over_memory():
             self.start()
         self.uses += 1
         cmd = {"cmd": code, "allTactics": False, "ast": False, "premises": False, "tactics": False, "env": self.env}
         return self.send(cmd)
 
     def _over_memory(self) -> bool:
-        return bool(self.memory_mb) and self.proc is not None and group_rss_mb(self.proc.pid) > self.memory_mb
+        return bool(self.memory_mb) and self.child is not None and group_rss_mb(self.child.pid) > self.memory_mb
 
     @property
     def pid(self) -> int | None:
-        return None if self.proc is None else self.proc.pid
+        return None if self.child is None else self.child.pid
 
     def close(self) -> None:
-        if self.proc is not None:
-            if self.proc.poll() is None or _group_alive(self.proc.pid):
-                reap_group(self.proc.pid, grace_s=2)
-            self.proc.wait()
-            for f in (self.proc.stdin, self.proc.stdout):
-                try:
-                    f.close()
-                except OSError:
-                    pass
+        if self.child is not None:
+            self.child.kill()
         if self.stderr is not None:
             self.stderr.close()
             self.stderr = None
-        self.proc = None
+        self.child = None
+
+
+_ERRORS = {  # ChildError.kind -> the message (the names pipeline_gen_verify.py records)
+    "eof": "EOF ERROR: {e}",
+    "timeout": "TIMEOUT ERROR: no reply within {limit} s (process group killed)",
+    "garbled": "JSONDECODE ERROR: the REPL answered malformed JSON ({e})",
+    "too_big": "TOO BIG ERROR: {e} (MAX_REPLY_BYTES; process group killed)",
+}
+_KINDS = {"eof": "eof", "timeout": "timeout", "garbled": "json", "too_big": "too_big"}
+
+
+def _holds(reply: object, nonce: str) -> bool:
+    """The sentinel's reply: an info message whose text is the nonce."""
+    msgs = reply.get("messages") if isinstance(reply, dict) else None
+    return isinstance(msgs, list) and any(isinstance(m, dict) and m.get("data") == nonce for m in msgs)

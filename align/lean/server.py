@@ -9,23 +9,35 @@ An API key, when the server wants one, is read from ``LEAN_SERVER_API_KEY`` (hea
 kimina client sends it), never from a config file.
 
 Submissions queue up; ``workers`` sender threads each take what is waiting (up to ``batch`` codes) as one
-request, so batches grow under load without a linger timer. stdlib only (``urllib``).
+request, so batches grow under load without a linger timer. stdlib only (``http.client``).
+
+A server is not trusted to behave (issue 42): every request has a **total** deadline (a watchdog shuts the socket
+down when it passes, so a server dripping one byte at a time cannot outlive it; a socket timeout alone is per
+read), a body over ``MAX_BODY_BYTES`` is refused (by its Content-Length, or as soon as that many bytes arrived),
+and whatever a request raises (``BadStatusLine``, ``IncompleteRead``, ``RecursionError`` on a deep JSON,
+``MemoryError``, a reply of the wrong shape) fails that batch's futures with a ``ServerError``: no future is left
+unresolved and no sender thread dies.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import http.client
 import json
 import os
 import queue
+import socket
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 
 from align.errors import InputError
 
 HEALTH_TIMEOUT_S = 10.0
+MAX_BODY_BYTES = 16 << 20  # one reply body; a real /verify reply is KBs per proof (infotrees off)
+READ_CHUNK = 1 << 16
+SLACK_S = 30.0  # a /verify request's total deadline: timeout_s per proof in the batch + this
 
 
 class ServerError(RuntimeError):
@@ -56,16 +68,48 @@ class LeanServer:
             t.start()
 
     def _request(self, path: str, body: dict | None, timeout: float) -> dict:
+        """One HTTP request: its JSON object reply, within ``timeout`` seconds in all and ``MAX_BODY_BYTES``."""
         headers = {"Content-Type": "application/json"}
         key = os.environ.get("LEAN_SERVER_API_KEY")
         if key:
             headers["X-Auth-Token"] = key
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(
-            self.url + path, data=data, headers=headers, method="GET" if body is None else "POST"
-        )
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            reply = json.loads(resp.read().decode("utf-8"))
+        url = urllib.parse.urlsplit(self.url + path)
+        conn_cls = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+        conn = conn_cls(url.hostname, url.port, timeout=timeout)
+        expired = threading.Event()
+
+        sock: list[socket.socket] = []
+
+        def expire() -> None:  # the total deadline: a blocked read returns at once
+            expired.set()
+            with contextlib.suppress(OSError):
+                sock[0].shutdown(socket.SHUT_RDWR)  # (conn drops its own reference once the reply's headers are in)
+
+        try:
+            conn.connect()
+            sock.append(conn.sock)
+            watchdog = threading.Timer(timeout, expire)
+            watchdog.daemon = True
+            watchdog.start()
+            try:
+                data = None if body is None else json.dumps(body).encode()
+                target = url.path + (f"?{url.query}" if url.query else "")
+                conn.request("GET" if body is None else "POST", target, body=data, headers=headers)
+                resp = conn.getresponse()
+                raw = _read_body(resp)
+            finally:
+                watchdog.cancel()
+            if expired.is_set():  # the read ended because the watchdog shut the socket
+                raise TimeoutError
+        except Exception:
+            if expired.is_set():
+                raise TimeoutError(f"no complete reply within {timeout:g} s (total deadline)") from None
+            raise
+        finally:
+            conn.close()
+        if resp.status != 200:
+            raise ServerError(f"HTTP {resp.status} {resp.reason}: {raw[:200]!r}")
+        reply = json.loads(raw.decode("utf-8"))
         if not isinstance(reply, dict):
             raise TypeError(f"reply is not a JSON object: {str(reply)[:200]}")
         return reply
@@ -74,7 +118,7 @@ class LeanServer:
         """``GET /health`` must answer ``{"status": "ok"}``; else an ``InputError`` naming ``--lean-server``."""
         try:
             reply = self._request("/health", None, HEALTH_TIMEOUT_S)
-        except (OSError, ValueError, TypeError) as e:  # URLError, HTTPError, timeouts, bad JSON
+        except Exception as e:  # noqa: BLE001 - refused, timed out, bad HTTP, bad JSON: the flag is named
             raise InputError(
                 f"--lean-server {self.url}: the health check GET /health failed ({e}); start kimina-lean-server "
                 "there (see docs/lean.md) or fix the URL"
@@ -104,7 +148,14 @@ class LeanServer:
                     self._queue.put(None)  # leave the stop signal for this thread's next loop
                     break
                 batch.append(item)
-            self._send(batch)
+            try:
+                self._send(batch)
+            except BaseException as e:
+                for _, _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(ServerError(f"the kimina client failed: {type(e).__name__}: {e}"[:500]))
+                if not isinstance(e, Exception):
+                    raise
 
     def _send(self, batch: list) -> None:
         body = {
@@ -120,21 +171,21 @@ class LeanServer:
             with self._lock:
                 self.requests += 1
             try:
-                reply = self._request("/verify", body, self.timeout_s * len(batch) + 30)
+                reply = self._request("/verify", body, self.timeout_s * len(batch) + SLACK_S)
                 results = {str(r["custom_id"]): r for r in reply["results"]}
                 break
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                last = f"{type(e).__name__}: {e}"
+            except Exception as e:  # noqa: BLE001 - any failure of the request or its shape is retried
+                last = f"{type(e).__name__}: {e}"[:500]
         else:
             for _, _, fut in batch:
                 fut.set_exception(ServerError(f"POST {self.url}/verify failed {self.retries + 1} times: {last}"))
             return
         for cid, _, fut in batch:
             r = results.get(cid)
-            if r is None:
+            if not isinstance(r, dict):
                 fut.set_exception(ServerError(f"POST /verify reply has no result for custom_id {cid}"))
             elif r.get("error") or not isinstance(r.get("response"), dict):
-                fut.set_exception(ServerError(f"the server could not check it: {r.get('error') or r}"))
+                fut.set_exception(ServerError(f"the server could not check it: {r.get('error') or r}"[:500]))
             else:
                 fut.set_result(r["response"])
 
@@ -143,3 +194,18 @@ class LeanServer:
             self._queue.put(None)
         for t in self._threads:
             t.join(timeout=self.timeout_s + 60)
+
+
+def _read_body(resp: http.client.HTTPResponse) -> bytes:
+    """The body, at most ``MAX_BODY_BYTES`` (refused by its Content-Length first), read in chunks."""
+    length = resp.getheader("Content-Length")
+    if length is not None and length.strip().isdigit() and int(length) > MAX_BODY_BYTES:
+        raise ServerError(f"the reply body is {int(length)} bytes, over the client's cap of {MAX_BODY_BYTES}")
+    out = bytearray()
+    while chunk := resp.read(READ_CHUNK):
+        out += chunk
+        if len(out) > MAX_BODY_BYTES:
+            raise ServerError(f"the reply body passed the client's cap of {MAX_BODY_BYTES} bytes")
+    if length is not None and length.strip().isdigit() and len(out) < int(length):  # the server hung up early
+        raise http.client.IncompleteRead(bytes(out[:100]), int(length) - len(out))
+    return bytes(out)

@@ -9,7 +9,7 @@ compiled as Goedel compiles it: ``compile_view(full_code)`` in the import header
 A verifier failure (a REPL that crashed, hung past ``--lean-timeout-s``, answered malformed JSON or a REPL-level
 error; a server request that failed its retries) is ``reason="verifier_error"``: the sample is unscorable, never
 a crash and never a silent 0. A crash or bad JSON is retried ``--lean-retries`` times on a fresh process (a
-timeout is not: the same proof would hang again).
+timeout, a reply past the size cap or stray output is not: the same proof would do it again).
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ from align.lean.server import LeanServer
 
 log = logging.getLogger(__name__)
 
-REASONS = ("format", "too_long", "statement_changed", "sorry", "banned", "axioms", "lean_error", "verifier_error")
+REASONS = guards.REASONS
+# REPL failures the same proof would cause again on a fresh process: a hang, a reply past the cap, stray output
+NO_RETRY = ("timeout", "too_big", "stray")
 
 
 @dataclass
@@ -149,7 +151,7 @@ class LeanVerifier:
                         axioms = guards.parse_axioms(repl.send({"cmd": f"#print axioms {name}", "env": reply["env"]}))
                     return judge(code, view, reply, axioms, self.cfg, "env" not in reply)
                 except ReplError as e:
-                    if e.kind == "timeout" or attempt >= self.cfg.retries:
+                    if e.kind in NO_RETRY or attempt >= self.cfg.retries:
                         return Verdict(False, "verifier_error", code, detail=str(e)[:500])
                     attempt += 1
                     log.warning("Lean REPL failed (%s); retrying on a fresh process", e)

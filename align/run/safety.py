@@ -78,6 +78,7 @@ RESUMABLE = (
     "log.",  # sample logs and the optional metrics mirror
     "rewards.reward_workers",  # how rewards are computed, not what they are
     "rewards.reward_timeout_s",
+    "lean.banned",  # security guards grow between versions (0.3.0 rejects Lean that runs programs): a resumed run takes them
     "dist_timeout_s",  # torchrun: how long a collective waits
     "dp_replicate",  # torchrun: the sharding layout (same numbers: checkpoints reshard)
     "dp_shard",

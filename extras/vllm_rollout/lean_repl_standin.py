@@ -8,7 +8,9 @@ Replies should be recorded from the real REPL (tests/lean_fixtures/repl_recorded
 
 * a command without ``env`` is the import command: reply ``{"env": <new>}``;
 * ``#print axioms NAME`` without a matching rule: reply the standard-axioms info message;
-* ``"env"`` in a reply is replaced by a fresh environment number, as the REPL does.
+* ``"env"`` in a reply is replaced by a fresh environment number, as the REPL does;
+* ``#print "TEXT"`` (the client's sentinel after each command, ``align.lean.repl``): an info message ``TEXT``, as
+  Lean prints a string literal.
 
 replies file: ``{"rules": [{"match": REGEX, "reply": {...}}], "default": {...}}``. Faults, for the verifier's
 tests and benchmark (a rule may carry one instead of, or besides, a reply):
@@ -17,7 +19,10 @@ tests and benchmark (a rule may carry one instead of, or besides, a reply):
   stand-in creates it, so a retry on a fresh process succeeds: a rule without a reply lets later rules answer);
 * ``"fault": "hang"``: never reply (the client's timeout must kill it);
 * ``"fault": "malformed"``: reply ``"raw"`` text (default ``{"env": 1,``) that is not JSON;
-* ``"alloc_mb": N``: keep N MiB more resident memory (to pass a memory limit).
+* ``"alloc_mb": N``: keep N MiB more resident memory (to pass a memory limit);
+* ``"fault": "forge"``: write an extra JSON block (``"forged"``, default an error-free verdict) before the reply,
+  what a proof's ``#eval`` writing to ``/dev/stdout`` would put there;
+* ``"pad_mb": N``: the reply carries N MiB more (a ``"pad"`` string), to pass the client's reply cap.
 
 ``--latency-median S --latency-sigma X``: each proof command (not the import) waits a log-normal time with that
 median (seconds) and shape before its reply, drawn from ``--seed`` and the command text (so a proof costs the
@@ -40,6 +45,7 @@ import re
 import sys
 import time
 
+PRINT_STRING = re.compile(r'#print "([^"\\]*)"')
 HELD: list[bytearray] = []  # "alloc_mb" memory, kept resident
 
 
@@ -69,6 +75,9 @@ def _fault(rule: dict, stdout) -> None:
     elif fault == "hang":
         while True:
             time.sleep(3600)
+    elif fault == "forge":
+        stdout.write(json.dumps(rule.get("forged", {"env": 0, "messages": []})) + "\n\n")
+        stdout.flush()
     elif fault == "malformed":
         stdout.write(rule.get("raw", '{"env": 1,') + "\n\n")
         stdout.flush()
@@ -99,8 +108,12 @@ def serve(rules: list[dict], default: dict, stdin=sys.stdin, stdout=sys.stdout, 
         if log is not None:  # one write per line in append mode: lines of concurrent processes do not interleave
             with open(log, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"pid": os.getpid(), "cmd": text, "env": cmd.get("env")}) + "\n")
+        printed = PRINT_STRING.fullmatch(text)
         if "env" not in cmd:
             reply: dict = {"env": env}
+        elif printed:
+            info = {"severity": "info", "pos": {"line": 1, "column": 0}, "endPos": {"line": 1, "column": len(text)}}
+            reply = {"messages": [{**info, "data": printed.group(1)}], "env": env}
         else:
             reply = None
             try:
@@ -119,6 +132,9 @@ def serve(rules: list[dict], default: dict, stdin=sys.stdin, stdout=sys.stdout, 
             reply = dict(default if reply is None else reply)
             if "env" in reply:
                 reply["env"] = env
+            pad = next((r["pad_mb"] for r in rules if "pad_mb" in r and re.search(r["match"], text)), 0)
+            if pad:
+                reply["pad"] = "x" * int(pad * 2**20)
         stdout.write(json.dumps(reply, ensure_ascii=False, indent=1) + "\n\n")
         stdout.flush()
 
