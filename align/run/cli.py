@@ -59,11 +59,22 @@ def _flags(cls: type, prefixes: dict[str, str], path: tuple[str, ...] = ()) -> l
 
 
 def build_parser(cls: type, prefixes: dict[str, str], description: str = "") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--config", default=None, help="Reload a saved config.json (flags given here override it).")
+    from align.run.help import Parser, section_of
+
+    parser = Parser(description=description)
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="Read settings from a .toml, .yaml/.yml or .json file (a saved config.json too); flags given here win.",
+    )
     seen: set[str] = set()
     defaults = dataclasses.asdict(cls())
-    for flag, path, f, tp in _flags(cls, prefixes):
+    groups: dict[str, Any] = {}
+    for flag, path, f, tp in sorted(_flags(cls, prefixes), key=lambda e: section_of(e[1]) != "run"):
+        section = section_of(path)
+        if section not in groups:
+            groups[section] = parser.add_argument_group(section)
+        group = groups[section]
         if flag in seen:
             raise RuntimeError(f"two config fields map to --{flag}; give one of them a prefix")
         seen.add(flag)
@@ -78,10 +89,10 @@ def build_parser(cls: type, prefixes: dict[str, str], description: str = "") -> 
         }
         kw["help"] += f" (default: {default!r})"
         if tp is bool:
-            parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, **kw)
+            group.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, **kw)
         elif tp is list:
             # metadata {"action": "extend"}: the flag may be repeated (--reward a --reward b)
-            parser.add_argument(
+            group.add_argument(
                 f"--{flag}",
                 nargs="*",
                 type=_list_item_type(hints_of(path, cls)),
@@ -89,11 +100,11 @@ def build_parser(cls: type, prefixes: dict[str, str], description: str = "") -> 
                 **kw,
             )
         elif tp is dict:
-            parser.add_argument(f"--{flag}", type=json.loads, **kw)
+            group.add_argument(f"--{flag}", type=json.loads, **kw)
         elif tp is tuple:  # a comma list: --lean-banned native_decide,#exit
-            parser.add_argument(f"--{flag}", type=_comma_tuple, **kw)
+            group.add_argument(f"--{flag}", type=_comma_tuple, **kw)
         else:
-            parser.add_argument(f"--{flag}", type=tp, **kw)
+            group.add_argument(f"--{flag}", type=tp, **kw)
     return parser
 
 
