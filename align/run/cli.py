@@ -2,8 +2,8 @@
 
 A config is a dataclass whose fields carry ``metadata={"help": ...}``; nested dataclass fields are
 flattened with an optional prefix (``--adv-scale``). Flags are kebab-case; booleans get
-``--flag/--no-flag``. ``--config run.json`` reloads a saved config; flags given on the command line
-override it.
+``--flag/--no-flag``. ``--config run.toml`` (or .yaml / .json, a saved config.json too) reads settings from a file
+(``align.run.config_file``); flags given on the command line override it. ``--help`` and errors: ``align.run.help``.
 """
 
 from __future__ import annotations
@@ -193,25 +193,10 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
 
 
 def load_config_file(path: str) -> dict:
-    """A ``--config`` file: a UTF-8 JSON object (a saved ``config.json``); ValueError naming the file (and line)."""
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read()
-    except OSError as e:
-        raise ValueError(f"--config {path}: {e.strerror or e}") from None
-    try:
-        loaded = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        raise ValueError(f"--config {path}:{line}: not UTF-8 text (byte {raw[e.start : e.start + 1]!r})") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--config {path}:{e.lineno}: not valid JSON ({e.msg})") from None
-    if not isinstance(loaded, dict):
-        raise ValueError(  # noqa: TRY004 -- a bad file, reported as one argparse error
-            f"--config {path}: the top level must be a JSON object of settings (as in a saved config.json), "
-            f"got a {type(loaded).__name__}"
-        )
-    return loaded
+    """A ``--config`` file's top-level mapping (TOML, YAML or JSON: ``align.run.config_file``)."""
+    from align.run.config_file import read_file
+
+    return read_file(path)
 
 
 def parse(cls: type, argv: list[str] | None, prefixes: dict[str, str], description: str = "") -> Any:
@@ -222,7 +207,9 @@ def parse(cls: type, argv: list[str] | None, prefixes: dict[str, str], descripti
     config_path = args.pop("config", None)
     if config_path:
         try:
-            loaded = load_config_file(config_path)
+            from align.run.config_file import load
+
+            loaded = load(config_path, cls, prefixes)
         except ValueError as e:
             parser.error(str(e))
         base = _merge(base, loaded)

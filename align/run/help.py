@@ -97,7 +97,8 @@ class Parser(argparse.ArgumentParser):
         )
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+        hint = "" if message.startswith("--config") else " (--help lists the flags)"
+        self.exit(2, f"{self.prog}: error: {message}{hint}\n")
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
         ns, extra = self.parse_known_args(args, namespace)
