@@ -63,6 +63,12 @@ class DataConfig:
             "help": "Column holding the prompt (a string, or a chat list like 'messages'); other columns reach the reward as **fields."
         },
     )
+    answer_key: str = field(
+        default="answer",
+        metadata={
+            "help": "Column holding the reference answer; the built-in rewards read it as 'answer' (a 'solution' column is read when there is no 'answer'; GSM8K's '#### N' and a \\boxed{} in it are found)."
+        },
+    )
     tokenizer: str | None = field(
         default=None,
         metadata={
@@ -159,8 +165,11 @@ def _check_messages(msgs: Any, where: str) -> list[dict]:
     return msgs
 
 
-def to_record(row: dict, where: str, prompt_key: str, template: ChatTemplate | None) -> dict:
-    """A row as a prompt record ``{"prompt": str, **fields}``; chat lists are rendered with ``template``."""
+def to_record(
+    row: dict, where: str, prompt_key: str, template: ChatTemplate | None, answer_key: str = "answer"
+) -> dict:
+    """A row as a prompt record ``{"prompt": str, **fields}``; chat lists are rendered with ``template``; the
+    ``answer_key`` column is also the field ``answer`` (what the built-in rewards read)."""
     key = prompt_key if prompt_key in row else ("messages" if "messages" in row else None)
     if key is None:
         raise InputError(
@@ -194,7 +203,15 @@ def to_record(row: dict, where: str, prompt_key: str, template: ChatTemplate | N
             f"{where}: column(s) {clash} clash with the reward's (prompt, completion) parameters; "
             "rename them in the data file"
         )
-    return {"prompt": text, **fields}
+    if answer_key != "answer":
+        if answer_key not in row:
+            raise InputError(
+                f"{where}: --answer-key {answer_key!r}: the row has no such column; its fields are {sorted(row)}"
+            )
+        fields["answer"] = row[answer_key]
+    from align.reward_calls import CHAT_KEY  # the chat list itself, for TRL-shaped conversational rewards
+
+    return {"prompt": text, **fields, **({CHAT_KEY: value} if isinstance(value, list) else {})}
 
 
 # ------------------------------------------------------------------------------------------------ a task
@@ -259,7 +276,7 @@ def load_task_data(
     for path, flag in ((cfg.train_data, "--train-data"), (cfg.eval_data, "--eval-data")):
         records, ids = [], []
         for where, row in iter_rows(path, flag) if path is not None else ():
-            records.append(to_record(row, where, cfg.prompt_key, template))
+            records.append(to_record(row, where, cfg.prompt_key, template, cfg.answer_key))
             ids.append(encode_prompt(tok, records[-1]["prompt"], where, config, max_tokens))
         out.append((records, ids))
     return tok, out[0][0], out[1][0], out[0][1], out[1][1]

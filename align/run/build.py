@@ -595,7 +595,7 @@ def _open_pipeline(run: Run) -> None:
         score, names = (
             (unscored, [])
             if cfg.distill.distill_only
-            else (lambda items, comps: run.scorer.score(items, stop), run.scorer.names)
+            else (lambda items, comps: run.scorer.score(items, stop, [c.token_ids for c in comps]), run.scorer.names)
         )
         return collect_groups(
             cfg.prompts_per_step,

@@ -45,8 +45,8 @@ def read_file(path: str) -> dict:
         loaded = {}
     if not isinstance(loaded, dict):
         raise ValueError(  # noqa: TRY004 -- a bad file, reported as one argparse error
-            f"--config {path}: the top level must be a mapping of settings (flag names to values), "
-            f"got a {type(loaded).__name__}"
+            f"--config {path}: the top level must be a {_TOP[kind]} of settings (flag names to values, as in a saved "
+            f"config.json), got a {type(loaded).__name__}"
         )
     return loaded
 
@@ -91,6 +91,7 @@ def _yaml(path: str, text: str) -> Any:
 
 
 _PARSERS = {"json": _json, "toml": _toml, "yaml": _yaml}
+_TOP = {"json": "JSON object", "toml": "TOML table", "yaml": "YAML mapping"}
 
 
 def load(path: str, cls: type, prefixes: dict[str, str]) -> dict:

@@ -168,11 +168,17 @@ def lean_checks(cfg: TrainConfig, env: type, located: list[tuple[str, dict]]) ->
         )
 
 
-def as_records(prompts: list) -> list[dict]:
+def as_records(prompts: list, tokenizer: Any = None, prompt_key: str = "prompt") -> list[dict]:
+    """The Python API's prompts as records: a str, a dict with a 'prompt' str, or a chat row (``messages`` or a chat
+    list under ``prompt_key``) rendered with the tokenizer's chat template, as the CLI reads ``--train-data``."""
+    from align.data import to_record
+
     out = []
     for i, p in enumerate(prompts):
-        rec = {"prompt": p} if isinstance(p, str) else dict(p)
-        if not isinstance(rec.get("prompt"), str):
+        rec = {"prompt": p} if isinstance(p, str) else dict(p) if isinstance(p, dict) else p
+        if isinstance(rec, dict) and not isinstance(rec.get("prompt"), str):  # a chat row
+            rec = to_record(rec, f"prompts[{i}]", prompt_key, getattr(tokenizer, "chat_template", None))
+        if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
             raise ValueError(f"prompt {i} must be a str or a dict with a 'prompt' str, got {type(p).__name__}")  # noqa: TRY004
         out.append(rec)
     if not out:
@@ -208,8 +214,9 @@ def resolve_task(
         )
     if prompts is None:
         return dist.main_first(lambda: builtin_task(cfg))
-    evals = as_records(eval_prompts) if eval_prompts else []
-    task = Task(as_records(prompts), tokenizer, reward, evals, ids and tuple(ids))
+    key = cfg.data.prompt_key
+    evals = as_records(eval_prompts, tokenizer, key) if eval_prompts else []
+    task = Task(as_records(prompts, tokenizer, key), tokenizer, reward, evals, ids and tuple(ids))
     model_path = model or cfg.model
     if model_path is None:
         raise ValueError("no model: pass model=<HF checkpoint dir> or --model")
