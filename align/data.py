@@ -63,6 +63,12 @@ class DataConfig:
             "help": "Column holding the prompt (a string, or a chat list like 'messages'); other columns reach the reward as **fields."
         },
     )
+    chat_template_kwargs: dict = field(
+        default_factory=dict,
+        metadata={
+            "help": "JSON object of chat template variables for every render, as apply_chat_template(**kwargs): '{\"enable_thinking\": false}'."
+        },
+    )
     answer_key: str = field(
         default="answer",
         metadata={
@@ -271,7 +277,7 @@ def load_task_data(
     if not Path(model_dir).is_dir():
         raise InputError(f"--model {model_dir}: no such directory")
     tok = load_tokenizer(cfg.tokenizer or model_dir, model_dir, "--tokenizer" if cfg.tokenizer else "--model")
-    config, template = read_json(Path(model_dir) / "config.json"), getattr(tok, "chat_template", None)
+    config, template = read_json(Path(model_dir) / "config.json"), with_template_kwargs(tok, cfg.chat_template_kwargs)
     out: list[tuple[list[dict], list[list[int]]]] = []
     for path, flag in ((cfg.train_data, "--train-data"), (cfg.eval_data, "--eval-data")):
         records, ids = [], []
@@ -280,6 +286,18 @@ def load_task_data(
             ids.append(encode_prompt(tok, records[-1]["prompt"], where, config, max_tokens))
         out.append((records, ids))
     return tok, out[0][0], out[1][0], out[0][1], out[1][1]
+
+
+def with_template_kwargs(tok: Any, kwargs: dict) -> Any:
+    """The tokenizer's chat template (None without one), rendering ``kwargs`` (``--chat-template-kwargs``) always."""
+    template = getattr(tok, "chat_template", None)
+    if template is not None and kwargs:
+        template.defaults = dict(kwargs)
+    elif kwargs:
+        raise InputError(
+            f"--chat-template-kwargs {json.dumps(kwargs)}: the tokenizer has no chat template to pass them to"
+        )
+    return template
 
 
 def load_data(cfg: DataConfig, model_dir: str, max_tokens: int) -> tuple[Any, list[dict], list[dict]]:

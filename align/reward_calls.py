@@ -1,11 +1,12 @@
 """How a user's function is called: TRL-shaped batch rewards and ``async def`` rewards and tools.
 
 - **TRL's batch signature** ``fn(prompts, completions, **kwargs) -> list[float | None]`` is detected from its
-  parameter names (``prompts`` and ``completions``, both plural) and called once per step's batch, as TRL's
+  parameter names (``completions``, plural; TRL's quickstart takes ``completions, **kwargs`` only) and called once
+  per step's batch, as TRL's
   ``GRPOTrainer`` does: ``prompts`` / ``completions`` one entry per completion; a conversational prompt (a chat
   row) is its list of messages and its completion ``[{"role": "assistant", "content": text}]``, else both are
   strings; each other column of the rows as a list (``answer=[...]``); ``completion_ids`` (the sampled token ids)
-  when the caller has them and the function takes that name or ``**kwargs``. A result that is not a list with one
+  when the caller has them. Each goes in when the function names it or takes ``**kwargs``. A result that is not a list with one
   value per completion makes the whole batch unscorable (counted in ``reward_errors``), as a raise does.
 - **``async def``** rewards and tools (or any function returning an awaitable) are awaited in a fresh event loop
   under the same timeout as a plain call (``asyncio.wait_for``; the caller's own timer stays as the backstop).
@@ -24,12 +25,20 @@ one of the fields a reward receives."""
 
 
 def is_batched(fn: Callable[..., Any]) -> bool:
-    """TRL's batch reward: parameters named ``prompts`` and ``completions``."""
+    """TRL's batch reward: a parameter named ``completions``."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
-    return "prompts" in params and "completions" in params
+    return "completions" in params
+
+
+def accepted(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``kwargs`` that ``fn`` takes (all of them when it has ``**kwargs``)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
 
 
 def settle(value: Any, timeout_s: float = 0.0) -> Any:
@@ -56,11 +65,9 @@ def batch_kwargs(
     columns = sorted({k for rec in records for k in rec if k not in ("prompt", "messages", CHAT_KEY)})
     kw: dict[str, Any] = {"prompts": prompts, "completions": completions}
     kw.update({k: [rec.get(k) for rec in records] for k in columns})
-    params = inspect.signature(fn).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    if ids is not None and ("completion_ids" in params or takes_any):
+    if ids is not None:
         kw["completion_ids"] = ids
-    return kw
+    return accepted(fn, kw)
 
 
 def _raw_chat(rec: dict) -> list | None:

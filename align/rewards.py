@@ -182,12 +182,12 @@ def check_signature(name: str, fn: Callable[..., Any], field_names: list[str]) -
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
         return  # a builtin without a signature: let the call decide
-    from align.reward_calls import is_batched
+    from align.reward_calls import accepted, is_batched
 
     if is_batched(fn):
         try:
-            ids = {"completion_ids": []} if "completion_ids" in sig.parameters else {}
-            sig.bind(prompts=[], completions=[], **ids, **dict.fromkeys(field_names))
+            given = {"prompts": [], "completions": [], "completion_ids": [], **dict.fromkeys(field_names)}
+            sig.bind(**accepted(fn, given))
         except TypeError as e:
             raise InputError(
                 f"reward {name!r} takes TRL's batch signature but cannot be called as fn(prompts, completions, "

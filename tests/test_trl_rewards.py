@@ -126,15 +126,24 @@ def test_an_async_reward_in_worker_processes_is_awaited(tmp_path):
     assert s.totals == [2.0, 2.0] and s.errors == []
 
 
-def test_a_batch_signature_without_the_columns_is_refused_at_load():
+def test_a_batch_reward_needing_a_missing_column_is_refused_at_load():
     from align.errors import InputError
 
-    def batch(prompts, completions):
+    def batch(prompts, completions, solution):
         return []
 
-    with pytest.raises(InputError, match="batch signature.*add \\*\\*kwargs"):
+    with pytest.raises(InputError, match="batch signature.*solution"):
         check_signature("batch", batch, ["answer"])
-    check_signature("batch", batch, [])  # negative control: no columns, nothing to take
+    check_signature("batch", batch, ["answer", "solution"])  # negative control: the column is there
+
+
+def test_trls_quickstart_reward_shape_is_batched():
+    # TRL's quickstart: def reward_len(completions, **kwargs) -> [-abs(20 - len(c)) for c in completions]
+    def reward_len(completions, **kwargs):
+        return [-abs(20 - len(completion)) for completion in completions]
+
+    s = scorer(reward_len).score(ITEMS, ids=[[1], [2]])
+    assert s.totals == [-19.0, -19.0] and s.errors == []
 
 
 def test_an_async_tool_returns_its_value():
@@ -236,3 +245,46 @@ def test_tools_with_a_reward_on_a_messages_column(tmp_path, chat_model):
     rec = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     step = next(r for r in rec if "reward_mean" in r)
     assert step.get("reward_errors", 0) == 0 and step["reward/got_messages_mean"] == 1.0, step
+
+
+def test_epochs_set_the_steps_from_the_data(tmp_path, chat_model, capsys):
+    from helpers_train import cfg_for, train_steps
+
+    from align.data import load_tokenizer
+    from align.train import train
+
+    def reward(prompts, completions, **kwargs):
+        return [float(i % 2) for i in range(len(completions))]
+
+    cfg = cfg_for(tmp_path / "run", steps=50, prompts_per_step=3, group_size=2, max_tokens=2, epochs=1.5)
+    train(cfg, model=chat_model, tokenizer=load_tokenizer(chat_model), prompts=ROWS, reward=reward)
+    assert train_steps(tmp_path / "run") == 2  # ceil(1.5 x 4 rows / 3 per step), not --steps 50
+    assert "--epochs 1.5: 4 prompts / --prompts-per-step 3 -> --steps 2 (was 50)" in capsys.readouterr().out
+
+
+THINKING = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% if enable_thinking is defined and not enable_thinking %}"
+    "<think></think>{% endif %}{% endif %}"
+)
+
+
+def test_chat_template_kwargs_reach_every_render():
+    pytest.importorskip("jinja2")
+    from align.chat import ChatTemplate
+    from align.data import to_record, with_template_kwargs
+    from align.run.cli import parse
+    from align.train import CLI_PREFIXES, TrainConfig
+
+    cfg = parse(TrainConfig, ["--chat-template-kwargs", '{"enable_thinking": false}'], CLI_PREFIXES)
+    assert cfg.data.chat_template_kwargs == {"enable_thinking": False}
+
+    class Tok:
+        chat_template = ChatTemplate(THINKING)
+
+    row = {"messages": [{"role": "user", "content": "hi"}]}
+    plain = to_record(dict(row), "r:1", "prompt", Tok.chat_template)["prompt"]
+    template = with_template_kwargs(Tok, cfg.data.chat_template_kwargs)
+    off = to_record(dict(row), "r:1", "prompt", template)["prompt"]
+    assert plain == "<user>hi<assistant>" and off == "<user>hi<assistant><think></think>"  # plain: negative control
+    assert template.render(row["messages"], enable_thinking=True) == "<user>hi<assistant>"  # a render's own wins

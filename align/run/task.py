@@ -98,7 +98,7 @@ def env_task(
     """A multi-turn task: rows from ``--train-data`` / ``prompts`` (every column goes to the environment), the
     environment class from ``--env`` / ``env=`` (or the tool environment from ``--tools`` / ``tools=``), the tokenizer
     of the model (or ``--tokenizer``), rewards optional (they score the final assistant message and add)."""
-    from align.data import load_tokenizer, read_rows
+    from align.data import load_tokenizer, read_rows, with_template_kwargs
     from align.envs.runner import load_env_class
 
     e = cfg.envs
@@ -131,6 +131,7 @@ def env_task(
             located, eval_prompts = located + evals, [row for _, row in evals]
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.data.tokenizer or model_path, model_path)
+    with_template_kwargs(tokenizer, cfg.data.chat_template_kwargs)
     rows = [dict(r) for r in prompts]
     if not rows:
         raise InputError("no rows to train on (--train-data is empty)")
@@ -186,7 +187,14 @@ def as_records(prompts: list, tokenizer: Any = None, prompt_key: str = "prompt")
     return out
 
 
-def resolve_task(
+def resolve_task(*args: Any, **kwargs: Any) -> tuple[Task, str]:
+    """``find_task`` (the arguments are its), then ``--epochs`` turned into ``--steps`` from the task's rows."""
+    task, model_path = find_task(*args, **kwargs)
+    apply_epochs(args[0] if args else kwargs["cfg"], len(task.prompts))
+    return task, model_path
+
+
+def find_task(
     cfg: TrainConfig,
     model: str | None,
     tokenizer: Any,
@@ -215,9 +223,27 @@ def resolve_task(
     if prompts is None:
         return dist.main_first(lambda: builtin_task(cfg))
     key = cfg.data.prompt_key
+    if prompts is not None and cfg.data.chat_template_kwargs and not cfg.data.train_data:  # the Python API's rows
+        from align.data import with_template_kwargs
+
+        with_template_kwargs(tokenizer, cfg.data.chat_template_kwargs)
     evals = as_records(eval_prompts, tokenizer, key) if eval_prompts else []
     task = Task(as_records(prompts, tokenizer, key), tokenizer, reward, evals, ids and tuple(ids))
     model_path = model or cfg.model
     if model_path is None:
         raise ValueError("no model: pass model=<HF checkpoint dir> or --model")
     return task, model_path
+
+
+def apply_epochs(cfg: TrainConfig, n_prompts: int) -> None:
+    """``--epochs E``: ``cfg.steps`` = ceil(E * prompts / ``--prompts-per-step``), said once (TRL counts epochs)."""
+    if cfg.epochs > 0:
+        import math
+
+        steps = max(1, math.ceil(cfg.epochs * n_prompts / cfg.prompts_per_step))
+        print(
+            f"[align] --epochs {cfg.epochs:g}: {n_prompts} prompts / --prompts-per-step {cfg.prompts_per_step} "
+            f"-> --steps {steps}" + (f" (was {cfg.steps})" if cfg.steps != steps else ""),
+            flush=True,
+        )
+        cfg.steps = steps
