@@ -188,9 +188,14 @@ def as_records(prompts: list, tokenizer: Any = None, prompt_key: str = "prompt")
 
 
 def resolve_task(*args: Any, **kwargs: Any) -> tuple[Task, str]:
-    """``find_task`` (the arguments are its), then ``--epochs`` turned into ``--steps`` from the task's rows."""
+    """``find_task`` (the arguments are its), then ``--epochs`` turned into ``--steps`` from the task's rows and
+    ``--lr`` checked against the model's size (``align.run.advice``)."""
+    from align.run.advice import check_lr
+
     task, model_path = find_task(*args, **kwargs)
-    apply_epochs(args[0] if args else kwargs["cfg"], len(task.prompts))
+    cfg = args[0] if args else kwargs["cfg"]
+    apply_epochs(cfg, len(task.prompts))
+    check_lr(cfg, model_path, set())  # a user's large checkpoint at a toy lr: said once, before the model loads
     return task, model_path
 
 
