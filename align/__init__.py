@@ -10,7 +10,8 @@ import circle anywhere: ``FLOORS`` in ``tests/test_layout.py`` lists every modul
 - entry points: ``align.train``: ``train()``, the step's stages on one page; ``main(argv)``, the CLI. ``align.sft``
   beside it: supervised fine-tuning (``config``, ``data``: rows and ``--from-verified``, ``run``: its setup on
   ``align.run``).
-- ``align.run``: a run directory and its life: ``config`` (TrainConfig), ``cli``, ``presets``, ``build``
+- ``align.run``: a run directory and its life: ``config`` (TrainConfig), ``cli`` (+ ``help``: grouped ``--help``,
+  one-line errors; ``config_file``: ``--config`` TOML / YAML / JSON), ``presets``, ``advice`` (warnings), ``build``
   (``open_run() -> Run``), ``checkpoint`` (single-process and DCP), ``safety``, ``log``, ``plot``, ``task``,
   ``teacher`` (on-policy distillation's teacher).
 - ``align.eval``: held-out evaluation (blocking, snapshot dispatch, fleets, pinned epochs) and its metrics.
@@ -24,7 +25,8 @@ import circle anywhere: ``FLOORS`` in ``tests/test_layout.py`` lists every modul
   ``native`` (the sampler), ``cpu_kernel``, ``sessions``, ``client``, ``teacher_logprobs`` (the ``score`` request,
   stdlib), ``watcher``, ``groups`` (``Episode``, ``Groups``), ``engines``, ``pipeline``.
 - what goes in: ``data``, ``chat`` (HF tokenizer, chat template, turns), ``char_tokenizer``, ``specs`` (loading
-  ``module:name`` / ``file.py:name``), ``rewards`` (+ ``reward_pool``: the worker processes), ``verifiers``.
+  ``module:name`` / ``file.py:name``), ``rewards`` (+ ``reward_pool``: the worker processes;
+  ``reward_calls``: TRL-shaped batch and ``async`` calls), ``verifiers``.
 - the algorithm, no run state: ``model`` (+ ``attention``), ``packing``, ``kernels``, ``lora``, ``grpo``,
   ``advantages``, ``learner``, ``device``, ``dist``.
 - stdlib base: ``atomic`` (atomic files and the commit marker), ``child`` (one child process in its own group, JSON

@@ -182,6 +182,7 @@ class ChatTemplate:
         self.sources = {"default": source} if isinstance(source, str) else dict(source)
         self.source, self.name, self.env = self.sources.get("default"), name, env
         self.special_tokens = dict(special_tokens or {})
+        self.defaults: dict[str, Any] = {}  # variables of every render (--chat-template-kwargs); a render's own win
         self.templates = {key: self._compile(jinja2, src, self._label(key)) for key, src in self.sources.items()}
 
     def _label(self, key: str) -> str:
@@ -232,6 +233,7 @@ class ChatTemplate:
         self.env.deadline = time.monotonic() + RENDER_MAX_SECONDS
         variables = {
             **self.special_tokens,
+            **self.defaults,
             **kwargs,
             "messages": messages,
             "tools": tools,

@@ -63,6 +63,18 @@ class DataConfig:
             "help": "Column holding the prompt (a string, or a chat list like 'messages'); other columns reach the reward as **fields."
         },
     )
+    chat_template_kwargs: dict = field(
+        default_factory=dict,
+        metadata={
+            "help": "JSON object of chat template variables for every render, as apply_chat_template(**kwargs): '{\"enable_thinking\": false}'."
+        },
+    )
+    answer_key: str = field(
+        default="answer",
+        metadata={
+            "help": "Column holding the reference answer; the built-in rewards read it as 'answer' (a 'solution' column is read when there is no 'answer'; GSM8K's '#### N' and a \\boxed{} in it are found)."
+        },
+    )
     tokenizer: str | None = field(
         default=None,
         metadata={
@@ -159,8 +171,11 @@ def _check_messages(msgs: Any, where: str) -> list[dict]:
     return msgs
 
 
-def to_record(row: dict, where: str, prompt_key: str, template: ChatTemplate | None) -> dict:
-    """A row as a prompt record ``{"prompt": str, **fields}``; chat lists are rendered with ``template``."""
+def to_record(
+    row: dict, where: str, prompt_key: str, template: ChatTemplate | None, answer_key: str = "answer"
+) -> dict:
+    """A row as a prompt record ``{"prompt": str, **fields}``; chat lists are rendered with ``template``; the
+    ``answer_key`` column is also the field ``answer`` (what the built-in rewards read)."""
     key = prompt_key if prompt_key in row else ("messages" if "messages" in row else None)
     if key is None:
         raise InputError(
@@ -194,7 +209,15 @@ def to_record(row: dict, where: str, prompt_key: str, template: ChatTemplate | N
             f"{where}: column(s) {clash} clash with the reward's (prompt, completion) parameters; "
             "rename them in the data file"
         )
-    return {"prompt": text, **fields}
+    if answer_key != "answer":
+        if answer_key not in row:
+            raise InputError(
+                f"{where}: --answer-key {answer_key!r}: the row has no such column; its fields are {sorted(row)}"
+            )
+        fields["answer"] = row[answer_key]
+    from align.reward_calls import CHAT_KEY  # the chat list itself, for TRL-shaped conversational rewards
+
+    return {"prompt": text, **fields, **({CHAT_KEY: value} if isinstance(value, list) else {})}
 
 
 # ------------------------------------------------------------------------------------------------ a task
@@ -254,15 +277,27 @@ def load_task_data(
     if not Path(model_dir).is_dir():
         raise InputError(f"--model {model_dir}: no such directory")
     tok = load_tokenizer(cfg.tokenizer or model_dir, model_dir, "--tokenizer" if cfg.tokenizer else "--model")
-    config, template = read_json(Path(model_dir) / "config.json"), getattr(tok, "chat_template", None)
+    config, template = read_json(Path(model_dir) / "config.json"), with_template_kwargs(tok, cfg.chat_template_kwargs)
     out: list[tuple[list[dict], list[list[int]]]] = []
     for path, flag in ((cfg.train_data, "--train-data"), (cfg.eval_data, "--eval-data")):
         records, ids = [], []
         for where, row in iter_rows(path, flag) if path is not None else ():
-            records.append(to_record(row, where, cfg.prompt_key, template))
+            records.append(to_record(row, where, cfg.prompt_key, template, cfg.answer_key))
             ids.append(encode_prompt(tok, records[-1]["prompt"], where, config, max_tokens))
         out.append((records, ids))
     return tok, out[0][0], out[1][0], out[0][1], out[1][1]
+
+
+def with_template_kwargs(tok: Any, kwargs: dict) -> Any:
+    """The tokenizer's chat template (None without one), rendering ``kwargs`` (``--chat-template-kwargs``) always."""
+    template = getattr(tok, "chat_template", None)
+    if template is not None and kwargs:
+        template.defaults = dict(kwargs)
+    elif kwargs:
+        raise InputError(
+            f"--chat-template-kwargs {json.dumps(kwargs)}: the tokenizer has no chat template to pass them to"
+        )
+    return template
 
 
 def load_data(cfg: DataConfig, model_dir: str, max_tokens: int) -> tuple[Any, list[dict], list[dict]]:

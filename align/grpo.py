@@ -15,6 +15,9 @@ Surrogates (per token, a loss to minimise; ``eps_low``, ``eps_high`` asymmetric,
               l_i = max(-s_i A, -clip(s_i, 1 - eps_low, 1 + eps_high) A), every token of i carries l_i
     cispo     l_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A log pi_theta   (MiniMax-M1, 2025)
               (sg = stop-gradient; for the paper's "no lower bound" set eps_low >= 1)
+    sapo      l_t = -(4 / tau) sigmoid(tau (r_t - 1)) A,  tau = sapo_tau_pos if A > 0 else sapo_tau_neg
+              (Gao et al. 2025, SAPO, arXiv 2511.20347; TRL loss_type="sapo": a soft gate instead of the hard
+              clip, gradient 4 s (1 - s) r_t A, = r_t A on-policy, fading smoothly off-policy)
 
 Normalisers. ``total_tokens`` = masked tokens and ``total_seqs`` = sequences with >= 1 masked
 token, both of the WHOLE batch (all micro-batches, all ranks; see ``normalisers``). Every
@@ -26,6 +29,11 @@ micro-batch term below is a plain sum divided by those global constants, so summ
     constant_norm        (Dr. GRPO)       sum_{i,t} m l / (total_seqs * max_len_norm)
     gspo                 seq_mean_token_mean of l_i  = sum_i l_i / total_seqs       (GSPO eq. 5)
     cispo                token_mean
+    sapo                 seq_mean_token_mean (as TRL aggregates "sapo")
+    bnpo                 sum_{i,t} m l / n_tok(mb) * n_seq(mb) / total_seqs  with n_tok, n_seq this call's own
+                         TRL's loss_type="bnpo": each micro-batch ("local batch") a token mean, the micro-batches
+                         then averaged (by their share of sequences: the plain mean for equal-size ones). The one
+                         variant that depends on the micro-batch split, by TRL's definition.
 
 ``total_seqs`` counts only non-empty sequences by default (``seq_count="nonempty"``): a completion
 masked out entirely (unscorable, filtered, truncated under ``mask_truncated``) changes it. The Dr.
@@ -126,6 +134,15 @@ def cispo_surrogate(logprobs: Tensor, old_logprobs: Tensor, adv: Tensor, m: Tens
     return loss, flags
 
 
+def sapo_surrogate(logprobs: Tensor, old_logprobs: Tensor, adv: Tensor, m: Tensor, cfg: LossConfig):
+    ratio = torch.exp(logprobs - old_logprobs)  # (B, T)
+    tau = torch.where(adv > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)  # (B, 1)
+    loss = -(4 / tau) * torch.sigmoid(tau * (ratio - 1)) * adv  # (B, T)
+    r = ratio.detach()
+    none = torch.zeros_like(r, dtype=torch.bool)  # no hard clip: nothing is cut
+    return loss, {"ratio": r, "clip_low": none, "clip_high": none, "clip_dual": none}
+
+
 def _clip_objective(ratio: Tensor, adv: Tensor, cfg: LossConfig):
     unclipped = -adv * ratio  # (B, T)
     clipped = -adv * ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
@@ -161,6 +178,11 @@ def constant_norm_agg(x: Tensor, m: Tensor, total_tokens: float, total_seqs: flo
     return (x * m).sum() / (total_seqs * cfg.max_len_norm)
 
 
+def local_token_mean_agg(x: Tensor, m: Tensor, total_tokens: float, total_seqs: float, cfg: LossConfig) -> Tensor:
+    n_tok, n_seq = normalisers(m, cfg)  # this call's own
+    return (x * m).sum() / max(n_tok, 1) * (n_seq / total_seqs)
+
+
 @dataclass(frozen=True)
 class LossVariant:
     surrogate: Callable
@@ -173,6 +195,8 @@ LOSSES: dict[str, LossVariant] = {
     "constant_norm": LossVariant(ppo_clip_surrogate, constant_norm_agg),
     "gspo": LossVariant(gspo_surrogate, seq_mean_token_mean_agg),
     "cispo": LossVariant(cispo_surrogate, token_mean_agg),
+    "sapo": LossVariant(sapo_surrogate, seq_mean_token_mean_agg),
+    "bnpo": LossVariant(ppo_clip_surrogate, local_token_mean_agg),
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -278,6 +302,8 @@ class LossConfig:
     rho_cap: float = field(default=2.0, metadata={"help": "truncation cap for the *_tis modes"})
     rho_low: float = field(default=0.5, metadata={"help": "lower bound kept by the *_mis modes"})
     rho_high: float = field(default=2.0, metadata={"help": "upper bound kept by the *_mis modes"})
+    sapo_tau_pos: float = field(default=1.0, metadata={"help": "--loss sapo: gate temperature for A > 0 (TRL's 1.0)"})
+    sapo_tau_neg: float = field(default=1.05, metadata={"help": "--loss sapo: gate temperature for A < 0 (TRL's 1.05)"})
 
     def __post_init__(self) -> None:
         for key, table in (
@@ -298,8 +324,12 @@ class LossConfig:
         if self.dual_clip_c is not None:
             if not self.dual_clip_c > 1:
                 raise ValueError(f"LossConfig.dual_clip_c={self.dual_clip_c!r} must be > 1 (or None to disable)")
-            if self.name == "cispo":
-                raise ValueError("LossConfig.dual_clip_c has no effect with name='cispo' (no clipped objective)")
+            if self.name in ("cispo", "sapo"):
+                raise ValueError(f"LossConfig.dual_clip_c has no effect with name={self.name!r} (no clipped objective)")
+        if not (self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0):
+            raise ValueError(
+                f"LossConfig.sapo_tau_pos / sapo_tau_neg must be > 0, got {self.sapo_tau_pos}, {self.sapo_tau_neg}"
+            )
         if self.name == "constant_norm" and not (self.max_len_norm is not None and self.max_len_norm > 0):
             raise ValueError(f"LossConfig.max_len_norm={self.max_len_norm!r}: name='constant_norm' needs a value > 0")
         if not self.rho_cap > 0:

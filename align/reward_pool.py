@@ -21,6 +21,7 @@ from typing import Any
 
 from align.child import Child, ChildError, close_all
 from align.data import InputError
+from align.reward_calls import settle
 from align.specs import load_spec
 
 WATCH_S = 0.2  # how often the pool checks its busy workers are alive (a pipe can outlive its worker)
@@ -186,7 +187,7 @@ def _worker_main() -> None:
         msg = json.loads(line)
         call = msg["call"]
         try:
-            v = fns[call["r"]](call["prompt"], call["completion"], **call["fields"])
+            v = settle(fns[call["r"]](call["prompt"], call["completion"], **call["fields"]))  # async def: awaited
             reply = {"id": msg["id"], "value": None if v is None else float(v)}
         except Exception:  # noqa: BLE001 -- reported to the trainer, which counts it
             reply = {"id": msg["id"], "error": traceback.format_exc()}

@@ -93,14 +93,33 @@ class RewardFn:
     name: str
     fn: Callable[..., Any]
     spec: str | None  # how a worker process loads it; None = only callable in this process
+    batched: bool = False  # TRL's fn(prompts, completions, **kwargs) -> list: one call per batch, in this process
+
+    def __post_init__(self) -> None:
+        from align.reward_calls import is_batched
+
+        self.batched = is_batched(self.fn)
 
 
 def check_signature(name: str, fn: Callable[..., Any], field_names: list[str]) -> None:
-    """``fn`` must accept ``(prompt, completion, **fields)`` for the data's columns."""
+    """``fn`` must accept ``(prompt, completion, **fields)`` for the data's columns, or TRL's batch signature
+    ``(prompts, completions, **fields)`` (``align.reward_calls``)."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
         return  # a builtin without a signature: let the call decide
+    from align.reward_calls import accepted, is_batched
+
+    if is_batched(fn):
+        try:
+            given = {"prompts": [], "completions": [], "completion_ids": [], **dict.fromkeys(field_names)}
+            sig.bind(**accepted(fn, given))
+        except TypeError as e:
+            raise InputError(
+                f"reward {name!r} takes TRL's batch signature but cannot be called as fn(prompts, completions, "
+                f"**columns) for the data's columns {field_names}: {e}; add **kwargs"
+            ) from None
+        return
     try:
         sig.bind("prompt", "completion", **dict.fromkeys(field_names))
     except TypeError as e:
@@ -275,7 +294,7 @@ class RewardScorer:
         self.timeout_s = timeout_s
         self.pool = None
         if workers > 1:
-            missing = [r.name for r in rewards if r.spec is None]
+            missing = [r.name for r in rewards if r.spec is None and not r.batched]
             if missing:
                 raise InputError(
                     f"reward(s) {missing} are defined in __main__ or inside a function, so worker "
@@ -289,8 +308,14 @@ class RewardScorer:
     def names(self) -> list[str]:
         return [r.name for r in self.rewards]
 
-    def score(self, items: list[tuple[dict, str]], should_stop: Callable[[], int | None] | None = None) -> Scores:
-        """``items``: (prompt record, completion text). Thread-safe (eval may score from another thread).
+    def score(
+        self,
+        items: list[tuple[dict, str]],
+        should_stop: Callable[[], int | None] | None = None,
+        ids: list[list[int]] | None = None,
+    ) -> Scores:
+        """``items``: (prompt record, completion text); ``ids``: the completions' token ids, for TRL-shaped rewards
+        that take ``completion_ids`` (``align.reward_calls``). Thread-safe (eval may score from another thread).
 
         ``should_stop`` (the run's stop flag: the signal number, if any): once it is set, scoring ends with
         ``Interrupted`` within a poll (``reward_pool.WATCH_S``) whatever the rewards do: no further call starts, a
@@ -301,27 +326,59 @@ class RewardScorer:
             if should_stop is not None and (signum := should_stop()):
                 raise Interrupted(signum)
 
+        per_item = [k for k, r in enumerate(self.rewards) if not r.batched]
+        got: dict[tuple[int, int], tuple[str, Any]] = {}
         with self._lock:
-            if self.pool is not None:
-                calls = [(k, i, rec, text) for i, (rec, text) in enumerate(items) for k in range(len(self.rewards))]
-                results = self.pool.run(
-                    [(k, rec["prompt"], text, _fields(rec)) for k, _, rec, text in calls], check_stop
-                )
+            for k, r in enumerate(self.rewards):
+                if r.batched:  # TRL's batch signature: one call for the whole batch, in this process
+                    check_stop()
+                    got.update({(i, k): res for i, res in enumerate(self._call_batched(r, items, ids, should_stop))})
+            if self.pool is not None and per_item:
+                calls = [(k, i, rec, text) for i, (rec, text) in enumerate(items) for k in per_item]
+                done = self.pool.run([(k, prompt_of(rec), text, _fields(rec)) for k, _, rec, text in calls], check_stop)
+                got.update({(i, k): res for (k, i, _, _), res in zip(calls, done)})
             else:
-                results = []
                 for i, (rec, text) in enumerate(items):
-                    for k, r in enumerate(self.rewards):
+                    for k in per_item:
                         check_stop()  # also a stop a reward swallowed (a bare ``except:``) in the call before
-                        try:
-                            args = (rec["prompt"], text)
-                            v = call_in_process(r.fn, args, _fields(rec), self.timeout_s, should_stop)
-                            results.append(("ok", _value(v)))
-                        except CallTimeout:
-                            results.append(("timeout", f"reward {r.name!r} timed out after {self.timeout_s} s"))
-                        except Exception:  # noqa: BLE001 -- a user's reward: counted as unscorable, the run goes on
-                            results.append(("error", traceback.format_exc()))
-                check_stop()
+                        got[i, k] = self._call(self.rewards[k], (prompt_of(rec), text), _fields(rec), should_stop)
+            check_stop()
+        results = [got[i, k] for i in range(len(items)) for k in range(len(self.rewards))]
         return self._combine(len(items), results)
+
+    def _call(
+        self, r: RewardFn, args: tuple, kwargs: dict, should_stop: Any, value: Callable = _value
+    ) -> tuple[str, Any]:
+        """One call of ``r`` (awaited if it is ``async``): ("ok", value) | ("timeout", why) | ("error", traceback)."""
+        from align.reward_calls import settle
+
+        def call(*a: Any, **kw: Any) -> Any:
+            try:
+                return settle(r.fn(*a, **kw), self.timeout_s)
+            except TimeoutError:  # asyncio.wait_for's: the async reward ran past the timeout
+                raise CallTimeout from None
+
+        try:
+            return "ok", value(call_in_process(call, args, kwargs, self.timeout_s, should_stop))
+        except CallTimeout:
+            return "timeout", f"reward {r.name!r} timed out after {self.timeout_s} s"
+        except Exception:  # noqa: BLE001 -- a user's reward: counted as unscorable, the run goes on
+            return "error", traceback.format_exc()
+
+    def _call_batched(self, r: RewardFn, items: list, ids: Any, should_stop: Any) -> list[tuple[str, Any]]:
+        """TRL's batch call of ``r`` over ``items``: one result per item; a wrong result fails every item."""
+        from align.reward_calls import batch_kwargs, batch_values
+
+        if not items:
+            return []
+        recs, texts = [rec for rec, _ in items], [t for _, t in items]
+        kind, v = self._call(r, (), batch_kwargs(r.fn, recs, texts, ids), should_stop, value=lambda x: x)
+        if kind == "ok":
+            try:
+                return [("ok", _value(x)) for x in batch_values(v, len(items), r.name)]
+            except (TypeError, ValueError) as e:
+                kind, v = "error", str(e)
+        return [(kind, v)] * len(items)
 
     def _combine(self, n: int, results: list[tuple[str, Any]]) -> Scores:
         R = len(self.rewards)
@@ -356,15 +413,24 @@ class RewardScorer:
             self.pool.close()
 
 
+def prompt_of(rec: dict) -> Any:
+    """The prompt a reward receives: the record's text, or an environment row's ``messages`` when it has no
+    ``prompt`` (``--env`` / ``--tools`` rows keep their columns)."""
+    return rec["prompt"] if "prompt" in rec else rec.get("messages")
+
+
 def _fields(rec: dict) -> dict:
-    return {k: v for k, v in rec.items() if k != "prompt"}
+    from align.reward_calls import CHAT_KEY
+
+    skip = ("prompt", CHAT_KEY) if "prompt" in rec else ("messages", CHAT_KEY)
+    return {k: v for k, v in rec.items() if k not in skip}
 
 
 def make_scorer(cfg: RewardConfig, fns: Any, records: list[dict]) -> RewardScorer:
     """The scorer for a run: ``--reward`` specs and/or Python callables, signatures checked against the data's
     columns (all before the model loads)."""
     rewards = load_rewards(cfg.reward, fns)
-    columns = sorted({k for rec in records for k in rec if k != "prompt"})
+    columns = sorted({k for rec in records for k in _fields(rec)})
     for r in rewards:
         check_signature(r.name, r.fn, columns)
     return RewardScorer(rewards, cfg.reward_weights, cfg.reward_workers, cfg.reward_timeout_s)

@@ -8,6 +8,7 @@ import hashlib
 import importlib
 import importlib.util
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,10 +28,24 @@ def _load_file_module(path: Path, flag: str = "--reward") -> Any:
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 -- a user file that fails to import: one line naming file:line
+        del sys.modules[name]
+        raise InputError(f"{flag} {import_failure(e, path)}") from None
     except BaseException:
         del sys.modules[name]
         raise
     return module
+
+
+def import_failure(e: BaseException, path: Path | None = None) -> str:
+    """``file.py:LINE: ErrorType: message`` for a file or module that failed to import: the line of the file itself
+    (a syntax error's, else the deepest traceback frame in ``path``; with no ``path``, the deepest frame)."""
+    if isinstance(e, SyntaxError) and e.filename:
+        return f"{e.filename}:{e.lineno}: SyntaxError: {e.msg}"
+    frames = traceback.extract_tb(e.__traceback__)
+    mine = [f for f in frames if path is None or Path(f.filename).resolve() == path.resolve()] or frames[-1:]
+    where = f"{mine[-1].filename}:{mine[-1].lineno}" if mine else str(path)
+    return f"{where}: {type(e).__name__}: {e}"
 
 
 def load_spec(spec: str, flag: str = "--reward", kind: str = "function") -> Callable[..., Any]:
@@ -52,6 +67,8 @@ def load_spec(spec: str, flag: str = "--reward", kind: str = "function") -> Call
                 f"{flag} {spec!r}: no module {e.name!r} (is it on PYTHONPATH? a file needs the "
                 f"'.py' path: {flag} path/to/file.py:{kind})"
             ) from None
+        except Exception as e:  # noqa: BLE001 -- the module itself is broken: one line naming its file and line
+            raise InputError(f"{flag} {spec!r}: {import_failure(e)}") from None
     fn = getattr(module, fn_name, None)
     if fn is None:
         raise InputError(f"{flag} {spec!r}: {mod_name} has no attribute {fn_name!r}")

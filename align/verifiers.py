@@ -1,11 +1,14 @@
 """Built-in verifiable rewards, stdlib only. Each is ``fn(prompt, completion, answer=None, **fields) -> float`` and
-reads the row's ``answer`` column (use as ``--reward align.verifiers:boxed_match``; ``align.rewards:boxed_match``
-names the same function):
+reads the row's ``answer`` column, or its ``solution`` column when it has no ``answer`` (``--answer-key`` names
+another); a reference answer that is a worked solution gives its final answer: GSM8K's ``#### 72`` line, else its
+last ``\\boxed{...}`` (use as ``--reward align.verifiers:boxed_match``; ``align.rewards:boxed_match`` names the same
+function):
 
 - ``exact_match``: the completion, stripped, equals the answer;
 - ``boxed_match``: the last ``\\boxed{...}`` (or ``\\fbox{...}``, nested braces allowed) equals the answer;
-- ``last_number_match``: the last number (signs, ``1,234`` thousands separators, decimals, ``a/b`` fractions)
-  equals the answer, compared exactly as fractions;
+- ``last_number_match``: the completion's final answer (a ``#### N`` line or the last ``\\boxed{}``, as GSM8K and
+  MATH write it), else its last number (signs, ``1,234`` thousands separators, decimals, ``a/b`` fractions), equals
+  the answer, compared exactly as fractions;
 - ``think_answer_format``: ``<think>...</think>`` then an answer (a format reward: no ``answer`` needed).
 """
 
@@ -70,6 +73,23 @@ def last_number(text: str) -> Fraction | None:
     return None
 
 
+def final_answer(text: Any) -> Any:
+    """A reference or completion's final answer: what follows GSM8K's last ``####``, else the last ``\\boxed{}``, else
+    ``text`` itself (None stays None)."""
+    if text is None:
+        return None
+    s = str(text)
+    if "####" in s:
+        rest = s.rsplit("####", 1)[1].strip()
+        return rest.splitlines()[0].strip() if rest else rest
+    boxed = _last_boxed(s)
+    return boxed if boxed is not None else text
+
+
+def _reference(answer: Any, fields: dict) -> Any:
+    return final_answer(answer if answer is not None else fields.get("solution"))
+
+
 def _same_answer(got: str, want: Any) -> bool:
     g, w = parse_number(got), parse_number(str(want))
     if g is not None and w is not None:
@@ -78,21 +98,26 @@ def _same_answer(got: str, want: Any) -> bool:
     return norm(got) == norm(want)
 
 
-def exact_match(prompt: str, completion: str, answer: Any = None, **_: Any) -> float:
-    """1.0 if the completion equals ``answer`` after stripping surrounding whitespace, else 0.0."""
+def exact_match(prompt: str, completion: str, answer: Any = None, **fields: Any) -> float:
+    """1.0 if the completion equals the answer (a solution's final answer) after stripping whitespace, else 0.0."""
+    answer = _reference(answer, fields)
     return float(answer is not None and completion.strip() == str(answer).strip())
 
 
-def boxed_match(prompt: str, completion: str, answer: Any = None, **_: Any) -> float:
-    """1.0 if the last ``\\boxed{...}`` equals ``answer`` (numerically when both are numbers), else 0.0."""
-    got = _last_boxed(completion)
+def boxed_match(prompt: str, completion: str, answer: Any = None, **fields: Any) -> float:
+    """1.0 if the last ``\\boxed{...}`` equals the answer (numerically when both are numbers), else 0.0."""
+    answer, got = _reference(answer, fields), _last_boxed(completion)
     return float(answer is not None and got is not None and _same_answer(got, answer))
 
 
-def last_number_match(prompt: str, completion: str, answer: Any = None, **_: Any) -> float:
-    """1.0 if the last number of the completion equals ``answer`` exactly (as fractions), else 0.0."""
+def last_number_match(prompt: str, completion: str, answer: Any = None, **fields: Any) -> float:
+    """1.0 if the completion's final answer (``#### N`` / last ``\\boxed{}``, else its last number) equals the answer
+    exactly (as fractions), else 0.0."""
+    answer = _reference(answer, fields)
     want = parse_number(str(answer)) if answer is not None else None
-    got = last_number(completion)
+    marked = final_answer(completion)
+    got = parse_number(marked) if marked is not completion else None
+    got = got if got is not None else last_number(completion)
     return float(want is not None and got is not None and got == want)
 
 

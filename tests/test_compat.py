@@ -23,7 +23,11 @@ FLAG_RE = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
 
 
 def help_flags() -> set[str]:
-    out = subprocess.run([sys.executable, "-m", "align.train", "--help"], capture_output=True, text=True, check=True)
+    # --help-all is 0.1.0's --help (every flag with its help; --help is now the grouped names); 0.1.0's list came
+    # from that text, so it carries two wrapped-help fragments ('--ray-', '--train-') only the full text has
+    out = subprocess.run(
+        [sys.executable, "-m", "align.train", "--help-all"], capture_output=True, text=True, check=True
+    )
     return set(FLAG_RE.findall(out.stdout))
 
 

@@ -40,6 +40,7 @@ EXTERNAL_FLAGS = {
     "ray start": {"--head", "--address"},
     "ruff format": {"--check"},
     "vllm serve": {"--skip-tokenizer-init"},
+    "huggingface-cli download": {"--local-dir"},
 }
 
 FLAG_RE = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*")

@@ -194,6 +194,9 @@ def ref_policy_loss(cfg, lp, old, adv, mask, behav, ref, ent, total_tokens, tota
             for t in toks:
                 r = math.exp(float(lp[i, t].detach()) - float(old[i, t]))
                 per[t] = -min(max(r, 1 - el), 1 + eh) * a * lp[i, t]
+        elif cfg.name == "sapo":  # TRL get_sapo_token_loss: sigmoid(tau (r - 1)) * 4 / tau, then * -A
+            tau = cfg.sapo_tau_pos if a > 0 else cfg.sapo_tau_neg
+            per = {t: -a * 4 / tau / (1 + torch.exp(-tau * (torch.exp(lp[i, t] - old[i, t]) - 1))) for t in toks}
         else:
             per = {t: clip_obj(torch.exp(lp[i, t] - old[i, t])) for t in toks}
 
@@ -207,11 +210,11 @@ def ref_policy_loss(cfg, lp, old, adv, mask, behav, ref, ent, total_tokens, tota
             if cfg.entropy_coef:
                 term = term - cfg.entropy_coef * ent[i, t]
             terms.append(term)
-        if cfg.name == "token_mean" or cfg.name == "cispo":
+        if cfg.name in ("token_mean", "cispo", "bnpo"):  # bnpo: one call is one local batch (its own tokens)
             total = total + sum(terms) / total_tokens
         elif cfg.name == "constant_norm":
             total = total + sum(terms) / (total_seqs * cfg.max_len_norm)
-        else:  # seq_mean_token_mean, gspo
+        else:  # seq_mean_token_mean, gspo, sapo
             total = total + sum(terms) / len(toks) / total_seqs
     return total
 
@@ -241,7 +244,7 @@ CONFIGS = [
 
 
 # every (variant, config) pair except cispo + dual clip, which LossConfig rejects (tested in test_config_errors)
-LOSS_CASES = [(n, e) for e in CONFIGS for n in LOSSES if not (n == "cispo" and "dual_clip_c" in e)]
+LOSS_CASES = [(n, e) for e in CONFIGS for n in LOSSES if not (n in ("cispo", "sapo") and "dual_clip_c" in e)]
 
 
 @pytest.mark.parametrize(
@@ -272,11 +275,22 @@ def test_loss_matches_loop_reference(name, extra):
 
 
 def test_the_variants_normalise_differently():
-    # negative control for the table: the same batch gives five different losses
+    # negative control for the table: the same micro-batch (half the batch) gives a different loss per variant
     lp, old, adv, mask, *_ = make_batch(2)
     tt, ts = normalisers(mask)
-    vals = [policy_loss(LossConfig(name=n, max_len_norm=7), lp, old, adv, mask, total_tokens=tt, total_seqs=ts)[1]["loss"]
-            for n in LOSSES]  # fmt: skip
+    half = torch.tensor([0, 2])  # 5 of the batch's 9 tokens: bnpo's local token mean differs from token_mean
+    vals = [
+        policy_loss(
+            LossConfig(name=n, max_len_norm=7),
+            lp[half],
+            old[half],
+            adv[half],
+            mask[half],
+            total_tokens=tt,
+            total_seqs=ts,
+        )[1]["loss"]
+        for n in LOSSES
+    ]
     assert len({round(v, 6) for v in vals}) == len(LOSSES)
 
 
@@ -344,6 +358,58 @@ def test_gspo_and_cispo_hand():
     # loss = -1.2 * 1 * (-0.5) = 0.6, grad = -1.2 (clipped tokens still get gradient, unlike PPO)
     loss, grad, _ = one([-0.5], 1.0, LossConfig(name="cispo"), old=[-0.5 - math.log(1.5)])
     assert close(loss, 0.6) and close(grad, [-1.2])
+
+
+def test_sapo_hand():
+    # on-policy (r = 1): loss = -(4 / tau) sigmoid(0) A = -2 A / tau, gradient 4 s (1 - s) r A = r A = -A (as PPO)
+    loss, grad, _ = one([0.0], 1.0, LossConfig(name="sapo"))
+    assert close(loss, -2.0) and close(grad, [-1.0])
+    loss, grad, _ = one([0.0], -1.0, LossConfig(name="sapo"))  # A < 0: tau_neg = 1.05
+    assert close(loss, 2 / 1.05) and close(grad, [1.0])
+    # off-policy r = 3, A = 1, tau 1: s = sigmoid(2) = 0.880797; grad = -4 s (1 - s) r = -1.259929 (PPO would cut it
+    # to 0 at eps 0.2, the unclipped surrogate gives -3): the soft gate fades it
+    s = 1 / (1 + math.exp(-2))
+    loss, grad, stats = one([math.log(3.0)], 1.0, LossConfig(name="sapo"))
+    assert close(loss, -4 * s) and close(grad, [-4 * s * (1 - s) * 3]) and stats["clip_high_frac"] == 0.0
+    assert not close(grad, [0.0]) and not close(grad, [-3.0])  # negative control: neither hard clip nor no clip
+
+
+def _trl_bnpo(cfg, lp, old, adv, mask, split):
+    """TRL's bnpo: per micro-batch (a 'local batch') sum(per_token_loss * mask) / mask.sum(), averaged over the
+    gradient-accumulation steps; per_token_loss the PPO-clip term of the reference loop."""
+    total = 0.0
+    for idx in split:
+        local = [(i, t) for i in idx for t in range(lp.shape[1]) if mask[i, t]]
+        terms = []
+        for i, t in local:
+            r, a = torch.exp(lp[i, t] - old[i, t]), float(adv[i])
+            terms.append(torch.maximum(-a * r, -a * r.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)))
+        total = total + sum(terms) / max(len(local), 1)
+    return total / len(split)
+
+
+def test_bnpo_is_trls_mean_of_local_token_means():
+    cfg = LossConfig(name="bnpo")
+    lp, old, adv, mask, *_ = make_batch(4, B=6, T=4)
+    mask[1] = True  # every sequence non-empty, so equal-size micro-batches carry equal shares of sequences
+    mask[5] = torch.tensor([True, False, False, False])  # and the two micro-batches unequal token counts
+    tt, ts = normalisers(mask)
+    split = [[0, 1, 2], [3, 4, 5]]
+    theta = lp.detach().clone().requires_grad_()
+    for idx in split:
+        i = torch.tensor(idx)
+        policy_loss(cfg, theta[i], old[i], adv[i], mask[i], total_tokens=tt, total_seqs=ts)[0].backward()
+    want = _trl_bnpo(cfg, lp, old, adv, mask, split)
+    want.backward()
+    assert close(theta.grad, lp.grad)
+    # negative control: token_mean (DAPO's global token count) gives another gradient on the same split
+    mask_tokens = [int(mask[torch.tensor(idx)].sum()) for idx in split]
+    assert mask_tokens[0] != mask_tokens[1]  # the split has unequal token counts, so the two must differ
+    theta.grad = None
+    for idx in split:
+        i = torch.tensor(idx)
+        policy_loss(LossConfig(), theta[i], old[i], adv[i], mask[i], total_tokens=tt, total_seqs=ts)[0].backward()
+    assert not close(theta.grad, lp.grad, atol=1e-5)
 
 
 def test_kl_estimators_hand():
@@ -420,7 +486,7 @@ SPLITS = [
 ]
 
 
-@pytest.mark.parametrize("name", list(LOSSES))
+@pytest.mark.parametrize("name", [n for n in LOSSES if n != "bnpo"])  # bnpo depends on the split by definition
 def test_micro_batches_give_the_whole_batch_gradient(name):
     cfg = LossConfig(name=name, max_len_norm=7, kl_coef=0.05, entropy_coef=0.01, use_rho_correction=True,
                      rho_mode="seq_tis" if name == "gspo" else "token_tis", rho_cap=1.5)  # fmt: skip
@@ -555,7 +621,12 @@ def test_padding_values_do_not_leak():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"name": "ppo"}, "name='ppo' is unknown; valid: token_mean, seq_mean_token_mean, constant_norm, gspo, cispo"),
+        (
+            {"name": "ppo"},
+            "name='ppo' is unknown; valid: token_mean, seq_mean_token_mean, constant_norm, gspo, cispo, sapo, bnpo",
+        ),
+        ({"name": "sapo", "dual_clip_c": 3.0}, "no effect with name='sapo'"),
+        ({"sapo_tau_neg": 0.0}, "sapo_tau_pos / sapo_tau_neg must be > 0"),
         ({"eps_low": -0.1}, "eps_low=-0.1 must be"),
         ({"eps_high": float("nan")}, "eps_high"),
         ({"kl_estimator": "k4"}, "valid: k1, k2, k3"),

@@ -30,7 +30,7 @@ FMT_SKIP_ALLOWED: dict[str, str] = {}
 FLOORS = [
     ("stdlib base", " atomic child errors"),
     ("the algorithm", "attention model packing kernels lora grpo advantages device dist learner"),
-    ("what goes in", "char_tokenizer chat data specs verifiers reward_pool rewards"),
+    ("what goes in", "char_tokenizer chat data specs verifiers reward_calls reward_pool rewards"),
     (
         "the rollout wing",
         (
@@ -54,7 +54,7 @@ FLOORS = [
     (
         "the run wing",
         (
-            "run run.cli run.presets run.log run.plot run.safety run.checkpoint run.teacher run.config run.task "
+            "run run.fields run.help run.cli run.config_file run.advice run.presets run.log run.plot run.safety run.checkpoint run.teacher run.config run.task "
             "run.build"
         ),
     ),

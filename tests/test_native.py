@@ -371,3 +371,52 @@ def test_packed_linear_matches_the_layers(monkeypatch, layout, m):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     swapped = torch.cat([lin(x) for lin in (layers[0], layers[2], layers[1])], dim=-1)  # negative control: k|v swapped
     assert (got - swapped).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,min_p,penalty", [(1.0, 0, 0.1, 1.0), (0.7, 0, 0.0, 1.3), (1.2, 8, 0.05, 1.5), (1.0, 0, 0.0, 0.8)]
+)
+def test_min_p_and_repetition_penalty_keep_the_exact_logprob_contract(model, temperature, top_k, min_p, penalty):
+    """The sampled-distribution logprob is exactly that of transformers' own processors (live reference:
+    RepetitionPenaltyLogitsProcessor on the raw logits with the prompt and the completion so far, then temperature,
+    MinPLogitsWarper, top-k); the training basis stays log_softmax(logits / T) of the unprocessed logits."""
+    from transformers.generation.logits_process import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
+
+    params = SamplingParams(
+        n=3, temperature=temperature, top_k=top_k, min_p=min_p, repetition_penalty=penalty, max_tokens=12, seed=3
+    )
+    outs = generate(model, PROMPTS, params)
+    for c in outs:
+        p = PROMPTS[c.prompt_index]
+        ids = torch.tensor([p + c.token_ids])
+        with torch.no_grad():
+            logits = model(ids)[0, len(p) - 1 : -1]  # (T, V)
+        tgt = torch.tensor(c.token_ids)[:, None]
+        basis = (logits / temperature).log_softmax(-1).gather(-1, tgt).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(c.logprobs), basis, atol=LOGPROB_ATOL, rtol=0)
+        q = []
+        for t in range(len(c.token_ids)):
+            prefix, row = ids[:, : len(p) + t], logits[t : t + 1].clone()
+            if penalty != 1.0:
+                row = RepetitionPenaltyLogitsProcessor(penalty)(prefix, row)
+            row = row / temperature
+            if min_p > 0:
+                row = MinPLogitsWarper(min_p)(prefix, row)
+            row = native.truncate_logits(row, top_k, 1.0)
+            q.append(row.log_softmax(-1)[0, c.token_ids[t]])
+        q = torch.stack(q)
+        assert torch.isfinite(q).all()  # every sampled token lies inside the processed support
+        torch.testing.assert_close(torch.tensor(c.sampled_logprobs), q, atol=LOGPROB_ATOL, rtol=0)
+        # negative control: the processing really changes the sampled distribution's logprobs
+        assert (q - basis).abs().max() > 1e-3
+
+
+def test_repetition_penalty_changes_what_is_sampled(model):
+    plain = generate(model, PROMPTS, SamplingParams(temperature=0, max_tokens=12))
+    penalised = generate(model, PROMPTS, SamplingParams(temperature=0, max_tokens=12, repetition_penalty=3.0))
+    repeats = lambda cs: sum(len(c.token_ids) - len(set(c.token_ids)) for c in cs)
+    assert repeats(penalised) < repeats(plain)  # greedy decoding repeats less under a strong penalty
+    assert SamplingParams(repetition_penalty=1.0).to_dict().keys() == SamplingParams().to_dict().keys()
+    assert "min_p" not in SamplingParams().to_dict()  # unset: the request an older worker reads
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(min_p=1.0)

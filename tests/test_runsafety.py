@@ -141,7 +141,7 @@ def test_optimizer_state_of_another_model_is_named(tmp_path, char_model):
         ({"model": 1}, "model", "str or null"),
         ({"adam_betas": 0.9}, "adam_betas", "list of float"),
         ({"adam_betas": [0.9, "0.99"]}, "adam_betas[1]", "float"),
-        ({"loss": "token_mean"}, "loss", "object"),
+        ({"loss": 3}, "loss", "object"),  # a string is the flag --loss NAME in a --config file (flat keys)
         ({"adv": {"filter_zero_variance": "yes"}}, "adv.filter_zero_variance", "bool"),
         ({"eval": {"eval_interval": 1.0}}, "eval.eval_interval", "int"),
         ({"eval": {"eval_temperature": "0"}}, "eval.eval_temperature", "float or null"),

@@ -218,3 +218,29 @@ def test_resume_attached_to_a_running_worker_samples_the_resumed_weights(tmp_pat
             )
         diffs.append(float((a - b)[-len(c.token_ids) :].abs().max()))
     assert max(diffs) > 10 * MISMATCH_TOL, diffs
+
+
+def test_readme_worker_command_runs_on_make_tiny(tmp_path):
+    """README "With the vLLM worker" on the README's own model (examples/own_data/make_tiny.py, head_dim 32: vLLM's
+    CPU attention refuses 16) and data, with --min-p / --repetition-penalty passed through to vLLM: under
+    --rollout-logprobs-mode processed the worker's logprobs are then those of the penalised distribution, far from
+    the trainer's (the run above, unpenalised, stays within MISMATCH_TOL: the negative control)."""
+    require_rollout_venv()
+    import importlib.util
+    from pathlib import Path
+
+    from align.train import main
+
+    ex = Path(__file__).resolve().parents[1] / "examples" / "own_data"
+    spec = importlib.util.spec_from_file_location("make_tiny", ex / "make_tiny.py")
+    make_tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_tiny)
+    make_tiny.main(str(tmp_path / "tiny_model"))
+    argv = ["--model", str(tmp_path / "tiny_model"), "--train-data", str(ex / "train.jsonl")]
+    argv += ["--reward", f"{ex / 'rewards.py'}:short", "--rollout", "spool", "--out", str(tmp_path / "run")]
+    argv += ["--rollout-in-process", "--steps", "1", "--prompts-per-step", "2", "--group-size", "2"]
+    argv += ["--max-tokens", "8", "--eval-interval", "0", "--repetition-penalty", "1.5", "--min-p", "0.01"]
+    argv += ["--rollout-logprobs-mode", "processed"]
+    assert main(argv) == 0
+    rec = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert rec["step"] == 1 and rec["mismatch_abs_max"] > 10 * MISMATCH_TOL, rec["mismatch_abs_max"]

@@ -89,7 +89,7 @@ class Turns:
 
         if self.cfg.distill.distill_only:  # no reward function runs; every total is 0 (the advantage is exactly 0)
             return Scores([0.0] * len(items), {})
-        return self.scorer.score(items, stop)
+        return self.scorer.score(items, stop, [c.token_ids for c in comps])
 
     @property
     def names(self) -> list[str]:

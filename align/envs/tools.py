@@ -36,6 +36,7 @@ from typing import Any
 from align.envs import EnvError, Step
 from align.envs.sandbox import PythonLimits, python, run_python
 from align.errors import InputError
+from align.reward_calls import settle
 
 __all__ = ["Tool", "load_tools", "make_tool_env", "parse_tool_calls", "tool_schema"]
 
@@ -273,7 +274,7 @@ def _call_in_thread(fn: Callable[..., Any], args: dict, timeout_s: float) -> Any
 
     def target() -> None:
         try:
-            box["value"] = fn(**args)
+            box["value"] = settle(fn(**args), timeout_s)  # an async def tool is awaited (same timeout)
         except BaseException as e:  # noqa: BLE001 (handed to the caller, who reports it)
             box["error"] = e
 

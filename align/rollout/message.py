@@ -62,8 +62,22 @@ class SamplingParams:
     max_tokens: int = 64
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
+    min_p: float = 0.0  # 0 = off; else drop tokens below min_p * the top token's probability (after temperature)
+    repetition_penalty: float = (
+        1.0  # 1 = off; a logit of a token already in the prompt or completion: / p if > 0, * p else
+    )
+
+    @property
+    def processed(self) -> bool:
+        """The sampled distribution differs from the training basis ``log_softmax(logits / T)``: truncated (top-k,
+        top-p, min-p) or penalised (repetition)."""
+        return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0 or self.repetition_penalty != 1.0
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1) (0 = off), got {self.min_p}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"SamplingParams.repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
         if self.n < 1:
             raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
         if not (0.0 < self.top_p <= 1.0):
@@ -76,7 +90,11 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        for key, off in (("min_p", 0.0), ("repetition_penalty", 1.0)):  # unset: a request an older worker reads
+            if d[key] == off:
+                del d[key]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> SamplingParams:

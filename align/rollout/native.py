@@ -179,8 +179,18 @@ def validate_prompts(prompts: list[list[int]], vocab_size: int, context: int) ->
             )
 
 
-def truncate_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (R, V) logits outside top-k, then outside the top-p nucleus (vLLM's order). Keeps >= 1 token."""
+def penalise(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """vLLM's (CTRL's) repetition penalty on (R, V) logits: a token in ``seen`` (R, V) bool (the prompt and the
+    completion so far) has its logit divided by ``penalty`` when > 0, multiplied when <= 0."""
+    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+
+
+def truncate_logits(scaled: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """Mask (R, V) logits below ``min_p`` times the top token's probability, then outside top-k, then outside the
+    top-p nucleus (vLLM's order). Keeps >= 1 token."""
+    if min_p > 0:
+        probs = scaled.softmax(-1)  # (R, V)
+        scaled = scaled.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, float("-inf"))
     if top_k and top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]  # (R, 1)
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -199,20 +209,30 @@ def sample_next(
     generator: torch.Generator | None,
     row_id: torch.Tensor | None = None,
     total_rows: int | None = None,
+    seen: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits (R, V) -> (tokens (R,), logprobs (R,) in the training basis, sampled-distribution logprobs (R,)).
 
-    The uniforms are drawn for all ``total_rows`` original rows and indexed by ``row_id``, so a row's
+    The training basis is ``log_softmax(logits / T)`` of the model's own logits; the sampled distribution is that
+    after the repetition penalty (``seen`` (R, V): the tokens each row has seen), min-p, top-k and top-p, so the
+    third output is exactly the logprob of what was sampled from. The uniforms are drawn for all ``total_rows`` original rows and indexed by ``row_id``, so a row's
     tokens do not depend on which other rows are still running (compaction changes nothing)."""
     logits = logits.float()
+    penalised = logits
+    if seen is not None and params.repetition_penalty != 1.0:
+        penalised = penalise(logits, seen, params.repetition_penalty)
     if params.temperature == 0:
-        tok = logits.argmax(-1)
+        tok = penalised.argmax(-1)
         lp = logits.log_softmax(-1).gather(-1, tok[:, None]).squeeze(-1)
         return tok, lp, torch.zeros_like(lp)
     scaled = logits / params.temperature if params.temperature != 1.0 else logits
     logp = scaled.log_softmax(-1)  # (R, V) training basis
-    truncated = params.top_k > 0 or params.top_p < 1.0
-    logq = truncate_logits(scaled, params.top_k, params.top_p).log_softmax(-1) if truncated else logp
+    truncated = params.processed
+    if truncated:
+        scaled_q = penalised / params.temperature if penalised is not logits else scaled
+        logq = truncate_logits(scaled_q, params.top_k, params.top_p, params.min_p).log_softmax(-1)  # (R, V)
+    else:
+        logq = logp
     R, V = logq.shape
     u = torch.rand(total_rows or R, device=logq.device, generator=generator)  # one uniform per original row
     if row_id is not None:
@@ -287,6 +307,12 @@ def _generate(
     rows = torch.arange(P, device=device).repeat_interleave(n)  # (R,)
     cache.select(rows)
     logits = logits[rows]
+    seen = None  # (R, V) the tokens each row has seen, for the repetition penalty
+    if params.repetition_penalty != 1.0:
+        seen = torch.zeros(P, logits.shape[-1], dtype=torch.bool, device=device)  # (P, V)
+        for i, p in enumerate(prompts):
+            seen[i, torch.tensor(p, device=device)] = True
+        seen = seen[rows]  # (R, V)
     R = P * n
     first, total = rows_of if rows_of is not None else (0, R)
     if not 0 <= first <= total - R:
@@ -305,7 +331,9 @@ def _generate(
     full_from = context - 1 - L  # the first step at which the longest row has no position left
 
     for t in range(max_new):
-        tok, lp, slp = sample_next(logits, params, generator, draw_id, total)
+        tok, lp, slp = sample_next(logits, params, generator, draw_id, total, seen)
+        if seen is not None:
+            seen[torch.arange(tok.shape[0], device=device), tok] = True
         # Rows already done (awaiting compaction) write past their length; the final slicing drops it.
         if compacted:
             out_tok[row_id, t], out_lp[row_id, t], out_slp[row_id, t] = tok, lp, slp
@@ -331,6 +359,7 @@ def _generate(
             keep = (~done).nonzero().squeeze(-1)
             cache.select(keep)
             tok, pos, row_id, done = tok[keep], pos[keep], row_id[keep], done[keep]
+            seen = seen[keep] if seen is not None else None
             draw_id, n_done, compacted = row_id + first, 0, True
         cache.valid[:, cache.length] = True
         logits = model(tok[:, None], positions=pos[:, None], cache=cache)[:, -1]  # (R, V)

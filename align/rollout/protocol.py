@@ -98,7 +98,7 @@ def logprob_basis_warning(basis: str, params: SamplingParams) -> str | None:
     """A warning for the trainer when ``basis`` differs from the training basis under ``params``; else None."""
     if basis not in LOGPROB_BASES:
         raise ValueError(f"unknown logprob basis {basis!r}; expected one of {LOGPROB_BASES}")
-    truncated = params.top_p < 1.0 or params.top_k > 0
+    truncated = params.processed
     if basis == "raw" and params.temperature not in (0.0, 1.0):
         return (
             f"the rollout backend returns raw logprobs (before temperature) but sampling uses "
@@ -108,8 +108,9 @@ def logprob_basis_warning(basis: str, params: SamplingParams) -> str | None:
         )
     if basis == "processed" and truncated and params.temperature != 0.0:
         return (
-            f"the rollout backend returns processed logprobs with top_p={params.top_p} top_k={params.top_k}: "
-            f"they are under the truncated distribution, not the full-vocabulary training basis"
+            f"the rollout backend returns processed logprobs with top_p={params.top_p} top_k={params.top_k} "
+            f"min_p={params.min_p} repetition_penalty={params.repetition_penalty}: they are under the truncated or "
+            "penalised distribution, not the full-vocabulary training basis"
         )
     return None
 

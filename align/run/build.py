@@ -468,6 +468,8 @@ def _open_rollout(run: Run) -> None:
         top_k=cfg.top_k,
         max_tokens=cfg.max_tokens,
         stop_token_ids=run.stops,
+        min_p=cfg.min_p,
+        repetition_penalty=cfg.repetition_penalty,
     )
     if cfg.rollout == "spool" and (warning := logprob_basis_warning(run.client.logprob_basis, run.params)):
         log.warning(warning)

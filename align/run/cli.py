@@ -2,8 +2,8 @@
 
 A config is a dataclass whose fields carry ``metadata={"help": ...}``; nested dataclass fields are
 flattened with an optional prefix (``--adv-scale``). Flags are kebab-case; booleans get
-``--flag/--no-flag``. ``--config run.json`` reloads a saved config; flags given on the command line
-override it.
+``--flag/--no-flag``. ``--config run.toml`` (or .yaml / .json, a saved config.json too) reads settings from a file
+(``align.run.config_file``); flags given on the command line override it. ``--help`` and errors: ``align.run.help``.
 """
 
 from __future__ import annotations
@@ -11,59 +11,29 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import types
 import typing
 from typing import Any
 
-
-def _base_type(tp: Any) -> Any:
-    """``int | None`` -> int; ``list[int]`` -> list."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _base_type(args[0])
-    return origin or tp
-
-
-def _list_item_type(tp: Any) -> type:
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    while args and typing.get_origin(args[0]) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(args[0]) if a is not type(None)]
-    inner = typing.get_args(args[0]) if args and typing.get_origin(args[0]) is list else typing.get_args(tp)
-    return inner[0] if inner else str
-
-
-def hints_of(path: tuple[str, ...], cls: type) -> Any:
-    """The type hint of the (nested) field at ``path``."""
-    for p in path[:-1]:
-        cls = typing.get_type_hints(cls)[p]
-    return typing.get_type_hints(cls)[path[-1]]
-
-
-def _flags(cls: type, prefixes: dict[str, str], path: tuple[str, ...] = ()) -> list[tuple[str, tuple, Any, Any]]:
-    """[(flag, field path, field)] for every leaf field of ``cls``."""
-    hints = typing.get_type_hints(cls)
-    out = []
-    for f in dataclasses.fields(cls):
-        if f.name.startswith("_"):
-            continue
-        tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            out += _flags(tp, prefixes, path + (f.name,))
-            continue
-        prefix = prefixes.get(".".join(path), "")
-        name = f.name.replace("_", "-")
-        flag = path[-1] if (f.name == "name" and path) else prefix + name  # LossConfig.name -> --loss
-        out.append((flag, path + (f.name,), f, _base_type(tp)))
-    return out
+from align.run.fields import _comma_tuple, _flags, _list_item_type, check_value, hints_of
 
 
 def build_parser(cls: type, prefixes: dict[str, str], description: str = "") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--config", default=None, help="Reload a saved config.json (flags given here override it).")
+    from align.run.help import Parser, section_of
+
+    parser = Parser(description=description)
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="Read settings from a .toml, .yaml/.yml or .json file (a saved config.json too); flags given here win.",
+    )
     seen: set[str] = set()
     defaults = dataclasses.asdict(cls())
-    for flag, path, f, tp in _flags(cls, prefixes):
+    groups: dict[str, Any] = {}
+    for flag, path, f, tp in sorted(_flags(cls, prefixes), key=lambda e: section_of(e[1]) != "run"):
+        section = section_of(path)
+        if section not in groups:
+            groups[section] = parser.add_argument_group(section)
+        group = groups[section]
         if flag in seen:
             raise RuntimeError(f"two config fields map to --{flag}; give one of them a prefix")
         seen.add(flag)
@@ -78,10 +48,10 @@ def build_parser(cls: type, prefixes: dict[str, str], description: str = "") -> 
         }
         kw["help"] += f" (default: {default!r})"
         if tp is bool:
-            parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, **kw)
+            group.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, **kw)
         elif tp is list:
             # metadata {"action": "extend"}: the flag may be repeated (--reward a --reward b)
-            parser.add_argument(
+            group.add_argument(
                 f"--{flag}",
                 nargs="*",
                 type=_list_item_type(hints_of(path, cls)),
@@ -89,76 +59,12 @@ def build_parser(cls: type, prefixes: dict[str, str], description: str = "") -> 
                 **kw,
             )
         elif tp is dict:
-            parser.add_argument(f"--{flag}", type=json.loads, **kw)
+            group.add_argument(f"--{flag}", type=json.loads, **kw)
         elif tp is tuple:  # a comma list: --lean-banned native_decide,#exit
-            parser.add_argument(f"--{flag}", type=_comma_tuple, **kw)
+            group.add_argument(f"--{flag}", type=_comma_tuple, **kw)
         else:
-            parser.add_argument(f"--{flag}", type=tp, **kw)
+            group.add_argument(f"--{flag}", type=tp, **kw)
     return parser
-
-
-def _comma_tuple(text: str) -> tuple[str, ...]:
-    return tuple(w.strip() for w in text.split(",") if w.strip())
-
-
-def _type_name(tp: Any) -> str:
-    if tp is type(None):
-        return "null"
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin in (list, tuple):
-        args = typing.get_args(tp)
-        return f"list of {_type_name(args[0])}" if args else "list"
-    if dataclasses.is_dataclass(tp):
-        return f"object ({tp.__name__} section)"
-    return {bool: "bool (true/false)", int: "int", float: "float", str: "str", dict: "object"}.get(tp, str(tp))
-
-
-def check_value(key: str, value: Any, tp: Any) -> Any:
-    """``value`` checked against the annotation ``tp`` (JSON types: no implicit conversion); returns it with
-    an int widened to float where a float is expected. Raises ValueError naming the key, type and value."""
-
-    def fail() -> ValueError:
-        return ValueError(f"config key {key!r} must be {_type_name(tp)}, got {value!r} ({type(value).__name__})")
-
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        for arg in typing.get_args(tp):
-            if arg is type(None):
-                if value is None:
-                    return None
-                continue
-            try:
-                return check_value(key, value, arg)
-            except ValueError:
-                pass
-        raise fail()
-    if origin is list or tp is list:
-        if not isinstance(value, list):
-            raise fail()
-        args = typing.get_args(tp)
-        return [check_value(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)] if args else value
-    if origin is tuple:  # tuple[X, ...]: a JSON list (config.json) or a tuple (defaults, flags)
-        if not isinstance(value, (list, tuple)):
-            raise fail()
-        return tuple(check_value(f"{key}[{i}]", v, typing.get_args(tp)[0]) for i, v in enumerate(value))
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise fail()
-    elif tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise fail()
-    elif tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise fail()
-        return float(value)
-    elif tp is str or tp is dict:
-        if not isinstance(value, tp):
-            raise fail()
-    elif dataclasses.is_dataclass(tp) and not isinstance(value, (dict, tp)):
-        raise fail()
-    return value
 
 
 def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
@@ -182,25 +88,10 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
 
 
 def load_config_file(path: str) -> dict:
-    """A ``--config`` file: a UTF-8 JSON object (a saved ``config.json``); ValueError naming the file (and line)."""
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read()
-    except OSError as e:
-        raise ValueError(f"--config {path}: {e.strerror or e}") from None
-    try:
-        loaded = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        raise ValueError(f"--config {path}:{line}: not UTF-8 text (byte {raw[e.start : e.start + 1]!r})") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--config {path}:{e.lineno}: not valid JSON ({e.msg})") from None
-    if not isinstance(loaded, dict):
-        raise ValueError(  # noqa: TRY004 -- a bad file, reported as one argparse error
-            f"--config {path}: the top level must be a JSON object of settings (as in a saved config.json), "
-            f"got a {type(loaded).__name__}"
-        )
-    return loaded
+    """A ``--config`` file's top-level mapping (TOML, YAML or JSON: ``align.run.config_file``)."""
+    from align.run.config_file import read_file
+
+    return read_file(path)
 
 
 def parse(cls: type, argv: list[str] | None, prefixes: dict[str, str], description: str = "") -> Any:
@@ -211,7 +102,9 @@ def parse(cls: type, argv: list[str] | None, prefixes: dict[str, str], descripti
     config_path = args.pop("config", None)
     if config_path:
         try:
-            loaded = load_config_file(config_path)
+            from align.run.config_file import load
+
+            loaded = load(config_path, cls, prefixes)
         except ValueError as e:
             parser.error(str(e))
         base = _merge(base, loaded)

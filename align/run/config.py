@@ -43,12 +43,23 @@ class TrainConfig:
     )
     seed: int = field(default=0, metadata=_h("Seed for data order, sampling and init."))
     steps: int = field(default=100, metadata=_h("Optimizer steps."))
+    epochs: float = field(
+        default=0.0,
+        metadata=_h(
+            "Passes over the training prompts (TRL num_train_epochs); sets --steps to ceil(epochs x prompts / "
+            "--prompts-per-step) once the data is read. 0 = use --steps."
+        ),
+    )
     prompts_per_step: int = field(default=32, metadata=_h("Prompts per step (each sampled group_size times)."))
     group_size: int = field(default=8, metadata=_h("Completions per prompt (G)."))
     max_tokens: int = field(default=10, metadata=_h("Max new tokens per completion."))
     temperature: float = field(default=1.0, metadata=_h("Sampling temperature (also the training logprob basis)."))
     top_p: float = field(default=1.0, metadata=_h("Nucleus sampling mass."))
     top_k: int = field(default=0, metadata=_h("Top-k sampling (0 = off)."))
+    min_p: float = field(default=0.0, metadata=_h("Min-p sampling: drop tokens below min_p x the top one's (0 = off)."))
+    repetition_penalty: float = field(
+        default=1.0, metadata=_h("vLLM's repetition penalty on tokens already seen (1 = off; > 1 discourages).")
+    )
     behaviour_logprobs: str = field(
         default="sampled",
         metadata=_h(
@@ -336,7 +347,7 @@ def check_train_values(cfg: object) -> None:
         raise bad("top-p", cfg.top_p, "the nucleus mass must be in (0, 1] (1 = off)")
     if not (0 <= cfg.min_lr_ratio <= 1):
         raise bad("min-lr-ratio", cfg.min_lr_ratio, "must be in [0, 1]")
-    for key in ("weight_decay", "grad_clip"):
+    for key in ("weight_decay", "grad_clip", "epochs"):
         v = getattr(cfg, key)
         if not (math.isfinite(v) and v >= 0):
             raise bad(key.replace("_", "-"), v, "must be a finite number >= 0 (0 = off)")

@@ -25,6 +25,7 @@ class MetricsLog:
         self.path = path
         self.records: list[dict] = []
         self.sinks: list[Any] = []  # optional mirrors (``make_logger``); this file stays the source of truth
+        self.said: set[str] = set()  # the warnings of align.run.advice already logged
         if path.exists():
             for line in path.read_text().splitlines():
                 try:
@@ -36,6 +37,9 @@ class MetricsLog:
             atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in self.records))
 
     def write(self, record: dict) -> None:
+        from align.run.advice import truncation_warning, warn_once
+
+        warn_once("cut", truncation_warning(record), self.said)  # once: most completions cut at --max-tokens
         self.records.append(record)
         with open(self.path, "a") as fh:
             fh.write(json.dumps(record) + "\n")

@@ -120,7 +120,9 @@ def parse(
     loaded: dict = {}
     if given.get("config"):
         try:
-            loaded = cli.load_config_file(given["config"])
+            from align.run.config_file import load
+
+            loaded = load(given["config"], cls, prefixes)
         except ValueError:
             loaded = {}  # cli.parse reports it
     name = given.get("preset", loaded.get("preset", "none") if isinstance(loaded, dict) else "none")

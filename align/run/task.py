@@ -89,7 +89,7 @@ def env_task(
     environment class from ``--env`` (a name of ``align.tasks.ENVIRONMENTS`` or ``file.py:Class``) / ``env=`` (or the
     tool environment from ``--tools`` / ``tools=``), the tokenizer of the model (or ``--tokenizer``), rewards optional
     (they score the final assistant message and add)."""
-    from align.data import load_tokenizer, read_rows
+    from align.data import load_tokenizer, read_rows, with_template_kwargs
     from align.envs.runner import load_env_class
     from align.envs.sampler import check_env
 
@@ -121,6 +121,7 @@ def env_task(
             located, eval_prompts = located + evals, [row for _, row in evals]
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.data.tokenizer or model_path, model_path)
+    with_template_kwargs(tokenizer, cfg.data.chat_template_kwargs)
     rows = [dict(r) for r in prompts]
     if not rows:
         raise InputError("no rows to train on (--train-data is empty)")
@@ -144,11 +145,17 @@ def env_task(
     return task, model_path
 
 
-def as_records(prompts: list) -> list[dict]:
+def as_records(prompts: list, tokenizer: Any = None, prompt_key: str = "prompt") -> list[dict]:
+    """The Python API's prompts as records: a str, a dict with a 'prompt' str, or a chat row (``messages`` or a chat
+    list under ``prompt_key``) rendered with the tokenizer's chat template, as the CLI reads ``--train-data``."""
+    from align.data import to_record
+
     out = []
     for i, p in enumerate(prompts):
-        rec = {"prompt": p} if isinstance(p, str) else dict(p)
-        if not isinstance(rec.get("prompt"), str):
+        rec = {"prompt": p} if isinstance(p, str) else dict(p) if isinstance(p, dict) else p
+        if isinstance(rec, dict) and not isinstance(rec.get("prompt"), str):  # a chat row
+            rec = to_record(rec, f"prompts[{i}]", prompt_key, getattr(tokenizer, "chat_template", None))
+        if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
             raise ValueError(f"prompt {i} must be a str or a dict with a 'prompt' str, got {type(p).__name__}")  # noqa: TRY004
         out.append(rec)
     if not out:
@@ -156,7 +163,19 @@ def as_records(prompts: list) -> list[dict]:
     return out
 
 
-def resolve_task(
+def resolve_task(*args: Any, **kwargs: Any) -> tuple[Task, str]:
+    """``find_task`` (the arguments are its), then ``--epochs`` turned into ``--steps`` from the task's rows and
+    ``--lr`` checked against the model's size (``align.run.advice``)."""
+    from align.run.advice import check_lr
+
+    task, model_path = find_task(*args, **kwargs)
+    cfg = args[0] if args else kwargs["cfg"]
+    apply_epochs(cfg, len(task.prompts))
+    check_lr(cfg, model_path, set())  # a user's large checkpoint at a toy lr: said once, before the model loads
+    return task, model_path
+
+
+def find_task(
     cfg: TrainConfig,
     model: str | None,
     tokenizer: Any,
@@ -184,9 +203,28 @@ def resolve_task(
         )
     if prompts is None:
         return dist.main_first(lambda: builtin_task(cfg))
-    evals = as_records(eval_prompts) if eval_prompts else []
-    task = Task(as_records(prompts), tokenizer, reward, evals, ids and tuple(ids))
+    key = cfg.data.prompt_key
+    if prompts is not None and cfg.data.chat_template_kwargs and not cfg.data.train_data:  # the Python API's rows
+        from align.data import with_template_kwargs
+
+        with_template_kwargs(tokenizer, cfg.data.chat_template_kwargs)
+    evals = as_records(eval_prompts, tokenizer, key) if eval_prompts else []
+    task = Task(as_records(prompts, tokenizer, key), tokenizer, reward, evals, ids and tuple(ids))
     model_path = model or cfg.model
     if model_path is None:
         raise ValueError("no model: pass model=<HF checkpoint dir> or --model")
     return task, model_path
+
+
+def apply_epochs(cfg: TrainConfig, n_prompts: int) -> None:
+    """``--epochs E``: ``cfg.steps`` = ceil(E * prompts / ``--prompts-per-step``), said once (TRL counts epochs)."""
+    if cfg.epochs > 0:
+        import math
+
+        steps = max(1, math.ceil(cfg.epochs * n_prompts / cfg.prompts_per_step))
+        print(
+            f"[align] --epochs {cfg.epochs:g}: {n_prompts} prompts / --prompts-per-step {cfg.prompts_per_step} "
+            f"-> --steps {steps}" + (f" (was {cfg.steps})" if cfg.steps != steps else ""),
+            flush=True,
+        )
+        cfg.steps = steps

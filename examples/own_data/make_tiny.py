@@ -43,12 +43,12 @@ def main(out: str) -> None:
     cfg = ModelConfig(
         model_type="qwen2",
         vocab_size=tok.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=128,
+        intermediate_size=256,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=32,  # vLLM's CPU attention refuses head_dim 16 (32, 64, ... run)
         qkv_bias=True,
         max_position_embeddings=256,
         eos_token_id=eos,

@@ -230,6 +230,7 @@ class Worker(Commands):
                     for j in range(params.n):
                         sp = VSP(
                             n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                            min_p=params.min_p, repetition_penalty=params.repetition_penalty,
                             max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids),
                             ignore_eos=True,  # stop only on the requested ids, as the native sampler does
                             seed=sample_seed(params.seed, first + i, j), logprobs=0, detokenize=False,
@@ -302,7 +303,7 @@ class Worker(Commands):
         lps = [float(o.logprobs[k][t].logprob) for k, t in enumerate(ids)]
         if o.finish_reason not in ("stop", "length"):
             raise RuntimeError(f"vLLM finished a sequence with reason {o.finish_reason!r}")
-        truncated = params.top_p < 1.0 or params.top_k > 0
+        truncated = params.processed  # top-k / top-p / min-p / repetition penalty
         exact = self.basis == "processed" or (params.temperature == 1.0 and not truncated)
         return P.Completion(
             prompt_index, sample_index, ids, lps, o.finish_reason,
