@@ -54,23 +54,13 @@ def train(
 
     ``stop_flag`` (set by ``main``'s signal handlers: {"signal": signum}) makes the loop checkpoint after
     the current step and return early with ``summary["interrupted"] = signum``."""
-    from align import dist, learner
+    from align import dist
     from align.advantages import compute_advantages
     from align.rollout.pipeline import Interrupted
-    from align.run.build import open_run
+    from align.run.build import Given, open_run
 
-    run = open_run(
-        cfg,
-        model=model,
-        tokenizer=tokenizer,
-        prompts=prompts,
-        reward=reward,
-        eval_prompts=eval_prompts,
-        env=env,
-        tools=tools,
-        stop_flag=stop_flag,
-    )
-    with run:  # closes pipeline, client, scorer, logs and worker; drains the evaluator
+    run = open_run(cfg, Given(model, tokenizer, prompts, reward, eval_prompts, env, tools), stop_flag)
+    with run:  # closes the pipeline, rollout backend, scorer and logs; drains the evaluator
         run.emit(run.baseline())  # the step-0 eval, once per run
         run.stop_flag["loop"] = True  # from here a signal stops after the current step (before: main raises)
         while run.step < cfg.steps:
@@ -83,34 +73,20 @@ def train(
                 run.checkpointer.save(run.step, force=run.step > 0)  # unless committed already
                 break
             groups = produced.groups
-            scores = groups.tensors(cfg.group_size)  # (P, G) total, terms, lengths, truncated; NaN = unscorable
-            run.check_rewards(groups, run.step + 1)
+            scores = run.scores(groups)  # (P, G) total, terms, lengths, truncated; NaN = unscorable
             # 4. advantages
             adv, valid, adv_stats = compute_advantages(
                 scores.total, cfg.adv, lengths=scores.lengths, truncated=scores.truncated, max_tokens=cfg.max_tokens
             )
             # 5. loss / backward / optimizer step(s) (align.learner: fused logprobs, micro-batches, global normalisers)
-            upd = learner.update(
-                run.policy,
-                run.ref_model,
-                run.opt,
-                cfg,
-                run.place,
-                run.prompt_ids(groups),
-                groups.completions,
-                adv,
-                valid,
-                run.teacher,
-            )
-            run.sched.step()
+            upd = run.learner.update(run.batch(groups, adv, valid))
             run.step += 1
             # 6. weights to the rollout engine (every backend, every K; nothing to do for the native sampler at K = 0)
             sync_s = run.pipe.publish(run.step, run.policy)
-            # 7. log
+            # 7. log (then stop at --max-nonfinite-steps, before any checkpoint)
             rec = step_record(run.step, produced, scores, upd, adv_stats, async_stats, sync_s, cfg, run.sched)
             rec["step_time"] = time.monotonic() - t0
-            run.log(rec, groups, scores, adv)
-            run.nonfinite.add(upd, run.step)  # stops the run at --max-nonfinite-steps, before any checkpoint
+            run.log(rec, groups, scores, adv, upd)
             # 8. eval and checkpoint: each decides its own cadence
             is_final = run.step == cfg.steps
             run.emit(run.eval_step(run.step, is_final))

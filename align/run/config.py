@@ -21,6 +21,7 @@ from align.lean.config import LeanConfig
 from align.lean.corrections import CorrectionConfig
 from align.lora import LoraConfig
 from align.rewards import RewardConfig
+from align.rollout.backends import RolloutConfig
 from align.run.cli import from_dict
 from align.run.log import LogConfig
 from align.run.presets import PRESET_NAMES
@@ -32,7 +33,9 @@ def _h(text: str) -> Any:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(RolloutConfig):
+    """Every setting of a run; the rollout section (``--rollout``, ``--spool``, ...) is ``RolloutConfig``'s, flat."""
+
     out: str = field(default="runs/reverse", metadata=_h("Run directory: config, metrics, checkpoints, plot."))
     model: str | None = field(
         default=None,
@@ -127,61 +130,6 @@ class TrainConfig:
         default="auto",
         metadata=_h("Token logprob kernel: auto (triton on CUDA, chunked torch elsewhere), torch, triton, reference."),
     )
-    rollout: str = field(
-        default="native", metadata=_h("Rollout backend: 'native' (in-process) or 'spool' (vLLM worker).")
-    )
-    spool: str | None = field(default=None, metadata=_h("Spool dir for --rollout spool (default {out}/spool)."))
-    spawn_worker: bool = field(
-        default=True, metadata=_h("With --rollout spool, start the vLLM worker (else attach to a running one).")
-    )
-    rollout_gpu: int | None = field(default=None, metadata=_h("GPU for the spawned vLLM worker (None = CPU build)."))
-    rollout_logprobs_mode: str = field(
-        default="raw",
-        metadata=_h(
-            "vLLM worker logprobs: 'raw' (before temperature; exact at T=1) or 'processed' (after temperature/top-p/top-k)."
-        ),
-    )
-    rollout_in_process: bool = field(
-        default=False,
-        metadata=_h(
-            "Run the spawned vLLM engine in the worker's own process (faster start on CPU; the default is vLLM's multiprocess engine)."
-        ),
-    )
-    rollout_timeout_s: float = field(default=600.0, metadata=_h("Max seconds to wait for a rollout answer."))
-    rollout_num_engines: int = field(
-        default=1,
-        metadata=_h("vLLM engines behind the spool; > 1 runs them as Ray actors (extras/vllm_rollout/fleet.py)."),
-    )
-    rollout_engine_restarts: int = field(
-        default=1, metadata=_h("With --rollout-num-engines > 1: restarts of dead engines, fleet total.")
-    )
-    rollout_ray: bool = field(
-        default=False,
-        metadata=_h(
-            "Serve the spool with the Ray fleet even for one engine (implied by --rollout-num-engines > 1 or "
-            "--ray-address). With it, --eval-num-gpus engines are Ray actors in the same placement group's appended "
-            "bundles behind their own router, instead of separate spool workers."
-        ),
-    )
-    ray_address: str | None = field(
-        default=None,
-        metadata=_h(
-            "Ray cluster for the rollout fleet (multi-node; the run directory must be on a shared filesystem)."
-        ),
-    )
-    sync_every: int = field(default=1, metadata=_h("Publish weights to the spool worker every N optimizer steps."))
-    max_async_steps: int = field(
-        default=0,
-        metadata=_h(
-            "Asynchronous rollouts: generate up to K steps ahead of the trainer; step t trains on rollouts of the weights after step max(0, t-1-K). 0 = synchronous."
-        ),
-    )
-    max_inflight_requests: int | None = field(
-        default=None,
-        metadata=_h(
-            "Max completions outstanding at the rollout engine per request (whole groups; a group is never split). None = one request per batch."
-        ),
-    )
     checkpoint_every: int = field(
         default=20, metadata=_h("Checkpoint every N steps (and at the end); 0 = only at the end.")
     )
@@ -263,13 +211,13 @@ class TrainConfig:
             if getattr(self, k) < 1:
                 raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(self, k)}")
         choices = {
-            "rollout": ("native", "spool"),
             "lr_schedule": ("constant", "linear", "cosine"),
             "behaviour_logprobs": ("sampled", "full"),
             "rollout_logprobs_mode": ("raw", "processed"),
             "logprob_backend": ("auto", "torch", "triton", "reference"),
             "preset": PRESET_NAMES,
         }
+        self.check_rollout()  # the backend is a row of BACKENDS (align.rollout.backends)
         for k, allowed in choices.items():
             if getattr(self, k) not in allowed:
                 raise ValueError(f"--{k.replace('_', '-')} must be one of {allowed}, got {getattr(self, k)!r}")
@@ -293,15 +241,6 @@ class TrainConfig:
         from align.learner import check_config
 
         check_config(self)
-
-    @property
-    def uses_ray(self) -> bool:
-        """The spawned rollout worker (``--rollout spool --spawn-worker``) is the Ray fleet (``fleet.py``)."""
-        return (
-            self.rollout == "spool"
-            and self.spawn_worker
-            and (self.rollout_num_engines > 1 or self.rollout_ray or self.ray_address is not None)
-        )
 
 
 CLI_PREFIXES = {
