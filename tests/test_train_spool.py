@@ -66,7 +66,6 @@ def test_lean_episodes_on_the_spool_worker_train_on_what_vllm_sampled(prover, tm
     the lean/* counts add up to the turns verified, step 2 draws a correction prompt from step 1's failures, and
     every compiled proof (and the #print axioms of each accepted one) reached a stand-in REPL process."""
     require_rollout_venv()
-    import inspect
     from collections import Counter
 
     from helpers_lean import STATEMENT, lean_rows, standin

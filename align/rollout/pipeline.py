@@ -291,8 +291,9 @@ class RolloutPipeline:
                 if before is not None:
                     self.cursor.update(before)  # what the checkpoint of step t-1 stores
                 raise
-            if self.engine is not None:  # a spool worker: every answer from the weights this run published last
-                check_weights_version(batch.completions, self.published, self.client.spool.root)
+            if self.engine is not None:  # a backend's engine: every answer from the weights this run published last
+                where = getattr(getattr(self.client, "spool", None), "root", type(self.client).__name__)
+                check_weights_version(batch.completions, self.published, where)
             return Produced(t, self.published, batch, seconds=time.perf_counter() - t0), {}
         self.start()
         t0 = time.monotonic()

@@ -291,7 +291,7 @@ def _open_eval(run: Run) -> None:
     from align.eval import EvalSet, make_evaluator
     from align.eval.evaluator import Evaluator
     from align.eval.fleet import EvalFleet
-    from align.eval.metrics import score_completions, scored
+    from align.eval.metrics import score_completions
     from align.rollout.protocol import SamplingParams
 
     cfg, policy, place, task = run.cfg, run.policy, run.place, run.task
@@ -307,13 +307,7 @@ def _open_eval(run: Run) -> None:
     )
     eval_set = None
     if run.eval_encoded:
-
-        def score(i: int, ids: list[int]) -> Any:
-            return scored(
-                *run.scorer.score([(task.eval_prompts[i], run.completion_text(ids))]).item(0), run.pass_reward
-            )
-
-        eval_set = EvalSet(run.eval_encoded, score, eval_sampling, name=run.task_name)
+        eval_set = EvalSet(run.eval_encoded, run.score_eval, eval_sampling, name=run.task_name)
 
     if task.env is not None and task.eval_prompts:  # held-out episodes (align.run.episodes), in this process
         eval_set = EvalSet(
@@ -340,15 +334,6 @@ def _open_eval(run: Run) -> None:
                 comps = generate(policy, run.eval_encoded, eval_sampling)
         return score_completions(run.eval_encoded, comps, eval_set.score, eval_sampling.n)
 
-    def export(path: str) -> None:
-        # LoRA: the adapter (the fleet serves it on the base model); merged for a CheckpointEvalFn's own backend
-        lora.save_policy(
-            run.eval_weights.pop() if dist.active() else policy,
-            path,
-            merge=cfg.eval.eval_function_path is not None,
-            copy_tokenizer_from=cfg.data.tokenizer or run.model_path,
-        )
-
     eval_cfg = cfg.eval
     if eval_set is None and not eval_cfg.uses_snapshots and eval_cfg.eval_interval > 0:
         log.info("no held-out prompts: in-process eval is off (pass eval_prompts=... or --eval-data to evaluate)")
@@ -360,9 +345,9 @@ def _open_eval(run: Run) -> None:
     run.evaluator = make_evaluator(
         eval_cfg,
         eval_set,
-        export_fn=export,
+        export_fn=run.export_eval,
         blocking_eval_fn=blocking_eval if eval_set else None,
-        should_stop=lambda: bool(run.stop_flag.get("signal")),
+        should_stop=run.signalled,
         reserved_gpus=[cfg.rollout_gpu],
         run_id=run.run_id,
         fleet=EvalFleet.on_ray_router(cfg.eval, run.ray_eval, run.worker) if run.ray_eval else None,
@@ -413,7 +398,7 @@ def _open_pipeline(run: Run) -> None:
 
     snapshots = run.out / "rollout_snapshots"
     run.pipe = make_pipeline(cfg, collect, run.rollout, run.step, run.cursor.state, run.pending, snapshots)
-    run.pipe.should_stop = lambda: run.stop_flag.get("signal")  # its waits end on a signal (align.rollout.pipeline)
+    run.pipe.should_stop = run.signalled  # its waits end on a signal (align.rollout.pipeline)
     run.evaluator = pinned_evaluator(run.pipe, run.evaluator, run.eval_set, cfg)  # K >= 1: eval on the engine
     if dist.is_main():
         run.progress = Progress(cfg.steps, start=run.step)

@@ -152,6 +152,27 @@ class Run:
             self.eval_weights[:] = [dist.full_model(self.policy, to_main_cpu=True)]  # a collective: all ranks
         return self.evaluator.step(step, is_final) + self.evaluator.poll()
 
+    def signalled(self) -> bool:
+        """A signal arrived (``main``'s handlers): the evaluator and the pipeline's waits end on it."""
+        return bool(self.stop_flag.get("signal"))
+
+    def score_eval(self, i: int, ids: list[int]) -> Any:
+        """Held-out prompt ``i``'s completion ``ids`` scored, with the reward that decides pass@k."""
+        from align.eval.metrics import scored
+
+        text = self.completion_text(ids)
+        return scored(*self.scorer.score([(self.task.eval_prompts[i], text)]).item(0), self.pass_reward)
+
+    def export_eval(self, path: str) -> None:
+        """An eval point's snapshot. LoRA: the adapter (the fleet serves it on the base model); merged for a
+        CheckpointEvalFn's own backend. torchrun: the weights rank 0 gathered (``eval_step``)."""
+        lora.save_policy(
+            self.eval_weights.pop() if dist.active() else self.policy,
+            path,
+            merge=self.cfg.eval.eval_function_path is not None,
+            copy_tokenizer_from=self.cfg.data.tokenizer or self.model_path,
+        )
+
     def write_plot(self) -> None:
         if dist.is_main():
             write_plot(self.out / "plot.svg", self.records, title=f"{self.plot_title}: {self.out.name}")
