@@ -33,32 +33,9 @@ def _h(text: str) -> Any:
 
 
 @dataclass
-class TrainConfig(RolloutConfig):
-    """Every setting of a run; the rollout section (``--rollout``, ``--spool``, ...) is ``RolloutConfig``'s, flat."""
+class OptimConfig:
+    """The optimizer, its schedule and the non-finite guard: the settings ``align.train`` and ``align.sft`` share."""
 
-    out: str = field(default="runs/reverse", metadata=_h("Run directory: config, metrics, checkpoints, plot."))
-    model: str | None = field(
-        default=None,
-        metadata=_h("HF checkpoint dir (Llama/Qwen2/Qwen3). None: the built-in task's warm-started model."),
-    )
-    task: str = field(
-        default="reverse", metadata=_h("Built-in task used when no prompts/reward are passed ('reverse').")
-    )
-    seed: int = field(default=0, metadata=_h("Seed for data order, sampling and init."))
-    steps: int = field(default=100, metadata=_h("Optimizer steps."))
-    prompts_per_step: int = field(default=32, metadata=_h("Prompts per step (each sampled group_size times)."))
-    group_size: int = field(default=8, metadata=_h("Completions per prompt (G)."))
-    max_tokens: int = field(default=10, metadata=_h("Max new tokens per completion."))
-    temperature: float = field(default=1.0, metadata=_h("Sampling temperature (also the training logprob basis)."))
-    top_p: float = field(default=1.0, metadata=_h("Nucleus sampling mass."))
-    top_k: int = field(default=0, metadata=_h("Top-k sampling (0 = off)."))
-    behaviour_logprobs: str = field(
-        default="sampled",
-        metadata=_h(
-            "Sampler logprob used as mu for rho: 'sampled' (the truncated distribution actually sampled from) or 'full' (full-vocabulary)."
-        ),
-    )
-    lr: float = field(default=5e-4, metadata=_h("Peak AdamW learning rate."))
     warmup_steps: int = field(default=3, metadata=_h("Linear LR warm-up steps."))
     lr_schedule: str = field(
         default="constant", metadata=_h("After warm-up: 'constant', 'linear' or 'cosine' decay to min_lr_ratio.")
@@ -74,6 +51,12 @@ class TrainConfig(RolloutConfig):
             "(nonfinite_steps); the run stops with an error once this many were skipped."
         ),
     )
+
+
+@dataclass
+class ComputeConfig:
+    """Where and how the model computes (device, precision, micro-batches, torchrun): shared with ``align.sft``."""
+
     micro_batch_size: int = field(
         default=64, metadata=_h("Completions per forward/backward; never changes the result.")
     )
@@ -88,15 +71,6 @@ class TrainConfig(RolloutConfig):
         metadata=_h(
             "Learner forwards on packed rows: each group's prompt once, its completions after it, no padding (the same gradients); --no-pack-sequences pads every completion to its micro-batch's longest row."
         ),
-    )
-    updates_per_batch: int = field(
-        default=1,
-        metadata=_h(
-            "Passes over each batch (PPO epochs, TRL num_iterations); old logprobs are computed once before the first."
-        ),
-    )
-    mini_batches: int = field(
-        default=1, metadata=_h("Optimizer steps per pass: the batch is split into this many mini-batches.")
     )
     device: str = field(
         default="auto", metadata=_h("Training device: auto (CUDA when available), cpu, cuda or cuda:N.")
@@ -123,13 +97,18 @@ class TrainConfig(RolloutConfig):
             "torch CPU threads; 0 = auto: OMP_NUM_THREADS when set, else the CPUs this process may use (split between torchrun's local ranks)."
         ),
     )
-    dtype: str | None = field(
-        default=None, metadata=_h("Deprecated alias of --precision: float32 = fp32, bfloat16 = bf16.")
-    )
     logprob_backend: str = field(
         default="auto",
         metadata=_h("Token logprob kernel: auto (triton on CUDA, chunked torch elsewhere), torch, triton, reference."),
     )
+
+
+@dataclass
+class SaveConfig:
+    """Nucleus / top-k sampling, checkpoints and the ``--save-hf`` export: shared with ``align.sft``."""
+
+    top_p: float = field(default=1.0, metadata=_h("Nucleus sampling mass."))
+    top_k: int = field(default=0, metadata=_h("Top-k sampling (0 = off)."))
     checkpoint_every: int = field(
         default=20, metadata=_h("Checkpoint every N steps (and at the end); 0 = only at the end.")
     )
@@ -151,6 +130,45 @@ class TrainConfig(RolloutConfig):
     )
     merge_lora: bool = field(
         default=False, metadata=_h("With LoRA, --save-hf writes a merged full HF checkpoint instead of the adapter.")
+    )
+
+
+@dataclass
+class TrainConfig(RolloutConfig, SaveConfig, ComputeConfig, OptimConfig):
+    """Every setting of a run; the rollout section (``--rollout``, ``--spool``, ...) is ``RolloutConfig``'s, flat."""
+
+    out: str = field(default="runs/reverse", metadata=_h("Run directory: config, metrics, checkpoints, plot."))
+    model: str | None = field(
+        default=None,
+        metadata=_h("HF checkpoint dir (Llama/Qwen2/Qwen3). None: the built-in task's warm-started model."),
+    )
+    task: str = field(
+        default="reverse", metadata=_h("Built-in task used when no prompts/reward are passed ('reverse').")
+    )
+    seed: int = field(default=0, metadata=_h("Seed for data order, sampling and init."))
+    steps: int = field(default=100, metadata=_h("Optimizer steps."))
+    prompts_per_step: int = field(default=32, metadata=_h("Prompts per step (each sampled group_size times)."))
+    group_size: int = field(default=8, metadata=_h("Completions per prompt (G)."))
+    max_tokens: int = field(default=10, metadata=_h("Max new tokens per completion."))
+    temperature: float = field(default=1.0, metadata=_h("Sampling temperature (also the training logprob basis)."))
+    behaviour_logprobs: str = field(
+        default="sampled",
+        metadata=_h(
+            "Sampler logprob used as mu for rho: 'sampled' (the truncated distribution actually sampled from) or 'full' (full-vocabulary)."
+        ),
+    )
+    lr: float = field(default=5e-4, metadata=_h("Peak AdamW learning rate."))
+    updates_per_batch: int = field(
+        default=1,
+        metadata=_h(
+            "Passes over each batch (PPO epochs, TRL num_iterations); old logprobs are computed once before the first."
+        ),
+    )
+    mini_batches: int = field(
+        default=1, metadata=_h("Optimizer steps per pass: the batch is split into this many mini-batches.")
+    )
+    dtype: str | None = field(
+        default=None, metadata=_h("Deprecated alias of --precision: float32 = fp32, bfloat16 = bf16.")
     )
     eval_prompts: int = field(default=200, metadata=_h("Held-out prompts of the built-in task for eval."))
     warm_start_steps: int = field(default=800, metadata=_h("Supervised warm-start steps of the built-in task's model."))
