@@ -20,6 +20,7 @@ Adding a backend is a file with its entry class and a row here; a test may regis
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,9 +93,23 @@ class RolloutConfig:
     )
 
     def check_rollout(self) -> None:
-        """The backend exists, and its own rules hold (``TrainConfig.__post_init__`` calls this)."""
+        """This section's values, the backend a row of ``BACKENDS`` and its own rules (``TrainConfig.__post_init__``
+        calls this; the async settings against the group size are ``align.rollout.pipeline.check_config``'s)."""
+        for k in ("sync_every", "rollout_num_engines"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(self, k)}")
         if self.rollout not in BACKENDS:
             raise ValueError(f"--rollout must be one of {tuple(BACKENDS)}, got {self.rollout!r}")
+        if self.rollout_logprobs_mode not in ("raw", "processed"):
+            raise ValueError(
+                f"--rollout-logprobs-mode must be one of ('raw', 'processed'), got {self.rollout_logprobs_mode!r}"
+            )
+        if not (math.isfinite(self.rollout_timeout_s) and self.rollout_timeout_s > 0):
+            raise ValueError(f"--rollout-timeout-s {self.rollout_timeout_s!r} is invalid: must be a finite number > 0")
+        if self.rollout_gpu is not None and self.rollout_gpu < 0:
+            raise ValueError(
+                f"--rollout-gpu {self.rollout_gpu!r} is invalid: must be a GPU index >= 0 (or unset for the CPU build)"
+            )
         BACKENDS[self.rollout].check(self)
 
     @property

@@ -219,8 +219,6 @@ class TrainConfig(RolloutConfig, SaveConfig, ComputeConfig, OptimConfig):
             "group_size",
             "max_tokens",
             "micro_batch_size",
-            "sync_every",
-            "rollout_num_engines",
             "updates_per_batch",
             "mini_batches",
             "max_nonfinite_steps",
@@ -231,11 +229,10 @@ class TrainConfig(RolloutConfig, SaveConfig, ComputeConfig, OptimConfig):
         choices = {
             "lr_schedule": ("constant", "linear", "cosine"),
             "behaviour_logprobs": ("sampled", "full"),
-            "rollout_logprobs_mode": ("raw", "processed"),
             "logprob_backend": ("auto", "torch", "triton", "reference"),
             "preset": PRESET_NAMES,
         }
-        self.check_rollout()  # the backend is a row of BACKENDS (align.rollout.backends)
+        self.check_rollout()  # its section's values; the backend is a row of BACKENDS (align.rollout.backends)
         for k, allowed in choices.items():
             if getattr(self, k) not in allowed:
                 raise ValueError(f"--{k.replace('_', '-')} must be one of {allowed}, got {getattr(self, k)!r}")
@@ -285,7 +282,7 @@ def check_train_values(cfg: object) -> None:
     def bad(flag: str, value: object, need: str) -> ValueError:
         return ValueError(f"--{flag} {value!r} is invalid: {need}")
 
-    for key in ("lr", "temperature", "rollout_timeout_s"):
+    for key in ("lr", "temperature"):
         v = getattr(cfg, key)
         if not (math.isfinite(v) and v > 0):
             raise bad(key.replace("_", "-"), v, "must be a finite number > 0")
@@ -310,8 +307,6 @@ def check_train_values(cfg: object) -> None:
     ):
         if getattr(cfg, key) < 0:
             raise bad(key.replace("_", "-"), getattr(cfg, key), "must be >= 0")
-    if cfg.rollout_gpu is not None and cfg.rollout_gpu < 0:
-        raise bad("rollout-gpu", cfg.rollout_gpu, "must be a GPU index >= 0 (or unset for the CPU build)")
     if cfg.group_size < 2:
         raise bad(
             "group-size",
