@@ -1,11 +1,12 @@
-"""Opening a training run: ``open_run(cfg, ...) -> Run``, everything ``align.train.train``'s loop calls, built once.
+"""Opening a training run: ``open_run(cfg, given, stop_flag) -> Run``, everything ``align.train.train``'s loop calls, built once.
 
 Order (each step uses only what the steps before it made): validate the paths and the task (data, rewards,
 tokenizer: bad input fails here, before the model loads); write ``config.json`` (a resumed run refuses changed
 math); the policy, its reference and the resumed checkpoint; the optimizer and schedule; the run files; the rollout
-client (native sampler, or a spool worker it spawns or attaches to); the evaluator; the rollout pipeline that the
-loop asks for each step's groups. ``Run.close()`` tears it down in reverse (pipeline, client, scorer, logs, worker),
-after draining the evaluator.
+backend (``--rollout``, a row of ``align.rollout.backends.BACKENDS``: the native sampler, or a spool worker it spawns
+or attaches to); the evaluator; the rollout pipeline that the loop asks for each step's groups. The parts and the
+``Run`` that holds them are ``align.run.parts``'; ``Run.close()`` tears them down in reverse (pipeline, rollout
+backend, scorer, logs), after draining the evaluator.
 
 Each component owns its cadence: ``Checkpointer.save(step, last_step=, force=)`` decides whether a checkpoint is
 due, ``Run.eval_step`` asks the evaluator, ``RolloutPipeline.publish`` the rollout engine. Rank-0-only work under
