@@ -56,3 +56,18 @@ def test_a_backend_owns_its_config_rules(monkeypatch):
         TrainConfig(rollout="toy", spool="/tmp/x")
     with pytest.raises(ValueError, match=r"--rollout must be one of \('native', 'spool', 'toy'\), got 'nope'"):
         TrainConfig(rollout="nope")
+
+
+def test_spawn_worker_takes_one_spec_and_keywords_override_it(tmp_path):
+    """``spawn_worker(spool, spec, **fields)``: the spec's values are checked (before any process starts), a keyword
+    replaces the spec's field, and the seed's keyword call ``spawn_worker(spool, gpu=3, log_path=...)`` still works."""
+    from align.rollout.client import WorkerSpec, spawn_worker
+
+    spec = WorkerSpec(engines=0, venv=tmp_path / "no-venv")
+    with pytest.raises(ValueError, match="got 0, 1, 1"):
+        spawn_worker(tmp_path / "spool", spec)
+    with pytest.raises(RuntimeError, match="rollout venv missing"):  # engines=1 replaced the spec's 0
+        spawn_worker(tmp_path / "spool", spec, engines=1)
+    with pytest.raises(RuntimeError, match="rollout venv missing"):
+        spawn_worker(tmp_path / "spool", gpu=3, log_path=tmp_path / "w.log", venv=tmp_path / "no-venv")
+    assert spec.engines == 0  # the caller's spec is never modified
