@@ -20,6 +20,7 @@ import logging
 import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -204,7 +205,7 @@ def load_policy(cfg: Any, place: Any, model_path: str, out: Path) -> tuple[torch
     from align.device import resolve_threads
 
     load = model_lib.load_pretrained  # looked up at call time (tests patch align.model.load_pretrained)
-    resume = dist.main_first(lambda: ckpt.pick(out / "checkpoints", cfg.resume_from))  # rank 0 moves later ones aside
+    resume = dist.main_first(partial(ckpt.pick, out / "checkpoints", cfg.resume_from))  # rank 0 moves later ones aside
     if cfg.lora.enabled:
         policy = load(model_path, dtype=place.param_dtype, device=place.device)
         lora.apply_lora(policy, cfg.lora, base_model=model_path, seed=cfg.seed)
