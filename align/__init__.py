@@ -12,7 +12,7 @@ import circle anywhere: ``FLOORS`` in ``tests/test_layout.py`` lists every modul
   ``align.run``).
 - ``align.run``: a run directory and its life: ``config`` (TrainConfig), ``cli`` (+ ``help``: grouped ``--help``,
   one-line errors; ``config_file``: ``--config`` TOML / YAML / JSON), ``presets``, ``advice`` (warnings), ``build``
-  (``open_run() -> Run``), ``checkpoint`` (single-process and DCP), ``safety``, ``log``, ``plot``, ``task``,
+  (``open_run() -> Run``), ``parts`` (``Run``, ``Learner``, ``Checkpointer``), ``checkpoint`` (single-process and DCP), ``safety``, ``log``, ``plot``, ``task``,
   ``teacher`` (on-policy distillation's teacher).
 - ``align.eval``: held-out evaluation (blocking, snapshot dispatch, fleets, pinned epochs) and its metrics.
 - ``align.tasks``: the built-in tasks and environments (``TASKS``, ``ENVIRONMENTS``, the ``TaskModule`` protocol; ``reverse``, ``multiturn``) and their warm
@@ -22,7 +22,8 @@ import circle anywhere: ``FLOORS`` in ``tests/test_layout.py`` lists every modul
   ``tools``, ``sandbox``) and ``align.lean`` (the Lean environment, its verifier and correction queue).
 - ``align.rollout``: prompts -> scored groups: ``process``, ``message`` (one spool message, stdlib), ``spool`` (its
   transport, stdlib), ``protocol`` (the data contract, stdlib: the vLLM worker's one import, re-exporting both),
-  ``native`` (the sampler), ``cpu_kernel``, ``sessions``, ``client``, ``teacher_logprobs`` (the ``score`` request,
+  ``native`` (the sampler), ``cpu_kernel``, ``sessions``, ``client``, ``backends`` (the ``BACKENDS``
+  table), ``teacher_logprobs`` (the ``score`` request,
   stdlib), ``watcher``, ``groups`` (``Episode``, ``Groups``), ``engines``, ``pipeline``.
 - what goes in: ``data``, ``chat`` (HF tokenizer, chat template, turns), ``char_tokenizer``, ``specs`` (loading
   ``module:name`` / ``file.py:name``), ``rewards`` (+ ``reward_pool``: the worker processes;

@@ -1,5 +1,5 @@
 """The loss/backward part of a GRPO step: batch tensors on the device, fused token logprobs, micro-batches,
-several updates per batch. ``align.train`` calls ``update`` once per step.
+several updates per batch. ``align.train`` calls ``Learner.update(batch)`` (``align.run.parts``) once per step.
 
 Key decisions
 - No (N, V) logits: the model returns its final hidden states and ``align.kernels.linear_token_logprobs`` fuses the
@@ -98,11 +98,20 @@ def sequence_batch(prompt_ids: list[list[int]], completions: list, G: int, devic
     )
 
 
-def make_batch(
-    prompt_ids: list[list[int]], completions: list, adv: Tensor, valid: Tensor, cfg: Any, device: torch.device
-) -> Batch:
+class StepBatch(NamedTuple):
+    """One step's groups as the learner takes them: each group's prompt ids (``[]`` for an episode, which carries its
+    own), the completions, and the (P, G) advantages and validity."""
+
+    prompt_ids: list[list[int]]
+    completions: list
+    adv: Tensor
+    valid: Tensor
+
+
+def make_batch(step: StepBatch, cfg: Any, device: torch.device) -> Batch:
     """The step's ``Batch``: invalid completions (``valid`` False, (P, G)) are masked out; ``adv`` is (P, G)."""
-    inputs, targets, mask, full_lp, sampled_lp = sequence_batch(prompt_ids, completions, cfg.group_size, device)
+    completions, adv, valid = step.completions, step.adv, step.valid
+    inputs, targets, mask, full_lp, sampled_lp = sequence_batch(step.prompt_ids, completions, cfg.group_size, device)
     pi = torch.tensor([c.prompt_index for c in completions])
     si = torch.tensor([c.sample_index for c in completions])
     flat_valid = valid[pi, si].to(device)  # (N,)
@@ -535,24 +544,6 @@ def summarise(per_update: list[dict[str, float]], K: int) -> dict[str, float]:
     for k in ("num_tokens", "num_seqs"):
         out[k] /= K
     return out
-
-
-def update(
-    policy: torch.nn.Module,
-    ref_model: torch.nn.Module | None,
-    opt: torch.optim.Optimizer,
-    cfg: Any,
-    place: Placement,
-    prompt_ids: list[list[int]],
-    completions: list,
-    adv: Tensor,
-    valid: Tensor,
-    teacher: Teacher | None = None,
-) -> Update:
-    """The learning part of one training step: the step's batch on ``place.device``, then ``optimize``."""
-    return optimize(
-        policy, ref_model, opt, cfg, place, make_batch(prompt_ids, completions, adv, valid, cfg, place.device), teacher
-    )
 
 
 # ------------------------------------------------------------------------------------------------ supervised (align.sft)

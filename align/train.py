@@ -23,19 +23,18 @@ from __future__ import annotations
 
 import logging
 import math
-import signal
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
-from align.data import InputError
+from align.run.cli import SIGNAL_EXIT, run_main, stop_on_signals
 from align.run.config import CLI_PREFIXES, TrainConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CLI_PREFIXES", "TrainConfig", "main", "step_record", "train"]
-SIGNAL_EXIT = {signal.SIGTERM: 143, signal.SIGINT: 130}
+__all__ = ["CLI_PREFIXES", "SIGNAL_EXIT", "TrainConfig", "main", "step_record", "stop_on_signals", "train"]
 
 
 def train(
@@ -54,23 +53,13 @@ def train(
 
     ``stop_flag`` (set by ``main``'s signal handlers: {"signal": signum}) makes the loop checkpoint after
     the current step and return early with ``summary["interrupted"] = signum``."""
-    from align import dist, learner
+    from align import dist
     from align.advantages import compute_advantages
     from align.rollout.pipeline import Interrupted
-    from align.run.build import open_run
+    from align.run.build import Given, open_run
 
-    run = open_run(
-        cfg,
-        model=model,
-        tokenizer=tokenizer,
-        prompts=prompts,
-        reward=reward,
-        eval_prompts=eval_prompts,
-        env=env,
-        tools=tools,
-        stop_flag=stop_flag,
-    )
-    with run:  # closes pipeline, client, scorer, logs and worker; drains the evaluator
+    run = open_run(cfg, Given(model, tokenizer, prompts, reward, eval_prompts, env, tools), stop_flag)
+    with run:  # closes the pipeline, rollout backend, scorer and logs; drains the evaluator
         run.emit(run.baseline())  # the step-0 eval, once per run
         run.stop_flag["loop"] = True  # from here a signal stops after the current step (before: main raises)
         while run.step < cfg.steps:
@@ -83,34 +72,20 @@ def train(
                 run.checkpointer.save(run.step, force=run.step > 0)  # unless committed already
                 break
             groups = produced.groups
-            scores = groups.tensors(cfg.group_size)  # (P, G) total, terms, lengths, truncated; NaN = unscorable
-            run.check_rewards(groups, run.step + 1)
+            scores = run.scores(groups)  # (P, G) total, terms, lengths, truncated; NaN = unscorable
             # 4. advantages
             adv, valid, adv_stats = compute_advantages(
                 scores.total, cfg.adv, lengths=scores.lengths, truncated=scores.truncated, max_tokens=cfg.max_tokens
             )
             # 5. loss / backward / optimizer step(s) (align.learner: fused logprobs, micro-batches, global normalisers)
-            upd = learner.update(
-                run.policy,
-                run.ref_model,
-                run.opt,
-                cfg,
-                run.place,
-                run.prompt_ids(groups),
-                groups.completions,
-                adv,
-                valid,
-                run.teacher,
-            )
-            run.sched.step()
+            upd = run.learner.update(run.batch(groups, adv, valid))
             run.step += 1
             # 6. weights to the rollout engine (every backend, every K; nothing to do for the native sampler at K = 0)
             sync_s = run.pipe.publish(run.step, run.policy)
-            # 7. log
+            # 7. log (then stop at --max-nonfinite-steps, before any checkpoint)
             rec = step_record(run.step, produced, scores, upd, adv_stats, async_stats, sync_s, cfg, run.sched)
             rec["step_time"] = time.monotonic() - t0
-            run.log(rec, groups, scores, adv)
-            run.nonfinite.add(upd, run.step)  # stops the run at --max-nonfinite-steps, before any checkpoint
+            run.log(rec, groups, scores, adv, upd)
             # 8. eval and checkpoint: each decides its own cadence
             is_final = run.step == cfg.steps
             run.emit(run.eval_step(run.step, is_final))
@@ -185,54 +160,11 @@ def print_summary(s: dict) -> None:
     )
 
 
-def stop_on_signals(stop_flag: dict) -> dict:
-    """SIGTERM / SIGINT handlers for a training loop: before the loop (``stop_flag["loop"]`` unset) a signal raises
-    ``Interrupted``; in it, the loop finishes the step, checkpoints and returns; a second signal stops at once.
-    Returns the previous handlers (restore them with ``signal.signal``)."""
-    from align.rollout.pipeline import Interrupted
-
-    def on_signal(signum, frame):
-        if stop_flag.get("signal"):  # second signal: stop now
-            raise KeyboardInterrupt
-        stop_flag["signal"] = signum
-        if not stop_flag.get("loop"):  # setup (warm start, data, templates, model load): nothing to save yet
-            print(f"\n[align] got signal {signum} before the first step: exiting", flush=True)
-            raise Interrupted(signum)
-        print(f"\n[align] got signal {signum}: finishing this step, writing a checkpoint, then exiting", flush=True)
-
-    return {s: signal.signal(s, on_signal) for s in SIGNAL_EXIT}
-
-
 def main(argv: list[str] | None = None) -> int:
-    from align.learner import NonFiniteError
-    from align.rollout.pipeline import Interrupted
-    from align.run.checkpoint import CheckpointError
     from align.run.presets import parse
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = parse(TrainConfig, argv, CLI_PREFIXES, description=__doc__.split("\n\n")[0])
-    stop_flag: dict = {}
-    old = stop_on_signals(stop_flag)
-    try:
-        summary = train(cfg, stop_flag=stop_flag)
-    except (InputError, CheckpointError) as e:  # bad input (before the model loads); a checkpoint that cannot resume
-        print(f"align.train: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except Interrupted as e:  # a signal during setup; the run's parts are closed (open_run, ``with run``)
-        return SIGNAL_EXIT[e.signum]
-    except NonFiniteError as e:  # --max-nonfinite-steps reached; the last checkpoint is intact
-        print(f"align.train: error: {e}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-    from align.dist import is_main
-
-    if is_main():  # torchrun: one summary line
-        print_summary(summary)
-    if summary["interrupted"]:
-        return SIGNAL_EXIT[summary["interrupted"]]
-    return 0
+    description = __doc__.split("\n\n")[0]
+    return run_main("align.train", partial(parse, TrainConfig, argv, CLI_PREFIXES, description), train, print_summary)
 
 
 if __name__ == "__main__":

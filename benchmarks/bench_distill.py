@@ -109,7 +109,7 @@ def summary(starts: dict[str, tuple[float, dict[float, dict[str, int | None]]]])
 
 
 def scoring_cost(student: str, teacher: str, repeats: int, work: Path, skip_worker: bool) -> None:
-    from align.learner import make_batch
+    from align.learner import StepBatch, make_batch
     from align.model import load_pretrained
     from align.rollout.client import make_rollout_client, spawn_worker
     from align.rollout.native import generate
@@ -122,7 +122,7 @@ def scoring_cost(student: str, teacher: str, repeats: int, work: Path, skip_work
     prompts = [tok.encode(p["prompt"]) for p in reverse.prompts(P, "train")]
     params = SamplingParams(n=G, max_tokens=12, stop_token_ids=[tok.eos_token_id], seed=0)
     comps = generate(load_pretrained(student), prompts, params)
-    batch = make_batch(prompts, comps, torch.zeros(P, G), torch.ones(P, G, dtype=torch.bool), cfg, "cpu")
+    batch = make_batch(StepBatch(prompts, comps, torch.zeros(P, G), torch.ones(P, G, dtype=torch.bool)), cfg, "cpu")
 
     def median_s(fn) -> float:
         fn()  # warm-up

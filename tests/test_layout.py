@@ -17,10 +17,9 @@ ALIGN = ROOT / "align"
 EXTRAS = ROOT / "extras" / "vllm_rollout"
 
 MAX_FILE_LINES = 600
-MAX_TRAIN_LINES = 82
-# A module allowed past MAX_FILE_LINES, with the most lines it may have and why. Temporary: another engineer splits
-# align/run/build.py (issue 37, 617 lines once ruff formats it); the lead removes this row on merge.
-LONG_FILES = {"align/run/build.py": 617}
+MAX_TRAIN_LINES = 60
+# A module allowed past MAX_FILE_LINES, with the most lines it may have and why. None: split a module instead.
+LONG_FILES: dict[str, int] = {}
 # Where '# fmt: skip' / '# fmt: off' may stay (an aligned table that reads better so), with the reason; never to meet
 # a size budget. None today: every one was dropped in 0b49000.
 FMT_SKIP_ALLOWED: dict[str, str] = {}
@@ -35,7 +34,7 @@ FLOORS = [
         "the rollout wing",
         (
             "rollout rollout.process rollout.message rollout.spool rollout.protocol rollout.cpu_kernel rollout.native "
-            "rollout.sessions rollout.client rollout.watcher rollout.teacher_logprobs rollout.groups rollout.engines "
+            "rollout.sessions rollout.client rollout.watcher rollout.teacher_logprobs rollout.groups rollout.engines rollout.backends "
             "rollout.pipeline"
         ),
     ),
@@ -54,7 +53,7 @@ FLOORS = [
     (
         "the run wing",
         (
-            "run run.fields run.help run.cli run.config_file run.advice run.presets run.log run.plot run.safety run.checkpoint run.teacher run.config run.task "
+            "run run.parts run.fields run.help run.cli run.config_file run.advice run.presets run.log run.plot run.safety run.checkpoint run.teacher run.config run.task "
             "run.build"
         ),
     ),

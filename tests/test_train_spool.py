@@ -54,12 +54,10 @@ def test_lean_episodes_on_the_spool_worker_train_on_what_vllm_sampled(prover, tm
     the lean/* counts add up to the turns verified, step 2 draws a correction prompt from step 1's failures, and
     every compiled proof (and the #print axioms of each accepted one) reached a stand-in REPL process."""
     require_rollout_venv()
-    import inspect
     from collections import Counter
 
     from helpers_lean import STATEMENT, lean_rows, standin
 
-    from align import learner
     from align.chat import TurnRenderer
     from align.data import load_tokenizer
     from align.lean import goedel
@@ -67,7 +65,9 @@ def test_lean_episodes_on_the_spool_worker_train_on_what_vllm_sampled(prover, tm
     from align.train import main
 
     returned: Counter = Counter()  # (prompt ids, completion ids, logprobs) of every completion the worker returned
-    real_generate, real_update = SpoolClient.generate, learner.update
+    from align.run.parts import Learner
+
+    real_generate, real_update = SpoolClient.generate, Learner.update
     trained: list[list] = []  # per step: the episodes the learner got
 
     def generate(self, prompts, params, **kw):
@@ -75,12 +75,12 @@ def test_lean_episodes_on_the_spool_worker_train_on_what_vllm_sampled(prover, tm
         returned.update((tuple(prompts[c.prompt_index]), tuple(c.token_ids), tuple(c.logprobs)) for c in out)
         return out
 
-    def update(*a, **k):
-        trained.append(list(inspect.signature(real_update).bind(*a, **k).arguments["completions"]))
-        return real_update(*a, **k)
+    def update(self, batch):
+        trained.append(list(batch.completions))
+        return real_update(self, batch)
 
     monkeypatch.setattr(SpoolClient, "generate", generate)
-    monkeypatch.setattr(learner, "update", update)
+    monkeypatch.setattr(Learner, "update", update)
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in lean_rows(4)))
     calls = tmp_path / "repl_calls.jsonl"

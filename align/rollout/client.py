@@ -18,6 +18,7 @@ ranks (``align.dist``). Import cost: stdlib only; the native and sharded backend
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -387,36 +388,44 @@ class WorkerHandle:
             raise RuntimeError(f"rollout worker process group {self.pid} survived SIGKILL")
 
 
-def spawn_worker(
-    spool: str | os.PathLike,
-    gpu: int | None = None,
-    log_path: str | os.PathLike | None = None,
-    model: str | os.PathLike | None = None,
-    *,
-    weights_version: int = 0,
-    max_model_len: int = 2048,
-    dtype: str = "auto",
-    logprobs_mode: str = "raw",
-    in_process: bool = False,
-    cache_dir: str | os.PathLike | None = None,
-    venv: str | os.PathLike | None = None,
-    extra_args: list[str] | tuple[str, ...] = (),
-    env: dict[str, str] | None = None,
-    wait_ready: bool = True,
-    ready_timeout_s: float = 900.0,
-    exit_with_parent: bool = True,
-    engines: int = 1,
-    gpus_per_engine: int = 1,
-    engine_restarts: int = 1,
-    ray_address: str | None = None,
-    use_fleet: bool | None = None,
-    eval_engines: int = 0,
-    eval_gpus_per_engine: int = 1,
-    eval_spool: str | os.PathLike | None = None,
-    eval_model: str | os.PathLike | None = None,
-    eval_weights_version: int | None = None,
-) -> WorkerHandle:
-    """Launch ``rollout_worker.py`` under ``.venv-rollout`` on ``model`` serving ``spool``.
+@dataclasses.dataclass
+class WorkerSpec:
+    """How ``spawn_worker`` starts a worker (every field but the spool; see its docstring)."""
+
+    gpu: int | None = None
+    log_path: str | os.PathLike | None = None
+    model: str | os.PathLike | None = None
+    weights_version: int = 0
+    max_model_len: int = 2048
+    dtype: str = "auto"
+    logprobs_mode: str = "raw"
+    in_process: bool = False
+    cache_dir: str | os.PathLike | None = None
+    venv: str | os.PathLike | None = None
+    extra_args: list[str] | tuple[str, ...] = ()
+    env: dict[str, str] | None = None
+    wait_ready: bool = True
+    ready_timeout_s: float = 900.0
+    exit_with_parent: bool = True
+    engines: int = 1
+    gpus_per_engine: int = 1
+    engine_restarts: int = 1
+    ray_address: str | None = None
+    use_fleet: bool | None = None
+    eval_engines: int = 0
+    eval_gpus_per_engine: int = 1
+    eval_spool: str | os.PathLike | None = None
+    eval_model: str | os.PathLike | None = None
+    eval_weights_version: int | None = None
+
+    def keywords(self) -> dict[str, Any]:
+        """The fields as ``spawn_worker`` keywords (shallow: paths and lists as they are)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def spawn_worker(spool: str | os.PathLike, spec: WorkerSpec | None = None, **fields: Any) -> WorkerHandle:
+    """Launch ``rollout_worker.py`` under ``.venv-rollout`` on ``spec.model`` serving ``spool``; ``fields`` override
+    the spec's (``spawn_worker(spool, gpu=3, log_path=..., model=...)``).
 
     Checks the venv, spool and model directory before starting anything. ``in_process`` runs vLLM's
     engine core in the worker process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; faster to start on CPU).
@@ -434,41 +443,43 @@ def spawn_worker(
     start (after the rollout engines) on ``eval_model`` (default: ``model``), which must therefore outlive the
     start, reporting ``eval_weights_version`` (default: ``weights_version``) until their first load.
     """
-    if engines < 1 or gpus_per_engine < 1 or engine_restarts < 0:
+    s = dataclasses.replace(spec or WorkerSpec(), **fields)
+    if s.engines < 1 or s.gpus_per_engine < 1 or s.engine_restarts < 0:
         raise ValueError(
-            f"engines >= 1, gpus_per_engine >= 1, engine_restarts >= 0 needed; got {engines}, {gpus_per_engine}, "
-            f"{engine_restarts}"
+            f"engines >= 1, gpus_per_engine >= 1, engine_restarts >= 0 needed; got {s.engines}, {s.gpus_per_engine}, "
+            f"{s.engine_restarts}"
         )
-    venv = Path(venv) if venv is not None else Path(os.environ.get("ALIGN_ROLLOUT_VENV", DEFAULT_VENV))
+    venv = Path(s.venv) if s.venv is not None else Path(os.environ.get("ALIGN_ROLLOUT_VENV", DEFAULT_VENV))
     python = venv / "bin" / "python"
     if not python.exists():
         raise RuntimeError(f"rollout venv missing: {python} does not exist. Build it with `{SETUP_HINT}`")
-    if model is None:
+    if s.model is None:
         raise ValueError("spawn_worker needs model=<HF checkpoint directory>")
-    model = check_hf_dir(model)
+    model = check_hf_dir(s.model)
     sp = Spool(spool).ensure()
-    log_path = Path(log_path) if log_path is not None else sp.root / "worker.log"
+    log_path = Path(s.log_path) if s.log_path is not None else sp.root / "worker.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    cache_dir = cache_dir or os.environ.get("ALIGN_ROLLOUT_CACHE") or REPO_ROOT / ".cache" / "rollout"
-    if eval_engines and eval_spool is None:
-        raise ValueError(f"eval_engines={eval_engines} needs eval_spool=<directory> for the eval router")
-    fleet = use_fleet if use_fleet is not None else engines > 1 or ray_address is not None or eval_engines > 0
+    cache_dir = s.cache_dir or os.environ.get("ALIGN_ROLLOUT_CACHE") or REPO_ROOT / ".cache" / "rollout"
+    if s.eval_engines and s.eval_spool is None:
+        raise ValueError(f"eval_engines={s.eval_engines} needs eval_spool=<directory> for the eval router")
+    fleet = s.use_fleet if s.use_fleet is not None else s.engines > 1 or s.ray_address is not None or s.eval_engines > 0
     cmd = [str(python), str(FLEET_SCRIPT if fleet else WORKER_SCRIPT), "--spool", str(sp.root.resolve())]
     cmd += ["--model", str(model.resolve())]
     if fleet:
-        cmd += ["--rollout-engines", str(engines), "--rollout-gpus-per-engine", str(gpus_per_engine)]
-        cmd += ["--rollout-engine-restarts", str(engine_restarts), "--engine-start-timeout-s", str(ready_timeout_s)]
-        cmd += ["--ray-address", ray_address] if ray_address else []
-        if eval_engines:
-            cmd += ["--eval-num-gpus", str(eval_engines * eval_gpus_per_engine)]
-            cmd += ["--eval-num-gpus-per-engine", str(eval_gpus_per_engine)]
-            cmd += ["--eval-spool", str(Spool(eval_spool).ensure().root.resolve())]
-            cmd += ["--eval-model", str(check_hf_dir(eval_model).resolve())] if eval_model is not None else []
-            cmd += ["--eval-weights-version", str(eval_weights_version)] if eval_weights_version is not None else []
-    cmd += ["--weights-version", str(weights_version), "--max-model-len", str(max_model_len), "--dtype", dtype]
-    cmd += ["--logprobs-mode", logprobs_mode, "--log-path", str(log_path.resolve()), *extra_args]
-    wenv = worker_env(env, gpu=None if fleet else gpu, cache_dir=cache_dir, in_process=in_process)
-    read_fd, write_fd = os.pipe() if exit_with_parent else (None, None)
+        cmd += ["--rollout-engines", str(s.engines), "--rollout-gpus-per-engine", str(s.gpus_per_engine)]
+        cmd += ["--rollout-engine-restarts", str(s.engine_restarts), "--engine-start-timeout-s", str(s.ready_timeout_s)]
+        cmd += ["--ray-address", s.ray_address] if s.ray_address else []
+        if s.eval_engines:
+            cmd += ["--eval-num-gpus", str(s.eval_engines * s.eval_gpus_per_engine)]
+            cmd += ["--eval-num-gpus-per-engine", str(s.eval_gpus_per_engine)]
+            cmd += ["--eval-spool", str(Spool(s.eval_spool).ensure().root.resolve())]
+            cmd += ["--eval-model", str(check_hf_dir(s.eval_model).resolve())] if s.eval_model is not None else []
+            ver = s.eval_weights_version
+            cmd += ["--eval-weights-version", str(ver)] if ver is not None else []
+    cmd += ["--weights-version", str(s.weights_version), "--max-model-len", str(s.max_model_len), "--dtype", s.dtype]
+    cmd += ["--logprobs-mode", s.logprobs_mode, "--log-path", str(log_path.resolve()), *s.extra_args]
+    wenv = worker_env(s.env, gpu=None if fleet else s.gpu, cache_dir=cache_dir, in_process=s.in_process)
+    read_fd, write_fd = os.pipe() if s.exit_with_parent else (None, None)
     if read_fd is not None:
         cmd += ["--parent-pid", str(os.getpid()), "--parent-fd", str(read_fd)]
     try:
@@ -494,8 +505,8 @@ def spawn_worker(
             os.close(read_fd)
     handle = WorkerHandle(proc, sp, log_path, parent_fd=write_fd)
     log.info("spawned rollout worker pid %d on %s (log %s)", proc.pid, model, log_path)
-    if wait_ready:
-        handle.wait_ready(ready_timeout_s)
+    if s.wait_ready:
+        handle.wait_ready(s.ready_timeout_s)
     return handle
 
 

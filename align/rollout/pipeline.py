@@ -48,12 +48,9 @@ from align.errors import Interrupted  # also raised by the reward scoring
 from align.rewards import Scores
 from align.rollout.engines import (
     WAIT_POLL_S,
-    NativeEngine,
     PermitClient,
     Permits,
     SpoolEngine,
-    SyncSpool,
-    save_snapshot,
     split_requests,
 )
 from align.rollout.groups import Episode, Groups
@@ -293,8 +290,9 @@ class RolloutPipeline:
                 if before is not None:
                     self.cursor.update(before)  # what the checkpoint of step t-1 stores
                 raise
-            if self.engine is not None:  # a spool worker: every answer from the weights this run published last
-                check_weights_version(batch.completions, self.published, self.client.spool.root)
+            if self.engine is not None:  # a backend's engine: every answer from the weights this run published last
+                where = getattr(getattr(self.client, "spool", None), "root", type(self.client).__name__)
+                check_weights_version(batch.completions, self.published, where)
             return Produced(t, self.published, batch, seconds=time.perf_counter() - t0), {}
         self.start()
         t0 = time.monotonic()
@@ -539,34 +537,29 @@ def check_weights_version(completions: list, expected: int, spool: object) -> No
 def make_pipeline(
     cfg: Any,
     collect: Callable[[int, int, Any], Groups],
-    policy: Any,
-    client: Any,
+    rollout: Any,
     step: int,
     cursor: dict,
     pending: list[dict],
     snapshots: Path,
 ) -> RolloutPipeline:
-    """The pipeline of a ``TrainConfig``: synchronous for ``max_async_steps == 0`` (a spool worker synced through
-    ``{snapshots}/v{N}`` every ``--sync-every`` steps), else a producer on the backend's engine (native: a copy of
-    ``policy``; spool: ``client`` loading ``{snapshots}/v{N}``)."""
+    """The pipeline of a ``TrainConfig`` on an opened rollout backend (``align.rollout.backends``): synchronous for
+    ``max_async_steps == 0`` (the backend's weight publication, e.g. a spool worker synced through ``{snapshots}/v{N}``
+    every ``--sync-every`` steps), else a producer on the backend's engine."""
     K = cfg.max_async_steps
     if K == 0:
-        sync = SyncSpool(client, snapshots, step, cfg.sync_every) if cfg.rollout == "spool" else None
+        engine = rollout.engine(cfg, step, snapshots)
         return RolloutPipeline(
-            0, collect, engine=sync, client=client, start_step=step, last_step=cfg.steps, cursor=cursor
+            0, collect, engine=engine, client=rollout.client, start_step=step, last_step=cfg.steps, cursor=cursor
         )
     from align import dist
 
     if dist.active():
         raise ValueError("--max-async-steps > 0 is not supported under torchrun yet; use --max-async-steps 0")
-    if cfg.rollout == "native":
-        engine: Any = NativeEngine(policy, step)
-    else:
-        engine = SpoolEngine(client, snapshots, step, save_snapshot, cfg.rollout_timeout_s)
     return RolloutPipeline(
         K,
         collect,
-        engine=engine,
+        engine=rollout.engine(cfg, step, snapshots),
         start_step=step,
         last_step=cfg.steps,
         cursor=cursor,

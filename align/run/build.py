@@ -1,11 +1,12 @@
-"""Opening a training run: ``open_run(cfg, ...) -> Run``, everything ``align.train.train``'s loop calls, built once.
+"""Opening a training run: ``open_run(cfg, given, stop_flag) -> Run``, everything ``align.train.train``'s loop calls, built once.
 
 Order (each step uses only what the steps before it made): validate the paths and the task (data, rewards,
 tokenizer: bad input fails here, before the model loads); write ``config.json`` (a resumed run refuses changed
 math); the policy, its reference and the resumed checkpoint; the optimizer and schedule; the run files; the rollout
-client (native sampler, or a spool worker it spawns or attaches to); the evaluator; the rollout pipeline that the
-loop asks for each step's groups. ``Run.close()`` tears it down in reverse (pipeline, client, scorer, logs, worker),
-after draining the evaluator.
+backend (``--rollout``, a row of ``align.rollout.backends.BACKENDS``: the native sampler, or a spool worker it spawns
+or attaches to); the evaluator; the rollout pipeline that the loop asks for each step's groups. The parts and the
+``Run`` that holds them are ``align.run.parts``'; ``Run.close()`` tears them down in reverse (pipeline, rollout
+backend, scorer, logs), after draining the evaluator.
 
 Each component owns its cadence: ``Checkpointer.save(step, last_step=, force=)`` decides whether a checkpoint is
 due, ``Run.eval_step`` asks the evaluator, ``RolloutPipeline.publish`` the rollout engine. Rank-0-only work under
@@ -17,9 +18,9 @@ from __future__ import annotations
 import json
 import logging
 import random
-import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,8 @@ from align import model as model_lib
 from align.run import checkpoint as ckpt
 from align.run import safety
 from align.run.config import TrainConfig, lr_lambda
-from align.run.log import MetricsLog, Progress, check_logger, format_line, make_logger, sample_groups
-from align.run.plot import write_plot
+from align.run.log import MetricsLog, Progress, check_logger, make_logger
+from align.run.parts import Learner, Run
 from align.run.task import resolve_task
 from align.run.teacher import check_teacher, open_teacher
 
@@ -77,200 +78,32 @@ class DataCursor:
         return idx
 
 
-# ------------------------------------------------------------------------------------------------ checkpoints
-
-
-class Checkpointer:
-    """Writes ``{out}/checkpoints/step_N`` when due: every ``--checkpoint-every`` steps, at the last step, or when
-    forced (a signal). torchrun: each rank writes its DCP shards, rank 0 commits (``align.run.checkpoint``)."""
-
-    def __init__(self, run: Run) -> None:
-        self.run = run
-
-    def save(self, step: int, *, last_step: bool = False, force: bool = False) -> bool:
-        r, every = self.run, self.run.cfg.checkpoint_every
-        due = last_step or (every and step % every == 0)
-        if not (due or force) or (not due and (r.out / "checkpoints" / f"step_{step}").is_dir()):
-            return False  # forced but committed already: a signal while the next step waited for its rollouts
-        extra = {"scheduler": r.sched.state_dict(), "nonfinite_steps": r.nonfinite.count, **r.checkpoint_state(step)}
-        ckpt.save_any(r.out / "checkpoints", step, r.policy, r.opt, extra, r.cfg.keep_checkpoints)
-        r.write_plot()
-        return True
-
-
-# ------------------------------------------------------------------------------------------------ the run
-
-
-class Run:
-    """Everything a training run holds between ``open_run`` and ``close``; the loop's stages call into it."""
-
-    cfg: TrainConfig
-    out: Path
-    plot_title = "align GRPO"
-
-    def __init__(self, cfg: TrainConfig, stop_flag: dict) -> None:
-        self.cfg, self.stop_flag, self.out = cfg, stop_flag, Path(cfg.out)
-        self.t_start = time.monotonic()
-        self.worker = self.client = self.scorer = self.pipe = self.out_lock = self.spool_lock = self.sampler = None
-        self.teacher: Any = None  # on-policy distillation (align.run.teacher)
-        self.metrics: Any = None
-        self.samples: Any = None
-        self.progress: Any = dist.RankLog()
-        self.first_error: list[str] = []
-        self.eval_weights: list = []  # torchrun: the eval step's weights, gathered to rank 0's CPU by every rank
-        self.checkpointer = Checkpointer(self)
-        self.step = 0
-
-    # ---------------------------------------------------------------------- per-step helpers
-
-    def prompt_ids(self, groups: Any) -> list[list[int]]:
-        return self.sampler.prompt_ids(groups.idx)
-
-    def completion_text(self, ids: list[int]) -> str:
-        return self.task.tokenizer.decode(ids[:-1] if ids and ids[-1] in self.stops else ids)
-
-    def checkpoint_state(self, step: int) -> dict:
-        """What a checkpoint after ``step`` keeps besides the weights, optimizer and schedule: the data cursor and
-        (K >= 1) the rollout pipeline's pending batches."""
-        return self.pipe.checkpoint_state(step, self.cursor.state)
-
-    def check_rewards(self, groups: Any, step: int) -> None:
-        groups.check_reward_failures(step, self.first_error)
-
-    def emit(self, records: list[dict]) -> None:
-        for r in records:
-            self.metrics.write(r)
-            if dist.is_main():
-                print(format_line(r), flush=True)
-
-    def log(self, rec: dict, groups: Any, scores: Any, adv: torch.Tensor) -> None:
-        """The step's record to metrics.jsonl and the progress line; sample groups every --log-completions-every."""
-        rec.update(self.sampler.metrics(groups.completions))  # an environment's own metrics (its metrics hook)
-        self.metrics.write(rec)
-        self.progress.update(rec["step"], format_line(rec))
-        every = self.cfg.log.log_completions_every
-        if every and rec["step"] % every == 0:
-            rows = self.task.prompts  # an index past the rows is a drawn row of an environment's own (episodes show it)
-            prompts = [rows[i].get("prompt", "") if i < len(rows) else "" for i in groups.idx]
-            for r in sample_groups(
-                rec["step"],
-                prompts,
-                groups.completions,
-                groups.texts,
-                scores.total,
-                adv,
-                scores.terms,
-                self.cfg.log.log_completions_groups,
-            ):
-                self.samples.write(r)
-
-    def eval_step(self, step: int, is_final: bool) -> list[dict]:
-        """Due evals of ``step`` (the evaluator decides) and finished ones; torchrun gathers a snapshot's weights."""
-        if dist.active() and self.eval_cfg.uses_snapshots and self.eval_cfg.is_due(step, is_final):
-            self.eval_weights[:] = [dist.full_model(self.policy, to_main_cpu=True)]  # a collective: all ranks
-        return self.evaluator.step(step, is_final) + self.evaluator.poll()
-
-    def write_plot(self) -> None:
-        if dist.is_main():
-            write_plot(self.out / "plot.svg", self.records, title=f"{self.plot_title}: {self.out.name}")
-
-    def baseline_dir(self) -> str:
-        """The step-0 snapshot: the base model; in LoRA mode with an eval fleet the untrained adapter (written once,
-        atomically, before step 1), so the fleet starts its engines with LoRA enabled for every later point."""
-        cfg = self.cfg
-        if not (cfg.lora.enabled and cfg.eval.eval_num_gpus > 0 and not cfg.eval.eval_function_path):
-            return self.model_path
-        step0 = self.out / "lora_step0_adapter"
-        if not self.resumed and not (step0 / "adapter_config.json").exists():
-            lora.save_policy(self.policy, step0)
-        return str(step0) if (step0 / "adapter_config.json").exists() else self.model_path
-
-    def baseline(self) -> list[dict]:
-        """The step-0 eval, once per run, through the evaluator's own path."""
-        if self.eval_set is None:
-            return []
-        return self.evaluator.baseline(self.baseline_dir(), written=self.metrics.records, resumed=self.resumed)
-
-    # ---------------------------------------------------------------------- teardown
-
-    def __enter__(self) -> Run:  # noqa: PYI034
-        return self
-
-    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        self.close(after_error=exc)
-
-    def close(self, after_error: BaseException | None = None) -> None:
-        """Drain the evaluator, then stop the pipeline, client, scorer, logs and worker (each once)."""
-        self.progress.close()
-        try:
-            if getattr(self, "evaluator", None) is not None:
-                self.emit(self.evaluator.drain(after_error=after_error))
-        finally:
-            for part in (self.pipe, self.client, self.scorer, self.sampler, self.metrics, self.teacher):
-                if part is not None:
-                    part.close()
-            if self.worker is not None:
-                self.worker.shutdown()
-            self.pipe = self.client = self.scorer = self.metrics = self.worker = self.sampler = self.teacher = None
-            safety.release(self.spool_lock)  # the worker is gone: another trainer may take the spool
-            self.spool_lock = None
-            if after_error is not None:  # the run ends here; else summary() releases --out after export_final
-                safety.release(self.out_lock)
-
-    def export_final(self) -> None:
-        """--save-hf after the last step (torchrun: streamed to rank 0's CPU, written by it), then plot.svg."""
-        cfg = self.cfg
-        if cfg.save_hf and self.step == cfg.steps:
-            full = dist.full_model(self.policy, to_main_cpu=True)
-            if dist.is_main():
-                tok_src = cfg.data.tokenizer or self.model_path
-                safety.export_hf(
-                    lambda d: lora.save_policy(full, d, merge=cfg.merge_lora, copy_tokenizer_from=tok_src),
-                    cfg.save_hf,
-                    self.run_id,
-                    cfg.overwrite,
-                    self.step,
-                )
-        self.write_plot()
-
-    def summary(self) -> dict:
-        evals = [r for r in self.records if "eval/pass@1" in r]
-        out = {
-            "steps": self.step,
-            "eval_start": evals[0]["eval/pass@1"] if evals else None,
-            "eval_end": evals[-1]["eval/pass@1"] if evals else None,
-            "wall_s": time.monotonic() - self.t_start,
-            "out": str(self.out),
-            "interrupted": self.stop_flag.get("signal"),
-        }
-        dist.teardown(self.owns_group)  # torchrun: the group train() created ends with it
-        safety.release(self.out_lock)  # the run's life ends: --out may be used by another run
-        return out
-
-
 # ------------------------------------------------------------------------------------------------ open_run
 
 
-def open_run(
-    cfg: TrainConfig,
-    *,
-    model: str | None = None,
-    tokenizer: Any = None,
-    prompts: list | None = None,
-    reward: Callable[..., float | None] | None = None,
-    eval_prompts: list | None = None,
-    env: Any = None,
-    tools: list | None = None,
-    stop_flag: dict | None = None,
-) -> Run:
+@dataclass
+class Given:
+    """What ``train()``'s caller passed (``align.train.train``'s keywords; None: the built-in task's or the flags')."""
+
+    model: str | None = None
+    tokenizer: Any = None
+    prompts: list | None = None
+    reward: Callable[..., float | None] | None = None
+    eval_prompts: list | None = None
+    env: Any = None
+    tools: list | None = None
+
+
+def open_run(cfg: TrainConfig, given: Given | None = None, stop_flag: dict | None = None) -> Run:
     """Build a ``Run`` (see the module docstring for the order). On a failure after parts started, they are closed."""
     from align.device import resolve as resolve_placement
 
+    g = given or Given()
     run = Run(cfg, {} if stop_flag is None else stop_flag)
     run.owns_group = dist.setup(cfg)  # torchrun: the process group (no-op in one process)
     run.place = resolve_placement(cfg.device, cfg.precision)  # bad --device / --precision fail here, before any load
     try:
-        _open_files_and_task(run, model, tokenizer, prompts, reward, eval_prompts, env, tools)
+        _open_files_and_task(run, g.model, g.tokenizer, g.prompts, g.reward, g.eval_prompts, g.env, g.tools)
         _open_policy(run)
         _open_logs(run)
         _open_rollout(run)
@@ -351,6 +184,7 @@ def _open_policy(run: Run) -> None:
     run.nonfinite = learner.NonFiniteSteps(cfg.max_nonfinite_steps, (state or {}).get("nonfinite_steps", 0))
     run.policy, run.ref_model, run.mcfg, run.resumed = policy, ref_model, mcfg, bool(resume)
     run.teacher = open_teacher(run)  # --teacher: frozen like the reference, or a vLLM worker
+    run.learner = Learner(policy, ref_model, run.opt, run.sched, cfg, place, run.teacher)
     if not resume:
         torch.manual_seed(cfg.seed)
 
@@ -363,7 +197,7 @@ def load_policy(cfg: Any, place: Any, model_path: str, out: Path) -> tuple[torch
     from align.device import resolve_threads
 
     load = model_lib.load_pretrained  # looked up at call time (tests patch align.model.load_pretrained)
-    resume = dist.main_first(lambda: ckpt.pick(out / "checkpoints", cfg.resume_from))  # rank 0 moves later ones aside
+    resume = dist.main_first(partial(ckpt.pick, out / "checkpoints", cfg.resume_from))  # rank 0 moves later ones aside
     if cfg.lora.enabled:
         policy = load(model_path, dtype=place.param_dtype, device=place.device)
         lora.apply_lora(policy, cfg.lora, base_model=model_path, seed=cfg.seed)
@@ -413,54 +247,27 @@ def _open_logs(run: Run) -> None:
 
 
 def _open_rollout(run: Run) -> None:
-    """The rollout client: the native sampler on the policy, or a spool worker (spawned, or attached to) serving the
-    run's initial snapshot ``rollout_snapshots/v{step}``; the sampling params and the logprob-basis warning."""
-    from align.rollout import client as client_mod
-    from align.rollout.engines import save_snapshot
-    from align.rollout.protocol import SamplingParams, logprob_basis_warning
+    """The rollout backend (``--rollout``, a row of ``align.rollout.backends.BACKENDS``) opened on the policy at the
+    run's step: the native sampler, or a spool worker (spawned, or attached to); the sampling params and the
+    logprob-basis warning."""
+    from align.rollout.backends import BACKENDS, Target
+    from align.rollout.protocol import SamplingParams
 
-    cfg, out, step, policy = run.cfg, run.out, run.step, run.policy
+    cfg, out = run.cfg, run.out
     run.ray_eval = out / "eval_spool" if cfg.uses_ray and cfg.eval.eval_num_gpus > 0 else None  # eval engines on Ray
-    if cfg.rollout == "native":
-        if dist.active():
-            run.client = client_mod.ShardedNativeClient(policy)
-        else:
-            run.client = client_mod.make_rollout_client("native", model=policy)
-    else:
-        spool = Path(cfg.spool or out / "spool")
-        dist.check_shared_dir(spool)  # torchrun: every rank writes requests there
-        if dist.is_main():  # before the snapshot and the worker: a second trainer on this spool is refused at once
-            run.spool_lock = client_mod.lock_trainer(spool)
-        init_snapshot = out / "rollout_snapshots" / f"v{step}"
-        save_snapshot(policy, init_snapshot)
-        if cfg.spawn_worker and dist.is_main():
-            run.worker = client_mod.spawn_worker(
-                spool,
-                gpu=cfg.rollout_gpu,
-                log_path=out / "rollout_worker.log",
-                model=run.model_path if cfg.lora.enabled else init_snapshot,
-                weights_version=step,
-                max_model_len=run.mcfg.max_position_embeddings,
-                logprobs_mode=cfg.rollout_logprobs_mode,
-                in_process=cfg.rollout_in_process,
-                dtype=run.place.compute_dtype_name,
-                extra_args=lora.worker_args(policy),
-                engines=cfg.rollout_num_engines,
-                engine_restarts=cfg.rollout_engine_restarts,
-                use_fleet=cfg.uses_ray,
-                ray_address=cfg.ray_address,
-                eval_engines=cfg.eval.num_engines if run.ray_eval else 0,
-                eval_gpus_per_engine=cfg.eval.eval_num_gpus_per_engine,
-                eval_spool=run.ray_eval,
-                eval_model=run.model_path,  # the step-0 weights, version 0: never deleted by the run (its snapshots are)
-                eval_weights_version=0,
-            )
-        client = client_mod.make_rollout_client(
-            "spool", spool=spool, timeout_s=cfg.rollout_timeout_s, worker=run.worker
-        )
-        run.client = client_mod.ShardedSpoolClient(client) if dist.active() else client
-        if not cfg.spawn_worker or cfg.lora.enabled:  # an attached worker holds whatever it loaded last; LoRA: adapter
-            run.client.sync_weights(init_snapshot, step)
+    target = Target(
+        run.policy,
+        out,
+        run.step,
+        run.model_path,
+        run.mcfg.max_position_embeddings,
+        run.place.compute_dtype_name,
+        cfg.lora.enabled,
+        eval_spool=run.ray_eval,
+        eval_engines=cfg.eval.num_engines if run.ray_eval else 0,
+        eval_gpus_per_engine=cfg.eval.eval_num_gpus_per_engine,
+    )
+    run.rollout = BACKENDS[cfg.rollout].open(cfg, target)
     run.params = SamplingParams(
         n=cfg.group_size,
         temperature=cfg.temperature,
@@ -471,7 +278,7 @@ def _open_rollout(run: Run) -> None:
         min_p=cfg.min_p,
         repetition_penalty=cfg.repetition_penalty,
     )
-    if cfg.rollout == "spool" and (warning := logprob_basis_warning(run.client.logprob_basis, run.params)):
+    if warning := run.rollout.logprob_warning(run.params):
         log.warning(warning)
 
 
@@ -480,7 +287,7 @@ def _open_eval(run: Run) -> None:
     from align.eval import EvalSet, make_evaluator
     from align.eval.evaluator import Evaluator
     from align.eval.fleet import EvalFleet
-    from align.eval.metrics import score_completions, score_episodes, scored
+    from align.eval.metrics import score_completions, score_episodes
     from align.rollout.protocol import SamplingParams
 
     cfg, policy, place, task = run.cfg, run.policy, run.place, run.task
@@ -496,13 +303,7 @@ def _open_eval(run: Run) -> None:
     )
     eval_set = None
     if run.eval_encoded:
-
-        def score(i: int, ids: list[int]) -> Any:
-            return scored(
-                *run.scorer.score([(task.eval_prompts[i], run.completion_text(ids))]).item(0), run.pass_reward
-            )
-
-        eval_set = EvalSet(run.eval_encoded, score, eval_sampling, name=run.task_name)
+        eval_set = EvalSet(run.eval_encoded, run.score_eval, eval_sampling, name=run.task_name)
 
     def episodes(client: Any, sampling: Any) -> tuple[dict, list]:  # held-out episodes on any client, scored
         eps, scores = run.sampler.evaluate(client, sampling)
@@ -525,15 +326,6 @@ def _open_eval(run: Run) -> None:
                 comps = generate(policy, run.eval_encoded, eval_sampling)
         return score_completions(run.eval_encoded, comps, eval_set.score, eval_sampling.n)
 
-    def export(path: str) -> None:
-        # LoRA: the adapter (the fleet serves it on the base model); merged for a CheckpointEvalFn's own backend
-        lora.save_policy(
-            run.eval_weights.pop() if dist.active() else policy,
-            path,
-            merge=cfg.eval.eval_function_path is not None,
-            copy_tokenizer_from=cfg.data.tokenizer or run.model_path,
-        )
-
     eval_cfg = cfg.eval
     if eval_set is None and not eval_cfg.uses_snapshots and eval_cfg.eval_interval > 0:
         log.info("no held-out prompts: in-process eval is off (pass eval_prompts=... or --eval-data to evaluate)")
@@ -545,9 +337,9 @@ def _open_eval(run: Run) -> None:
     run.evaluator = make_evaluator(
         eval_cfg,
         eval_set,
-        export_fn=export,
+        export_fn=run.export_eval,
         blocking_eval_fn=blocking_eval if eval_set else None,
-        should_stop=lambda: bool(run.stop_flag.get("signal")),
+        should_stop=run.signalled,
         reserved_gpus=[cfg.rollout_gpu],
         run_id=run.run_id,
         fleet=EvalFleet.on_ray_router(cfg.eval, run.ray_eval, run.worker) if run.ray_eval else None,
@@ -577,8 +369,8 @@ def _open_pipeline(run: Run) -> None:
         return run.sampler.collect(t, gen, None if run.pipe.is_async or dist.active() else run.pipe.should_stop)
 
     snapshots = run.out / "rollout_snapshots"
-    run.pipe = make_pipeline(cfg, collect, run.policy, run.client, run.step, run.cursor.state, run.pending, snapshots)
-    run.pipe.should_stop = lambda: run.stop_flag.get("signal")  # its waits end on a signal (align.rollout.pipeline)
+    run.pipe = make_pipeline(cfg, collect, run.rollout, run.step, run.cursor.state, run.pending, snapshots)
+    run.pipe.should_stop = run.signalled  # its waits end on a signal (align.rollout.pipeline)
     run.evaluator = pinned_evaluator(run.pipe, run.evaluator, run.eval_set, cfg)  # K >= 1: eval on the engine
     if dist.is_main():
         run.progress = Progress(cfg.steps, start=run.step)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import typing
+from collections.abc import Callable
 from typing import Any
 
 from align.run.fields import _comma_tuple, _flags, _list_item_type, check_value, hints_of
@@ -125,3 +127,69 @@ def _merge(base: dict, over: dict) -> dict:
     for k, v in over.items():
         out[k] = _merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
     return out
+
+
+# ------------------------------------------------------------------------------------------------ a main()'s shape
+
+
+SIGNAL_EXIT = {signal.SIGTERM: 143, signal.SIGINT: 130}  # the shell's exit codes
+
+
+def stop_on_signals(stop_flag: dict) -> dict:
+    """SIGTERM / SIGINT handlers for a training loop: before the loop (``stop_flag["loop"]`` unset) a signal raises
+    ``Interrupted``; in it, the loop finishes the step, checkpoints and returns; a second signal stops at once.
+    Returns the previous handlers (restore them with ``signal.signal``)."""
+    from align.rewards import Interrupted
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if stop_flag.get("signal"):  # second signal: stop now
+            raise KeyboardInterrupt
+        stop_flag["signal"] = signum
+        if not stop_flag.get("loop"):  # setup (warm start, data, templates, model load): nothing to save yet
+            print(f"\n[align] got signal {signum} before the first step: exiting", flush=True)
+            raise Interrupted(signum)
+        print(f"\n[align] got signal {signum}: finishing this step, writing a checkpoint, then exiting", flush=True)
+
+    return {s: signal.signal(s, on_signal) for s in SIGNAL_EXIT}
+
+
+def run_main(
+    prog: str,
+    parse_cfg: Callable[[], Any],
+    train: Callable[..., dict],
+    report: Callable[[dict], None],
+    usage_errors: tuple[type[BaseException], ...] = (),
+) -> int:
+    """The one shape of ``python -m align.train`` and ``python -m align.sft``: logging, ``parse_cfg()``, the signal
+    handlers around ``train(cfg, stop_flag=...)``, its errors mapped to exit codes (2: bad input or a checkpoint that
+    cannot resume, and ``usage_errors``; 1: --max-nonfinite-steps reached; 143 / 130: a signal), ``report(summary)``
+    on rank 0."""
+    import logging
+    import sys
+
+    from align.data import InputError
+    from align.dist import is_main
+    from align.learner import NonFiniteError
+    from align.rewards import Interrupted
+    from align.run.checkpoint import CheckpointError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = parse_cfg()
+    stop_flag: dict = {}
+    old = stop_on_signals(stop_flag)
+    try:
+        summary = train(cfg, stop_flag=stop_flag)
+    except (InputError, CheckpointError, *usage_errors) as e:  # bad input (before the model loads), a resume refused
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except Interrupted as e:  # a signal during setup; the run's parts are closed (open_run, ``with run``)
+        return SIGNAL_EXIT[e.signum]
+    except NonFiniteError as e:  # --max-nonfinite-steps reached; the last checkpoint is intact
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if is_main():  # torchrun: one summary line
+        report(summary)
+    return SIGNAL_EXIT[summary["interrupted"]] if summary["interrupted"] else 0

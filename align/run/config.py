@@ -21,6 +21,7 @@ from align.lean.config import LeanConfig
 from align.lean.corrections import CorrectionConfig
 from align.lora import LoraConfig
 from align.rewards import RewardConfig
+from align.rollout.backends import RolloutConfig
 from align.run.cli import from_dict
 from align.run.log import LogConfig
 from align.run.presets import PRESET_NAMES
@@ -32,41 +33,9 @@ def _h(text: str) -> Any:
 
 
 @dataclass
-class TrainConfig:
-    out: str = field(default="runs/reverse", metadata=_h("Run directory: config, metrics, checkpoints, plot."))
-    model: str | None = field(
-        default=None,
-        metadata=_h("HF checkpoint dir (Llama/Qwen2/Qwen3). None: the built-in task's warm-started model."),
-    )
-    task: str = field(
-        default="reverse", metadata=_h("Built-in task used when no prompts/reward are passed ('reverse').")
-    )
-    seed: int = field(default=0, metadata=_h("Seed for data order, sampling and init."))
-    steps: int = field(default=100, metadata=_h("Optimizer steps."))
-    epochs: float = field(
-        default=0.0,
-        metadata=_h(
-            "Passes over the training prompts (TRL num_train_epochs); sets --steps to ceil(epochs x prompts / "
-            "--prompts-per-step) once the data is read. 0 = use --steps."
-        ),
-    )
-    prompts_per_step: int = field(default=32, metadata=_h("Prompts per step (each sampled group_size times)."))
-    group_size: int = field(default=8, metadata=_h("Completions per prompt (G)."))
-    max_tokens: int = field(default=10, metadata=_h("Max new tokens per completion."))
-    temperature: float = field(default=1.0, metadata=_h("Sampling temperature (also the training logprob basis)."))
-    top_p: float = field(default=1.0, metadata=_h("Nucleus sampling mass."))
-    top_k: int = field(default=0, metadata=_h("Top-k sampling (0 = off)."))
-    min_p: float = field(default=0.0, metadata=_h("Min-p sampling: drop tokens below min_p x the top one's (0 = off)."))
-    repetition_penalty: float = field(
-        default=1.0, metadata=_h("vLLM's repetition penalty on tokens already seen (1 = off; > 1 discourages).")
-    )
-    behaviour_logprobs: str = field(
-        default="sampled",
-        metadata=_h(
-            "Sampler logprob used as mu for rho: 'sampled' (the truncated distribution actually sampled from) or 'full' (full-vocabulary)."
-        ),
-    )
-    lr: float = field(default=5e-4, metadata=_h("Peak AdamW learning rate."))
+class OptimConfig:
+    """The optimizer, its schedule and the non-finite guard: the settings ``align.train`` and ``align.sft`` share."""
+
     warmup_steps: int = field(default=3, metadata=_h("Linear LR warm-up steps."))
     lr_schedule: str = field(
         default="constant", metadata=_h("After warm-up: 'constant', 'linear' or 'cosine' decay to min_lr_ratio.")
@@ -82,6 +51,12 @@ class TrainConfig:
             "(nonfinite_steps); the run stops with an error once this many were skipped."
         ),
     )
+
+
+@dataclass
+class ComputeConfig:
+    """Where and how the model computes (device, precision, micro-batches, torchrun): shared with ``align.sft``."""
+
     micro_batch_size: int = field(
         default=64, metadata=_h("Completions per forward/backward; never changes the result.")
     )
@@ -96,15 +71,6 @@ class TrainConfig:
         metadata=_h(
             "Learner forwards on packed rows: each group's prompt once, its completions after it, no padding (the same gradients); --no-pack-sequences pads every completion to its micro-batch's longest row."
         ),
-    )
-    updates_per_batch: int = field(
-        default=1,
-        metadata=_h(
-            "Passes over each batch (PPO epochs, TRL num_iterations); old logprobs are computed once before the first."
-        ),
-    )
-    mini_batches: int = field(
-        default=1, metadata=_h("Optimizer steps per pass: the batch is split into this many mini-batches.")
     )
     device: str = field(
         default="auto", metadata=_h("Training device: auto (CUDA when available), cpu, cuda or cuda:N.")
@@ -131,68 +97,18 @@ class TrainConfig:
             "torch CPU threads; 0 = auto: OMP_NUM_THREADS when set, else the CPUs this process may use (split between torchrun's local ranks)."
         ),
     )
-    dtype: str | None = field(
-        default=None, metadata=_h("Deprecated alias of --precision: float32 = fp32, bfloat16 = bf16.")
-    )
     logprob_backend: str = field(
         default="auto",
         metadata=_h("Token logprob kernel: auto (triton on CUDA, chunked torch elsewhere), torch, triton, reference."),
     )
-    rollout: str = field(
-        default="native", metadata=_h("Rollout backend: 'native' (in-process) or 'spool' (vLLM worker).")
-    )
-    spool: str | None = field(default=None, metadata=_h("Spool dir for --rollout spool (default {out}/spool)."))
-    spawn_worker: bool = field(
-        default=True, metadata=_h("With --rollout spool, start the vLLM worker (else attach to a running one).")
-    )
-    rollout_gpu: int | None = field(default=None, metadata=_h("GPU for the spawned vLLM worker (None = CPU build)."))
-    rollout_logprobs_mode: str = field(
-        default="raw",
-        metadata=_h(
-            "vLLM worker logprobs: 'raw' (before temperature; exact at T=1) or 'processed' (after temperature/top-p/top-k)."
-        ),
-    )
-    rollout_in_process: bool = field(
-        default=False,
-        metadata=_h(
-            "Run the spawned vLLM engine in the worker's own process (faster start on CPU; the default is vLLM's multiprocess engine)."
-        ),
-    )
-    rollout_timeout_s: float = field(default=600.0, metadata=_h("Max seconds to wait for a rollout answer."))
-    rollout_num_engines: int = field(
-        default=1,
-        metadata=_h("vLLM engines behind the spool; > 1 runs them as Ray actors (extras/vllm_rollout/fleet.py)."),
-    )
-    rollout_engine_restarts: int = field(
-        default=1, metadata=_h("With --rollout-num-engines > 1: restarts of dead engines, fleet total.")
-    )
-    rollout_ray: bool = field(
-        default=False,
-        metadata=_h(
-            "Serve the spool with the Ray fleet even for one engine (implied by --rollout-num-engines > 1 or "
-            "--ray-address). With it, --eval-num-gpus engines are Ray actors in the same placement group's appended "
-            "bundles behind their own router, instead of separate spool workers."
-        ),
-    )
-    ray_address: str | None = field(
-        default=None,
-        metadata=_h(
-            "Ray cluster for the rollout fleet (multi-node; the run directory must be on a shared filesystem)."
-        ),
-    )
-    sync_every: int = field(default=1, metadata=_h("Publish weights to the spool worker every N optimizer steps."))
-    max_async_steps: int = field(
-        default=0,
-        metadata=_h(
-            "Asynchronous rollouts: generate up to K steps ahead of the trainer; step t trains on rollouts of the weights after step max(0, t-1-K). 0 = synchronous."
-        ),
-    )
-    max_inflight_requests: int | None = field(
-        default=None,
-        metadata=_h(
-            "Max completions outstanding at the rollout engine per request (whole groups; a group is never split). None = one request per batch."
-        ),
-    )
+
+
+@dataclass
+class SaveConfig:
+    """Nucleus / top-k sampling, checkpoints and the ``--save-hf`` export: shared with ``align.sft``."""
+
+    top_p: float = field(default=1.0, metadata=_h("Nucleus sampling mass."))
+    top_k: int = field(default=0, metadata=_h("Top-k sampling (0 = off)."))
     checkpoint_every: int = field(
         default=20, metadata=_h("Checkpoint every N steps (and at the end); 0 = only at the end.")
     )
@@ -214,6 +130,56 @@ class TrainConfig:
     )
     merge_lora: bool = field(
         default=False, metadata=_h("With LoRA, --save-hf writes a merged full HF checkpoint instead of the adapter.")
+    )
+
+
+@dataclass
+class TrainConfig(RolloutConfig, SaveConfig, ComputeConfig, OptimConfig):
+    """Every setting of a run; the rollout section (``--rollout``, ``--spool``, ...) is ``RolloutConfig``'s, flat."""
+
+    out: str = field(default="runs/reverse", metadata=_h("Run directory: config, metrics, checkpoints, plot."))
+    model: str | None = field(
+        default=None,
+        metadata=_h("HF checkpoint dir (Llama/Qwen2/Qwen3). None: the built-in task's warm-started model."),
+    )
+    task: str = field(
+        default="reverse", metadata=_h("Built-in task used when no prompts/reward are passed ('reverse').")
+    )
+    seed: int = field(default=0, metadata=_h("Seed for data order, sampling and init."))
+    steps: int = field(default=100, metadata=_h("Optimizer steps."))
+    epochs: float = field(
+        default=0.0,
+        metadata=_h(
+            "Passes over the training prompts (TRL num_train_epochs); sets --steps to ceil(epochs x prompts / "
+            "--prompts-per-step) once the data is read. 0 = use --steps."
+        ),
+    )
+    prompts_per_step: int = field(default=32, metadata=_h("Prompts per step (each sampled group_size times)."))
+    group_size: int = field(default=8, metadata=_h("Completions per prompt (G)."))
+    max_tokens: int = field(default=10, metadata=_h("Max new tokens per completion."))
+    min_p: float = field(default=0.0, metadata=_h("Min-p sampling: drop tokens below min_p x the top one's (0 = off)."))
+    repetition_penalty: float = field(
+        default=1.0, metadata=_h("vLLM's repetition penalty on tokens already seen (1 = off; > 1 discourages).")
+    )
+    temperature: float = field(default=1.0, metadata=_h("Sampling temperature (also the training logprob basis)."))
+    behaviour_logprobs: str = field(
+        default="sampled",
+        metadata=_h(
+            "Sampler logprob used as mu for rho: 'sampled' (the truncated distribution actually sampled from) or 'full' (full-vocabulary)."
+        ),
+    )
+    lr: float = field(default=5e-4, metadata=_h("Peak AdamW learning rate."))
+    updates_per_batch: int = field(
+        default=1,
+        metadata=_h(
+            "Passes over each batch (PPO epochs, TRL num_iterations); old logprobs are computed once before the first."
+        ),
+    )
+    mini_batches: int = field(
+        default=1, metadata=_h("Optimizer steps per pass: the batch is split into this many mini-batches.")
+    )
+    dtype: str | None = field(
+        default=None, metadata=_h("Deprecated alias of --precision: float32 = fp32, bfloat16 = bf16.")
     )
     eval_prompts: int = field(default=200, metadata=_h("Held-out prompts of the built-in task for eval."))
     warm_start_steps: int = field(default=800, metadata=_h("Supervised warm-start steps of the built-in task's model."))
@@ -264,8 +230,6 @@ class TrainConfig:
             "group_size",
             "max_tokens",
             "micro_batch_size",
-            "sync_every",
-            "rollout_num_engines",
             "updates_per_batch",
             "mini_batches",
             "max_nonfinite_steps",
@@ -274,13 +238,12 @@ class TrainConfig:
             if getattr(self, k) < 1:
                 raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(self, k)}")
         choices = {
-            "rollout": ("native", "spool"),
             "lr_schedule": ("constant", "linear", "cosine"),
             "behaviour_logprobs": ("sampled", "full"),
-            "rollout_logprobs_mode": ("raw", "processed"),
             "logprob_backend": ("auto", "torch", "triton", "reference"),
             "preset": PRESET_NAMES,
         }
+        self.check_rollout()  # its section's values; the backend is a row of BACKENDS (align.rollout.backends)
         for k, allowed in choices.items():
             if getattr(self, k) not in allowed:
                 raise ValueError(f"--{k.replace('_', '-')} must be one of {allowed}, got {getattr(self, k)!r}")
@@ -304,15 +267,6 @@ class TrainConfig:
         from align.learner import check_config
 
         check_config(self)
-
-    @property
-    def uses_ray(self) -> bool:
-        """The spawned rollout worker (``--rollout spool --spawn-worker``) is the Ray fleet (``fleet.py``)."""
-        return (
-            self.rollout == "spool"
-            and self.spawn_worker
-            and (self.rollout_num_engines > 1 or self.rollout_ray or self.ray_address is not None)
-        )
 
 
 CLI_PREFIXES = {
@@ -339,7 +293,7 @@ def check_train_values(cfg: object) -> None:
     def bad(flag: str, value: object, need: str) -> ValueError:
         return ValueError(f"--{flag} {value!r} is invalid: {need}")
 
-    for key in ("lr", "temperature", "rollout_timeout_s"):
+    for key in ("lr", "temperature"):
         v = getattr(cfg, key)
         if not (math.isfinite(v) and v > 0):
             raise bad(key.replace("_", "-"), v, "must be a finite number > 0")
@@ -364,8 +318,6 @@ def check_train_values(cfg: object) -> None:
     ):
         if getattr(cfg, key) < 0:
             raise bad(key.replace("_", "-"), getattr(cfg, key), "must be >= 0")
-    if cfg.rollout_gpu is not None and cfg.rollout_gpu < 0:
-        raise bad("rollout-gpu", cfg.rollout_gpu, "must be a GPU index >= 0 (or unset for the CPU build)")
     if cfg.group_size < 2:
         raise bad(
             "group-size",

@@ -19,10 +19,9 @@ Python API::
 
 from __future__ import annotations
 
-import logging
-import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from align.sft.config import CLI_PREFIXES, SFTConfig
@@ -102,42 +101,18 @@ def eval_loss(records: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import signal
+    from align.run.cli import parse, run_main
 
-    from align.data import InputError
-    from align.dist import is_main
-    from align.learner import NonFiniteError
-    from align.rollout.pipeline import Interrupted
-    from align.run.checkpoint import CheckpointError
-    from align.run.cli import parse
-    from align.train import SIGNAL_EXIT, stop_on_signals
+    description = __doc__.split("\n\n")[0]
+    parse_cfg = partial(parse, SFTConfig, argv, CLI_PREFIXES, description)
+    return run_main("align.sft", parse_cfg, train, print_summary, usage_errors=(ValueError,))  # ValueError: --device
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = parse(SFTConfig, argv, CLI_PREFIXES, description=__doc__.split("\n\n")[0])
-    stop_flag: dict = {}
-    old = stop_on_signals(stop_flag)
-    try:
-        s = train(cfg, stop_flag=stop_flag)
-    except (InputError, CheckpointError, ValueError) as e:  # bad input (before the model loads), --device, resume
-        print(f"align.sft: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except Interrupted as e:
-        return SIGNAL_EXIT[e.signum]
-    except NonFiniteError as e:
-        print(f"align.sft: error: {e}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        for sig, h in old.items():
-            signal.signal(sig, h)
-    if is_main():
-        acc = f"held-out pass@1 {s['eval_start']:.3f} -> {s['eval_end']:.3f} | " if s["eval_start"] is not None else ""
-        loss = (
-            f"eval loss {s['eval_loss_start']:.4f} -> {s['eval_loss_end']:.4f} | "
-            if s["eval_loss_start"] is not None
-            else ""
-        )
-        print(
-            f"[align] sft done: {s['steps']} steps | {loss}{acc}wall {s['wall_s']:.0f}s | run dir {s['out']}",
-            flush=True,
-        )
-    return SIGNAL_EXIT[s["interrupted"]] if s["interrupted"] else 0
+
+def print_summary(s: dict) -> None:
+    acc = f"held-out pass@1 {s['eval_start']:.3f} -> {s['eval_end']:.3f} | " if s["eval_start"] is not None else ""
+    loss = (
+        f"eval loss {s['eval_loss_start']:.4f} -> {s['eval_loss_end']:.4f} | "
+        if s["eval_loss_start"] is not None
+        else ""
+    )
+    print(f"[align] sft done: {s['steps']} steps | {loss}{acc}wall {s['wall_s']:.0f}s | run dir {s['out']}", flush=True)

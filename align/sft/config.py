@@ -1,9 +1,10 @@
 """``SFTConfig``: every setting of a supervised fine-tuning run, the single source of the ``python -m align.sft`` flags.
 
-The settings a GRPO run has too (optimizer, schedule, device and precision, micro-batching, torchrun, checkpoints,
-``--save-hf``) are ``TrainConfig``'s own fields, copied by name with their defaults and help (``shared``), and the
-nested sections are the same dataclasses (``LoraConfig``, ``EvalConfig``, ``RewardConfig``, ``LogConfig``), so a flag
-means the same in both commands and no default exists twice. What is SFT's own: the data (``SFTDataConfig``:
+The settings a GRPO run has too are the same dataclasses: ``OptimConfig`` (optimizer, schedule), ``ComputeConfig``
+(device and precision, micro-batching, torchrun) and ``SaveConfig`` (top-p / top-k, checkpoints, ``--save-hf``) as
+bases, their fields flat, and the nested sections (``LoraConfig``, ``EvalConfig``, ``RewardConfig``, ``LogConfig``), so
+a flag means the same in both commands and no default or name exists twice; ``shared`` copies a ``TrainConfig`` field
+whose help differs here (rows, not completions). What is SFT's own: the data (``SFTDataConfig``:
 row files, ``--train-on``, ``--from-verified``), ``--epochs`` and ``--batch-size``.
 """
 
@@ -19,7 +20,7 @@ from align.eval.config import EvalConfig
 from align.lora import LoraConfig
 from align.rewards import RewardConfig
 from align.run.cli import from_dict
-from align.run.config import TrainConfig
+from align.run.config import ComputeConfig, OptimConfig, SaveConfig, TrainConfig
 from align.run.log import LogConfig
 
 TRAIN_ON = ("all", "last")
@@ -85,7 +86,10 @@ class SFTDataConfig:
 
 
 @dataclass
-class SFTConfig:
+class SFTConfig(SaveConfig, ComputeConfig, OptimConfig):
+    """Every setting of an SFT run; the sections it shares with ``TrainConfig`` are the same dataclasses (the
+    optimizer, compute and save settings as bases, flat; ``lora``, ``eval``, ``rewards``, ``log`` nested)."""
+
     out: str = field(default="runs/sft", metadata=_h("Run directory: config, metrics, checkpoints, plot."))
     model: str | None = field(default=None, metadata=_h("HF checkpoint dir to fine-tune (Llama/Qwen2/Qwen3)."))
     seed: int = field(
@@ -97,17 +101,9 @@ class SFTConfig:
         default=0, metadata=_h("Optimizer steps; 0 = --epochs passes over the rows (ceil(epochs * rows / batch)).")
     )
     lr: float = field(default=1e-4, metadata=_h("Peak AdamW learning rate."))
-    warmup_steps: int = shared(TrainConfig, "warmup_steps")
-    lr_schedule: str = shared(TrainConfig, "lr_schedule")
-    min_lr_ratio: float = shared(TrainConfig, "min_lr_ratio")
-    weight_decay: float = shared(TrainConfig, "weight_decay")
-    adam_betas: list[float] = shared(TrainConfig, "adam_betas")  # noqa: RUF009 -- a field(default_factory=...)
-    grad_clip: float = shared(TrainConfig, "grad_clip")
-    max_nonfinite_steps: int = shared(TrainConfig, "max_nonfinite_steps")
     micro_batch_size: int = shared(
         TrainConfig, "micro_batch_size", help="Rows per forward/backward; never changes the result."
     )
-    micro_batch_tokens: int = shared(TrainConfig, "micro_batch_tokens")
     pack_sequences: bool = shared(
         TrainConfig,
         "pack_sequences",
@@ -116,24 +112,8 @@ class SFTConfig:
         "target share one copy of it), no padding (the same loss and gradients); "
         "--no-pack-sequences pads every row to its micro-batch's longest.",
     )
-    device: str = shared(TrainConfig, "device")
-    precision: str = shared(TrainConfig, "precision")
-    gradient_checkpointing: bool = shared(TrainConfig, "gradient_checkpointing")
-    dist_timeout_s: float = shared(TrainConfig, "dist_timeout_s")
-    dp_replicate: int = shared(TrainConfig, "dp_replicate")
-    dp_shard: int = shared(TrainConfig, "dp_shard")
-    threads: int = shared(TrainConfig, "threads")
-    logprob_backend: str = shared(TrainConfig, "logprob_backend")
     max_tokens: int = field(default=10, metadata=_h("Max new tokens per eval completion (pass@k with --reward)."))
     temperature: float = field(default=1.0, metadata=_h("Eval sampling temperature (--eval-temperature wins)."))
-    top_p: float = shared(TrainConfig, "top_p")
-    top_k: int = shared(TrainConfig, "top_k")
-    checkpoint_every: int = shared(TrainConfig, "checkpoint_every")
-    keep_checkpoints: int = shared(TrainConfig, "keep_checkpoints")
-    save_hf: str | None = shared(TrainConfig, "save_hf")
-    overwrite: bool = shared(TrainConfig, "overwrite")
-    resume_from: str | None = shared(TrainConfig, "resume_from")
-    merge_lora: bool = shared(TrainConfig, "merge_lora")
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     rewards: RewardConfig = field(default_factory=RewardConfig)
     log: LogConfig = field(default_factory=LogConfig)

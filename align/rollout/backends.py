@@ -1,0 +1,267 @@
+"""Rollout backends as a table: ``BACKENDS[name]`` (``--rollout NAME``) is everything a run needs of where its
+rollouts are generated, so the run wing and the pipeline name no backend.
+
+An entry owns:
+
+- its config section: the fields of ``RolloutConfig`` (flat in ``TrainConfig``, so the flags and every saved
+  ``config.json`` keep their names) and its own rules, ``check(cfg)``, run when the config is built;
+- ``uses_ray(cfg)``: whether its engines are Ray actors (the eval engines then join them);
+- ``open(cfg, target) -> Opened``: spawn or attach, and the first weight sync, for the run described by ``target``.
+
+An opened backend (``Opened``) holds the run's rollout ``client`` and gives the rollout pipeline its engine:
+``engine(cfg, step, snapshots)`` is, for ``--max-async-steps`` K = 0, what publishes the weights after a step (None:
+the sampler reads the live policy) and, for K >= 1, the producer's engine (``align.rollout.engines``: it publishes
+and swaps versions); ``logprob_warning(params)`` and ``close()`` (client, worker, spool lock).
+
+Adding a backend is a file with its entry class and a row here; a test may register a toy one for its run
+(``tests/test_backends.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def _h(text: str) -> Any:
+    return {"help": text}
+
+
+@dataclass
+class RolloutConfig:
+    """The rollout section of ``TrainConfig`` (its fields are flat there: ``--rollout``, ``--spool``, ...)."""
+
+    rollout: str = field(
+        default="native", metadata=_h("Rollout backend: 'native' (in-process) or 'spool' (vLLM worker).")
+    )
+    spool: str | None = field(default=None, metadata=_h("Spool dir for --rollout spool (default {out}/spool)."))
+    spawn_worker: bool = field(
+        default=True, metadata=_h("With --rollout spool, start the vLLM worker (else attach to a running one).")
+    )
+    rollout_gpu: int | None = field(default=None, metadata=_h("GPU for the spawned vLLM worker (None = CPU build)."))
+    rollout_logprobs_mode: str = field(
+        default="raw",
+        metadata=_h(
+            "vLLM worker logprobs: 'raw' (before temperature; exact at T=1) or 'processed' (after temperature/top-p/top-k)."
+        ),
+    )
+    rollout_in_process: bool = field(
+        default=False,
+        metadata=_h(
+            "Run the spawned vLLM engine in the worker's own process (faster start on CPU; the default is vLLM's multiprocess engine)."
+        ),
+    )
+    rollout_timeout_s: float = field(default=600.0, metadata=_h("Max seconds to wait for a rollout answer."))
+    rollout_num_engines: int = field(
+        default=1,
+        metadata=_h("vLLM engines behind the spool; > 1 runs them as Ray actors (extras/vllm_rollout/fleet.py)."),
+    )
+    rollout_engine_restarts: int = field(
+        default=1, metadata=_h("With --rollout-num-engines > 1: restarts of dead engines, fleet total.")
+    )
+    rollout_ray: bool = field(
+        default=False,
+        metadata=_h(
+            "Serve the spool with the Ray fleet even for one engine (implied by --rollout-num-engines > 1 or "
+            "--ray-address). With it, --eval-num-gpus engines are Ray actors in the same placement group's appended "
+            "bundles behind their own router, instead of separate spool workers."
+        ),
+    )
+    ray_address: str | None = field(
+        default=None,
+        metadata=_h(
+            "Ray cluster for the rollout fleet (multi-node; the run directory must be on a shared filesystem)."
+        ),
+    )
+    sync_every: int = field(default=1, metadata=_h("Publish weights to the spool worker every N optimizer steps."))
+    max_async_steps: int = field(
+        default=0,
+        metadata=_h(
+            "Asynchronous rollouts: generate up to K steps ahead of the trainer; step t trains on rollouts of the weights after step max(0, t-1-K). 0 = synchronous."
+        ),
+    )
+    max_inflight_requests: int | None = field(
+        default=None,
+        metadata=_h(
+            "Max completions outstanding at the rollout engine per request (whole groups; a group is never split). None = one request per batch."
+        ),
+    )
+
+    def check_rollout(self) -> None:
+        """This section's values, the backend a row of ``BACKENDS`` and its own rules (``TrainConfig.__post_init__``
+        calls this; the async settings against the group size are ``align.rollout.pipeline.check_config``'s)."""
+        for k in ("sync_every", "rollout_num_engines"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(self, k)}")
+        if self.rollout not in BACKENDS:
+            raise ValueError(f"--rollout must be one of {tuple(BACKENDS)}, got {self.rollout!r}")
+        if self.rollout_logprobs_mode not in ("raw", "processed"):
+            raise ValueError(
+                f"--rollout-logprobs-mode must be one of ('raw', 'processed'), got {self.rollout_logprobs_mode!r}"
+            )
+        if not (math.isfinite(self.rollout_timeout_s) and self.rollout_timeout_s > 0):
+            raise ValueError(f"--rollout-timeout-s {self.rollout_timeout_s!r} is invalid: must be a finite number > 0")
+        if self.rollout_gpu is not None and self.rollout_gpu < 0:
+            raise ValueError(
+                f"--rollout-gpu {self.rollout_gpu!r} is invalid: must be a GPU index >= 0 (or unset for the CPU build)"
+            )
+        BACKENDS[self.rollout].check(self)
+
+    @property
+    def uses_ray(self) -> bool:
+        """The backend's engines are the Ray fleet (``fleet.py``): the eval engines join its placement group."""
+        return BACKENDS[self.rollout].uses_ray(self)
+
+
+@dataclass
+class Target:
+    """What a backend opens for: the run's policy and files, and the eval engines it may host."""
+
+    policy: Any
+    out: Path
+    step: int  # the weights version the run starts from (a resumed run: its checkpoint's step)
+    model_path: str  # the base model (LoRA: the worker serves it with the adapter)
+    max_model_len: int
+    dtype: str  # the trainer's compute dtype name (the worker computes alike)
+    lora: bool
+    eval_spool: Path | None = None  # the eval engines' router spool, when the backend's fleet hosts them
+    eval_engines: int = 0
+    eval_gpus_per_engine: int = 1
+
+
+class Opened:
+    """An opened backend: its ``client`` (the rollout engine's door), and ``worker`` / ``lock`` when it started one."""
+
+    def __init__(self, client: Any, policy: Any, worker: Any = None, lock: Any = None) -> None:
+        self.client, self.policy, self.worker, self.lock = client, policy, worker, lock
+
+    def engine(self, cfg: Any, step: int, snapshots: Path) -> Any:
+        """K = 0: None (the sampler reads the live policy); K >= 1: the producer's own copy of the weights."""
+        from align.rollout.engines import NativeEngine
+
+        return NativeEngine(self.policy, step) if cfg.max_async_steps else None
+
+    def logprob_warning(self, params: Any) -> str | None:
+        return None
+
+    def close(self) -> None:
+        """The client, then the worker, then the spool lock (each once)."""
+        client, worker, lock, self.client, self.worker, self.lock = (
+            self.client,
+            self.worker,
+            self.lock,
+            None,
+            None,
+            None,
+        )
+        try:
+            if client is not None:
+                client.close()
+        finally:
+            if worker is not None:
+                worker.shutdown()
+            if lock is not None:
+                lock.close()  # the worker is gone: another trainer may take the spool
+
+
+class NativeBackend:
+    """The native sampler in this process, on the policy itself (torchrun: each rank samples its share)."""
+
+    def check(self, cfg: RolloutConfig) -> None:
+        pass
+
+    def uses_ray(self, cfg: RolloutConfig) -> bool:
+        return False
+
+    def open(self, cfg: Any, target: Target) -> Opened:
+        from align import dist
+        from align.rollout import client as client_mod
+
+        if dist.active():
+            return Opened(client_mod.ShardedNativeClient(target.policy), target.policy)
+        return Opened(client_mod.make_rollout_client("native", model=target.policy), target.policy)
+
+
+class SpoolOpened(Opened):
+    """A vLLM worker behind the spool: weights published as snapshots ``{snapshots}/v{N}`` the worker loads."""
+
+    def engine(self, cfg: Any, step: int, snapshots: Path) -> Any:
+        from align.rollout.engines import SpoolEngine, SyncSpool, save_snapshot
+
+        if cfg.max_async_steps == 0:
+            return SyncSpool(self.client, snapshots, step, cfg.sync_every)
+        return SpoolEngine(self.client, snapshots, step, save_snapshot, cfg.rollout_timeout_s)
+
+    def logprob_warning(self, params: Any) -> str | None:
+        from align.rollout.protocol import logprob_basis_warning
+
+        return logprob_basis_warning(self.client.logprob_basis, params)
+
+
+class SpoolBackend:
+    """A vLLM worker (or Ray fleet) in ``.venv-rollout`` behind a spool directory, spawned or attached to."""
+
+    def check(self, cfg: RolloutConfig) -> None:
+        pass
+
+    def uses_ray(self, cfg: RolloutConfig) -> bool:
+        return cfg.spawn_worker and (cfg.rollout_num_engines > 1 or cfg.rollout_ray or cfg.ray_address is not None)
+
+    def open(self, cfg: Any, target: Target) -> Opened:
+        """Lock the spool, write the initial snapshot ``rollout_snapshots/v{step}``, spawn the worker on it (rank 0)
+        or attach; an attached worker (or a LoRA one: the adapter) is synced to it."""
+        from align import dist, lora
+        from align.rollout import client as client_mod
+        from align.rollout.engines import save_snapshot
+
+        spool = Path(cfg.spool or target.out / "spool")
+        dist.check_shared_dir(spool)  # torchrun: every rank writes requests there
+        opened = SpoolOpened(None, target.policy)
+        try:
+            if dist.is_main():  # before the snapshot and the worker: a second trainer on this spool is refused at once
+                opened.lock = client_mod.lock_trainer(spool)
+            init_snapshot = target.out / "rollout_snapshots" / f"v{target.step}"
+            save_snapshot(target.policy, init_snapshot)
+            if cfg.spawn_worker and dist.is_main():
+                spec = client_mod.WorkerSpec(
+                    gpu=cfg.rollout_gpu,
+                    log_path=target.out / "rollout_worker.log",
+                    model=target.model_path if target.lora else init_snapshot,
+                    weights_version=target.step,
+                    max_model_len=target.max_model_len,
+                    logprobs_mode=cfg.rollout_logprobs_mode,
+                    in_process=cfg.rollout_in_process,
+                    dtype=target.dtype,
+                    extra_args=lora.worker_args(target.policy),
+                    engines=cfg.rollout_num_engines,
+                    engine_restarts=cfg.rollout_engine_restarts,
+                    use_fleet=self.uses_ray(cfg),
+                    ray_address=cfg.ray_address,
+                    eval_engines=target.eval_engines,
+                    eval_gpus_per_engine=target.eval_gpus_per_engine,
+                    eval_spool=target.eval_spool,
+                    eval_model=target.model_path,  # the step-0 weights, version 0: never deleted by the run
+                    eval_weights_version=0,
+                )
+                opened.worker = client_mod.spawn_worker(spool, **spec.keywords())  # the module's: tests record it
+            client = client_mod.make_rollout_client(
+                "spool", spool=spool, timeout_s=cfg.rollout_timeout_s, worker=opened.worker
+            )
+            opened.client = client_mod.ShardedSpoolClient(client) if dist.active() else client
+            if not cfg.spawn_worker or target.lora:  # an attached worker holds whatever it loaded last; LoRA: adapter
+                opened.client.sync_weights(init_snapshot, target.step)
+        except BaseException:
+            opened.close()
+            raise
+        return opened
+
+
+BACKENDS: dict[str, Any] = {
+    "native": NativeBackend(),
+    "spool": SpoolBackend(),
+}
