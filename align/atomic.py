@@ -214,9 +214,13 @@ def private_secret(path: str | os.PathLike, nbytes: int = 32) -> bytes:
     return key
 
 
+class LockHeldError(RuntimeError):
+    """A lock ``hold_lock`` could not take: another process holds it (the message names the holder and the fix)."""
+
+
 def hold_lock(path: str | os.PathLike, in_use: Callable[[str], str]) -> IO[str]:
     """An exclusive ``flock`` on ``path``, held until the returned file is closed or this process dies (a kill -9
-    frees it), stamped with this process's pid and host. Held by another process: RuntimeError(``in_use(holder)``),
+    frees it), stamped with this process's pid and host. Held by another process: LockHeldError(``in_use(holder)``),
     at once (never waits)."""
     f = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held for the caller's life
     try:
@@ -225,7 +229,7 @@ def hold_lock(path: str | os.PathLike, in_use: Callable[[str], str]) -> IO[str]:
         f.seek(0)
         holder = f.read().strip() or "pid unknown"
         f.close()
-        raise RuntimeError(in_use(holder)) from None
+        raise LockHeldError(in_use(holder)) from None
     f.truncate(0)
     f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     f.flush()

@@ -204,6 +204,7 @@ def stop_on_signals(stop_flag: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from align.atomic import LockHeldError
     from align.learner import NonFiniteError
     from align.rollout.pipeline import Interrupted
     from align.run.checkpoint import CheckpointError
@@ -215,7 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     old = stop_on_signals(stop_flag)
     try:
         summary = train(cfg, stop_flag=stop_flag)
-    except (InputError, CheckpointError) as e:  # bad input (before the model loads); a checkpoint that cannot resume
+    except (
+        InputError,
+        CheckpointError,
+        LockHeldError,
+    ) as e:  # bad input; a checkpoint that cannot resume; --out in use
         print(f"align.train: error: {e}", file=sys.stderr, flush=True)
         return 2
     except Interrupted as e:  # a signal during setup; the run's parts are closed (open_run, ``with run``)

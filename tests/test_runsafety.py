@@ -433,6 +433,31 @@ def test_a_second_run_on_the_same_out_is_refused_with_the_holders_pid(tmp_path, 
     assert [r["step"] for r in records(out) if "reward_mean" in r] == [1, 2]
 
 
+def test_the_cli_refuses_a_held_out_with_one_error_line(tmp_path):
+    """Regression (issue 42): the RuntimeError of atomic.hold_lock escaped align.train.main as a raw traceback."""
+    import subprocess
+    import sys
+
+    from align.run.safety import LOCK_FILE
+
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out / LOCK_FILE)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        argv = ["--out", str(out), "--steps", "1", "--device", "cpu"]
+        cmd = [sys.executable, "-m", "align.train", *argv]
+        p = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
+    finally:
+        holder.kill()
+        holder.wait()
+    errors = [line for line in p.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert p.returncode == 2, p.stderr
+    assert errors == [line for line in errors if line.startswith("align.train: error: --out ")], p.stderr
+    assert len(errors) == 1 and f"in use by another run (pid {holder.pid}" in errors[0], p.stderr
+    assert sorted(x.name for x in out.iterdir()) == [LOCK_FILE]  # refused before anything was written
+
+
 def test_killed_save_hf_temps_are_removed_by_the_next_run_of_the_same_run_only(tmp_path, char_model):
     from align.run.safety import clean_stale_exports, run_id
 

@@ -104,6 +104,7 @@ def eval_loss(records: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     import signal
 
+    from align.atomic import LockHeldError
     from align.data import InputError
     from align.dist import is_main
     from align.learner import NonFiniteError
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     old = stop_on_signals(stop_flag)
     try:
         s = train(cfg, stop_flag=stop_flag)
-    except (InputError, CheckpointError, ValueError) as e:  # bad input (before the model loads), --device, resume
+    except (InputError, CheckpointError, ValueError, LockHeldError) as e:  # bad input, --device, resume, --out in use
         print(f"align.sft: error: {e}", file=sys.stderr, flush=True)
         return 2
     except Interrupted as e:
