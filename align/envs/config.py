@@ -47,10 +47,14 @@ class EnvConfig:
     )
     tools: list[str] = field(
         default_factory=list,
-        metadata=_h(
-            "Tool functions for the built-in tool environment, 'path/file.py:fn' or 'module:fn' "
-            "(repeatable); 'python' = the built-in sandboxed python tool."
-        ),
+        metadata={
+            **_h(
+                "Tool functions for the built-in tool environment, 'path/file.py:fn' or 'module:fn' "
+                "(repeat the flag for several; two tools may not share a name); 'python' = the built-in "
+                "sandboxed python tool."
+            ),
+            "action": "extend",  # --tools a --tools b: both, as --reward
+        },
     )
 
     @property
