@@ -5,6 +5,7 @@ and no path combination lets a run overwrite or delete data it did not create.""
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
 from pathlib import Path
@@ -215,6 +216,39 @@ def test_bad_values_fail_before_anything_runs(capsys, flags, match):
         parse(TrainConfig, flags, CLI_PREFIXES)  # what main() runs first, before any file is written
     assert e.value.code == 2
     assert re.search(match, capsys.readouterr().err)
+
+
+TIMEOUT_FLAGS = ["--env-timeout-s", "--reward-timeout-s", "--lean-timeout-s", "--lean-import-timeout-s",
+                 "--lean-retry-backoff-s", "--eval-timeout-s", "--dist-timeout-s", "--rollout-timeout-s"]  # fmt: skip
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+@pytest.mark.parametrize("flag", TIMEOUT_FLAGS)
+def test_a_timeout_that_is_not_finite_is_refused_by_its_flag(capsys, flag, value):
+    """Issue 42: inf passed every check, then every call failed with OverflowError (reported as the user's code
+    raising or as a verifier_error)."""
+    with pytest.raises(SystemExit) as e:
+        parse(TrainConfig, [flag, value], CLI_PREFIXES)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and flag in err and "finite" in err, err
+    if flag == "--dist-timeout-s":  # align.sft shares it
+        from align.sft import CLI_PREFIXES as SFT_PREFIXES
+        from align.sft import SFTConfig
+
+        with pytest.raises(SystemExit):
+            parse(SFTConfig, ["--model", "m", "--train-data", "d", flag, value], SFT_PREFIXES)
+        assert flag in capsys.readouterr().err
+
+
+def test_finite_timeouts_and_zero_for_none_are_accepted():
+    from align.envs.tools import load_tools, make_tool_env
+
+    zero = parse(TrainConfig, ["--env-timeout-s", "0", "--reward-timeout-s", "0"], CLI_PREFIXES)  # 0 = none
+    assert zero.envs.env_timeout_s == 0 and zero.rewards.reward_timeout_s == 0
+    parse(TrainConfig, [x for f in TIMEOUT_FLAGS for x in (f, "1e6")], CLI_PREFIXES)
+    make_tool_env(load_tools(["python"]), timeout_s=0)  # the tools' timeout: 0 = none for user tools
+    with pytest.raises(ValueError, match="tool timeout_s must be a finite number"):
+        make_tool_env(load_tools(["python"]), timeout_s=math.inf)
 
 
 def test_group_size_two_and_edge_values_are_accepted():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,8 +73,8 @@ class EnvConfig:
                 f"--max-episode-tokens {self.max_episode_tokens} is below --max-tokens {max_tokens}: "
                 "the first turn could not use its budget; raise it or lower --max-tokens"
             )
-        if self.env_timeout_s < 0:
-            raise ValueError(f"--env-timeout-s must be >= 0 (0 = no limit), got {self.env_timeout_s}")
+        if not (math.isfinite(self.env_timeout_s) and self.env_timeout_s >= 0):  # inf: OverflowError in every wait
+            raise ValueError(f"--env-timeout-s must be a finite number >= 0 (0 = no limit), got {self.env_timeout_s}")
         if self.env_workers < 0:
             raise ValueError(f"--env-workers must be >= 0 (0 = in this process), got {self.env_workers}")
         if self.env_reward not in ENV_REWARDS:

@@ -352,8 +352,10 @@ def make_tool_env(
     length; ``timeout_s=0`` leaves it ``PythonLimits``' own timeout)."""
     if not tools:
         raise InputError(f"{FLAG}: the tool environment needs at least one tool (e.g. {FLAG} python)")
-    if not timeout_s >= 0 or max_output_chars < 1:
-        raise ValueError(f"tool timeout_s must be >= 0 and max_output_chars >= 1, got {timeout_s}, {max_output_chars}")
+    if not (math.isfinite(timeout_s) and timeout_s >= 0) or max_output_chars < 1:
+        raise ValueError(
+            f"tool timeout_s must be a finite number >= 0 and max_output_chars >= 1, got {timeout_s}, {max_output_chars}"
+        )
     by_name = {t.name: t for t in tools}
     schemas = [t.schema for t in tools]
     if python_limits is None:

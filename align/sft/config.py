@@ -165,9 +165,9 @@ class SFTConfig:
         ):
             if getattr(self, k) < 0:
                 raise ValueError(f"--{k.replace('_', '-')} must be >= 0, got {getattr(self, k)}")
-        for k in ("lr", "temperature"):
+        for k in ("lr", "temperature", "dist_timeout_s"):
             if not (math.isfinite(getattr(self, k)) and getattr(self, k) > 0):
-                raise ValueError(f"--{k} must be a finite number > 0, got {getattr(self, k)}")
+                raise ValueError(f"--{k.replace('_', '-')} must be a finite number > 0, got {getattr(self, k)}")
         choices = {
             "lr_schedule": ("constant", "linear", "cosine"),
             "logprob_backend": ("auto", "torch", "triton", "reference"),
