@@ -15,6 +15,7 @@ import pytest
 import torch
 from helpers_train import PROMPTS, TOK, a_reward, cfg_for, records
 
+from align.data import InputError
 from align.rollout.pipeline import check_weights_version
 from align.run import checkpoint as ckpt
 from align.run.cli import from_dict, parse
@@ -84,6 +85,61 @@ def two_checkpoints(tmp_path, char_model) -> Path:
     run(cfg_for(out, steps=4, checkpoint_every=2), char_model)
     assert [d.name for _, d in ckpt.committed(out / "checkpoints")] == ["step_2", "step_4"]
     return out
+
+
+def test_an_out_inside_another_runs_tree_is_refused(tmp_path, char_model):
+    """Issue 42: --out inside another run's checkpoints/step_N was accepted; that run's retention deleted it."""
+    other = two_checkpoints(tmp_path, char_model)
+    before = tree(other)
+    for inside in (other / "checkpoints" / "step_2" / "mine", other / "sub"):
+        with pytest.raises(InputError, match=rf"--out {inside} is inside {other}, the run dir of another run"):
+            run(cfg_for(inside, steps=1), char_model)
+        assert not inside.exists()  # refused before anything was written
+    assert tree(other) == before
+    run(cfg_for(tmp_path / "sibling", steps=1), char_model)  # control: beside it is fine
+
+
+def test_a_step_dir_that_is_not_this_runs_is_never_resumed_nor_deleted(tmp_path, char_model):
+    """Issue 42: a checkpoints/step_N symlink to another run's checkpoint was resumed from silently, then retention
+    deleted the run's own checkpoints and crashed on rmtree of the symlink. A copied checkpoint of another run (its
+    marker carries that run's id) is refused the same way."""
+    other = tmp_path / "other"
+    run(cfg_for(other, steps=6, checkpoint_every=2, keep_checkpoints=0), char_model)
+    out = two_checkpoints(tmp_path, char_model)  # step_2, step_4
+    mine = tree(out / "checkpoints")
+    theirs = tree(other / "checkpoints")
+    link = out / "checkpoints" / "step_6"
+    link.symlink_to(other / "checkpoints" / "step_6")
+    copied = out / "checkpoints" / "step_8"
+    for step_dir, why in ((link, r"a symlink \(to "), (copied, r"a checkpoint of another run \([0-9a-f]{32}\)")):
+        if step_dir == copied:
+            link.unlink()
+            shutil.copytree(other / "checkpoints" / "step_6", copied)
+        with pytest.raises(ckpt.CheckpointError, match=rf"{step_dir} is {why}.*not a checkpoint of this run"):
+            run(cfg_for(out, steps=10, checkpoint_every=2, keep_checkpoints=1), char_model)
+        assert tree(out / "checkpoints") == {**mine, **tree_under(step_dir, out / "checkpoints")}  # nothing deleted
+        assert tree(other / "checkpoints") == theirs
+    # retention (keep-last-K) leaves another run's step dirs alone, a symlink included; its own it prunes
+    link.symlink_to(other / "checkpoints" / "step_4")
+    model = ckpt.load_model(out / "checkpoints" / "step_4", torch.float32)
+    state = ckpt.load_state(out / "checkpoints" / "step_4")
+    ckpt.save_full(out / "checkpoints", 10, model, state, keep=1)
+    left = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert left == ["step_10", "step_6", "step_8"], left  # step_2 and step_4 (this run's) pruned
+    assert tree(other / "checkpoints") == theirs
+    assert [d.name for _, d in ckpt.committed(out / "checkpoints")] == ["step_10"]
+    # control: without them the run resumes from its own latest checkpoint
+    link.unlink()
+    shutil.rmtree(copied)
+    run(cfg_for(out, steps=12, checkpoint_every=2), char_model)
+    assert [r["step"] for r in records(out) if "reward_mean" in r][-2:] == [11, 12]
+
+
+def tree_under(path: Path, root: Path) -> dict[str, bytes]:
+    """``tree`` of ``path`` keyed relative to ``root`` (a symlinked dir: nothing of its own)."""
+    if path.is_symlink():
+        return {}
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
 def truncate(path: Path) -> None:
