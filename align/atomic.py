@@ -142,15 +142,26 @@ def check_hf_dir(path: str | os.PathLike) -> Path:
 
 def safetensors_header(f: Path) -> dict:
     """The JSON header of safetensors file ``f`` (tensor name -> dtype, shape, offsets), read with the stdlib: a
-    little-endian u64 length, then that many bytes of JSON (at most 100 MB, as the format says)."""
+    little-endian u64 length, then that many bytes of JSON (at most 100 MB, as the format says). The file must hold
+    every byte the header's offsets name (a copy cut short passes the header, then fails mid-load)."""
     try:
+        size = f.stat().st_size
         with open(f, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(n)) if 8 + n <= min(f.stat().st_size, 8 + (100 << 20)) else None
+            header = json.loads(fh.read(n)) if 8 + n <= min(size, 8 + (100 << 20)) else None
     except (OSError, ValueError):
         header = None
     if not isinstance(header, dict):
         raise ValueError(f"{f} is not a valid safetensors file (bad header): a truncated or corrupt checkpoint")  # noqa: TRY004
+    try:
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (TypeError, KeyError, IndexError):
+        raise ValueError(f"{f} is not a valid safetensors file (a tensor without data_offsets)") from None
+    if 8 + n + end > size:
+        raise ValueError(
+            f"{f} is truncated: {size} bytes, its header places tensor data up to byte {8 + n + end} (a copy or "
+            "download cut short); copy the checkpoint again"
+        )
     return header
 
 
