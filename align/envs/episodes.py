@@ -18,8 +18,8 @@ and submits its next turn as soon as its environment step returns (no barrier ac
 ``--max-inflight-requests`` bounds what is in flight).
 
 Failures: an environment call that raises, times out or returns the wrong type (a message without string content, a
-reward float32 cannot hold), a first prompt or an observation the chat template cannot render or that renders to no
-tokens, rewards that combine beyond float32: each makes that episode unscorable (``error``, counted in
+reward float32 cannot hold), a first prompt the chat template cannot render or that has no tokens, an observation it
+cannot render, rewards that combine beyond float32: each makes that episode unscorable (``error``, counted in
 ``env/errors``); the step goes on. ``collect_episodes`` raises when every episode of a step failed.
 """
 
@@ -95,7 +95,7 @@ class _Live:
         except ValueError as e:
             return self.fail(EnvError(f"reset()'s first prompt cannot be rendered: {e}"))
         if not self.ep.prompt_ids:
-            return self.fail(EnvError(f"reset() returned {obs!r}: an empty first prompt (0 tokens)"))
+            return self.fail(EnvError(f"reset() returned {repr(obs)[:80]}: an empty first prompt (0 tokens)"))
         if len(self.ep.prompt_ids) >= self.runner.context:
             self.fail(
                 EnvError(
