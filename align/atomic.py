@@ -142,15 +142,26 @@ def check_hf_dir(path: str | os.PathLike) -> Path:
 
 def safetensors_header(f: Path) -> dict:
     """The JSON header of safetensors file ``f`` (tensor name -> dtype, shape, offsets), read with the stdlib: a
-    little-endian u64 length, then that many bytes of JSON (at most 100 MB, as the format says)."""
+    little-endian u64 length, then that many bytes of JSON (at most 100 MB, as the format says). The file must hold
+    every byte the header's offsets name (a copy cut short passes the header, then fails mid-load)."""
     try:
+        size = f.stat().st_size
         with open(f, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(n)) if 8 + n <= min(f.stat().st_size, 8 + (100 << 20)) else None
+            header = json.loads(fh.read(n)) if 8 + n <= min(size, 8 + (100 << 20)) else None
     except (OSError, ValueError):
         header = None
     if not isinstance(header, dict):
         raise ValueError(f"{f} is not a valid safetensors file (bad header): a truncated or corrupt checkpoint")  # noqa: TRY004
+    try:
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (TypeError, KeyError, IndexError):
+        raise ValueError(f"{f} is not a valid safetensors file (a tensor without data_offsets)") from None
+    if 8 + n + end > size:
+        raise ValueError(
+            f"{f} is truncated: {size} bytes, its header places tensor data up to byte {8 + n + end} (a copy or "
+            "download cut short); copy the checkpoint again"
+        )
     return header
 
 
@@ -214,9 +225,13 @@ def private_secret(path: str | os.PathLike, nbytes: int = 32) -> bytes:
     return key
 
 
+class LockHeldError(RuntimeError):
+    """A lock ``hold_lock`` could not take: another process holds it (the message names the holder and the fix)."""
+
+
 def hold_lock(path: str | os.PathLike, in_use: Callable[[str], str]) -> IO[str]:
     """An exclusive ``flock`` on ``path``, held until the returned file is closed or this process dies (a kill -9
-    frees it), stamped with this process's pid and host. Held by another process: RuntimeError(``in_use(holder)``),
+    frees it), stamped with this process's pid and host. Held by another process: LockHeldError(``in_use(holder)``),
     at once (never waits)."""
     f = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held for the caller's life
     try:
@@ -225,7 +240,7 @@ def hold_lock(path: str | os.PathLike, in_use: Callable[[str], str]) -> IO[str]:
         f.seek(0)
         holder = f.read().strip() or "pid unknown"
         f.close()
-        raise RuntimeError(in_use(holder)) from None
+        raise LockHeldError(in_use(holder)) from None
     f.truncate(0)
     f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     f.flush()

@@ -214,3 +214,16 @@ def make_optimizer(
     if place.param_dtype != torch.float32:
         return AdamW32(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay)
     return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay, fused=True)
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes that can still be allocated on ``device``: a CUDA device's free memory, the host's ``MemAvailable``
+    (Linux ``/proc/meminfo``) for the CPU; None where it cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            kib = next((int(line.split()[1]) for line in f if line.startswith("MemAvailable:")), None)
+    except (OSError, ValueError):
+        return None
+    return None if kib is None else kib * 1024

@@ -76,8 +76,10 @@ class RewardConfig:
     def __post_init__(self) -> None:
         if self.reward_workers < 1:
             raise ValueError(f"--reward-workers must be >= 1, got {self.reward_workers}")
-        if not self.reward_timeout_s >= 0:
-            raise ValueError(f"--reward-timeout-s must be >= 0 (0 = no timeout), got {self.reward_timeout_s}")
+        if not (math.isfinite(self.reward_timeout_s) and self.reward_timeout_s >= 0):  # inf: OverflowError per call
+            raise ValueError(
+                f"--reward-timeout-s must be a finite number >= 0 (0 = no timeout), got {self.reward_timeout_s}"
+            )
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward):
             raise ValueError(
                 f"--reward-weights has {len(self.reward_weights)} value(s) for {len(self.reward)} "

@@ -9,6 +9,7 @@ import json
 import math
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,6 +139,53 @@ def test_bad_teacher_flags_fail_before_the_model_loads(tmp_path, capsys, monkeyp
     other = _model_with_tokenizer(tmp_path / "t", tok=CharTokenizer("bacd="))
     assert main([*base, "--out", str(tmp_path / "r2"), "--distill-only", "--teacher", other]) == 2
     assert "does not tokenize as the student" in capsys.readouterr().err
+
+
+def _with_header(src: Path, dst: Path, extra: dict, total: int | None = None) -> None:
+    """``dst``: safetensors file ``src`` with ``extra`` tensors added to its header and cut or extended (sparse, no
+    disk used) to ``total`` bytes (None: the data as it is)."""
+    raw = src.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = {**json.loads(raw[8 : 8 + n]), **extra}
+    text = json.dumps(header).encode()
+    with open(dst, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text + raw[8 + n :])
+        if total is not None:
+            f.truncate(total(8 + len(text)) if callable(total) else total)
+
+
+def test_a_truncated_or_too_large_teacher_is_refused_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    """Issue 42: a truncated teacher safetensors file was a raw traceback after the student loaded, naming neither the
+    file nor --teacher; a teacher larger than memory a bare MemoryError after the student loaded. Both are named from
+    the files' headers before anything loads."""
+    from align import model as model_lib
+    from align.train import main
+
+    student = _model_with_tokenizer(tmp_path / "s")
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    base = ["--model", student, "--train-data", str(tmp_path / "rows.jsonl"), "--tokenizer", student, "--steps", "1",
+            "--eval-interval", "0", "--device", "cpu", "--distill-only"]  # fmt: skip
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before the bad teacher was refused")
+
+    monkeypatch.setattr(model_lib, "load_pretrained", no_load)
+    weights = Path(student) / "model.safetensors"
+    cut = Path(shutil.copytree(student, tmp_path / "cut"))
+    (cut / "model.safetensors").write_bytes(weights.read_bytes()[:-100])  # the header intact, the last tensor short
+    assert main([*base, "--out", str(tmp_path / "r1"), "--teacher", str(cut)]) == 2
+    err = capsys.readouterr().err
+    assert f"--teacher {cut}: {cut / 'model.safetensors'} is truncated" in err, err
+    huge = Path(shutil.copytree(student, tmp_path / "huge"))  # + a 2**38-element fp32 tensor: 1 TiB, sparse on disk
+    end = weights.stat().st_size - 8 - int.from_bytes(weights.read_bytes()[:8], "little")
+    extra = {"model.extra.weight": {"dtype": "F32", "shape": [2**38], "data_offsets": [end, end + 2**40]}}
+    _with_header(weights, huge / "model.safetensors", extra, total=lambda data_start: data_start + end + 2**40)
+    assert main([*base, "--out", str(tmp_path / "r2"), "--teacher", str(huge)]) == 2
+    err = capsys.readouterr().err
+    assert f"--teacher {huge}: its weights (274,878," in err and "1024.0 GiB as float32" in err, err
+    # control: a whole teacher of a size that fits passes every check and reaches the model load
+    with pytest.raises(AssertionError, match="a model was loaded"):
+        main([*base, "--out", str(tmp_path / "r3"), "--teacher", str(Path(shutil.copytree(student, tmp_path / "ok")))])
 
 
 def test_an_older_worker_is_refused_with_a_clear_message(tmp_path):

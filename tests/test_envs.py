@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from align.tasks.tokenizer import CharTokenizer
 from helpers_learner import CPU, PARAMS, cfg, rev_model, tiny
 
 from align import learner
@@ -63,8 +64,8 @@ def test_kept_cache_turns_carry_the_teacher_forced_logprobs_of_the_whole_convers
         s.next([1], [[3]], [2])
 
 
-def make_runner(env_cls, workers: int = 0, timeout_s: float = 5.0, **env_kw):
-    tok = reverse.tokenizer()
+def make_runner(env_cls, workers: int = 0, timeout_s: float = 5.0, tok=None, **env_kw):
+    tok = tok or reverse.tokenizer()
     spec = f"turn_envs:{env_cls.__name__}" if workers else None
     envs = EnvRunner(spec, env_cls, workers, timeout_s)
     ecfg = EnvConfig(**env_kw)
@@ -174,6 +175,80 @@ def test_budgets_failures_and_timeouts_end_episodes_not_steps():
     scores = episode_scores(eps, [({}, e.text) for e in eps], None)
     assert [math.isnan(t) for t in scores.totals] == [e.error is not None for e in eps]
     assert scores.failed == 4 and scores.timeouts == 2
+
+
+HOSTILE = {  # row prompt -> what its episodes' error says (None: a good row)
+    "abc=": None,
+    turn_envs.Hostile.WAYS["dict"]: "message 0 (user) has dict {'a': 1} as its content",
+    turn_envs.Hostile.WAYS["none"]: "message 0 (user) has no content",
+    turn_envs.Hostile.WAYS["empty"]: "an empty first prompt (0 tokens)",
+    turn_envs.Hostile.WAYS["huge"]: "Step.reward 1e+39 is beyond float32",
+    turn_envs.Hostile.WAYS["sum"]: "combine (--env-reward sum) to 6e+38, beyond float32",
+}
+
+
+class NoBos(CharTokenizer):
+    """The reverse task's tokenizer without a BOS token, as Qwen's: an empty text encodes to no tokens."""
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        return super().encode(text, add_bos=False)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_hostile_environment_fails_its_own_episodes_only(workers):
+    """Issue 42: content a dict or missing, reset() "", a reward beyond float32 (or summed past it) each ended the run
+    (InputError from the template, 'prompt 0 is empty', OverflowError); each now fails only its own episodes."""
+    from align.rollout.groups import Groups
+
+    runner, envs, _ = make_runner(
+        turn_envs.Hostile, workers, tok=NoBos(reverse.ALPHABET), max_turns=3, env_reward="sum"
+    )
+    rows = [{"prompt": p, "answer": "cba"} for p in HOSTILE]
+    with envs:
+        eps = runner.run(NativeClient(rev_model()), rows, 2, PARAMS)
+    for e in eps:
+        want = HOSTILE[rows[e.prompt_index]["prompt"]]
+        assert (e.error is None) if want is None else (want in (e.error or "")), (rows[e.prompt_index], e.error)
+    assert env_stats(eps)["env/errors"] == 2 * (len(HOSTILE) - 1)
+    scores = episode_scores(eps, [({}, e.text) for e in eps], None)
+    assert [math.isnan(t) for t in scores.totals] == [e.error is not None for e in eps]
+    assert scores.failed == 2 * (len(HOSTILE) - 1)
+    tensors = Groups(list(range(len(rows))), eps, [e.text for e in eps], scores).tensors(2)  # float32: no overflow
+    assert torch.isfinite(tensors.total[0]).all() and tensors.total[1:].isnan().all()
+    # control: the same rows with --env-reward last: 'sum=' scores (3e38 fits), the others fail as before
+    runner, envs, _ = make_runner(
+        turn_envs.Hostile, workers, tok=NoBos(reverse.ALPHABET), max_turns=3, env_reward="last"
+    )
+    with envs:
+        eps = runner.run(NativeClient(rev_model()), rows, 2, PARAMS)
+    assert [e.env_reward for e in eps if e.prompt_index == 5] == [3e38, 3e38]
+    assert {e.prompt_index for e in eps if e.error} == {1, 2, 3, 4}
+
+
+def test_a_hostile_environment_never_ends_the_run(tmp_path):
+    """The same end to end: train() runs its steps, the bad rows' episodes are counted as errors, and an environment
+    reward plus a --reward that fit float32 each but not summed is one more unscorable episode."""
+    import json
+
+    from align.model import save_pretrained
+    from align.run.config import TrainConfig
+    from align.train import train
+
+    def big_for_both(prompt: str, completion: str, **_) -> float | None:
+        return 3e38 if prompt == turn_envs.Hostile.WAYS["both"] else None
+
+    model_dir = str(save_pretrained(rev_model(), tmp_path / "model"))
+    rows = [{"prompt": p, "answer": "cba"} for p in [*HOSTILE, turn_envs.Hostile.WAYS["both"]]]
+    c = TrainConfig(out=str(tmp_path / "run"), steps=2, prompts_per_step=len(rows), group_size=2, max_tokens=8,
+                    envs=EnvConfig(max_turns=3, env_reward="sum"))  # fmt: skip
+    c.eval.eval_interval = 0
+    s = train(c, model=model_dir, tokenizer=NoBos(reverse.ALPHABET), prompts=rows, env=turn_envs.Hostile,
+              reward=big_for_both)  # fmt: skip
+    assert s["steps"] == 2
+    steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "loss" in r]
+    assert [r["env/errors"] for r in steps] == [10, 10], steps  # five bad rows x G = 2
+    assert [r["unscorable"] for r in steps] == [12, 12], steps  # and 'both=': env + --reward beyond float32
 
 
 def test_an_env_spec_without_its_class_or_methods_is_refused_by_name(tmp_path):

@@ -5,6 +5,7 @@ and no path combination lets a run overwrite or delete data it did not create.""
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 import torch
 from helpers_train import PROMPTS, TOK, a_reward, cfg_for, records
 
+from align.data import InputError
 from align.rollout.pipeline import check_weights_version
 from align.run import checkpoint as ckpt
 from align.run.cli import from_dict, parse
@@ -83,6 +85,61 @@ def two_checkpoints(tmp_path, char_model) -> Path:
     run(cfg_for(out, steps=4, checkpoint_every=2), char_model)
     assert [d.name for _, d in ckpt.committed(out / "checkpoints")] == ["step_2", "step_4"]
     return out
+
+
+def test_an_out_inside_another_runs_tree_is_refused(tmp_path, char_model):
+    """Issue 42: --out inside another run's checkpoints/step_N was accepted; that run's retention deleted it."""
+    other = two_checkpoints(tmp_path, char_model)
+    before = tree(other)
+    for inside in (other / "checkpoints" / "step_2" / "mine", other / "sub"):
+        with pytest.raises(InputError, match=rf"--out {inside} is inside {other}, the run dir of another run"):
+            run(cfg_for(inside, steps=1), char_model)
+        assert not inside.exists()  # refused before anything was written
+    assert tree(other) == before
+    run(cfg_for(tmp_path / "sibling", steps=1), char_model)  # control: beside it is fine
+
+
+def test_a_step_dir_that_is_not_this_runs_is_never_resumed_nor_deleted(tmp_path, char_model):
+    """Issue 42: a checkpoints/step_N symlink to another run's checkpoint was resumed from silently, then retention
+    deleted the run's own checkpoints and crashed on rmtree of the symlink. A copied checkpoint of another run (its
+    marker carries that run's id) is refused the same way."""
+    other = tmp_path / "other"
+    run(cfg_for(other, steps=6, checkpoint_every=2, keep_checkpoints=0), char_model)
+    out = two_checkpoints(tmp_path, char_model)  # step_2, step_4
+    mine = tree(out / "checkpoints")
+    theirs = tree(other / "checkpoints")
+    link = out / "checkpoints" / "step_6"
+    link.symlink_to(other / "checkpoints" / "step_6")
+    copied = out / "checkpoints" / "step_8"
+    for step_dir, why in ((link, r"a symlink \(to "), (copied, r"a checkpoint of another run \([0-9a-f]{32}\)")):
+        if step_dir == copied:
+            link.unlink()
+            shutil.copytree(other / "checkpoints" / "step_6", copied)
+        with pytest.raises(ckpt.CheckpointError, match=rf"{step_dir} is {why}.*not a checkpoint of this run"):
+            run(cfg_for(out, steps=10, checkpoint_every=2, keep_checkpoints=1), char_model)
+        assert tree(out / "checkpoints") == {**mine, **tree_under(step_dir, out / "checkpoints")}  # nothing deleted
+        assert tree(other / "checkpoints") == theirs
+    # retention (keep-last-K) leaves another run's step dirs alone, a symlink included; its own it prunes
+    link.symlink_to(other / "checkpoints" / "step_4")
+    model = ckpt.load_model(out / "checkpoints" / "step_4", torch.float32)
+    state = ckpt.load_state(out / "checkpoints" / "step_4")
+    ckpt.save_full(out / "checkpoints", 10, model, state, keep=1)
+    left = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert left == ["step_10", "step_6", "step_8"], left  # step_2 and step_4 (this run's) pruned
+    assert tree(other / "checkpoints") == theirs
+    assert [d.name for _, d in ckpt.committed(out / "checkpoints")] == ["step_10"]
+    # control: without them the run resumes from its own latest checkpoint
+    link.unlink()
+    shutil.rmtree(copied)
+    run(cfg_for(out, steps=12, checkpoint_every=2), char_model)
+    assert [r["step"] for r in records(out) if "reward_mean" in r][-2:] == [11, 12]
+
+
+def tree_under(path: Path, root: Path) -> dict[str, bytes]:
+    """``tree`` of ``path`` keyed relative to ``root`` (a symlinked dir: nothing of its own)."""
+    if path.is_symlink():
+        return {}
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
 def truncate(path: Path) -> None:
@@ -215,6 +272,39 @@ def test_bad_values_fail_before_anything_runs(capsys, flags, match):
         parse(TrainConfig, flags, CLI_PREFIXES)  # what main() runs first, before any file is written
     assert e.value.code == 2
     assert re.search(match, capsys.readouterr().err)
+
+
+TIMEOUT_FLAGS = ["--env-timeout-s", "--reward-timeout-s", "--lean-timeout-s", "--lean-import-timeout-s",
+                 "--lean-retry-backoff-s", "--eval-timeout-s", "--dist-timeout-s", "--rollout-timeout-s"]  # fmt: skip
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+@pytest.mark.parametrize("flag", TIMEOUT_FLAGS)
+def test_a_timeout_that_is_not_finite_is_refused_by_its_flag(capsys, flag, value):
+    """Issue 42: inf passed every check, then every call failed with OverflowError (reported as the user's code
+    raising or as a verifier_error)."""
+    with pytest.raises(SystemExit) as e:
+        parse(TrainConfig, [flag, value], CLI_PREFIXES)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and flag in err and "finite" in err, err
+    if flag == "--dist-timeout-s":  # align.sft shares it
+        from align.sft import CLI_PREFIXES as SFT_PREFIXES
+        from align.sft import SFTConfig
+
+        with pytest.raises(SystemExit):
+            parse(SFTConfig, ["--model", "m", "--train-data", "d", flag, value], SFT_PREFIXES)
+        assert flag in capsys.readouterr().err
+
+
+def test_finite_timeouts_and_zero_for_none_are_accepted():
+    from align.envs.tools import load_tools, make_tool_env
+
+    zero = parse(TrainConfig, ["--env-timeout-s", "0", "--reward-timeout-s", "0"], CLI_PREFIXES)  # 0 = none
+    assert zero.envs.env_timeout_s == 0 and zero.rewards.reward_timeout_s == 0
+    parse(TrainConfig, [x for f in TIMEOUT_FLAGS for x in (f, "1e6")], CLI_PREFIXES)
+    make_tool_env(load_tools(["python"]), timeout_s=0)  # the tools' timeout: 0 = none for user tools
+    with pytest.raises(ValueError, match="tool timeout_s must be a finite number"):
+        make_tool_env(load_tools(["python"]), timeout_s=math.inf)
 
 
 def test_group_size_two_and_edge_values_are_accepted():
@@ -431,6 +521,31 @@ def test_a_second_run_on_the_same_out_is_refused_with_the_holders_pid(tmp_path, 
     run(cfg_for(out, steps=1), char_model)  # control: once the holder is gone the run starts
     run(cfg_for(out, steps=2), char_model)  # and a finished run released the lock
     assert [r["step"] for r in records(out) if "reward_mean" in r] == [1, 2]
+
+
+def test_the_cli_refuses_a_held_out_with_one_error_line(tmp_path):
+    """Regression (issue 42): the RuntimeError of atomic.hold_lock escaped align.train.main as a raw traceback."""
+    import subprocess
+    import sys
+
+    from align.run.safety import LOCK_FILE
+
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out / LOCK_FILE)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        argv = ["--out", str(out), "--steps", "1", "--device", "cpu"]
+        cmd = [sys.executable, "-m", "align.train", *argv]
+        p = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
+    finally:
+        holder.kill()
+        holder.wait()
+    errors = [line for line in p.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert p.returncode == 2, p.stderr
+    assert errors == [line for line in errors if line.startswith("align.train: error: --out ")], p.stderr
+    assert len(errors) == 1 and f"in use by another run (pid {holder.pid}" in errors[0], p.stderr
+    assert sorted(x.name for x in out.iterdir()) == [LOCK_FILE]  # refused before anything was written
 
 
 def test_killed_save_hf_temps_are_removed_by_the_next_run_of_the_same_run_only(tmp_path, char_model):

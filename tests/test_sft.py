@@ -26,6 +26,7 @@ from align import learner, lora, packing
 from align.attention import PackedLayout, Segment
 from align.data import HFTokenizer
 from align.model import ModelConfig, Transformer, load_pretrained, save_pretrained
+from align.run.checkpoint import committed
 from align.sft import SFTConfig, main, train
 from align.sft.data import Renderers, render_row, verified_examples
 from align.sft.run import tensors
@@ -311,6 +312,36 @@ def test_kill_9_then_rerun_resumes_exactly(tmp_path, char_model):
     other = tmp_path / "seed1"
     assert main(sft_args(other, model, rows, "--seed", "1", "--steps", "2")) == 0
     assert comparable(other)[1] != comparable(whole)[1]
+
+
+def test_a_batch_larger_than_the_data_is_bounded_by_it_and_sigterm_stops_the_run(tmp_path, char_model):
+    """Issue 42: --batch-size 1000000000 never finished a step (the data cursor drew a billion rows, memory growing)
+    and SIGTERM, waiting for the step's end, was ignored. A step now takes at most every row once."""
+    import signal
+
+    from align.train import SIGNAL_EXIT
+
+    model = char_model_dir(tmp_path, char_model)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    out = tmp_path / "run"
+    args = ["--model", model, "--train-data", str(rows), "--out", str(out), "--batch-size", "1000000000",
+            "--steps", "100000", "--threads", "1", "--eval-interval", "0", "--checkpoint-every", "0"]  # fmt: skip
+    proc = run_cli(args, module="align.sft")
+    wait_for(lambda: (out / "metrics.jsonl").is_file() and len(records(out)) >= 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        rc = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert rc == SIGNAL_EXIT[signal.SIGTERM], proc.stdout.read()[-3000:]
+    steps = [r for r in records(out) if "rows" in r]
+    assert 2 <= len(steps) < 100000 and all(r["rows"] == len(ROWS) for r in steps)  # bounded by the data
+    assert [n for n, _ in committed(out / "checkpoints")] == [steps[-1]["step"]]  # the signal's checkpoint
+    # control: a batch within the data is taken as it is
+    assert main(["--model", model, "--train-data", str(rows), "--out", str(tmp_path / "small"), "--batch-size", "4",
+                 "--steps", "2", "--threads", "1", "--eval-interval", "0"]) == 0  # fmt: skip
+    assert [r["rows"] for r in records(tmp_path / "small") if "rows" in r] == [4, 4]
 
 
 def _load_extra(name: str):

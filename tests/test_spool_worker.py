@@ -10,6 +10,7 @@ Without .venv-rollout these tests skip, or fail under ALIGN_REQUIRE_ROLLOUT=1 (s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -51,8 +52,10 @@ class Fleet:
     def __init__(self, root: Path) -> None:
         self.root, self.spool = root, root / "spool"
         self.handles = []
+        self.spawned: tuple | None = None  # (model, options) of the last spawn
 
     def spawn(self, model: Path, **kw):
+        self.spawned = (model, kw)
         kw = {"max_model_len": MAX_MODEL_LEN, "dtype": "float32", "ready_timeout_s": READY_TIMEOUT_S, **kw}
         h = spawn_worker(self.spool, model=model, log_path=self.root / "worker.log", **kw)
         self.handles.append(h)
@@ -60,21 +63,47 @@ class Fleet:
         self.client = make_rollout_client("spool", spool=self.spool, timeout_s=CALL_TIMEOUT_S, worker=h)
         return h
 
+    def ensure(self, model: Path, **kw) -> Fleet:
+        """This fleet with a live worker spawned as ``spawn(model, **kw)``: the running one when it is, else a new one
+        after every earlier one is reaped, so a test never inherits what a failed test left (a killed worker, the
+        other logprob basis)."""
+        if not (self.handles and self.handle.alive() and self.spawned == (model, kw)):
+            for h in self.handles:
+                h.shutdown(grace_s=0)
+            self.spawn(model, **kw)
+        return self
+
     def close(self) -> None:
         for h in self.handles:
             h.shutdown(grace_s=5)
 
 
+RAW = {"weights_version": 1}  # multiprocess engine, raw logprobs: the production default
+PROCESSED = {"weights_version": 3, "in_process": True, "logprobs_mode": "processed"}  # what the kill test restarts
+
+
 @pytest.fixture(scope="module")
-def fleet(models, tmp_path_factory):
+def workers(models, tmp_path_factory):
     _require_rollout_venv()
     f = Fleet(tmp_path_factory.mktemp("rollout"))
     try:
-        f.spawn(models["v1"], weights_version=1)  # multiprocess engine: the production default
         yield f
     finally:
         f.close()
         assert not any(h.group_alive() for h in f.handles), "a rollout worker process survived teardown"
+
+
+@pytest.fixture
+def fleet(workers, models):
+    """The module's multiprocess worker (raw logprobs), started again if an earlier test left it dead."""
+    return workers.ensure(models["v1"], **RAW)
+
+
+@pytest.fixture
+def processed(workers, models):
+    """The in-process worker in --logprobs-mode processed that the kill test restarts on the spool (started here if
+    that test failed before it did)."""
+    return workers.ensure(models["v1"], **PROCESSED)
 
 
 def _max_diff(a: list[float], b: list[float]) -> float:
@@ -186,7 +215,7 @@ def test_bad_requests_are_clear_errors_and_the_worker_survives(fleet, models):
         assert time.monotonic() < deadline, "the worker never set the forged shutdown aside"
         time.sleep(0.05)
     assert sp.request_state("rzzz-forged-stop") is None  # never answered
-    assert client.generate(PROMPTS[:1], SamplingParams(max_tokens=4))[0].weights_version == 3  # still serving
+    assert client.generate(PROMPTS[:1], SamplingParams(max_tokens=4))[0].weights_version == client.weights_version
     while sp.read_heartbeat().get("untrusted_rejected") != 1:  # counted in the next heartbeat (every second)
         assert time.monotonic() < deadline, f"heartbeat {sp.read_heartbeat()} never counted the forged shutdown"
         time.sleep(0.05)
@@ -204,10 +233,7 @@ def test_a_request_written_mid_flight_joins_the_running_engine(fleet):
     sp = Spool(fleet.spool)
     long = P.generate_request([[i + 3, i + 4, i + 5] for i in range(8)], SamplingParams(max_tokens=200, seed=1))
     sp.submit(long)
-    deadline = time.monotonic() + CALL_TIMEOUT_S
-    while sp.request_state(long.id) != "claimed":  # in the engine (the worker adds what it claims at once)
-        assert time.monotonic() < deadline, "the worker never claimed the long request"
-        time.sleep(0.005)
+    assert _past_pending(sp, long.id, "the long request") == "claimed"  # in the engine (added as it is claimed)
     short = fleet.client.generate([[7, 8]], SamplingParams(max_tokens=2, seed=2))
     assert len(short[0].token_ids) == 2
     assert sp.request_state(long.id) == "claimed", "the short request was answered only after the long one"
@@ -216,18 +242,36 @@ def test_a_request_written_mid_flight_joins_the_running_engine(fleet):
     assert [len(c["token_ids"]) for c in body["completions"]] == [200] * 8 and body["timings"]["batch_requests"] == 2
 
 
+def _past_pending(sp: Spool, msg_id: str, what: str) -> str:
+    """The request's state once the worker has it: 'claimed' or later (a fast worker may claim and answer a short
+    request between two looks of a loaded machine)."""
+    deadline = time.monotonic() + CALL_TIMEOUT_S
+    while (state := sp.request_state(msg_id)) in ("pending", None):
+        assert time.monotonic() < deadline, f"the worker never claimed {what}"
+        time.sleep(0.005)
+    return state
+
+
 def test_kill_mid_request_then_restart_resumes(fleet, models):
     params = SamplingParams(n=2, max_tokens=128, seed=5)
     prompts = [[i + 3, i + 4, i + 5] for i in range(4)]
     expected = fleet.client.generate(prompts, params)
     client, handle, sp = fleet.client, fleet.handle, Spool(fleet.spool)
     msg = P.generate_request(prompts, params)
-    sp.submit(msg)
-    deadline = time.monotonic() + 60
-    while sp.request_state(msg.id) != "claimed":
-        assert time.monotonic() < deadline, "the worker never claimed the request"
-        time.sleep(0.005)
-    os.kill(handle.pid, signal.SIGKILL)  # the worker process only: its engine core child is orphaned
+    # The engine core (the worker's child) stopped first: the worker claims the request and hands it over, but it
+    # cannot be answered before the kill, however long this process waits between two looks.
+    stalled = [pid for pid in _group_members(handle.pid) if pid != handle.pid]
+    assert stalled, "the multiprocess engine has no engine core process"
+    try:
+        for pid in stalled:
+            os.kill(pid, signal.SIGSTOP)
+        sp.submit(msg)
+        assert _past_pending(sp, msg.id, "the request") == "claimed"  # not answered: the stall holds
+        os.kill(handle.pid, signal.SIGKILL)  # the worker process only: its engine core child is orphaned
+    finally:
+        for pid in stalled:  # the orphans take the teardown's SIGTERM at once
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
     t0 = time.monotonic()
     with pytest.raises(WorkerDiedError, match=r"(?s)exited with code -9.*client.wait.*worker log") as err:
         client.wait(msg.id)
@@ -236,7 +280,7 @@ def test_kill_mid_request_then_restart_resumes(fleet, models):
     assert not handle.group_alive(), "the engine core outlived the worker's teardown"
     assert sp.request_state(msg.id) == "claimed"
     # restart on the same spool (in-process engine, processed logprobs): the claimed request is served again
-    fleet.spawn(models["v1"], weights_version=3, in_process=True, logprobs_mode="processed")
+    fleet.spawn(models["v1"], **PROCESSED)
     resumed = fleet.client.generate(prompts, params, request_id=msg.id)
     assert [c.token_ids for c in resumed] == [c.token_ids for c in expected]
     flat = [[lp for c in cs for lp in c.logprobs] for cs in (resumed, expected)]
@@ -244,9 +288,10 @@ def test_kill_mid_request_then_restart_resumes(fleet, models):
     assert fleet.client.logprob_basis == "processed"
 
 
-def test_processed_logprobs_are_the_temperature_scaled_basis(fleet, models):
+def test_processed_logprobs_are_the_temperature_scaled_basis(processed, models):
     from helpers_models import teacher_forced_logprobs
 
+    fleet = processed
     assert fleet.client.logprob_basis == "processed"
     out = fleet.client.generate(PROMPTS, SamplingParams(n=2, temperature=0.7, max_tokens=16, seed=3))
     ref = [teacher_forced_logprobs(models["hf1"], PROMPTS[c.prompt_index], c.token_ids, 0.7) for c in out]
@@ -265,7 +310,7 @@ def test_processed_logprobs_are_the_temperature_scaled_basis(fleet, models):
     )
 
 
-def test_invalid_model_fails_cleanly(fleet, models, tmp_path):
+def test_invalid_model_fails_cleanly(models, tmp_path):
     """A checkpoint that passes the file checks but vLLM cannot load: the start fails with the log, no process left."""
     bad = tmp_path / "bad_model"
     shutil.copytree(models["v1"], bad)
@@ -277,7 +322,8 @@ def test_invalid_model_fails_cleanly(fleet, models, tmp_path):
     assert hb["state"] == "failed" and "engine failed to start" in hb["error"]
 
 
-def test_shutdown_leaves_no_process(fleet):
+def test_shutdown_leaves_no_process(processed):
+    fleet = processed
     handle = fleet.handle
     assert handle.alive()
     handle.shutdown()

@@ -425,6 +425,77 @@ def test_env_errors_are_observations(env_cls: type) -> None:
     assert out.info == {"tool_calls": 7, "tool_errors": 6} and out.done is False
 
 
+def power(base: int, exp: int) -> int:
+    """A power, which may be too long to print.
+
+    Args:
+        base: The base.
+        exp: The exponent.
+    """
+    return base**exp
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        ("[" * 100_000, "nests too deeply to read"),  # RecursionError in json.loads
+        ('{"name": "add", "arguments": ' + '{"a": ' * 100_000, "nests too deeply to read"),
+        ('{"name": "add", "arguments": {"a": ' + "[" * 200 + "]" * 200 + "}}", "nests more than 64 levels deep"),
+        ('{"name": "add", "arguments": {"a": ' + "9" * 5000 + ', "b": 1}}', "Exceeds the limit"),  # ValueError
+        ('{"name": "python", "arguments": {"code": "print(1) # \\ud800"}}', "a lone surrogate"),  # UnicodeEncodeError
+        ('{"name": "add\\udfff", "arguments": {}}', "a lone surrogate"),
+    ],
+)
+@pytest.mark.parametrize("wrap", ["<tool_call>{}</tool_call>", "<|python_tag|>{}"])
+def test_an_unreadable_call_is_a_tool_error_not_an_exception(env_cls: type, body: str, error: str, wrap: str) -> None:
+    """Issue 42: RecursionError / ValueError / UnicodeEncodeError escaped step() and ended the run."""
+    out = check_step(env_cls(prompt="x").step(wrap.replace("{}", body)))
+    assert out.info == {"tool_calls": 1, "tool_errors": 1} and out.done is False, out
+    (msg,) = out.observation
+    assert msg["content"].startswith("Error: ") and error in msg["content"] and "name" not in msg, msg
+    msg["content"].encode("utf-8")  # the message itself is text
+    # control: the same call, readable, runs
+    good = check_step(env_cls(prompt="x").step(wrap.replace("{}", '{"name": "add", "arguments": {"a": 1, "b": 2}}')))
+    assert good.observation[0]["content"] == "3" and good.info["tool_errors"] == 0
+
+
+def test_a_result_that_cannot_be_printed_is_a_message() -> None:
+    env = make_tool_env(load_tools(None, [power]), timeout_s=5)(prompt="x")
+    out = check_step(env.step(call("power", base=10, exp=5000)))  # str() of it: ValueError (int digit limit)
+    assert "int that cannot be shown as text: ValueError" in out.observation[0]["content"], out
+    assert check_step(env.step(call("power", base=10, exp=3))).observation[0]["content"] == "1000"  # control
+
+
+def test_repeated_tools_flags_accumulate_and_a_duplicate_name_is_refused(tmp_path, monkeypatch, capsys) -> None:
+    """Issue 42: --tools python --tools my.py:python kept only the last: the sandboxed tool swapped silently."""
+    from align.train import main
+
+    mine = tmp_path / "my_tools.py"
+    mine.write_text(
+        textwrap.dedent('''
+        def python(code: str) -> str:
+            """Runs code without a sandbox.
+
+            Args:
+                code: The code.
+            """
+            return str(eval(code))
+    ''')
+    )
+    spec = f"{mine}:python"
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"prompt": "1+1="}\n')
+    base = ["--out", str(tmp_path / "run"), "--model", str(tmp_path / "no_model"), "--train-data", str(data)]
+    assert main([*base, "--tools", "python", "--tools", spec]) == 2
+    err = capsys.readouterr().err
+    assert f"two tools are named 'python' (python and {spec})" in err, err
+    # control: distinct names pass the tool check (and stop later, at the missing model)
+    (tmp_path / "other.py").write_text(mine.read_text().replace("def python", "def calc"))
+    assert main([*base, "--tools", "python", "--tools", f"{tmp_path / 'other.py'}:calc"]) == 2
+    err = capsys.readouterr().err
+    assert "two tools" not in err and "no_model" in err, err
+
+
 def test_env_abandons_a_hung_tool(env_cls: type) -> None:
     t0 = time.monotonic()
     out = env_cls(prompt="x").step(call("hang", x=1))

@@ -45,6 +45,7 @@ reward (None: no reward for this turn); ``done`` ends the episode; ``info`` (opt
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 __all__ = ["EnvError", "Step", "check_env_class", "check_observation", "check_step"]
@@ -78,10 +79,19 @@ def check_env_class(cls: Any, flag: str = "--env") -> None:
 
 
 def check_observation(obs: Any, what: str) -> list[dict] | str:
-    """A reset() result or a Step's observation: a non-empty str, or a list of {"role", "content"} dicts."""
+    """A reset() result or a Step's observation: a str, or a non-empty list of {"role", "content"} dicts whose
+    content is a string or a list of content parts (null only beside ``tool_calls``), as a data row's messages."""
     if isinstance(obs, str):
         return obs
     if isinstance(obs, list) and obs and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in obs):
+        for i, m in enumerate(obs):
+            content = m.get("content", ...)
+            if not (isinstance(content, (str, list)) or (content is None and m.get("tool_calls"))):
+                kind = "no content" if content is ... else f"{_brief(content)} as its content"
+                raise EnvError(
+                    f"{what}: message {i} ({m['role']}) has {kind}; a message's 'content' must be a string (or a "
+                    "list of content parts)"
+                )
         return obs
     raise EnvError(f"{what} must be a str or a non-empty list of {{'role', 'content'}} dicts, got {_brief(obs)}")
 
@@ -103,9 +113,16 @@ def check_step(out: Any, what: str = "step()") -> Step:
     else:
         obs = check_observation(obs, f"{what}: Step.observation")
     if reward is not None:
+        from align.rewards import FLOAT32_MAX
+
         if isinstance(reward, bool) or not isinstance(reward, (int, float)):
             raise EnvError(f"{what}: Step.reward must be a number or None, got {_brief(reward)}")
-        reward = float(reward)
+        try:
+            reward = float(reward)
+        except OverflowError:  # an int past float's range
+            reward = math.inf
+        if not math.isnan(reward) and not abs(reward) <= FLOAT32_MAX:  # a step's rewards become float32 tensors
+            raise EnvError(f"{what}: Step.reward {reward!r} is beyond float32 (|reward| <= {FLOAT32_MAX:.4g})")
     if info is not None and not (
         isinstance(info, dict) and all(isinstance(v, int) and not isinstance(v, bool) for v in info.values())
     ):

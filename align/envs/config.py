@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,10 +49,14 @@ class EnvConfig:
     )
     tools: list[str] = field(
         default_factory=list,
-        metadata=_h(
-            "Tool functions for the built-in tool environment, 'path/file.py:fn' or 'module:fn' "
-            "(repeatable); 'python' = the built-in sandboxed python tool."
-        ),
+        metadata={
+            **_h(
+                "Tool functions for the built-in tool environment, 'path/file.py:fn' or 'module:fn' "
+                "(repeat the flag for several; two tools may not share a name); 'python' = the built-in "
+                "sandboxed python tool."
+            ),
+            "action": "extend",  # --tools a --tools b: both, as --reward
+        },
     )
 
     @property
@@ -69,8 +74,8 @@ class EnvConfig:
                 f"--max-episode-tokens {self.max_episode_tokens} is below --max-tokens {max_tokens}: "
                 "the first turn could not use its budget; raise it or lower --max-tokens"
             )
-        if self.env_timeout_s < 0:
-            raise ValueError(f"--env-timeout-s must be >= 0 (0 = no limit), got {self.env_timeout_s}")
+        if not (math.isfinite(self.env_timeout_s) and self.env_timeout_s >= 0):  # inf: OverflowError in every wait
+            raise ValueError(f"--env-timeout-s must be a finite number >= 0 (0 = no limit), got {self.env_timeout_s}")
         if self.env_workers < 0:
             raise ValueError(f"--env-workers must be >= 0 (0 = in this process), got {self.env_workers}")
         if self.env_reward not in ENV_REWARDS:

@@ -17,8 +17,10 @@ generate and each keeps its KV cache; on a spool client (a vLLM worker or a flee
 and submits its next turn as soon as its environment step returns (no barrier across episodes; the permit pool of
 ``--max-inflight-requests`` bounds what is in flight).
 
-Failures: an environment call that raises, times out or returns the wrong type makes that episode unscorable
-(``error``); the step goes on. ``collect_episodes`` raises when every episode of a step failed.
+Failures: an environment call that raises, times out or returns the wrong type (a message without string content, a
+reward float32 cannot hold), a first prompt the chat template cannot render or that has no tokens, an observation it
+cannot render, rewards that combine beyond float32: each makes that episode unscorable (``error``, counted in
+``env/errors``); the step goes on. ``collect_episodes`` raises when every episode of a step failed.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 
 from align.data import MAX_BYTES_PER_TOKEN
 from align.envs import EnvError
+from align.rewards import FLOAT32_MAX
 from align.rollout.groups import Episode
 from align.rollout.protocol import SamplingParams
 
@@ -69,9 +72,14 @@ class _Live:
                     f"reset() returned {size} bytes: more than the context of {self.runner.context} tokens can hold"
                 )
             )
-        self.ep.prompt_ids = self.runner.renderer.first(obs)
         self.ep.messages = list(obs) if isinstance(obs, list) else [{"role": "user", "content": obs}]
         self.ep.chat = isinstance(obs, list)
+        try:  # the chat template (or the tokenizer) on what the environment wrote: its episode's failure
+            self.ep.prompt_ids = self.runner.renderer.first(obs)
+        except ValueError as e:
+            return self.fail(EnvError(f"reset()'s first prompt cannot be rendered: {e}"))
+        if not self.ep.prompt_ids:
+            return self.fail(EnvError(f"reset() returned {repr(obs)[:80]}: an empty first prompt (0 tokens)"))
         if len(self.ep.prompt_ids) >= self.runner.context:
             self.fail(
                 EnvError(
@@ -131,10 +139,11 @@ class _Live:
         if st.done or ep.truncated or len(ep.turns) >= r.cfg.max_turns:
             self.done = True
             return None
-        if r.too_big(st.observation, self.budget(turn_cap=False)) is not None:  # cannot fit: never tokenized
-            ep.finish_reason, ep.truncated, self.done = "length", True, True
+        try:
+            suffix = r.renderer.suffix(st.observation)
+        except ValueError as e:
+            self.fail(EnvError(f"step()'s observation cannot be rendered: {e}"))
             return None
-        suffix = r.renderer.suffix(st.observation)
         room = self.budget(turn_cap=False) - len(suffix)  # an observation longer than --max-tokens may fit
         if room < 1:  # the observation and at least one policy token do not fit: ends as length, never cut
             ep.finish_reason, ep.truncated, self.done = "length", True, True
@@ -150,6 +159,11 @@ class _Live:
         if not self.ep.prompt_ids:  # failed before its first prompt: one placeholder token, nothing to learn from
             self.ep.prompt_ids = [0]
         self.ep.env_reward = combine_rewards(self.rewards, self.runner.cfg.env_reward)
+        if self.ep.error is None and not _fits_float32(self.ep.env_reward):  # --env-reward sum: each turn's fits
+            self.ep.error = (
+                f"the environment's rewards combine (--env-reward {self.runner.cfg.env_reward}) to "
+                f"{self.ep.env_reward!r}, beyond float32 (|reward| <= {FLOAT32_MAX:.4g}): unscorable"
+            )
         return self.ep
 
 
@@ -292,6 +306,11 @@ class EpisodeRunner:
             raise errors[0]
 
 
+def _fits_float32(v: float | None) -> bool:
+    """None / NaN (no reward, an abstention) or a value a float32 tensor holds."""
+    return v is None or math.isnan(v) or abs(v) <= FLOAT32_MAX
+
+
 def _failed(e: _Live, result: Any) -> bool:
     if isinstance(result, EnvError):
         e.fail(result)
@@ -347,6 +366,10 @@ def episode_scores(episodes: list[Episode], items: list[tuple[dict, str]], score
             out.timeouts += e.timed_out
             out.failed += j not in failed_reward
         parts = [v for v in (env, base.totals[j] if base else math.nan) if math.isfinite(v)]
+        if e.error is None and j not in failed_reward and not _fits_float32(sum(parts)):
+            out.errors.append(f"the environment's reward and --reward's sum to {sum(parts)!r}, beyond float32")
+            out.failed += 1
+            failed_reward.add(j)
         bad = e.error is not None or j in failed_reward or not parts
         out.totals.append(math.nan if bad else float(sum(parts)))
         out.failed_at += [j] if e.error is not None or j in failed_reward else []

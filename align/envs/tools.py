@@ -214,12 +214,46 @@ _LLAMA_END = ("<|eom_id|>", "<|eot_id|>")
 _LLAMA_START_RE = re.compile(r'\A\{\s*"(name|parameters)"\s*:')
 
 
-def _call(body: str, args_keys: tuple[str, ...]) -> dict:
-    """One call's JSON text -> ``{"name", "arguments"}`` or ``{"error", "text"}``."""
+MAX_CALL_DEPTH = 64  # nesting of a call's JSON; deeper would recurse past Python's limit wherever it is re-read
+
+
+def _depth(obj: Any) -> int:
+    """How deeply lists / dicts nest in ``obj`` (0 for a scalar; counted up to MAX_CALL_DEPTH + 1), no recursion."""
+    depth, level = 0, [obj]
+    while depth <= MAX_CALL_DEPTH:
+        level = [v for x in level if isinstance(x, (list, dict)) for v in (x.values() if isinstance(x, dict) else x)]
+        if not level:
+            break
+        depth += 1
+    return depth
+
+
+def _load(body: str) -> tuple[Any, str | None]:
+    """(a call's JSON, None) or (None, why it cannot be run): json.loads's own errors, JSON nested past Python's
+    recursion limit (RecursionError) or past MAX_CALL_DEPTH, an integer past int's digit limit (ValueError), an
+    escaped lone surrogate (no text: UnicodeEncodeError wherever it is written)."""
     try:
         obj = json.loads(body)
     except json.JSONDecodeError as e:
-        return {"error": f"the tool call is not valid JSON ({e})", "text": body}
+        return None, f"the tool call is not valid JSON ({e})"
+    except RecursionError:
+        return None, "the tool call's JSON nests too deeply to read"
+    except ValueError as e:
+        return None, f"the tool call cannot be read ({e})"
+    if _depth(obj) > MAX_CALL_DEPTH:
+        return None, f"the tool call's JSON nests more than {MAX_CALL_DEPTH} levels deep"
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        return None, f"the tool call holds {e.object[e.start : e.end]!r}, a lone surrogate, which is not text"
+    return obj, None
+
+
+def _call(body: str, args_keys: tuple[str, ...]) -> dict:
+    """One call's JSON text -> ``{"name", "arguments"}`` or ``{"error", "text"}``."""
+    obj, why = _load(body)
+    if why:
+        return {"error": why, "text": body}
     if not isinstance(obj, dict):
         return {"error": f"the tool call must be a JSON object, got a {type(obj).__name__}", "text": body}
     name = obj.get("name")
@@ -293,6 +327,16 @@ def _call_in_thread(fn: Callable[..., Any], args: dict, timeout_s: float) -> Any
     return box.get("value")
 
 
+def _text(value: Any) -> str:
+    """``str(value)`` as UTF-8-safe text; a value whose ``str`` fails (an int past the digit limit, a raising
+    ``__str__``) is named by its type."""
+    try:
+        text = str(value)
+    except Exception as e:  # noqa: BLE001 (the tool's result, not the trainer's failure)
+        return f"<a {type(value).__name__} that cannot be shown as text: {type(e).__name__}>"
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
 def _cut(text: str, max_chars: int) -> str:
     if len(text) <= max_chars:
         return text
@@ -309,8 +353,10 @@ def make_tool_env(
     length; ``timeout_s=0`` leaves it ``PythonLimits``' own timeout)."""
     if not tools:
         raise InputError(f"{FLAG}: the tool environment needs at least one tool (e.g. {FLAG} python)")
-    if not timeout_s >= 0 or max_output_chars < 1:
-        raise ValueError(f"tool timeout_s must be >= 0 and max_output_chars >= 1, got {timeout_s}, {max_output_chars}")
+    if not (math.isfinite(timeout_s) and timeout_s >= 0) or max_output_chars < 1:
+        raise ValueError(
+            f"tool timeout_s must be a finite number >= 0 and max_output_chars >= 1, got {timeout_s}, {max_output_chars}"
+        )
     by_name = {t.name: t for t in tools}
     schemas = [t.schema for t in tools]
     if python_limits is None:
@@ -339,8 +385,8 @@ def make_tool_env(
         except _Abandoned as e:
             return f"Error: {e}.", True
         except Exception as e:  # noqa: BLE001 (the policy reads the error; the episode goes on)
-            return f"Error: {name} raised {type(e).__name__}: {_cut(str(e), max_output_chars)}", True
-        return _cut(str(result), max_output_chars), False
+            return f"Error: {name} raised {type(e).__name__}: {_cut(_text(e), max_output_chars)}", True
+        return _cut(_text(result), max_output_chars), False
 
     class ToolEnv:
         """One episode with the tools: the policy calls them until it answers without a call."""

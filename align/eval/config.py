@@ -11,6 +11,7 @@ Posture (seed ``000_...``): a dedicated fleet (``eval_num_gpus > 0``) or a ``Che
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -119,8 +120,8 @@ class EvalConfig:
             raise ValueError(f"--eval-temperature must be >= 0 (0 = greedy), got {self.eval_temperature}")
         if self.eval_max_tokens is not None and self.eval_max_tokens < 1:
             raise ValueError(f"--eval-max-tokens must be >= 1, got {self.eval_max_tokens}")
-        if self.eval_timeout_s <= 0:
-            raise ValueError(f"--eval-timeout-s must be > 0, got {self.eval_timeout_s}")
+        if not (math.isfinite(self.eval_timeout_s) and self.eval_timeout_s > 0):
+            raise ValueError(f"--eval-timeout-s must be a finite number > 0, got {self.eval_timeout_s}")
         if self.eval_num_gpus > 0 and self.eval_function_path:
             raise ValueError(
                 f"--eval-num-gpus {self.eval_num_gpus} and --eval-function-path {self.eval_function_path!r} are "

@@ -7,6 +7,7 @@ processes (and finding a command that exits at once) is ``LeanVerifier``'s, also
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import shutil
@@ -90,6 +91,10 @@ class LeanConfig:
             if isinstance(value, str):
                 value = value.split(",")
             setattr(self, name, tuple(w.strip() for w in value if w.strip()))
+        for name in ("timeout_s", "import_timeout_s", "retry_backoff_s"):  # inf: OverflowError in every wait
+            v = getattr(self, name)
+            if isinstance(v, (int, float)) and not math.isfinite(v):
+                raise InputError(f"--lean-{name.replace('_', '-')} must be a finite number, got {v}")
 
     def check(self) -> None:
         """The values alone, and that ``--lean-repl``'s program exists: an ``InputError`` naming the flag."""

@@ -2,8 +2,10 @@
 
 ``{run}/checkpoints/step_{N}/`` holds ``model/`` (an HF snapshot, loadable by transformers and vLLM;
 with LoRA ``adapter/`` instead, a PEFT adapter dir on the run's base model) and ``trainer_state.pt`` (optimizer, scheduler, RNG states, data cursor). It is written under a
-temporary name and renamed into place after its ``.complete`` marker; a directory without the
-marker (a crash mid-write) is never loaded and is removed on the next save.
+temporary name and renamed into place after its ``.complete`` marker (which carries the step and the run id of
+``{run}/run_id``); a directory without the marker (a crash mid-write) is never loaded and is removed on the next
+save. A ``step_N`` that is a symlink or carries another run's id is never resumed from (``CheckpointError``) nor
+deleted by the keep-last-K retention.
 
 ``trainer_state.pt`` holds only tensors and plain data (dict / list / tuple / int / float / str / bool /
 None): the numpy RNG state is stored as a tensor plus ints, so the file is read with
@@ -44,6 +46,7 @@ make resume fail, never run code.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import random
@@ -93,16 +96,63 @@ def set_rng_state(state: dict) -> None:
     )
 
 
+def _run_id(root: Path) -> str | None:
+    """The id of the run whose checkpoints dir is ``root`` (``{out}/run_id``; None outside a run dir)."""
+    from align.run.safety import run_id
+
+    return run_id(root.parent, create=False)
+
+
+def checkpoint_owner(ckpt: Path) -> str | None:
+    """The run id a checkpoint's commit marker carries (None: a checkpoint written before markers carried one)."""
+    try:
+        marker = json.loads((ckpt / COMMIT_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return marker.get("run_id") if isinstance(marker, dict) else None
+
+
+def not_ours(ckpt: Path, rid: str | None) -> str | None:
+    """Why step dir ``ckpt`` is not a checkpoint of run ``rid`` (None when it is, or cannot be told): a symlink (to
+    another run's checkpoint, say) or a marker naming another run. Such a dir is never resumed from nor deleted."""
+    if ckpt.is_symlink():
+        return f"a symlink (to {os.readlink(ckpt)})"
+    owner = checkpoint_owner(ckpt)
+    if rid is not None and owner is not None and owner != rid:
+        return f"a checkpoint of another run ({owner})"
+    return None
+
+
+def _refuse(ckpt: Path, why: str, rid: str | None) -> CheckpointError:
+    return CheckpointError(
+        f"{ckpt} is {why}, not a checkpoint of this run (run id {rid}, {ckpt.parent.parent / 'run_id'}): a run never "
+        "resumes from nor deletes another run's checkpoint. Move it out of the run dir (a symlink: remove the link "
+        "only), or use another --out"
+    )
+
+
 def committed(root: Path) -> list[tuple[int, Path]]:
-    """Committed checkpoints under ``root``, oldest first."""
+    """This run's committed checkpoints under ``root``, oldest first (``not_ours`` ones left out)."""
     if not root.is_dir():
         return []
-    out = []
+    rid, out = _run_id(root), []
     for d in root.iterdir():
         m = STEP_DIR.match(d.name)
-        if m and (d / COMMIT_MARKER).is_file():
+        if m and (d / COMMIT_MARKER).is_file() and not_ours(d, rid) is None:
             out.append((int(m.group(1)), d))
     return sorted(out)
+
+
+def _commit(tmp: Path, final: Path, step: int) -> None:
+    """The marker (the step and this run's id) written last into ``tmp``, then ``tmp`` renamed to ``final``,
+    replacing an older ``final`` of this run only."""
+    rid = _run_id(final.parent)
+    (tmp / COMMIT_MARKER).write_text(json.dumps({"step": step, "run_id": rid}))
+    if final.exists() or final.is_symlink():
+        if why := not_ours(final, rid):
+            raise _refuse(final, why, rid)
+        shutil.rmtree(final)
+    os.replace(tmp, final)
 
 
 def save_full(root: Path, step: int, model: Transformer, trainer_state: dict, keep: int) -> Path:
@@ -123,10 +173,7 @@ def save_full(root: Path, step: int, model: Transformer, trainer_state: dict, ke
         torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / "trainer_state.pt")
         with open(tmp / "trainer_state.pt", "rb+") as fh:
             os.fsync(fh.fileno())
-        (tmp / COMMIT_MARKER).write_text(str(step))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        _commit(tmp, final, step)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -144,7 +191,12 @@ def pick(root: Path, resume_from: str | None) -> tuple[int, Path] | None:
     """The checkpoint to resume from: the latest committed one, or ``resume_from`` ('step_N').
 
     With ``resume_from``, committed checkpoints after it are renamed ``abandoned_step_M`` (kept, never
-    loaded or garbage-collected), so the resumed run's new ``step_M`` cannot mix with them."""
+    loaded or garbage-collected), so the resumed run's new ``step_M`` cannot mix with them. A ``step_N`` that is not
+    this run's (``not_ours``: a symlink, another run's) is refused with ``CheckpointError``, never skipped."""
+    rid = _run_id(root)
+    for d in sorted(root.iterdir()) if root.is_dir() else []:
+        if STEP_DIR.match(d.name) and (why := not_ours(d, rid)):
+            raise _refuse(d, why, rid)
     found = committed(root)
     if resume_from is None:
         return found[-1] if found else None
@@ -412,10 +464,7 @@ def save_sharded(
         }
         torch.save(state, tmp / "trainer_state.pt")
         _fsync(tmp / "trainer_state.pt")
-        (tmp / COMMIT_MARKER).write_text(str(step))  # last: commits the step
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        _commit(tmp, final, step)  # the marker last: commits the step
         for _, old in committed(root)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()

@@ -167,10 +167,10 @@ def run_main(
     import logging
     import sys
 
-    from align.data import InputError
+    from align.atomic import LockHeldError
     from align.dist import is_main
+    from align.errors import InputError, Interrupted
     from align.learner import NonFiniteError
-    from align.rewards import Interrupted
     from align.run.checkpoint import CheckpointError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -179,7 +179,7 @@ def run_main(
     old = stop_on_signals(stop_flag)
     try:
         summary = train(cfg, stop_flag=stop_flag)
-    except (InputError, CheckpointError, *usage_errors) as e:  # bad input (before the model loads), a resume refused
+    except (InputError, CheckpointError, LockHeldError, *usage_errors) as e:  # bad input, a resume refused, --out held
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         return 2
     except Interrupted as e:  # a signal during setup; the run's parts are closed (open_run, ``with run``)

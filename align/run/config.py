@@ -293,7 +293,7 @@ def check_train_values(cfg: object) -> None:
     def bad(flag: str, value: object, need: str) -> ValueError:
         return ValueError(f"--{flag} {value!r} is invalid: {need}")
 
-    for key in ("lr", "temperature"):
+    for key in ("lr", "temperature", "rollout_timeout_s", "dist_timeout_s"):
         v = getattr(cfg, key)
         if not (math.isfinite(v) and v > 0):
             raise bad(key.replace("_", "-"), v, "must be a finite number > 0")

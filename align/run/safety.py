@@ -4,7 +4,8 @@ never silently ignores a changed setting, and a bad value fails in the config, b
 - Values (``check_train_values``, from ``TrainConfig.__post_init__``): ranges that would otherwise fail only
   after the warm start (``--top-p``, ``--lr``, ``--temperature``, ...), and ``--group-size 1``.
 
-- Paths, checked before anything is written: ``--out`` must not be, contain or sit inside ``--model``
+- Paths, checked before anything is written: ``--out`` must not sit inside another run's dir (one holding a
+  ``run_id``); it must not be, contain or sit inside ``--model``
   (it would overwrite the model's ``config.json``; a model inside the run dir could be garbage-collected).
   The built-in task's own ``{out}/base_model`` is the one model allowed inside the run dir.
   ``--eval-hf-dir`` must not be or sit inside ``{out}/checkpoints`` (its ``step_N`` names collide with the
@@ -110,6 +111,12 @@ def check_paths(
             raise InputError(
                 f"{flag} {path} {where} the run dir --out {out}: the run would overwrite the model's config.json "
                 "and its checkpoint GC could delete model files; use an --out outside the model dir"
+            )
+    for parent in Path(o).parents:  # a run's tree is its own: its retention and --resume-from move and delete in it
+        if (parent / RUN_ID_FILE).is_file():
+            raise InputError(
+                f"--out {out} is inside {parent}, the run dir of another run ({parent / RUN_ID_FILE}): that run's "
+                "checkpoint retention could delete it; use an --out outside every run dir"
             )
     held = [f for f in HF_DIR_FILES if (Path(out) / f).is_file()]
     if held:

@@ -83,9 +83,11 @@ def check_teacher(cfg: Any, student_dir: str, student_tok: Any, prompts: list[di
     if d.teacher is None:
         return
     try:
-        check_hf_dir(d.teacher)
+        check_hf_dir(d.teacher)  # config.json, and every safetensors file whole (a truncated one is named here)
     except ValueError as e:
         raise InputError(f"--teacher {d.teacher}: {e}") from None
+    if not d.teacher_worker:
+        check_fits(cfg, d.teacher, student_dir)
     if d.teacher_worker and cfg.temperature != 1.0:
         raise InputError(
             f"--teacher-worker scores with vLLM prompt logprobs, which are before temperature; "
@@ -96,6 +98,37 @@ def check_teacher(cfg: Any, student_dir: str, student_tok: Any, prompts: list[di
     teacher_tok = load_tokenizer(d.teacher, d.teacher, flag="--teacher")
     texts = [*SAMPLE_TEXTS, *(p.get("prompt", "") for p in prompts[:16] if isinstance(p.get("prompt"), str))]
     check_tokenizers(student_dir, d.teacher, student_tok, teacher_tok, texts)
+
+
+def _parameters(model_dir: str | None) -> int:
+    """Parameters in ``model_dir``'s safetensors files, from their headers (0 without a model dir)."""
+    from align.atomic import safetensors_header
+
+    files = sorted(Path(model_dir).glob("*.safetensors")) if model_dir and Path(model_dir).is_dir() else []
+    return sum(math.prod(v["shape"]) for f in files for k, v in safetensors_header(f).items() if k != "__metadata__")
+
+
+def check_fits(cfg: Any, teacher_dir: str, student_dir: str | None) -> None:
+    """The in-process teacher (frozen dtype) and the student (trained dtype) fit the free memory of ``--device``,
+    counted from the safetensors headers before either loads (a lower bound: activations and the optimizer come on
+    top); else an ``InputError`` naming ``--teacher`` and its size."""
+    from align.device import available_memory, resolve
+
+    place = resolve(cfg.device, cfg.precision)
+    try:
+        teacher, student = _parameters(teacher_dir), _parameters(student_dir)
+    except (TypeError, KeyError, ValueError) as e:
+        raise InputError(f"--teacher {teacher_dir}: a safetensors header without tensor shapes ({e})") from None
+    t_bytes, s_bytes = teacher * place.frozen_dtype.itemsize, student * place.param_dtype.itemsize
+    free = available_memory(place.device)
+    if free is not None and t_bytes + s_bytes > free:
+        gib = 1 << 30
+        raise InputError(
+            f"--teacher {teacher_dir}: its weights ({teacher:,} parameters: {t_bytes / gib:.1f} GiB as "
+            f"{str(place.frozen_dtype).removeprefix('torch.')}) and the student's ({s_bytes / gib:.1f} GiB) need "
+            f"{(t_bytes + s_bytes) / gib:.1f} GiB; {place.device} has {free / gib:.1f} GiB available. Use a smaller "
+            "teacher, --teacher-worker (the teacher in its own vLLM process) or another --device"
+        )
 
 
 def check_tokenizers(student_dir: str, teacher_dir: str, student: Any, teacher: Any, texts: list[str]) -> None:

@@ -96,7 +96,10 @@ class SFTConfig(SaveConfig, ComputeConfig, OptimConfig):
         default=0, metadata=_h("Seed for the data order (a shuffle per epoch), eval sampling, LoRA init.")
     )
     epochs: int = field(default=1, metadata=_h("Passes over the training rows (each one in its own shuffled order)."))
-    batch_size: int = field(default=32, metadata=_h("Rows per optimizer step (the last step takes what is left)."))
+    batch_size: int = field(
+        default=32,
+        metadata=_h("Rows per optimizer step, at most the training rows (the last step takes what is left)."),
+    )
     steps: int = field(
         default=0, metadata=_h("Optimizer steps; 0 = --epochs passes over the rows (ceil(epochs * rows / batch)).")
     )
@@ -145,9 +148,9 @@ class SFTConfig(SaveConfig, ComputeConfig, OptimConfig):
         ):
             if getattr(self, k) < 0:
                 raise ValueError(f"--{k.replace('_', '-')} must be >= 0, got {getattr(self, k)}")
-        for k in ("lr", "temperature"):
+        for k in ("lr", "temperature", "dist_timeout_s"):
             if not (math.isfinite(getattr(self, k)) and getattr(self, k) > 0):
-                raise ValueError(f"--{k} must be a finite number > 0, got {getattr(self, k)}")
+                raise ValueError(f"--{k.replace('_', '-')} must be a finite number > 0, got {getattr(self, k)}")
         choices = {
             "lr_schedule": ("constant", "linear", "cosine"),
             "logprob_backend": ("auto", "torch", "triton", "reference"),
@@ -170,9 +173,14 @@ class SFTConfig(SaveConfig, ComputeConfig, OptimConfig):
         if self.merge_lora and not self.lora.enabled:
             raise ValueError("--merge-lora needs --lora-rank > 0 (it merges the adapter into the --save-hf export)")
 
+    def rows_per_step(self, rows: int) -> int:
+        """Rows per optimizer step: ``batch_size``, bounded by the ``rows`` training rows (a step never holds a row
+        twice, so its memory and time are bounded by the data whatever ``--batch-size`` says)."""
+        return max(1, min(self.batch_size, rows))
+
     def total_steps(self, rows: int) -> int:
         """The run's optimizer steps for ``rows`` training rows: ``steps``, else ``epochs`` passes over them."""
-        return self.steps or math.ceil(self.epochs * rows / self.batch_size)
+        return self.steps or math.ceil(self.epochs * rows / self.rows_per_step(rows))
 
 
 CLI_PREFIXES = {"lora": "lora-"}  # the data, eval, reward and log fields are flat, as in align.train

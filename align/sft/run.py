@@ -36,9 +36,10 @@ class SFTRun(Run):
         return {"cursor": dict(self.cursor.state)}
 
     def rows_for_step(self, step: int) -> list[int]:
-        """Step ``step``'s rows (1-based): ``--batch-size`` of them; with ``--steps 0`` the last step of the
-        ``--epochs`` passes takes only what is left."""
-        b, left = self.cfg.batch_size, self.cfg.epochs * len(self.examples) - (step - 1) * self.cfg.batch_size
+        """Step ``step``'s rows (1-based): ``--batch-size`` of them (at most every training row once); with
+        ``--steps 0`` the last step of the ``--epochs`` passes takes only what is left."""
+        b = self.cfg.rows_per_step(len(self.examples))  # --batch-size, bounded by the data
+        left = self.cfg.epochs * len(self.examples) - (step - 1) * b
         return self.cursor.next_prompts(min(b, left) if self.exact_epochs else b)
 
 
@@ -144,6 +145,8 @@ def _open_data(
         run.pass_reward = pass_reward_for(run.scorer.names, cfg.eval.eval_pass_reward)
     run.tokenizer, run.stops = tokenizer, stop_ids(tokenizer, _Eos(config))
     run.exact_epochs = cfg.steps == 0
+    if cfg.batch_size > len(run.examples):
+        print(f"[align] --batch-size {cfg.batch_size}: a step takes the {len(run.examples)} training rows", flush=True)
     run.cfg = cfg = replace(cfg, steps=cfg.total_steps(len(run.examples)))  # the schedule and --save-hf need it
     write_config(cfg, run.out, run.model_path)
 
