@@ -1,0 +1,277 @@
+"""Mixture-of-experts layers for ``align.model`` (Qwen3-MoE, Mixtral): top-k routing, grouped expert compute, and
+rollout routing replay (R3).
+
+Key decisions
+- Hugging Face tensor names, one module per expert (``mlp.experts.3.gate_proj.weight`` for Qwen3-MoE,
+  ``block_sparse_moe.experts.3.w1.weight`` for Mixtral; the router is ``gate.weight``), so loading stays a strict
+  key match with no permutation and experts are ordinary parameters (FSDP2 shards them like any other). The family
+  differences are a row of ``MOE_FAMILIES``.
+- Routing (HF's ``TopKRouter``): softmax of the router logits in fp32 over every expert, top-k of it, renormalised
+  over the k when ``norm_topk_prob`` (Mixtral always), cast back to the activations' dtype.
+- Grouped compute: the (token, slot) pairs are sorted by expert and each active expert runs its tokens as one GEMM
+  (``torch._grouped_mm`` over the stacked expert weights on CUDA bf16 where torch has it, a loop over the active
+  experts elsewhere); outputs are weighted and scattered back with one ``index_add``. No token ever passes an
+  expert it was not routed to.
+- Routing replay (R3, Ma et al. 2025, arXiv 2510.11370): a ``Routing`` passed to the forward may carry the
+  rollout's expert ids per token and MoE layer (-1: the token routes itself, e.g. prompt tokens). A replayed token
+  uses those experts, weighted by the *current* router's probabilities of them (renormalised as the family does),
+  so the router keeps its gradient. The same object returns the router's own top-k (``chosen``), for the
+  ``moe/routing_mismatch`` metric, and the router logits for the load-balancing loss (Switch / Mixtral form).
+
+Shapes: N tokens (B*T flattened), E hidden size, F expert intermediate size, X experts, k experts per token,
+Lm MoE layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class MoeFamily:
+    """How a family names its MoE block and its expert projections (gate, up, down) in HF checkpoints."""
+
+    block: str  # the decoder layer's attribute holding the sparse block
+    proj: tuple[str, str, str]  # expert (gate, up, down) projection names
+    expert_size_key: str  # config.json key of an expert's intermediate size
+    always_norm_topk: bool  # Mixtral renormalises the top-k probabilities unconditionally
+
+
+MOE_FAMILIES = {
+    "qwen3_moe": MoeFamily("mlp", ("gate_proj", "up_proj", "down_proj"), "moe_intermediate_size", False),
+    "mixtral": MoeFamily("block_sparse_moe", ("w1", "w3", "w2"), "intermediate_size", True),
+}
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step")
+
+
+def moe_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """The MoE fields of ``align.model.ModelConfig`` read from a Hugging Face ``config.json`` (empty: dense)."""
+    fam = MOE_FAMILIES.get(hf.get("model_type"))
+    if fam is None:
+        return {}
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": hf.get("num_experts_per_tok"),
+        "moe_intermediate_size": hf.get(fam.expert_size_key),
+        "norm_topk_prob": True if fam.always_norm_topk else bool(hf.get("norm_topk_prob", False)),
+        "decoder_sparse_step": hf.get("decoder_sparse_step", 1),
+        "mlp_only_layers": list(hf.get("mlp_only_layers") or []),
+        "sliding_window": hf.get("sliding_window") if hf.get("model_type") == "mixtral" else None,
+    }
+
+
+def moe_hf_config(cfg: Any) -> dict[str, Any]:
+    """The MoE keys of a fresh ``config.json`` for ``cfg`` (a ``ModelConfig``)."""
+    if cfg.model_type == "mixtral":
+        return {
+            "num_local_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.num_experts_per_tok,
+            "sliding_window": cfg.sliding_window,
+        }
+    if cfg.model_type == "qwen3_moe":
+        return {k: getattr(cfg, k) for k in MOE_FIELDS} | {"mlp_only_layers": list(cfg.mlp_only_layers)}
+    return {}
+
+
+def check_moe_config(cfg: Any) -> None:
+    """ValueError naming the field when a MoE config contradicts itself (or a dense one carries experts)."""
+    if cfg.model_type not in MOE_FAMILIES:
+        if cfg.num_experts:
+            raise ValueError(f"num_experts={cfg.num_experts} on a dense {cfg.model_type!r} model; set it to 0")
+        return
+    X, k, step = cfg.num_experts, cfg.num_experts_per_tok, cfg.decoder_sparse_step
+    for name, v in (
+        ("num_experts", X),
+        ("num_experts_per_tok", k),
+        ("moe_intermediate_size", cfg.moe_intermediate_size),
+    ):
+        if type(v) is not int or v <= 0:
+            raise ValueError(f"config.json {name} is {v!r}: a {cfg.model_type} model needs a positive integer")
+    if k > X:
+        raise ValueError(f"config.json num_experts_per_tok={k} exceeds num_experts={X}: a token cannot use more")
+    if type(step) is not int or step <= 0:
+        raise ValueError(f"config.json decoder_sparse_step={step!r}: it must be a positive integer (1 = every layer)")
+    bad = [i for i in cfg.mlp_only_layers if type(i) is not int or not 0 <= i < cfg.num_hidden_layers]
+    if bad:
+        raise ValueError(f"config.json mlp_only_layers {bad} are not layers of a {cfg.num_hidden_layers}-layer model")
+    if not any(is_sparse(cfg, i) for i in range(cfg.num_hidden_layers)):
+        raise ValueError(
+            f"config.json decoder_sparse_step={step} with mlp_only_layers={list(cfg.mlp_only_layers)} leaves no "
+            f"MoE layer in {cfg.num_hidden_layers} layers: use the dense family instead"
+        )
+    if cfg.sliding_window is not None and (type(cfg.sliding_window) is not int or cfg.sliding_window <= 0):
+        raise ValueError(f"config.json sliding_window={cfg.sliding_window!r}: a positive integer or null")
+
+
+def is_sparse(cfg: Any, layer: int) -> bool:
+    """Whether decoder layer ``layer`` is a MoE layer (HF: not in ``mlp_only_layers``, (i + 1) % step == 0)."""
+    return (
+        cfg.model_type in MOE_FAMILIES
+        and cfg.num_experts > 0
+        and layer not in cfg.mlp_only_layers
+        and (layer + 1) % cfg.decoder_sparse_step == 0
+    )
+
+
+def moe_layers(cfg: Any) -> list[int]:
+    """The decoder layers that are MoE layers, in order (position j = the j-th MoE layer of ``Routing``)."""
+    return [i for i in range(cfg.num_hidden_layers) if is_sparse(cfg, i)]
+
+
+@dataclass(eq=False)
+class Routing:
+    """What the MoE layers of one forward read and write.
+
+    ``replay`` (B, T, Lm, k) integer expert ids of the rollout, -1 where a token routes itself; None: no replay.
+    After the forward, per MoE layer j: ``chosen[j]`` (N, k) the router's own top-k, ``used[j]`` (N, k) the experts
+    that ran, ``logits[j]`` (N, X) the router logits when ``keep_logits`` (the load-balancing loss)."""
+
+    replay: Tensor | None = None
+    keep_logits: bool = False
+    chosen: dict[int, Tensor] = field(default_factory=dict)
+    used: dict[int, Tensor] = field(default_factory=dict)
+    logits: dict[int, Tensor] = field(default_factory=dict)
+
+
+class Expert(nn.Module):
+    """One SwiGLU expert: ``down(silu(gate(x)) * up(x))`` under its family's projection names."""
+
+    def __init__(self, hidden: int, inner: int, names: tuple[str, str, str]):
+        super().__init__()
+        self.names = names
+        for name, (i, o) in zip(names, ((hidden, inner), (hidden, inner), (inner, hidden))):
+            setattr(self, name, nn.Linear(i, o, bias=False))
+
+    def weights(self) -> tuple[Tensor, Tensor, Tensor]:
+        return tuple(getattr(self, n).weight for n in self.names)  # type: ignore[return-value]
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up, down = (getattr(self, n) for n in self.names)
+        return down(F.silu(gate(x)) * up(x))
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed experts (HF ``SparseMoeBlock``): ``gate`` (the router, (X, E)) and ``experts``."""
+
+    def __init__(self, cfg: Any, index: int):
+        super().__init__()
+        fam = MOE_FAMILIES[cfg.model_type]
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            Expert(cfg.hidden_size, cfg.moe_intermediate_size, fam.proj) for _ in range(cfg.num_experts)
+        )
+        self.top_k, self.norm_topk_prob, self.index = cfg.num_experts_per_tok, cfg.norm_topk_prob, index
+
+    def route(self, x: Tensor, replay: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """x (N, E) -> router logits (N, X), own top-k (N, k), the experts used (N, k) and their weights (N, k)."""
+        logits = self.gate(x)  # (N, X)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        top_w, top_i = probs.topk(self.top_k, dim=-1)  # (N, k)
+        idx, w = top_i, top_w
+        if replay is not None:
+            idx = torch.where(replay[:, :1] >= 0, replay.long(), top_i)  # (N, k): recorded experts, else own
+            w = probs.gather(1, idx)  # the current router's probabilities of the replayed experts
+        if self.norm_topk_prob:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return logits, top_i, idx, w.to(logits.dtype)
+
+    def forward(self, x: Tensor, routing: Routing | None = None) -> Tensor:
+        B, T, E = x.shape
+        flat = x.reshape(-1, E)  # (N, E)
+        replay = None
+        if routing is not None and routing.replay is not None:
+            replay = routing.replay[:, :, self.index].reshape(B * T, -1)  # (N, k)
+        logits, own, idx, w = self.route(flat, replay)
+        if routing is not None:  # a dict entry per layer: a checkpointed recompute overwrites, never appends
+            routing.chosen[self.index], routing.used[self.index] = own, idx
+            if routing.keep_logits:
+                routing.logits[self.index] = logits
+        return expert_mix(flat, idx, w, self.experts).view(B, T, E)
+
+
+def _grouped_mm_usable(x: Tensor) -> bool:
+    return (
+        x.is_cuda
+        and x.dtype == torch.bfloat16
+        and hasattr(torch, "_grouped_mm")
+        and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    )
+
+
+def expert_mix(x: Tensor, idx: Tensor, w: Tensor, experts: nn.ModuleList) -> Tensor:
+    """sum_j w[n, j] * expert_{idx[n, j]}(x[n]) for x (N, E), idx / w (N, k): (token, slot) pairs sorted by expert,
+    each active expert's tokens one GEMM (one grouped GEMM on CUDA bf16), scattered back with one index_add."""
+    k = idx.shape[1]
+    order = idx.reshape(-1).argsort(stable=True)  # (N*k,) pairs grouped by expert
+    token = order // k  # (N*k,) the token of each sorted pair
+    xs = x.index_select(0, token)  # (N*k, E)
+    counts = torch.bincount(idx.reshape(-1), minlength=len(experts))  # (X,)
+    if _grouped_mm_usable(x):
+        ys = _grouped_experts(xs, counts, experts)
+    else:
+        parts, start = [], 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                parts.append(experts[e](xs[start : start + n]))
+                start += n
+        ys = torch.cat(parts)  # (N*k, E)
+    ys = ys * w.reshape(-1)[order, None].to(ys.dtype)
+    return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
+
+
+def _grouped_experts(xs: Tensor, counts: Tensor, experts: nn.ModuleList) -> Tensor:
+    """The experts over sorted tokens xs (M, E) with ``torch._grouped_mm`` (CUDA, bf16): three grouped GEMMs."""
+    offs = counts.cumsum(0).to(torch.int32)  # (X,) end of each expert's rows
+    gate, up, down = (torch.stack(ws) for ws in zip(*(e.weights() for e in experts)))  # (X, F, E) x2, (X, E, F)
+    g = torch._grouped_mm(xs, gate.transpose(1, 2), offs=offs)  # (M, F)
+    u = torch._grouped_mm(xs, up.transpose(1, 2), offs=offs)
+    return torch._grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=offs)  # (M, E)
+
+
+def dense_expert_mix(x: Tensor, idx: Tensor, w: Tensor, experts: nn.ModuleList) -> Tensor:
+    """The reference a grouped path must beat: every token through every expert, weights zero where not routed."""
+    full = torch.zeros(x.shape[0], len(experts), dtype=w.dtype, device=x.device).scatter(1, idx, w)  # (N, X)
+    return sum(full[:, e, None].to(x.dtype) * ex(x) for e, ex in enumerate(experts))
+
+
+# ----------------------------------------------------------------------------------------------- metrics, losses
+
+
+def routing_stats(routing: Routing, replay: Tensor | None, num_experts: int) -> dict[str, float]:
+    """``moe/routing_mismatch``: the fraction of (token, MoE layer) pairs with a recorded route (``replay`` >= 0)
+    whose training-time top-k (as a set) differs from it; ``moe/expert_load_max`` / ``moe/expert_load_cv``: the
+    busiest expert's share of the (token, slot) assignments over the uniform share, and the coefficient of variation
+    of the per-expert counts (layers pooled)."""
+    stats: dict[str, float] = {}
+    if not routing.used:
+        return stats
+    load = sum(torch.bincount(u.reshape(-1), minlength=num_experts).double() for u in routing.used.values())
+    stats["moe/expert_load_max"] = float(load.max() / load.mean())
+    stats["moe/expert_load_cv"] = float(load.std(unbiased=False) / load.mean())
+    if replay is not None:
+        differ, total = 0, 0
+        for j, own in routing.chosen.items():
+            rec = replay[..., j, :].reshape(own.shape[0], -1)  # (N, k)
+            has = rec[:, 0] >= 0
+            a, b = own[has].sort(-1).values, rec[has].long().sort(-1).values
+            differ += int((a != b).any(-1).sum())
+            total += int(has.sum())
+        stats["moe/routing_mismatch"] = differ / total if total else 0.0
+    return stats
+
+
+def load_balancing_loss(routing: Routing, top_k: int, num_experts: int) -> Tensor:
+    """Switch-Transformer / Mixtral auxiliary loss ``X * sum_e f_e * P_e`` per MoE layer, averaged over layers:
+    f_e the fraction of (token, slot) assignments to expert e, P_e its mean router probability."""
+    losses = []
+    for j, logits in routing.logits.items():
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)  # (N, X)
+        f = torch.bincount(routing.used[j].reshape(-1), minlength=num_experts).float() / routing.used[j].numel()
+        losses.append(num_experts * (f * probs.mean(0)).sum())
+    return torch.stack(losses).mean()

@@ -1,0 +1,206 @@
+"""Mixture-of-experts models (align.moe): Qwen3-MoE and Mixtral vs transformers on random-weight checkpoints built
+here, grouped expert compute, the sampler and the learner on MoE models, bad configs."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from hf_reference import MOE_FEATURES, hf_model, save_hf
+
+from align import moe
+from align.model import ModelConfig, Transformer, load_pretrained, save_pretrained
+from align.rollout.native import generate
+from align.rollout.protocol import SamplingParams
+
+LOGIT_ATOL = 1e-5  # fp32 logits, |logit| ~ 6
+GRAD_ATOL = 1e-5  # fp32 gradients of a small loss
+
+
+@pytest.fixture(scope="module", params=sorted(MOE_FEATURES))
+def pair(request, tmp_path_factory):
+    model_type, overrides = MOE_FEATURES[request.param]
+    hf = hf_model(model_type, **overrides)
+    path = save_hf(hf, tmp_path_factory.mktemp(request.param))
+    return request.param, hf, path
+
+
+def ids_of(seed: int, shape=(3, 40)) -> torch.Tensor:
+    return torch.randint(0, 97, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def sparse_blocks(model: Transformer) -> list[moe.SparseMoE]:
+    return [m for m in model.modules() if isinstance(m, moe.SparseMoE)]
+
+
+def test_fp32_logits_match_transformers(pair):
+    _name, hf, path = pair
+    ours = load_pretrained(path)
+    assert sparse_blocks(ours) and len(sparse_blocks(ours)) == len(moe.moe_layers(ours.config))
+    ids = ids_of(1)
+    with torch.no_grad():
+        ref, got = hf(ids).logits, ours(ids)
+    assert ref.abs().max() > 1.0
+    torch.testing.assert_close(got, ref, atol=LOGIT_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("flip", ["top_k", "norm_topk_prob", "expert_weight"])
+def test_routing_features_matter_negative_control(pair, flip):
+    """A wrong top-k, norm_topk_prob flipped or one expert's weight perturbed must break the parity above."""
+    _name, hf, path = pair
+    ours = load_pretrained(path)
+    ids = ids_of(2)
+    with torch.no_grad():
+        ref = hf(ids).logits
+        for block in sparse_blocks(ours):
+            if flip == "top_k":
+                block.top_k += 1
+            elif flip == "norm_topk_prob":
+                block.norm_topk_prob = not block.norm_topk_prob
+            else:
+                block.experts[0].weights()[1][0, 0] += 1e-2
+        bad = ours(ids)
+    assert (bad - ref).abs().max() > 1e-3
+
+
+def test_mixtral_sliding_window_matters(tmp_path):
+    hf = hf_model("mixtral", sliding_window=24)
+    ours = load_pretrained(save_hf(hf, tmp_path / "m"))
+    assert ours.config.sliding_window == 24
+    ids = ids_of(3)
+    with torch.no_grad():
+        ref = hf(ids).logits
+        torch.testing.assert_close(ours(ids), ref, atol=LOGIT_ATOL, rtol=0)
+        ours.config.sliding_window = None  # negative control: full causal attention over 40 > 24 tokens
+        assert (ours(ids) - ref).abs().max() > 1e-3
+        torch.testing.assert_close(ours(ids[:, :24]), ref[:, :24], atol=LOGIT_ATOL, rtol=0)  # within the window
+
+
+def moe_cfg(model_type: str, **kw) -> ModelConfig:
+    hf = hf_model(model_type, **kw).config.to_dict()
+    return ModelConfig.from_hf_config(hf)
+
+
+def test_greedy_generation_matches_transformers_and_cached_equals_full(pair):
+    """Cached decode (the sampler) vs transformers.generate token for token, and the sampler's logprobs vs an
+    uncached full forward over prompt + completion."""
+    _name, hf, path = pair
+    ours = load_pretrained(path)
+    prompts = [[1, 5, 9, 13], [7, 3], [11, 12, 13, 14, 15, 16, 17]]
+    outs = generate(ours, prompts, SamplingParams(temperature=0, max_tokens=12))
+    for p, c in zip(prompts, outs):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert c.token_ids == ref[0, len(p) :].tolist()
+    sampled = generate(ours, prompts, SamplingParams(temperature=1.0, max_tokens=10, seed=3))
+    for p, c in zip(prompts, sampled):
+        seq = torch.tensor([p + c.token_ids])
+        with torch.no_grad():
+            lp = torch.log_softmax(ours(seq)[0, len(p) - 1 : -1], -1)
+        full = lp.gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(c.logprobs), full, atol=1e-4, rtol=0)
+        assert (torch.tensor(c.logprobs) - full.roll(1)).abs().max() > 1e-2  # control: misaligned by one
+
+
+def test_batched_equals_one_by_one(pair):
+    _name, _hf, path = pair
+    ours = load_pretrained(path)
+    prompts = [[1, 5, 9, 13], [7, 3], [11, 12, 13, 14, 15, 16, 17]]
+    params = SamplingParams(temperature=0, max_tokens=10)
+    together = generate(ours, prompts, params)
+    for p, c in zip(prompts, together):
+        (alone,) = generate(ours, [p], params)
+        assert alone.token_ids == c.token_ids
+        torch.testing.assert_close(torch.tensor(alone.logprobs), torch.tensor(c.logprobs), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_save_loads_in_transformers_both_directions(tmp_path, model_type):
+    """HF -> align -> save -> transformers, and a fresh align model -> save -> transformers and back."""
+    import transformers
+
+    overrides = {"mlp_only_layers": [0], "num_hidden_layers": 3} if model_type == "qwen3_moe" else {}
+    hf = hf_model(model_type, **overrides)
+    ours = load_pretrained(save_hf(hf, tmp_path / "src"))
+    out = save_pretrained(ours, tmp_path / "snap")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(out)).float().eval()
+    ids = ids_of(4, (2, 30))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, hf(ids).logits, atol=LOGIT_ATOL, rtol=0)
+    fresh = Transformer(ours.config).init_weights(std=0.2, seed=0)
+    fresh.config.hf_config = {}  # written from the align-side fields alone
+    out = save_pretrained(fresh, tmp_path / "fresh")
+    hf_cfg = json.loads((out / "config.json").read_text())
+    assert hf_cfg["architectures"] == [
+        {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}[model_type]
+    ]
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out)).float().eval()
+    back = load_pretrained(out)
+    with torch.no_grad():
+        mine = fresh(ids)
+        torch.testing.assert_close(theirs(ids).logits, mine, atol=LOGIT_ATOL, rtol=0)
+        torch.testing.assert_close(back(ids), mine, atol=0, rtol=0)
+        assert (theirs(ids).logits - ours(ids)).abs().max() > 1e-2  # control: different weights differ
+
+
+# ------------------------------------------------------------------------------------------------ grouped compute
+
+
+def test_grouped_expert_compute_equals_dense_and_runs_only_routed_tokens():
+    torch.manual_seed(0)
+    cfg = moe_cfg("qwen3_moe", num_experts=8, num_experts_per_tok=2)
+    block = moe.SparseMoE(cfg, 0)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(37, cfg.hidden_size)
+    _, _, idx, w = block.route(x, None)
+    seen: dict[int, int] = {}
+    hooks = [
+        e.register_forward_hook(lambda m, a, o, e=e_i: seen.__setitem__(e, a[0].shape[0]))
+        for e_i, e in enumerate(block.experts)
+    ]
+    got = moe.expert_mix(x, idx, w, block.experts)
+    for h in hooks:
+        h.remove()
+    counts = torch.bincount(idx.reshape(-1), minlength=8).tolist()
+    assert seen == {e: n for e, n in enumerate(counts) if n}  # each active expert once, on its own tokens only
+    assert sum(seen.values()) == 37 * 2  # never every token through every expert
+    ref = moe.dense_expert_mix(x, idx, w, block.experts)
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
+    assert (moe.expert_mix(x, idx.roll(1, 0), w, block.experts) - ref).abs().max() > 1e-3  # control
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok=9 exceeds num_experts=6"),
+        ({"num_experts_per_tok": 0}, "num_experts_per_tok"),
+        ({"decoder_sparse_step": 0}, "decoder_sparse_step=0"),
+        ({"mlp_only_layers": [0, 1]}, "leaves no MoE layer"),
+        ({"mlp_only_layers": [5]}, r"mlp_only_layers \[5\]"),
+        ({"num_experts": None}, "num_experts"),
+    ],
+)
+def test_contradicting_moe_config_is_named(change, field):
+    hf = {**hf_model("qwen3_moe").config.to_dict(), **change}
+    hf.pop("num_local_experts", None) if "num_experts" in change else None
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.from_hf_config(hf)
+
+
+def test_missing_expert_tensor_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = save_hf(hf_model("mixtral"), tmp_path / "m")
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    sd = dict(weights)
+    sd.pop("model.layers.1.block_sparse_moe.experts.3.w2.weight")
+    save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing tensors: model\.layers\.1\.block_sparse_moe\.experts\.3\.w2"):
+        load_pretrained(path)
+    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    load_pretrained(path)  # control
