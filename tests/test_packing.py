@@ -30,6 +30,16 @@ MODELS = {
     "llama_mha": {"model_type": "llama", "num_key_value_heads": 4},
     "qwen3_qk_norm": {"model_type": "qwen3", "qk_norm": True, "num_key_value_heads": 2},
     "lora": {"model_type": "qwen2", "qkv_bias": True, "num_key_value_heads": 2},
+    "qwen3_moe_dense_interleaved": {
+        "model_type": "qwen3_moe",
+        "qk_norm": True,
+        "num_key_value_heads": 2,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [1],
+    },
 }
 
 
