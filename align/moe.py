@@ -24,7 +24,10 @@ Lm MoE layers.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -128,15 +131,25 @@ def moe_layers(cfg: Any) -> list[int]:
 class Routing:
     """What the MoE layers of one forward read and write.
 
-    ``replay`` (B, T, Lm, k) integer expert ids of the rollout, -1 where a token routes itself; None: no replay.
-    After the forward, per MoE layer j: ``chosen[j]`` (N, k) the router's own top-k, ``used[j]`` (N, k) the experts
-    that ran, ``logits[j]`` (N, X) the router logits when ``keep_logits`` (the load-balancing loss)."""
+    ``routes`` (B, T, Lm, k) integer expert ids the rollout used, -1 where none was recorded (prompt tokens, padding);
+    the learner creates one per micro-batch holding the whole batch's routes and cuts them to the micro-batch's
+    rows (padded) or packed row (``align.packing.build``) before the forward;
+    ``replay``: the forward uses them (R3), else they only feed the mismatch metrics. After the forward, per MoE
+    layer j: ``chosen[j]`` (N, k) the router's own top-k, ``used[j]`` (N, k) the experts that ran, ``logits[j]``
+    (N, X) the router logits when ``keep_logits`` (the load-balancing loss)."""
 
-    replay: Tensor | None = None
+    routes: Tensor | None = None
+    replay: bool = False
     keep_logits: bool = False
+    num_experts: int = 0  # set by the forward
     chosen: dict[int, Tensor] = field(default_factory=dict)
     used: dict[int, Tensor] = field(default_factory=dict)
     logits: dict[int, Tensor] = field(default_factory=dict)
+
+    def cut(self, select: Any) -> None:
+        """Replace ``routes`` (a batch's) by ``select(routes)`` (one micro-batch's rows)."""
+        if self.routes is not None:
+            self.routes = select(self.routes)
 
 
 class Expert(nn.Module):
@@ -185,11 +198,12 @@ class SparseMoE(nn.Module):
         B, T, E = x.shape
         flat = x.reshape(-1, E)  # (N, E)
         replay = None
-        if routing is not None and routing.replay is not None:
-            replay = routing.replay[:, :, self.index].reshape(B * T, -1)  # (N, k)
+        if routing is not None and routing.replay and routing.routes is not None:
+            replay = routing.routes[:, :, self.index].reshape(B * T, -1)  # (N, k)
         logits, own, idx, w = self.route(flat, replay)
         if routing is not None:  # a dict entry per layer: a checkpointed recompute overwrites, never appends
             routing.chosen[self.index], routing.used[self.index] = own, idx
+            routing.num_experts = logits.shape[-1]
             if routing.keep_logits:
                 routing.logits[self.index] = logits
         return expert_mix(flat, idx, w, self.experts).view(B, T, E)
@@ -243,35 +257,149 @@ def dense_expert_mix(x: Tensor, idx: Tensor, w: Tensor, experts: nn.ModuleList) 
 # ----------------------------------------------------------------------------------------------- metrics, losses
 
 
-def routing_stats(routing: Routing, replay: Tensor | None, num_experts: int) -> dict[str, float]:
-    """``moe/routing_mismatch``: the fraction of (token, MoE layer) pairs with a recorded route (``replay`` >= 0)
-    whose training-time top-k (as a set) differs from it; ``moe/expert_load_max`` / ``moe/expert_load_cv``: the
-    busiest expert's share of the (token, slot) assignments over the uniform share, and the coefficient of variation
-    of the per-expert counts (layers pooled)."""
-    stats: dict[str, float] = {}
+def routing_stats(routing: Routing) -> dict[str, float]:
+    """Per forward: ``moe/routing_mismatch``, the fraction of (token, MoE layer) pairs with a recorded route whose
+    experts in this forward (as a set) differ from the rollout's (0 under replay: the replayed experts ran);
+    ``moe/router_mismatch``, the same for the router's own top-k (what replay hides); ``moe/expert_load_max`` /
+    ``moe/expert_load_cv``, the busiest expert's share of the (token, slot) assignments over the uniform share and
+    the coefficient of variation of the per-expert counts (layers pooled)."""
     if not routing.used:
+        return {}
+    load = sum(torch.bincount(u.reshape(-1), minlength=routing.num_experts).double() for u in routing.used.values())
+    stats = {
+        "moe/expert_load_max": float(load.max() / load.mean()),
+        "moe/expert_load_cv": float(load.std(0) / load.mean()),
+    }
+    if routing.routes is None:
         return stats
-    load = sum(torch.bincount(u.reshape(-1), minlength=num_experts).double() for u in routing.used.values())
-    stats["moe/expert_load_max"] = float(load.max() / load.mean())
-    stats["moe/expert_load_cv"] = float(load.std(unbiased=False) / load.mean())
-    if replay is not None:
+    for key, taken in (("moe/routing_mismatch", routing.used), ("moe/router_mismatch", routing.chosen)):
         differ, total = 0, 0
-        for j, own in routing.chosen.items():
-            rec = replay[..., j, :].reshape(own.shape[0], -1)  # (N, k)
+        for j, got in taken.items():
+            rec = routing.routes[:, :, j].reshape(got.shape[0], -1)  # (N, k)
             has = rec[:, 0] >= 0
-            a, b = own[has].sort(-1).values, rec[has].long().sort(-1).values
-            differ += int((a != b).any(-1).sum())
+            differ += int((got[has].sort(-1).values != rec[has].long().sort(-1).values).any(-1).sum())
             total += int(has.sum())
-        stats["moe/routing_mismatch"] = differ / total if total else 0.0
+        stats[key] = differ / total if total else 0.0
     return stats
 
 
-def load_balancing_loss(routing: Routing, top_k: int, num_experts: int) -> Tensor:
+def load_balancing_loss(routing: Routing) -> Tensor:
     """Switch-Transformer / Mixtral auxiliary loss ``X * sum_e f_e * P_e`` per MoE layer, averaged over layers:
-    f_e the fraction of (token, slot) assignments to expert e, P_e its mean router probability."""
-    losses = []
+    f_e the fraction of tokens routed to expert e (HF's scale: a perfectly balanced router gives top_k), P_e its
+    mean router probability."""
+    losses, num_experts = [], routing.num_experts
     for j, logits in routing.logits.items():
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)  # (N, X)
-        f = torch.bincount(routing.used[j].reshape(-1), minlength=num_experts).float() / routing.used[j].numel()
+        f = torch.bincount(routing.used[j].reshape(-1), minlength=num_experts).float() / logits.shape[0]
         losses.append(num_experts * (f * probs.mean(0)).sum())
     return torch.stack(losses).mean()
+
+
+# ----------------------------------------------------------------------------------------------- the run's settings
+
+
+def _h(text: str) -> Any:
+    return {"help": text}
+
+
+REPLAY_MODES = ("off", "rollout")
+
+
+@dataclass
+class MoeConfig:
+    """Mixture-of-experts training settings (CLI: ``--routing-replay``, ``--router-aux-loss-coef``,
+    ``--freeze-router``); they apply to MoE models only."""
+
+    routing_replay: str = field(
+        default="off",
+        metadata=_h(
+            "MoE: 'rollout' replays the experts the sampler chose for each sampled token in the learner's forward "
+            "(R3; gate weights from the current router); 'off' routes afresh (the mismatch is still logged)."
+        ),
+    )
+    router_aux_loss_coef: float = field(
+        default=0.0, metadata=_h("MoE: weight of the load-balancing loss (Switch / Mixtral form); 0 = off.")
+    )
+    freeze_router: bool = field(default=False, metadata=_h("MoE: keep the routers' weights fixed."))
+
+    def __post_init__(self) -> None:
+        if self.routing_replay not in REPLAY_MODES:
+            raise ValueError(f"--routing-replay must be one of {REPLAY_MODES}, got {self.routing_replay!r}")
+        if not self.router_aux_loss_coef >= 0:
+            raise ValueError(f"--router-aux-loss-coef must be >= 0, got {self.router_aux_loss_coef}")
+
+    def prepare(self, model: nn.Module) -> None:
+        """Apply the settings to a loaded policy: ``--freeze-router`` stops every router's gradient."""
+        if self.freeze_router:
+            freeze_router(model)
+
+    def check_run(self, rollout: str, model_path: str | os.PathLike) -> None:
+        """Before the model loads: replay needs a MoE model (its ``config.json``) and a sampler that records routes."""
+        if self.routing_replay == "off":
+            return
+        if rollout != "native":
+            raise ValueError(
+                f"--routing-replay {self.routing_replay} with --rollout {rollout}: the spool protocol does not carry "
+                "routed experts yet (it needs a protocol minor with base64-packed routes and the vLLM worker's "
+                "enable_return_routed_experts); use --rollout native or --routing-replay off"
+            )
+        path = Path(model_path) / "config.json"
+        model_type = json.loads(path.read_text()).get("model_type") if path.is_file() else None
+        if model_type not in MOE_FAMILIES:
+            raise ValueError(
+                f"--routing-replay {self.routing_replay} needs a mixture-of-experts model ({', '.join(MOE_FAMILIES)}); "
+                f"{path} says model_type {model_type!r}: drop --routing-replay or pick a MoE --model"
+            )
+
+
+def freeze_router(model: nn.Module) -> int:
+    """Stop the gradient of every MoE router (``--freeze-router``); returns how many were frozen."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    for b in blocks:
+        b.gate.weight.requires_grad_(False)
+    return len(blocks)
+
+
+def routing_for(model: nn.Module, cfg: Any, routes: Tensor | None) -> Routing | None:
+    """A fresh ``Routing`` for one learner forward of ``model`` under the run's ``cfg.moe``, holding the batch's
+    recorded ``routes`` (N, L, Lm, k) or None; None for a dense model."""
+    if not getattr(getattr(model, "config", None), "num_experts", 0):
+        return None
+    m = getattr(cfg, "moe", None) or MoeConfig()
+    return Routing(routes, replay=m.routing_replay == "rollout", keep_logits=m.router_aux_loss_coef > 0)
+
+
+def batch_routes(prompt_ids: list[list[int]], completions: list, L: int, device: Any) -> Tensor | None:
+    """The rollout's routes in the learner's padded layout (N, L, Lm, k) int16, -1 where none was recorded: input
+    position p + j holds completion token j (fed back to the sampler at decode step j), for j < len - 1. None when
+    no completion carries routes (a dense model, or a backend that does not record them)."""
+    have = [getattr(c, "routes", None) for c in completions]
+    shape = next((r.shape[1:] for r in have if r is not None), None)
+    if shape is None:
+        return None
+    out = torch.full((len(completions), L, *shape), -1, dtype=torch.int16)
+    for i, (c, r) in enumerate(zip(completions, have)):
+        p = getattr(c, "prompt_ids", None) or prompt_ids[c.prompt_index]
+        if r is None or getattr(c, "mask", None) is not None:  # an episode's turns are not one sampled run
+            continue
+        if r.shape[0] != max(len(c.token_ids) - 1, 0) or r.shape[1:] != shape:
+            raise ValueError(
+                f"completion {i} carries routes of shape {tuple(r.shape)} for {len(c.token_ids)} tokens: expected "
+                f"({len(c.token_ids) - 1}, {shape[0]}, {shape[1]}) (one row per token fed back to the sampler)"
+            )
+        out[i, len(p) : len(p) + r.shape[0]] = r
+    return out.to(device)
+
+
+def add_router_terms(loss: Tensor, stats: dict, routing: Routing | None, cfg: Any, share: float) -> tuple[Tensor, dict]:
+    """One micro-batch's loss plus ``--router-aux-loss-coef`` x its load-balancing loss (weighted by ``share``, its
+    fraction of the batch's scored tokens), and its stats plus the ``moe/*`` ones. Unchanged for a dense model."""
+    if routing is None:
+        return loss, stats
+    stats = {**stats, **routing_stats(routing)}
+    coef = getattr(getattr(cfg, "moe", None), "router_aux_loss_coef", 0.0)
+    if not coef or not routing.logits:
+        return loss, stats
+    aux = load_balancing_loss(routing)
+    stats["moe/aux_loss"] = float(aux.detach())
+    return loss + coef * share * aux, stats

@@ -13,8 +13,8 @@ EXTRAS = ROOT / "extras" / "vllm_rollout"
 
 MAX_FILE_LINES = 600
 MAX_TRAIN_LINES = 80
-ALGORITHM = ["model", "attention", "packing", "kernels", "lora", "grpo", "advantages", "learner", "device", "dist",
-             "atomic"]  # fmt: skip
+ALGORITHM = ["model", "moe", "attention", "packing", "kernels", "lora", "grpo", "advantages", "learner", "device",
+             "dist", "atomic"]  # fmt: skip
 # (the files a rule covers, the modules they may not import): imports point down only
 FORBIDDEN = [
     ([f"align/{m}.py" for m in ALGORITHM], ["align.run", "align.rollout.pipeline", "align.eval", "align.train"]),

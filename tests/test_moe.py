@@ -8,9 +8,11 @@ import os
 
 import pytest
 import torch
+from helpers_learner import CPU, batch_for, cfg
 from hf_reference import MOE_FEATURES, hf_model, save_hf
 
-from align import moe
+from align import learner, lora, moe
+from align.grpo import merge_stats, normalisers, policy_loss
 from align.model import ModelConfig, Transformer, load_pretrained, save_pretrained
 from align.rollout.native import generate
 from align.rollout.protocol import SamplingParams
@@ -232,10 +234,6 @@ def tiny_moe(seed: int = 0, **kw) -> Transformer:
 
 
 def grads_of(model, b, **kw):
-    from helpers_learner import CPU, cfg
-
-    from align import learner
-    from align.grpo import merge_stats
 
     model.zero_grad(set_to_none=True)
     st = merge_stats(learner.backward_batch(model, None, cfg(**kw), *b, place=CPU))
@@ -243,8 +241,6 @@ def grads_of(model, b, **kw):
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
-    from helpers_learner import batch_for
-
     model = tiny_moe()
     b = batch_for(model, seed=1)
     st, plain = grads_of(model.train(), b)
@@ -259,8 +255,6 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 
 
 def test_lora_wraps_attention_and_dense_mlps_never_experts(tmp_path):
-    from align import lora
-
     model = tiny_moe()
     lora.apply_lora(model, lora.LoraConfig(rank=2), base_model="tiny")
     wrapped = sorted(lora.lora_modules(model))
@@ -276,3 +270,165 @@ def test_lora_wraps_attention_and_dense_mlps_never_experts(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(again(ids), model(ids), atol=0, rtol=0)
         assert (tiny_moe()(ids) - model(ids)).abs().max() > 1e-3  # control: the adapter matters
+
+
+# ------------------------------------------------------------------------------------------------ routing replay (R3)
+
+
+def sampled_batch(model, seed: int = 0, sampler=None, **kw):
+    """A GRPO batch sampled by the native sampler (``sampler``: another copy of the model, e.g. bf16), with the
+    sampler's recorded routes."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (5, 9, 3)]
+    comps = generate(sampler or model, prompts, SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=seed))
+    adv, valid = torch.randn(3, 3, generator=g), torch.ones(3, 3, dtype=torch.bool)
+    c = cfg(group_size=3, **kw)
+    return learner.make_batch(prompts, comps, adv, valid, c, torch.device("cpu")), c
+
+
+def forged(b, seed: int = 1):
+    """The batch with every recorded route replaced by random distinct experts: replay must then change the
+    forward (the sampler's own routes equal the learner's in fp32)."""
+    r = b.routes.clone()
+    has = r[..., 0] >= 0
+    g = torch.Generator().manual_seed(seed)
+    rand = torch.rand(*r.shape[:-1], 6, generator=g).argsort(-1)[..., : r.shape[-1]].to(r.dtype)
+    return b._replace(routes=torch.where(has[..., None], rand, r))
+
+
+def loop_logprobs(model, inputs, targets, routes, temperature):
+    """Reference forward written out per row, per layer, per token: a token with a recorded route runs exactly
+    those experts, weighted by the current router's softmax over them (renormalised as the family does)."""
+    out = torch.zeros(inputs.shape, dtype=torch.float32)
+    for r in range(inputs.shape[0]):
+        ids = inputs[r : r + 1]
+        T = ids.shape[1]
+        x = model.model.embed_tokens(ids)
+        cos, sin = model.rope(torch.arange(T)[None], x.dtype)
+        for i, layer in enumerate(model.model.layers):
+            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, i, None, None)
+            h = layer.post_attention_layernorm(x)[0]  # (T, E)
+            block = getattr(layer, layer.ffn)
+            if not isinstance(block, moe.SparseMoE):
+                x = x + block(h)[None]
+                continue
+            rows = []
+            for t in range(T):
+                probs = torch.softmax(block.gate(h[t]).float(), -1)
+                rec = routes[r, t, block.index].long()
+                experts = rec if rec[0] >= 0 else probs.topk(block.top_k).indices
+                w = probs[experts]
+                w = w / w.sum() if block.norm_topk_prob else w
+                rows.append(sum(w[j] * block.experts[int(e)](h[t]) for j, e in enumerate(experts)))
+            x = x + torch.stack(rows)[None]
+        logits = model.lm_head(model.model.norm(x))[0] / temperature
+        out[r] = torch.log_softmax(logits, -1).gather(-1, targets[r][:, None])[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_replay_equals_a_loop_that_gathers_the_recorded_experts(pack):
+
+    model = tiny_moe(seed=3)
+    b, c = sampled_batch(model, pack_sequences=pack)
+    b = forged(b)
+    c.moe.routing_replay = "rollout"
+    model.zero_grad(set_to_none=True)
+    st = merge_stats(learner.backward_batch(model, None, c, *b, place=CPU))
+    got = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    assert st["moe/routing_mismatch"] == 0.0 and st["moe/router_mismatch"] > 0.5  # forged routes ran
+    model.zero_grad(set_to_none=True)
+    lp = loop_logprobs(model, b.inputs, b.targets, b.routes, c.temperature) * b.mask
+    tokens, seqs = normalisers(b.mask, c.loss)
+    loss, _ = policy_loss(
+        c.loss, lp, lp.detach(), b.advantages, b.mask, behav_logprobs=b.behav, total_tokens=tokens, total_seqs=seqs
+    )
+    loss.backward()
+    want = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    assert st["loss"] == pytest.approx(float(loss.detach()), abs=1e-5)
+    assert got.keys() == want.keys() and any(".gate." in k for k in got)  # the router has its gradient
+    for k, g in want.items():
+        torch.testing.assert_close(got[k], g, atol=GRAD_ATOL, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+    # negative control: without replay the learner routes afresh and misses the reference's gradients
+    c.moe.routing_replay = "off"
+    model.zero_grad(set_to_none=True)
+    off = merge_stats(learner.backward_batch(model, None, c, *b, place=CPU))
+    assert off["moe/routing_mismatch"] > 0.5
+    assert max(float((p.grad - want[k]).abs().max()) for k, p in model.named_parameters() if k in want) > 1e-3
+
+
+def test_replay_off_changes_nothing_bit_for_bit():
+    model = tiny_moe(seed=4)
+    b, _ = sampled_batch(model)
+    st, with_routes = grads_of(model, forged(b))
+    st0, without = grads_of(model, b._replace(routes=None))
+    assert st["loss"] == st0["loss"] and "moe/routing_mismatch" in st and "moe/routing_mismatch" not in st0
+    for k, g in without.items():
+        assert torch.equal(with_routes[k], g), k
+    ids = b.inputs
+    with torch.no_grad():
+        assert torch.equal(model(ids, routing=moe.Routing(b.routes)), model(ids))  # recorded but not replayed
+        assert not torch.equal(model(ids, routing=moe.Routing(forged(b).routes, replay=True)), model(ids))  # control
+
+
+def test_bf16_sampler_fp32_learner_mismatch_and_replay_removes_it():
+    """Near-tied routers (small router weights): a bf16 sampler picks other experts than the fp32 learner for some
+    (token, layer) pairs; replay makes the learner run exactly the sampler's."""
+
+    model = tiny_moe(seed=5)
+    with torch.no_grad():
+        for block in sparse_blocks(model):
+            block.gate.weight.mul_(0.02)
+    sampler = tiny_moe(seed=5).to(torch.bfloat16)
+    sampler.load_state_dict(model.state_dict())
+    b, c = sampled_batch(model, sampler=sampler)
+    off = merge_stats(learner.backward_batch(model, None, c, *b, place=CPU))
+    assert off["moe/routing_mismatch"] > 0 and off["moe/routing_mismatch"] == off["moe/router_mismatch"]
+    c.moe.routing_replay = "rollout"
+    routing = moe.routing_for(model, c, b.routes)
+    with torch.no_grad():
+        model(b.inputs, routing=routing)
+    rec = b.routes
+    for j, used in routing.used.items():
+        has = rec[:, :, j, 0].reshape(-1) >= 0
+        assert has.any() and torch.equal(used[has], rec[:, :, j].reshape(-1, 2)[has].long())
+    on = merge_stats(learner.backward_batch(model, None, c, *b, place=CPU))
+    assert on["moe/routing_mismatch"] == 0.0 and on["moe/router_mismatch"] == pytest.approx(off["moe/router_mismatch"])
+    assert 1.0 <= on["moe/expert_load_max"] and on["moe/expert_load_cv"] >= 0
+
+
+def test_aux_loss_and_freeze_router():
+
+    model = tiny_moe(seed=6)
+    b, c = sampled_batch(model)
+    st0, g0 = grads_of(model, b)
+    assert "moe/aux_loss" not in st0  # default coefficient 0: no aux term
+    c.moe.router_aux_loss_coef = 0.5
+    model.zero_grad(set_to_none=True)
+    st = merge_stats(learner.backward_batch(model, None, c, *b, place=CPU))
+    g1 = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    assert st["moe/aux_loss"] >= 1.9  # top-2: a balanced router gives 2, any imbalance more
+    gate = "model.layers.0.mlp.gate.weight"
+    assert (g1[gate] - g0[gate]).abs().max() > 1e-6  # the aux loss reaches the router
+    head = "lm_head.weight"  # after the last MoE layer: untouched by the aux term
+    torch.testing.assert_close(g1[head], g0[head], atol=1e-6, rtol=0)
+    moe.MoeConfig(freeze_router=True).prepare(model)
+    assert gate not in grads_of(model, b)[1]
+    trainable = {id(p) for p in lora.trainable_parameters(model)}
+    assert not [n for n, p in model.named_parameters() if n.endswith("gate.weight") and id(p) in trainable]
+
+
+def test_replay_refusals_name_the_flag(tmp_path):
+    dense = save_hf(hf_model("qwen3"), tmp_path / "dense")
+    sparse = save_hf(hf_model("qwen3_moe"), tmp_path / "sparse")
+    replay = moe.MoeConfig(routing_replay="rollout")
+    with pytest.raises(ValueError, match="--routing-replay rollout needs a mixture-of-experts model.*'qwen3'"):
+        replay.check_run("native", dense)
+    with pytest.raises(ValueError, match="--rollout spool.*enable_return_routed_experts"):
+        replay.check_run("spool", sparse)
+    replay.check_run("native", sparse)  # control
+    moe.MoeConfig().check_run("spool", dense)  # control: off checks nothing
+    with pytest.raises(ValueError, match="--routing-replay must be one of"):
+        cfg(moe={"routing_replay": "always"})
+    with pytest.raises(ValueError, match="--router-aux-loss-coef"):
+        moe.MoeConfig(router_aux_loss_coef=-1.0)

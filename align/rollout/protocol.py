@@ -36,6 +36,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from align.atomic import (  # noqa: F401
     COMMIT_MARKER,
@@ -144,9 +145,12 @@ class Completion:
     finish_reason: str  # "stop" | "length"
     sampled_logprobs: list[float] | None = None  # under the truncated (top-k/top-p) distribution
     weights_version: int = 0
+    # MoE, native sampler only (not on the wire): (len(token_ids) - 1, MoE layers, top-k) int16 expert ids of each
+    # token fed back to the model (align.moe.batch_routes); None otherwise
+    routes: Any = None
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "routes"}
 
     @classmethod
     def from_dict(cls, d: dict) -> Completion:
