@@ -432,3 +432,47 @@ def test_replay_refusals_name_the_flag(tmp_path):
         cfg(moe={"routing_replay": "always"})
     with pytest.raises(ValueError, match="--router-aux-loss-coef"):
         moe.MoeConfig(router_aux_loss_coef=-1.0)
+
+
+# ------------------------------------------------------------------------------------------------ a run
+
+
+def char_moe_model(path) -> str:
+    """The char task's shape as a Qwen3-MoE (every other layer sparse), random weights, saved at ``path``."""
+    from helpers_train import TOK
+
+    from align.tasks import reverse
+
+    d = {**vars(reverse.model_config(TOK)), "model_type": "qwen3_moe", "qkv_bias": False, "qk_norm": True}
+    d.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=2)
+    d.pop("hf_config"), d.pop("generation_config")
+    return str(save_pretrained(Transformer(ModelConfig(**d)).init_weights(seed=0), path))
+
+
+def test_a_run_trains_a_moe_model_with_replay(tmp_path, monkeypatch):
+    """train() end to end on a Qwen3-MoE: the native sampler records routes, the learner replays them (packed rows,
+    gradient checkpointing), the moe/* metrics reach metrics.jsonl, the checkpoint loads."""
+    from helpers_train import PROMPTS, TOK, a_reward, build_char_model, cfg_for, records
+
+    from align import model as model_lib
+    from align.train import train
+
+    path = char_moe_model(tmp_path / "moe")
+    c = cfg_for(tmp_path / "run", steps=2, checkpoint_every=2, gradient_checkpointing=True)
+    c.moe.routing_replay = "rollout"
+    train(c, model=path, tokenizer=TOK, prompts=PROMPTS, reward=a_reward)
+    recs = [r for r in records(tmp_path / "run") if "reward_mean" in r]
+    assert len(recs) == 2
+    for r in recs:
+        assert r["moe/routing_mismatch"] == 0.0 and r["moe/expert_load_max"] >= 1.0 and "moe/router_mismatch" in r
+    load_pretrained(tmp_path / "run" / "checkpoints" / "step_2" / "model", require_marker=True)
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the refusal")
+
+    monkeypatch.setattr(model_lib, "load_pretrained", no_load)
+    dense = build_char_model(tmp_path / "dense")
+    c = cfg_for(tmp_path / "refused", steps=1)
+    c.moe.routing_replay = "rollout"
+    with pytest.raises(ValueError, match="--routing-replay rollout needs a mixture-of-experts model"):
+        train(c, model=dense, tokenizer=TOK, prompts=PROMPTS, reward=a_reward)
