@@ -8,10 +8,10 @@ Key decisions
   differences are a row of ``MOE_FAMILIES``.
 - Routing (HF's ``TopKRouter``): softmax of the router logits in fp32 over every expert, top-k of it, renormalised
   over the k when ``norm_topk_prob`` (Mixtral always), cast back to the activations' dtype.
-- Grouped compute: the (token, slot) pairs are sorted by expert and each active expert runs its tokens as one GEMM
-  (``torch._grouped_mm`` over the stacked expert weights on CUDA bf16 where torch has it, a loop over the active
-  experts elsewhere); outputs are weighted and scattered back with one ``index_add``. No token ever passes an
-  expert it was not routed to.
+- Grouped compute: the (token, slot) pairs are sorted by expert and each expert's tokens are one group of torch's
+  grouped GEMM (``F.grouped_mm`` over the stacked expert weights, gate|up fused; CUDA bf16, and the CPU on
+  torch >= 2.11), or, without it, one GEMM per active expert in a loop; outputs are weighted and scattered back with
+  one ``index_add``. No token ever passes an expert it was not routed to.
 - Routing replay (R3, Ma et al. 2025, arXiv 2510.11370): a ``Routing`` passed to the forward may carry the
   rollout's expert ids per token and MoE layer (-1: the token routes itself, e.g. prompt tokens). A replayed token
   uses those experts, weighted by the *current* router's probabilities of them (renormalised as the family does),
@@ -210,42 +210,48 @@ class SparseMoE(nn.Module):
 
 
 def _grouped_mm_usable(x: Tensor) -> bool:
-    return (
-        x.is_cuda
-        and x.dtype == torch.bfloat16
-        and hasattr(torch, "_grouped_mm")
-        and torch.cuda.get_device_capability(x.device) >= (9, 0)
-    )
+    """torch's grouped GEMM runs here: CUDA (sm80+, bf16) or a CPU with torch >= 2.11 (its CPU kernel, without the
+    16-byte alignment limit of earlier versions); else the loop over the active experts."""
+    if GROUPED_MM is None:
+        return False
+    if x.is_cuda:
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    return x.device.type == "cpu" and tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 11)
 
 
-def expert_mix(x: Tensor, idx: Tensor, w: Tensor, experts: nn.ModuleList) -> Tensor:
+GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+GROUPED_MIN_PAIRS_PER_EXPERT = 4  # below 4 (token, slot) pairs per expert on average, stacking the weights costs more
+
+
+def expert_mix(x: Tensor, idx: Tensor, w: Tensor, experts: nn.ModuleList, grouped: bool | None = None) -> Tensor:
     """sum_j w[n, j] * expert_{idx[n, j]}(x[n]) for x (N, E), idx / w (N, k): (token, slot) pairs sorted by expert,
-    each active expert's tokens one GEMM (one grouped GEMM on CUDA bf16), scattered back with one index_add."""
+    then torch's grouped GEMM over the experts' token groups (``grouped`` None: where it runs, ``_grouped_mm_usable``)
+    or, without it, one GEMM per active expert; scattered back with one index_add."""
     k = idx.shape[1]
     order = idx.reshape(-1).argsort(stable=True)  # (N*k,) pairs grouped by expert
     token = order // k  # (N*k,) the token of each sorted pair
     xs = x.index_select(0, token)  # (N*k, E)
     counts = torch.bincount(idx.reshape(-1), minlength=len(experts))  # (X,)
-    if _grouped_mm_usable(x):
+    if grouped is None:  # few tokens per expert (decode): the loop reads only the active experts' weights
+        grouped = _grouped_mm_usable(x) and idx.numel() >= GROUPED_MIN_PAIRS_PER_EXPERT * len(experts)
+    if grouped:
         ys = _grouped_experts(xs, counts, experts)
     else:
-        parts, start = [], 0
-        for e, n in enumerate(counts.tolist()):
-            if n:
-                parts.append(experts[e](xs[start : start + n]))
-                start += n
-        ys = torch.cat(parts)  # (N*k, E)
+        parts = xs.split(counts.tolist())  # views: the backward concatenates, never a zero-filled copy per expert
+        ys = torch.cat([experts[e](p) for e, p in enumerate(parts) if p.shape[0]])  # (N*k, E)
     ys = ys * w.reshape(-1)[order, None].to(ys.dtype)
     return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
 
 
 def _grouped_experts(xs: Tensor, counts: Tensor, experts: nn.ModuleList) -> Tensor:
-    """The experts over sorted tokens xs (M, E) with ``torch._grouped_mm`` (CUDA, bf16): three grouped GEMMs."""
+    """The experts over sorted tokens xs (M, E) as two grouped GEMMs: gate|up fused, then down."""
+    X = len(experts)
     offs = counts.cumsum(0).to(torch.int32)  # (X,) end of each expert's rows
-    gate, up, down = (torch.stack(ws) for ws in zip(*(e.weights() for e in experts)))  # (X, F, E) x2, (X, E, F)
-    g = torch._grouped_mm(xs, gate.transpose(1, 2), offs=offs)  # (M, F)
-    u = torch._grouped_mm(xs, up.transpose(1, 2), offs=offs)
-    return torch._grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=offs)  # (M, E)
+    ws = [e.weights() for e in experts]
+    gate_up = torch.stack([t for g, u, _ in ws for t in (g, u)]).view(X, -1, xs.shape[1])  # (X, 2F, E), one copy
+    down = torch.stack([d for _, _, d in ws])  # (X, E, F)
+    gate, up = GROUPED_MM(xs, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # (M, F) each
+    return GROUPED_MM(F.silu(gate) * up, down.transpose(1, 2), offs=offs)  # (M, E)
 
 
 def dense_expert_mix(x: Tensor, idx: Tensor, w: Tensor, experts: nn.ModuleList) -> Tensor:

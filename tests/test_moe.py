@@ -162,7 +162,7 @@ def test_grouped_expert_compute_equals_dense_and_runs_only_routed_tokens():
         e.register_forward_hook(lambda m, a, o, e=e_i: seen.__setitem__(e, a[0].shape[0]))
         for e_i, e in enumerate(block.experts)
     ]
-    got = moe.expert_mix(x, idx, w, block.experts)
+    got = moe.expert_mix(x, idx, w, block.experts, grouped=False)
     for h in hooks:
         h.remove()
     counts = torch.bincount(idx.reshape(-1), minlength=8).tolist()
@@ -170,7 +170,38 @@ def test_grouped_expert_compute_equals_dense_and_runs_only_routed_tokens():
     assert sum(seen.values()) == 37 * 2  # never every token through every expert
     ref = moe.dense_expert_mix(x, idx, w, block.experts)
     torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
-    assert (moe.expert_mix(x, idx.roll(1, 0), w, block.experts) - ref).abs().max() > 1e-3  # control
+    assert (moe.expert_mix(x, idx.roll(1, 0), w, block.experts, grouped=False) - ref).abs().max() > 1e-3  # control
+
+
+@pytest.mark.skipif(moe.GROUPED_MM is None, reason="this torch has no grouped GEMM")
+def test_grouped_gemm_path_equals_the_loop_forward_and_backward():
+    """torch's grouped GEMM (the CPU kernel here, CUDA bf16 on a GPU) vs the per-expert loop: outputs and every
+    gradient (experts, router weights through ``w``, input)."""
+    torch.manual_seed(1)
+    cfg = moe_cfg("qwen3_moe", num_experts=8, num_experts_per_tok=3)
+    block = moe.SparseMoE(cfg, 0)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(50, cfg.hidden_size, requires_grad=True)
+    results = []
+    for grouped in (True, False):
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+        _, _, idx, w = block.route(x, None)
+        out = moe.expert_mix(x, idx, w, block.experts, grouped=grouped)
+        out.pow(2).sum().backward()
+        results.append((out.detach(), x.grad.clone(), {n: p.grad.clone() for n, p in block.named_parameters()}))
+    (o1, gx1, g1), (o2, gx2, g2) = results
+    torch.testing.assert_close(o1, o2, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gx1, gx2, atol=1e-4, rtol=1e-4)
+    assert g1.keys() == g2.keys() and "gate.weight" in g1
+    for n in g1:
+        torch.testing.assert_close(g1[n], g2[n], atol=1e-4, rtol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
+    with torch.no_grad():  # control: a wrong group boundary (one pair moved to the next expert) is caught
+        _, _, idx, w = block.route(x, None)
+        bad = idx.clone()
+        bad[0, 0] = (bad[0, 0] + 1) % 8 if (bad[0, 0] + 1) % 8 not in bad[0] else (bad[0, 0] + 2) % 8
+        assert (moe.expert_mix(x, bad, w, block.experts, grouped=True) - o2).abs().max() > 1e-3
 
 
 # ------------------------------------------------------------------------------------------------ bad input
