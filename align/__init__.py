@@ -17,8 +17,8 @@ Where things live, by floor (imports point down only; ``tests/test_layout.py`` c
   request, stdlib), ``watcher``, ``groups``, ``engines``, ``pipeline``.
 - what goes in: ``data``, ``rewards`` (+ ``reward_pool``: the worker processes), ``verifiers``, ``tasks``, ``envs``
   (the environment API; ``runner``: its episodes in process or in worker processes).
-- the algorithm, no run state: ``model`` (+ ``attention``), ``packing``, ``kernels``, ``lora``, ``grpo``,
-  ``advantages``, ``learner``, ``device``, ``dist``; ``atomic`` (stdlib: atomic files and the commit marker) under everything.
+- the algorithm, no run state: ``model`` (+ ``attention``, ``moe``: experts, routing, replay), ``packing``,
+  ``kernels``, ``lora``, ``grpo``, ``advantages``, ``learner``, ``device``, ``dist``; ``atomic`` (stdlib: atomic files and the commit marker) under everything.
 """
 
 __version__ = "0.2.0"
