@@ -4,9 +4,12 @@
 
 (a) One forward + backward (cross-entropy over the full logits) of a Qwen3-MoE-shaped model, side by side in one
 run on the same weights and batch: align (``align.moe.expert_mix``: tokens sorted by expert, one GEMM per active
-expert), transformers' ``Qwen3MoeForCausalLM`` (its experts loop), and align with the dense reference
+expert), transformers' ``Qwen3MoeForCausalLM`` (its default experts implementation: torch's ``grouped_mm``, and
+``experts_implementation="eager"``: its loop over the hit experts), and align with the dense reference
 ``align.moe.dense_expert_mix`` (every token through every expert, weights zero where not routed) to show the grouped
-path is the one running. (b) Greedy decode tokens/s of the native sampler vs ``transformers.generate``.
+path is the one running. (b) Greedy decode tokens/s of the native sampler vs ``transformers.generate``. (c) A bf16
+native sampler and an fp32 learner on the same weights: the sampler-trainer mismatch (|log pi - log mu|, rho) and
+the routing mismatch of one GRPO batch, without and with ``--routing-replay rollout``.
 Medians over interleaved repeats; ratios are what to read (absolute times on a shared CPU are noise).
 """
 
@@ -68,6 +71,9 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
         ours = load_pretrained(d).train()
+        import transformers
+
+        eager = transformers.AutoModelForCausalLM.from_pretrained(d, experts_implementation="eager").float().train()
     ids = torch.randint(0, SHAPE["vocab_size"], (args.batch, args.tokens), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = float((ours(ids) - hf(ids).logits).abs().max())
@@ -75,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = {
         "align": lambda: fwd_bwd(ours, ids, False),
         "transformers": lambda: fwd_bwd(hf, ids, True),
+        "transformers_eager_loop": lambda: fwd_bwd(eager, ids, True),
         "align_dense_experts": lambda: fwd_bwd(ours, ids, False),
     }
     times: dict[str, list[float]] = {k: [] for k in runs}
@@ -108,6 +115,38 @@ def main(argv: list[str] | None = None) -> None:
     for k, v in dec.items():
         tps = len(prompts) * n / statistics.median(v)
         print(f"  {k:<22} {tps:8.1f} tokens/s")
+    replay_stats(ours, 4, args.decode_tokens)
+
+
+def replay_stats(model, n_prompts: int, max_tokens: int) -> None:
+    from helpers_learner import CPU, cfg
+
+    from align import learner
+    from align.grpo import merge_stats
+
+    sampler = load_pretrained_like(model, torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, SHAPE["vocab_size"], (16,), generator=g).tolist() for _ in range(n_prompts)]
+    comps = generate(sampler, prompts, SamplingParams(n=4, temperature=1.0, max_tokens=max_tokens, seed=0))
+    adv, valid = torch.randn(n_prompts, 4, generator=g), torch.ones(n_prompts, 4, dtype=torch.bool)
+    c = cfg(group_size=4, max_tokens=max_tokens, prompts_per_step=n_prompts)
+    b = learner.make_batch(prompts, comps, adv, valid, c, torch.device("cpu"))
+    print(f"(c) bf16 sampler, fp32 learner: {n_prompts} x 4 completions of {max_tokens} tokens")
+    keys = ("moe/routing_mismatch", "moe/router_mismatch", "mismatch_abs_mean", "mismatch_abs_max", "rho_max",
+            "clip_low_frac", "clip_high_frac")  # fmt: skip
+    for mode in ("off", "rollout"):
+        c.moe.routing_replay = mode
+        model.zero_grad(set_to_none=True)
+        st = merge_stats(learner.backward_batch(model, None, c, *b, place=CPU))
+        print(f"  --routing-replay {mode:<8} " + "  ".join(f"{k} {st.get(k, float('nan')):.4f}" for k in keys))
+
+
+def load_pretrained_like(model, dtype):
+    from align.model import Transformer
+
+    copy = Transformer(model.config).to(dtype)
+    copy.load_state_dict(model.state_dict())
+    return copy.eval()
 
 
 if __name__ == "__main__":
