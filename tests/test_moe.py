@@ -105,6 +105,24 @@ def test_greedy_generation_matches_transformers_and_cached_equals_full(pair):
         assert (torch.tensor(c.logprobs) - full.roll(1)).abs().max() > 1e-2  # control: misaligned by one
 
 
+def test_sampler_records_routes_of_the_fed_tokens():
+    """Each completion's routes: one (MoE layers, top-k) row per token fed back to the model, equal to the experts an
+    uncached forward over prompt + completion picks there; the wire dict never carries them."""
+    model = tiny_moe(seed=7)
+    prompts = [[1, 5, 9, 13], [7, 3]]
+    comps = generate(model, prompts, SamplingParams(n=2, temperature=1.0, max_tokens=7, seed=1, stop_token_ids=[4]))
+    for c in comps:
+        p = prompts[c.prompt_index]
+        assert c.routes.dtype == torch.int16 and tuple(c.routes.shape) == (len(c.token_ids) - 1, 2, 2)
+        routing = moe.Routing()
+        with torch.no_grad():
+            model(torch.tensor([p + c.token_ids]), routing=routing)
+        full = torch.stack([routing.chosen[j] for j in range(2)], 1)[len(p) : len(p) + len(c.token_ids) - 1]
+        assert torch.equal(full.sort(-1).values, c.routes.long().sort(-1).values)
+        assert not torch.equal(full.roll(1, 0).sort(-1).values, c.routes.long().sort(-1).values)  # control
+        assert "routes" not in c.to_dict() and type(c).from_dict(c.to_dict()).routes is None
+
+
 def test_batched_equals_one_by_one(pair):
     _name, _hf, path = pair
     ours = load_pretrained(path)

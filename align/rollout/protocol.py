@@ -150,7 +150,9 @@ class Completion:
     routes: Any = None
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "routes"}
+        d = dataclasses.asdict(dataclasses.replace(self, routes=None))
+        del d["routes"]  # routes stay in process (the spool does not carry them yet)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> Completion:
