@@ -250,6 +250,7 @@ def _grouped_experts(xs: Tensor, counts: Tensor, experts: nn.ModuleList) -> Tens
     ws = [e.weights() for e in experts]
     gate_up = torch.stack([t for g, u, _ in ws for t in (g, u)]).view(X, -1, xs.shape[1])  # (X, 2F, E), one copy
     down = torch.stack([d for _, _, d in ws])  # (X, E, F)
+    gate_up, down = gate_up.to(xs.dtype), down.to(xs.dtype)  # autocast (fp32 weights, bf16 activations)
     gate, up = GROUPED_MM(xs, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # (M, F) each
     return GROUPED_MM(F.silu(gate) * up, down.transpose(1, 2), offs=offs)  # (M, E)
 

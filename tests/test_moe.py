@@ -525,3 +525,18 @@ def test_a_run_trains_a_moe_model_with_replay(tmp_path, monkeypatch):
     c.moe.routing_replay = "rollout"
     with pytest.raises(ValueError, match="--routing-replay rollout needs a mixture-of-experts model"):
         train(c, model=dense, tokenizer=TOK, prompts=PROMPTS, reward=a_reward)
+
+
+def test_mixtral_sliding_window_in_cached_decode(tmp_path):
+    """Prefill and decode past the window: the cache mask keeps only the last ``sliding_window`` keys, as
+    transformers.generate does; the control (no window) diverges."""
+    hf = hf_model("mixtral", sliding_window=6)
+    ours = load_pretrained(save_hf(hf, tmp_path / "m"))
+    prompts = [list(range(3, 23)), [5, 9, 2, 7]]
+    outs = generate(ours, prompts, SamplingParams(temperature=0, max_tokens=10))
+    for p, c in zip(prompts, outs):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert c.token_ids == ref[0, len(p) :].tolist()
+    ours.config.sliding_window = None
+    wide = generate(ours, prompts[:1], SamplingParams(temperature=0, max_tokens=10))[0]
+    assert wide.logprobs != pytest.approx(outs[0].logprobs, abs=1e-4)
