@@ -540,3 +540,23 @@ def test_mixtral_sliding_window_in_cached_decode(tmp_path):
     ours.config.sliding_window = None
     wide = generate(ours, prompts[:1], SamplingParams(temperature=0, max_tokens=10))[0]
     assert wide.logprobs != pytest.approx(outs[0].logprobs, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_two_ranks_train_a_moe_model_as_one_process_does(tmp_path):
+    """FSDP2 (torchrun, gloo) with the experts as ordinary parameters, replay on: 2 ranks end with the parameters
+    of 1 process (tests/test_dist.py's launcher and tolerance)."""
+    from helpers_train import TOK
+    from test_dist import PARAM_TOL, _max_param_diff, _run_batch
+
+    path = char_moe_model(tmp_path / "moe")
+    TOK.save(path)
+    runs = {"moe": {"moe": {"routing_replay": "rollout"}, "pack_sequences": True}}
+    (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir()
+    one = _run_batch(tmp_path / "one", path, 1, runs)["moe"]
+    two = _run_batch(tmp_path / "two", path, 2, runs)["moe"]
+    assert [r["step"] for r in two["recs"]] == [r["step"] for r in one["recs"]] and one["recs"]
+    assert all(r["moe/routing_mismatch"] == 0.0 for r in two["recs"])
+    assert two["calls"] == one["calls"]  # the same completions were sampled and scored
+    assert _max_param_diff(two["params"], one["params"]) < PARAM_TOL
+    assert _max_param_diff(two["params"], dict(load_pretrained(path).named_parameters())) > 1e-4  # control: trained
