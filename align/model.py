@@ -1,4 +1,5 @@
-"""A pure-torch decoder for Llama / Qwen2 / Qwen3 (+ Qwen3-MoE / Mixtral, ``align.moe``) that loads and saves HF checkpoints.
+"""A pure-torch decoder for Llama / Qwen2 / Qwen3 and Qwen3-MoE / Mixtral (``align.moe``) that loads and saves HF
+checkpoints.
 
 Key decisions
 - Parameter names are Hugging Face's (``model.layers.0.self_attn.q_proj.weight``), so loading is a
@@ -296,7 +297,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int = 0, moe_index: int = -1):
+    def __init__(self, cfg: ModelConfig, moe_index: int = -1):
         super().__init__()
         self.self_attn = Attention(cfg)
         self.ffn = "mlp"  # the attribute of the feed-forward block: HF's name, the family's for a MoE block
@@ -325,7 +326,7 @@ class Transformer(nn.Module):
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         sparse = [is_sparse(cfg, i) for i in range(cfg.num_hidden_layers)]
         self.model.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, sum(sparse[:i]) if sparse[i] else -1) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, sum(sparse[:i]) if sparse[i] else -1) for i in range(cfg.num_hidden_layers)
         )
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
