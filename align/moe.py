@@ -370,8 +370,15 @@ def freeze_router(model: nn.Module) -> int:
 def routing_for(model: nn.Module, cfg: Any, routes: Tensor | None) -> Routing | None:
     """A fresh ``Routing`` for one learner forward of ``model`` under the run's ``cfg.moe``, holding the batch's
     recorded ``routes`` (N, L, Lm, k) or None; None for a dense model."""
-    if not getattr(getattr(model, "config", None), "num_experts", 0):
+    mc = getattr(model, "config", None)
+    if not getattr(mc, "num_experts", 0):
         return None
+    want = (len(moe_layers(mc)), mc.num_experts_per_tok)
+    if routes is not None and tuple(routes.shape[2:]) != want:
+        raise ValueError(
+            f"the rollout's routes have (MoE layers, top-k) {tuple(routes.shape[2:])}, the model {want}: they were "
+            "recorded by another model; sample with the policy being trained"
+        )
     m = getattr(cfg, "moe", None) or MoeConfig()
     return Routing(routes, replay=m.routing_replay == "rollout", keep_logits=m.router_aux_loss_coef > 0)
 

@@ -481,6 +481,11 @@ def test_replay_refusals_name_the_flag(tmp_path):
         cfg(moe={"routing_replay": "always"})
     with pytest.raises(ValueError, match="--router-aux-loss-coef"):
         moe.MoeConfig(router_aux_loss_coef=-1.0)
+    model = tiny_moe()
+    routes = torch.zeros(2, 5, 2, 3, dtype=torch.int16)  # top-3 routes for a top-2 model
+    with pytest.raises(ValueError, match=r"\(MoE layers, top-k\) \(2, 3\), the model \(2, 2\)"):
+        moe.routing_for(model, cfg(), routes)
+    assert moe.routing_for(model, cfg(), routes[..., :2]).routes is not None  # control
 
 
 # ------------------------------------------------------------------------------------------------ a run
