@@ -28,7 +28,7 @@ import circle anywhere: ``FLOORS`` in ``tests/test_layout.py`` lists every modul
 - what goes in: ``data``, ``chat`` (HF tokenizer, chat template, turns), ``char_tokenizer``, ``specs`` (loading
   ``module:name`` / ``file.py:name``), ``rewards`` (+ ``reward_pool``: the worker processes;
   ``reward_calls``: TRL-shaped batch and ``async`` calls), ``verifiers``.
-- the algorithm, no run state: ``model`` (+ ``attention``), ``packing``, ``kernels``, ``lora``, ``grpo``,
+- the algorithm, no run state: ``model`` (+ ``attention``, ``moe``: experts, routing, replay), ``packing``, ``kernels``, ``lora``, ``grpo``,
   ``advantages``, ``learner``, ``device``, ``dist``.
 - stdlib base: ``atomic`` (atomic files and the commit marker), ``child`` (one child process in its own group, JSON
   over pipes, deadlines, bounded reads), ``errors`` (``InputError``, ``Interrupted``).

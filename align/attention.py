@@ -269,6 +269,29 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     return (out if order is None else out.index_select(1, order))[None]  # (1, H, T, D) in row order
 
 
+def sliding_window(
+    how: torch.Tensor | PackedLayout | None, T: int, window: int, device: torch.device
+) -> torch.Tensor | PackedLayout | None:
+    """``how`` limited to the last ``window`` keys of each query (Mixtral; HF keeps key s for query q when
+    ``s > q - window``): unchanged while no query reaches that far. A packed row longer than the window per
+    sequence is refused (its layout has no band)."""
+    if isinstance(how, PackedLayout):
+        longest = max(s.prompt + max((n for _, n in s.completions), default=0) for s in how.segments)
+        if longest > window:
+            raise ValueError(
+                f"a packed sequence of {longest} tokens exceeds the model's sliding_window={window}: "
+                "run with --no-pack-sequences"
+            )
+        return how
+    S = T if how is None else how.shape[-1]
+    if S <= window:
+        return how
+    q = torch.arange(S - T, S, device=device)[:, None]
+    s = torch.arange(S, device=device)[None, :]
+    band = (s <= q) & (s > q - window)  # (T, S)
+    return band[None, None] if how is None else how & band
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, how: torch.Tensor | PackedLayout | None) -> torch.Tensor:
     """Scaled dot-product attention (scale 1/sqrt(D)) of q (B, H, T, D) over k / v (B, K, S, D): causal when
     ``how`` is None, under the (B, 1, T, S) bool mask ``how``, or over a ``PackedLayout``'s segments."""

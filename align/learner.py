@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from align import dist, packing
+from align import dist, moe, packing
 from align.advantages import add_teacher_signal
 from align.device import PRECISIONS, Placement, precision_from_legacy
 from align.errors import InputError
@@ -56,6 +56,7 @@ class Batch(NamedTuple):
     mask: Tensor  # (N, L) bool, True = a completion token that counts
     advantages: Tensor  # (N,) float32
     behav: Tensor  # (N, L) float32, the sampler's logprobs (mu)
+    routes: Tensor | None = None  # (N, L, Lm, k) int16: the experts the sampler used (MoE; align.moe.batch_routes)
 
 
 class Update(NamedTuple):
@@ -117,7 +118,8 @@ def make_batch(step: StepBatch, cfg: Any, device: torch.device) -> Batch:
     flat_valid = valid[pi, si].to(device)  # (N,)
     flat_adv = adv[pi, si].float().to(device)  # (N,)
     behav = sampled_lp if cfg.behaviour_logprobs == "sampled" else full_lp
-    return Batch(inputs, targets, mask & flat_valid[:, None], flat_adv, behav)
+    routes = moe.batch_routes(step.prompt_ids, completions, inputs.shape[1], device)
+    return Batch(inputs, targets, mask & flat_valid[:, None], flat_adv, behav, routes)
 
 
 def check_config(cfg: Any) -> None:
@@ -161,6 +163,7 @@ def token_logprobs(
     backend: str = "auto",
     with_entropy: bool = True,
     mask: Tensor | None = None,
+    routing: moe.Routing | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Token logprobs (and entropy) of ``targets`` under ``softmax(logits / T)``, float32 (B, L), with the lm_head
     fused into the log-softmax: the (B, L, V) logits never exist. Differentiable w.r.t. every parameter, the
@@ -170,7 +173,7 @@ def token_logprobs(
     those rows only (prompt and padding positions cost the decoder, not the (V, E) head) and the others are 0."""
     place = place or placement_of(model)
     with place.autocast():
-        hidden = model(inputs, return_hidden=True)  # (B, L, E)
+        hidden = model(inputs, return_hidden=True, routing=routing)  # (B, L, E)
     if mask is None:
         return fused_head(model, hidden, targets, temperature, place, backend, with_entropy)
     idx = mask.reshape(-1).nonzero().squeeze(-1)  # (M,) the scored positions of the flattened (B * L)
@@ -191,14 +194,17 @@ def packed_token_logprobs(
     backend: str = "auto",
     with_entropy: bool = True,
     pad_to: int = 0,
+    routing: moe.Routing | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``token_logprobs(mask=mask)`` of the batch rows ``row.rows`` ((rows, L), L their longest), computed on one
     packed row (``align.packing``): each prompt once, its completions after it. The same values and gradients as
     the padded call, up to float summation order. ``pad_to``: ``packing.build``'s (CUDA rows: the token budget)."""
     place = place or placement_of(model)
-    pk = packing.build(inputs, targets, mask, row, pad_to=pad_to)
+    pk = packing.build(inputs, targets, mask, row, pad_to=pad_to, routes=routing.routes if routing else None)
+    if routing is not None:
+        routing.routes = pk.routes
     with place.autocast():
-        hidden = model(pk.ids, positions=pk.positions, layout=pk.layout, return_hidden=True)  # (1, T, E)
+        hidden = model(pk.ids, positions=pk.positions, layout=pk.layout, return_hidden=True, routing=routing)
     hidden = hidden[0].index_select(0, pk.source)  # (M, E): a prompt's last state once for each of its completions
     lp, ent = fused_head(model, hidden, pk.targets, temperature, place, backend, with_entropy)
     return spread(lp, pk.dest, pk.shape), spread(ent, pk.dest, pk.shape) if ent is not None else None
@@ -283,7 +289,7 @@ def check_token_budget(cfg: Any, prompt_lengths: Sequence[int]) -> None:
 
 
 def _rows(t: Tensor, idx: list[int], L: int) -> Tensor:
-    return t[torch.tensor(idx, device=t.device), :L] if t.dim() == 2 else t[torch.tensor(idx, device=t.device)]
+    return t[torch.tensor(idx, device=t.device), :L] if t.dim() >= 2 else t[torch.tensor(idx, device=t.device)]
 
 
 MicroBatch = list[int] | packing.PackedRow  # padded: batch rows; packed: one packed row (--pack-sequences)
@@ -308,18 +314,21 @@ def micro_batch_logprobs(
     place: Placement | None,
     with_entropy: bool = True,
     temperature: float | None = None,
+    routing: moe.Routing | None = None,
 ) -> tuple:
     """(rows, L, logprobs (rows, L), entropy or None) of one micro-batch of the (N, L) batch tensors, L its
     longest row: by a packed row or by the padded rows, the same values either way. ``temperature``: None =
     ``cfg.temperature`` (the sampler's); ``nll_backward`` passes 1 (its ``cfg.temperature`` is the eval's)."""
     t = cfg.temperature if temperature is None else temperature
-    kw = {"place": place, "backend": cfg.logprob_backend, "with_entropy": with_entropy}
+    kw = {"place": place, "backend": cfg.logprob_backend, "with_entropy": with_entropy, "routing": routing}
     if isinstance(mb, packing.PackedRow):
         budget = getattr(cfg, "micro_batch_tokens", 0)
         lp, ent = packed_token_logprobs(model, inputs, targets, mask, mb, t, pad_to=budget, **kw)
         return mb.rows, lp.shape[1], lp, ent
     L = max(row_lengths(_rows(mask, mb, mask.shape[1])))
     x, y, m = _rows(inputs, mb, L), _rows(targets, mb, L), _rows(mask, mb, L)  # (mb, L)
+    if routing is not None:  # MoE: the batch's recorded experts (N, L, Lm, k) -> this micro-batch's
+        routing.cut(lambda r: _rows(r, mb, L))
     return (mb, L, *token_logprobs(model, x, y, t, mask=m, **kw))
 
 
@@ -331,22 +340,15 @@ def batch_logprobs(
     ``rows``: only these rows (torchrun: this rank's; every rank runs as many forwards as the busiest)."""
     out = torch.zeros(batch.mask.shape, dtype=torch.float32, device=batch.mask.device)  # (N, L)
     sel = list(range(batch.mask.shape[0])) if rows is None else rows.tolist()
-    sub = batch if rows is None else Batch(*(t[rows] for t in batch))
+    sub = batch if rows is None else Batch(*(t if t is None else t[rows] for t in batch))
     mbs = plan_micro_batches(sub.inputs, sub.mask, cfg)
     mbs += [[]] * (dist.max_int(len(mbs)) - len(mbs))
     for mb in mbs:
         if not mb:  # padding forward (torchrun): FSDP's all-gathers need every rank
-            token_logprobs(
-                model,
-                batch.inputs[:1, :1],
-                batch.targets[:1, :1],
-                cfg.temperature,
-                place=place,
-                backend=cfg.logprob_backend,
-                with_entropy=False,
-            )
+            _padding_forward(model, batch.inputs, cfg, place)
             continue
-        idx, L, lp, _ = micro_batch_logprobs(model, sub.inputs, sub.targets, sub.mask, mb, cfg, place, False)
+        kw = {"routing": moe.routing_for(model, cfg, sub.routes)}
+        idx, L, lp, _ = micro_batch_logprobs(model, sub.inputs, sub.targets, sub.mask, mb, cfg, place, False, **kw)
         out[torch.tensor([sel[i] for i in idx], device=out.device), :L] = lp
     return out
 
@@ -368,6 +370,7 @@ def backward_batch(
     mask: Tensor,
     advantages: Tensor,
     behav: Tensor,
+    routes: Tensor | None = None,
     *,
     place: Placement | None = None,
     old_logprobs: Tensor | None = None,
@@ -378,7 +381,7 @@ def backward_batch(
     The normalisers (token and sequence counts) are those of all the rows given, so the accumulated gradient is
     the whole-batch gradient whatever the micro-batching. ``old_logprobs`` (N, L): the policy's logprobs before
     the first update of this batch; None = the current ones, detached (one update per batch: ratio 1).
-    ``ref_logprobs`` (N, L), else computed per micro-batch from ``ref_model`` when given.
+    ``ref_logprobs`` (N, L), else computed per micro-batch from ``ref_model`` when given. ``routes``: ``Batch.routes``.
 
     Under torchrun (``align.dist``) the rows are this rank's share: the normalisers are summed over ranks, every
     rank runs as many micro-batches as the busiest one (empty ones: a zero loss on one token, for FSDP's
@@ -391,18 +394,10 @@ def backward_batch(
     mbs += [[]] * (dist.max_int(len(mbs)) - len(mbs))
     for mb in mbs:
         if not mb:  # padding micro-batch (torchrun): same forward/backward collectives, no gradient
-            lp, _ = token_logprobs(
-                policy,
-                inputs[:1, :1],
-                targets[:1, :1],
-                cfg.temperature,
-                place=place,
-                backend=cfg.logprob_backend,
-                with_entropy=False,
-            )
-            (lp.sum() * 0.0).backward()
+            (_padding_forward(policy, inputs, cfg, place).sum() * 0.0).backward()
             continue
-        idx, L, lp, ent = micro_batch_logprobs(policy, inputs, targets, mask, mb, cfg, place)
+        routing = moe.routing_for(policy, cfg, routes)
+        idx, L, lp, ent = micro_batch_logprobs(policy, inputs, targets, mask, mb, cfg, place, routing=routing)
         m = _rows(mask, idx, L)  # (mb, L)
         ref = None
         if ref_logprobs is not None:
@@ -423,9 +418,16 @@ def backward_batch(
             total_tokens=total_tokens,
             total_seqs=total_seqs,
         )
+        loss, st = moe.add_router_terms(loss, st, routing, cfg, float(m.sum()) / total_tokens)
         loss.backward()
         stats.append(st)
     return dist.merge_rank_stats(stats, merge_stats)
+
+
+def _padding_forward(model: torch.nn.Module, inputs: Tensor, cfg: Any, place: Placement | None) -> Tensor:
+    """One token's logprob (torchrun: a rank with no row left runs the same collectives as the others)."""
+    x = inputs[:1, :1]
+    return token_logprobs(model, x, x, cfg.temperature, place=place, backend=cfg.logprob_backend, with_entropy=False)[0]
 
 
 # ------------------------------------------------------------------------------------------------ the update
@@ -459,7 +461,7 @@ def optimize(
         for rows in minis:
             opt.zero_grad(set_to_none=True)
             whole = M == 1 and len(rows) == batch.inputs.shape[0]
-            b = batch if whole else Batch(*(t[rows] for t in batch))
+            b = batch if whole else Batch(*(t if t is None else t[rows] for t in batch))
             o = old if old is None or whole else old[rows]
             r = ref if ref is None or whole else ref[rows]
             stats = backward_batch(policy, ref_model, cfg, *b, place=place, old_logprobs=o, ref_logprobs=r)

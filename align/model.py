@@ -1,4 +1,5 @@
-"""A pure-torch decoder for the Llama / Qwen2 / Qwen3 family that loads and saves Hugging Face checkpoints.
+"""A pure-torch decoder for Llama / Qwen2 / Qwen3 and Qwen3-MoE / Mixtral (``align.moe``) that loads and saves HF
+checkpoints.
 
 Key decisions
 - Parameter names are Hugging Face's (``model.layers.0.self_attn.q_proj.weight``), so loading is a
@@ -29,10 +30,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from align.atomic import COMMIT_MARKER, checkpoint_layout, commit_dir
-from align.attention import KVCache, PackedLayout, apply_rope, attend, cache_mask
+from align.attention import KVCache, PackedLayout, apply_rope, attend, cache_mask, sliding_window
+from align.moe import MOE_FAMILIES, Routing, SparseMoE, check_moe_config, is_sparse, moe_config, moe_hf_config
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",  # align.moe: MoE block, routing, replay
+    "mixtral": "MixtralForCausalLM",
+}
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 
 
 @dataclass
@@ -57,6 +65,13 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    num_experts: int = 0  # MoE (align.moe): experts per MoE layer; 0 = dense
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    sliding_window: int | None = None  # Mixtral: attention to the last ``sliding_window`` keys
     hf_config: dict = field(default_factory=dict, repr=False)  # the original config.json, written back on save
     # the original generation_config.json (sampling defaults, stop ids, ...), written back on save
     generation_config: dict = field(default_factory=dict, repr=False)
@@ -87,6 +102,7 @@ class ModelConfig:
             raise ValueError(
                 f"rope_scaling {self.rope_scaling!r} is not supported; align supports rope_type 'llama3' or none"
             )
+        check_moe_config(self)
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -127,11 +143,12 @@ class ModelConfig:
             qkv_bias=True if mt == "qwen2" else attention_bias,
             o_bias=False if mt == "qwen2" else attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=mt == "qwen3",
+            qk_norm=mt in ("qwen3", "qwen3_moe"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
             hf_config=dict(hf),
+            **moe_config(hf),
         )
 
     def to_hf_config(self, dtype: torch.dtype | None = None) -> dict[str, Any]:
@@ -162,6 +179,7 @@ class ModelConfig:
             fresh["attention_bias"] = self.o_bias
         if self.model_type == "llama":
             fresh["mlp_bias"] = self.mlp_bias
+        fresh |= moe_hf_config(self)
         for k, v in fresh.items():
             hf.setdefault(k, v)
         hf.setdefault("architectures", fresh["architectures"])
@@ -173,8 +191,11 @@ class ModelConfig:
     def num_params(self) -> int:
         E, F_, L, V = self.hidden_size, self.intermediate_size, self.num_hidden_layers, self.vocab_size
         q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        per_layer = E * (q + 2 * kv) + q * E + 3 * E * F_ + 2 * E
-        return L * per_layer + V * E * (1 if self.tie_word_embeddings else 2) + E
+        ffn = [
+            self.num_experts * (3 * E * self.moe_intermediate_size + E) if is_sparse(self, i) else 3 * E * F_
+            for i in range(L)
+        ]
+        return L * (E * (q + 2 * kv) + q * E + 2 * E) + sum(ffn) + V * E * (1 if self.tie_word_embeddings else 2) + E
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -276,16 +297,23 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, moe_index: int = -1):
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.ffn = "mlp"  # the attribute of the feed-forward block: HF's name, the family's for a MoE block
+        if moe_index >= 0:
+            self.ffn = MOE_FAMILIES[cfg.model_type].block
+            setattr(self, self.ffn, SparseMoE(cfg, moe_index))
+        else:
+            self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, layer, cache, how):
+    def forward(self, x, cos, sin, layer, cache, how, routing: Routing | None = None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, how)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        ffn = getattr(self, self.ffn)
+        h = self.post_attention_layernorm(x)
+        return x + (ffn(h, routing) if isinstance(ffn, SparseMoE) else ffn(h))
 
 
 class Transformer(nn.Module):
@@ -296,7 +324,10 @@ class Transformer(nn.Module):
         self.config = cfg
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        sparse = [is_sparse(cfg, i) for i in range(cfg.num_hidden_layers)]
+        self.model.layers = nn.ModuleList(
+            DecoderLayer(cfg, sum(sparse[:i]) if sparse[i] else -1) for i in range(cfg.num_hidden_layers)
+        )
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -331,12 +362,14 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         layout: PackedLayout | None = None,
         return_hidden: bool = False,
+        routing: Routing | None = None,
     ) -> torch.Tensor:
         """input_ids (B, T). Without a cache: causal attention over the row, positions 0..T-1 unless given
         (right padding is harmless: padded positions only follow the real tokens). With a cache: the T new
         tokens are written at ``cache.length`` and attend to every valid cached slot at or before them;
         the caller sets ``cache.valid`` for the new slots first and advances ``cache.length`` after. With a
         ``layout`` (``align.packing``): one packed row (B = 1) of shared-prefix segments, ``positions`` per segment.
+        ``routing`` (MoE models, ``align.moe.Routing``): experts to replay per token, and the routes taken.
         Returns logits (B, T, V) in fp32 when the weights are fp32, or the final hidden states (B, T, E)
         when ``return_hidden``."""
         B, T = input_ids.shape
@@ -345,11 +378,13 @@ class Transformer(nn.Module):
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         cos, sin = self.rope(positions, x.dtype)
         how = cache_mask(cache, T) if cache is not None else layout  # (B, 1, T, S), a layout, or None = causal
+        if self.config.sliding_window:
+            how = sliding_window(how, T, self.config.sliding_window, x.device)
         for i, layer in enumerate(self.model.layers):
             if self.gradient_checkpointing and self.training and cache is None:
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, i, None, how, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, i, None, how, routing, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, i, cache, how)
+                x = layer(x, cos, sin, i, cache, how, routing)
         x = self.model.norm(x)
         return x if return_hidden else self.lm_head(x)
 

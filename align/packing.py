@@ -59,6 +59,7 @@ class Packed:
     targets: Tensor
     dest: Tensor
     shape: tuple[int, int]
+    routes: Tensor | None = None  # (1, T, Lm, k): a MoE batch's recorded experts at the row's positions
 
 
 def prompt_lengths(mask: Tensor) -> list[int]:
@@ -123,21 +124,28 @@ FLEX_BLOCK = 128  # FlexAttention's block size: the shortest flex row
 
 
 def build(
-    inputs: Tensor, targets: Tensor, mask: Tensor, row: PackedRow, backend: str = "auto", pad_to: int = 0
+    inputs: Tensor,
+    targets: Tensor,
+    mask: Tensor,
+    row: PackedRow,
+    backend: str = "auto",
+    pad_to: int = 0,
+    routes: Tensor | None = None,
 ) -> Packed:
     """The tensors of ``row`` on ``inputs``' device, from the padded (N, L) batch. The output layout (rows, L) is
     ``row.rows`` by the longest of them. ``backend``: the packed attention backend, auto = flex on CUDA, else sdpa.
     A flex row is padded (one segment of padding, attending only to itself and never scored) to ``pad_to`` tokens
     (the ``--micro-batch-tokens`` budget: every row has one shape, so the compiled kernel is built once) or, without
     a budget, to the next power of two (a handful of shapes, each compiled once), at least ``FLEX_BLOCK``; an sdpa row
-    is never padded."""
+    is never padded. ``routes`` (N, L, Lm, k): a MoE batch's recorded experts, laid out like the ids (-1: none)."""
     dev, host = inputs.device, mask.cpu()
     if backend == "auto":
         backend = "flex" if dev.type == "cuda" else "sdpa"
-    ids, pos, segments, source, dest_rows, dest_t = [], [], [], [], [], []
+    ids, pos, segments, source, dest_rows, dest_t, rts = [], [], [], [], [], [], []
     at, L = 0, 0
     for p, members in row.groups:
         ids.append(inputs[members[0], :p])
+        rts.append(None if routes is None else routes[members[0], :p])
         pos.append(torch.arange(p))
         seg = Segment(at, p)
         c = at + p
@@ -145,6 +153,7 @@ def build(
             t = host[r].nonzero().squeeze(-1)  # (m,) scored positions, all >= p - 1
             n = int(t[-1]) + 1 - p  # the completion's own tokens in the row: positions p .. p + n - 1
             ids.append(inputs[r, p : p + n])
+            rts.append(None if routes is None else routes[r, p : p + n])
             pos.append(torch.arange(p, p + n))
             seg.completions.append((c, n))
             source.append(torch.where(t < p, at + t, c + t - p))  # the prompt's last position for t = p - 1
@@ -156,6 +165,7 @@ def build(
         at = c
     if backend == "flex" and (pad := max(pad_to or 1 << (at - 1).bit_length(), FLEX_BLOCK) - at) > 0:
         ids.append(torch.zeros(pad, dtype=inputs.dtype, device=dev))
+        rts.append(None if routes is None else torch.full((pad, *routes.shape[2:]), -1, dtype=routes.dtype, device=dev))
         pos.append(torch.arange(pad))
         segments.append(Segment(at, pad))
         at += pad
@@ -171,4 +181,5 @@ def build(
         targets=targets[flat.to(dev), t_all.to(dev)],  # (M,)
         dest=(r_all * L + t_all).to(dev),  # (M,)
         shape=(len(dest_rows), L),
+        routes=None if routes is None else torch.cat(rts)[None],
     )

@@ -216,3 +216,14 @@ def greedy_eval(policy, tok, eval_prompts: list[dict], max_tokens: int) -> tuple
         return partial_credit(eval_prompts[i]["prompt"], text, answer=eval_prompts[i]["answer"])
 
     return score_completions(encoded, comps, reward, 1), comps
+
+
+def char_moe_model(path) -> str:
+    """The char task's shape as a Qwen3-MoE (every other layer sparse), random weights, saved at ``path``."""
+    from align.model import ModelConfig, Transformer, save_pretrained
+    from align.tasks import reverse
+
+    d = {**vars(reverse.model_config(TOK)), "model_type": "qwen3_moe", "qkv_bias": False, "qk_norm": True}
+    d.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=2)
+    d.pop("hf_config"), d.pop("generation_config")
+    return str(save_pretrained(Transformer(ModelConfig(**d)).init_weights(seed=0), path))

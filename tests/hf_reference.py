@@ -28,6 +28,24 @@ FEATURES = {
     "qwen3_qk_norm_head_dim_tied": ("qwen3", {"head_dim": 24, "tie_word_embeddings": True}),
 }
 
+# Mixture-of-experts configs (tests/test_moe.py): top-k, norm_topk_prob, dense layers interleaved, sliding window.
+MOE_FEATURES = {
+    "qwen3_moe_top2_norm": ("qwen3_moe", {"num_experts_per_tok": 2, "norm_topk_prob": True}),
+    "qwen3_moe_top3_raw_dense_interleaved": (
+        "qwen3_moe",
+        {"num_hidden_layers": 3, "num_experts_per_tok": 3, "norm_topk_prob": False, "mlp_only_layers": [1]},
+    ),
+    "qwen3_moe_sparse_step2_tied": (
+        "qwen3_moe",
+        {"num_hidden_layers": 4, "decoder_sparse_step": 2, "tie_word_embeddings": True, "head_dim": 24},
+    ),
+    "mixtral_top2_window": ("mixtral", {"sliding_window": 24}),
+}
+MOE_DEFAULTS = {
+    "qwen3_moe": {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    "mixtral": {"num_local_experts": 5, "num_experts_per_tok": 2, "intermediate_size": 48},
+}
+
 
 def hf_model(model_type: str, seed: int = 0, vocab_size: int = 97, std: float = 0.2, **overrides):
     """A random HF model in fp32 whose every parameter (norms and biases included) is random, so each
@@ -38,6 +56,8 @@ def hf_model(model_type: str, seed: int = 0, vocab_size: int = 97, std: float = 
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }
     cfg_cls, model_cls = classes[model_type]
     kw = {
@@ -53,6 +73,7 @@ def hf_model(model_type: str, seed: int = 0, vocab_size: int = 97, std: float = 
         "eos_token_id": 2,
         "pad_token_id": 0,
     }
+    kw.update(MOE_DEFAULTS.get(model_type, {}))
     kw.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**kw)).float().eval()

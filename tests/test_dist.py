@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_train import TOK, TRAIN_BASE, build_char_model, records, wait_for
+from helpers_train import TOK, TRAIN_BASE, build_char_model, char_moe_model, records, wait_for
 
 from align.model import Transformer, load_pretrained
 from align.rollout.native import generate
@@ -713,3 +713,20 @@ def test_fleet_seeds_a_share_by_its_global_prompt_index(monkeypatch):
     whole = seeds(generate_request(prompts, params))
     assert seeds(generate_request(prompts[2:], params, first_prompt_index=2)) == whole[2:]
     assert seeds(generate_request(prompts[2:], params)) != whole[2:]
+
+
+@pytest.mark.slow
+def test_two_ranks_train_a_moe_model_as_one_process_does(tmp_path):
+    """FSDP2 (torchrun, gloo) with the experts as ordinary parameters, replay on: 2 ranks end with the parameters
+    of 1 process (align/moe.py; the launcher and tolerance of the dense comparisons)."""
+    path = char_moe_model(tmp_path / "moe")
+    TOK.save(path)
+    runs = {"moe": {"moe": {"routing_replay": "rollout"}, "pack_sequences": True}}
+    (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir()
+    one = _run_batch(tmp_path / "one", path, 1, runs)["moe"]
+    two = _run_batch(tmp_path / "two", path, 2, runs)["moe"]
+    assert [r["step"] for r in two["recs"]] == [r["step"] for r in one["recs"]] and one["recs"]
+    assert all(r["moe/routing_mismatch"] == 0.0 for r in two["recs"])
+    assert two["calls"] == one["calls"]  # the same completions were sampled and scored
+    assert _max_param_diff(two["params"], one["params"]) < PARAM_TOL
+    assert _max_param_diff(two["params"], dict(load_pretrained(path).named_parameters())) > 1e-4  # control: trained

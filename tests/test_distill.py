@@ -231,7 +231,7 @@ def test_teacher_worker_run_trains_on_the_teachers_exact_logprobs(tmp_path, monk
     def spy(self, batch, cfg, place, rows):  # the real call, recorded; the run gets its answer unchanged
         out = served(self, batch, cfg, place, rows)
         part = served(self, batch, cfg, place, torch.tensor([0, 5, 7]))
-        seen.append((type(batch)(*(t.clone() for t in batch)), out.clone(), part, self.worker))
+        seen.append((type(batch)(*(t if t is None else t.clone() for t in batch)), out.clone(), part, self.worker))
         return out
 
     monkeypatch.setattr(teacher_mod.WorkerTeacher, "__call__", spy)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from align.model import MLP, Attention, KVCache, Linear, Transformer
+from align.moe import Routing, moe_layers
 from align.rollout import cpu_kernel
 from align.rollout.protocol import Completion, SamplingParams
 
@@ -327,6 +328,9 @@ def _generate(
     stopped = torch.zeros(R, dtype=torch.bool, device=device)
     stop_ids = torch.tensor(params.stop_token_ids, device=device) if params.stop_token_ids else None
     done = torch.zeros(R, dtype=torch.bool, device=device)  # per live row: finished, awaiting compaction
+    n_moe = len(moe_layers(cfg))  # MoE: record the experts of every token fed back (align.moe.batch_routes)
+    if n_moe:
+        out_routes = torch.full((R, max_new, n_moe, cfg.num_experts_per_tok), -1, dtype=torch.int16, device=device)
     n_done, compacted = 0, False  # Python mirrors: no device sync for what the loop already knows
     full_from = context - 1 - L  # the first step at which the longest row has no position left
 
@@ -362,7 +366,14 @@ def _generate(
             seen = seen[keep] if seen is not None else None
             draw_id, n_done, compacted = row_id + first, 0, True
         cache.valid[:, cache.length] = True
-        logits = model(tok[:, None], positions=pos[:, None], cache=cache)[:, -1]  # (R, V)
+        if n_moe:  # MoE: the experts each fed token used, per MoE layer
+            routing = Routing()
+            logits = model(tok[:, None], positions=pos[:, None], cache=cache, routing=routing)[:, -1]  # (R, V)
+            out_routes[row_id if compacted else slice(None), t] = torch.stack(
+                [routing.chosen[j] for j in range(n_moe)], 1
+            ).to(torch.int16)  # (R live, Lm, k)
+        else:
+            logits = model(tok[:, None], positions=pos[:, None], cache=cache)[:, -1]  # (R, V)
         cache.length += 1
         pos = pos + 1
 
@@ -379,6 +390,7 @@ def _generate(
                 logprobs=lps[r][:k],
                 sampled_logprobs=slps[r][:k],
                 finish_reason="stop" if stopped_l[r] else "length",
+                routes=out_routes[r, : max(k - 1, 0)].cpu() if n_moe else None,
             )
         )
     return completions

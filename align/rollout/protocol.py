@@ -31,6 +31,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from align.atomic import (  # noqa: F401
     COMMIT_MARKER,
@@ -85,9 +86,14 @@ class Completion:
     finish_reason: str  # "stop" | "length"
     sampled_logprobs: list[float] | None = None  # under the truncated (top-k/top-p) distribution
     weights_version: int = 0
+    # MoE, native sampler only (not on the wire): (len(token_ids) - 1, MoE layers, top-k) int16 expert ids of each
+    # token fed back to the model (align.moe.batch_routes); None otherwise
+    routes: Any = None
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(dataclasses.replace(self, routes=None))
+        del d["routes"]  # routes stay in process (the spool does not carry them yet)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> Completion:

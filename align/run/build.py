@@ -159,6 +159,7 @@ def _open_policy(run: Run) -> None:
     cfg, place, out = run.cfg, run.place, run.out
     run.encoded, run.eval_encoded = run.sampler.encode()  # an episode's first prompt is its reset(): no ids here
     learner.check_token_budget(cfg, [len(ids) for ids in run.encoded])  # before the model loads
+    cfg.moe.check_run(cfg.rollout, run.model_path)  # --routing-replay: a MoE model and the native rollout
     load = model_lib.load_pretrained  # looked up at call time (tests patch align.model.load_pretrained)
     policy, resume, state = load_policy(cfg, place, run.model_path, out)
     mcfg = policy.config
@@ -211,6 +212,7 @@ def load_policy(cfg: Any, place: Any, model_path: str, out: Path) -> tuple[torch
     if resume and ckpt.is_sharded(resume[1]):  # on every rank, before any collective
         ckpt.check_model_config(resume[1], state, policy)
     policy.gradient_checkpointing = cfg.gradient_checkpointing
+    cfg.moe.prepare(policy)  # MoE: --freeze-router
     torch.set_num_threads(resolve_threads(cfg.threads))  # --threads 0: OMP_NUM_THREADS, else every CPU
     return policy, resume, state
 

@@ -20,6 +20,7 @@ from align.grpo import LossConfig
 from align.lean.config import LeanConfig
 from align.lean.corrections import CorrectionConfig
 from align.lora import LoraConfig
+from align.moe import MoeConfig
 from align.rewards import RewardConfig
 from align.rollout.backends import RolloutConfig
 from align.run.cli import from_dict
@@ -207,6 +208,7 @@ class TrainConfig(RolloutConfig, SaveConfig, ComputeConfig, OptimConfig):
     lean: LeanConfig = field(default_factory=LeanConfig)  # --env lean: the verifier (--lean-repl, ...)
     lean_corrections: CorrectionConfig = field(default_factory=CorrectionConfig)  # --lean-correction-fraction, ...
     distill: DistillConfig = field(default_factory=DistillConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)  # --routing-replay, --router-aux-loss-coef, --freeze-router
 
     def __post_init__(self) -> None:
         for name, cls in (
@@ -221,6 +223,7 @@ class TrainConfig(RolloutConfig, SaveConfig, ComputeConfig, OptimConfig):
             ("lean", LeanConfig),
             ("lean_corrections", CorrectionConfig),
             ("distill", DistillConfig),
+            ("moe", MoeConfig),
         ):
             if isinstance(getattr(self, name), dict):
                 setattr(self, name, from_dict(cls, getattr(self, name), f"{name}."))

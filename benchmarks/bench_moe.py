@@ -1,0 +1,153 @@
+"""Mixture-of-experts compute on this CPU: align's grouped experts vs transformers' Qwen3-MoE on the same weights.
+
+    .venv/bin/python benchmarks/bench_moe.py --threads 1            # needs transformers (the test venv has it)
+
+(a) One forward + backward (cross-entropy over the full logits) of a Qwen3-MoE-shaped model, side by side in one
+run on the same weights and batch: align (``align.moe.expert_mix``: tokens sorted by expert, one GEMM per active
+expert), transformers' ``Qwen3MoeForCausalLM`` (its default experts implementation: torch's ``grouped_mm``, and
+``experts_implementation="eager"``: its loop over the hit experts), and align with the dense reference
+``align.moe.dense_expert_mix`` (every token through every expert, weights zero where not routed) to show the grouped
+path is the one running. (b) Greedy decode tokens/s of the native sampler vs ``transformers.generate``. (c) A bf16
+native sampler and an fp32 learner on the same weights: the sampler-trainer mismatch (|log pi - log mu|, rho) and
+the routing mismatch of one GRPO batch, without and with ``--routing-replay rollout``.
+Medians over interleaved repeats; ratios are what to read (absolute times on a shared CPU are noise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from align import moe
+from align.model import load_pretrained
+from align.rollout.native import generate
+from align.rollout.protocol import SamplingParams
+
+SHAPE = {  # Qwen3-30B-A3B's proportions (128 experts, top-8, head_dim 128) scaled down to a CPU
+    "vocab_size": 2048,
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "moe_intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 1024,
+}
+
+
+def fwd_bwd(model, ids, hf: bool) -> None:
+    model.zero_grad(set_to_none=True)
+    logits = model(ids).logits if hf else model(ids)  # (B, T, V)
+    F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from hf_reference import hf_model
+
+    hf = hf_model("qwen3_moe", std=0.05, **SHAPE).train()
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        ours = load_pretrained(d).train()
+        import transformers
+
+        eager = transformers.AutoModelForCausalLM.from_pretrained(d, experts_implementation="eager").float().train()
+    ids = torch.randint(0, SHAPE["vocab_size"], (args.batch, args.tokens), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = float((ours(ids) - hf(ids).logits).abs().max())
+    grouped = moe.expert_mix
+    runs = {
+        "align": lambda: fwd_bwd(ours, ids, False),
+        "transformers": lambda: fwd_bwd(hf, ids, True),
+        "transformers_eager_loop": lambda: fwd_bwd(eager, ids, True),
+        "align_dense_experts": lambda: fwd_bwd(ours, ids, False),
+    }
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(args.repeats + 1):  # the first round warms up
+        for name, fn in runs.items():
+            moe.expert_mix = moe.dense_expert_mix if name == "align_dense_experts" else grouped
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    moe.expert_mix = grouped
+    med = {k: statistics.median(v[1:]) for k, v in times.items()}
+    print(f"(a) forward+backward, {args.batch} x {args.tokens} tokens, {SHAPE['num_experts']} experts top-"
+          f"{SHAPE['num_experts_per_tok']}, {args.threads} thread(s), median of {args.repeats}; max |logit diff| {diff:.1e}")  # fmt: skip
+    for k, v in med.items():
+        print(f"  {k:<22} {v * 1e3:8.1f} ms   {v / med['transformers']:.2f}x transformers")
+
+    ours.eval(), hf.eval()
+    prompts = ids[:, :16].tolist()
+    n = args.decode_tokens
+    params = SamplingParams(temperature=0, max_tokens=n)
+    dec: dict[str, list[float]] = {"align": [], "transformers": []}
+    for _ in range(3):
+        t = time.perf_counter()
+        generate(ours, prompts, params)
+        dec["align"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        with torch.no_grad():
+            hf.generate(ids[:, :16], max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        dec["transformers"].append(time.perf_counter() - t)
+    print(f"(b) greedy decode, {len(prompts)} prompts x {n} new tokens (median of 3)")
+    for k, v in dec.items():
+        tps = len(prompts) * n / statistics.median(v)
+        print(f"  {k:<22} {tps:8.1f} tokens/s")
+    replay_stats(ours, 4, args.decode_tokens)
+
+
+def replay_stats(model, n_prompts: int, max_tokens: int) -> None:
+    from helpers_learner import CPU, cfg
+
+    from align import learner
+    from align.grpo import merge_stats
+
+    sampler = load_pretrained_like(model, torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, SHAPE["vocab_size"], (16,), generator=g).tolist() for _ in range(n_prompts)]
+    comps = generate(sampler, prompts, SamplingParams(n=4, temperature=1.0, max_tokens=max_tokens, seed=0))
+    adv, valid = torch.randn(n_prompts, 4, generator=g), torch.ones(n_prompts, 4, dtype=torch.bool)
+    c = cfg(group_size=4, max_tokens=max_tokens, prompts_per_step=n_prompts)
+    b = learner.make_batch(prompts, comps, adv, valid, c, torch.device("cpu"))
+    print(f"(c) bf16 sampler, fp32 learner: {n_prompts} x 4 completions of {max_tokens} tokens")
+    keys = ("moe/routing_mismatch", "moe/router_mismatch", "mismatch_abs_mean", "mismatch_abs_max", "rho_max",
+            "clip_low_frac", "clip_high_frac")  # fmt: skip
+    for mode in ("off", "rollout"):
+        c.moe.routing_replay = mode
+        model.zero_grad(set_to_none=True)
+        st = merge_stats(learner.backward_batch(model, None, c, *b, place=CPU))
+        print(f"  --routing-replay {mode:<8} " + "  ".join(f"{k} {st.get(k, float('nan')):.4f}" for k in keys))
+
+
+def load_pretrained_like(model, dtype):
+    from align.model import Transformer
+
+    copy = Transformer(model.config).to(dtype)
+    copy.load_state_dict(model.state_dict())
+    return copy.eval()
+
+
+if __name__ == "__main__":
+    main()
