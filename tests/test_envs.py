@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from align.tasks.tokenizer import CharTokenizer
 from helpers_learner import CPU, PARAMS, cfg, rev_model, tiny
 
 from align import learner
+from align.char_tokenizer import CharTokenizer
 from align.chat import TurnRenderer
 from align.data import InputError
 from align.envs.config import EnvConfig
@@ -115,7 +115,7 @@ def test_environment_tokens_are_context_in_the_loss_against_a_loop_reference():
     adv = torch.tensor([[1.0, -0.5, 0.25], [-1.0, 0.75, 0.5]])
     valid = torch.ones(2, 3, dtype=torch.bool)
     model = rev_model(seed=1).train()
-    b = learner.make_batch([[0], [0]], eps, adv, valid, c, torch.device("cpu"))
+    b = learner.make_batch(learner.StepBatch([[0], [0]], eps, adv, valid), c, torch.device("cpu"))
     st = learner.backward_batch(model, None, c, *b, place=CPU)
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
 

@@ -333,7 +333,7 @@ def sampled_batch(model, seed: int = 0, sampler=None, **kw):
     comps = generate(sampler or model, prompts, SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=seed))
     adv, valid = torch.randn(3, 3, generator=g), torch.ones(3, 3, dtype=torch.bool)
     c = cfg(group_size=3, **kw)
-    return learner.make_batch(prompts, comps, adv, valid, c, torch.device("cpu")), c
+    return learner.make_batch(learner.StepBatch(prompts, comps, adv, valid), c, torch.device("cpu")), c
 
 
 def forged(b, seed: int = 1):

@@ -2,7 +2,7 @@
 and signatures of ``TaskModule`` (``load_task`` checks them), single-turn and multi-turn alike:
 
     TRAIN_DEFAULTS: dict                                  # TrainConfig fields the task changes ({"envs.max_turns": 2})
-    tokenizer() -> tokenizer                              # an align.tasks.tokenizer.CharTokenizer
+    tokenizer() -> tokenizer                              # an align.char_tokenizer.CharTokenizer
     prompts(n, split, seed=0) -> list[dict]               # "train" / "eval" rows; the splits never share a prompt
     reward: reward(prompt, completion, **row) | None      # a single-turn task's reward (None: the environment's)
     Env: type | None                                      # a multi-turn task's environment (align.envs API) or None
