@@ -139,6 +139,9 @@ class _Live:
         if st.done or ep.truncated or len(ep.turns) >= r.cfg.max_turns:
             self.done = True
             return None
+        if r.too_big(st.observation, self.budget(turn_cap=False)) is not None:  # cannot fit: never tokenized
+            ep.finish_reason, ep.truncated, self.done = "length", True, True
+            return None
         try:
             suffix = r.renderer.suffix(st.observation)
         except ValueError as e:

@@ -212,7 +212,8 @@ def load_policy(cfg: Any, place: Any, model_path: str, out: Path) -> tuple[torch
     if resume and ckpt.is_sharded(resume[1]):  # on every rank, before any collective
         ckpt.check_model_config(resume[1], state, policy)
     policy.gradient_checkpointing = cfg.gradient_checkpointing
-    cfg.moe.prepare(policy)  # MoE: --freeze-router
+    if hasattr(cfg, "moe"):  # MoE: --freeze-router (align.sft's config has no MoE section)
+        cfg.moe.prepare(policy)
     torch.set_num_threads(resolve_threads(cfg.threads))  # --threads 0: OMP_NUM_THREADS, else every CPU
     return policy, resume, state
 

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import signal
+import sys
 import typing
 from collections.abc import Callable
 from typing import Any
@@ -99,7 +100,7 @@ def load_config_file(path: str) -> dict:
 def parse(cls: type, argv: list[str] | None, prefixes: dict[str, str], description: str = "") -> Any:
     """Parse ``argv`` into a ``cls`` instance: defaults < ``--config`` file < flags."""
     parser = build_parser(cls, prefixes, description)
-    args = vars(parser.parse_args(argv))
+    args = vars(parser.parse_args(_signed_words_joined(sys.argv[1:] if argv is None else argv)))
     base: dict[str, Any] = dataclasses.asdict(cls())
     config_path = args.pop("config", None)
     if config_path:
@@ -120,6 +121,19 @@ def parse(cls: type, argv: list[str] | None, prefixes: dict[str, str], descripti
         return from_dict(cls, base)
     except (ValueError, TypeError) as e:
         parser.error(str(e))
+
+
+def _signed_words_joined(argv: list[str]) -> list[str]:
+    """``--flag -inf`` as ``--flag=-inf`` (also ``-nan``, ``-infinity``): argparse reads a word that starts with '-'
+    and is no negative number as a flag, so the value's own check (finite, >= 0) never ran and the error named
+    nothing useful."""
+    out: list[str] = []
+    for a in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and a.lower() in ("-inf", "-infinity", "-nan"):
+            out[-1] = f"{out[-1]}={a}"
+        else:
+            out.append(a)
+    return out
 
 
 def _merge(base: dict, over: dict) -> dict:
