@@ -10,7 +10,8 @@ over repeats of the paired time ratio (robust to drifts between repeats), tokens
 (``bash scripts/setup_rollout_venv.sh``) in a subprocess that times one call per request; it is skipped
 when absent. The native sampler packs its weights once, as vLLM does at load; the "repack/call" row adds
 that cost to every call (weights that change between calls). Also prints achieved FLOP/s against this
-machine's measured fp32 matmul peak.
+machine's measured fp32 matmul peak, the CPU's features and the decode GEMM the native sampler runs
+(``align.rollout.cpu_kernel``; ``ALIGN_CPU_KERNEL=avx2`` runs the AVX2 one on an AVX-512 machine).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from align.model import ModelConfig, Transformer, load_pretrained, save_pretrained
+from align.rollout import cpu_kernel
 from align.rollout.native import generate, packed_weights
 from align.rollout.protocol import SamplingParams
 
@@ -255,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
     peak = matmul_peak_gflops()
     print(
         f"machine: {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"fp32 matmul peak {peak:.1f} GFLOP/s (1024^3)"
+        f"fp32 matmul peak {peak:.1f} GFLOP/s (1024^3), load average {os.getloadavg()[0]:.1f}\n{cpu_kernel.describe()}"
     )
     for name in SHAPES if args.shape == "all" else [args.shape]:
         bench_shape(name, args.repeats, peak)
