@@ -114,26 +114,33 @@ constexpr int64_t kPrefetch = 64;  // k steps ahead (4 KiB per stream); prefetch
 template <int M, int NBK>
 inline void blocks(const float* __restrict w, int64_t K, const float* __restrict xt, float* __restrict y,
                    int64_t N, int64_t n0, const float* __restrict bias) {
-  __m512 acc[NBK][M];
+  __m512 acc[NBK][M];  // fully unrolled loops (the pragmas) keep it in registers, never on the stack
+#pragma GCC unroll 16
   for (int j = 0; j < NBK; ++j)
+#pragma GCC unroll 16
     for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     __m512 v[NBK];
+#pragma GCC unroll 16
     for (int j = 0; j < NBK; ++j) {
       const float* p = w + (j * K + k) * 16;
       _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch * 16), _MM_HINT_T0);
       v[j] = _mm512_loadu_ps(p);
     }
     const float* xk = xt + k * M;
+#pragma GCC unroll 16
     for (int m = 0; m < M; ++m) {
       __m512 xb = _mm512_set1_ps(xk[m]);
+#pragma GCC unroll 16
       for (int j = 0; j < NBK; ++j) acc[j][m] = _mm512_fmadd_ps(xb, v[j], acc[j][m]);
     }
   }
+#pragma GCC unroll 16
   for (int j = 0; j < NBK; ++j) {  // straight from the registers; the last block of N % 16 columns is masked
     const int64_t c0 = n0 + j * 16;
     const __mmask16 mask = N - c0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - c0)) - 1);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + c0) : _mm512_setzero_ps();
+#pragma GCC unroll 16
     for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(y + m * N + c0, mask, _mm512_add_ps(acc[j][m], b));
   }
 }
@@ -164,75 +171,86 @@ void run_rows(int64_t M, const float* w, int64_t NB, int64_t K, int64_t N, const
 """
 
 AVX2_GEMM = r"""
-constexpr int64_t kPrefetch = 64;  // k steps ahead (4 KiB); prefetches never fault
+constexpr int64_t kPrefetch = 64;  // k steps ahead (4 KiB): the next tile, while the passes work on this one
+constexpr int64_t kTile = 64;  // k steps per tile (4 KiB of the block): L1-resident across a tile's passes
 constexpr int kMaxPassRows = 6;  // 6 rows x 2 halves = 12 accumulators + 2 weight vectors + 1 broadcast <= 16 registers
 
-// y[m0 + m, c] = sum_k x[m0 + m, k] W[c, k] (+ bias[c]) for M rows and the 16 columns of one block at n0, as two
-// 8-float halves. The first pass over a block streams it from memory (prefetched); later passes (more rows than
-// fit the registers) re-read it from L2 (K * 64 bytes: 32-88 KiB on the 31M shape).
+// acc[m0 + m] += sum_{k0 <= k < k1} x[m0 + m, k] W[c, k] for M rows and the 16 columns of one block, as two 8-float
+// halves. The first pass over a tile reads it from memory and prefetches the next tile; the other passes (more rows
+// than fit the registers) re-read it from L1, so the block streams from memory in one go.
 template <int M, bool PREFETCH>
-inline void pass(const float* __restrict w, int64_t K, const float* __restrict xt, int64_t ldx, int64_t m0,
-                 float* __restrict y, int64_t N, int64_t n0, const float* __restrict bias) {
-  __m256 lo[M], hi[M];
-  for (int m = 0; m < M; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
+inline void pass(const float* __restrict w, int64_t k0, int64_t k1, const float* __restrict xt, int64_t ldx,
+                 int64_t m0, float* __restrict acc) {
+  __m256 lo[M], hi[M];  // fully unrolled loops (the pragmas) keep them in registers, never on the stack
+#pragma GCC unroll 16
+  for (int m = 0; m < M; ++m) {
+    lo[m] = _mm256_load_ps(acc + (m0 + m) * 16);
+    hi[m] = _mm256_load_ps(acc + (m0 + m) * 16 + 8);
+  }
+  for (int64_t k = k0; k < k1; ++k) {
     const float* p = w + k * 16;
     if (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch * 16), _MM_HINT_T0);
     const __m256 a = _mm256_loadu_ps(p), b = _mm256_loadu_ps(p + 8);
     const float* xk = xt + k * ldx + m0;
+#pragma GCC unroll 16
     for (int m = 0; m < M; ++m) {
       const __m256 xb = _mm256_broadcast_ss(xk + m);
       lo[m] = _mm256_fmadd_ps(xb, a, lo[m]);
       hi[m] = _mm256_fmadd_ps(xb, b, hi[m]);
     }
   }
-  const int64_t cols = std::min<int64_t>(16, N - n0);
-  float* ym = y + m0 * N + n0;
-  if (cols == 16) {
-    const __m256 blo = bias ? _mm256_loadu_ps(bias + n0) : _mm256_setzero_ps();
-    const __m256 bhi = bias ? _mm256_loadu_ps(bias + n0 + 8) : _mm256_setzero_ps();
-    for (int m = 0; m < M; ++m) {
-      _mm256_storeu_ps(ym + m * N, _mm256_add_ps(lo[m], blo));
-      _mm256_storeu_ps(ym + m * N + 8, _mm256_add_ps(hi[m], bhi));
-    }
-    return;
-  }
-  // the last block of N % 16 columns: masked loads and stores (masked-off lanes never fault)
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i mlo = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(cols)), lane);
-  const __m256i mhi = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(cols) - 8), lane);
-  const __m256 blo = bias ? _mm256_maskload_ps(bias + n0, mlo) : _mm256_setzero_ps();
-  const __m256 bhi = bias ? _mm256_maskload_ps(bias + n0 + 8, mhi) : _mm256_setzero_ps();
+#pragma GCC unroll 16
   for (int m = 0; m < M; ++m) {
-    _mm256_maskstore_ps(ym + m * N, mlo, _mm256_add_ps(lo[m], blo));
-    _mm256_maskstore_ps(ym + m * N + 8, mhi, _mm256_add_ps(hi[m], bhi));
+    _mm256_store_ps(acc + (m0 + m) * 16, lo[m]);
+    _mm256_store_ps(acc + (m0 + m) * 16 + 8, hi[m]);
   }
 }
 
 template <bool PREFETCH>
-inline void pass_rows(int64_t rows, const float* w, int64_t K, const float* xt, int64_t ldx, int64_t m0, float* y,
-                      int64_t N, int64_t n0, const float* bias) {
+inline void pass_rows(int64_t rows, const float* w, int64_t k0, int64_t k1, const float* xt, int64_t ldx, int64_t m0,
+                      float* acc) {
   switch (rows) {
-#define ALIGN_CASE(R) case R: pass<R, PREFETCH>(w, K, xt, ldx, m0, y, N, n0, bias); break;
+#define ALIGN_CASE(R) case R: pass<R, PREFETCH>(w, k0, k1, xt, ldx, m0, acc); break;
     ALIGN_CASE(1) ALIGN_CASE(2) ALIGN_CASE(3) ALIGN_CASE(4) ALIGN_CASE(5) ALIGN_CASE(6)
 #undef ALIGN_CASE
   }
 }
 
-// Blocks in parallel; each block's M rows in ceil(M / 6) passes of near-equal size (16 rows: 6 + 5 + 5).
+// y[m, n0 : n0 + 16] = acc[m] (+ bias); the last block of N % 16 columns is masked (masked-off lanes never fault).
+inline void store_block(const float* acc, int64_t M, float* y, int64_t N, int64_t n0, const float* bias) {
+  const int cols = int(std::min<int64_t>(16, N - n0));
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i mlo = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols), lane);
+  const __m256i mhi = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols - 8), lane);
+  const __m256 blo = bias ? _mm256_maskload_ps(bias + n0, mlo) : _mm256_setzero_ps();
+  const __m256 bhi = bias ? _mm256_maskload_ps(bias + n0 + 8, mhi) : _mm256_setzero_ps();
+  for (int64_t m = 0; m < M; ++m) {
+    _mm256_maskstore_ps(y + m * N + n0, mlo, _mm256_add_ps(_mm256_load_ps(acc + m * 16), blo));
+    _mm256_maskstore_ps(y + m * N + n0 + 8, mhi, _mm256_add_ps(_mm256_load_ps(acc + m * 16 + 8), bhi));
+  }
+}
+
+// Blocks in parallel; each block in tiles of kTile k steps, each tile's M rows in ceil(M / 6) passes of near-equal
+// size (16 rows: 6 + 5 + 5), the partial sums in a (16, 16) buffer between tiles.
 void run_rows(int64_t M, const float* w, int64_t NB, int64_t K, int64_t N, const float* xt, const float* bias,
               float* y) {
   const int64_t passes = (M + kMaxPassRows - 1) / kMaxPassRows;
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    alignas(32) float acc[16 * 16];
     for (int64_t b = b0; b < b1; ++b) {
       const float* wb = w + b * K * 16;
-      int64_t m0 = 0;
-      for (int64_t p = 0; p < passes; ++p) {
-        const int64_t rows = (M - m0) / (passes - p);
-        if (p == 0) pass_rows<true>(rows, wb, K, xt, M, m0, y, N, b * 16, bias);
-        else pass_rows<false>(rows, wb, K, xt, M, m0, y, N, b * 16, bias);
-        m0 += rows;
+      std::fill(acc, acc + M * 16, 0.0f);
+      for (int64_t k0 = 0; k0 < K; k0 += kTile) {
+        const int64_t k1 = std::min(K, k0 + kTile);
+        int64_t m0 = 0;
+        for (int64_t p = 0; p < passes; ++p) {
+          const int64_t rows = (M - m0) / (passes - p);
+          if (p == 0) pass_rows<true>(rows, wb, k0, k1, xt, M, m0, acc);
+          else pass_rows<false>(rows, wb, k0, k1, xt, M, m0, acc);
+          m0 += rows;
+        }
       }
+      store_block(acc, M, y, N, b * 16, bias);
     }
   });
 }
