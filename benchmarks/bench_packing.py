@@ -10,7 +10,8 @@ it, oneDNN above) comes from this table.
 
 ``--step``: every GEMM of one decode step of each shape (all layers, fused q|k|v and gate|up, then the
 vocabulary head), as ``align``'s sampler runs them (``PackedLinear``: the AVX-512 kernel of
-``align.rollout.cpu_kernel`` where it builds) and as it runs them without that kernel, with oneDNN for all, unpacked
+``align.rollout.cpu_kernel`` where it builds; a row for each of its kernels this CPU runs: AVX-512 and AVX2 side by
+side on an AVX-512 machine) and as it runs them without that kernel, with oneDNN for all, unpacked
 ``F.linear`` (what transformers runs), vLLM's own oneDNN matmul handler when ``vllm`` imports (run it with
 ``.venv-rollout``), and a plain streaming read of the same bytes (``sum``: the memory ceiling no kernel
 beats). A second, identical copy of align's weights shows how much the placement of the weights in memory
@@ -32,7 +33,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from align.rollout import native
+from align.rollout import cpu_kernel, native
 from align.rollout.native import PackedLinear
 
 CASES = [  # (rows, out_features, in_features): 31M shape at 16 rows, Qwen2.5-0.5B shape at 8 rows
@@ -79,12 +80,21 @@ def step_case(name: str, rows: int, shapes: list[tuple[int, int]], vllm_ops, rep
         library = [PackedLinear([lin], rows) for lin in linears]  # what the sampler uses without the kernel
     finally:
         native._kernel_ops = kernel_ops
+    kernels = {}  # every decode GEMM of align.rollout.cpu_kernel this CPU runs, side by side
+    for kname in cpu_kernel.KERNELS:
+        if cpu_kernel.load(kname) is not None:
+            native._kernel_ops = lambda kname=kname: cpu_kernel.load(kname)
+            try:
+                kernels[kname] = [PackedLinear([lin], rows) for lin in linears]
+            finally:
+                native._kernel_ops = kernel_ops
     onednn = [torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), rows) for lin in linears]
     flat = [lin.weight.detach().reshape(-1).clone() for lin in linears]
     fns = {
         "streaming read (sum)": lambda: [f.sum() for f in flat],
         "align PackedLinear": lambda: [p(x) for p, x in zip(ours, xs)],
         "align, 2nd copy": lambda: [p(x) for p, x in zip(ours2, xs)],
+        **{f"align, {k} kernel": lambda ps=ps: [p(x) for p, x in zip(ps, xs)] for k, ps in kernels.items()},
         "align, MKL/oneDNN only": lambda: [p(x) for p, x in zip(library, xs)],
         "oneDNN for all": lambda: [
             torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w, x in zip(onednn, xs)
@@ -116,16 +126,18 @@ def step_case(name: str, rows: int, shapes: list[tuple[int, int]], vllm_ops, rep
         print(f"{k:<24}{med * 1e3:>9.2f}{nbytes / med / 1e9:>7.1f}{ceiling / med:>12.0%}", flush=True)
 
 
-def step_chain(repeats: int) -> None:
+def step_chain(repeats: int, shape: str) -> None:
     try:
         from vllm import _custom_ops as vllm_ops
     except ImportError:
         vllm_ops = None
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"vLLM kernel: {'yes' if vllm_ops else 'no (run with .venv-rollout/bin/python)'}"
+        f"vLLM kernel: {'yes' if vllm_ops else 'no (run with .venv-rollout/bin/python)'}\n{cpu_kernel.describe()}"
     )
     for name, (rows, layer, layers, head) in STEPS.items():
+        if shape != "all" and not name.startswith(shape):
+            continue
         step_case(name, rows, layer * layers + [head], vllm_ops, repeats)
 
 
@@ -155,9 +167,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--step", action="store_true", help="one decode step's GEMMs per shape, vs vLLM's kernel")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--shape", choices=["small", "qwen2.5-0.5b", "all"], default="all", help="--step: which step")
     args = ap.parse_args()
     if args.step:
-        return step_chain(args.repeats)
+        return step_chain(args.repeats, args.shape)
     if not torch.backends.mkl.is_available():
         raise SystemExit("this torch build has no MKL: only the oneDNN layout is available")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")

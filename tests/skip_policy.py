@@ -1,8 +1,8 @@
 """No silent skips: with ALIGN_FAIL_ON_SKIP=1 (set by scripts/test.sh) any skipped test fails the run.
 
-The one exception is a test marked with hardware this machine lacks (``gpu``: a CUDA GPU; ``cpu_bf16``: a CPU with native bf16; ``avx512``: an x86 CPU
-with AVX-512, for the native decode kernel): it skips here, by name (``tests/conftest.py`` asks
-``missing_hardware``), and every such skip is listed at the end of the run, so nothing passes for coverage it did
+The one exception is a test marked with hardware this machine lacks (``gpu``: a CUDA GPU; ``cpu_bf16``: a CPU with
+native bf16; ``avx512`` / ``avx2``: an x86 CPU with AVX-512 / with AVX2 + FMA, for the native decode kernels): it
+skips here, by name (``tests/conftest.py`` asks ``missing_hardware``), and every such skip is listed at the end of the run, so nothing passes for coverage it did
 not get. Skips are recorded from the test reports (setup, call and collection), and the verdict is applied in ``pytest_sessionfinish`` by raising
 ``session.exitstatus`` from 0 to 1 only: pytest's own non-zero status (failures, errors, interrupts) always
 wins and propagates unchanged. A whole module skipped at collection (``pytest.skip(allow_module_level=True)``,
@@ -20,7 +20,7 @@ import pytest
 ENV = "ALIGN_FAIL_ON_SKIP"
 GPU_MARKER = "gpu"
 # a test marked so may skip where the hardware is missing (listed)
-HARDWARE_MARKERS = (GPU_MARKER, "avx512", "cpu_bf16")
+HARDWARE_MARKERS = (GPU_MARKER, "avx512", "avx2", "cpu_bf16")  # avx512 / avx2: a name of cpu_kernel.KERNELS
 
 _hw_skips: dict[str, list[tuple[str, str]]] = {m: [] for m in HARDWARE_MARKERS}
 _other_skips: list[tuple[str, str]] = []
@@ -38,8 +38,8 @@ def missing_hardware(marker: str) -> str | None:
         return "needs a CPU with native bf16 GEMMs (oneDNN bf16: AVX-512 BF16 / AMX); CUDA bf16 runs in gpu_check.sh"
     from align.rollout import cpu_kernel
 
-    why = cpu_kernel._cpu_supported()  # the kernel's own CPU check: x86-64 Linux, AVX-512
-    return None if why is None else f"the native decode kernel {why}; the MKL/oneDNN path is tested instead"
+    why = cpu_kernel.cpu_missing(marker)  # the kernel's own CPU check: x86-64 Linux, AVX-512 / AVX2 + FMA
+    return None if why is None else f"the {marker} decode kernel {why}; the MKL/oneDNN path is tested instead"
 
 
 def _reason(report) -> str:

@@ -14,6 +14,8 @@ from align.rollout.protocol import SamplingParams
 
 LOGIT_ATOL = 1e-5
 LOGPROB_ATOL = 1e-5
+# the decode GEMMs of align.rollout.cpu_kernel, each marked with the CPU it needs (elsewhere: skipped, listed)
+KERNEL_PARAMS = [pytest.param("avx512", marks=pytest.mark.avx512), pytest.param("avx2", marks=pytest.mark.avx2)]
 
 
 @pytest.fixture(scope="module")
@@ -176,8 +178,13 @@ def test_bad_params(kwargs, match):
         SamplingParams(**kwargs)
 
 
-def test_packed_weights_give_the_same_samples(model):
-    """CPU sampling runs on oneDNN-prepacked, fused copies of the weights: same tokens, same logprobs."""
+@pytest.mark.parametrize("layout", [*KERNEL_PARAMS, "library"])
+def test_packed_weights_give_the_same_samples(model, monkeypatch, layout):
+    """CPU sampling runs on prepacked, fused copies of the weights (each decode kernel, or MKL/oneDNN without one):
+    same tokens, same logprobs as the model's own layers."""
+    if layout in cpu_kernel.KERNELS:
+        _require_kernel(layout)
+    monkeypatch.setattr(native, "_kernel_ops", lambda: cpu_kernel.load(layout) if layout != "library" else None)
     params = SamplingParams(n=3, temperature=1.0, top_p=0.9, max_tokens=12, seed=3, stop_token_ids=[10])
     packed = generate(model, PROMPTS, params)
     plain = generate(model, PROMPTS, params, pack_weights=False)
@@ -186,6 +193,7 @@ def test_packed_weights_give_the_same_samples(model):
         assert a.logprobs == pytest.approx(b.logprobs, abs=LOGPROB_ATOL)
     with torch.inference_mode(), native.packed_weights(model, rows=4) as active:
         assert active and "qkv" in model.model.layers[0].self_attn.__dict__
+        assert model.model.layers[0].self_attn.qkv.kind == (layout if layout != "library" else "mkl")
         assert model.lm_head.packed is not None
         ids = torch.tensor([PROMPTS[0]])
         fast = model(ids)
@@ -199,23 +207,25 @@ def test_packed_weights_give_the_same_samples(model):
         torch.testing.assert_close(model(ids), fast, atol=LOGIT_ATOL, rtol=0)
 
 
-def _require_kernel():
-    """The kernel, on a machine with AVX-512 (tests that call this are marked ``avx512``: elsewhere they skip, listed)."""
-    ops = cpu_kernel.load()
+def _require_kernel(kind: str):
+    """Kernel ``kind`` on a machine that runs it (tests that call this are marked ``avx512`` / ``avx2``: elsewhere they
+    skip, listed)."""
+    ops = cpu_kernel.load(kind)
     assert ops is not None, (
-        f"this machine has AVX-512 but the decode kernel is unavailable: {cpu_kernel.unavailable_reason()}"
+        f"this CPU runs {kind} but its decode kernel is unavailable: {cpu_kernel.unavailable_reason(kind)}"
     )
     return ops
 
 
-@pytest.mark.avx512
-@pytest.mark.parametrize("rows", [1, 7, 8, 9, 16])
+@pytest.mark.parametrize("kind", KERNEL_PARAMS)
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 8, 9, 13, 16])
 @pytest.mark.parametrize("n,k", [(48, 64), (40, 33), (8, 5)], ids=["odd-blocks", "partial-block", "one-block"])
 @torch.no_grad()
-def test_cpu_kernel_matches_f_linear(rows, n, k):
-    """The AVX-512 decode GEMM against F.linear: 1-16 rows (two-block and one-block paths), N not a multiple of 16,
-    an odd number of 16-column blocks, with and without bias."""
-    ops = _require_kernel()
+def test_cpu_kernel_matches_f_linear(kind, rows, n, k):
+    """Each decode GEMM against F.linear: 1-16 rows (AVX-512: the two-block and one-block paths; AVX2: one to three
+    register passes over a block, 6 rows at most each), N not a multiple of 16 (a masked half block and a wholly masked
+    upper half), an odd number of 16-column blocks, with and without bias."""
+    ops = _require_kernel(kind)
     g = torch.Generator().manual_seed(rows * 100 + n)
     w, b, x = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(rows, k, generator=g)
     wp = ops.pack([w])
@@ -224,14 +234,17 @@ def test_cpu_kernel_matches_f_linear(rows, n, k):
     w2 = w.clone()
     w2[n - 1, k - 1] += 0.01  # negative control: one weight in the last (partial) block
     assert (ops.linear(x, ops.pack([w2]), n, b) - F.linear(x, w, b)).abs().max() > 1e-3
+    x2 = x.clone()
+    x2[-1, 0] += 0.01  # negative control: the last row (the last register pass) reads its own input
+    assert (ops.linear(x2, wp, n, b)[-1] - F.linear(x, w, b)[-1]).abs().max() > 1e-4
 
 
-@pytest.mark.avx512
+@pytest.mark.parametrize("kind", KERNEL_PARAMS)
 @torch.no_grad()
-def test_cpu_kernel_packs_a_list_as_its_concatenation():
+def test_cpu_kernel_packs_a_list_as_its_concatenation(kind):
     """pack([q, k, v]) is pack([cat([q, k, v])]) bit for bit, with parts that straddle 16-row blocks and a zero-padded
     last block; the fused GEMM then equals the three F.linear outputs side by side. Control: the parts reordered."""
-    ops = _require_kernel()
+    ops = _require_kernel(kind)
     g = torch.Generator().manual_seed(7)
     parts = [torch.randn(n, 24, generator=g) for n in (20, 8, 13)]
     wp = ops.pack(parts)
@@ -245,8 +258,22 @@ def test_cpu_kernel_packs_a_list_as_its_concatenation():
 
 
 @pytest.mark.avx512
-def test_cpu_kernel_rejects_bad_input():
-    ops = _require_kernel()
+@pytest.mark.avx2
+@torch.no_grad()
+def test_cpu_kernels_share_the_packed_weights():
+    """The packed-weight contract is one: a weight packed by the AVX-512 build runs in the AVX2 GEMM and the reverse,
+    equal to F.linear (on an AVX-512 machine, which runs both)."""
+    wide, narrow = _require_kernel("avx512"), _require_kernel("avx2")
+    g = torch.Generator().manual_seed(3)
+    w, b, x = torch.randn(70, 40, generator=g), torch.randn(70, generator=g), torch.randn(11, 40, generator=g)
+    assert torch.equal(wide.pack([w]), narrow.pack([w]))
+    torch.testing.assert_close(narrow.linear(x, wide.pack([w]), 70, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(wide.linear(x, narrow.pack([w]), 70, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KERNEL_PARAMS)
+def test_cpu_kernel_rejects_bad_input(kind):
+    ops = _require_kernel(kind)
     wp = ops.pack([torch.randn(20, 8)])
     with pytest.raises(RuntimeError, match="1 to 16 rows"):
         ops.linear(torch.randn(17, 8), wp, 20, None)
@@ -256,8 +283,8 @@ def test_cpu_kernel_rejects_bad_input():
         ops.linear(torch.randn(2, 9), wp, 20, None)
 
 
-@pytest.mark.avx512  # elsewhere the kernel is never built (test_cpu_kernel_is_optional covers that path)
-def test_cpu_kernel_build_failure_falls_back(tmp_path):
+@pytest.mark.parametrize("kind", KERNEL_PARAMS)  # elsewhere the kernel is never built (test_cpu_kernel_is_optional)
+def test_cpu_kernel_build_failure_falls_back(tmp_path, kind):
     """A compiler that fails: a warning naming the failure, no half-written library, MKL/oneDNN sampling."""
     import os
     import subprocess
@@ -272,18 +299,18 @@ with warnings.catch_warnings(record=True) as caught:
 print(caught[0].message)
 print(native.PackedLinear([torch.nn.Linear(8, 8)], 4).kind)
 """
-    env = {**os.environ, "CXX": "false", "XDG_CACHE_HOME": str(tmp_path)}
+    env = {**os.environ, "CXX": "false", "XDG_CACHE_HOME": str(tmp_path), "ALIGN_CPU_KERNEL": kind}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    first, kind = out.strip().splitlines()[0], out.strip().splitlines()[-1]
-    assert "build failed" in first and "exited with 1" in first and "MKL/oneDNN" in first
-    assert kind in ("mkl", "onednn")
+    first, kind_used = out.strip().splitlines()[0], out.strip().splitlines()[-1]
+    assert "build failed" in first and "exited with 1" in first and "MKL/oneDNN" in first and kind in first
+    assert kind_used in ("mkl", "onednn")
     assert [p.name for p in (tmp_path / "align").iterdir() if not p.name.endswith(".lock")] == []
 
 
 _LOAD = "from align.rollout import cpu_kernel; assert cpu_kernel.load() is not None, cpu_kernel.unavailable_reason()"
 
 
-@pytest.mark.avx512
+@pytest.mark.avx2  # any kernel (the best this CPU runs): the build machinery is shared
 @pytest.mark.slow
 def test_cpu_kernel_builds_once_under_concurrency_and_after_a_killed_build(tmp_path):
     """Two processes loading at once share one build; a builder killed mid-compile leaves no lock that blocks
@@ -294,7 +321,7 @@ def test_cpu_kernel_builds_once_under_concurrency_and_after_a_killed_build(tmp_p
     import sys
     import time
 
-    _require_kernel()
+    _require_kernel(cpu_kernel.choose()[0])
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
     cache = tmp_path / "align"
     victim = subprocess.Popen([sys.executable, "-c", _LOAD], env=env, start_new_session=True)
@@ -311,34 +338,75 @@ def test_cpu_kernel_builds_once_under_concurrency_and_after_a_killed_build(tmp_p
     assert len(names) == 1 and names[0].endswith(".so"), names  # one build, leftovers of the killed one cleared
 
 
-@pytest.mark.parametrize(
-    "var,value,reason",
-    [
-        ("ALIGN_CPU_KERNEL", "0", "disabled by ALIGN_CPU_KERNEL=0"),
-        ("ATEN_CPU_CAPABILITY", "avx2", "needs AVX-512 (torch reports AVX2)"),  # an x86 CPU without AVX-512
-    ],
-    ids=["disabled", "no-avx512"],
+_OPTIONAL = (
+    "import logging, torch; from align.rollout import cpu_kernel, native; logging.basicConfig(level=logging.INFO);"
+    "assert cpu_kernel.load() is None and cpu_kernel.load() is None; print(cpu_kernel.unavailable_reason());"
+    "lin = torch.nn.Linear(8, 8); print(native.PackedLinear([lin], 4).kind)"
 )
-def test_cpu_kernel_is_optional(tmp_path, var, value, reason):
-    """ALIGN_CPU_KERNEL=0, or a CPU without AVX-512 (torch capped at AVX2): no build, a reason, and sampling still
-    packs (MKL/oneDNN), on any x86 machine."""
+
+
+@pytest.mark.parametrize(
+    "env,reason",
+    [
+        ({"ALIGN_CPU_KERNEL": "0"}, "disabled by ALIGN_CPU_KERNEL=0"),
+        ({"ATEN_CPU_CAPABILITY": "default"}, "needs AVX2 and FMA (torch reports DEFAULT)"),  # the probe forced off
+        ({"ATEN_CPU_CAPABILITY": "avx2", "ALIGN_CPU_KERNEL": "avx512"}, "needs AVX-512 (torch reports AVX2)"),
+        ({"PATH": "", "CXX": ""}, "no C++ compiler found (set CXX, or install g++)"),
+    ],
+    ids=["disabled", "no-avx2-fma", "avx512-asked-on-avx2", "no-compiler"],
+)
+def test_cpu_kernel_is_optional(tmp_path, env, reason):
+    """ALIGN_CPU_KERNEL=0, a CPU without AVX2 + FMA (torch's probe capped at DEFAULT), a kernel the CPU lacks, no C++
+    compiler: no build, the reason said once in the log, and sampling still packs (MKL/oneDNN), on any x86 machine."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, **env, "XDG_CACHE_HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", _OPTIONAL], env=env, capture_output=True, text=True, check=True)
+    assert proc.stdout.splitlines()[0] == reason
+    assert proc.stdout.splitlines()[1] in ("mkl", "onednn")
+    said = [line for line in proc.stderr.splitlines() if "CPU decode GEMM" in line]
+    assert said == [f"INFO:align.rollout.cpu_kernel:CPU decode GEMM: none, the MKL/oneDNN path ({reason})"], said
+    assert not (tmp_path / "align").exists()  # nothing was built
+
+
+@pytest.mark.avx2
+def test_cpu_kernel_choice_follows_the_cpu(tmp_path):
+    """One place decides: a CPU with AVX2 + FMA but not AVX-512 (torch capped at AVX2) gets the AVX2 kernel, said once;
+    ALIGN_CPU_KERNEL=avx2 picks it on an AVX-512 CPU too. Control: uncapped, the best kernel this CPU runs."""
     import os
     import subprocess
     import sys
 
     code = (
-        "import torch; from align.rollout import cpu_kernel, native;"
-        "assert cpu_kernel.load() is None; print(cpu_kernel.unavailable_reason());"
-        "lin = torch.nn.Linear(8, 8); print(native.PackedLinear([lin], 4).kind)"
+        "import logging, torch; from align.rollout import cpu_kernel, native; logging.basicConfig(level=logging.INFO);"
+        "print(native.PackedLinear([torch.nn.Linear(8, 8)], 4).kind, cpu_kernel.load().name, cpu_kernel.describe())"
     )
-    env = {**os.environ, var: value, "XDG_CACHE_HOME": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.splitlines()[0] == reason
-    assert out.splitlines()[1] in ("mkl", "onednn")
-    assert not (tmp_path / "align").exists()  # nothing was built
+    cache = os.environ.get("XDG_CACHE_HOME") or str(tmp_path)  # the usual cache: the build is made once per source
+
+    def run(**extra: str) -> tuple[str, list[str]]:
+        env = {**os.environ, "XDG_CACHE_HOME": cache, **extra}
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        return proc.stdout.strip(), [line for line in proc.stderr.splitlines() if "CPU decode GEMM" in line]
+
+    out, said = run(ATEN_CPU_CAPABILITY="avx2")
+    assert out.startswith("avx2 align_cpu_avx2 ") and out.endswith("decode GEMM: avx2"), out
+    assert said == ["INFO:align.rollout.cpu_kernel:CPU decode GEMM: avx2 (the best this CPU runs; torch reports AVX2)"]
+    out, said = run(ALIGN_CPU_KERNEL="avx2")
+    assert out.startswith("avx2 ") and len(said) == 1 and "ALIGN_CPU_KERNEL=avx2" in said[0], (out, said)
+    best = cpu_kernel.choose()[0]
+    out, said = run(ALIGN_CPU_KERNEL="1")
+    assert out.startswith(f"{best} ") and len(said) == 1, (out, said)
 
 
-@pytest.mark.parametrize("layout", [pytest.param("avx512", marks=pytest.mark.avx512), "mkl", "onednn"])
+def test_cpu_kernel_rejects_an_unknown_choice(monkeypatch):
+    monkeypatch.setenv("ALIGN_CPU_KERNEL", "avx3")
+    with pytest.raises(ValueError, match="ALIGN_CPU_KERNEL='avx3': use 1 .* 0 .* or one of"):
+        cpu_kernel.choose()
+
+
+@pytest.mark.parametrize("layout", [*KERNEL_PARAMS, "mkl", "onednn"])
 @pytest.mark.parametrize("m", [3, 6, 40], ids=["fewer-rows-padded", "packed-rows", "more-rows-prefill"])
 @torch.no_grad()
 def test_packed_linear_matches_the_layers(monkeypatch, layout, m):
@@ -346,8 +414,9 @@ def test_packed_linear_matches_the_layers(monkeypatch, layout, m):
     import platform
 
     x86 = platform.machine() in ("x86_64", "AMD64")
-    if layout == "avx512":
-        assert native._kernel_ops() is not None, f"AVX-512 kernel unavailable: {cpu_kernel.unavailable_reason()}"
+    if layout in cpu_kernel.KERNELS:
+        _require_kernel(layout)
+        monkeypatch.setattr(native, "_kernel_ops", lambda: cpu_kernel.load(layout))
     else:
         monkeypatch.setattr(native, "_kernel_ops", lambda: None)
     if layout == "mkl":

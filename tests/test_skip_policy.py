@@ -15,6 +15,7 @@ addopts = --strict-markers -p no:cacheprovider
 markers =
     gpu: needs a CUDA GPU
     avx512: needs AVX-512
+    avx2: needs AVX2 + FMA
 """
 
 CASES = {
@@ -25,6 +26,7 @@ CASES = {
         "def test_b():\n    pass\n"
     ),
     "avx512_skip": "import pytest\n@pytest.mark.avx512\ndef test_k():\n    pytest.skip('no AVX-512')\n",
+    "avx2_skip": "import pytest\n@pytest.mark.avx2\ndef test_k():\n    pytest.skip('no AVX2')\n",
     "fixture_skip": "import pytest\n@pytest.fixture\ndef f():\n    pytest.skip('setup skip')\ndef test_a(f):\n    pass\n",
     "module_skip": "import pytest\npytest.skip('whole module', allow_module_level=True)\n",
     "module_skip_beside_a_pass": "import pytest\npytest.skip('whole module', allow_module_level=True)\n",
@@ -56,6 +58,7 @@ def test_skip_policy_exit_codes(tmp_path):
         "plain_skip": (1, 0),
         "gpu_skip": (0, 0),
         "avx512_skip": (0, 0),  # an x86 CPU without AVX-512: listed, not a failure
+        "avx2_skip": (0, 0),  # nor AVX2 + FMA: the same
         "fixture_skip": (1, 0),
         "module_skip": (5, 5),  # nothing collected: pytest's own non-zero status
         "module_skip_beside_a_pass": (1, 0),
@@ -81,4 +84,7 @@ def test_skip_policy_exit_codes(tmp_path):
         if case == "avx512_skip":
             assert "1 avx512 test(s) skipped" in strict.stdout and "AVX512-SKIPPED" in strict.stdout, strict.stdout
             assert "test_k: no AVX-512" in strict.stdout and "SKIP-FAILS" not in strict.stdout
+        if case == "avx2_skip":
+            assert "1 avx2 test(s) skipped" in strict.stdout and "AVX2-SKIPPED" in strict.stdout, strict.stdout
+            assert "test_k: no AVX2" in strict.stdout and "SKIP-FAILS" not in strict.stdout
     assert got == expected

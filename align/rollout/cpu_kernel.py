@@ -1,13 +1,20 @@
-"""An AVX-512 fp32 GEMM for decode-sized row counts (1-16 rows), compiled on first use with the system's C++ compiler.
+"""fp32 GEMMs for decode-sized row counts (1-16 rows), AVX-512 or AVX2 + FMA, compiled on first use with the system's
+C++ compiler.
 
 Why: at decode a CPU streams every weight once per token, and the library GEMMs torch reaches (MKL packed,
-oneDNN blocked) stream at 58-72% of a plain memory read on the benchmark machine. This kernel keeps the weights
-in (N/16, K, 16) blocks, so each thread reads one or two linear streams with software prefetch, and keeps the
-1-16 rows' partial sums in registers (``benchmarks/bench_packing.py --step`` measures it against the others).
+oneDNN blocked) stream at 58-72% of a plain memory read on the benchmark machine. These kernels keep the weights
+in (N/16, K, 16) blocks, so each thread reads one or two linear streams with software prefetch, and keep the
+rows' partial sums in registers (``benchmarks/bench_packing.py --step`` measures them against the others).
 
-Optional by construction: ``load()`` returns None, and the sampler keeps the MKL/oneDNN layouts, when the CPU
-lacks AVX-512, there is no C++ compiler, the build fails (a warning says why), or ``ALIGN_CPU_KERNEL=0``.
-The shared library is built once per source and torch version into ``$XDG_CACHE_HOME/align`` (``~/.cache``),
+One packed-weight contract, two GEMMs (``KERNELS``, best first; ``choose()`` is the one place that picks, from
+torch's CPU capability probe, and the choice is logged once per process): ``avx512`` keeps 1-16 rows x 16 or 32
+columns in its 32 zmm registers; ``avx2`` has 16 ymm registers, so it walks a 16-column block in passes of at most
+6 rows (12 accumulators), the first streaming the block from memory, the others re-reading it from L2.
+
+Optional by construction: ``load()`` returns None, and the sampler keeps the MKL/oneDNN layouts (said once in the
+log), when the CPU has neither AVX-512 nor AVX2 + FMA, there is no C++ compiler, the build fails (a warning says
+why), or ``ALIGN_CPU_KERNEL=0`` (``ALIGN_CPU_KERNEL=avx2`` runs the AVX2 kernel on an AVX-512 machine).
+A shared library is built once per kernel, source and torch version into ``$XDG_CACHE_HOME/align`` (``~/.cache``),
 under an exclusive ``flock`` (released by the OS if the builder dies, so a killed build never blocks the
 next) and renamed into place only when complete. Only stdlib and torch are imported (the firewall).
 """
@@ -16,17 +23,19 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-SOURCE = r"""
+HEADER = r"""
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -36,6 +45,9 @@ SOURCE = r"""
 
 namespace {
 
+"""
+
+PACK_AND_LINEAR = r"""
 // Weights W_i (N_i, K), taken as their row concatenation W (N = sum N_i, K) without making it,
 // -> (NB = ceil(N / 16), K, 16): step k of block b is one 64-byte vector of outputs 16b..16b+15 (zeros past N).
 // Blocks in parallel; each reads its 16 rows front to back and writes its (K, 16) block (L1/L2-sized) in place.
@@ -70,49 +82,6 @@ at::Tensor pack(at::TensorList ws) {
   return out;
 }
 
-constexpr int64_t kPrefetch = 64;  // k steps ahead (4 KiB per stream); prefetches never fault
-
-// y[m, c] = sum_k x[m, k] W[c, k] (+ bias[c]) for the NBK 16-column blocks starting at column n0.
-template <int M, int NBK>
-inline void blocks(const float* __restrict w, int64_t K, const float* __restrict xt, float* __restrict y,
-                   int64_t N, int64_t n0, const float* __restrict bias) {
-  __m512 acc[NBK][M];
-  for (int j = 0; j < NBK; ++j)
-    for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    __m512 v[NBK];
-    for (int j = 0; j < NBK; ++j) {
-      const float* p = w + (j * K + k) * 16;
-      _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch * 16), _MM_HINT_T0);
-      v[j] = _mm512_loadu_ps(p);
-    }
-    const float* xk = xt + k * M;
-    for (int m = 0; m < M; ++m) {
-      __m512 xb = _mm512_set1_ps(xk[m]);
-      for (int j = 0; j < NBK; ++j) acc[j][m] = _mm512_fmadd_ps(xb, v[j], acc[j][m]);
-    }
-  }
-  for (int j = 0; j < NBK; ++j) {  // straight from the registers; the last block of N % 16 columns is masked
-    const int64_t c0 = n0 + j * 16;
-    const __mmask16 mask = N - c0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - c0)) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + c0) : _mm512_setzero_ps();
-    for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(y + m * N + c0, mask, _mm512_add_ps(acc[j][m], b));
-  }
-}
-
-template <int M>
-void run(const float* wp, int64_t NB, int64_t K, int64_t N, const float* xt, const float* bias, float* y) {
-  constexpr int NBK = M <= 8 ? 2 : 1;  // two blocks at a time while the accumulators fit in 32 registers
-  const int64_t groups = (NB + NBK - 1) / NBK;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t b = g * NBK;
-      if (b + NBK <= NB) blocks<M, NBK>(wp + b * K * 16, K, xt, y, N, b * 16, bias);
-      else blocks<M, 1>(wp + b * K * 16, K, xt, y, N, b * 16, bias);
-    }
-  });
-}
-
 at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, int64_t N, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "align_cpu::linear wants 2-D float32 input");
   TORCH_CHECK(wp.dim() == 3 && wp.size(2) == 16 && wp.size(1) == x.size(1) && wp.is_contiguous()
@@ -131,35 +100,227 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, int64_t N, const c1
   const float* w = wp.data_ptr<float>();
   const float* xp = xt.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  run_rows(M, w, NB, K, N, xp, bp, yp);
+  return y;
+}
+
+}  // namespace
+"""
+
+AVX512_GEMM = r"""
+constexpr int64_t kPrefetch = 64;  // k steps ahead (4 KiB per stream); prefetches never fault
+
+// y[m, c] = sum_k x[m, k] W[c, k] (+ bias[c]) for the NBK 16-column blocks starting at column n0.
+template <int M, int NBK>
+inline void blocks(const float* __restrict w, int64_t K, const float* __restrict xt, float* __restrict y,
+                   int64_t N, int64_t n0, const float* __restrict bias) {
+  __m512 acc[NBK][M];  // fully unrolled loops (the pragmas) keep it in registers, never on the stack
+#pragma GCC unroll 16
+  for (int j = 0; j < NBK; ++j)
+#pragma GCC unroll 16
+    for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 v[NBK];
+#pragma GCC unroll 16
+    for (int j = 0; j < NBK; ++j) {
+      const float* p = w + (j * K + k) * 16;
+      _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch * 16), _MM_HINT_T0);
+      v[j] = _mm512_loadu_ps(p);
+    }
+    const float* xk = xt + k * M;
+#pragma GCC unroll 16
+    for (int m = 0; m < M; ++m) {
+      __m512 xb = _mm512_set1_ps(xk[m]);
+#pragma GCC unroll 16
+      for (int j = 0; j < NBK; ++j) acc[j][m] = _mm512_fmadd_ps(xb, v[j], acc[j][m]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int j = 0; j < NBK; ++j) {  // straight from the registers; the last block of N % 16 columns is masked
+    const int64_t c0 = n0 + j * 16;
+    const __mmask16 mask = N - c0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - c0)) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + c0) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(y + m * N + c0, mask, _mm512_add_ps(acc[j][m], b));
+  }
+}
+
+template <int M>
+void run(const float* wp, int64_t NB, int64_t K, int64_t N, const float* xt, const float* bias, float* y) {
+  constexpr int NBK = M <= 8 ? 2 : 1;  // two blocks at a time while the accumulators fit in 32 registers
+  const int64_t groups = (NB + NBK - 1) / NBK;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t b = g * NBK;
+      if (b + NBK <= NB) blocks<M, NBK>(wp + b * K * 16, K, xt, y, N, b * 16, bias);
+      else blocks<M, 1>(wp + b * K * 16, K, xt, y, N, b * 16, bias);
+    }
+  });
+}
+
+void run_rows(int64_t M, const float* w, int64_t NB, int64_t K, int64_t N, const float* xt, const float* bias,
+              float* y) {
   switch (M) {
-#define ALIGN_CASE(R) case R: run<R>(w, NB, K, N, xp, bp, yp); break;
+#define ALIGN_CASE(R) case R: run<R>(w, NB, K, N, xt, bias, y); break;
     ALIGN_CASE(1) ALIGN_CASE(2) ALIGN_CASE(3) ALIGN_CASE(4) ALIGN_CASE(5) ALIGN_CASE(6) ALIGN_CASE(7) ALIGN_CASE(8)
     ALIGN_CASE(9) ALIGN_CASE(10) ALIGN_CASE(11) ALIGN_CASE(12) ALIGN_CASE(13) ALIGN_CASE(14) ALIGN_CASE(15)
     ALIGN_CASE(16)
 #undef ALIGN_CASE
   }
-  return y;
+}
+"""
+
+AVX2_GEMM = r"""
+constexpr int64_t kPrefetch = 64;  // k steps ahead (4 KiB): the next tile, while the passes work on this one
+constexpr int64_t kTile = 64;  // k steps per tile (4 KiB of the block): L1-resident across a tile's passes
+constexpr int kMaxPassRows = 6;  // 6 rows x 2 halves = 12 accumulators + 2 weight vectors + 1 broadcast <= 16 registers
+
+// acc[m0 + m] += sum_{k0 <= k < k1} x[m0 + m, k] W[c, k] for M rows and the 16 columns of one block, as two 8-float
+// halves. The first pass over a tile reads it from memory and prefetches the next tile; the other passes (more rows
+// than fit the registers) re-read it from L1, so the block streams from memory in one go.
+template <int M, bool PREFETCH>
+inline void pass(const float* __restrict w, int64_t k0, int64_t k1, const float* __restrict xt, int64_t ldx,
+                 int64_t m0, float* __restrict acc) {
+  __m256 lo[M], hi[M];  // fully unrolled loops (the pragmas) keep them in registers, never on the stack
+#pragma GCC unroll 16
+  for (int m = 0; m < M; ++m) {
+    lo[m] = _mm256_load_ps(acc + (m0 + m) * 16);
+    hi[m] = _mm256_load_ps(acc + (m0 + m) * 16 + 8);
+  }
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* p = w + k * 16;
+    if (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch * 16), _MM_HINT_T0);
+    const __m256 a = _mm256_loadu_ps(p), b = _mm256_loadu_ps(p + 8);
+    const float* xk = xt + k * ldx + m0;
+#pragma GCC unroll 16
+    for (int m = 0; m < M; ++m) {
+      const __m256 xb = _mm256_broadcast_ss(xk + m);
+      lo[m] = _mm256_fmadd_ps(xb, a, lo[m]);
+      hi[m] = _mm256_fmadd_ps(xb, b, hi[m]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < M; ++m) {
+    _mm256_store_ps(acc + (m0 + m) * 16, lo[m]);
+    _mm256_store_ps(acc + (m0 + m) * 16 + 8, hi[m]);
+  }
 }
 
-}  // namespace
+template <bool PREFETCH>
+inline void pass_rows(int64_t rows, const float* w, int64_t k0, int64_t k1, const float* xt, int64_t ldx, int64_t m0,
+                      float* acc) {
+  switch (rows) {
+#define ALIGN_CASE(R) case R: pass<R, PREFETCH>(w, k0, k1, xt, ldx, m0, acc); break;
+    ALIGN_CASE(1) ALIGN_CASE(2) ALIGN_CASE(3) ALIGN_CASE(4) ALIGN_CASE(5) ALIGN_CASE(6)
+#undef ALIGN_CASE
+  }
+}
 
-TORCH_LIBRARY(align_cpu, m) {
+// y[m, n0 : n0 + 16] = acc[m] (+ bias); the last block of N % 16 columns is masked (masked-off lanes never fault).
+inline void store_block(const float* acc, int64_t M, float* y, int64_t N, int64_t n0, const float* bias) {
+  const int cols = int(std::min<int64_t>(16, N - n0));
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i mlo = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols), lane);
+  const __m256i mhi = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols - 8), lane);
+  const __m256 blo = bias ? _mm256_maskload_ps(bias + n0, mlo) : _mm256_setzero_ps();
+  const __m256 bhi = bias ? _mm256_maskload_ps(bias + n0 + 8, mhi) : _mm256_setzero_ps();
+  for (int64_t m = 0; m < M; ++m) {
+    _mm256_maskstore_ps(y + m * N + n0, mlo, _mm256_add_ps(_mm256_load_ps(acc + m * 16), blo));
+    _mm256_maskstore_ps(y + m * N + n0 + 8, mhi, _mm256_add_ps(_mm256_load_ps(acc + m * 16 + 8), bhi));
+  }
+}
+
+// Blocks in parallel; each block in tiles of kTile k steps, each tile's M rows in ceil(M / 6) passes of near-equal
+// size (16 rows: 6 + 5 + 5), the partial sums in a (16, 16) buffer between tiles.
+void run_rows(int64_t M, const float* w, int64_t NB, int64_t K, int64_t N, const float* xt, const float* bias,
+              float* y) {
+  const int64_t passes = (M + kMaxPassRows - 1) / kMaxPassRows;
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    alignas(32) float acc[16 * 16];
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* wb = w + b * K * 16;
+      std::fill(acc, acc + M * 16, 0.0f);
+      for (int64_t k0 = 0; k0 < K; k0 += kTile) {
+        const int64_t k1 = std::min(K, k0 + kTile);
+        int64_t m0 = 0;
+        for (int64_t p = 0; p < passes; ++p) {
+          const int64_t rows = (M - m0) / (passes - p);
+          if (p == 0) pass_rows<true>(rows, wb, k0, k1, xt, M, m0, acc);
+          else pass_rows<false>(rows, wb, k0, k1, xt, M, m0, acc);
+          m0 += rows;
+        }
+      }
+      store_block(acc, M, y, N, b * 16, bias);
+    }
+  });
+}
+"""
+
+
+REGISTER = r"""
+TORCH_LIBRARY(@NS@, m) {
   m.def("pack(Tensor[] ws) -> Tensor", &pack);
   m.def("linear(Tensor x, Tensor wp, int n, Tensor? bias) -> Tensor", &linear);
 }
 """
 
+
+@dataclass(frozen=True)
+class Kernel:
+    """One decode GEMM: the torch CPU capability it needs at least, that need in words, its compiler flags and the
+    C++ of its ``run_rows`` (the rest of the source, the packing and the op registration, is shared)."""
+
+    capability: str
+    needs: str
+    flags: tuple[str, ...]
+    gemm: str
+
+    def source(self, name: str) -> str:
+        return HEADER + self.gemm + PACK_AND_LINEAR + REGISTER.replace("@NS@", f"align_cpu_{name}")
+
+
+# The decode GEMMs, best first; ``choose()`` takes the first this CPU runs. Both read the same packed weights.
+KERNELS = {
+    "avx512": Kernel("AVX512", "AVX-512", ("-mavx512f", "-mfma"), AVX512_GEMM),
+    "avx2": Kernel("AVX2", "AVX2 and FMA", ("-mavx2", "-mfma"), AVX2_GEMM),
+}
+_LEVEL = {"AVX2": 1, "AVX512": 2}  # torch's x86 levels: AVX2 is AVX2 + FMA, AVX512 (F/BW/VL/DQ) includes both
 MAX_ROWS = 16
-_state: dict[str, object] = {}  # "ops" once loaded, "error" once failed: one attempt per process
+_state: dict[str, dict[str, object]] = {}  # per kernel: "ops" once loaded, "error" once failed: one try per process
+_said: list[str] = []  # the choice, logged once per process
+
+log = logging.getLogger(__name__)
 
 
-def _cpu_supported() -> str | None:
-    """None when this machine can run the kernel, else why not."""
+def cpu_missing(name: str) -> str | None:
+    """None when this machine can run kernel ``name``, else why not (what it needs, what torch reports)."""
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         return f"needs Linux on x86-64 (this is {sys.platform}/{platform.machine()})"
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX512",):
-        return f"needs AVX-512 (torch reports {torch.backends.cpu.get_cpu_capability()})"
+    cap = torch.backends.cpu.get_cpu_capability()
+    if _LEVEL.get(cap, 0) < _LEVEL[KERNELS[name].capability]:
+        return f"needs {KERNELS[name].needs} (torch reports {cap})"
     return None
+
+
+def choose() -> tuple[str | None, str]:
+    """The one place that decides: (the kernel this process uses, or None for the torch path; why).
+
+    ``ALIGN_CPU_KERNEL``: unset or ``1`` the best kernel this CPU runs, ``0`` none, a name of ``KERNELS`` that one
+    (where the CPU runs it: ``avx2`` on an AVX-512 machine measures the AVX2 kernel there)."""
+    want = os.environ.get("ALIGN_CPU_KERNEL", "1")
+    if want == "0":
+        return None, "disabled by ALIGN_CPU_KERNEL=0"
+    if want != "1" and want not in KERNELS:
+        raise ValueError(
+            f"ALIGN_CPU_KERNEL={want!r}: use 1 (the best this CPU runs), 0 (none) or one of {list(KERNELS)}"
+        )
+    names = list(KERNELS) if want == "1" else [want]
+    reasons = []
+    for name in names:
+        if (why := cpu_missing(name)) is None:
+            return name, "the best this CPU runs" if want == "1" else f"ALIGN_CPU_KERNEL={want}"
+        reasons.append(why)
+    return None, reasons[-1]
 
 
 def _compiler() -> str | None:
@@ -169,38 +330,39 @@ def _compiler() -> str | None:
     return None
 
 
-def _build(cxx: str) -> Path:
+def _build(cxx: str, name: str) -> Path:
     torch_dir = Path(torch.__file__).resolve().parent
     flags = [
         "-O3",
         "-std=c++20",
         "-shared",
         "-fPIC",
-        "-mavx512f",
-        "-mfma",
+        *KERNELS[name].flags,
         "-fopenmp",
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         f"-I{torch_dir / 'include'}",
         f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
     ]
     libs = [f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_dir / 'lib'}"]
-    key = hashlib.sha256("\0".join([SOURCE, torch.__version__, str(torch_dir), *flags]).encode()).hexdigest()[:16]
+    source = KERNELS[name].source(name)
+    key = hashlib.sha256("\0".join([source, torch.__version__, str(torch_dir), *flags]).encode()).hexdigest()[:16]
+    stem = f"align_cpu_{name}_{key}"
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "align"
     cache.mkdir(parents=True, exist_ok=True)
-    lib = cache / f"align_cpu_{key}.so"
+    lib = cache / f"{stem}.so"
     if lib.exists():
         return lib
-    with open(cache / f"align_cpu_{key}.lock", "w") as lock:
+    with open(cache / f"{stem}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same key
         if lib.exists():
             return lib
-        for stale in cache.glob(f"align_cpu_{key}.*.*"):  # left by a builder that was killed (we hold the lock)
+        for stale in cache.glob(f"{stem}.*.*"):  # left by a builder that was killed (we hold the lock)
             if stale.suffix in (".cpp", ".tmp"):
                 stale.unlink(missing_ok=True)
-        src = cache / f"align_cpu_{key}.{os.getpid()}.cpp"
-        tmp = cache / f"align_cpu_{key}.{os.getpid()}.so.tmp"
+        src = cache / f"{stem}.{os.getpid()}.cpp"
+        tmp = cache / f"{stem}.{os.getpid()}.so.tmp"
         try:
-            src.write_text(SOURCE)
+            src.write_text(source)
             proc = subprocess.run(
                 [cxx, *flags, str(src), "-o", str(tmp), *libs], capture_output=True, text=True, timeout=600, check=False
             )
@@ -214,39 +376,62 @@ def _build(cxx: str) -> Path:
     return lib
 
 
-def _reason_not_to_build() -> str | None:
-    if os.environ.get("ALIGN_CPU_KERNEL", "1") == "0":
-        return "disabled by ALIGN_CPU_KERNEL=0"
-    if (why := _cpu_supported()) is not None:
-        return why
-    return None if _compiler() else "no C++ compiler found (set CXX, or install g++)"
+def _try(name: str) -> tuple[object | None, str | None]:
+    """Build and load kernel ``name`` (the CPU runs it): (its ops, None) or (None, why not)."""
+    if (cxx := _compiler()) is None:
+        return None, "no C++ compiler found (set CXX, or install g++)"
+    lib = None
+    try:
+        lib = _build(cxx, name)
+        torch.ops.load_library(str(lib))
+        return getattr(torch.ops, f"align_cpu_{name}"), None
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:  # costs speed, never correctness
+        why = f"build failed: {e}"
+        if lib is not None and lib.exists():  # built but unloadable (e.g. damaged): the next process rebuilds
+            lib.unlink(missing_ok=True)
+            why = f"{lib} did not load ({e}); removed it, the next run rebuilds"
+        warnings.warn(f"align: the {name} decode GEMM is unavailable ({why}); sampling uses MKL/oneDNN", stacklevel=3)
+        return None, why
 
 
-def load():
-    """``torch.ops.align_cpu`` (``pack([w, ...])``, ``linear(x, wp, n, bias)``), or None where it cannot run here."""
-    if "ops" in _state or "error" in _state:
-        return _state.get("ops")
-    why = _reason_not_to_build()
-    if why is None:
-        lib = None
-        try:
-            lib = _build(_compiler())
-            torch.ops.load_library(str(lib))
-            _state["ops"] = torch.ops.align_cpu
-            return _state["ops"]
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:  # costs speed, never correctness
-            why = f"build failed: {e}"
-            if lib is not None and lib.exists():  # built but unloadable (e.g. damaged): the next process rebuilds
-                lib.unlink(missing_ok=True)
-                why = f"{lib} did not load ({e}); removed it, the next run rebuilds"
-            warnings.warn(
-                f"align: the AVX-512 decode GEMM is unavailable ({why}); sampling uses MKL/oneDNN", stacklevel=2
-            )
-    _state["error"] = why
-    return None
+def load(name: str | None = None):
+    """``torch.ops.align_cpu_<name>`` (``pack([w, ...])``, ``linear(x, wp, n, bias)``), or None where it cannot run
+    here. ``name=None``: the kernel ``choose()`` picks, the choice logged once per process (a test or a benchmark
+    names one to run it beside the other)."""
+    chosen, why = choose() if name is None else (name, "")
+    if chosen is not None and chosen not in _state:
+        if name is not None and (missing := cpu_missing(name)) is not None:
+            _state[chosen] = {"error": missing}
+        else:
+            ops, error = _try(chosen)
+            _state[chosen] = {"ops": ops} if ops is not None else {"error": error}
+    state = _state.get(chosen, {}) if chosen is not None else {"error": why}
+    if name is None and not _said:
+        _said.append(chosen or "")
+        if state.get("ops") is not None:
+            log.info("CPU decode GEMM: %s (%s; torch reports %s)", chosen, why, torch.backends.cpu.get_cpu_capability())
+        else:
+            log.info("CPU decode GEMM: none, the MKL/oneDNN path (%s)", state["error"])
+    return state.get("ops")
 
 
-def unavailable_reason() -> str | None:
-    """Why ``load()`` returned None (after calling it), else None."""
-    load()
-    return _state.get("error")  # type: ignore[return-value]
+def unavailable_reason(name: str | None = None) -> str | None:
+    """Why ``load(name)`` returned None (after calling it), else None."""
+    if load(name) is not None:
+        return None
+    chosen, why = choose() if name is None else (name, "")
+    return why if chosen is None else _state[chosen]["error"]  # type: ignore[return-value]
+
+
+def describe() -> str:
+    """One line for benchmarks and logs: the CPU's features and the decode GEMM this process runs."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    have = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "amx_tile") if f in flags]
+    ops = load()
+    kernel = ops.name.removeprefix("align_cpu_") if ops is not None else f"none, MKL/oneDNN ({unavailable_reason()})"
+    cap = torch.backends.cpu.get_cpu_capability()
+    return f"CPU: {' '.join(have) or 'no AVX2/AVX-512 flags'} (torch capability {cap}); decode GEMM: {kernel}"

@@ -48,9 +48,10 @@ class PackedLinear:
 
     Three layouts (``kind``), measured by ``benchmarks/bench_packing.py`` (decode-sized row counts, weights
     streamed from memory):
-    - ``"avx512"``: fp32, at most ``cpu_kernel.MAX_ROWS`` rows, where ``cpu_kernel.load()`` works (AVX-512
-      and a C++ compiler): our kernel; a decode step's GEMMs take 5% (31M shape, 16 rows) to 15% (0.5B
-      shape, 8 rows) less time than on the two library layouts, 83-89% of a plain memory read on the latter;
+    - ``"avx512"`` / ``"avx2"``: fp32, at most ``cpu_kernel.MAX_ROWS`` rows, where ``cpu_kernel.load()`` works
+      (AVX-512, or AVX2 + FMA, and a C++ compiler; ``cpu_kernel.choose()`` picks): our kernel; on AVX-512 a decode
+      step's GEMMs take 5% (31M shape, 16 rows) to 15% (0.5B shape, 8 rows) less time than on the two library
+      layouts, 83-89% of a plain memory read on the latter;
     - ``"mkl"``: other fp32 weights under ``MKL_MAX_BYTES``: MKL's packed sgemm (5-16% less time than
       oneDNN on 1-6 MB weights, ~9 us per call instead of ~30 us);
     - ``"onednn"``: larger weights, bf16, no MKL: oneDNN's blocked layout (3-12% less time from 17 MB up).
@@ -64,7 +65,7 @@ class PackedLinear:
         self.linears, self.rows, self.out_features = linears, rows, sum(w.shape[0] for w in weights)
         ops = _kernel_ops() if weights[0].dtype == torch.float32 and rows <= cpu_kernel.MAX_ROWS else None
         if ops is not None:  # packs the concatenation without making it
-            self.kind, self.weight = "avx512", ops.pack(weights)
+            self.kind, self.gemm, self.weight = ops.name.removeprefix("align_cpu_"), ops.linear, ops.pack(weights)
             return
         weight = torch.cat(weights) if len(weights) > 1 else weights[0]
         nbytes = weight.numel() * weight.element_size()
@@ -80,11 +81,12 @@ class PackedLinear:
         if self.kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         m = x.numel() // x.shape[-1]
-        if m > (cpu_kernel.MAX_ROWS if self.kind == "avx512" else self.rows):
+        kernel = self.kind in cpu_kernel.KERNELS
+        if m > (cpu_kernel.MAX_ROWS if kernel else self.rows):
             return torch.cat([_unpacked(lin, x) for lin in self.linears], dim=-1)
         x2 = x.reshape(m, x.shape[-1])
-        if self.kind == "avx512":
-            y = torch.ops.align_cpu.linear(x2, self.weight, self.out_features, self.bias)
+        if kernel:
+            y = self.gemm(x2, self.weight, self.out_features, self.bias)
             return y.view(*x.shape[:-1], self.out_features)
         if m < self.rows:
             x2 = torch.cat([x2, x2.new_zeros(self.rows - m, x2.shape[-1])])
@@ -104,7 +106,7 @@ def _unpacked(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _kernel_ops():
-    """The AVX-512 decode GEMM's ops, or None (``align.rollout.cpu_kernel``); a seam for tests."""
+    """The decode GEMM's ops (``align.rollout.cpu_kernel``: AVX-512 or AVX2, chosen once), or None; a seam for tests."""
     return cpu_kernel.load()
 
 
