@@ -13,7 +13,7 @@ import circle anywhere: ``FLOORS`` in ``tests/test_layout.py`` lists every modul
 - ``align.run``: a run directory and its life: ``config`` (TrainConfig), ``cli`` (+ ``help``: grouped ``--help``,
   one-line errors; ``config_file``: ``--config`` TOML / YAML / JSON), ``presets``, ``advice`` (warnings), ``build``
   (``open_run() -> Run``), ``parts`` (``Run``, ``Learner``, ``Checkpointer``), ``checkpoint`` (single-process and DCP), ``safety``, ``log``, ``plot``, ``task``,
-  ``teacher`` (on-policy distillation's teacher).
+  ``teacher`` (on-policy distillation's teacher), ``watchdog`` (``--stall-timeout-s``).
 - ``align.eval``: held-out evaluation (blocking, snapshot dispatch, fleets, pinned epochs) and its metrics.
 - ``align.tasks``: the built-in tasks and environments (``TASKS``, ``ENVIRONMENTS``, the ``TaskModule`` protocol; ``reverse``, ``multiturn``) and their warm
   start.
@@ -31,7 +31,8 @@ import circle anywhere: ``FLOORS`` in ``tests/test_layout.py`` lists every modul
 - the algorithm, no run state: ``model`` (+ ``attention``, ``moe``: experts, routing, replay), ``packing``, ``kernels``, ``lora``, ``grpo``,
   ``advantages``, ``learner``, ``device``, ``dist``.
 - stdlib base: ``atomic`` (atomic files and the commit marker), ``child`` (one child process in its own group, JSON
-  over pipes, deadlines, bounded reads), ``errors`` (``InputError``, ``Interrupted``).
+  over pipes, deadlines, bounded reads), ``errors`` (``InputError``, ``Interrupted``), ``heartbeat`` (progress beats
+  for the watchdog).
 """
 
 __version__ = "0.2.0"

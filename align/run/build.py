@@ -109,6 +109,7 @@ def open_run(cfg: TrainConfig, given: Given | None = None, stop_flag: dict | Non
         _open_rollout(run)
         _open_eval(run)
         _open_pipeline(run)
+        _open_watchdog(run)
     except BaseException as e:
         run.close(after_error=e)
         raise
@@ -346,6 +347,17 @@ def _open_eval(run: Run) -> None:
         run_id=run.run_id,
         fleet=EvalFleet.on_ray_router(cfg.eval, run.ray_eval, run.worker) if run.ray_eval else None,
     )
+
+
+def _open_watchdog(run: Run) -> None:
+    """--stall-timeout-s: the watchdog thread (``align.run.watchdog``); a spool worker's heartbeat goes in stall.txt."""
+    from align.run.watchdog import Watchdog
+
+    run.watchdog = Watchdog(run.out, run.cfg.stall_timeout_s, run.stop_flag)
+    spool = getattr(run.client, "spool", None)
+    if spool is not None:
+        run.watchdog.reports.append((f"rollout worker heartbeat ({spool.root})", spool.read_heartbeat))
+    run.watchdog.start()
 
 
 def _open_pipeline(run: Run) -> None:

@@ -1,0 +1,154 @@
+"""The watchdog (``--stall-timeout-s``, ``align.run.watchdog``): each part hung in turn in a real CLI run of the
+built-in task (a reward, an environment step, the native sampler), and the run ends within a bounded wait with the
+one line naming that part, ``stall.txt`` (thread stacks, calls in flight) and exit status 3. The hangs are real
+(a blocked ``threading.Event().wait()`` in the reward, the environment or ``sample_next``), nothing is faked; the
+negative control is the same run without the hang, which finishes with status 0 and no stall.txt."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers_train import ROOT, cli_args, run_cli
+
+from align.train import main
+
+STALL_S = 3.0  # the runs' --stall-timeout-s: steps of the built-in task take ~0.1 s, so no healthy gap comes near it
+WAIT_S = 240.0  # bound on a whole run here (warm start excluded: the fixture's model is saved)
+
+HANGS = """
+import sys, threading
+sys.path.insert(0, {fixtures!r})
+from turn_envs import Feedback
+CALLS = {{"n": 0}}
+
+def hang_after(n):
+    CALLS["n"] += 1
+    if CALLS["n"] > n and {hang!r}:
+        threading.Event().wait()  # blocked for good: no timeout is on (--reward-timeout-s 0, --env-timeout-s 0)
+
+def reward(prompt, completion, answer, **_):
+    hang_after(3 * 8 * 4)  # steps 1-3 score, step 4 hangs (--prompts-per-step 8 x --group-size 4)
+    return float(completion == answer)
+
+class HangEnv(Feedback):
+    def step(self, completion):
+        hang_after(3 * 8 * 4)
+        return super().step(completion)
+"""
+
+SAMPLER = """
+import sys, threading
+import align.rollout.native as native
+real, calls = native.sample_next, {"n": 0}
+def sample_next(*a, **kw):
+    calls["n"] += 1
+    if calls["n"] > 40:  # past the step-0 eval and a few steps: the decode loop blocks
+        threading.Event().wait()
+    return real(*a, **kw)
+native.sample_next = sample_next
+from align.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _files(tmp_path, hang: bool = True) -> dict:
+    from pathlib import Path
+
+    from align.tasks import reverse
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in reverse.prompts(64, "train")))
+    hangs = tmp_path / "hangs.py"
+    hangs.write_text(HANGS.format(fixtures=str(Path(__file__).parent / "fixtures"), hang=hang))
+    return {"rows": str(rows), "hangs": str(hangs)}
+
+
+def _args(out, model, *extra: str) -> list[str]:
+    return [*cli_args(out, model), "--steps", "8", "--stall-timeout-s", str(STALL_S), "--reward-timeout-s", "0",
+            "--env-timeout-s", "0", *extra]  # fmt: skip
+
+
+def _ended_by_watchdog(proc, out, part: str, stuck: bool = True) -> str:
+    """The run's exit status, its one error line (naming ``part``; ``stuck``: the trainer thread was in the call, so
+    the process exits at once) and stall.txt."""
+    log = proc.communicate(timeout=WAIT_S)[0]  # bounded: the watchdog (or the hard exit after its grace) ends it
+    assert proc.returncode == 3, log[-3000:]
+    lines = [x for x in log.splitlines() if x.startswith("align.train: error:")]
+    assert len(lines) == 1 and lines[0].startswith("align.train: error: stalled: no token"), log[-3000:]
+    assert f"the {part} stopped" in lines[0] and ("exiting without a new checkpoint" in lines[0]) == stuck, lines
+    stall = (out / "stall.txt").read_text()
+    assert stall.startswith("stalled") and "calls in flight" in stall and "thread MainThread" in stall
+    return stall
+
+
+@pytest.mark.parametrize("async_steps", ["0", "1"])
+def test_a_hung_reward_ends_the_run_with_the_line_and_stall_txt(tmp_path, builtin_model, async_steps):
+    """K = 0: the reward blocks the trainer thread, so the process exits after the grace (the last committed
+    checkpoint stays); K = 1: it blocks the producer, the trainer stops at its wait and checkpoints step 3."""
+    f = _files(tmp_path)
+    out = tmp_path / "run"
+    extra = ["--train-data", f["rows"], "--reward", f"{f['hangs']}:reward", "--eval-interval", "0"]
+    proc = run_cli(_args(out, builtin_model, *extra, "--max-async-steps", async_steps))
+    stall = _ended_by_watchdog(proc, out, "reward", stuck=async_steps == "0")
+    assert "reward: for" in stall and "in reward" in stall  # the call in flight; the reward's frame in the stacks
+    ckpts = sorted(int(p.name.split("_")[1]) for p in (out / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert ckpts[-1] == (2 if async_steps == "0" else 3), ckpts  # K = 1: the stop at a safe point saved step 3
+
+
+def test_a_hung_environment_step_ends_the_run(tmp_path, builtin_model):
+    f = _files(tmp_path)
+    out = tmp_path / "run"
+    extra = ["--train-data", f["rows"], "--env", f"{f['hangs']}:HangEnv", "--max-turns", "2", "--eval-interval", "0"]
+    stall = _ended_by_watchdog(run_cli(_args(out, builtin_model, *extra)), out, "environment")
+    assert "call step" in stall and "in step" in stall
+
+
+def test_a_blocked_native_sampler_ends_the_run(tmp_path, builtin_model):
+    """``sample_next`` blocked mid-run (patched in the run's own process by a driver script): the trainer thread is
+    stuck in the decode loop, so the process exits after the grace, naming the sampler."""
+    script = tmp_path / "blocked_sampler.py"
+    script.write_text(SAMPLER)
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, str(script), *_args(out, builtin_model)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stall = _ended_by_watchdog(proc, out, "sampler")
+    assert "engine native" in stall and "in sample_next" in stall
+
+
+def test_negative_control_the_same_run_without_a_hang_finishes(tmp_path, builtin_model, capsys):
+    f = _files(tmp_path, hang=False)
+    out = tmp_path / "run"
+    extra = ["--train-data", f["rows"], "--reward", f"{f['hangs']}:reward", "--eval-interval", "0"]
+    assert main(_args(out, builtin_model, *extra, "--max-async-steps", "1")) == 0
+    assert not (out / "stall.txt").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--stall-timeout-s", "-1"], "--stall-timeout-s -1.0 is invalid: must be a finite number >= 0"),
+        (["--stall-timeout-s", "nan"], "--stall-timeout-s nan is invalid: must be a finite number >= 0"),
+        (["--stall-timeout-s", "inf"], "--stall-timeout-s inf is invalid: must be a finite number >= 0"),
+        (["--stall-timeout-s", "0.5", "--reward-timeout-s", "0", "--env-timeout-s", "0"], "below the minimum (1.0 s)"),
+        (["--stall-timeout-s", "30"], "below --reward-timeout-s (60.0 s)"),
+        (["--stall-timeout-s", "70", "--reward-timeout-s", "5", "--env-timeout-s", "80"], "below --env-timeout-s"),
+        (["--stall-timeout-s", "100", "--rollout", "spool"], "below --rollout-timeout-s (600.0 s)"),
+    ],
+)
+def test_bad_stall_timeout_is_one_clear_error_before_anything_loads(tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit) as e:
+        main(["--out", str(tmp_path / "never"), *extra])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "never").exists()  # nothing made, nothing loaded
+
+
+def test_stall_timeout_zero_is_off_and_the_default_is_on():
+    from align.train import TrainConfig
+
+    assert TrainConfig().stall_timeout_s == 1800.0 and math.isfinite(TrainConfig(stall_timeout_s=0).stall_timeout_s)
