@@ -24,7 +24,7 @@ import circle anywhere: ``FLOORS`` in ``tests/test_layout.py`` lists every modul
   transport, stdlib), ``protocol`` (the data contract, stdlib: the vLLM worker's one import, re-exporting both),
   ``native`` (the sampler), ``cpu_kernel``, ``sessions``, ``client``, ``backends`` (the ``BACKENDS``
   table), ``teacher_logprobs`` (the ``score`` request,
-  stdlib), ``watcher``, ``groups`` (``Episode``, ``Groups``), ``engines``, ``pipeline``.
+  stdlib), ``watcher``, ``deadlines`` (``--group-timeout-s``), ``groups`` (``Episode``, ``Groups``), ``engines``, ``pipeline``.
 - what goes in: ``data``, ``chat`` (HF tokenizer, chat template, turns), ``char_tokenizer``, ``specs`` (loading
   ``module:name`` / ``file.py:name``), ``rewards`` (+ ``reward_pool``: the worker processes;
   ``reward_calls``: TRL-shaped batch and ``async`` calls), ``verifiers``.

@@ -306,6 +306,7 @@ class RewardScorer:
                 )
             self.pool = WorkerPool([r.spec for r in rewards], workers, timeout_s)
         self._lock = threading.Lock()
+        self.concurrent = False  # --group-timeout-s: in-process calls of several groups run at once (no lock)
 
     @property
     def names(self) -> list[str]:
@@ -331,7 +332,8 @@ class RewardScorer:
 
         per_item = [k for k, r in enumerate(self.rewards) if not r.batched]
         got: dict[tuple[int, int], tuple[str, Any]] = {}
-        with self._lock, heartbeat.working("reward", items=len(items)):
+        lock = self._lock if self.pool is not None or not self.concurrent else contextlib.nullcontext()
+        with lock, heartbeat.working("reward", items=len(items)):
             for k, r in enumerate(self.rewards):
                 if r.batched:  # TRL's batch signature: one call for the whole batch, in this process
                     check_stop()

@@ -152,3 +152,112 @@ def test_stall_timeout_zero_is_off_and_the_default_is_on():
     from align.train import TrainConfig
 
     assert TrainConfig().stall_timeout_s == 1800.0 and math.isfinite(TrainConfig(stall_timeout_s=0).stall_timeout_s)
+
+
+# ------------------------------------------------------------------------------------------------ group deadlines
+
+DEADLINE_REWARD = """
+import os, threading, time
+LOCK, SEEN = threading.Lock(), {{"calls": 0}}
+
+def reward(prompt, completion, answer, hang=False, **_):
+    with LOCK:
+        SEEN["calls"] += hang
+        stuck = hang and SEEN["calls"] == 2  # the hang row's second completion, once: its first one finishes
+    if stuck:
+        open({marker!r}, "w").close()
+        while not os.path.exists({release!r}):  # held until the test releases it
+            time.sleep(0.05)
+    return float(completion == answer)
+"""
+
+
+def _deadline_run(tmp_path, builtin_model, *extra: str) -> tuple[int, list[dict], list[dict]]:
+    """A 2-step run over 8 rows (4 per step, so the hang row is in one of them) with the reward above; a helper
+    thread releases the stuck call once the run ended or, failing that, after a bound (the test then fails, not
+    hangs). Returns main's status, the step records and the completions log."""
+    import threading
+
+    from align.tasks import reverse
+
+    rows = reverse.prompts(8, "train")
+    rows[0]["hang"] = True
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    marker, release = tmp_path / "stuck", tmp_path / "release"
+    spec = tmp_path / "deadline_reward.py"
+    spec.write_text(DEADLINE_REWARD.format(marker=str(marker), release=str(release)))
+    out = tmp_path / "run"
+    finished = threading.Event()
+
+    def release_later() -> None:
+        finished.wait(WAIT_S)
+        release.touch()
+
+    threading.Thread(target=release_later, daemon=True).start()
+    try:
+        rc = main([*cli_args(out, builtin_model), "--train-data", str(data), "--reward", f"{spec}:reward",
+                   "--steps", "2", "--prompts-per-step", "4", "--eval-interval", "0", "--reward-timeout-s", "0",
+                   *extra])  # fmt: skip
+    finally:
+        finished.set()
+    assert marker.exists()  # the hang happened
+    read = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    log = out / "completions.jsonl"  # written only when there is something to log
+    logged = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+    return rc, [r for r in read if "loss" in r], logged
+
+
+def test_group_deadline_evicts_the_hung_group_and_refills_its_prompt(tmp_path, builtin_model):
+    rc, steps, logged = _deadline_run(tmp_path, builtin_model, "--group-timeout-s", "2")
+    assert rc == 0 and len(steps) == 2
+    assert sorted(r["rollout/evicted_groups"] for r in steps) == [0, 1]
+    hit = next(r for r in steps if r["rollout/evicted_groups"])
+    assert hit["unscorable"] == 0  # the refilled prompt's group was scored in full: nothing of the hung one trains
+    why = [r["evicted_group"] for r in logged if "evicted_group" in r]
+    assert len(why) == 1 and why[0]["prompt"] == 0 and why[0]["policy"] == "refill"
+    assert "past --group-timeout-s 2 (1 of 4 completions scored" in why[0]["why"]
+
+
+def test_group_deadline_mask_trains_the_finished_members(tmp_path, builtin_model):
+    rc, steps, logged = _deadline_run(tmp_path, builtin_model, "--group-timeout-s", "2", "--evict-policy", "mask")
+    assert rc == 0
+    hit = next(r for r in steps if r["rollout/evicted_groups"])
+    assert hit["unscorable"] == 3  # the hung group's first completion trains; the other 3 are unscorable
+    assert [r["evicted_group"]["policy"] for r in logged if "evicted_group" in r] == ["mask"]
+
+
+def test_negative_control_without_a_deadline_the_step_waits_for_the_group(tmp_path, builtin_model):
+    """No --group-timeout-s: the step waits for the stuck reward until the helper releases it (after the run would
+    have ended with a deadline); every completion is scored and nothing is evicted."""
+    import threading
+    import time
+
+    from helpers_train import POLL_S
+
+    def release_when_stuck() -> None:  # poll for the hang, then let it go
+        deadline = time.monotonic() + WAIT_S
+        while not (tmp_path / "stuck").exists() and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        (tmp_path / "release").touch()
+
+    threading.Thread(target=release_when_stuck, daemon=True).start()
+    rc, steps, logged = _deadline_run(tmp_path, builtin_model)
+    assert rc == 0 and all("rollout/evicted_groups" not in r and r["unscorable"] == 0 for r in steps)
+    assert not [r for r in logged if "evicted_group" in r]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--group-timeout-s", "-1"], "--group-timeout-s -1.0 is invalid: must be a finite number >= 0"),
+        (["--group-timeout-s", "nan"], "--group-timeout-s nan is invalid"),
+        (["--group-timeout-s", "0.5"], "below the minimum 1.0 s"),
+        (["--group-timeout-s", "5", "--reward-workers", "2"], "use --reward-workers 1 with --group-timeout-s"),
+        (["--evict-policy", "wait"], "--evict-policy must be one of ('refill', 'mask')"),
+    ],
+)
+def test_bad_group_deadline_is_one_clear_error(tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit) as e:
+        main(["--out", str(tmp_path / "never"), *extra])
+    assert e.value.code == 2 and message in capsys.readouterr().err

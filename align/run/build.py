@@ -135,6 +135,8 @@ def _open_files_and_task(
     has_reward = task.reward is not None or cfg.rewards.reward
     needs_scorer = has_reward or not (sampler.terms or cfg.distill.distill_only)  # an environment rewards by itself
     run.scorer = sampler.scorer = make_scorer(cfg.rewards, task.reward, rows) if needs_scorer else None
+    if run.scorer is not None:  # --group-timeout-s: each group scored in its own thread (align.rollout.deadlines)
+        run.scorer.concurrent = cfg.group_timeout_s > 0
     check_teacher(cfg, run.model_path, task.tokenizer, task.prompts)  # --teacher: an HF dir, the same tokenizer
     run.pass_reward = None  # the reward that decides pass@k (--eval-pass-reward); refused before the model loads
     names = [*sampler.terms, *(run.scorer.names if run.scorer else [])]

@@ -144,6 +144,8 @@ class Run:
                 self.cfg.log.log_completions_groups,
             ):
                 self.samples.write(r)
+        for e in groups.evicted:  # --group-timeout-s: each evicted group and why, in the completions log
+            self.samples.write({"step": rec["step"], "evicted_group": e})
         self.nonfinite.add(upd, rec["step"])
 
     def eval_step(self, step: int, is_final: bool) -> list[dict]:

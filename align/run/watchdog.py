@@ -37,7 +37,8 @@ GRACE_S = 60.0  # how long a trainer thread at a safe point gets to checkpoint a
 
 @dataclass
 class WatchdogConfig:
-    """The watchdog's section of ``TrainConfig`` (flat: ``--stall-timeout-s``)."""
+    """The watchdog's and the group deadlines' section of ``TrainConfig`` (flat: ``--stall-timeout-s``,
+    ``--group-timeout-s``, ``--evict-policy``)."""
 
     stall_timeout_s: float = field(
         default=1800.0,
@@ -50,8 +51,29 @@ class WatchdogConfig:
         },
     )
 
+    group_timeout_s: float = field(
+        default=0.0,
+        metadata={
+            "help": "Group deadline: a group whose rewards are not all scored this many seconds after scoring began is "
+            "evicted (counted in rollout/evicted_groups, named in the completions log) and handled by --evict-policy; "
+            "0 = off. Needs --reward-workers 1."
+        },
+    )
+    evict_policy: str = field(
+        default="refill",
+        metadata={
+            "help": "An evicted group: 'refill' (its prompt is replaced by a fresh one from the data, within "
+            "--max-refill-rounds; past them it trains masked) or 'mask' (its finished members train, the rest are "
+            "unscorable)."
+        },
+    )
+
     def check_watchdog(self) -> None:
-        """0 or a finite number no smaller than one call may take by configuration (``TrainConfig`` calls this)."""
+        """--stall-timeout-s: 0 or a finite number no smaller than one call may take by configuration; the group
+        deadline's rules (``align.rollout.deadlines.check_deadline``). ``TrainConfig`` calls this."""
+        from align.rollout.deadlines import check_deadline
+
+        check_deadline(self)
         v = self.stall_timeout_s
         if not math.isfinite(v) or v < 0:
             raise ValueError(f"--stall-timeout-s {v!r} is invalid: must be a finite number >= 0 (0 = off)")
