@@ -53,6 +53,13 @@ def snapshot() -> tuple[dict[str, float], list[tuple[str, float, dict, int]]]:
         return dict(_last), sorted(_inflight.values(), key=lambda c: c[1])
 
 
+def forget(thread_ids: set[int]) -> None:
+    """Drop the calls in flight of abandoned threads (an evicted group's): they no longer hold the run up."""
+    with _lock:
+        for key in [k for k, c in _inflight.items() if c[3] in thread_ids]:
+            del _inflight[key]
+
+
 def reset() -> None:
     """Forget every beat and call (a new run in this process starts its watchdog from here)."""
     with _lock:

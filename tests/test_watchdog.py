@@ -261,3 +261,40 @@ def test_bad_group_deadline_is_one_clear_error(tmp_path, capsys, extra, message)
     with pytest.raises(SystemExit) as e:
         main(["--out", str(tmp_path / "never"), *extra])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_line_names_the_oldest_call_in_flight_and_forgets_abandoned_ones(tmp_path):
+    """``Watchdog.describe`` / ``report`` on live calls of two threads (no run): the oldest call's part is named,
+    stall.txt's report lists both with their info and every thread's stack; an abandoned thread's call (an evicted
+    group's, ``heartbeat.forget``) no longer counts (negative control: then the next one is named)."""
+    import threading
+
+    from align import heartbeat
+    from align.run.watchdog import Watchdog
+
+    heartbeat.reset()
+    release, entered = threading.Event(), [threading.Event(), threading.Event()]
+
+    def hold(part: str, k: int, **info) -> None:
+        with heartbeat.working(part, **info):
+            entered[k].set()
+            release.wait(WAIT_S)
+
+    threads = [threading.Thread(target=hold, args=("reward", 0), kwargs={"items": 3}, daemon=True)]
+    threads.append(threading.Thread(target=hold, args=("sampler", 1), kwargs={"engine": "native"}, daemon=True))
+    threads[0].start()
+    entered[0].wait(WAIT_S)
+    threads[1].start()
+    entered[1].wait(WAIT_S)
+    try:
+        dog = Watchdog(tmp_path, 5.0, {})
+        assert "the reward stopped" in dog.describe(6.0) and "items 3" in dog.describe(6.0)
+        report = dog.report(dog.describe(6.0))
+        assert "calls in flight (2)" in report and "engine native" in report and "in hold" in report
+        heartbeat.forget({threads[0].ident})
+        assert "the sampler stopped" in dog.describe(6.0)
+        heartbeat.forget({threads[1].ident})
+        assert "between parts" in dog.describe(6.0)
+    finally:
+        release.set()
+        heartbeat.reset()

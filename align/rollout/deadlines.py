@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from align import heartbeat
 from align.rewards import Scores
 
 EVICT_POLICIES = {
@@ -55,8 +56,11 @@ def score_by_group(
             done[p].set()
 
     start = time.monotonic()
-    for p, js in members.items():
-        threading.Thread(target=run, args=(p, js), name=f"align-group-{p}", daemon=True).start()
+    threads = {
+        p: threading.Thread(target=run, args=(p, js), name=f"align-group-{p}", daemon=True) for p, js in members.items()
+    }
+    for t in threads.values():
+        t.start()
     deadline = start + timeout_s
     for ev in done.values():
         ev.wait(max(0.0, deadline - time.monotonic()))
@@ -65,6 +69,7 @@ def score_by_group(
     evicted = {}
     for p, js in members.items():
         if not done[p].is_set():
+            heartbeat.forget({threads[p].ident})  # abandoned: the watchdog no longer counts its call
             finished = sum(got[j] is not None for j in js)
             evicted[p] = (
                 f"rewards past --group-timeout-s {timeout_s:g} ({finished} of {len(js)} completions scored in "
