@@ -7,7 +7,6 @@ negative control is the same run without the hang, which finishes with status 0 
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -148,10 +147,14 @@ def test_bad_stall_timeout_is_one_clear_error_before_anything_loads(tmp_path, ca
     assert not (tmp_path / "never").exists()  # nothing made, nothing loaded
 
 
-def test_stall_timeout_zero_is_off_and_the_default_is_on():
+def test_stall_timeout_default_is_on_and_above_every_call_timeout():
+    from align.rewards import RewardConfig
     from align.train import TrainConfig
 
-    assert TrainConfig().stall_timeout_s == 1800.0 and math.isfinite(TrainConfig(stall_timeout_s=0).stall_timeout_s)
+    assert TrainConfig().stall_after_s == 1800.0 and TrainConfig(stall_timeout_s=0).stall_after_s == 0
+    assert TrainConfig(rewards=RewardConfig(reward_timeout_s=5000)).stall_after_s == 5000  # the default follows
+    with pytest.raises(ValueError, match="below --reward-timeout-s"):  # an explicit value does not
+        TrainConfig(rewards=RewardConfig(reward_timeout_s=5000), stall_timeout_s=1800)
 
 
 # ------------------------------------------------------------------------------------------------ group deadlines

@@ -355,7 +355,7 @@ def _open_watchdog(run: Run) -> None:
     """--stall-timeout-s: the watchdog thread (``align.run.watchdog``); a spool worker's heartbeat goes in stall.txt."""
     from align.run.watchdog import Watchdog
 
-    run.watchdog = Watchdog(run.out, run.cfg.stall_timeout_s, run.stop_flag)
+    run.watchdog = Watchdog(run.out, run.cfg.stall_after_s, run.stop_flag)
     spool = getattr(run.client, "spool", None)
     if spool is not None:
         run.watchdog.reports.append((f"rollout worker heartbeat ({spool.root})", spool.read_heartbeat))

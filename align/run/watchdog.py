@@ -31,6 +31,7 @@ from align.run.cli import STALL_EXIT
 
 log = logging.getLogger(__name__)
 
+DEFAULT_STALL_S = 1800.0  # half an hour without a token, reward, environment step or optimizer step
 MIN_STALL_S = 1.0  # the smallest --stall-timeout-s: a token of a small model on a busy CPU takes well under this
 GRACE_S = 60.0  # how long a trainer thread at a safe point gets to checkpoint and return before the process exits
 
@@ -40,14 +41,15 @@ class WatchdogConfig:
     """The watchdog's and the group deadlines' section of ``TrainConfig`` (flat: ``--stall-timeout-s``,
     ``--group-timeout-s``, ``--evict-policy``)."""
 
-    stall_timeout_s: float = field(
-        default=1800.0,
+    stall_timeout_s: float | None = field(
+        default=None,
         metadata={
             "help": "Watchdog: when no token, reward, environment step or optimizer step completes for this many "
             "seconds, write stall.txt in the run dir (thread stacks, calls in flight), checkpoint what is committed "
-            f"and exit {STALL_EXIT} naming the part that stopped. 0 = off; else at least {MIN_STALL_S:.0f} s and at "
-            "least every per-call timeout that is on (--reward-timeout-s, --env-timeout-s, and --rollout-timeout-s "
-            "with a spool worker)."
+            f"and exit {STALL_EXIT} naming the part that stopped. None (default) = {DEFAULT_STALL_S:.0f} s, or the "
+            f"largest per-call timeout if that is longer; 0 = off; else at least {MIN_STALL_S:.0f} s and at least "
+            "every per-call timeout that is on (--reward-timeout-s, --env-timeout-s, and --rollout-timeout-s with a "
+            "spool worker)."
         },
     )
 
@@ -75,21 +77,33 @@ class WatchdogConfig:
 
         check_deadline(self)
         v = self.stall_timeout_s
+        if v is None:
+            return
         if not math.isfinite(v) or v < 0:
             raise ValueError(f"--stall-timeout-s {v!r} is invalid: must be a finite number >= 0 (0 = off)")
-        if v == 0:
-            return
+        name, floor = self.stall_floor()
+        if v and v < floor:
+            raise ValueError(
+                f"--stall-timeout-s {v!r} is invalid: below {name} ({floor} s), so one call the run allows would "
+                f"count as a stall; use --stall-timeout-s >= {floor} (or lower {name}, or 0 to turn the watchdog off)"
+            )
+
+    def stall_floor(self) -> tuple[str, float]:
+        """The longest one call may take by configuration, and the flag that sets it."""
         floors = {"the minimum": MIN_STALL_S}
         floors["--reward-timeout-s"] = self.rewards.reward_timeout_s
         floors["--env-timeout-s"] = self.envs.env_timeout_s
         if self.rollout != "native":  # one answer of a worker may take this long
             floors["--rollout-timeout-s"] = self.rollout_timeout_s
-        name, floor = max(floors.items(), key=lambda kv: kv[1])
-        if v < floor:
-            raise ValueError(
-                f"--stall-timeout-s {v!r} is invalid: below {name} ({floor} s), so one call the run allows would "
-                f"count as a stall; use --stall-timeout-s >= {floor} (or lower {name}, or 0 to turn the watchdog off)"
-            )
+        return max(floors.items(), key=lambda kv: kv[1])
+
+    @property
+    def stall_after_s(self) -> float:
+        """The watchdog's timeout in effect (0 = off): the flag, or by default the larger of DEFAULT_STALL_S and
+        the longest call the configuration allows."""
+        if self.stall_timeout_s is not None:
+            return self.stall_timeout_s
+        return max(DEFAULT_STALL_S, self.stall_floor()[1])
 
 
 class Watchdog:
