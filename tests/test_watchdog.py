@@ -42,8 +42,8 @@ class HangEnv(Feedback):
 
 SAMPLER = """
 import sys, threading
-import align.rollout.native as native
-real, calls = native.sample_next, {"n": 0}
+import align.rollout.{module} as native
+real, calls = native.sample_next, {{"n": 0}}
 def sample_next(*a, **kw):
     calls["n"] += 1
     if calls["n"] > 40:  # past the step-0 eval and a few steps: the decode loop blocks
@@ -107,17 +107,32 @@ def test_a_hung_environment_step_ends_the_run(tmp_path, builtin_model):
     assert "call step" in stall and "in step" in stall
 
 
-def test_a_blocked_native_sampler_ends_the_run(tmp_path, builtin_model):
+@pytest.mark.parametrize("module", ["native", "sessions"])
+def test_a_blocked_native_sampler_ends_the_run(tmp_path, builtin_model, module):
     """``sample_next`` blocked mid-run (patched in the run's own process by a driver script): the trainer thread is
-    stuck in the decode loop, so the process exits after the grace, naming the sampler."""
+    stuck in the decode loop, so the process exits at once, naming the sampler. ``sessions``: the episodes' decode
+    loop (kept KV cache) of an --env run."""
     script = tmp_path / "blocked_sampler.py"
-    script.write_text(SAMPLER)
+    script.write_text(SAMPLER.format(module=module))
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, str(script), *_args(out, builtin_model)]
+    extra = []
+    if module == "sessions":
+        f = _files(tmp_path, hang=False)
+        extra = [
+            "--train-data",
+            f["rows"],
+            "--env",
+            f"{f['hangs']}:HangEnv",
+            "--max-turns",
+            "2",
+            "--eval-interval",
+            "0",
+        ]
+    cmd = [sys.executable, str(script), *_args(out, builtin_model, *extra)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     stall = _ended_by_watchdog(proc, out, "sampler")
-    assert "engine native" in stall and "in sample_next" in stall
+    assert ("engine native session" in stall) == (module == "sessions") and "in sample_next" in stall
 
 
 def test_negative_control_the_same_run_without_a_hang_finishes(tmp_path, builtin_model, capsys):
