@@ -13,7 +13,7 @@ import circle anywhere: ``FLOORS`` in ``tests/test_layout.py`` lists every modul
 - ``align.run``: a run directory and its life: ``config`` (TrainConfig), ``cli`` (+ ``help``: grouped ``--help``,
   one-line errors; ``config_file``: ``--config`` TOML / YAML / JSON), ``presets``, ``advice`` (warnings), ``build``
   (``open_run() -> Run``), ``parts`` (``Run``, ``Learner``, ``Checkpointer``), ``checkpoint`` (single-process and DCP), ``safety``, ``log``, ``plot``, ``task``,
-  ``teacher`` (on-policy distillation's teacher).
+  ``teacher`` (on-policy distillation's teacher), ``watchdog`` (``--stall-timeout-s``).
 - ``align.eval``: held-out evaluation (blocking, snapshot dispatch, fleets, pinned epochs) and its metrics.
 - ``align.tasks``: the built-in tasks and environments (``TASKS``, ``ENVIRONMENTS``, the ``TaskModule`` protocol; ``reverse``, ``multiturn``) and their warm
   start.
@@ -24,14 +24,15 @@ import circle anywhere: ``FLOORS`` in ``tests/test_layout.py`` lists every modul
   transport, stdlib), ``protocol`` (the data contract, stdlib: the vLLM worker's one import, re-exporting both),
   ``native`` (the sampler), ``cpu_kernel``, ``sessions``, ``client``, ``backends`` (the ``BACKENDS``
   table), ``teacher_logprobs`` (the ``score`` request,
-  stdlib), ``watcher``, ``groups`` (``Episode``, ``Groups``), ``engines``, ``pipeline``.
+  stdlib), ``watcher``, ``deadlines`` (``--group-timeout-s``), ``groups`` (``Episode``, ``Groups``), ``engines``, ``pipeline``.
 - what goes in: ``data``, ``chat`` (HF tokenizer, chat template, turns), ``char_tokenizer``, ``specs`` (loading
   ``module:name`` / ``file.py:name``), ``rewards`` (+ ``reward_pool``: the worker processes;
   ``reward_calls``: TRL-shaped batch and ``async`` calls), ``verifiers``.
 - the algorithm, no run state: ``model`` (+ ``attention``, ``moe``: experts, routing, replay), ``packing``, ``kernels``, ``lora``, ``grpo``,
   ``advantages``, ``learner``, ``device``, ``dist``.
 - stdlib base: ``atomic`` (atomic files and the commit marker), ``child`` (one child process in its own group, JSON
-  over pipes, deadlines, bounded reads), ``errors`` (``InputError``, ``Interrupted``).
+  over pipes, deadlines, bounded reads), ``errors`` (``InputError``, ``Interrupted``), ``heartbeat`` (progress beats
+  for the watchdog).
 """
 
 __version__ = "0.2.0"

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from align import dist, moe, packing
+from align import dist, heartbeat, moe, packing
 from align.advantages import add_teacher_signal
 from align.device import PRECISIONS, Placement, precision_from_legacy
 from align.errors import InputError
@@ -420,6 +420,7 @@ def backward_batch(
         )
         loss, st = moe.add_router_terms(loss, st, routing, cfg, float(m.sum()) / total_tokens)
         loss.backward()
+        heartbeat.beat("learner")  # a micro-batch: progress for the watchdog (align.run.watchdog)
         stats.append(st)
     return dist.merge_rank_stats(stats, merge_stats)
 

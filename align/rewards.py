@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from align import heartbeat
 from align.data import InputError
 from align.errors import Interrupted
 from align.reward_pool import WorkerPool
@@ -305,6 +306,7 @@ class RewardScorer:
                 )
             self.pool = WorkerPool([r.spec for r in rewards], workers, timeout_s)
         self._lock = threading.Lock()
+        self.concurrent = False  # --group-timeout-s: in-process calls of several groups run at once (no lock)
 
     @property
     def names(self) -> list[str]:
@@ -330,7 +332,8 @@ class RewardScorer:
 
         per_item = [k for k, r in enumerate(self.rewards) if not r.batched]
         got: dict[tuple[int, int], tuple[str, Any]] = {}
-        with self._lock:
+        lock = self._lock if self.pool is not None or not self.concurrent else contextlib.nullcontext()
+        with lock, heartbeat.working("reward", items=len(items)):
             for k, r in enumerate(self.rewards):
                 if r.batched:  # TRL's batch signature: one call for the whole batch, in this process
                     check_stop()
@@ -344,6 +347,7 @@ class RewardScorer:
                     for k in per_item:
                         check_stop()  # also a stop a reward swallowed (a bare ``except:``) in the call before
                         got[i, k] = self._call(self.rewards[k], (prompt_of(rec), text), _fields(rec), should_stop)
+                        heartbeat.beat("reward")
             check_stop()
         results = [got[i, k] for i in range(len(items)) for k in range(len(self.rewards))]
         return self._combine(len(items), results)

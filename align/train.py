@@ -135,6 +135,7 @@ def step_record(
             for n, v in scores.terms.items()
         },
         **refill,
+        **({"rollout/evicted_groups": len(groups.evicted)} if cfg.group_timeout_s else {}),
         **(env_stats(groups.completions) if hasattr(groups.completions[0], "turns") else {}),  # episodes
         "completion_len_mean": gen_tokens / len(groups.completions),
         "truncated_frac": float(scores.truncated.float().mean()),

@@ -27,14 +27,14 @@ FMT_SKIP_ALLOWED: dict[str, str] = {}
 # The floors of align/, bottom first (module names relative to ``align``; "" is the package itself). A module may
 # import modules of its own floor or of a lower one, never of a higher one; a module on no floor fails the test.
 FLOORS = [
-    ("stdlib base", " atomic child errors"),
+    ("stdlib base", " atomic child errors heartbeat"),
     ("the algorithm", "attention moe model packing kernels lora grpo advantages device dist learner"),
     ("what goes in", "char_tokenizer chat data specs verifiers reward_calls reward_pool rewards"),
     (
         "the rollout wing",
         (
             "rollout rollout.process rollout.message rollout.spool rollout.protocol rollout.cpu_kernel rollout.native "
-            "rollout.sessions rollout.client rollout.watcher rollout.teacher_logprobs rollout.groups rollout.engines rollout.backends "
+            "rollout.sessions rollout.client rollout.watcher rollout.teacher_logprobs rollout.deadlines rollout.groups rollout.engines rollout.backends "
             "rollout.pipeline"
         ),
     ),
@@ -53,7 +53,7 @@ FLOORS = [
     (
         "the run wing",
         (
-            "run run.parts run.fields run.help run.cli run.config_file run.advice run.presets run.log run.plot run.safety run.checkpoint run.teacher run.config run.task "
+            "run run.parts run.fields run.help run.cli run.config_file run.advice run.presets run.log run.plot run.safety run.checkpoint run.teacher run.watchdog run.config run.task "
             "run.build"
         ),
     ),

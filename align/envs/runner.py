@@ -40,6 +40,7 @@ import time
 import traceback
 from typing import Any
 
+from align import heartbeat
 from align.child import Child, ChildError, close_all
 from align.data import InputError
 from align.envs import EnvError, Step, check_env_class, check_observation, check_step
@@ -337,6 +338,10 @@ class EnvRunner:
             return self._home[episode][0]
 
     def _run(self, j: int, episode: int, op: str, payload: str | None, arg: Any) -> Any:
+        with heartbeat.working("environment", call=op, episode=episode):  # progress for the watchdog
+            return self._run_call(j, episode, op, payload, arg)
+
+    def _run_call(self, j: int, episode: int, op: str, payload: str | None, arg: Any) -> Any:
         if j < 0:
             with self._lock if not self.concurrent else self._episode_lock(episode):
                 if (episode in self._envs) != (op != "open"):

@@ -121,6 +121,8 @@ class Turns:
             self.names,
             cfg.adv_refill,
             cfg.max_refill_rounds,
+            cfg.group_timeout_s,
+            cfg.evict_policy,
         )
         rows.add(groups, t)
         return groups

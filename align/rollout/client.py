@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from align import heartbeat
 from align.atomic import hold_lock
 from align.rollout.protocol import (
     Completion,
@@ -166,7 +167,8 @@ class SpoolClient:
             vocab = hb.get("vocab_size") if isinstance(hb.get("vocab_size"), int) else None
             checked[:] = check_completions(resp.body, msg.body["prompts"], params, source, vocab_size=vocab)
 
-        body = self.wait(msg.id, expect="completions", check=check)
+        with heartbeat.working("sampler", request=msg.id, engine=self.spool.root):
+            body = self.wait(msg.id, expect="completions", check=check)
         self._basis = body["logprob_basis"]
         self.weights_version = body["weights_version"]
         self.last_timings = body["timings"]

@@ -87,6 +87,7 @@ class Groups:
     sampled_prompts: int = 0
     signal_groups: int = 0
     scored: int = 0
+    evicted: list[dict] = field(default_factory=list)  # --group-timeout-s: the groups evicted and why
 
     def tensors(self, G: int) -> GroupTensors:
         """The scores, lengths and truncation flags as (P, G) tensors (a missing completion stays NaN / 0)."""
@@ -134,15 +135,24 @@ def collect_groups(
     names: list[str],
     refill: bool = False,
     max_rounds: int = 0,
+    group_timeout_s: float = 0.0,
+    evict_policy: str = "refill",
 ) -> Groups:
     """Sample and score ``P`` groups. With ``refill`` (DAPO dynamic sampling), groups without reward variance are
     set aside and fresh prompts sampled (round r = 1..max_rounds) until ``P`` groups have signal; if the rounds
     run out, set-aside groups fill the batch (their advantages are zero). ``sample(idx, round)`` returns
     completions whose ``prompt_index`` indexes ``idx``; ``text_of(completion)`` is what the rewards read;
     ``score(items, completions)`` scores the (record, text) items (``names``: its terms; a run's stop flag rides in
-    it: ``RewardScorer.score(items, should_stop)`` ends with ``Interrupted``)."""
+    it: ``RewardScorer.score(items, should_stop)`` ends with ``Interrupted``). ``group_timeout_s`` > 0: each group's
+    rewards within that deadline (``align.rollout.deadlines``); an evicted group is refilled (another round, which
+    ``max_rounds`` bounds: past it the group trains masked) or masked (``evict_policy``), and listed in
+    ``Groups.evicted``."""
+    from align.rollout.deadlines import score_by_group
+
     kept: list[Group] = []
     dropped: list[Group] = []
+    evicted: list[dict] = []  # {"prompt": row index, "round": r, "why": ..., "policy": ...}
+    masked: list[Group] = []  # evicted groups set aside for refill: they train masked if the rounds run out
     errors: list[str] = []
     timeouts = failed = scored = sampled = rounds = 0
     need = P
@@ -151,12 +161,17 @@ def collect_groups(
         sampled += len(idx)
         comps = sample(idx, rounds)
         texts = [text_of(c) for c in comps]
-        s = score([(record(idx[c.prompt_index]), t) for c, t in zip(comps, texts)], comps)
-        errors += s.errors
-        timeouts, failed, scored = timeouts + s.timeouts, failed + s.failed, scored + len(comps)
+        items = [(record(idx[c.prompt_index]), t) for c, t in zip(comps, texts)]
         members: dict[int, list[int]] = {}
         for j, c in enumerate(comps):
             members.setdefault(c.prompt_index, []).append(j)
+        late: dict[int, str] = {}
+        if group_timeout_s > 0:
+            s, late = score_by_group(score, items, comps, members, group_timeout_s, names)
+        else:
+            s = score(items, comps)
+        errors += s.errors
+        timeouts, failed, scored = timeouts + s.timeouts, failed + s.failed, scored + len(comps)
         for p, i in enumerate(idx):
             js = members.get(p, [])
             group = Group(
@@ -166,12 +181,19 @@ def collect_groups(
                 [s.totals[j] for j in js],
                 {n: [v[j] for j in js] for n, v in s.terms.items()},
             )
+            if p in late:
+                evicted.append({"prompt": i, "round": rounds, "why": late[p], "policy": evict_policy})
+                log.warning("group of prompt %d evicted (%s): %s", i, evict_policy, late[p])
+                if evict_policy == "refill":
+                    masked.append(group)
+                    continue
             (kept if not refill or has_signal(group.totals) else dropped).append(group)
-        if not refill or len(kept) >= P or rounds >= max_rounds:
+        refill_now = evict_policy == "refill" and bool(late)  # evicted prompts to replace
+        if (not refill and not refill_now) or len(kept) >= P or rounds >= max_rounds:
             break
         rounds += 1
         need = P - len(kept)
-    final = (kept + dropped)[:P]
+    final = (kept + dropped + masked)[:P]
     out = Groups(
         [],
         [],
@@ -181,6 +203,7 @@ def collect_groups(
         sampled_prompts=sampled,
         signal_groups=sum(has_signal(g.totals) for g in final),
         scored=scored,
+        evicted=evicted,
     )
     for p, g in enumerate(final):
         out.idx.append(g.prompt)

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from align import heartbeat
 from align.model import MLP, Attention, KVCache, Linear, Transformer
 from align.moe import Routing, moe_layers
 from align.rollout import cpu_kernel
@@ -272,7 +273,7 @@ def generate(
     draws the uniforms of all ``total`` rows and keeps its own, so every row samples exactly what it samples in the
     one large call."""
     packing = packed_weights(model, len(prompts) * params.n) if pack_weights else contextlib.nullcontext()
-    with torch.inference_mode(), packing:
+    with torch.inference_mode(), packing, heartbeat.working("sampler", engine="native", rows=len(prompts) * params.n):
         return _generate(model, prompts, params, rows)
 
 
@@ -338,6 +339,7 @@ def _generate(
 
     for t in range(max_new):
         tok, lp, slp = sample_next(logits, params, generator, draw_id, total, seen)
+        heartbeat.beat("sampler")  # a token per row: progress for the watchdog (align.run.watchdog)
         if seen is not None:
             seen[torch.arange(tok.shape[0], device=device), tok] = True
         # Rows already done (awaiting compaction) write past their length; the final slicing drops it.

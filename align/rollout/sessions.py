@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 
+from align import heartbeat
 from align.model import KVCache, Transformer
 from align.rollout.native import packed_weights, sample_next, validate_prompts
 from align.rollout.protocol import SamplingParams
@@ -145,6 +146,10 @@ class Session:
         c.valid = torch.nn.functional.pad(c.valid, (0, grow))
 
     def _decode(self, logits: torch.Tensor, max_new: list[int]) -> list[Turn]:
+        with heartbeat.working("sampler", engine="native session", rows=len(self.rows)):  # for the watchdog
+            return self._decode_rows(logits, max_new)
+
+    def _decode_rows(self, logits: torch.Tensor, max_new: list[int]) -> list[Turn]:
         """Sample until every row stopped or used its budget; the slots a row wrote after its end become invalid."""
         params, cache, dev = self.params, self.cache, self.device
         R = len(self.rows)
@@ -168,6 +173,7 @@ class Session:
         tok = torch.zeros(R, dtype=torch.long, device=dev)
         for t in range(steps):
             tok, lp, slp = sample_next(logits, params, generator, row_id, self.total)
+            heartbeat.beat("sampler")  # a token per row: progress for the watchdog (align.run.watchdog)
             out_tok[:, t], out_lp[:, t], out_slp[:, t] = tok, lp, slp
             hit = torch.isin(tok, stop_ids) if stop_ids is not None else torch.zeros_like(done)
             hit &= ~done

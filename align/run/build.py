@@ -109,6 +109,7 @@ def open_run(cfg: TrainConfig, given: Given | None = None, stop_flag: dict | Non
         _open_rollout(run)
         _open_eval(run)
         _open_pipeline(run)
+        _open_watchdog(run)
     except BaseException as e:
         run.close(after_error=e)
         raise
@@ -134,6 +135,8 @@ def _open_files_and_task(
     has_reward = task.reward is not None or cfg.rewards.reward
     needs_scorer = has_reward or not (sampler.terms or cfg.distill.distill_only)  # an environment rewards by itself
     run.scorer = sampler.scorer = make_scorer(cfg.rewards, task.reward, rows) if needs_scorer else None
+    if run.scorer is not None:  # --group-timeout-s: each group scored in its own thread (align.rollout.deadlines)
+        run.scorer.concurrent = cfg.group_timeout_s > 0
     check_teacher(cfg, run.model_path, task.tokenizer, task.prompts)  # --teacher: an HF dir, the same tokenizer
     run.pass_reward = None  # the reward that decides pass@k (--eval-pass-reward); refused before the model loads
     names = [*sampler.terms, *(run.scorer.names if run.scorer else [])]
@@ -347,6 +350,17 @@ def _open_eval(run: Run) -> None:
         run_id=run.run_id,
         fleet=EvalFleet.on_ray_router(cfg.eval, run.ray_eval, run.worker) if run.ray_eval else None,
     )
+
+
+def _open_watchdog(run: Run) -> None:
+    """--stall-timeout-s: the watchdog thread (``align.run.watchdog``); a spool worker's heartbeat goes in stall.txt."""
+    from align.run.watchdog import Watchdog
+
+    run.watchdog = Watchdog(run.out, run.cfg.stall_after_s, run.stop_flag)
+    spool = getattr(run.client, "spool", None)
+    if spool is not None:
+        run.watchdog.reports.append((f"rollout worker heartbeat ({spool.root})", spool.read_heartbeat))
+    run.watchdog.start()
 
 
 def _open_pipeline(run: Run) -> None:

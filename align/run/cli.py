@@ -147,6 +147,7 @@ def _merge(base: dict, over: dict) -> dict:
 
 
 SIGNAL_EXIT = {signal.SIGTERM: 143, signal.SIGINT: 130}  # the shell's exit codes
+STALL_EXIT = 3  # the watchdog ended a run that stopped making progress (align.run.watchdog)
 
 
 def stop_on_signals(stop_flag: dict) -> dict:
@@ -176,7 +177,7 @@ def run_main(
 ) -> int:
     """The one shape of ``python -m align.train`` and ``python -m align.sft``: logging, ``parse_cfg()``, the signal
     handlers around ``train(cfg, stop_flag=...)``, its errors mapped to exit codes (2: bad input or a checkpoint that
-    cannot resume, and ``usage_errors``; 1: --max-nonfinite-steps reached; 143 / 130: a signal), ``report(summary)``
+    cannot resume, and ``usage_errors``; 1: --max-nonfinite-steps reached; 3: a stall; 143 / 130: a signal), ``report(summary)``
     on rank 0."""
     import logging
     import sys
@@ -189,7 +190,7 @@ def run_main(
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = parse_cfg()
-    stop_flag: dict = {}
+    stop_flag: dict = {"prog": prog}  # the watchdog's error line names it too
     old = stop_on_signals(stop_flag)
     try:
         summary = train(cfg, stop_flag=stop_flag)
@@ -197,13 +198,15 @@ def run_main(
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         return 2
     except Interrupted as e:  # a signal during setup; the run's parts are closed (open_run, ``with run``)
-        return SIGNAL_EXIT[e.signum]
+        return STALL_EXIT if stop_flag.get("stall") else SIGNAL_EXIT[e.signum]
     except NonFiniteError as e:  # --max-nonfinite-steps reached; the last checkpoint is intact
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+    if stop_flag.get("stall"):  # the watchdog ended the run at a safe point (align.run.watchdog); its line is out
+        return STALL_EXIT
     if is_main():  # torchrun: one summary line
         report(summary)
     return SIGNAL_EXIT[summary["interrupted"]] if summary["interrupted"] else 0

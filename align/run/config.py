@@ -27,6 +27,7 @@ from align.run.cli import from_dict
 from align.run.log import LogConfig
 from align.run.presets import PRESET_NAMES
 from align.run.teacher import DistillConfig
+from align.run.watchdog import WatchdogConfig
 
 
 def _h(text: str) -> Any:
@@ -135,7 +136,7 @@ class SaveConfig:
 
 
 @dataclass
-class TrainConfig(RolloutConfig, SaveConfig, ComputeConfig, OptimConfig):
+class TrainConfig(RolloutConfig, SaveConfig, ComputeConfig, OptimConfig, WatchdogConfig):
     """Every setting of a run; the rollout section (``--rollout``, ``--spool``, ...) is ``RolloutConfig``'s, flat."""
 
     out: str = field(default="runs/reverse", metadata=_h("Run directory: config, metrics, checkpoints, plot."))
@@ -270,6 +271,7 @@ class TrainConfig(RolloutConfig, SaveConfig, ComputeConfig, OptimConfig):
         from align.learner import check_config
 
         check_config(self)
+        self.check_watchdog()  # --stall-timeout-s against the per-call timeouts (align.run.watchdog)
 
 
 CLI_PREFIXES = {

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from align import dist, lora
+from align import dist, heartbeat, lora
 from align.learner import StepBatch, Update, make_batch, optimize
 from align.run import checkpoint as ckpt
 from align.run import safety
@@ -33,7 +33,8 @@ class Learner:
         """The step's batch on ``place.device``, ``align.learner.optimize`` (micro-batches, global normalisers), then
         the schedule's step."""
         on_device = make_batch(batch, self.cfg, self.place.device)
-        upd = optimize(self.policy, self.ref_model, self.opt, self.cfg, self.place, on_device, self.teacher)
+        with heartbeat.working("learner"):
+            upd = optimize(self.policy, self.ref_model, self.opt, self.cfg, self.place, on_device, self.teacher)
         self.sched.step()
         return upd
 
@@ -54,7 +55,8 @@ class Checkpointer:
         if not (due or force) or (not due and (r.out / "checkpoints" / f"step_{step}").is_dir()):
             return False  # forced but committed already: a signal while the next step waited for its rollouts
         extra = {"scheduler": r.sched.state_dict(), "nonfinite_steps": r.nonfinite.count, **r.checkpoint_state(step)}
-        ckpt.save_any(r.out / "checkpoints", step, r.policy, r.opt, extra, r.cfg.keep_checkpoints)
+        with heartbeat.working("checkpointer", step=step):
+            ckpt.save_any(r.out / "checkpoints", step, r.policy, r.opt, extra, r.cfg.keep_checkpoints)
         r.write_plot()
         return True
 
@@ -82,6 +84,7 @@ class Run:
         self.first_error: list[str] = []
         self.eval_weights: list = []  # torchrun: the eval step's weights, gathered to rank 0's CPU by every rank
         self.checkpointer = Checkpointer(self)
+        self.watchdog: Any = None  # --stall-timeout-s (align.run.watchdog)
         self.step = 0
 
     # ---------------------------------------------------------------------- per-step helpers
@@ -141,6 +144,8 @@ class Run:
                 self.cfg.log.log_completions_groups,
             ):
                 self.samples.write(r)
+        for e in groups.evicted:  # --group-timeout-s: each evicted group and why, in the completions log
+            self.samples.write({"step": rec["step"], "evicted_group": e})
         self.nonfinite.add(upd, rec["step"])
 
     def eval_step(self, step: int, is_final: bool) -> list[dict]:
@@ -151,7 +156,7 @@ class Run:
 
     def signalled(self) -> bool:
         """A signal arrived (``main``'s handlers): the evaluator and the pipeline's waits end on it."""
-        return bool(self.stop_flag.get("signal"))
+        return bool(self.stop_flag.get("signal") or self.stop_flag.get("stall"))  # or the watchdog (a stall)
 
     def score_eval(self, i: int, ids: list[int]) -> Any:
         """Held-out prompt ``i``'s completion ``ids`` scored, with the reward that decides pass@k."""
@@ -202,6 +207,8 @@ class Run:
     def close(self, after_error: BaseException | None = None) -> None:
         """Drain the evaluator, then stop the pipeline, client, scorer, logs and worker (each once)."""
         self.progress.close()
+        if self.watchdog is not None:
+            self.watchdog.close()
         try:
             if getattr(self, "evaluator", None) is not None:
                 self.emit(self.evaluator.drain(after_error=after_error))
@@ -238,6 +245,7 @@ class Run:
             "wall_s": time.monotonic() - self.t_start,
             "out": str(self.out),
             "interrupted": self.stop_flag.get("signal"),
+            "stalled": self.stop_flag.get("stall"),  # the watchdog's line, when it stopped the run at a safe point
         }
         dist.teardown(self.owns_group)  # torchrun: the group train() created ends with it
         safety.release(self.out_lock)  # the run's life ends: --out may be used by another run

@@ -79,6 +79,8 @@ RESUMABLE = (
     "log.",  # sample logs and the optional metrics mirror
     "rewards.reward_workers",  # how rewards are computed, not what they are
     "rewards.reward_timeout_s",
+    "stall_timeout_s",  # the watchdog (align.run.watchdog): when a stalled run ends, not what a step computes
+    "group_timeout_s",  # like the reward timeout: a group past it is evicted
     "lean.banned",  # security guards grow between versions (0.3.0 rejects Lean that runs programs): a resumed run takes them
     "dist_timeout_s",  # torchrun: how long a collective waits
     "dp_replicate",  # torchrun: the sharding layout (same numbers: checkpoints reshard)
