@@ -139,6 +139,7 @@ class Run:
                 adv,
                 scores.terms,
                 self.cfg.log.log_completions_groups,
+                self.task.tokenizer.decode if self.cfg.log.log_token_ids else None,
             ):
                 self.samples.write(r)
         self.nonfinite.add(upd, rec["step"])
