@@ -29,11 +29,15 @@ SNAPSHOT_MARKERS = (COMMIT_MARKER, "STABLE")  # either commits a snapshot direct
 EXPORT_MARKER = ".align-export.json"  # which run exported a dir (--save-hf, eval snapshots): align.run.safety
 
 
-def atomic_write_text(path: str | os.PathLike, text: str, tmp_dir: str | os.PathLike | None = None) -> None:
+def atomic_write_text(
+    path: str | os.PathLike, text: str, tmp_dir: str | os.PathLike | None = None, shared: bool = False
+) -> None:
     """Write ``text`` to ``path`` so a reader sees either nothing or the whole file.
 
     temp file in ``tmp_dir`` (same filesystem), write, fsync, ``os.replace``, fsync the directory.
-    On any failure the temp file is removed and ``path`` is untouched.
+    On any failure the temp file is removed and ``path`` is untouched. The temp file is 0600 (``mkstemp``);
+    ``shared=True`` (a file the run writes for others: config.json, plot.svg, report.html) gives it the mode a plain
+    ``open()`` would, 0666 & ~umask.
     """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=tmp_dir or path.parent)
@@ -42,12 +46,25 @@ def atomic_write_text(path: str | os.PathLike, text: str, tmp_dir: str | os.Path
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+            if shared:
+                os.fchmod(f.fileno(), 0o666 & ~umask())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
     fsync_dir(path.parent)
+
+
+def umask() -> int:
+    """The process umask, read without changing it where Linux shows it (/proc/self/status), else set back at once."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

@@ -114,6 +114,8 @@ def step_record(
     groups, total = produced.groups, scores.total
     finite = total[~total.isnan()]
     gen_tokens = sum(len(c.token_ids) for c in groups.completions)
+    # policy tokens only: an episode's environment tokens (mask False) are context, counted under env/
+    policy_tokens = sum(sum(c.mask) if getattr(c, "mask", None) else len(c.token_ids) for c in groups.completions)
     refill = {}
     if cfg.adv_refill:
         refill = {
@@ -137,7 +139,7 @@ def step_record(
         **refill,
         **({"rollout/evicted_groups": len(groups.evicted)} if cfg.group_timeout_s else {}),
         **(env_stats(groups.completions) if hasattr(groups.completions[0], "turns") else {}),  # episodes
-        "completion_len_mean": gen_tokens / len(groups.completions),
+        "completion_len_mean": policy_tokens / len(groups.completions),
         "truncated_frac": float(scores.truncated.float().mean()),
         "tokens_per_s": gen_tokens / max(produced.seconds, 1e-9),  # generation + rewards where they ran, not the wait
         "rollout_time": produced.seconds,

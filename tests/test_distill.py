@@ -124,7 +124,7 @@ def test_bad_teacher_flags_fail_before_the_model_loads(tmp_path, capsys, monkeyp
     student = _model_with_tokenizer(tmp_path / "s")
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     base = ["--model", student, "--train-data", str(tmp_path / "rows.jsonl"), "--tokenizer", student, "--steps", "1",
-            "--eval-interval", "0"]  # fmt: skip
+            "--eval-interval", "0", "--max-tokens", "4"]  # fmt: skip
     with pytest.raises(SystemExit) as e:
         main([*base, "--out", str(tmp_path / "r0"), "--distill-only"])
     assert e.value.code == 2 and "--distill-only needs --teacher DIR" in capsys.readouterr().err
@@ -164,7 +164,7 @@ def test_a_truncated_or_too_large_teacher_is_refused_before_any_model_loads(tmp_
     student = _model_with_tokenizer(tmp_path / "s")
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     base = ["--model", student, "--train-data", str(tmp_path / "rows.jsonl"), "--tokenizer", student, "--steps", "1",
-            "--eval-interval", "0", "--device", "cpu", "--distill-only"]  # fmt: skip
+            "--eval-interval", "0", "--device", "cpu", "--distill-only", "--max-tokens", "4"]  # fmt: skip
 
     def no_load(*a, **k):
         raise AssertionError("a model was loaded before the bad teacher was refused")

@@ -284,6 +284,8 @@ def test_training_on_episodes_in_process_and_in_a_worker_gives_the_same_run(tmp_
         recs = [json.loads(x) for x in (tmp_path / f"run{workers}" / "metrics.jsonl").read_text().splitlines()]
         steps = [r for r in recs if "loss" in r]
         assert len(steps) == 2 and all("env/turns_mean" in r and "reward/env_mean" in r for r in steps)
+        # completion_len_mean counts the policy's tokens; the environment's are env/env_tokens_mean (> 0 below)
+        assert all(r["completion_len_mean"] == r["env/policy_tokens_mean"] for r in steps)
         runs.append([(r["loss"], r["env/turns_mean"], r["env/env_tokens_mean"], r["reward_mean"]) for r in steps])
     assert runs[0] == runs[1]
     assert any(r[2] > 0 for r in runs[0])  # some episodes had a second turn

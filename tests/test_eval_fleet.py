@@ -155,7 +155,15 @@ def test_training_run_evaluates_on_a_real_fleet_while_it_trains(tmp_path, builti
     eval_prompts = reverse.prompts(24, "eval", 0)
     eval_cfg = fleet_eval_config(tmp_path, keep=0)  # greedy: the final point is re-scored below with align's sampler
     cfg = TrainConfig(
-        out=str(tmp_path / "run"), steps=6, prompts_per_step=8, group_size=4, checkpoint_every=0, eval=eval_cfg
+        out=str(tmp_path / "run"),
+        steps=6,
+        prompts_per_step=8,
+        group_size=4,
+        checkpoint_every=0,
+        eval=eval_cfg,
+        max_tokens=10,
+        lr=5e-4,
+        loss={"eps_high": 0.2},  # the reverse task's TRAIN_DEFAULTS (its model's context)
     )
     summary = train(
         cfg,

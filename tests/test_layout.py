@@ -29,7 +29,7 @@ FMT_SKIP_ALLOWED: dict[str, str] = {}
 FLOORS = [
     ("stdlib base", " atomic child errors heartbeat"),
     ("the algorithm", "attention moe model packing kernels lora grpo advantages device dist learner"),
-    ("what goes in", "char_tokenizer chat data specs verifiers reward_calls reward_pool rewards"),
+    ("what goes in", "char_tokenizer hub chat data specs verifiers reward_calls reward_pool rewards"),
     (
         "the rollout wing",
         (
@@ -53,11 +53,11 @@ FLOORS = [
     (
         "the run wing",
         (
-            "run run.parts run.fields run.help run.cli run.config_file run.advice run.presets run.log run.plot run.safety run.checkpoint run.teacher run.watchdog run.config run.task "
+            "run run.parts run.fields run.help run.cli run.config_file run.advice run.sources run.presets run.log run.plot run.safety run.checkpoint run.teacher run.watchdog run.config run.task "
             "run.build"
         ),
     ),
-    ("entry points", "train sft sft.__main__ sft.config sft.data sft.run"),
+    ("entry points", "train report sft sft.__main__ sft.config sft.data sft.run"),
 ]
 
 

@@ -137,7 +137,8 @@ def test_eval_fleet_serves_adapter_snapshots(tmp_path, builtin_model_30):
     eval_prompts = reverse.prompts(24, "eval", 0)
     eval_cfg = fleet_eval_config(tmp_path, keep=1)
     cfg = TrainConfig(out=str(tmp_path / "run"), steps=4, prompts_per_step=8, group_size=4, checkpoint_every=0,
-                      lr=2e-2, eval=eval_cfg, lora={"rank": 8, "alpha": 16.0})  # fmt: skip
+                      lr=2e-2, eval=eval_cfg, lora={"rank": 8, "alpha": 16.0}, max_tokens=10,
+                      loss={"eps_high": 0.2})  # fmt: skip
     train(cfg, model=str(base), tokenizer=tok, prompts=reverse.prompts(200, "train", 0), reward=partial_credit,
           eval_prompts=eval_prompts)  # fmt: skip
     recs = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]

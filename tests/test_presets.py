@@ -9,6 +9,8 @@ import pytest
 from helpers_train import PROMPTS, TOK
 
 from align.run.presets import PRESETS, build, parse
+from align.run.sources import apply_task_defaults
+from align.tasks import load_task
 from align.train import CLI_PREFIXES, TrainConfig, train
 
 
@@ -17,7 +19,8 @@ def _parse(argv, lines=None):
 
 
 def test_each_preset_sets_its_algorithm():
-    base = TrainConfig()
+    base = TrainConfig()  # the built-in task runs: its own settings over the defaults
+    apply_task_defaults(base, load_task("reverse").TRAIN_DEFAULTS)
     dr = _parse(["--preset", "dr_grpo", "--max-tokens", "12"])
     assert (dr.loss.name, dr.loss.max_len_norm, dr.loss.seq_count, dr.adv.scale) == ("constant_norm", 12, "all", "none")
     # an episode holds up to --max-turns turns of policy tokens, capped by --max-episode-tokens

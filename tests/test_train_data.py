@@ -172,7 +172,7 @@ def test_bad_input_is_one_message_before_the_model_loads(tmp_path, bpe_run_input
 
     monkeypatch.setattr(align.model, "load_pretrained", no_load)
     inp = bpe_run_inputs
-    base = ["--out", str(tmp_path / "o"), "--model", inp["model"]]
+    base = ["--out", str(tmp_path / "o"), "--model", inp["model"], "--max-tokens", "10"]  # the tiny model's context
     bad_json = tmp_path / "bad.jsonl"
     bad_json.write_text('{"prompt": "ok"}\n{"prompt": \n')
     no_tok = tmp_path / "no_tok"

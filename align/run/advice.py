@@ -4,7 +4,7 @@
   unfinished answers, and a real model needs hundreds of tokens (TRL's default is 256);
 - a learning rate far outside the usual range for a model of this size (a user's checkpoint of
   >= ``LARGE_PARAMS`` parameters: GRPO recipes for 0.5B-8B models use ~1e-6 for full fine-tuning, ~1e-5 to 2e-4
-  for LoRA), e.g. the built-in toy task's 5e-4 left on a 0.5B model.
+  for LoRA), e.g. the built-in toy task's 5e-4 used on a 0.5B model.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def lr_warning(lr: float, lora: bool, model_dir: str | Path) -> str | None:
     usual = "1e-5 to 2e-4 with LoRA" if lora else "about 1e-6 for full fine-tuning"
     return (
         f"--lr {lr:g} is far outside the usual range for a {n / 1e9:.1f}B-parameter model ({usual}, as TRL's and "
-        "verl's GRPO recipes use); set --lr explicitly (align's default is the built-in toy task's)"
+        "verl's GRPO recipes use, and align's default)"
     )
 
 

@@ -121,9 +121,11 @@ def _open_files_and_task(
 ) -> None:
     from align.envs.sampler import open_sampler
     from align.eval.metrics import pass_reward_for
+    from align.hub import resolve_model
     from align.rewards import make_scorer
 
     cfg, out = run.cfg, run.out
+    cfg.model, model = resolve_model(cfg.model), resolve_model(model, "model=")  # a hub id: its cached snapshot
     run.run_id, run.out_lock = safety.open_out(cfg, model or cfg.model)  # paths checked, --out locked, run id
     check_logger(cfg.log.logger, out)  # the --logger package imports, {out}/tensorboard is a dir
     run.task, run.model_path = resolve_task(cfg, model, tokenizer, prompts, reward, eval_prompts, env, tools)
@@ -146,15 +148,20 @@ def _open_files_and_task(
 
 
 def write_config(cfg: Any, out: Path, model_path: str) -> None:
-    """``{out}/config.json``; resuming, a changed setting that changes the math is refused, others are applied."""
+    """``{out}/config.json`` (and ``config_sources.json``: each value's layer, ``align.run.sources``); resuming, a
+    changed setting that changes the math is refused, others are applied."""
     new_config = json.loads(json.dumps({**asdict(cfg), "model": model_path}))  # as saved: tuples are lists
     if ckpt.latest(out / "checkpoints"):  # resuming: refuse changed math, apply (and log) operational changes
         for change in safety.check_resume_config(out / "config.json", new_config):
             print(f"[align] resume: applying changed setting {change}", flush=True)
     if dist.is_main():
         from align.atomic import atomic_write_text
+        from align.run.sources import SOURCES_FILE, sources_of
 
-        atomic_write_text(out / "config.json", json.dumps(new_config, indent=2))
+        atomic_write_text(out / "config.json", json.dumps(new_config, indent=2), shared=True)
+        atomic_write_text(
+            out / SOURCES_FILE, json.dumps(sources_of(cfg), indent=2), shared=True
+        )  # where each value came from
 
 
 def _open_policy(run: Run) -> None:

@@ -97,11 +97,18 @@ def load_config_file(path: str) -> dict:
     return read_file(path)
 
 
-def parse(cls: type, argv: list[str] | None, prefixes: dict[str, str], description: str = "") -> Any:
-    """Parse ``argv`` into a ``cls`` instance: defaults < ``--config`` file < flags."""
+def parse(
+    cls: type, argv: list[str] | None, prefixes: dict[str, str], description: str = "", preset: frozenset = frozenset()
+) -> Any:
+    """Parse ``argv`` into a ``cls`` instance: defaults < the built-in task's (``cls.task_layer``, when it runs) <
+    ``--config`` file < flags (``preset``: the dotted fields whose flags a preset added). Each field's layer is
+    recorded on the instance (``align.run.sources``)."""
+    from align.run import sources
+
     parser = build_parser(cls, prefixes, description)
     args = vars(parser.parse_args(_signed_words_joined(sys.argv[1:] if argv is None else argv)))
     base: dict[str, Any] = dataclasses.asdict(cls())
+    src: dict[str, str] = {}
     config_path = args.pop("config", None)
     if config_path:
         try:
@@ -111,14 +118,18 @@ def parse(cls: type, argv: list[str] | None, prefixes: dict[str, str], descripti
         except ValueError as e:
             parser.error(str(e))
         base = _merge(base, loaded)
+        src.update(dict.fromkeys(_dotted(loaded, set(sources.flatten(cls()))), "file"))
     for dest, value in args.items():
-        node = base
-        *parents, leaf = dest.split("/")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
+        _put(base, dest.split("/"), value)
+        dotted = dest.replace("/", ".")
+        src[dotted] = "preset" if dotted in preset else "flag"
+    layer = getattr(cls, "task_layer", None)
+    for dotted, value in (layer(base) if layer else {}).items():
+        if dotted not in src:
+            _put(base, dotted.split("."), value)
+            src[dotted] = "task"
     try:
-        return from_dict(cls, base)
+        return sources.record(from_dict(cls, base), src)
     except (ValueError, TypeError) as e:
         parser.error(str(e))
 
@@ -133,6 +144,21 @@ def _signed_words_joined(argv: list[str]) -> list[str]:
             out[-1] = f"{out[-1]}={a}"
         else:
             out.append(a)
+    return out
+
+
+def _put(node: dict, path: list[str], value: Any) -> None:
+    for p in path[:-1]:
+        node = node[p]
+    node[path[-1]] = value
+
+
+def _dotted(d: dict, leaves: set[str], prefix: str = "") -> list[str]:
+    """The dotted fields set in a nested dict (a dict-valued field is one leaf)."""
+    out: list[str] = []
+    for k, v in d.items():
+        leaf = prefix + k in leaves or not isinstance(v, dict)
+        out += [prefix + k] if leaf else _dotted(v, leaves, f"{prefix}{k}.")
     return out
 
 

@@ -1,5 +1,9 @@
 """``TrainConfig``: every setting of a GRPO run, the single source of the ``python -m align.train`` flags.
 
+The defaults are for a user's checkpoint (0.5B-8B, as TRL's and verl's GRPO recipes: lr 1e-6, 256 completion tokens,
+G 8, DAPO's token-mean loss with clip-higher 0.28 and no KL); a built-in task (``--task``) carries its own settings
+(``TRAIN_DEFAULTS``), applied only when it runs, below ``--config`` and flags (``align.run.sources``).
+
 Validation happens in ``__post_init__`` (values, choices, cross-field rules) so a bad setting fails before
 anything loads; ``align.cli`` checks the types of ``--config`` JSON from these annotations.
 """
@@ -158,7 +162,7 @@ class TrainConfig(RolloutConfig, SaveConfig, ComputeConfig, OptimConfig, Watchdo
     )
     prompts_per_step: int = field(default=32, metadata=_h("Prompts per step (each sampled group_size times)."))
     group_size: int = field(default=8, metadata=_h("Completions per prompt (G)."))
-    max_tokens: int = field(default=10, metadata=_h("Max new tokens per completion."))
+    max_tokens: int = field(default=256, metadata=_h("Max new tokens per completion (TRL's default)."))
     min_p: float = field(default=0.0, metadata=_h("Min-p sampling: drop tokens below min_p x the top one's (0 = off)."))
     repetition_penalty: float = field(
         default=1.0, metadata=_h("vLLM's repetition penalty on tokens already seen (1 = off; > 1 discourages).")
@@ -170,7 +174,9 @@ class TrainConfig(RolloutConfig, SaveConfig, ComputeConfig, OptimConfig, Watchdo
             "Sampler logprob used as mu for rho: 'sampled' (the truncated distribution actually sampled from) or 'full' (full-vocabulary)."
         ),
     )
-    lr: float = field(default=5e-4, metadata=_h("Peak AdamW learning rate."))
+    lr: float = field(
+        default=1e-6, metadata=_h("Peak AdamW learning rate (full fine-tuning of a 0.5B-8B model; LoRA: ~1e-5).")
+    )
     updates_per_batch: int = field(
         default=1,
         metadata=_h(
@@ -201,7 +207,7 @@ class TrainConfig(RolloutConfig, SaveConfig, ComputeConfig, OptimConfig, Watchdo
     data: DataConfig = field(default_factory=DataConfig)
     rewards: RewardConfig = field(default_factory=RewardConfig)
     log: LogConfig = field(default_factory=LogConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
+    loss: LossConfig = field(default_factory=lambda: LossConfig(eps_high=0.28))  # DAPO's clip-higher, no KL
     adv: AdvantageConfig = field(default_factory=AdvantageConfig)
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(eval_interval=10, eval_n=4))
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -210,6 +216,13 @@ class TrainConfig(RolloutConfig, SaveConfig, ComputeConfig, OptimConfig, Watchdo
     lean_corrections: CorrectionConfig = field(default_factory=CorrectionConfig)  # --lean-correction-fraction, ...
     distill: DistillConfig = field(default_factory=DistillConfig)
     moe: MoeConfig = field(default_factory=MoeConfig)  # --routing-replay, --router-aux-loss-coef, --freeze-router
+
+    @staticmethod
+    def task_layer(data: dict) -> dict[str, Any]:
+        """The built-in task's ``TRAIN_DEFAULTS`` when ``data`` (``asdict`` shape) runs it (``align.run.sources``)."""
+        from align.run.sources import task_layer
+
+        return task_layer(data)
 
     def __post_init__(self) -> None:
         for name, cls in (

@@ -109,6 +109,13 @@ class LogConfig:
         },
     )
     log_completions_groups: int = field(default=4, metadata={"help": "Groups per --log-completions-every sample."})
+    log_token_ids: bool = field(
+        default=False,
+        metadata={
+            "help": "completions.jsonl also carries each completion's token ids, their text pieces and its mask (True = "
+            "a policy token the loss trains on; False = an environment token), for python -m align.report."
+        },
+    )
     logger: str = field(
         default="none",
         metadata={
@@ -135,10 +142,13 @@ def sample_groups(
     advantages: Any,
     terms: dict[str, Any],
     n: int,
+    decode: Any = None,
 ) -> list[dict]:
     """Records for ``completions.jsonl``: the first ``n`` groups of a step, one record per group, so a person can
     read what the model does. ``completions`` / ``texts`` align (``prompt_index`` indexes ``prompts``); ``rewards``,
-    ``advantages`` and each ``terms`` value are (P, G) tensors; unscorable rewards are written as null."""
+    ``advantages`` and each ``terms`` value are (P, G) tensors; unscorable rewards are written as null. ``decode``
+    (``--log-token-ids``: ids -> text) adds ``token_ids``, ``pieces`` (each token's text) and ``masks`` (True = a
+    policy token, trained; False = an environment token, context only)."""
 
     def row(x: Any, p: int) -> list:
         return [None if isinstance(a, float) and math.isnan(a) else a for a in x[p].tolist()]
@@ -175,9 +185,19 @@ def sample_groups(
                 "finish_reasons": [completions[j].finish_reason for j in js],
                 "reward_terms": {k: row(v, p) for k, v in terms.items()},
                 **episodes,
+                **(_token_fields([completions[j] for j in js], decode) if decode else {}),
             }
         )
     return out
+
+
+def _token_fields(completions: list, decode: Any) -> dict:
+    ids = [list(c.token_ids) for c in completions]
+    return {
+        "token_ids": ids,
+        "pieces": [[decode([t]) for t in row] for row in ids],
+        "masks": [list(c.mask) if getattr(c, "mask", None) else [True] * len(c.token_ids) for c in completions],
+    }
 
 
 class TensorBoardLogger:

@@ -142,6 +142,7 @@ class Run:
                 adv,
                 scores.terms,
                 self.cfg.log.log_completions_groups,
+                self.task.tokenizer.decode if self.cfg.log.log_token_ids else None,
             ):
                 self.samples.write(r)
         for e in groups.evicted:  # --group-timeout-s: each evicted group and why, in the completions log

@@ -126,7 +126,12 @@ def _panel(pid: str, title: str, series: dict, ox: float, oy: float, x0: float, 
 
 
 def write_plot(path: Path, records: list[dict], title: str = "align run") -> None:
-    """plot.svg: one panel per ``PANELS`` entry (reward and every eval/pass@* and eval/avg@* metric; loss and
+    """plot.svg (``plot_svg``)."""
+    atomic_write_text(path, plot_svg(records, title), shared=True)  # for people: the umask's mode
+
+
+def plot_svg(records: list[dict], title: str = "align run") -> str:
+    """The SVG text: one panel per ``PANELS`` entry (reward and every eval/pass@* and eval/avg@* metric; loss and
     KL; entropy; completion length; truncated fraction; tokens/s), 2 columns on one shared step axis, each
     panel with its own y range and its legend (with the last value) beside, never over, the data. Hand-written
     SVG: no plotting package in the core dependencies."""
@@ -144,7 +149,7 @@ def write_plot(path: Path, records: list[dict], title: str = "align run") -> Non
     for i, (pid, name, series) in enumerate(panels):
         out += _panel(pid, name, series, (i % COLS) * PANEL_W, TITLE_H + (i // COLS) * PANEL_H, x0, x1)
     out.append("</svg>")
-    atomic_write_text(path, "\n".join(out) + "\n")
+    return "\n".join(out) + "\n"
 
 
 # ------------------------------------------------------------------------------------------------ sample logs, loggers

@@ -132,6 +132,13 @@ def parse(
         _paths(loaded) if isinstance(loaded, dict) else set()
     )
     defaults = dataclasses.asdict(cls())
+    if (layer := getattr(cls, "task_layer", None)) is not None:  # the built-in task's settings, when it runs
+        seen = cli._merge(defaults, loaded if isinstance(loaded, dict) else {})
+        for dest, value in given.items():
+            if dest != "config":
+                cli._put(seen, dest.split("/"), value)
+        for dotted, value in layer(seen).items():
+            cli._put(defaults, dotted.split("."), value)
 
     def get(dotted: str) -> Any:
         path = tuple(dotted.split("."))
@@ -144,7 +151,7 @@ def parse(
 
     flag_of = {path: (flag, tp) for flag, path, _, tp in cli._flags(cls, prefixes)}
     extra: list[str] = []
-    applied, kept = [], []
+    applied, kept, by_preset = [], [], set()
     for dotted, value in PRESETS[name].items():
         path = tuple(dotted.split("."))
         if path in explicit:
@@ -154,7 +161,8 @@ def parse(
         flag, tp = flag_of[path]
         extra += [f"--{flag}" if value else f"--no-{flag}"] if tp is bool else [f"--{flag}", str(value)]
         applied.append(f"{dotted}={value}")
-    cfg = cli.parse(cls, extra + argv, prefixes, description)  # preset flags first: never explicit ones
+        by_preset.add(dotted)
+    cfg = cli.parse(cls, extra + argv, prefixes, description, frozenset(by_preset))  # preset flags first
     resolved = dataclasses.asdict(cfg)
     line = f"[align] preset {name}: {', '.join(applied) or 'nothing'}"
     if kept:
@@ -173,6 +181,10 @@ def build(cls: type, name: str, overrides: dict | None = None) -> Any:
     overrides = dict(overrides or {})
     data = dataclasses.asdict(cls())
     explicit = _paths(overrides)
+    if (layer := getattr(cls, "task_layer", None)) is not None:  # the built-in task's settings, when it runs
+        for dotted, value in layer(cli._merge(data, overrides)).items():
+            if tuple(dotted.split(".")) not in explicit:
+                cli._put(data, dotted.split("."), value)
 
     def get(dotted: str) -> Any:
         path = tuple(dotted.split("."))

@@ -11,6 +11,7 @@ from typing import Any
 from align import dist
 from align.data import InputError
 from align.run.config import TrainConfig
+from align.run.sources import apply_task_defaults
 
 
 @dataclass
@@ -60,19 +61,6 @@ def builtin_task(cfg: TrainConfig) -> tuple[Task, str]:
         )
         mod.warm_start(base, steps=cfg.warm_start_steps, seed=cfg.seed, log=lambda s: print(f"[align] {s}", flush=True))
     return task, str(base)
-
-
-def apply_task_defaults(cfg: TrainConfig, defaults: dict) -> None:
-    """A built-in task's own settings (``TRAIN_DEFAULTS``: {"max_tokens": 12, "envs.max_turns": 2, ...}) for every
-    field still at ``TrainConfig``'s default, so the task runs on its embedded default; a flag you set wins."""
-    fresh = TrainConfig()
-    for key, value in defaults.items():
-        *path, name = key.split(".")
-        obj, ref = cfg, fresh
-        for p in path:
-            obj, ref = getattr(obj, p), getattr(ref, p)
-        if getattr(obj, name) == getattr(ref, name):
-            setattr(obj, name, value)
 
 
 def env_task(

@@ -35,7 +35,7 @@ FIRST_TURN_CEILING = 1 / len(LETTERS)  # the hidden letter is uniform given the 
 DEFAULT_MAX_TURNS = 2  # one guess, one answer after the feedback
 REPEAT_FRACTION = 0.8  # the warm start's bias: this share of its second answers repeat the first
 # what `python -m align.train --task multiturn` changes from TrainConfig's defaults (a flag you pass wins)
-TRAIN_DEFAULTS = {"steps": 160, "envs.max_turns": DEFAULT_MAX_TURNS}
+TRAIN_DEFAULTS = {"steps": 160, "envs.max_turns": DEFAULT_MAX_TURNS, "lr": 5e-4, "max_tokens": 10, "loss.eps_high": 0.2}
 reward = None  # multi-turn: the environment (``Env``) rewards each turn
 CONTEXT = 64  # max_position_embeddings: room for a few turns of a 6-letter word
 

@@ -19,7 +19,8 @@ from align.model import ModelConfig
 ALPHABET = "abcdefgh="
 MIN_LEN, MAX_LEN = 3, 6
 COPY_FRACTION = 0.65  # the warm start's bias: this share of its targets are copies, not reversals
-TRAIN_DEFAULTS: dict = {}  # the embedded default run is TrainConfig's own
+# the toy's own settings, where TrainConfig's defaults are a real model's (a 9-char tokenizer, ~5-token answers)
+TRAIN_DEFAULTS: dict = {"lr": 5e-4, "max_tokens": 10, "loss.eps_high": 0.2}
 Env = None  # single-turn: ``reward`` scores the completion
 
 
