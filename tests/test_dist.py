@@ -675,8 +675,10 @@ def test_spool_dir_that_a_rank_cannot_write_fails_every_rank(tmp_path, char_mode
     res = _run(tmp_path, "run", char_model_2l, 2, expect_fail=True, rollout="spool", spool=str(tmp_path / "file" / "s"),
                spawn_worker=False)  # fmt: skip
     assert res["returncode"] != 0
-    assert res["log"].count("needs one spool directory every rank can write") == 2, res["log"][-3000:]
-    assert "rank 1 cannot write the spool dir" in res["log"]
+    # every rank raises the gathered verdict; torchrun may stop the other rank before it prints, so the message is
+    # seen once or twice, and it names both ranks' failures (what each rank found)
+    assert res["log"].count("needs one spool directory every rank can write") >= 1, res["log"][-3000:]
+    assert "rank 0 cannot write the spool dir" in res["log"] and "rank 1 cannot write the spool dir" in res["log"]
     assert not (tmp_path / "run" / "rollout_snapshots").exists()
 
 
