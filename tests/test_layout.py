@@ -46,6 +46,7 @@ FLOORS = [
         ),
     ),
     ("the built-in tasks", "tasks tasks.warm tasks.reverse tasks.multiturn"),
+    ("the gateway", "gateway gateway.capture gateway.server"),
     (
         "eval",
         "eval eval.config eval.metrics eval.checkpoint_eval eval.dispatcher eval.fleet eval.evaluator eval.pinned",

@@ -1,0 +1,206 @@
+"""The gateway (align.gateway) driven by the real ``openai`` client against a real chat template (a BPE tokenizer
+trained in the test with the stored Qwen2.5 template): the OpenAI schema streaming and not, tool calls, errors with
+their status, and the token-exact capture compared with a plain turn loop (``TurnRenderer.first`` + sampled ids +
+``TurnRenderer.suffix``), with negative controls (re-tokenizing the decoded history gives other ids; an edited
+history makes a second branch).
+
+The policy here is scripted (``Scripted``: it "samples" given texts as one token per character, a tokenization the
+BPE never produces on its own): a random-weight model cannot be made to write a tool call, and the per-character ids
+are what make re-tokenization visible. The real sampler is covered by ``test_native_sampler_capture``."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+from helpers_tokenizer import make_bpe_tokenizer
+
+from align.chat import HFTokenizer, TurnRenderer
+from align.gateway.server import Gateway
+from align.rollout.protocol import Completion
+
+openai = pytest.importorskip("openai", reason="the test extra: pip install -e '.[test]'")
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two numbers.",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+    },
+}
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 12, "b": 30}}\n</tool_call>'
+MODEL = "policy"
+
+
+class Scripted:
+    """Samples the given texts in order, one token per character, then the stop token."""
+
+    def __init__(self, tok: HFTokenizer, stop: int, texts: list[str]) -> None:
+        self.tok, self.stop, self.texts, self.prompts = tok, stop, list(texts), []
+
+    def __call__(self, prompt_ids: list[int], max_tokens: int, cap: object) -> Completion:
+        self.prompts.append(list(prompt_ids))
+        ids = [i for ch in self.texts.pop(0) for i in self.tok.encode(ch)] + [self.stop]
+        finish = "stop"
+        if len(ids) > max_tokens:
+            ids, finish = ids[:max_tokens], "length"
+        lps = [-0.01 * (k + 1) - len(self.prompts) for k in range(len(ids))]
+        return Completion(0, 0, ids, lps, finish, list(lps), 7)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return HFTokenizer(make_bpe_tokenizer(tmp_path_factory.mktemp("tok"), template="qwen2.5"))
+
+
+def _gateway(tok: HFTokenizer, texts: list[str], **kw) -> tuple[Gateway, Scripted, str]:
+    stop = TurnRenderer(tok).stop_id()
+    s = Scripted(tok, stop, texts)
+    gw = Gateway(
+        s,
+        lambda tools: TurnRenderer(tok, tools=tools),
+        lambda ids: tok.decode(ids),
+        MODEL,
+        max_tokens=kw.pop("max_tokens", 400),
+        context=4096,
+        **kw,
+    )
+    return gw, s, gw.open_episode()
+
+
+def test_tool_loop_with_the_openai_client_is_token_exact(tok):
+    gw, s, key = _gateway(tok, [CALL, "The answer is 42."])
+    try:
+        client = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        msgs = [{"role": "system", "content": "You add."}, {"role": "user", "content": "What is 12 + 30?"}]
+        r = client.chat.completions.create(model=MODEL, messages=msgs, tools=[TOOL], temperature=1.3)
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls" and ch.message.content is None
+        (call,) = ch.message.tool_calls
+        assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 12, "b": 30}
+        msgs += [ch.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "42"}]
+        stream = client.chat.completions.create(
+            model=MODEL, messages=msgs, tools=[TOOL], stream=True, stream_options={"include_usage": True}
+        )
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == "The answer is 42."
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+        assert chunks[-1].usage.completion_tokens == len("The answer is 42.") + 1
+    finally:
+        gw.close()
+    cap = gw.close_episode(key)
+    assert cap.requests == 2 and cap.overridden == 1 and len(cap.branches) == 1
+    (b,) = cap.branches
+    # the plain turn loop: first prompt, sampled ids, the tool message as a suffix, sampled ids
+    r = TurnRenderer(tok, tools=[TOOL["function"]])
+    first = r.first([{"role": "system", "content": "You add."}, {"role": "user", "content": "What is 12 + 30?"}])
+    s1 = [i for ch in CALL for i in tok.encode(ch)] + [r.stop_id()]
+    suffix = r.suffix([{"role": "tool", "content": "42"}])
+    s2 = [i for ch in "The answer is 42." for i in tok.encode(ch)] + [r.stop_id()]
+    assert b.prompt_ids == first and b.token_ids == s1 + suffix + s2
+    assert b.mask == [True] * len(s1) + [False] * len(suffix) + [True] * len(s2)
+    assert b.logprobs[: len(s1)] == [-0.01 * (k + 1) - 1 for k in range(len(s1))]
+    assert b.logprobs[len(s1) : len(s1) + len(suffix)] == [0.0] * len(suffix)
+    assert s.prompts[1] == first + s1 + suffix  # what the sampler was given: the same ids
+    # negative control: the history re-rendered from its text (the agent's messages through the template) is other ids
+    rerendered = r.first(
+        [
+            {"role": "system", "content": "You add."},
+            {"role": "user", "content": "What is 12 + 30?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"function": {"name": "add", "arguments": {"a": 12, "b": 30}}}],
+            },
+            {"role": "tool", "content": "42"},
+        ]
+    )
+    assert rerendered != s.prompts[1]
+    assert tok.decode(rerendered, skip_special_tokens=False).endswith("assistant\n")  # a real prompt, not garbage
+
+
+def test_edited_history_starts_a_new_branch_and_going_back_forks(tok):
+    gw, s, key = _gateway(tok, ["one", "two", "three", "four"])
+    try:
+        client = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
+        u = [{"role": "user", "content": "Hello"}]
+        a1 = client.chat.completions.create(model=MODEL, messages=u).choices[0].message.content
+        h = [*u, {"role": "assistant", "content": a1}, {"role": "user", "content": "more"}]
+        client.chat.completions.create(model=MODEL, messages=h)
+        edited = [{"role": "user", "content": "Hello (summary)"}, *h[1:]]
+        client.chat.completions.create(model=MODEL, messages=edited)  # no turn matches: from scratch
+        back = [*u, {"role": "assistant", "content": a1}, {"role": "user", "content": "other"}]
+        client.chat.completions.create(model=MODEL, messages=back)  # extends turn 1, not the tip: a fork
+    finally:
+        gw.close()
+    cap = gw.close_episode(key)
+    assert [len(b.turns) for b in cap.branches] == [2, 1, 1]
+    assert cap.branches[1].parent is None and cap.branches[2].parent == 0
+    r = TurnRenderer(tok)
+    assert cap.branches[1].prompt_ids == r.first(edited)  # re-rendered, and counted
+    assert cap.rerendered == len(r.first(u)) + len(r.first(edited))
+    one = [i for ch in "one" for i in tok.encode(ch)] + [r.stop_id()]
+    assert cap.branches[2].prompt_ids == r.first(u) + one + r.suffix([{"role": "user", "content": "other"}])
+    assert sum(sum(b.mask) for b in cap.branches) == sum(len(x) + 1 for x in ("one", "two", "three", "four"))
+    # control: the edited history rendered from text differs from the first branch's ids for the same turn
+    assert cap.branches[1].prompt_ids != cap.branches[0].prompt_ids + cap.branches[0].token_ids[: len(s.prompts[1])]
+
+
+def test_stop_and_max_tokens_shorten_a_turn(tok):
+    gw, _, key = _gateway(tok, ["abc STOP def", "abcdefgh"])
+    try:
+        client = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
+        u = [{"role": "user", "content": "Hi"}]
+        r = client.chat.completions.create(model=MODEL, messages=u, stop=["STOP"])
+        assert r.choices[0].message.content == "abc " and r.choices[0].finish_reason == "stop"
+        h = [*u, {"role": "assistant", "content": "abc "}, {"role": "user", "content": "go"}]
+        r2 = client.chat.completions.create(model=MODEL, messages=h, max_tokens=3)
+        assert r2.choices[0].finish_reason == "length" and r2.usage.completion_tokens == 3
+    finally:
+        gw.close()
+    cap = gw.close_episode(key)
+    (b,) = cap.branches  # the cut turn matched as returned; the template's stop token closes it as context
+    n1 = len("abc STOP")  # kept up to the token that completes the stop string
+    stop = TurnRenderer(tok).stop_id()
+    assert b.mask[:n1] == [True] * n1 and b.token_ids[n1] == stop and b.mask[n1] is False
+
+
+def _post(url: str, data: bytes, key: str) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data, {"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_errors_are_openai_error_objects(tok):
+    gw, _, key = _gateway(tok, ["x"], max_body_mb=0.01)
+    url = gw.base_url + "/chat/completions"
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=gw.base_url, api_key="sk-wrong", max_retries=0).models.list()
+        client = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+            )
+        status, body = _post(url, b"{not json", key)
+        assert status == 400 and "not valid JSON" in body["error"]["message"]
+        status, body = _post(url, b'{"model": "policy", "messages": "' + b"a" * 20000 + b'"}', key)
+        assert status == 413 and body["error"]["type"] == "invalid_request_error"
+        ok, _ = _post(url, json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}]}).encode(), key)
+        assert ok == 200  # control: the same key and route work
+        gw.close_episode(key)
+        assert _post(url, b"{}", key)[0] == 401  # the key expired with its episode
+        gw.closing = True
+        assert _post(url, b"{}", key)[0] == 503
+    finally:
+        gw.close()
