@@ -97,7 +97,7 @@ def test_tool_loop_with_the_openai_client_is_token_exact(tok):
     assert cap.requests == 2 and cap.overridden == 1 and len(cap.branches) == 1
     (b,) = cap.branches
     # the plain turn loop: first prompt, sampled ids, the tool message as a suffix, sampled ids
-    r = TurnRenderer(tok, tools=[TOOL["function"]])
+    r = TurnRenderer(tok, tools=[TOOL])
     first = r.first([{"role": "system", "content": "You add."}, {"role": "user", "content": "What is 12 + 30?"}])
     s1 = [i for ch in CALL for i in tok.encode(ch)] + [r.stop_id()]
     suffix = r.suffix([{"role": "tool", "content": "42"}])

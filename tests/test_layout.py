@@ -45,8 +45,8 @@ FLOORS = [
             "lean.config lean.server lean.repl lean.verify lean.env lean.corrections"
         ),
     ),
+    ("the gateway", "gateway gateway.capture gateway.server gateway.agents"),
     ("the built-in tasks", "tasks tasks.warm tasks.reverse tasks.multiturn"),
-    ("the gateway", "gateway gateway.capture gateway.server"),
     (
         "eval",
         "eval eval.config eval.metrics eval.checkpoint_eval eval.dispatcher eval.fleet eval.evaluator eval.pinned",

@@ -140,6 +140,7 @@ class Plan:
     new: Branch | None
     convo: tuple
     prefix: list[int]  # context ids to append to the branch before the sampled ones
+    messages: list[dict] = field(default_factory=list)
 
 
 class Capture:
@@ -156,6 +157,8 @@ class Capture:
         self.overridden = 0  # requests that asked for their own temperature / top_p
         self.lock = threading.Lock()
         self.last = -1  # the branch the last request sampled into
+        self.final: list[dict] = []  # the last request's messages + its reply
+        self.index = 0  # the episode's place in its step (its draws depend on it)
 
     def plan(self, messages: list[dict], tools: list[dict] | None) -> Plan:
         """The prompt ids of a request (``messages`` from ``template_messages``)."""
@@ -176,13 +179,13 @@ class Capture:
         if best is None:
             ids = r.first(messages)
             self.rerendered += len(ids)
-            return Plan(ids, -1, Branch(ids), convo, [])
+            return Plan(ids, -1, Branch(ids), convo, [], messages)
         b = self.branches[best.branch]
         prefix = ([] if best.ended else [r.stop_id()]) + r.suffix(messages[len(best.convo) - 1 :])
         head = b.prompt_ids + b.token_ids[: best.end]
         if best.end == len(b.token_ids):  # the tip of its trajectory: it grows
-            return Plan(head + prefix, best.branch, None, convo, prefix)
-        return Plan(head + prefix, -1, Branch(head + prefix, parent=best.branch), convo, [])
+            return Plan(head + prefix, best.branch, None, convo, prefix, messages)
+        return Plan(head + prefix, -1, Branch(head + prefix, parent=best.branch), convo, [], messages)
 
     def record(self, plan: Plan, c: Any, reply: dict, ended: bool, finish: str) -> None:
         """The sampled ``c`` (a Completion: token_ids, logprobs, sampled_logprobs, weights_version) of ``plan``;
@@ -208,3 +211,4 @@ class Capture:
         )
         self.turns.append(_Turn((*plan.convo, canon(reply)), plan.branch, len(b.token_ids), ended))
         self.last = plan.branch
+        self.final = [*plan.messages, reply]

@@ -157,7 +157,7 @@ class Gateway:
         try:
             messages = template_messages(body.get("messages"))
             with cap.lock:
-                plan = cap.plan(messages, [t.get("function", t) for t in tools] if tools else None)
+                plan = cap.plan(messages, tools)
                 room = self.context - len(plan.prompt_ids)
                 if room < 1:
                     raise ApiError(

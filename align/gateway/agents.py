@@ -1,0 +1,213 @@
+"""Agent programs as an episode source: ``--agent path/file.py:fn`` (or ``module:fn``; Python ``train(cfg, ...,
+agent=fn)``) runs ``fn(base_url, api_key, model, **row) -> float | dict | None`` G times per data row against the
+gateway (``align.gateway.server``); each run is one episode, captured token-exactly (``align.gateway.capture``).
+
+The agent builds its own client (``openai.OpenAI(base_url=..., api_key=...)``, any framework pointed at that URL),
+makes as many calls as it likes and returns its reward: a float, None (unscorable) or ``{"reward": r, "metrics":
+{...}}``. With ``--reward`` functions the final reply is scored too (added, as for environments).
+
+Wiring: ``--env agent`` (``--agent`` alone picks it) is a row of ``align.tasks.ENVIRONMENTS``; ``AgentEnv.open``
+loads and checks the function before the model loads and returns a class whose ``run_episodes`` hook replaces the
+environment turn loop in the sampling seam (``align.envs.sampler.Episodes``). Agents run on a thread pool
+(``--agent-workers``; 0 = one per episode of the step); an agent that raises, runs past ``--agent-timeout-s`` (its
+key is revoked, its thread abandoned: a Python thread cannot be killed) or returns a non-number makes its episode
+unscorable (``agent/errors``, ``agent/timeouts``); the step goes on (``Episodes.sample`` stops the run when every
+episode failed, with the first traceback).
+
+An episode that the agent branched (edited history) trains the trajectory of its last request; the sampled tokens of
+its other branches are counted (``agent/untrained_tokens``), not yet trained (a group has one completion per run).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import inspect
+import logging
+import math
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from align.errors import InputError
+
+log = logging.getLogger(__name__)
+
+FLAG = "--agent"
+MODEL_NAME = "align-policy"
+
+
+def check_agent(fn: Any, where: str) -> Callable[..., Any]:
+    """``fn`` if it can be called as ``fn(base_url, api_key, model, **row)``, else an InputError naming --agent."""
+    if not callable(fn):
+        raise InputError(f"{FLAG} {where}: a {type(fn).__name__} is not callable; give a function")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError) as e:
+        raise InputError(f"{FLAG} {where}: its signature cannot be read ({e})") from None
+    try:
+        sig.bind_partial("base_url", "api_key", "model")  # positional; the row's columns may be named parameters
+    except TypeError as e:
+        raise InputError(
+            f"{FLAG} {where}: {e}; an agent is fn(base_url, api_key, model, **row) -> float | dict | None"
+        ) from None
+    if len(sig.parameters) <= 3:
+        raise InputError(f"{FLAG} {where}: it takes no **row (the data row's columns are passed as keywords)")
+    return fn
+
+
+def load_agent(spec: str) -> Callable[..., Any]:
+    from align.specs import load_spec
+
+    if not spec:
+        raise InputError(f"{FLAG}: give the agent as 'path/file.py:fn' or 'module:fn'")
+    return check_agent(load_spec(spec, FLAG, kind="function"), repr(spec))
+
+
+def reward_of(out: Any) -> tuple[float | None, dict, str | None]:
+    """(reward, metrics, why unscorable) of an agent's return value."""
+    metrics: dict = {}
+    if isinstance(out, dict):
+        metrics = out.get("metrics") or {}
+        out = out.get("reward")
+    if out is None:
+        return None, metrics, None
+    if isinstance(out, bool) or not isinstance(out, (int, float)) or not math.isfinite(out):
+        return None, metrics, f"the agent returned {out!r}: expected a finite number, a dict with 'reward' or None"
+    return float(out), metrics, None
+
+
+class AgentEnv:
+    """``--env agent``: the row of ``align.tasks.ENVIRONMENTS``. Opened, never run: ``open`` returns the class whose
+    ``run_episodes`` hook runs the agent (``bind(fn)`` for ``train(..., agent=fn)``)."""
+
+    fn: Callable[..., Any] | None = None
+    tools = None
+
+    @classmethod
+    def open(cls, cfg: Any, tokenizer: Any) -> type:
+        fn = cls.fn if cls.fn is not None else load_agent(cfg.envs.agent)
+        return type("Agent", (_Agents,), {"fn": staticmethod(fn), "cfg": cfg.envs, "state": {}})
+
+    def __init__(self, **row: Any) -> None:
+        raise RuntimeError("AgentEnv is opened, never run")
+
+    def reset(self) -> list[dict]:
+        raise NotImplementedError
+
+    def step(self, completion: str) -> Any:
+        raise NotImplementedError
+
+
+def bind(fn: Callable[..., Any]) -> type:
+    """The environment class of ``train(cfg, ..., agent=fn)``."""
+    return type("AgentEnv", (AgentEnv,), {"fn": staticmethod(check_agent(fn, getattr(fn, "__name__", repr(fn))))})
+
+
+class _Agents(AgentEnv):
+    fn: Callable[..., Any]
+    cfg: Any
+    state: dict
+
+    @classmethod
+    def gateway(cls, sampler: Any) -> Any:
+        if "gw" not in cls.state:
+            from align.chat import TurnRenderer
+            from align.gateway.server import Gateway
+
+            tok = sampler.renderer.tok
+            cls.state["gw"] = Gateway(
+                lambda ids, n, cap: cls.state["sample"](ids, n, cap),
+                lambda tools: TurnRenderer(tok, tools=tools),
+                sampler.decode,
+                MODEL_NAME,
+                sampler.cfg.max_tokens,
+                sampler.context,
+                cls.cfg.gateway_max_body_mb,
+            )
+            cls.state["gen_lock"] = threading.Lock()
+            cls.state["stats"] = []
+        return cls.state["gw"]
+
+    @classmethod
+    def run_episodes(cls, sampler: Any, client: Any, rows: list[dict], G: int, params: Any) -> list:
+        """G runs of the agent per row, as ``Episode``s in (row, sample) order."""
+        gw = cls.gateway(sampler)
+        lock = cls.state["gen_lock"]
+
+        def sample(ids: list[int], max_tokens: int, cap: Any) -> Any:
+            seed = None if params.seed is None else params.seed + 7919 * cap.index + 104_729 * cap.requests
+            p = dataclasses.replace(params, n=1, max_tokens=max_tokens, seed=seed)
+            with lock, sampler.autocast():  # one generate at a time on the shared model (autocast is per thread)
+                return client.generate([ids], p)[0]
+
+        cls.state["sample"] = sample
+        jobs = [(p, g) for p in range(len(rows)) for g in range(G)]
+        keys = [gw.open_episode() for _ in jobs]
+        for i, k in enumerate(keys):
+            gw.episodes[k].index = i
+        workers = cls.cfg.agent_workers or len(jobs)
+        timeout = cls.cfg.agent_timeout_s or None
+        pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="align-agent")
+        futs = [pool.submit(cls.fn, gw.base_url, k, MODEL_NAME, **rows[p]) for (p, _), k in zip(jobs, keys)]
+        done, _ = cf.wait(futs, timeout=timeout)
+        pool.shutdown(wait=False, cancel_futures=True)  # an agent past its time is abandoned (its key revoked below)
+        eps = [cls.episode(gw.close_episode(k), f, f in done, p, g) for (p, g), k, f in zip(jobs, keys, futs)]
+        return eps
+
+    @classmethod
+    def episode(cls, cap: Any, fut: cf.Future, finished: bool, p: int, g: int) -> Any:
+        from align.rollout.groups import Episode
+
+        ep = Episode(p, g, [], [], "stop", [], 0, prompt_ids=[0])
+        stats = {"requests": cap.requests, "branches": len(cap.branches), "rerendered": cap.rerendered}
+        stats["overridden"] = cap.overridden
+        if not finished:
+            ep.error = f"the agent ran past {FLAG}-timeout-s {cls.cfg.agent_timeout_s} s"
+            ep.timed_out = True
+        elif fut.exception() is not None:
+            e = fut.exception()
+            ep.error = "the agent raised:\n" + "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        else:
+            reward, metrics, why = reward_of(fut.result())
+            ep.env_reward, ep.error = reward, why
+            stats.update({f"agent/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))})
+        if cap.last < 0 and ep.error is None:
+            ep.error = "the agent made no request through the gateway: nothing to train"
+        if cap.last >= 0:
+            b = cap.branches[cap.last]
+            ep.prompt_ids, ep.token_ids, ep.mask = b.prompt_ids, b.token_ids, b.mask
+            ep.logprobs, ep.sampled_logprobs, ep.turns = b.logprobs, b.sampled_logprobs, b.turns
+            ep.weights_version, ep.finish_reason = b.weights_version, b.turns[-1]["finish_reason"]
+            ep.truncated = ep.finish_reason == "length"
+            # chat False: the run's append-only comparator renders without the agent's tools
+            ep.messages, ep.text, ep.chat = cap.final, cap.final[-1]["content"], False
+            stats["untrained"] = sum(sum(x.mask) for i, x in enumerate(cap.branches) if i != cap.last)
+        cls.state["stats"].append((stats, ep.error is not None and not ep.timed_out, ep.timed_out))
+        return ep
+
+    @classmethod
+    def metrics(cls, episodes: list) -> dict:
+        """The ``agent/*`` metrics of the episodes run since the last call."""
+        rows, cls.state["stats"] = cls.state.get("stats", []), []
+        n = max(len(rows), 1)
+        out = {
+            "agent/requests_mean": sum(s["requests"] for s, _, _ in rows) / n,
+            "agent/branches_mean": sum(s["branches"] for s, _, _ in rows) / n,
+            "agent/rerendered_tokens": sum(s["rerendered"] for s, _, _ in rows),
+            "agent/untrained_tokens": sum(s.get("untrained", 0) for s, _, _ in rows),
+            "agent/overridden_sampling": sum(s["overridden"] for s, _, _ in rows),
+            "agent/errors": sum(e for _, e, _ in rows),
+            "agent/timeouts": sum(t for _, _, t in rows),
+        }
+        for key in {k for s, _, _ in rows for k in s if k.startswith("agent/")}:
+            vals = [s[key] for s, _, _ in rows if key in s]
+            out[key + "_mean"] = sum(vals) / len(vals)
+        return out
+
+    @classmethod
+    def close(cls) -> None:
+        gw = cls.state.pop("gw", None)
+        if gw is not None:
+            gw.close()
