@@ -170,3 +170,28 @@ def test_a_bad_agent_spec_names_the_flag(tmp_path):
         with pytest.raises(InputError, match=f"--agent .*{why}"):
             load_agent(spec)
     assert check_agent(failing, "failing") is failing  # control: a right signature passes
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [("examples/agent/missing.py:run", "no such file"), ("examples/agent/agent.py:TOOLS", "not a function")],
+)
+def test_a_bad_agent_flag_fails_by_name_before_the_model_loads(
+    tmp_path, agent_model, monkeypatch, capsys, spec, message
+):
+    import align.model
+    from align.train import main
+
+    def no_load(*a, **k):
+        raise AssertionError("the model loaded before --agent was checked")
+
+    monkeypatch.setattr(align.model, "load_pretrained", no_load)
+    monkeypatch.chdir(ROOT)
+    argv = ["--out", str(tmp_path / "run"), "--model", str(agent_model[0]), "--train-data", "examples/agent/rows.jsonl"]
+    try:
+        rc = main([*argv, "--agent", spec])
+    except (SystemExit, ValueError) as e:
+        rc, err = 2, str(e) + capsys.readouterr().err
+    else:
+        err = capsys.readouterr().err
+    assert rc == 2 and "--agent" in err and message in err, err
