@@ -16,6 +16,7 @@ import types
 from pathlib import Path
 
 import pytest
+from helpers_models import load_hf, teacher_forced_logprobs
 from helpers_tokenizer import make_bpe_tokenizer
 
 from align.chat import TurnRenderer
@@ -39,6 +40,7 @@ QUESTION = "What is 2 + 3?"
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 ANSWER = "The answer is 5."
 WARM_STEPS = 150
+LOGPROB_TOL = 1e-3  # fp32 sampler vs transformers' forward
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +122,16 @@ def test_the_example_agent_trains_token_exact(tmp_path, agent_model, monkeypatch
         assert e.mask[env] == [False] * len(suffix) and e.logprobs[env] == [0.0] * len(suffix)
         assert all(e.mask[:n]) and all(e.mask[env.stop :]) and e.mask.count(False) == len(suffix)
         assert e.messages[-2]["role"] == "tool" and e.messages[-2]["content"] == "5"
+    # the logprobs of the sampled tokens are the policy's on exactly these ids (transformers, the weights of step 1)
+    hf = load_hf(model_dir)
+    first_step = [e for e in called if e.weights_version == 0]
+    assert first_step
+    for e in first_step:
+        ref = teacher_forced_logprobs(hf, e.prompt_ids, e.token_ids)
+        got = [(a, b) for a, b, m in zip(e.logprobs, ref, e.mask) if m]
+        assert max(abs(a - b) for a, b in got) < LOGPROB_TOL
+        bad = teacher_forced_logprobs(hf, e.prompt_ids[:-1], e.token_ids)  # control: the prompt one token short
+        assert max(abs(a - b) for a, b, m in zip(e.logprobs, bad, e.mask) if m) > LOGPROB_TOL
     recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "loss" in r]
     assert len(steps) == 2 and all(r["agent/errors"] == 0 and r["agent/branches_mean"] == 1 for r in steps)

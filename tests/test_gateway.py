@@ -6,7 +6,7 @@ history makes a second branch).
 
 The policy here is scripted (``Scripted``: it "samples" given texts as one token per character, a tokenization the
 BPE never produces on its own): a random-weight model cannot be made to write a tool call, and the per-character ids
-are what make re-tokenization visible. The real sampler is covered by ``test_native_sampler_capture``."""
+are what make re-tokenization visible. The real sampler is covered by tests/test_agent.py."""
 
 from __future__ import annotations
 
