@@ -204,3 +204,31 @@ def test_errors_are_openai_error_objects(tok):
         assert _post(url, b"{}", key)[0] == 503
     finally:
         gw.close()
+
+
+def test_a_streamed_tool_call_and_the_episode_token_budget(tok):
+    suffix = TurnRenderer(tok, tools=[TOOL]).suffix([{"role": "tool", "content": "42"}])
+    gw, _, key = _gateway(tok, [CALL, "x" * 50], episode_tokens=len(CALL) + 1 + len(suffix) + 10)
+    try:
+        client = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
+        msgs = [{"role": "user", "content": "What is 12 + 30?"}]
+        chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, tools=[TOOL], stream=True))
+        calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+        assert [(tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [("add", {"a": 12, "b": 30})]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+        msgs += [
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": calls[0].id, "type": "function", "function": calls[0].function.model_dump()}],
+            },
+            {"role": "tool", "tool_call_id": calls[0].id, "content": "42"},
+        ]
+        r = client.chat.completions.create(model=MODEL, messages=msgs, tools=[TOOL])
+        assert r.choices[0].finish_reason == "length"  # the episode's budget, not the turn's: the 10 tokens left
+        assert r.usage.completion_tokens == 10
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "more"}]
+        with pytest.raises(openai.BadRequestError, match="max-episode-tokens"):  # nothing left: refused, not cut
+            client.chat.completions.create(model=MODEL, messages=msgs, tools=[TOOL])
+    finally:
+        gw.close()
+    assert len(gw.close_episode(key).branches) == 1

@@ -125,6 +125,7 @@ class _Agents(AgentEnv):
                 sampler.cfg.max_tokens,
                 sampler.context,
                 cls.cfg.gateway_max_body_mb,
+                episode_tokens=cls.cfg.max_episode_tokens,
             )
             cls.state["gen_lock"] = threading.Lock()
             cls.state["stats"] = []

@@ -93,9 +93,11 @@ class Gateway:
         max_body_mb: float = 8.0,
         host: str = "127.0.0.1",
         port: int = 0,
+        episode_tokens: int = 0,
     ) -> None:
         self.sample, self.renderer, self.decode, self.model = sample, renderer, decode, model
         self.max_tokens, self.context, self.max_body = max_tokens, context, int(max_body_mb * 2**20)
+        self.episode_tokens = episode_tokens  # --max-episode-tokens: a trajectory's tokens after its first prompt
         self.episodes: dict[str, Capture] = {}
         self.closing = False
         self.warned_sampling = False
@@ -159,10 +161,14 @@ class Gateway:
             with cap.lock:
                 plan = cap.plan(messages, tools)
                 room = self.context - len(plan.prompt_ids)
+                if self.episode_tokens:
+                    root = plan.new.prompt_ids if plan.new else cap.branches[plan.branch].prompt_ids
+                    room = min(room, self.episode_tokens - (len(plan.prompt_ids) - len(root)))
                 if room < 1:
                     raise ApiError(
                         400,
-                        f"the prompt has {len(plan.prompt_ids)} tokens: no room in the context of {self.context}",
+                        f"the prompt has {len(plan.prompt_ids)} tokens: no room left in the context of {self.context}"
+                        f" or --max-episode-tokens {self.episode_tokens}",
                         code="context_length_exceeded",
                     )
                 budget = min(self.max_tokens, room, cap_tokens or self.max_tokens)
