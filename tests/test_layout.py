@@ -58,7 +58,7 @@ FLOORS = [
             "run.build"
         ),
     ),
-    ("entry points", "train sft sft.__main__ sft.config sft.data sft.run"),
+    ("entry points", "train serve sft sft.__main__ sft.config sft.data sft.run"),
 ]
 
 

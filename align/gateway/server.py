@@ -94,10 +94,12 @@ class Gateway:
         host: str = "127.0.0.1",
         port: int = 0,
         episode_tokens: int = 0,
+        accept: Callable[[str], bool] | None = None,
     ) -> None:
         self.sample, self.renderer, self.decode, self.model = sample, renderer, decode, model
         self.max_tokens, self.context, self.max_body = max_tokens, context, int(max_body_mb * 2**20)
         self.episode_tokens = episode_tokens  # --max-episode-tokens: a trajectory's tokens after its first prompt
+        self.accept = accept  # align.serve: keys outside any episode it accepts (each request a capture of its own)
         self.episodes: dict[str, Capture] = {}
         self.closing = False
         self.warned_sampling = False
@@ -245,6 +247,8 @@ class _Handler(BaseHTTPRequestHandler):
         key = auth[7:] if auth.startswith("Bearer ") else self.headers.get("x-api-key", "")
         with gw.lock:
             cap = gw.episodes.get(key)
+        if cap is None and gw.accept is not None and gw.accept(key):
+            cap = Capture(gw.renderer)
         if cap is None:
             raise ApiError(
                 401,
