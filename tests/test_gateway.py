@@ -232,3 +232,40 @@ def test_a_streamed_tool_call_and_the_episode_token_budget(tok):
     finally:
         gw.close()
     assert len(gw.close_episode(key).branches) == 1
+
+
+def test_anthropic_messages_with_a_tool_use_round_trip_is_one_trajectory(tok):
+    anthropic = pytest.importorskip("anthropic", reason="the test extra: pip install -e '.[test]'")
+    gw, _, key = _gateway(tok, [CALL, "The answer is 42."])
+    tool = {"name": "add", "description": "Add two numbers.", "input_schema": TOOL["function"]["parameters"]}
+    try:
+        client = anthropic.Anthropic(base_url=gw.base_url.removesuffix("/v1"), api_key=key, max_retries=0)
+        msgs = [{"role": "user", "content": [{"type": "text", "text": "What is 12 + 30?"}]}]
+        r = client.messages.create(model=MODEL, max_tokens=200, system="You add.", messages=msgs, tools=[tool])
+        assert r.stop_reason == "tool_use" and [b.type for b in r.content] == ["tool_use"]
+        use = r.content[0]
+        assert use.name == "add" and use.input == {"a": 12, "b": 30}
+        msgs += [
+            {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in r.content]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "42"}]},
+        ]
+        with client.messages.stream(model=MODEL, max_tokens=200, system="You add.", messages=msgs, tools=[tool]) as st:
+            final = st.get_final_message()
+        assert final.content[0].text == "The answer is 42." and final.stop_reason == "end_turn"
+        assert final.usage.output_tokens == len("The answer is 42.") + 1
+        with pytest.raises(anthropic.NotFoundError):
+            client.messages.create(model="claude-9", max_tokens=5, messages=msgs)
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic.Anthropic(base_url=client.base_url, api_key="wrong", max_retries=0).messages.create(
+                model=MODEL, max_tokens=5, messages=msgs
+            )
+    finally:
+        gw.close()
+    cap = gw.close_episode(key)
+    (b,) = cap.branches  # the tool_use block sent back matched the reply as returned: one trajectory
+    r = TurnRenderer(tok, tools=[TOOL])
+    first = r.first([{"role": "system", "content": "You add."}, {"role": "user", "content": "What is 12 + 30?"}])
+    s1 = [i for ch in CALL for i in tok.encode(ch)] + [r.stop_id()]
+    suffix = r.suffix([{"role": "tool", "content": "42"}])
+    assert b.prompt_ids == first and b.token_ids[: len(s1) + len(suffix)] == s1 + suffix
+    assert b.mask.count(False) == len(suffix)

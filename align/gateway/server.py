@@ -25,9 +25,10 @@ import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, NamedTuple
 
 from align.errors import InputError
+from align.gateway import messages
 from align.gateway.capture import Capture, template_messages, text_of
 
 log = logging.getLogger(__name__)
@@ -178,9 +179,10 @@ class Gateway:
                 cap.requests += 1
                 finish = c.finish_reason
                 ended = finish == "stop"
-                cut = cut_at_stop(c.token_ids, self.decode, stops)
+                cut, hit = cut_at_stop(c.token_ids, self.decode, stops), None
                 if cut is not None:
                     k, text = cut
+                    hit = next((s for s in stops if self.decode(c.token_ids[:k]).find(s) == len(text)), None)
                     c.token_ids, c.logprobs = c.token_ids[:k], c.logprobs[:k]
                     c.sampled_logprobs = (c.sampled_logprobs or c.logprobs)[:k]
                     finish, ended = "stop", False
@@ -199,7 +201,27 @@ class Gateway:
             "model": self.model,
             "choices": [{"index": 0, "message": msg, "finish_reason": reason, "logprobs": None}],
             "usage": {"prompt_tokens": prompt_n, "completion_tokens": out_n, "total_tokens": prompt_n + out_n},
+            "stop_sequence": hit,  # not OpenAI's: Anthropic's row reads it (OPENAI drops it)
         }
+
+
+class Api(NamedTuple):
+    """One provider API the gateway speaks: its body -> the chat-completions body, the chat completion -> its reply,
+    -> its stream events ``(event name or None, data)``, the end of its stream, an ``ApiError`` -> its error object."""
+
+    request: Callable[[dict], dict]
+    response: Callable[[dict], dict]
+    events: Callable[[dict], list]
+    done: bytes
+    error: Callable[[ApiError], dict]
+
+
+def _openai_error(e: ApiError) -> dict:
+    return {"error": {"message": str(e), "type": e.kind, "param": None, "code": e.code}}
+
+
+def _openai_response(resp: dict) -> dict:
+    return {k: v for k, v in resp.items() if k != "stop_sequence"}
 
 
 def _chunks(resp: dict) -> list[dict]:
@@ -217,7 +239,15 @@ def _chunks(resp: dict) -> list[dict]:
         out.append(chunk({"tool_calls": [{"index": i, **tc}]}))
     out.append(chunk({}, choice["finish_reason"]))
     out.append(base | {"choices": [], "usage": resp["usage"]})
-    return out
+    return [(None, c) for c in out]
+
+
+APIS = {  # path -> the API spoken there
+    "/v1/chat/completions": Api(lambda b: b, _openai_response, _chunks, b"data: [DONE]\n\n", _openai_error),
+    "/v1/messages": Api(
+        messages.request, messages.response, messages.events, b"", lambda e: messages.error(e.status, str(e))
+    ),
+}
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -237,7 +267,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _error(self, e: ApiError) -> None:
-        self._send(e.status, {"error": {"message": str(e), "type": e.kind, "param": None, "code": e.code}})
+        self._send(e.status, APIS.get(self.path.rstrip("/"), APIS["/v1/chat/completions"]).error(e))
 
     def _auth(self) -> Capture:
         gw = self.gateway
@@ -278,7 +308,8 @@ class _Handler(BaseHTTPRequestHandler):
                 )
             raw = self.rfile.read(size)
             cap = self._auth()
-            if self.path.rstrip("/") != "/v1/chat/completions":
+            api = APIS.get(self.path.rstrip("/"))
+            if api is None:
                 raise ApiError(404, f"no route {self.path}", code="not_found")
             try:
                 body = json.loads(raw)
@@ -286,6 +317,10 @@ class _Handler(BaseHTTPRequestHandler):
                 raise ApiError(400, f"the body is not valid JSON ({e})") from e
             if not isinstance(body, dict):
                 raise ApiError(400, "the body must be a JSON object")
+            try:
+                body = api.request(body)
+            except InputError as e:
+                raise ApiError(400, str(e)) from e
             if body.get("model") != self.gateway.model:
                 raise ApiError(
                     404,
@@ -296,16 +331,18 @@ class _Handler(BaseHTTPRequestHandler):
         except ApiError as e:
             return self._error(e)
         if not body.get("stream"):
-            return self._send(200, resp)
+            return self._send(200, api.response(resp))
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Connection", "close")
         self.end_headers()
         self.close_connection = True
-        for ch in _chunks(resp):
-            self.wfile.write(b"data: " + json.dumps(ch).encode() + b"\n\n")
-        self.wfile.write(b"data: [DONE]\n\n")
+        for event, data in api.events(resp):
+            self.wfile.write(
+                (f"event: {event}\n" if event else "").encode() + b"data: " + json.dumps(data).encode() + b"\n\n"
+            )
+        self.wfile.write(api.done)
         self.wfile.flush()
 
 
