@@ -143,6 +143,29 @@ CALLS = itertools.count()
 COUNT_LOCK = threading.Lock()
 
 
+def test_concurrent_requests_batch_into_one_generate_and_stay_token_exact(tmp_path, agent_model, monkeypatch):
+    from align.envs.sampler import Episodes
+    from align.rollout.client import NativeClient
+    from align.train import train
+
+    model_dir, first, _, _ = agent_model
+    sizes: list[int] = []
+    seen: list = []
+    real_gen, real_eps = NativeClient.generate, Episodes.episodes
+    monkeypatch.setattr(
+        NativeClient, "generate", lambda self, p, params: sizes.append(len(p)) or real_gen(self, p, params)
+    )
+    monkeypatch.setattr(Episodes, "episodes", lambda self, *a: seen.extend(eps := real_eps(self, *a)) or eps)
+    rows = [{"question": QUESTION, "answer": "5"}] * 4
+    train(_config(tmp_path, gateway_batch_ms=300.0), model=str(model_dir), prompts=rows, agent=load_agent(AGENT))
+    assert max(sizes) > 1 and sum(sizes) == sum(len(e.turns) for e in seen)  # batched; every request sampled once
+    hf = load_hf(model_dir)
+    for e in [e for e in seen if e.weights_version == 0]:
+        assert e.error is None and e.prompt_ids == first
+        ref = teacher_forced_logprobs(hf, e.prompt_ids, e.token_ids)
+        assert max(abs(a - b) for a, b, m in zip(e.logprobs, ref, e.mask) if m) < LOGPROB_TOL
+
+
 def flaky(base_url: str, api_key: str, model: str, question: str, answer: str, **row) -> float:
     """Every other call raises (4 episodes a step: 2 fail, 2 run the example agent)."""
     with COUNT_LOCK:

@@ -72,6 +72,13 @@ class EnvConfig:
         default=600.0, metadata=_h("With --agent: seconds a step waits for its agents (0 = no limit).")
     )
     gateway_max_body_mb: float = field(default=8.0, metadata=_h("With --agent: the gateway's request body cap (MB)."))
+    gateway_batch_ms: float = field(
+        default=0.0,
+        metadata=_h(
+            "With --agent: requests arriving within this many ms of each other go out as one generate (0 = one "
+            "generate per request, draws reproducible)."
+        ),
+    )
 
     @property
     def enabled(self) -> bool:
@@ -101,6 +108,8 @@ class EnvConfig:
                 f"--agent-workers must be >= 0 and --agent-timeout-s finite >= 0, got "
                 f"{self.agent_workers}, {self.agent_timeout_s}"
             )
+        if not (math.isfinite(self.gateway_batch_ms) and self.gateway_batch_ms >= 0):
+            raise ValueError(f"--gateway-batch-ms must be a finite number >= 0, got {self.gateway_batch_ms}")
         if not self.gateway_max_body_mb > 0:
             raise ValueError(f"--gateway-max-body-mb must be > 0, got {self.gateway_max_body_mb}")
         if self.tools and self.env not in (None, "tools"):

@@ -25,7 +25,9 @@ import dataclasses
 import inspect
 import logging
 import math
+import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -76,6 +78,57 @@ def reward_of(out: Any) -> tuple[float | None, dict, str | None]:
     if isinstance(out, bool) or not isinstance(out, (int, float)) or not math.isfinite(out):
         return None, metrics, f"the agent returned {out!r}: expected a finite number, a dict with 'reward' or None"
     return float(out), metrics, None
+
+
+class Batcher:
+    """``--gateway-batch-ms``: requests arriving within that many ms of the first go out as one generate (sampled to
+    the largest budget among them, each cut at its own: the kept tokens are exactly the sampled ones, the cut one
+    ``length``). The batch draws with its first request's seed, so draws depend on which requests shared a batch."""
+
+    def __init__(self, generate: Callable[[list[list[int]], int, int | None], list], batch_ms: float) -> None:
+        self.generate, self.wait_s = generate, batch_ms / 1000
+        self.q: queue.Queue = queue.Queue()
+        self.batches: list[int] = []  # the size of each generate (for the metrics and the tests)
+        self.thread = threading.Thread(target=self._loop, name="align-gateway-batch", daemon=True)
+        self.thread.start()
+
+    def __call__(self, ids: list[int], max_tokens: int, seed: int | None) -> Any:
+        slot: dict[str, Any] = {"ids": ids, "max": max_tokens, "seed": seed, "done": threading.Event()}
+        self.q.put(slot)
+        slot["done"].wait()
+        if "error" in slot:
+            raise slot["error"]
+        return slot["out"]
+
+    def _loop(self) -> None:
+        while (first := self.q.get()) is not None:
+            batch, end = [first], time.monotonic() + self.wait_s
+            while (left := end - time.monotonic()) > 0:
+                try:
+                    item = self.q.get(timeout=left)
+                except queue.Empty:
+                    break
+                if item is None:
+                    self.q.put(None)
+                    break
+                batch.append(item)
+            self.batches.append(len(batch))
+            try:
+                outs = self.generate([s["ids"] for s in batch], max(s["max"] for s in batch), first["seed"])
+                for s, c in zip(batch, outs):
+                    if len(c.token_ids) > s["max"]:
+                        k = s["max"]
+                        c.token_ids, c.logprobs, c.finish_reason = c.token_ids[:k], c.logprobs[:k], "length"
+                        c.sampled_logprobs = c.sampled_logprobs[:k] if c.sampled_logprobs else None
+                    s["out"] = c
+            except BaseException as e:  # noqa: BLE001 -- each waiting request raises it (the gateway answers 500)
+                for s in batch:
+                    s["error"] = e
+            for s in batch:
+                s["done"].set()
+
+    def close(self) -> None:
+        self.q.put(None)
 
 
 class AgentEnv:
@@ -137,11 +190,16 @@ class _Agents(AgentEnv):
         gw = cls.gateway(sampler)
         lock = cls.state["gen_lock"]
 
-        def sample(ids: list[int], max_tokens: int, cap: Any) -> Any:
-            seed = None if params.seed is None else params.seed + 7919 * cap.index + 104_729 * cap.requests
+        def generate(prompts: list[list[int]], max_tokens: int, seed: int | None) -> list:
             p = dataclasses.replace(params, n=1, max_tokens=max_tokens, seed=seed)
             with lock, sampler.autocast():  # one generate at a time on the shared model (autocast is per thread)
-                return client.generate([ids], p)[0]
+                return client.generate(prompts, p)
+
+        batcher = Batcher(generate, cls.cfg.gateway_batch_ms) if cls.cfg.gateway_batch_ms else None
+
+        def sample(ids: list[int], max_tokens: int, cap: Any) -> Any:
+            seed = None if params.seed is None else params.seed + 7919 * cap.index + 104_729 * cap.requests
+            return batcher(ids, max_tokens, seed) if batcher else generate([ids], max_tokens, seed)[0]
 
         cls.state["sample"] = sample
         jobs = [(p, g) for p in range(len(rows)) for g in range(G)]
@@ -155,6 +213,8 @@ class _Agents(AgentEnv):
         done, _ = cf.wait(futs, timeout=timeout)
         pool.shutdown(wait=False, cancel_futures=True)  # an agent past its time is abandoned (its key revoked below)
         eps = [cls.episode(gw.close_episode(k), f, f in done, p, g) for (p, g), k, f in zip(jobs, keys, futs)]
+        if batcher:
+            batcher.close()
         return eps
 
     @classmethod

@@ -330,6 +330,9 @@ class _Handler(BaseHTTPRequestHandler):
             resp = self.gateway.chat(cap, body)
         except ApiError as e:
             return self._error(e)
+        except Exception as e:  # the sampler failed (a dead worker): the request gets a 500, the trainer's log the why
+            log.exception("gateway: the request failed")
+            return self._error(ApiError(500, f"the sampler failed: {type(e).__name__}: {e}", "server_error"))
         if not body.get("stream"):
             return self._send(200, api.response(resp))
         self.send_response(200)
