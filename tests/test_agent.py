@@ -93,7 +93,7 @@ def agent_model(tmp_path_factory) -> tuple[Path, list[int], list[int], list[int]
 
 def _config(tmp_path: Path, **kw) -> TrainConfig:
     c = TrainConfig(out=str(tmp_path / "run"), steps=2, prompts_per_step=2, group_size=2, max_tokens=80, lr=1e-3)
-    c.eval.eval_interval = 0
+    c.eval.eval_interval, c.log.log_completions_every = 0, 1
     for k, v in kw.items():
         setattr(c.envs, k, v)
     return c
@@ -124,7 +124,7 @@ def test_the_example_agent_trains_token_exact(tmp_path, agent_model, monkeypatch
         assert e.messages[-2]["role"] == "tool" and e.messages[-2]["content"] == "5"
     # the logprobs of the sampled tokens are the policy's on exactly these ids (transformers, the weights of step 1)
     hf = load_hf(model_dir)
-    first_step = [e for e in called if e.weights_version == 0]
+    first_step = [e for e in seen[:4] if len(e.turns) == 2]  # step 1's episodes, sampled before any update
     assert first_step
     for e in first_step:
         ref = teacher_forced_logprobs(hf, e.prompt_ids, e.token_ids)
@@ -137,6 +137,10 @@ def test_the_example_agent_trains_token_exact(tmp_path, agent_model, monkeypatch
     assert len(steps) == 2 and all(r["agent/errors"] == 0 and r["agent/branches_mean"] == 1 for r in steps)
     assert sum(r["agent/requests_mean"] for r in steps) * 4 == sum(len(e.turns) for e in seen)
     assert all(r["reward/env_mean"] == r["reward/env_mean"] for r in steps)  # scored (not NaN)
+    logged = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    requests = [t for rec in logged for ep in rec["episodes"] for t in ep["turns"]]
+    assert requests and all(t["trained"] and t["branch"] == 0 for t in requests)
+    assert any(t["new_messages"][-1]["role"] == "tool" and t["reply"]["content"] for t in requests if t["request"])
 
 
 CALLS = itertools.count()
@@ -160,7 +164,7 @@ def test_concurrent_requests_batch_into_one_generate_and_stay_token_exact(tmp_pa
     train(_config(tmp_path, gateway_batch_ms=300.0), model=str(model_dir), prompts=rows, agent=load_agent(AGENT))
     assert max(sizes) > 1 and sum(sizes) == sum(len(e.turns) for e in seen)  # batched; every request sampled once
     hf = load_hf(model_dir)
-    for e in [e for e in seen if e.weights_version == 0]:
+    for e in seen[:4]:  # step 1's episodes (2 rows x G = 2), sampled before any update
         assert e.error is None and e.prompt_ids == first
         ref = teacher_forced_logprobs(hf, e.prompt_ids, e.token_ids)
         assert max(abs(a - b) for a, b, m in zip(e.logprobs, ref, e.mask) if m) < LOGPROB_TOL

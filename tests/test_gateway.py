@@ -140,6 +140,14 @@ def test_edited_history_starts_a_new_branch_and_going_back_forks(tok):
         gw.close()
     cap = gw.close_episode(key)
     assert [len(b.turns) for b in cap.branches] == [2, 1, 1]
+    assert [(r["request"], r["branch"], r["parent"]) for r in cap.log] == [
+        (0, 0, None),
+        (1, 0, 0),
+        (2, 1, None),
+        (3, 2, 0),
+    ]
+    assert [r["new_messages"] for r in cap.log[1:]] == [h[2:], edited, back[2:]]
+    assert [r["reply"]["content"] for r in cap.log] == ["one", "two", "three", "four"]
     assert cap.branches[1].parent is None and cap.branches[2].parent == 0
     r = TurnRenderer(tok)
     assert cap.branches[1].prompt_ids == r.first(edited)  # re-rendered, and counted

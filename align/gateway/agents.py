@@ -239,7 +239,9 @@ class _Agents(AgentEnv):
         if cap.last >= 0:
             b = cap.branches[cap.last]
             ep.prompt_ids, ep.token_ids, ep.mask = b.prompt_ids, b.token_ids, b.mask
-            ep.logprobs, ep.sampled_logprobs, ep.turns = b.logprobs, b.sampled_logprobs, b.turns
+            ep.logprobs, ep.sampled_logprobs = b.logprobs, b.sampled_logprobs
+            # every request in order (completions.jsonl): trained = in the trajectory the learner gets
+            ep.turns = [{**r, "trained": r["branch"] == cap.last} for r in cap.log]
             ep.weights_version, ep.finish_reason = b.weights_version, b.turns[-1]["finish_reason"]
             ep.truncated = ep.finish_reason == "length"
             # chat False: the run's append-only comparator renders without the agent's tools

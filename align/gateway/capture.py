@@ -141,6 +141,7 @@ class Plan:
     convo: tuple
     prefix: list[int]  # context ids to append to the branch before the sampled ones
     messages: list[dict] = field(default_factory=list)
+    start: int = 0  # the first of ``messages`` that no earlier turn had (0: rendered from scratch)
 
 
 class Capture:
@@ -159,6 +160,7 @@ class Capture:
         self.last = -1  # the branch the last request sampled into
         self.final: list[dict] = []  # the last request's messages + its reply
         self.index = 0  # the episode's place in its step (its draws depend on it)
+        self.log: list[dict] = []  # each request in order: its branch, new messages, reply, finish, token counts
 
     def plan(self, messages: list[dict], tools: list[dict] | None) -> Plan:
         """The prompt ids of a request (``messages`` from ``template_messages``)."""
@@ -184,8 +186,9 @@ class Capture:
         prefix = ([] if best.ended else [r.stop_id()]) + r.suffix(messages[len(best.convo) - 1 :])
         head = b.prompt_ids + b.token_ids[: best.end]
         if best.end == len(b.token_ids):  # the tip of its trajectory: it grows
-            return Plan(head + prefix, best.branch, None, convo, prefix, messages)
-        return Plan(head + prefix, -1, Branch(head + prefix, parent=best.branch), convo, [], messages)
+            return Plan(head + prefix, best.branch, None, convo, prefix, messages, len(best.convo) - 1)
+        fork = Branch(head + prefix, parent=best.branch)
+        return Plan(head + prefix, -1, fork, convo, [], messages, len(best.convo) - 1)
 
     def record(self, plan: Plan, c: Any, reply: dict, ended: bool, finish: str) -> None:
         """The sampled ``c`` (a Completion: token_ids, logprobs, sampled_logprobs, weights_version) of ``plan``;
@@ -212,3 +215,14 @@ class Capture:
         self.turns.append(_Turn((*plan.convo, canon(reply)), plan.branch, len(b.token_ids), ended))
         self.last = plan.branch
         self.final = [*plan.messages, reply]
+        self.log.append(
+            {
+                **b.turns[-1],
+                "request": len(self.log),
+                "branch": plan.branch,
+                "parent": b.parent if len(b.turns) == 1 else plan.branch,
+                "new_messages": plan.messages[plan.start :],
+                "reply": reply,
+                "context_tokens": len(plan.prompt_ids) if len(b.turns) == 1 else len(plan.prefix),  # all masked
+            }
+        )
