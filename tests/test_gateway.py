@@ -77,8 +77,10 @@ def test_tool_loop_with_the_openai_client_is_token_exact(tok):
         client = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
         assert [m.id for m in client.models.list().data] == [MODEL]
         msgs = [{"role": "system", "content": "You add."}, {"role": "user", "content": "What is 12 + 30?"}]
-        r = client.chat.completions.create(model=MODEL, messages=msgs, tools=[TOOL], temperature=1.3)
+        r = client.chat.completions.create(model=MODEL, messages=msgs, tools=[TOOL], temperature=1.3, logprobs=True)
         ch = r.choices[0]
+        assert [x.logprob for x in ch.logprobs.content] == [-0.01 * (k + 1) - 1 for k in range(len(CALL) + 1)]
+        assert "".join(x.token for x in ch.logprobs.content) == CALL + "<|im_end|>"  # the sampled tokens, the stop too
         assert ch.finish_reason == "tool_calls" and ch.message.content is None
         (call,) = ch.message.tool_calls
         assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 12, "b": 30}

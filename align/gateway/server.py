@@ -138,6 +138,13 @@ class Gateway:
 
     # ------------------------------------------------------------------ a chat completion
 
+    def _logprobs(self, body: dict, c: Any) -> dict | None:
+        if not body.get("logprobs"):
+            return None
+        tok = getattr(self.renderer(None), "tok", None)
+        decode = (lambda ids: tok.decode(ids, skip_special_tokens=False)) if tok is not None else self.decode
+        return _token_logprobs(decode, c)
+
     def chat(self, cap: Capture, body: dict) -> dict:
         """One request of an episode -> the OpenAI response (a dict; the handler streams it when asked)."""
         if body.get("n", 1) != 1:
@@ -199,7 +206,7 @@ class Gateway:
             "object": "chat.completion",
             "created": int(time.time()),
             "model": self.model,
-            "choices": [{"index": 0, "message": msg, "finish_reason": reason, "logprobs": None}],
+            "choices": [{"index": 0, "message": msg, "finish_reason": reason, "logprobs": self._logprobs(body, c)}],
             "usage": {"prompt_tokens": prompt_n, "completion_tokens": out_n, "total_tokens": prompt_n + out_n},
             "stop_sequence": hit,  # not OpenAI's: Anthropic's row reads it (OPENAI drops it)
         }
@@ -224,7 +231,17 @@ def _openai_response(resp: dict) -> dict:
     return {k: v for k, v in resp.items() if k != "stop_sequence"}
 
 
-def _chunks(resp: dict) -> list[dict]:
+def _token_logprobs(decode: Callable[..., str], c: Any) -> dict:
+    """OpenAI's ``logprobs.content``: each sampled token's logprob in the training basis (``log_softmax(logits / T)``
+    of the run's sampling); ``top_logprobs`` are empty (the sampler keeps only the sampled token's)."""
+    out = []
+    for t, lp in zip(c.token_ids, c.logprobs):
+        text = decode([t])
+        out.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+    return {"content": out}
+
+
+def _chunks(resp: dict) -> list:
     """A chat completion as the stream's chunks: the role, the content, each tool call, the finish, the usage."""
     msg, choice = resp["choices"][0]["message"], resp["choices"][0]
     base = {k: resp[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
