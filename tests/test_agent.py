@@ -195,6 +195,34 @@ def test_failing_agents_are_unscorable_and_all_failing_stops_the_run(tmp_path, a
         train(_config(tmp_path / "b"), model=model_dir, prompts=rows, agent=failing)
 
 
+RELEASE = threading.Event()
+
+
+def hangs_once_a_step(base_url: str, api_key: str, model: str, question: str, answer: str, **row) -> float:
+    """The first call of each step (4 a step) hangs until the test ends; the others run the example agent."""
+    with COUNT_LOCK:
+        k = next(CALLS)
+    if k % 4 == 0:
+        RELEASE.wait(120)
+        return 1.0
+    return load_agent(AGENT)(base_url, api_key, model, question, answer)
+
+
+def test_a_hung_agent_times_out_and_the_step_goes_on(tmp_path, agent_model):
+    from align.train import train
+
+    global CALLS
+    CALLS = itertools.count()
+    rows = [{"question": QUESTION, "answer": "5"}] * 4
+    try:
+        train(_config(tmp_path, agent_timeout_s=3.0), model=str(agent_model[0]), prompts=rows, agent=hangs_once_a_step)
+    finally:
+        RELEASE.set()
+    steps = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [r["agent/timeouts"] for r in steps] == [1, 1] and all(r["unscorable"] == 1 for r in steps)
+    assert all(r["agent/errors"] == 0 for r in steps)
+
+
 def test_a_bad_agent_spec_names_the_flag(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import functools
 import inspect
 import logging
 import math
@@ -78,6 +79,36 @@ def reward_of(out: Any) -> tuple[float | None, dict, str | None]:
     if isinstance(out, bool) or not isinstance(out, (int, float)) or not math.isfinite(out):
         return None, metrics, f"the agent returned {out!r}: expected a finite number, a dict with 'reward' or None"
     return float(out), metrics, None
+
+
+def run_pool(calls: list[Callable[[], Any]], workers: int, timeout_s: float | None) -> list[cf.Future]:
+    """Each call on one of ``workers`` daemon threads; returns once all are done or ``timeout_s`` passed. A call not
+    done by then is abandoned (a daemon thread: a hung agent never blocks the trainer's exit, as a
+    ``ThreadPoolExecutor``'s joined threads would); one not started is cancelled."""
+    futs: list[cf.Future] = [cf.Future() for _ in calls]
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    for i in range(len(calls)):
+        todo.put(i)
+
+    def worker() -> None:
+        while True:
+            try:
+                i = todo.get_nowait()
+            except queue.Empty:
+                return
+            if not futs[i].set_running_or_notify_cancel():
+                continue
+            try:
+                futs[i].set_result(calls[i]())
+            except BaseException as e:  # noqa: BLE001 -- the agent's failure: its episode's error
+                futs[i].set_exception(e)
+
+    for _ in range(min(workers, len(calls))):
+        threading.Thread(target=worker, name="align-agent", daemon=True).start()
+    cf.wait(futs, timeout=timeout_s)
+    for f in futs:
+        f.cancel()  # those not started never will be (a running one is not cancelled)
+    return futs
 
 
 class Batcher:
@@ -206,13 +237,13 @@ class _Agents(AgentEnv):
         keys = [gw.open_episode() for _ in jobs]
         for i, k in enumerate(keys):
             gw.episodes[k].index = i
-        workers = cls.cfg.agent_workers or len(jobs)
-        timeout = cls.cfg.agent_timeout_s or None
-        pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="align-agent")
-        futs = [pool.submit(cls.fn, gw.base_url, k, MODEL_NAME, **rows[p]) for (p, _), k in zip(jobs, keys)]
-        done, _ = cf.wait(futs, timeout=timeout)
-        pool.shutdown(wait=False, cancel_futures=True)  # an agent past its time is abandoned (its key revoked below)
-        eps = [cls.episode(gw.close_episode(k), f, f in done, p, g) for (p, g), k, f in zip(jobs, keys, futs)]
+        calls = [functools.partial(cls.fn, gw.base_url, k, MODEL_NAME, **rows[p]) for (p, _), k in zip(jobs, keys)]
+        futs = run_pool(calls, cls.cfg.agent_workers or len(jobs), cls.cfg.agent_timeout_s or None)
+        # an agent past its time is abandoned: its key is revoked here, so its next request gets a 401
+        eps = [
+            cls.episode(gw.close_episode(k), f, f.done() and not f.cancelled(), p, g)
+            for (p, g), k, f in zip(jobs, keys, futs)
+        ]
         if batcher:
             batcher.close()
         return eps
