@@ -170,13 +170,13 @@ def test_concurrent_requests_batch_into_one_generate_and_stay_token_exact(tmp_pa
         assert max(abs(a - b) for a, b, m in zip(e.logprobs, ref, e.mask) if m) < LOGPROB_TOL
 
 
-def flaky(base_url: str, api_key: str, model: str, question: str, answer: str, **row) -> float:
+def flaky(base_url: str, api_key: str, model: str, question: str, answer: str, **row) -> dict:
     """Every other call raises (4 episodes a step: 2 fail, 2 run the example agent)."""
     with COUNT_LOCK:
         k = next(CALLS)
     if k % 2:
         raise RuntimeError("the agent's own bug")
-    return load_agent(AGENT)(base_url, api_key, model, question, answer)
+    return {"reward": load_agent(AGENT)(base_url, api_key, model, question, answer), "metrics": {"calls": 1 + k % 4}}
 
 
 def failing(base_url: str, api_key: str, model: str, **row) -> float:
@@ -191,6 +191,7 @@ def test_failing_agents_are_unscorable_and_all_failing_stops_the_run(tmp_path, a
     train(_config(tmp_path, agent_workers=2), model=model_dir, prompts=rows, agent=flaky)
     steps = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert sum(r["agent/errors"] for r in steps) == 4 and all(r["unscorable"] == 2 for r in steps)
+    assert all(r["agent/calls_mean"] == 2 for r in steps)  # the agents' own metrics (1 and 3 a step), averaged
     with pytest.raises(RuntimeError, match="every agent fails here"):
         train(_config(tmp_path / "b"), model=model_dir, prompts=rows, agent=failing)
 

@@ -171,6 +171,13 @@ class AgentEnv:
 
     @classmethod
     def open(cls, cfg: Any, tokenizer: Any) -> type:
+        from align import dist
+
+        if dist.env_world_size() > 1:
+            raise InputError(
+                f"{FLAG} runs its agents and the gateway in one process; under torchrun ({dist.env_world_size()} "
+                "processes) it is not supported yet: run it without torchrun"
+            )
         fn = cls.fn if cls.fn is not None else load_agent(cfg.envs.agent)
         return type("Agent", (_Agents,), {"fn": staticmethod(fn), "cfg": cfg.envs, "state": {}})
 
