@@ -197,7 +197,7 @@ class Gateway:
                     text = self.decode(c.token_ids)
                 msg, calls = reply_message(text)
                 cap.record(plan, c, template_messages([msg])[0], ended, finish)
-        except InputError as e:
+        except ValueError as e:  # InputError included: messages or tools the template cannot render, ids past the vocab
             raise ApiError(400, str(e)) from e
         reason = "tool_calls" if calls and finish == "stop" else finish
         prompt_n, out_n = len(plan.prompt_ids), len(c.token_ids)
