@@ -10,6 +10,7 @@ are what make re-tokenization visible. The real sampler is covered by tests/test
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import urllib.error
 import urllib.request
@@ -18,6 +19,7 @@ import pytest
 from helpers_tokenizer import make_bpe_tokenizer
 
 from align.chat import HFTokenizer, TurnRenderer
+from align.gateway.agents import _Agents
 from align.gateway.server import Gateway
 from align.rollout.protocol import Completion
 
@@ -157,6 +159,16 @@ def test_edited_history_starts_a_new_branch_and_going_back_forks(tok):
     one = [i for ch in "one" for i in tok.encode(ch)] + [r.stop_id()]
     assert cap.branches[2].prompt_ids == r.first(u) + one + r.suffix([{"role": "user", "content": "other"}])
     assert sum(sum(b.mask) for b in cap.branches) == sum(len(x) + 1 for x in ("one", "two", "three", "four"))
+    # the episode the learner gets: the fork (the last request's trajectory); the rest counted, not silently dropped
+    done: cf.Future = cf.Future()
+    done.set_result(1.0)
+    ep = _Agents.episode(cap, done, True, 0, 0)
+    assert ep.prompt_ids == cap.branches[2].prompt_ids and ep.token_ids == cap.branches[2].token_ids
+    assert [t["trained"] for t in ep.turns] == [False, False, False, True]
+    m = _Agents.metrics([ep])
+    assert m["agent/requests_mean"] == 4 and m["agent/branches_mean"] == 3
+    assert m["agent/rerendered_tokens"] == len(r.first(edited))  # the edited history; the first prompt is none
+    assert m["agent/untrained_tokens"] == sum(len(x) + 1 for x in ("one", "two", "three"))
     # control: the edited history rendered from text differs from the first branch's ids for the same turn
     assert cap.branches[1].prompt_ids != cap.branches[0].prompt_ids + cap.branches[0].token_ids[: len(s.prompts[1])]
 

@@ -219,7 +219,6 @@ class _Agents(AgentEnv):
                 episode_tokens=cls.cfg.max_episode_tokens,
             )
             cls.state["gen_lock"] = threading.Lock()
-            cls.state["stats"] = []
         return cls.state["gw"]
 
     @classmethod
@@ -260,8 +259,7 @@ class _Agents(AgentEnv):
         from align.rollout.groups import Episode
 
         ep = Episode(p, g, [], [], "stop", [], 0, prompt_ids=[0])
-        stats = {"requests": cap.requests, "branches": len(cap.branches), "rerendered": cap.rerendered}
-        stats["overridden"] = cap.overridden
+        metrics: dict = {}
         if not finished:
             ep.error = f"the agent ran past {FLAG}-timeout-s {cls.cfg.agent_timeout_s} s"
             ep.timed_out = True
@@ -271,40 +269,40 @@ class _Agents(AgentEnv):
         else:
             reward, metrics, why = reward_of(fut.result())
             ep.env_reward, ep.error = reward, why
-            stats.update({f"agent/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))})
         if cap.last < 0 and ep.error is None:
             ep.error = "the agent made no request through the gateway: nothing to train"
         if cap.last >= 0:
             b = cap.branches[cap.last]
             ep.prompt_ids, ep.token_ids, ep.mask = b.prompt_ids, b.token_ids, b.mask
             ep.logprobs, ep.sampled_logprobs = b.logprobs, b.sampled_logprobs
-            # every request in order (completions.jsonl): trained = in the trajectory the learner gets
+            # every request in order (completions.jsonl, metrics): trained = in the trajectory the learner gets
             ep.turns = [{**r, "trained": r["branch"] == cap.last} for r in cap.log]
+            ep.turns[-1]["agent_metrics"] = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
             ep.weights_version, ep.finish_reason = b.weights_version, b.turns[-1]["finish_reason"]
             ep.truncated = ep.finish_reason == "length"
             # chat False: the run's append-only comparator renders without the agent's tools
             ep.messages, ep.text, ep.chat = cap.final, cap.final[-1]["content"], False
-            stats["untrained"] = sum(sum(x.mask) for i, x in enumerate(cap.branches) if i != cap.last)
-        cls.state["stats"].append((stats, ep.error is not None and not ep.timed_out, ep.timed_out))
         return ep
 
-    @classmethod
-    def metrics(cls, episodes: list) -> dict:
-        """The ``agent/*`` metrics of the episodes run since the last call."""
-        rows, cls.state["stats"] = cls.state.get("stats", []), []
-        n = max(len(rows), 1)
+    @staticmethod
+    def metrics(episodes: list) -> dict:
+        """The ``agent/*`` metrics of a step's episodes (from their request records, ``turns``)."""
+        n = max(len(episodes), 1)
+        reqs = [t for e in episodes for t in e.turns]
         out = {
-            "agent/requests_mean": sum(s["requests"] for s, _, _ in rows) / n,
-            "agent/branches_mean": sum(s["branches"] for s, _, _ in rows) / n,
-            "agent/rerendered_tokens": sum(s["rerendered"] for s, _, _ in rows),
-            "agent/untrained_tokens": sum(s.get("untrained", 0) for s, _, _ in rows),
-            "agent/overridden_sampling": sum(s["overridden"] for s, _, _ in rows),
-            "agent/errors": sum(e for _, e, _ in rows),
-            "agent/timeouts": sum(t for _, _, t in rows),
+            "agent/requests_mean": len(reqs) / n,
+            "agent/branches_mean": sum(len({t["branch"] for t in e.turns}) for e in episodes) / n,
+            # a later branch rendered from scratch (edited history); the first prompt is no re-render
+            "agent/rerendered_tokens": sum(t["context_tokens"] for t in reqs if t["parent"] is None and t["branch"]),
+            "agent/untrained_tokens": sum(t["policy_tokens"] for t in reqs if not t["trained"]),
+            "agent/overridden_sampling": sum(t.get("overridden_sampling", False) for t in reqs),
+            "agent/errors": sum(e.error is not None and not e.timed_out for e in episodes),
+            "agent/timeouts": sum(e.timed_out for e in episodes),
         }
-        for key in {k for s, _, _ in rows for k in s if k.startswith("agent/")}:
-            vals = [s[key] for s, _, _ in rows if key in s]
-            out[key + "_mean"] = sum(vals) / len(vals)
+        own = [t["agent_metrics"] for e in episodes if e.turns for t in e.turns[-1:]]
+        for key in {k for m in own for k in m}:
+            vals = [m[key] for m in own if key in m]
+            out[f"agent/{key}_mean"] = sum(vals) / len(vals)
         return out
 
     @classmethod

@@ -151,7 +151,8 @@ class Gateway:
             raise ApiError(
                 400, f"n must be 1 (one sample per request; a group is G runs of the agent), got {body['n']}"
             )
-        if any(body.get(k) is not None for k in ("temperature", "top_p")):
+        asked = any(body.get(k) is not None for k in ("temperature", "top_p"))
+        if asked:
             cap.overridden += 1
             if not self.warned_sampling:
                 self.warned_sampling = True
@@ -197,6 +198,7 @@ class Gateway:
                     text = self.decode(c.token_ids)
                 msg, calls = reply_message(text)
                 cap.record(plan, c, template_messages([msg])[0], ended, finish)
+                cap.log[-1]["overridden_sampling"] = asked
         except ValueError as e:  # InputError included: messages or tools the template cannot render, ids past the vocab
             raise ApiError(400, str(e)) from e
         reason = "tool_calls" if calls and finish == "stop" else finish
