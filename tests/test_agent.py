@@ -263,3 +263,17 @@ def test_a_bad_agent_flag_fails_by_name_before_the_model_loads(
     else:
         err = capsys.readouterr().err
     assert rc == 2 and "--agent" in err and message in err, err
+
+
+def test_held_out_agent_runs_are_evaluated_in_the_loop(tmp_path, agent_model):
+    from align.train import train
+
+    c = _config(tmp_path)
+    c.steps, c.eval.eval_interval, c.eval.eval_n = 1, 1, 2
+    rows = [{"question": QUESTION, "answer": "5"}] * 4
+    train(c, model=str(agent_model[0]), prompts=rows, eval_prompts=rows[:2], agent=load_agent(AGENT))
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in recs if "eval/step" in r]
+    assert [r["eval/step"] for r in evals] == [0, 1], recs
+    # the example agent's reward on held-out rows: the warm-started policy calls the tool and answers 5
+    assert all(r["eval/avg@2"] > 0.0 for r in evals), evals
