@@ -277,3 +277,14 @@ def test_held_out_agent_runs_are_evaluated_in_the_loop(tmp_path, agent_model):
     assert [r["eval/step"] for r in evals] == [0, 1], recs
     # the example agent's reward on held-out rows: the warm-started policy calls the tool and answers 5
     assert all(r["eval/avg@2"] > 0.0 for r in evals), evals
+
+
+def test_the_documented_command_trains_the_example_agent(tmp_path, agent_model, monkeypatch):
+    from align.train import main
+
+    monkeypatch.chdir(ROOT)
+    argv = ["--out", str(tmp_path / "run"), "--model", str(agent_model[0]), "--train-data", "examples/agent/rows.jsonl"]
+    flags = ["--agent", "examples/agent/agent.py:run", "--steps", "1", "--prompts-per-step", "2", "--group-size", "2"]
+    assert main([*argv, *flags, "--max-tokens", "80", "--eval-interval", "0", "--agent-workers", "2"]) == 0
+    (rec,) = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert rec["agent/requests_mean"] >= 1 and rec["agent/errors"] == 0
