@@ -48,6 +48,7 @@ def train(
     env: type | None = None,
     tools: list | None = None,
     stop_flag: dict | None = None,
+    agent: Callable[..., Any] | None = None,
 ) -> dict:
     """Run GRPO; returns a summary dict. Resumes from the last committed checkpoint under ``cfg.out``.
 
@@ -58,6 +59,7 @@ def train(
     from align.rollout.pipeline import Interrupted
     from align.run.build import Given, open_run
 
+    env = env if agent is None else _agent_env(agent)  # an agent program: the gateway's environment row
     run = open_run(cfg, Given(model, tokenizer, prompts, reward, eval_prompts, env, tools), stop_flag)
     with run:  # closes the pipeline, rollout backend, scorer and logs; drains the evaluator
         run.emit(run.baseline())  # the step-0 eval, once per run
@@ -95,6 +97,12 @@ def train(
                 break
     run.export_final()  # --save-hf after the last step, plot.svg
     return run.summary()
+
+
+def _agent_env(agent: Callable[..., Any]) -> type:
+    from align.gateway.agents import bind
+
+    return bind(agent)
 
 
 def step_record(

@@ -513,5 +513,5 @@ def test_a_new_environment_is_a_file_and_a_row_and_every_hook_runs_in_its_place(
         run("bad", rows[:3] + [{"prompt": "abc="}])
     assert not log.exists()
     monkeypatch.delitem(ENVIRONMENTS, "toy")
-    with pytest.raises(InputError, match=r"the name of a built-in environment \(lean, multiturn, tools\)"):
+    with pytest.raises(InputError, match=r"the name of a built-in environment \(agent, lean, multiturn, tools\)"):
         run("gone", rows)

@@ -45,6 +45,7 @@ FLOORS = [
             "lean.config lean.server lean.repl lean.verify lean.env lean.corrections"
         ),
     ),
+    ("the gateway", "gateway gateway.capture gateway.messages gateway.server gateway.agents"),
     ("the built-in tasks", "tasks tasks.warm tasks.reverse tasks.multiturn"),
     (
         "eval",
@@ -57,7 +58,7 @@ FLOORS = [
             "run.build"
         ),
     ),
-    ("entry points", "train report sft sft.__main__ sft.config sft.data sft.run"),
+    ("entry points", "train report serve sft sft.__main__ sft.config sft.data sft.run"),
 ]
 
 

@@ -59,9 +59,30 @@ class EnvConfig:
         },
     )
 
+    agent: str | None = field(
+        default=None,
+        metadata=_h(
+            "An agent program, 'path/file.py:fn' or 'module:fn': fn(base_url, api_key, model, **row) -> float | dict "
+            "| None, run --group-size times per --train-data row against the OpenAI-compatible gateway "
+            "(align.gateway; docs/agent.md); its return value is the reward."
+        ),
+    )
+    agent_workers: int = field(default=0, metadata=_h("With --agent: threads running agents (0 = one per episode)."))
+    agent_timeout_s: float = field(
+        default=600.0, metadata=_h("With --agent: seconds a step waits for its agents (0 = no limit).")
+    )
+    gateway_max_body_mb: float = field(default=8.0, metadata=_h("With --agent: the gateway's request body cap (MB)."))
+    gateway_batch_ms: float = field(
+        default=0.0,
+        metadata=_h(
+            "With --agent: requests arriving within this many ms of each other go out as one generate (0 = one "
+            "generate per request, draws reproducible)."
+        ),
+    )
+
     @property
     def enabled(self) -> bool:
-        return self.env is not None or bool(self.tools)
+        return self.env is not None or bool(self.tools) or self.agent is not None
 
     def check(self, max_tokens: int) -> None:
         """The values alone (the spec is loaded by ``align.envs.episodes.load``, before the model)."""
@@ -80,5 +101,16 @@ class EnvConfig:
             raise ValueError(f"--env-workers must be >= 0 (0 = in this process), got {self.env_workers}")
         if self.env_reward not in ENV_REWARDS:
             raise ValueError(f"--env-reward must be one of {ENV_REWARDS}, got {self.env_reward!r}")
+        if self.agent is not None and (self.env not in (None, "agent") or self.tools):
+            raise ValueError("--agent runs the agent through the gateway; it cannot be combined with --env / --tools")
+        if self.agent_workers < 0 or not (math.isfinite(self.agent_timeout_s) and self.agent_timeout_s >= 0):
+            raise ValueError(
+                f"--agent-workers must be >= 0 and --agent-timeout-s finite >= 0, got "
+                f"{self.agent_workers}, {self.agent_timeout_s}"
+            )
+        if not (math.isfinite(self.gateway_batch_ms) and self.gateway_batch_ms >= 0):
+            raise ValueError(f"--gateway-batch-ms must be a finite number >= 0, got {self.gateway_batch_ms}")
+        if not self.gateway_max_body_mb > 0:
+            raise ValueError(f"--gateway-max-body-mb must be > 0, got {self.gateway_max_body_mb}")
         if self.tools and self.env not in (None, "tools"):
             raise ValueError(f"--tools runs the built-in tool environment; it cannot be combined with --env {self.env}")

@@ -98,7 +98,7 @@ def env_task(
     elif env is None:  # a name of align.tasks.ENVIRONMENTS or file.py:Class
         from align.tasks import env_spec
 
-        spec = env_spec(e.env)
+        spec = env_spec(e.env or "agent")  # --agent alone picks the agent row
         env = load_env_class(spec, "--env")
     located = None  # (file:line, row) of each row read here, for the errors of the environment's check_rows
     if prompts is None:

@@ -30,6 +30,7 @@ TASKS: dict[str, str] = {
 
 # name -> "module:Class": the built-in environments (``--env NAME``); a name never contains ':' or '/'
 ENVIRONMENTS: dict[str, str] = {
+    "agent": "align.gateway.agents:AgentEnv",  # --agent fn: an agent program through the OpenAI-compatible gateway
     "lean": "align.lean.env:LeanEnv",  # Goedel-Prover's prompt, one verified proof attempt per turn
     "multiturn": "align.tasks.multiturn:Env",  # the built-in multi-turn task's environment (rows: prompt, answer)
     "tools": "align.envs.tools:ToolEnv",  # the tool environment over --tools (also what --tools alone picks)

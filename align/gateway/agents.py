@@ -1,0 +1,312 @@
+"""Agent programs as an episode source: ``--agent path/file.py:fn`` (or ``module:fn``; Python ``train(cfg, ...,
+agent=fn)``) runs ``fn(base_url, api_key, model, **row) -> float | dict | None`` G times per data row against the
+gateway (``align.gateway.server``); each run is one episode, captured token-exactly (``align.gateway.capture``).
+
+The agent builds its own client (``openai.OpenAI(base_url=..., api_key=...)``, any framework pointed at that URL),
+makes as many calls as it likes and returns its reward: a float, None (unscorable) or ``{"reward": r, "metrics":
+{...}}``. With ``--reward`` functions the final reply is scored too (added, as for environments).
+
+Wiring: ``--env agent`` (``--agent`` alone picks it) is a row of ``align.tasks.ENVIRONMENTS``; ``AgentEnv.open``
+loads and checks the function before the model loads and returns a class whose ``run_episodes`` hook replaces the
+environment turn loop in the sampling seam (``align.envs.sampler.Episodes``). Agents run on a thread pool
+(``--agent-workers``; 0 = one per episode of the step); an agent that raises, runs past ``--agent-timeout-s`` (its
+key is revoked, its thread abandoned: a Python thread cannot be killed) or returns a non-number makes its episode
+unscorable (``agent/errors``, ``agent/timeouts``); the step goes on (``Episodes.sample`` stops the run when every
+episode failed, with the first traceback).
+
+An episode that the agent branched (edited history) trains the trajectory of its last request; the sampled tokens of
+its other branches are counted (``agent/untrained_tokens``), not yet trained (a group has one completion per run).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import functools
+import inspect
+import logging
+import math
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from align.errors import InputError
+
+log = logging.getLogger(__name__)
+
+FLAG = "--agent"
+MODEL_NAME = "align-policy"
+
+
+def check_agent(fn: Any, where: str) -> Callable[..., Any]:
+    """``fn`` if it can be called as ``fn(base_url, api_key, model, **row)``, else an InputError naming --agent."""
+    if not callable(fn):
+        raise InputError(f"{FLAG} {where}: a {type(fn).__name__} is not callable; give a function")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError) as e:
+        raise InputError(f"{FLAG} {where}: its signature cannot be read ({e})") from None
+    try:
+        sig.bind_partial("base_url", "api_key", "model")  # positional; the row's columns may be named parameters
+    except TypeError as e:
+        raise InputError(
+            f"{FLAG} {where}: {e}; an agent is fn(base_url, api_key, model, **row) -> float | dict | None"
+        ) from None
+    if len(sig.parameters) <= 3:
+        raise InputError(f"{FLAG} {where}: it takes no **row (the data row's columns are passed as keywords)")
+    return fn
+
+
+def load_agent(spec: str) -> Callable[..., Any]:
+    from align.specs import load_spec
+
+    if not spec:
+        raise InputError(f"{FLAG}: give the agent as 'path/file.py:fn' or 'module:fn'")
+    return check_agent(load_spec(spec, FLAG, kind="function"), repr(spec))
+
+
+def reward_of(out: Any) -> tuple[float | None, dict, str | None]:
+    """(reward, metrics, why unscorable) of an agent's return value."""
+    metrics: dict = {}
+    if isinstance(out, dict):
+        metrics = out.get("metrics") or {}
+        out = out.get("reward")
+    if out is None:
+        return None, metrics, None
+    if isinstance(out, bool) or not isinstance(out, (int, float)) or not math.isfinite(out):
+        return None, metrics, f"the agent returned {out!r}: expected a finite number, a dict with 'reward' or None"
+    return float(out), metrics, None
+
+
+def run_pool(calls: list[Callable[[], Any]], workers: int, timeout_s: float | None) -> list[cf.Future]:
+    """Each call on one of ``workers`` daemon threads; returns once all are done or ``timeout_s`` passed. A call not
+    done by then is abandoned (a daemon thread: a hung agent never blocks the trainer's exit, as a
+    ``ThreadPoolExecutor``'s joined threads would); one not started is cancelled."""
+    futs: list[cf.Future] = [cf.Future() for _ in calls]
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    for i in range(len(calls)):
+        todo.put(i)
+
+    def worker() -> None:
+        while True:
+            try:
+                i = todo.get_nowait()
+            except queue.Empty:
+                return
+            if not futs[i].set_running_or_notify_cancel():
+                continue
+            try:
+                futs[i].set_result(calls[i]())
+            except BaseException as e:  # noqa: BLE001 -- the agent's failure: its episode's error
+                futs[i].set_exception(e)
+
+    for _ in range(min(workers, len(calls))):
+        threading.Thread(target=worker, name="align-agent", daemon=True).start()
+    cf.wait(futs, timeout=timeout_s)
+    for f in futs:
+        f.cancel()  # those not started never will be (a running one is not cancelled)
+    return futs
+
+
+class Batcher:
+    """``--gateway-batch-ms``: requests arriving within that many ms of the first go out as one generate (sampled to
+    the largest budget among them, each cut at its own: the kept tokens are exactly the sampled ones, the cut one
+    ``length``). The batch draws with its first request's seed, so draws depend on which requests shared a batch."""
+
+    def __init__(self, generate: Callable[[list[list[int]], int, int | None], list], batch_ms: float) -> None:
+        self.generate, self.wait_s = generate, batch_ms / 1000
+        self.q: queue.Queue = queue.Queue()
+        self.batches: list[int] = []  # the size of each generate (for the metrics and the tests)
+        self.thread = threading.Thread(target=self._loop, name="align-gateway-batch", daemon=True)
+        self.thread.start()
+
+    def __call__(self, ids: list[int], max_tokens: int, seed: int | None) -> Any:
+        slot: dict[str, Any] = {"ids": ids, "max": max_tokens, "seed": seed, "done": threading.Event()}
+        self.q.put(slot)
+        slot["done"].wait()
+        if "error" in slot:
+            raise slot["error"]
+        return slot["out"]
+
+    def _loop(self) -> None:
+        while (first := self.q.get()) is not None:
+            batch, end = [first], time.monotonic() + self.wait_s
+            while (left := end - time.monotonic()) > 0:
+                try:
+                    item = self.q.get(timeout=left)
+                except queue.Empty:
+                    break
+                if item is None:
+                    self.q.put(None)
+                    break
+                batch.append(item)
+            self.batches.append(len(batch))
+            try:
+                outs = self.generate([s["ids"] for s in batch], max(s["max"] for s in batch), first["seed"])
+                for s, c in zip(batch, outs):
+                    if len(c.token_ids) > s["max"]:
+                        k = s["max"]
+                        c.token_ids, c.logprobs, c.finish_reason = c.token_ids[:k], c.logprobs[:k], "length"
+                        c.sampled_logprobs = c.sampled_logprobs[:k] if c.sampled_logprobs else None
+                    s["out"] = c
+            except BaseException as e:  # noqa: BLE001 -- each waiting request raises it (the gateway answers 500)
+                for s in batch:
+                    s["error"] = e
+            for s in batch:
+                s["done"].set()
+
+    def close(self) -> None:
+        self.q.put(None)
+
+
+class AgentEnv:
+    """``--env agent``: the row of ``align.tasks.ENVIRONMENTS``. Opened, never run: ``open`` returns the class whose
+    ``run_episodes`` hook runs the agent (``bind(fn)`` for ``train(..., agent=fn)``)."""
+
+    fn: Callable[..., Any] | None = None
+    tools = None
+
+    @classmethod
+    def open(cls, cfg: Any, tokenizer: Any) -> type:
+        from align import dist
+
+        if dist.env_world_size() > 1:
+            raise InputError(
+                f"{FLAG} runs its agents and the gateway in one process; under torchrun ({dist.env_world_size()} "
+                "processes) it is not supported yet: run it without torchrun"
+            )
+        fn = cls.fn if cls.fn is not None else load_agent(cfg.envs.agent)
+        return type("Agent", (_Agents,), {"fn": staticmethod(fn), "cfg": cfg.envs, "state": {}})
+
+    def __init__(self, **row: Any) -> None:
+        raise RuntimeError("AgentEnv is opened, never run")
+
+    def reset(self) -> list[dict]:
+        raise NotImplementedError
+
+    def step(self, completion: str) -> Any:
+        raise NotImplementedError
+
+
+def bind(fn: Callable[..., Any]) -> type:
+    """The environment class of ``train(cfg, ..., agent=fn)``."""
+    return type("AgentEnv", (AgentEnv,), {"fn": staticmethod(check_agent(fn, getattr(fn, "__name__", repr(fn))))})
+
+
+class _Agents(AgentEnv):
+    fn: Callable[..., Any]
+    cfg: Any
+    state: dict
+
+    @classmethod
+    def gateway(cls, sampler: Any) -> Any:
+        if "gw" not in cls.state:
+            from align.chat import TurnRenderer
+            from align.gateway.server import Gateway
+
+            tok = sampler.renderer.tok
+            cls.state["gw"] = Gateway(
+                lambda ids, n, cap: cls.state["sample"](ids, n, cap),
+                lambda tools: TurnRenderer(tok, tools=tools),
+                sampler.decode,
+                MODEL_NAME,
+                sampler.cfg.max_tokens,
+                sampler.context,
+                cls.cfg.gateway_max_body_mb,
+                episode_tokens=cls.cfg.max_episode_tokens,
+            )
+            cls.state["gen_lock"] = threading.Lock()
+        return cls.state["gw"]
+
+    @classmethod
+    def run_episodes(cls, sampler: Any, client: Any, rows: list[dict], G: int, params: Any) -> list:
+        """G runs of the agent per row, as ``Episode``s in (row, sample) order."""
+        gw = cls.gateway(sampler)
+        lock = cls.state["gen_lock"]
+
+        def generate(prompts: list[list[int]], max_tokens: int, seed: int | None) -> list:
+            p = dataclasses.replace(params, n=1, max_tokens=max_tokens, seed=seed)
+            with lock, sampler.autocast():  # one generate at a time on the shared model (autocast is per thread)
+                return client.generate(prompts, p)
+
+        batcher = Batcher(generate, cls.cfg.gateway_batch_ms) if cls.cfg.gateway_batch_ms else None
+
+        def sample(ids: list[int], max_tokens: int, cap: Any) -> Any:
+            seed = None if params.seed is None else params.seed + 7919 * cap.index + 104_729 * cap.requests
+            return batcher(ids, max_tokens, seed) if batcher else generate([ids], max_tokens, seed)[0]
+
+        cls.state["sample"] = sample
+        jobs = [(p, g) for p in range(len(rows)) for g in range(G)]
+        keys = [gw.open_episode() for _ in jobs]
+        for i, k in enumerate(keys):
+            gw.episodes[k].index = i
+        calls = [functools.partial(cls.fn, gw.base_url, k, MODEL_NAME, **rows[p]) for (p, _), k in zip(jobs, keys)]
+        futs = run_pool(calls, cls.cfg.agent_workers or len(jobs), cls.cfg.agent_timeout_s or None)
+        # an agent past its time is abandoned: its key is revoked here, so its next request gets a 401
+        eps = [
+            cls.episode(gw.close_episode(k), f, f.done() and not f.cancelled(), p, g)
+            for (p, g), k, f in zip(jobs, keys, futs)
+        ]
+        if batcher:
+            batcher.close()
+        return eps
+
+    @classmethod
+    def episode(cls, cap: Any, fut: cf.Future, finished: bool, p: int, g: int) -> Any:
+        from align.rollout.groups import Episode
+
+        ep = Episode(p, g, [], [], "stop", [], 0, prompt_ids=[0])
+        metrics: dict = {}
+        if not finished:
+            ep.error = f"the agent ran past {FLAG}-timeout-s {cls.cfg.agent_timeout_s} s"
+            ep.timed_out = True
+        elif fut.exception() is not None:
+            e = fut.exception()
+            ep.error = "the agent raised:\n" + "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        else:
+            reward, metrics, why = reward_of(fut.result())
+            ep.env_reward, ep.error = reward, why
+        if cap.last < 0 and ep.error is None:
+            ep.error = "the agent made no request through the gateway: nothing to train"
+        if cap.last >= 0:
+            b = cap.branches[cap.last]
+            ep.prompt_ids, ep.token_ids, ep.mask = b.prompt_ids, b.token_ids, b.mask
+            ep.logprobs, ep.sampled_logprobs = b.logprobs, b.sampled_logprobs
+            # every request in order (completions.jsonl, metrics): trained = in the trajectory the learner gets
+            ep.turns = [{**r, "trained": r["branch"] == cap.last} for r in cap.log]
+            ep.turns[-1]["agent_metrics"] = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+            ep.weights_version, ep.finish_reason = b.weights_version, b.turns[-1]["finish_reason"]
+            ep.truncated = ep.finish_reason == "length"
+            # chat False: the run's append-only comparator renders without the agent's tools
+            ep.messages, ep.text, ep.chat = cap.final, cap.final[-1]["content"], False
+        return ep
+
+    @staticmethod
+    def metrics(episodes: list) -> dict:
+        """The ``agent/*`` metrics of a step's episodes (from their request records, ``turns``)."""
+        n = max(len(episodes), 1)
+        reqs = [t for e in episodes for t in e.turns]
+        out = {
+            "agent/requests_mean": len(reqs) / n,
+            "agent/branches_mean": sum(len({t["branch"] for t in e.turns}) for e in episodes) / n,
+            # a later branch rendered from scratch (edited history); the first prompt is no re-render
+            "agent/rerendered_tokens": sum(t["context_tokens"] for t in reqs if t["parent"] is None and t["branch"]),
+            "agent/untrained_tokens": sum(t["policy_tokens"] for t in reqs if not t["trained"]),
+            "agent/overridden_sampling": sum(t.get("overridden_sampling", False) for t in reqs),
+            "agent/errors": sum(e.error is not None and not e.timed_out for e in episodes),
+            "agent/timeouts": sum(e.timed_out for e in episodes),
+        }
+        own = [t["agent_metrics"] for e in episodes if e.turns for t in e.turns[-1:]]
+        for key in {k for m in own for k in m}:
+            vals = [m[key] for m in own if key in m]
+            out[f"agent/{key}_mean"] = sum(vals) / len(vals)
+        return out
+
+    @classmethod
+    def close(cls) -> None:
+        gw = cls.state.pop("gw", None)
+        if gw is not None:
+            gw.close()

@@ -1,0 +1,371 @@
+"""An OpenAI-compatible gateway over the policy's sampler (stdlib ``http.server``; no web framework), so an agent
+program written against a provider's client trains unchanged.
+
+Endpoints: ``POST /v1/chat/completions`` (messages with string or list content, ``tools``, ``max_tokens`` /
+``max_completion_tokens``, ``stop``, ``n=1``, ``stream`` as server-sent events ending with a usage chunk) and
+``GET /v1/models``. Replies follow OpenAI's schema: ``tool_calls`` parsed from the sampled text in the template
+family's format (``align.envs.tools.parse_tool_calls``: Hermes / Qwen ``<tool_call>`` blocks, Llama-3.1 JSON),
+``finish_reason`` (``stop``, ``length``, ``tool_calls``) and ``usage``. Errors are OpenAI error objects: 400 a
+malformed body, 401 an unknown key, 404 an unknown model or path, 413 a body over the cap, 503 while closing.
+
+Sampling stays the policy's: a request's ``temperature`` / ``top_p`` are not applied (counted per episode, said once
+in the log); its ``max_tokens`` and ``stop`` only shorten a turn. A stop string cuts the turn after the token that
+completes it (the returned text ends before it); the ids kept are the sampled ones.
+
+Security: binds 127.0.0.1 on a free port; each episode gets a random key (``secrets``) that expires with it and is
+never logged; bodies are capped; a request's socket has a timeout; nothing received is run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, NamedTuple
+
+from align.errors import InputError
+from align.gateway import messages
+from align.gateway.capture import Capture, template_messages, text_of
+
+log = logging.getLogger(__name__)
+
+READ_TIMEOUT_S = 60.0  # a client that stops sending its body mid-way
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.code = status, kind, code
+
+
+def reply_message(text: str) -> tuple[dict, list[dict]]:
+    """(the OpenAI assistant message for the sampled ``text``, its readable tool calls as template messages' calls)."""
+    from align.envs.tools import parse_tool_calls
+
+    calls = [c for c in parse_tool_calls(text) if "error" not in c]
+    msg: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        before = text.split("<tool_call>")[0].strip() if "<tool_call>" in text else ""
+        msg["content"] = before or None
+        msg["tool_calls"] = [
+            {
+                "id": "call_" + secrets.token_hex(8),
+                "type": "function",
+                "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)},
+            }
+            for c in calls
+        ]
+    return msg, calls
+
+
+def cut_at_stop(ids: list[int], decode: Callable[[list[int]], str], stops: list[str]) -> tuple[int, str] | None:
+    """(how many ids to keep, the text before the stop) at the first stop string the ids' text reaches, else None."""
+    if not stops:
+        return None
+    full = decode(ids)
+    hits = [p for s in stops if (p := full.find(s)) >= 0]
+    if not hits:
+        return None
+    at = min(hits)
+    for k in range(1, len(ids) + 1):  # the first token whose text reaches past the stop's start + its length
+        t = decode(ids[:k])
+        if any(t.find(s) == at for s in stops if t.find(s) >= 0):
+            return k, full[:at]
+    return len(ids), full[:at]
+
+
+class Gateway:
+    """The gateway's state: episodes by key, the sampler. ``sample(prompt_ids, max_tokens, capture) -> Completion``
+    (the run's sampling params); ``renderer(tools) -> TurnRenderer``; ``decode(ids) -> text`` without the stop token;
+    ``context``: the model's; ``max_tokens``: the run's per-turn cap."""
+
+    def __init__(
+        self,
+        sample: Callable[..., Any],
+        renderer: Callable[[Any], Any],
+        decode: Callable[[list[int]], str],
+        model: str,
+        max_tokens: int,
+        context: int,
+        max_body_mb: float = 8.0,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        episode_tokens: int = 0,
+        accept: Callable[[str], bool] | None = None,
+    ) -> None:
+        self.sample, self.renderer, self.decode, self.model = sample, renderer, decode, model
+        self.max_tokens, self.context, self.max_body = max_tokens, context, int(max_body_mb * 2**20)
+        self.episode_tokens = episode_tokens  # --max-episode-tokens: a trajectory's tokens after its first prompt
+        self.accept = accept  # align.serve: keys outside any episode it accepts (each request a capture of its own)
+        self.episodes: dict[str, Capture] = {}
+        self.closing = False
+        self.warned_sampling = False
+        self.lock = threading.Lock()
+        gw = self
+
+        class Handler(_Handler):
+            gateway = gw
+
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="align-gateway", daemon=True)
+        self.thread.start()
+
+    @property
+    def base_url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}/v1"
+
+    def open_episode(self) -> str:
+        key = "sk-align-" + secrets.token_urlsafe(24)
+        with self.lock:
+            self.episodes[key] = Capture(self.renderer)
+        return key
+
+    def close_episode(self, key: str) -> Capture:
+        """The episode's capture; its key stops working."""
+        with self.lock:
+            return self.episodes.pop(key)
+
+    def close(self) -> None:
+        self.closing = True
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    # ------------------------------------------------------------------ a chat completion
+
+    def _logprobs(self, body: dict, c: Any) -> dict | None:
+        if not body.get("logprobs"):
+            return None
+        tok = getattr(self.renderer(None), "tok", None)
+        decode = (lambda ids: tok.decode(ids, skip_special_tokens=False)) if tok is not None else self.decode
+        return _token_logprobs(decode, c)
+
+    def chat(self, cap: Capture, body: dict) -> dict:
+        """One request of an episode -> the OpenAI response (a dict; the handler streams it when asked)."""
+        if body.get("n", 1) != 1:
+            raise ApiError(
+                400, f"n must be 1 (one sample per request; a group is G runs of the agent), got {body['n']}"
+            )
+        asked = any(body.get(k) is not None for k in ("temperature", "top_p"))
+        if asked:
+            cap.overridden += 1
+            if not self.warned_sampling:
+                self.warned_sampling = True
+                log.info("the agent asked for its own temperature / top_p: not applied (the run's sampling is)")
+        tools = body.get("tools") or None
+        if tools is not None and not isinstance(tools, list):
+            raise ApiError(400, "tools must be a list of function schemas")
+        cap_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if cap_tokens is not None and (not isinstance(cap_tokens, int) or cap_tokens < 1):
+            raise ApiError(400, f"max_tokens must be a positive integer, got {cap_tokens!r}")
+        stops = body.get("stop") or []
+        stops = [stops] if isinstance(stops, str) else stops
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise ApiError(400, "stop must be a string or a list of non-empty strings")
+        try:
+            messages = template_messages(body.get("messages"))
+            with cap.lock:
+                plan = cap.plan(messages, tools)
+                room = self.context - len(plan.prompt_ids)
+                if self.episode_tokens:
+                    root = plan.new.prompt_ids if plan.new else cap.branches[plan.branch].prompt_ids
+                    room = min(room, self.episode_tokens - (len(plan.prompt_ids) - len(root)))
+                if room < 1:
+                    raise ApiError(
+                        400,
+                        f"the prompt has {len(plan.prompt_ids)} tokens: no room left in the context of {self.context}"
+                        f" or --max-episode-tokens {self.episode_tokens}",
+                        code="context_length_exceeded",
+                    )
+                budget = min(self.max_tokens, room, cap_tokens or self.max_tokens)
+                c = self.sample(plan.prompt_ids, budget, cap)
+                cap.requests += 1
+                finish = c.finish_reason
+                ended = finish == "stop"
+                cut, hit = cut_at_stop(c.token_ids, self.decode, stops), None
+                if cut is not None:
+                    k, text = cut
+                    hit = next((s for s in stops if self.decode(c.token_ids[:k]).find(s) == len(text)), None)
+                    c.token_ids, c.logprobs = c.token_ids[:k], c.logprobs[:k]
+                    c.sampled_logprobs = (c.sampled_logprobs or c.logprobs)[:k]
+                    finish, ended = "stop", False
+                else:
+                    text = self.decode(c.token_ids)
+                msg, calls = reply_message(text)
+                cap.record(plan, c, template_messages([msg])[0], ended, finish)
+                cap.log[-1]["overridden_sampling"] = asked
+        except ValueError as e:  # InputError included: messages or tools the template cannot render, ids past the vocab
+            raise ApiError(400, str(e)) from e
+        reason = "tool_calls" if calls and finish == "stop" else finish
+        prompt_n, out_n = len(plan.prompt_ids), len(c.token_ids)
+        return {
+            "id": "chatcmpl-" + secrets.token_hex(12),
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model,
+            "choices": [{"index": 0, "message": msg, "finish_reason": reason, "logprobs": self._logprobs(body, c)}],
+            "usage": {"prompt_tokens": prompt_n, "completion_tokens": out_n, "total_tokens": prompt_n + out_n},
+            "stop_sequence": hit,  # not OpenAI's: Anthropic's row reads it (OPENAI drops it)
+        }
+
+
+class Api(NamedTuple):
+    """One provider API the gateway speaks: its body -> the chat-completions body, the chat completion -> its reply,
+    -> its stream events ``(event name or None, data)``, the end of its stream, an ``ApiError`` -> its error object."""
+
+    request: Callable[[dict], dict]
+    response: Callable[[dict], dict]
+    events: Callable[[dict], list]
+    done: bytes
+    error: Callable[[ApiError], dict]
+
+
+def _openai_error(e: ApiError) -> dict:
+    return {"error": {"message": str(e), "type": e.kind, "param": None, "code": e.code}}
+
+
+def _openai_response(resp: dict) -> dict:
+    return {k: v for k, v in resp.items() if k != "stop_sequence"}
+
+
+def _token_logprobs(decode: Callable[..., str], c: Any) -> dict:
+    """OpenAI's ``logprobs.content``: each sampled token's logprob in the training basis (``log_softmax(logits / T)``
+    of the run's sampling); ``top_logprobs`` are empty (the sampler keeps only the sampled token's)."""
+    out = []
+    for t, lp in zip(c.token_ids, c.logprobs):
+        text = decode([t])
+        out.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+    return {"content": out}
+
+
+def _chunks(resp: dict) -> list:
+    """A chat completion as the stream's chunks: the role, the content, each tool call, the finish, the usage."""
+    msg, choice = resp["choices"][0]["message"], resp["choices"][0]
+    base = {k: resp[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+
+    def chunk(delta: dict, finish: str | None = None) -> dict:
+        return base | {"choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+
+    out = [chunk({"role": "assistant", "content": ""})]
+    if msg.get("content"):
+        out.append(chunk({"content": msg["content"]}))
+    for i, tc in enumerate(msg.get("tool_calls") or []):
+        out.append(chunk({"tool_calls": [{"index": i, **tc}]}))
+    out.append(chunk({}, choice["finish_reason"]))
+    out.append(base | {"choices": [], "usage": resp["usage"]})
+    return [(None, c) for c in out]
+
+
+APIS = {  # path -> the API spoken there
+    "/v1/chat/completions": Api(lambda b: b, _openai_response, _chunks, b"data: [DONE]\n\n", _openai_error),
+    "/v1/messages": Api(
+        messages.request, messages.response, messages.events, b"", lambda e: messages.error(e.status, str(e))
+    ),
+}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    gateway: Gateway
+    protocol_version = "HTTP/1.1"
+    timeout = READ_TIMEOUT_S
+
+    def log_message(self, format: str, *args: Any) -> None:  # keys travel in headers, never logged
+        log.debug("gateway: %s %s", self.command, self.path.split("?")[0])
+
+    def _send(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, e: ApiError) -> None:
+        self._send(e.status, APIS.get(self.path.rstrip("/"), APIS["/v1/chat/completions"]).error(e))
+
+    def _auth(self) -> Capture:
+        gw = self.gateway
+        if gw.closing:
+            raise ApiError(503, "the trainer is shutting down", "server_error")
+        auth = self.headers.get("Authorization", "")
+        key = auth[7:] if auth.startswith("Bearer ") else self.headers.get("x-api-key", "")
+        with gw.lock:
+            cap = gw.episodes.get(key)
+        if cap is None and gw.accept is not None and gw.accept(key):
+            cap = Capture(gw.renderer)
+        if cap is None:
+            raise ApiError(
+                401,
+                "unknown API key (each agent run gets its own; it expires with the episode)",
+                "authentication_error",
+                "invalid_api_key",
+            )
+        return cap
+
+    def do_GET(self) -> None:
+        try:
+            self._auth()
+            if self.path.rstrip("/") != "/v1/models":
+                raise ApiError(404, f"no route {self.path}", code="not_found")
+            m = {"id": self.gateway.model, "object": "model", "created": 0, "owned_by": "align"}
+            self._send(200, {"object": "list", "data": [m]})
+        except ApiError as e:
+            self._error(e)
+
+    def do_POST(self) -> None:
+        try:
+            size = int(self.headers.get("Content-Length") or 0)
+            if size > self.gateway.max_body:
+                self.close_connection = True  # the body is not read
+                raise ApiError(
+                    413, f"the body has {size} bytes, over --gateway-max-body-mb ({self.gateway.max_body} bytes)"
+                )
+            raw = self.rfile.read(size)
+            cap = self._auth()
+            api = APIS.get(self.path.rstrip("/"))
+            if api is None:
+                raise ApiError(404, f"no route {self.path}", code="not_found")
+            try:
+                body = json.loads(raw)
+            except (ValueError, RecursionError) as e:
+                raise ApiError(400, f"the body is not valid JSON ({e})") from e
+            if not isinstance(body, dict):
+                raise ApiError(400, "the body must be a JSON object")
+            try:
+                body = api.request(body)
+            except InputError as e:
+                raise ApiError(400, str(e)) from e
+            if body.get("model") != self.gateway.model:
+                raise ApiError(
+                    404,
+                    f"model {body.get('model')!r} does not exist; the model is {self.gateway.model!r}",
+                    code="model_not_found",
+                )
+            resp = self.gateway.chat(cap, body)
+        except ApiError as e:
+            return self._error(e)
+        except Exception as e:  # the sampler failed (a dead worker): the request gets a 500, the trainer's log the why
+            log.exception("gateway: the request failed")
+            return self._error(ApiError(500, f"the sampler failed: {type(e).__name__}: {e}", "server_error"))
+        if not body.get("stream"):
+            return self._send(200, api.response(resp))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        for event, data in api.events(resp):
+            self.wfile.write(
+                (f"event: {event}\n" if event else "").encode() + b"data: " + json.dumps(data).encode() + b"\n\n"
+            )
+        self.wfile.write(api.done)
+        self.wfile.flush()
+
+
+__all__ = ["ApiError", "Gateway", "text_of"]

@@ -1,0 +1,290 @@
+"""Training an agent program unchanged (``train(cfg, ..., agent=fn)``, align/gateway/agents.py): the example agent
+(examples/agent/agent.py, written only against the ``openai`` client) runs its function-calling loop through the
+gateway; the episode the learner gets is the turn loop's ids exactly (first prompt, the sampled call, the tool's
+result as masked context, the sampled answer), and failing agents make unscorable episodes, counted.
+
+A random-weight model never writes a well-formed call, so the policy is steered by a supervised warm start (as
+tests/test_tool_train.py does) on the two turns of one conversation; sampling stays the real T=1 sampler."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+import threading
+import types
+from pathlib import Path
+
+import pytest
+from helpers_models import load_hf, teacher_forced_logprobs
+from helpers_tokenizer import make_bpe_tokenizer
+
+from align.chat import TurnRenderer
+from align.data import load_tokenizer
+from align.errors import InputError
+from align.gateway.agents import check_agent, load_agent
+from align.model import ModelConfig
+from align.run.config import TrainConfig
+
+pytest.importorskip("openai", reason="the test extra: pip install -e '.[test]'")
+
+ROOT = Path(__file__).resolve().parents[1]
+AGENT = f"{ROOT / 'examples' / 'agent' / 'agent.py'}:run"
+TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\ntools: ' }}{% for t in tools %}{{ t['function']['name'] + ' ' }}"
+    "{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+QUESTION = "What is 2 + 3?"
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+ANSWER = "The answer is 5."
+WARM_STEPS = 150
+LOGPROB_TOL = 1e-3  # fp32 sampler vs transformers' forward
+
+
+@pytest.fixture(scope="module")
+def agent_model(tmp_path_factory) -> tuple[Path, list[int], list[int], list[int]]:
+    """(the warm-started model dir, the first prompt's ids, the suffix ids of the tool's result "5", of "6")."""
+    from align.tasks.warm import supervised
+
+    tools = load_agent(AGENT).__globals__["TOOLS"]
+    tok_dir = make_bpe_tokenizer(tmp_path_factory.mktemp("tok"))
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    tok = load_tokenizer(str(tok_dir), str(tok_dir))
+    stop = tok.encode("<|im_end|>")
+    renderer = TurnRenderer(tok, tools=tools)
+    first = renderer.first([{"role": "user", "content": QUESTION}])
+    call, answer = tok.encode(CALL) + stop, tok.encode(ANSWER) + stop
+    suffix, wrong = (renderer.suffix([{"role": "tool", "name": "add", "content": r}]) for r in ("5", "6"))
+
+    def example(prompt: list[int], target: list[int]) -> tuple[list[int], list[int]]:
+        return prompt + target, [-100] * (len(prompt) - 1) + target + [-100]
+
+    batch = [example(first, call), example(first + call + suffix, answer)]
+    cfg = ModelConfig(
+        model_type="qwen2",
+        vocab_size=400,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        qkv_bias=True,
+        max_position_embeddings=256,
+        eos_token_id=stop[0],
+        pad_token_id=0,
+    )
+    with_tokenizer = types.SimpleNamespace(save=lambda p: shutil.copytree(tok_dir, p, dirs_exist_ok=True))
+    path = supervised(
+        tmp_path_factory.mktemp("agent") / "m",
+        with_tokenizer,
+        cfg,
+        lambda rng: batch,
+        steps=WARM_STEPS,
+        lr=1e-2,
+        seed=0,
+        log=None,
+    )
+    return path, first, suffix, wrong
+
+
+def _config(tmp_path: Path, **kw) -> TrainConfig:
+    c = TrainConfig(out=str(tmp_path / "run"), steps=2, prompts_per_step=2, group_size=2, max_tokens=80, lr=1e-3)
+    c.eval.eval_interval, c.log.log_completions_every = 0, 1
+    for k, v in kw.items():
+        setattr(c.envs, k, v)
+    return c
+
+
+def test_the_example_agent_trains_token_exact(tmp_path, agent_model, monkeypatch):
+    from align.envs.sampler import Episodes
+    from align.train import train
+
+    model_dir, first, suffix, wrong = agent_model
+    seen: list = []
+    real = Episodes.episodes
+    monkeypatch.setattr(Episodes, "episodes", lambda self, *a: seen.extend(eps := real(self, *a)) or eps)
+    rows = [{"question": QUESTION, "answer": "5"}] * 4
+    train(_config(tmp_path), model=str(model_dir), prompts=rows, agent=load_agent(AGENT))
+
+    assert len(seen) == 8 and all(e.error is None for e in seen), [e.error for e in seen]
+    called = [e for e in seen if len(e.turns) == 2]
+    assert called, [e.messages for e in seen]
+    for e in called:
+        assert e.prompt_ids == first
+        n = e.turns[0]["policy_tokens"]
+        env = slice(n, n + len(suffix))
+        assert e.token_ids[env] == suffix and e.turns[1]["env_tokens"] == len(suffix)
+        assert e.token_ids[env] != wrong  # negative control: another tool result is other tokens
+        assert e.mask[env] == [False] * len(suffix) and e.logprobs[env] == [0.0] * len(suffix)
+        assert all(e.mask[:n]) and all(e.mask[env.stop :]) and e.mask.count(False) == len(suffix)
+        assert e.messages[-2]["role"] == "tool" and e.messages[-2]["content"] == "5"
+    # the logprobs of the sampled tokens are the policy's on exactly these ids (transformers, the weights of step 1)
+    hf = load_hf(model_dir)
+    first_step = [e for e in seen[:4] if len(e.turns) == 2]  # step 1's episodes, sampled before any update
+    assert first_step
+    for e in first_step:
+        ref = teacher_forced_logprobs(hf, e.prompt_ids, e.token_ids)
+        got = [(a, b) for a, b, m in zip(e.logprobs, ref, e.mask) if m]
+        assert max(abs(a - b) for a, b in got) < LOGPROB_TOL
+        bad = teacher_forced_logprobs(hf, e.prompt_ids[:-1], e.token_ids)  # control: the prompt one token short
+        assert max(abs(a - b) for a, b, m in zip(e.logprobs, bad, e.mask) if m) > LOGPROB_TOL
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "loss" in r]
+    assert len(steps) == 2 and all(r["agent/errors"] == 0 and r["agent/branches_mean"] == 1 for r in steps)
+    assert sum(r["agent/requests_mean"] for r in steps) * 4 == sum(len(e.turns) for e in seen)
+    assert all(r["reward/env_mean"] == r["reward/env_mean"] for r in steps)  # scored (not NaN)
+    logged = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    requests = [t for rec in logged for ep in rec["episodes"] for t in ep["turns"]]
+    assert requests and all(t["trained"] and t["branch"] == 0 for t in requests)
+    assert any(t["new_messages"][-1]["role"] == "tool" and t["reply"]["content"] for t in requests if t["request"])
+
+
+CALLS = itertools.count()
+COUNT_LOCK = threading.Lock()
+
+
+def test_concurrent_requests_batch_into_one_generate_and_stay_token_exact(tmp_path, agent_model, monkeypatch):
+    from align.envs.sampler import Episodes
+    from align.rollout.client import NativeClient
+    from align.train import train
+
+    model_dir, first, _, _ = agent_model
+    sizes: list[int] = []
+    seen: list = []
+    real_gen, real_eps = NativeClient.generate, Episodes.episodes
+    monkeypatch.setattr(
+        NativeClient, "generate", lambda self, p, params: sizes.append(len(p)) or real_gen(self, p, params)
+    )
+    monkeypatch.setattr(Episodes, "episodes", lambda self, *a: seen.extend(eps := real_eps(self, *a)) or eps)
+    rows = [{"question": QUESTION, "answer": "5"}] * 4
+    train(_config(tmp_path, gateway_batch_ms=300.0), model=str(model_dir), prompts=rows, agent=load_agent(AGENT))
+    assert max(sizes) > 1 and sum(sizes) == sum(len(e.turns) for e in seen)  # batched; every request sampled once
+    hf = load_hf(model_dir)
+    for e in seen[:4]:  # step 1's episodes (2 rows x G = 2), sampled before any update
+        assert e.error is None and e.prompt_ids == first
+        ref = teacher_forced_logprobs(hf, e.prompt_ids, e.token_ids)
+        assert max(abs(a - b) for a, b, m in zip(e.logprobs, ref, e.mask) if m) < LOGPROB_TOL
+
+
+def flaky(base_url: str, api_key: str, model: str, question: str, answer: str, **row) -> dict:
+    """Every other call raises (4 episodes a step: 2 fail, 2 run the example agent)."""
+    with COUNT_LOCK:
+        k = next(CALLS)
+    if k % 2:
+        raise RuntimeError("the agent's own bug")
+    return {"reward": load_agent(AGENT)(base_url, api_key, model, question, answer), "metrics": {"calls": 1 + k % 4}}
+
+
+def failing(base_url: str, api_key: str, model: str, **row) -> float:
+    raise RuntimeError("every agent fails here")
+
+
+def test_failing_agents_are_unscorable_and_all_failing_stops_the_run(tmp_path, agent_model):
+    from align.train import train
+
+    model_dir = str(agent_model[0])
+    rows = [{"question": QUESTION, "answer": "5"}] * 4
+    train(_config(tmp_path, agent_workers=2), model=model_dir, prompts=rows, agent=flaky)
+    steps = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert sum(r["agent/errors"] for r in steps) == 4 and all(r["unscorable"] == 2 for r in steps)
+    assert all(r["agent/calls_mean"] == 2 for r in steps)  # the agents' own metrics (1 and 3 a step), averaged
+    with pytest.raises(RuntimeError, match="every agent fails here"):
+        train(_config(tmp_path / "b"), model=model_dir, prompts=rows, agent=failing)
+
+
+RELEASE = threading.Event()
+
+
+def hangs_once_a_step(base_url: str, api_key: str, model: str, question: str, answer: str, **row) -> float:
+    """The first call of each step (4 a step) hangs until the test ends; the others run the example agent."""
+    with COUNT_LOCK:
+        k = next(CALLS)
+    if k % 4 == 0:
+        RELEASE.wait(120)
+        return 1.0
+    return load_agent(AGENT)(base_url, api_key, model, question, answer)
+
+
+def test_a_hung_agent_times_out_and_the_step_goes_on(tmp_path, agent_model):
+    from align.train import train
+
+    global CALLS
+    CALLS = itertools.count()
+    rows = [{"question": QUESTION, "answer": "5"}] * 4
+    try:
+        train(_config(tmp_path, agent_timeout_s=3.0), model=str(agent_model[0]), prompts=rows, agent=hangs_once_a_step)
+    finally:
+        RELEASE.set()
+    steps = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [r["agent/timeouts"] for r in steps] == [1, 1] and all(r["unscorable"] == 1 for r in steps)
+    assert all(r["agent/errors"] == 0 for r in steps)
+
+
+def test_a_bad_agent_spec_names_the_flag(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "x = 3\ndef two(base_url, api_key):\n    return 0.0\ndef norow(base_url, api_key, model):\n    return 0.0\n"
+    )
+    for spec, why in [
+        (f"{tmp_path}/missing.py:run", "no such file"),
+        (f"{bad}:x", "not a function"),
+        (f"{bad}:two", "model"),
+        (f"{bad}:norow", "\\*\\*row"),
+    ]:
+        with pytest.raises(InputError, match=f"--agent .*{why}"):
+            load_agent(spec)
+    assert check_agent(failing, "failing") is failing  # control: a right signature passes
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [("examples/agent/missing.py:run", "no such file"), ("examples/agent/agent.py:TOOLS", "not a function")],
+)
+def test_a_bad_agent_flag_fails_by_name_before_the_model_loads(
+    tmp_path, agent_model, monkeypatch, capsys, spec, message
+):
+    import align.model
+    from align.train import main
+
+    def no_load(*a, **k):
+        raise AssertionError("the model loaded before --agent was checked")
+
+    monkeypatch.setattr(align.model, "load_pretrained", no_load)
+    monkeypatch.chdir(ROOT)
+    argv = ["--out", str(tmp_path / "run"), "--model", str(agent_model[0]), "--train-data", "examples/agent/rows.jsonl"]
+    try:
+        rc = main([*argv, "--agent", spec])
+    except (SystemExit, ValueError) as e:
+        rc, err = 2, str(e) + capsys.readouterr().err
+    else:
+        err = capsys.readouterr().err
+    assert rc == 2 and "--agent" in err and message in err, err
+
+
+def test_held_out_agent_runs_are_evaluated_in_the_loop(tmp_path, agent_model):
+    from align.train import train
+
+    c = _config(tmp_path)
+    c.steps, c.eval.eval_interval, c.eval.eval_n = 1, 1, 2
+    rows = [{"question": QUESTION, "answer": "5"}] * 4
+    train(c, model=str(agent_model[0]), prompts=rows, eval_prompts=rows[:2], agent=load_agent(AGENT))
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in recs if "eval/step" in r]
+    assert [r["eval/step"] for r in evals] == [0, 1], recs
+    # the example agent's reward on held-out rows: the warm-started policy calls the tool and answers 5
+    assert all(r["eval/avg@2"] > 0.0 for r in evals), evals
+
+
+def test_the_documented_command_trains_the_example_agent(tmp_path, agent_model, monkeypatch):
+    from align.train import main
+
+    monkeypatch.chdir(ROOT)
+    argv = ["--out", str(tmp_path / "run"), "--model", str(agent_model[0]), "--train-data", "examples/agent/rows.jsonl"]
+    flags = ["--agent", "examples/agent/agent.py:run", "--steps", "1", "--prompts-per-step", "2", "--group-size", "2"]
+    assert main([*argv, *flags, "--max-tokens", "80", "--eval-interval", "0", "--agent-workers", "2"]) == 0
+    (rec,) = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert rec["agent/requests_mean"] >= 1 and rec["agent/errors"] == 0

@@ -1,0 +1,293 @@
+"""The gateway (align.gateway) driven by the real ``openai`` client against a real chat template (a BPE tokenizer
+trained in the test with the stored Qwen2.5 template): the OpenAI schema streaming and not, tool calls, errors with
+their status, and the token-exact capture compared with a plain turn loop (``TurnRenderer.first`` + sampled ids +
+``TurnRenderer.suffix``), with negative controls (re-tokenizing the decoded history gives other ids; an edited
+history makes a second branch).
+
+The policy here is scripted (``Scripted``: it "samples" given texts as one token per character, a tokenization the
+BPE never produces on its own): a random-weight model cannot be made to write a tool call, and the per-character ids
+are what make re-tokenization visible. The real sampler is covered by tests/test_agent.py."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+from helpers_tokenizer import make_bpe_tokenizer
+
+from align.chat import HFTokenizer, TurnRenderer
+from align.gateway.agents import _Agents
+from align.gateway.server import Gateway
+from align.rollout.protocol import Completion
+
+openai = pytest.importorskip("openai", reason="the test extra: pip install -e '.[test]'")
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two numbers.",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+    },
+}
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 12, "b": 30}}\n</tool_call>'
+MODEL = "policy"
+
+
+class Scripted:
+    """Samples the given texts in order, one token per character, then the stop token."""
+
+    def __init__(self, tok: HFTokenizer, stop: int, texts: list[str]) -> None:
+        self.tok, self.stop, self.texts, self.prompts = tok, stop, list(texts), []
+
+    def __call__(self, prompt_ids: list[int], max_tokens: int, cap: object) -> Completion:
+        self.prompts.append(list(prompt_ids))
+        ids = [i for ch in self.texts.pop(0) for i in self.tok.encode(ch)] + [self.stop]
+        finish = "stop"
+        if len(ids) > max_tokens:
+            ids, finish = ids[:max_tokens], "length"
+        lps = [-0.01 * (k + 1) - len(self.prompts) for k in range(len(ids))]
+        return Completion(0, 0, ids, lps, finish, list(lps), 7)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return HFTokenizer(make_bpe_tokenizer(tmp_path_factory.mktemp("tok"), template="qwen2.5"))
+
+
+def _gateway(tok: HFTokenizer, texts: list[str], **kw) -> tuple[Gateway, Scripted, str]:
+    stop = TurnRenderer(tok).stop_id()
+    s = Scripted(tok, stop, texts)
+    gw = Gateway(
+        s,
+        lambda tools: TurnRenderer(tok, tools=tools),
+        lambda ids: tok.decode(ids),
+        MODEL,
+        max_tokens=kw.pop("max_tokens", 400),
+        context=4096,
+        **kw,
+    )
+    return gw, s, gw.open_episode()
+
+
+def test_tool_loop_with_the_openai_client_is_token_exact(tok):
+    gw, s, key = _gateway(tok, [CALL, "The answer is 42."])
+    try:
+        client = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        msgs = [{"role": "system", "content": "You add."}, {"role": "user", "content": "What is 12 + 30?"}]
+        r = client.chat.completions.create(model=MODEL, messages=msgs, tools=[TOOL], temperature=1.3, logprobs=True)
+        ch = r.choices[0]
+        assert [x.logprob for x in ch.logprobs.content] == [-0.01 * (k + 1) - 1 for k in range(len(CALL) + 1)]
+        assert "".join(x.token for x in ch.logprobs.content) == CALL + "<|im_end|>"  # the sampled tokens, the stop too
+        assert ch.finish_reason == "tool_calls" and ch.message.content is None
+        (call,) = ch.message.tool_calls
+        assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 12, "b": 30}
+        msgs += [ch.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "42"}]
+        stream = client.chat.completions.create(
+            model=MODEL, messages=msgs, tools=[TOOL], stream=True, stream_options={"include_usage": True}
+        )
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == "The answer is 42."
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+        assert chunks[-1].usage.completion_tokens == len("The answer is 42.") + 1
+    finally:
+        gw.close()
+    cap = gw.close_episode(key)
+    assert cap.requests == 2 and cap.overridden == 1 and len(cap.branches) == 1
+    (b,) = cap.branches
+    # the plain turn loop: first prompt, sampled ids, the tool message as a suffix, sampled ids
+    r = TurnRenderer(tok, tools=[TOOL])
+    first = r.first([{"role": "system", "content": "You add."}, {"role": "user", "content": "What is 12 + 30?"}])
+    s1 = [i for ch in CALL for i in tok.encode(ch)] + [r.stop_id()]
+    suffix = r.suffix([{"role": "tool", "content": "42"}])
+    s2 = [i for ch in "The answer is 42." for i in tok.encode(ch)] + [r.stop_id()]
+    assert b.prompt_ids == first and b.token_ids == s1 + suffix + s2
+    assert b.mask == [True] * len(s1) + [False] * len(suffix) + [True] * len(s2)
+    assert b.logprobs[: len(s1)] == [-0.01 * (k + 1) - 1 for k in range(len(s1))]
+    assert b.logprobs[len(s1) : len(s1) + len(suffix)] == [0.0] * len(suffix)
+    assert s.prompts[1] == first + s1 + suffix  # what the sampler was given: the same ids
+    # negative control: the history re-rendered from its text (the agent's messages through the template) is other ids
+    rerendered = r.first(
+        [
+            {"role": "system", "content": "You add."},
+            {"role": "user", "content": "What is 12 + 30?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"function": {"name": "add", "arguments": {"a": 12, "b": 30}}}],
+            },
+            {"role": "tool", "content": "42"},
+        ]
+    )
+    assert rerendered != s.prompts[1]
+    assert tok.decode(rerendered, skip_special_tokens=False).endswith("assistant\n")  # a real prompt, not garbage
+
+
+def test_edited_history_starts_a_new_branch_and_going_back_forks(tok):
+    gw, s, key = _gateway(tok, ["one", "two", "three", "four"])
+    try:
+        client = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
+        u = [{"role": "user", "content": "Hello"}]
+        a1 = client.chat.completions.create(model=MODEL, messages=u).choices[0].message.content
+        h = [*u, {"role": "assistant", "content": a1}, {"role": "user", "content": "more"}]
+        client.chat.completions.create(model=MODEL, messages=h)
+        edited = [{"role": "user", "content": "Hello (summary)"}, *h[1:]]
+        client.chat.completions.create(model=MODEL, messages=edited)  # no turn matches: from scratch
+        back = [*u, {"role": "assistant", "content": a1}, {"role": "user", "content": "other"}]
+        client.chat.completions.create(model=MODEL, messages=back)  # extends turn 1, not the tip: a fork
+    finally:
+        gw.close()
+    cap = gw.close_episode(key)
+    assert [len(b.turns) for b in cap.branches] == [2, 1, 1]
+    assert [(r["request"], r["branch"], r["parent"]) for r in cap.log] == [
+        (0, 0, None),
+        (1, 0, 0),
+        (2, 1, None),
+        (3, 2, 0),
+    ]
+    assert [r["new_messages"] for r in cap.log[1:]] == [h[2:], edited, back[2:]]
+    assert [r["reply"]["content"] for r in cap.log] == ["one", "two", "three", "four"]
+    assert cap.branches[1].parent is None and cap.branches[2].parent == 0
+    r = TurnRenderer(tok)
+    assert cap.branches[1].prompt_ids == r.first(edited)  # re-rendered, and counted
+    assert cap.rerendered == len(r.first(u)) + len(r.first(edited))
+    one = [i for ch in "one" for i in tok.encode(ch)] + [r.stop_id()]
+    assert cap.branches[2].prompt_ids == r.first(u) + one + r.suffix([{"role": "user", "content": "other"}])
+    assert sum(sum(b.mask) for b in cap.branches) == sum(len(x) + 1 for x in ("one", "two", "three", "four"))
+    # the episode the learner gets: the fork (the last request's trajectory); the rest counted, not silently dropped
+    done: cf.Future = cf.Future()
+    done.set_result(1.0)
+    ep = _Agents.episode(cap, done, True, 0, 0)
+    assert ep.prompt_ids == cap.branches[2].prompt_ids and ep.token_ids == cap.branches[2].token_ids
+    assert [t["trained"] for t in ep.turns] == [False, False, False, True]
+    m = _Agents.metrics([ep])
+    assert m["agent/requests_mean"] == 4 and m["agent/branches_mean"] == 3
+    assert m["agent/rerendered_tokens"] == len(r.first(edited))  # the edited history; the first prompt is none
+    assert m["agent/untrained_tokens"] == sum(len(x) + 1 for x in ("one", "two", "three"))
+    # control: the edited history rendered from text differs from the first branch's ids for the same turn
+    assert cap.branches[1].prompt_ids != cap.branches[0].prompt_ids + cap.branches[0].token_ids[: len(s.prompts[1])]
+
+
+def test_stop_and_max_tokens_shorten_a_turn(tok):
+    gw, _, key = _gateway(tok, ["abc STOP def", "abcdefgh"])
+    try:
+        client = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
+        u = [{"role": "user", "content": "Hi"}]
+        r = client.chat.completions.create(model=MODEL, messages=u, stop=["STOP"])
+        assert r.choices[0].message.content == "abc " and r.choices[0].finish_reason == "stop"
+        h = [*u, {"role": "assistant", "content": "abc "}, {"role": "user", "content": "go"}]
+        r2 = client.chat.completions.create(model=MODEL, messages=h, max_tokens=3)
+        assert r2.choices[0].finish_reason == "length" and r2.usage.completion_tokens == 3
+    finally:
+        gw.close()
+    cap = gw.close_episode(key)
+    (b,) = cap.branches  # the cut turn matched as returned; the template's stop token closes it as context
+    n1 = len("abc STOP")  # kept up to the token that completes the stop string
+    stop = TurnRenderer(tok).stop_id()
+    assert b.mask[:n1] == [True] * n1 and b.token_ids[n1] == stop and b.mask[n1] is False
+
+
+def _post(url: str, data: bytes, key: str) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data, {"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_errors_are_openai_error_objects(tok):
+    gw, _, key = _gateway(tok, ["x"], max_body_mb=0.01)
+    url = gw.base_url + "/chat/completions"
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=gw.base_url, api_key="sk-wrong", max_retries=0).models.list()
+        client = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+            )
+        status, body = _post(url, b"{not json", key)
+        assert status == 400 and "not valid JSON" in body["error"]["message"]
+        status, body = _post(url, b'{"model": "policy", "messages": "' + b"a" * 20000 + b'"}', key)
+        assert status == 413 and body["error"]["type"] == "invalid_request_error"
+        ok, _ = _post(url, json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}]}).encode(), key)
+        assert ok == 200  # control: the same key and route work
+        gw.close_episode(key)
+        assert _post(url, b"{}", key)[0] == 401  # the key expired with its episode
+        gw.closing = True
+        assert _post(url, b"{}", key)[0] == 503
+    finally:
+        gw.close()
+
+
+def test_a_streamed_tool_call_and_the_episode_token_budget(tok):
+    suffix = TurnRenderer(tok, tools=[TOOL]).suffix([{"role": "tool", "content": "42"}])
+    gw, _, key = _gateway(tok, [CALL, "x" * 50], episode_tokens=len(CALL) + 1 + len(suffix) + 10)
+    try:
+        client = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
+        msgs = [{"role": "user", "content": "What is 12 + 30?"}]
+        chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, tools=[TOOL], stream=True))
+        calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+        assert [(tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [("add", {"a": 12, "b": 30})]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+        msgs += [
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": calls[0].id, "type": "function", "function": calls[0].function.model_dump()}],
+            },
+            {"role": "tool", "tool_call_id": calls[0].id, "content": "42"},
+        ]
+        r = client.chat.completions.create(model=MODEL, messages=msgs, tools=[TOOL])
+        assert r.choices[0].finish_reason == "length"  # the episode's budget, not the turn's: the 10 tokens left
+        assert r.usage.completion_tokens == 10
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "more"}]
+        with pytest.raises(openai.BadRequestError, match="max-episode-tokens"):  # nothing left: refused, not cut
+            client.chat.completions.create(model=MODEL, messages=msgs, tools=[TOOL])
+    finally:
+        gw.close()
+    assert len(gw.close_episode(key).branches) == 1
+
+
+def test_anthropic_messages_with_a_tool_use_round_trip_is_one_trajectory(tok):
+    anthropic = pytest.importorskip("anthropic", reason="the test extra: pip install -e '.[test]'")
+    gw, _, key = _gateway(tok, [CALL, "The answer is 42."])
+    tool = {"name": "add", "description": "Add two numbers.", "input_schema": TOOL["function"]["parameters"]}
+    try:
+        client = anthropic.Anthropic(base_url=gw.base_url.removesuffix("/v1"), api_key=key, max_retries=0)
+        msgs = [{"role": "user", "content": [{"type": "text", "text": "What is 12 + 30?"}]}]
+        r = client.messages.create(model=MODEL, max_tokens=200, system="You add.", messages=msgs, tools=[tool])
+        assert r.stop_reason == "tool_use" and [b.type for b in r.content] == ["tool_use"]
+        use = r.content[0]
+        assert use.name == "add" and use.input == {"a": 12, "b": 30}
+        msgs += [
+            {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in r.content]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "42"}]},
+        ]
+        with client.messages.stream(model=MODEL, max_tokens=200, system="You add.", messages=msgs, tools=[tool]) as st:
+            final = st.get_final_message()
+        assert final.content[0].text == "The answer is 42." and final.stop_reason == "end_turn"
+        assert final.usage.output_tokens == len("The answer is 42.") + 1
+        with pytest.raises(anthropic.NotFoundError):
+            client.messages.create(model="claude-9", max_tokens=5, messages=msgs)
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic.Anthropic(base_url=client.base_url, api_key="wrong", max_retries=0).messages.create(
+                model=MODEL, max_tokens=5, messages=msgs
+            )
+    finally:
+        gw.close()
+    cap = gw.close_episode(key)
+    (b,) = cap.branches  # the tool_use block sent back matched the reply as returned: one trajectory
+    r = TurnRenderer(tok, tools=[TOOL])
+    first = r.first([{"role": "system", "content": "You add."}, {"role": "user", "content": "What is 12 + 30?"}])
+    s1 = [i for ch in CALL for i in tok.encode(ch)] + [r.stop_id()]
+    suffix = r.suffix([{"role": "tool", "content": "42"}])
+    assert b.prompt_ids == first and b.token_ids[: len(s1) + len(suffix)] == s1 + suffix
+    assert b.mask.count(False) == len(suffix)

@@ -1,0 +1,72 @@
+"""``python -m align.serve``: the gateway's endpoints over the native sampler on a checkpoint (a random-weight tiny
+Qwen2 with a BPE tokenizer and the stored Qwen2.5 template, built in the test), driven by the real ``openai``
+client; the reply's ids are the sampler's (greedy, compared with transformers' argmax decoding); bad flags refused
+before the model loads."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from helpers_models import greedy_ids, load_hf, make_tiny_qwen2
+from helpers_tokenizer import make_bpe_tokenizer
+
+from align.chat import TurnRenderer, load_tokenizer
+from align.errors import InputError
+from align.serve import open_server, parse_args, read_key
+
+openai = pytest.importorskip("openai", reason="the test extra: pip install -e '.[test]'")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = make_tiny_qwen2(tmp_path_factory.mktemp("serve") / "tiny-policy", vocab_size=400)
+    tok = make_bpe_tokenizer(tmp_path_factory.mktemp("tok"), template="qwen2.5")
+    for f in tok.iterdir():
+        shutil.copy(f, d / f.name)
+    return d
+
+
+def test_serve_answers_with_the_models_greedy_tokens(model_dir):
+    gw = open_server(parse_args(["--model", str(model_dir), "--port", "0", "--temperature", "0", "--max-tokens", "8"]))
+    try:
+        client = openai.OpenAI(base_url=gw.base_url, api_key="anything", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny-policy"]
+        msgs = [{"role": "user", "content": "What is 12 + 30?"}]
+        r = client.chat.completions.create(model="tiny-policy", messages=msgs)
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="other", messages=msgs)
+    finally:
+        gw.close()
+    tok = load_tokenizer(model_dir, model_dir)
+    prompt = TurnRenderer(tok).first(msgs)
+    ref = greedy_ids(load_hf(model_dir), prompt, 8)
+    stops = set(tok.eos_token_id)
+    ref = ref[: next((i + 1 for i, t in enumerate(ref) if t in stops), len(ref))]
+    assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == len(ref)
+    assert r.choices[0].message.content == tok.decode(ref)
+    assert tok.decode(ref) != tok.decode(greedy_ids(load_hf(model_dir), prompt[:-1], 8))  # control: another prompt
+
+
+def test_serve_refuses_a_public_host_without_a_key(tmp_path):
+    with pytest.raises(InputError, match="--api-key-file"):
+        read_key(parse_args(["--model", "x", "--host", "0.0.0.0"]))
+    empty = tmp_path / "key"
+    empty.write_text("\n")
+    with pytest.raises(InputError, match="is empty"):
+        read_key(parse_args(["--model", "x", "--host", "0.0.0.0", "--api-key-file", str(empty)]))
+    empty.write_text("s3cret-key\n")
+    assert read_key(parse_args(["--model", "x", "--host", "0.0.0.0", "--api-key-file", str(empty)])) == "s3cret-key"
+    assert read_key(parse_args(["--model", "x"])) is None  # loopback: any key
+
+
+def test_serve_with_a_key_file_refuses_other_keys(model_dir, tmp_path):
+    key = tmp_path / "key"
+    key.write_text("s3cret-key\n")
+    gw = open_server(parse_args(["--model", str(model_dir), "--port", "0", "--api-key-file", str(key)]))
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=gw.base_url, api_key="wrong", max_retries=0).models.list()
+        assert openai.OpenAI(base_url=gw.base_url, api_key="s3cret-key", max_retries=0).models.list().data
+    finally:
+        gw.close()
