@@ -319,7 +319,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         try:
-            size = int(self.headers.get("Content-Length") or 0)
+            length = (self.headers.get("Content-Length") or "0").strip()
+            if not length.isdecimal():  # "-1" would read until the client closes: past the cap, before the key
+                self.close_connection = True
+                raise ApiError(400, f"Content-Length must be a non-negative integer, got {length[:40]!r}")
+            size = int(length)
             if size > self.gateway.max_body:
                 self.close_connection = True  # the body is not read
                 raise ApiError(
@@ -336,6 +340,10 @@ class _Handler(BaseHTTPRequestHandler):
                 raise ApiError(400, f"the body is not valid JSON ({e})") from e
             if not isinstance(body, dict):
                 raise ApiError(400, "the body must be a JSON object")
+            try:  # a lone surrogate ("\\ud800") parses but no tokenizer encodes it
+                json.dumps(body, ensure_ascii=False).encode()
+            except UnicodeEncodeError as e:
+                raise ApiError(400, f"the body holds text that is not valid Unicode ({e.reason} at {e.start})") from e
             try:
                 body = api.request(body)
             except InputError as e:
