@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -78,6 +79,10 @@ def cut_at_stop(ids: list[int], decode: Callable[[list[int]], str], stops: list[
     return len(ids), full[:at]
 
 
+class _Server6(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
 class Gateway:
     """The gateway's state: episodes by key, the sampler. ``sample(prompt_ids, max_tokens, capture) -> Completion``
     (the run's sampling params); ``renderer(tools) -> TurnRenderer``; ``decode(ids) -> text`` without the stop token;
@@ -110,7 +115,7 @@ class Gateway:
         class Handler(_Handler):
             gateway = gw
 
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd = (_Server6 if ":" in host else ThreadingHTTPServer)((host, port), Handler)  # ::1 is IPv6
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="align-gateway", daemon=True)
         self.thread.start()
@@ -118,7 +123,7 @@ class Gateway:
     @property
     def base_url(self) -> str:
         host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}/v1"
+        return f"http://[{host}]:{port}/v1" if ":" in host else f"http://{host}:{port}/v1"
 
     def open_episode(self) -> str:
         key = "sk-align-" + secrets.token_urlsafe(24)
