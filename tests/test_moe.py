@@ -13,6 +13,7 @@ from helpers_train import char_moe_model
 from hf_reference import MOE_FEATURES, hf_model, save_hf
 
 from align import learner, lora, moe
+from align.errors import InputError
 from align.grpo import merge_stats, normalisers, policy_loss
 from align.model import ModelConfig, Transformer, load_pretrained, save_pretrained
 from align.rollout.native import generate
@@ -472,9 +473,10 @@ def test_replay_refusals_name_the_flag(tmp_path):
     dense = save_hf(hf_model("qwen3"), tmp_path / "dense")
     sparse = save_hf(hf_model("qwen3_moe"), tmp_path / "sparse")
     replay = moe.MoeConfig(routing_replay="rollout")
-    with pytest.raises(ValueError, match="--routing-replay rollout needs a mixture-of-experts model.*'qwen3'"):
+    # InputError: the CLI's one-line error (a ValueError was a raw traceback from align.train)
+    with pytest.raises(InputError, match="--routing-replay rollout needs a mixture-of-experts model.*'qwen3'"):
         replay.check_run("native", dense)
-    with pytest.raises(ValueError, match="--rollout spool.*enable_return_routed_experts"):
+    with pytest.raises(InputError, match="--rollout spool.*enable_return_routed_experts"):
         replay.check_run("spool", sparse)
     replay.check_run("native", sparse)  # control
     moe.MoeConfig().check_run("spool", dense)  # control: off checks nothing
