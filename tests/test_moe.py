@@ -536,3 +536,14 @@ def test_mixtral_sliding_window_in_cached_decode(tmp_path):
     ours.config.sliding_window = None
     wide = generate(ours, prompts[:1], SamplingParams(temperature=0, max_tokens=10))[0]
     assert wide.logprobs != pytest.approx(outs[0].logprobs, abs=1e-4)
+
+
+def test_a_contradicting_moe_config_is_an_input_error(tmp_path):
+    """An input error names the checkpoint: align.train's one-line error (a ValueError was a raw traceback)."""
+    d = tmp_path / "moe"
+    save_hf(hf_model("qwen3_moe"), d)
+    load_pretrained(d)  # control: the checkpoint as saved loads
+    c = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(c | {"num_experts_per_tok": c["num_local_experts"] + 3}))
+    with pytest.raises(InputError, match=f"{d}: config.json num_experts_per_tok=9 exceeds num_experts=6"):
+        load_pretrained(d)
