@@ -31,7 +31,7 @@ from torch import nn
 
 from align.atomic import COMMIT_MARKER, checkpoint_layout, commit_dir
 from align.attention import KVCache, PackedLayout, apply_rope, attend, cache_mask, sliding_window
-from align.errors import InputError
+from align.errors import as_input_error
 from align.moe import MOE_FAMILIES, Routing, SparseMoE, check_moe_config, is_sparse, moe_config, moe_hf_config
 
 ARCHITECTURES = {
@@ -480,12 +480,8 @@ def load_pretrained(
         raise ValueError(f"model path {path} does not exist or is not a directory")
     if require_marker and not (path / COMMIT_MARKER).exists():
         raise ValueError(f"{path} has no {COMMIT_MARKER} marker: it is an uncommitted (partial) snapshot")
-    try:  # a contradicting config.json (experts, heads ...) is bad input: the CLI's one-line error, not a traceback
+    with as_input_error(f"{path}: "):  # a contradicting config.json (experts, heads ...) is bad input
         cfg = ModelConfig.from_hf_config(_read_config(path))
-    except InputError:
-        raise
-    except ValueError as e:
-        raise InputError(f"{path}: {e}") from None
     cfg.generation_config = _read_generation_config(path)
     layers, embed = checkpoint_layout(_weight_files(path))  # before building: 10**6 meta layers take minutes
     if layers != cfg.num_hidden_layers or embed != [cfg.vocab_size, cfg.hidden_size]:
