@@ -82,12 +82,12 @@ def test_a_ref_naming_a_path_does_not_leave_the_cache(tmp_path, monkeypatch):
     (outside / "config.json").write_text("{}")
     repo = tmp_path / "hub" / "models--org--name"
     (repo / "refs").mkdir(parents=True)
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    (repo / "snapshots" / "abc123" / "config.json").write_text("{}")
     (repo / "refs" / "main").write_text("../../../outside\n")  # was resolved: a snapshot outside the cache
     with pytest.raises(InputError, match="no complete snapshot"):
         resolve_model("org/name")
     with pytest.raises(InputError, match="no complete snapshot"):
         resolve_model("org/name@..")
-    (repo / "snapshots" / "abc123").mkdir(parents=True)
-    (repo / "snapshots" / "abc123" / "config.json").write_text("{}")
     (repo / "refs" / "main").write_text("abc123\n")
     assert resolve_model("org/name") == str(repo / "snapshots" / "abc123")  # control: a commit-hash ref resolves
