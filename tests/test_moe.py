@@ -547,3 +547,16 @@ def test_a_contradicting_moe_config_is_an_input_error(tmp_path):
     (d / "config.json").write_text(json.dumps(c | {"num_experts_per_tok": c["num_local_experts"] + 3}))
     with pytest.raises(InputError, match=f"{d}: config.json num_experts_per_tok=9 exceeds num_experts=6"):
         load_pretrained(d)
+
+
+def test_a_missing_expert_tensor_is_an_input_error(tmp_path):
+    """A checkpoint that does not match its config.json: align.train's one-line error (was a raw traceback)."""
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "moe"
+    save_hf(hf_model("qwen3_moe"), d)
+    load_pretrained(d)  # control: the checkpoint as saved loads
+    for f in d.glob("*.safetensors"):
+        save_file({k: v for k, v in load_file(f).items() if ".experts.1." not in k}, f)
+    with pytest.raises(InputError, match=r"is missing tensors: model\.layers\.0\.mlp\.experts\.1\.down_proj"):
+        load_pretrained(d)
