@@ -322,3 +322,23 @@ def test_a_bad_content_length_or_text_is_a_400_not_a_read_past_the_cap(tok):
         assert _post(gw.base_url + "/chat/completions", ok, key)[0] == 200  # control: valid non-ASCII text
     finally:
         gw.close()
+
+
+def test_a_request_without_a_key_is_refused_before_its_body_is_read(tok):
+    gw, _, key = _gateway(tok, ["x"])
+    host, port = gw.httpd.server_address[:2]
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\nAuthorization: Bearer "
+    try:
+        for k, status in ((b"sk-wrong", b"401"), (key.encode(), None)):
+            with socket.create_connection((host, port), timeout=5) as s:
+                s.sendall(head + k + b"\r\n\r\n")  # the body never comes
+                try:
+                    first = s.recv(100)
+                except TimeoutError:  # waiting for the body (the server's read timeout is 60 s)
+                    first = b""
+            if status:  # was a wait for 100 kB an unauthenticated client never sends
+                assert first.startswith(b"HTTP/1.1 " + status)
+            else:  # control: with the key the server waits for the body
+                assert first == b""
+    finally:
+        gw.close()

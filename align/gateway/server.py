@@ -334,8 +334,10 @@ class _Handler(BaseHTTPRequestHandler):
                 raise ApiError(
                     413, f"the body has {size} bytes, over --gateway-max-body-mb ({self.gateway.max_body} bytes)"
                 )
-            raw = self.rfile.read(size)
+            self.close_connection = True  # until the key is known: a refused request's body is never read
             cap = self._auth()
+            self.close_connection = False
+            raw = self.rfile.read(size)
             api = APIS.get(self.path.rstrip("/"))
             if api is None:
                 raise ApiError(404, f"no route {self.path}", code="not_found")
