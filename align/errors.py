@@ -7,13 +7,27 @@ public spelling."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 
 class InputError(ValueError):
     """Bad user input (data file, tokenizer, reward spec, flags), found before the model is loaded."""
+
+
+@contextlib.contextmanager
+def as_input_error(prefix: str) -> Iterator[None]:
+    """A ``ValueError`` raised inside (a contradicting config, say) re-raised as an ``InputError`` after ``prefix``:
+    the CLI's one-line error, not a traceback."""
+    try:
+        yield
+    except InputError:
+        raise
+    except ValueError as e:
+        raise InputError(f"{prefix}{e}") from None
 
 
 def need_extra(module: str, extra: str, what: str) -> Any:

@@ -61,5 +61,7 @@ def _snapshot(repo: Path, rev: str) -> Path | None:
         commit = ref.read_text().strip() if ref.is_file() else rev
     except OSError:
         return None
+    if not re.fullmatch(r"[\w.-]+", commit) or set(commit) == {"."}:  # a ref of "../../x" would leave the cache
+        return None
     snap = repo / "snapshots" / commit
     return snap if (snap / "config.json").is_file() else None

@@ -31,6 +31,7 @@ from torch import nn
 
 from align.atomic import COMMIT_MARKER, checkpoint_layout, commit_dir
 from align.attention import KVCache, PackedLayout, apply_rope, attend, cache_mask, sliding_window
+from align.errors import InputError, as_input_error
 from align.moe import MOE_FAMILIES, Routing, SparseMoE, check_moe_config, is_sparse, moe_config, moe_hf_config
 
 ARCHITECTURES = {
@@ -479,11 +480,12 @@ def load_pretrained(
         raise ValueError(f"model path {path} does not exist or is not a directory")
     if require_marker and not (path / COMMIT_MARKER).exists():
         raise ValueError(f"{path} has no {COMMIT_MARKER} marker: it is an uncommitted (partial) snapshot")
-    cfg = ModelConfig.from_hf_config(_read_config(path))
+    with as_input_error(f"{path}: "):  # a contradicting config.json (experts, heads ...) is bad input
+        cfg = ModelConfig.from_hf_config(_read_config(path))
     cfg.generation_config = _read_generation_config(path)
     layers, embed = checkpoint_layout(_weight_files(path))  # before building: 10**6 meta layers take minutes
     if layers != cfg.num_hidden_layers or embed != [cfg.vocab_size, cfg.hidden_size]:
-        raise ValueError(
+        raise InputError(
             f"{path / 'config.json'} says num_hidden_layers {cfg.num_hidden_layers}, vocab_size {cfg.vocab_size}, "
             f"hidden_size {cfg.hidden_size}; the weights hold {layers} layers, embed_tokens {embed}: fix config.json"
         )
@@ -499,17 +501,17 @@ def load_pretrained(
                 if name not in expected:
                     if cfg.tie_word_embeddings and name == "lm_head.weight":
                         continue  # some exporters write the tied head anyway; it is the embedding
-                    raise ValueError(f"unexpected tensor {name!r} in {f} (not part of a {cfg.model_type} model)")
+                    raise InputError(f"unexpected tensor {name!r} in {f} (not part of a {cfg.model_type} model)")
                 t = sf.get_tensor(name)
                 if tuple(t.shape) != tuple(expected[name].shape):
-                    raise ValueError(
+                    raise InputError(
                         f"tensor {name!r} in {f} has shape {tuple(t.shape)}, the config expects "
                         f"{tuple(expected[name].shape)}: the checkpoint does not match its config.json"
                     )
                 state[name] = check_weight(t.to(dtype), name, f, t.dtype)
     missing = sorted(set(expected) - set(state))
     if missing:
-        raise ValueError(
+        raise InputError(
             f"checkpoint {path} is missing tensors: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
         )
     model.load_state_dict(state, strict=not cfg.tie_word_embeddings, assign=True)

@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from align.errors import InputError
+
 
 @dataclass(frozen=True)
 class MoeFamily:
@@ -345,7 +347,7 @@ class MoeConfig:
         if self.routing_replay == "off":
             return
         if rollout != "native":
-            raise ValueError(
+            raise InputError(
                 f"--routing-replay {self.routing_replay} with --rollout {rollout}: the spool protocol does not carry "
                 "routed experts yet (it needs a protocol minor with base64-packed routes and the vLLM worker's "
                 "enable_return_routed_experts); use --rollout native or --routing-replay off"
@@ -353,7 +355,7 @@ class MoeConfig:
         path = Path(model_path) / "config.json"
         model_type = json.loads(path.read_text()).get("model_type") if path.is_file() else None
         if model_type not in MOE_FAMILIES:
-            raise ValueError(
+            raise InputError(
                 f"--routing-replay {self.routing_replay} needs a mixture-of-experts model ({', '.join(MOE_FAMILIES)}); "
                 f"{path} says model_type {model_type!r}: drop --routing-replay or pick a MoE --model"
             )

@@ -90,13 +90,16 @@ def tokens_html(pieces: list[str], ids: list[int], mask: list[bool]) -> str:
     spans = []
     for piece, tid, trained in zip(pieces, ids, mask):
         kind, what = ("t", "trained") if trained else ("m", "masked")
-        spans.append(f'<span class="{kind}" title="id {tid}: {what}">{html.escape(piece)}</span>')
+        spans.append(
+            f'<span class="{kind}" title="id {html.escape(str(tid))}: {what}">{html.escape(str(piece))}</span>'
+        )
     return "".join(spans)
 
 
 def group_html(rec: dict) -> str:
+    where = f"step {rec.get('step')} | group {rec.get('group')}"  # a hostile completions.jsonl: text, escaped
     out = [
-        f'<div class="group"><div class="meta">step {rec.get("step")} | group {rec.get("group")}</div>',
+        f'<div class="group"><div class="meta">{html.escape(where)}</div>',
         f'<div class="prompt">{html.escape(_text(rec.get("prompt", "")))}</div>',
     ]
     texts = rec.get("completions") or []

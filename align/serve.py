@@ -43,8 +43,8 @@ def read_key(args: argparse.Namespace) -> str | None:
     if args.api_key_file:
         try:
             key = Path(args.api_key_file).read_text(encoding="utf-8").strip()
-        except OSError as e:
-            raise InputError(f"--api-key-file {args.api_key_file}: cannot read it ({e})") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise InputError(f"--api-key-file {args.api_key_file}: cannot read it as UTF-8 text ({e})") from None
         if not key:
             raise InputError(f"--api-key-file {args.api_key_file} is empty: write a long random key into it")
     if args.host not in LOOPBACK and key is None:
@@ -66,6 +66,12 @@ def open_server(args: argparse.Namespace) -> Any:
     from align.rollout.protocol import SamplingParams
 
     key = read_key(args)
+    if not 0 <= args.port <= 65535:
+        raise InputError(f"--port {args.port}: a port is 0-65535 (0 = a free one)")
+    try:  # the sampling flags, checked before the model loads (not at each request, as the client's fault)
+        SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens)
+    except ValueError as e:
+        raise InputError(f"{e} (--temperature / --top-p / --top-k / --max-tokens)") from None
     if not Path(args.model).is_dir():
         raise InputError(f"--model {args.model}: no such directory (a Hugging Face checkpoint)")
     tok = load_tokenizer(args.model, args.model, flag="--model")
@@ -86,17 +92,20 @@ def open_server(args: argparse.Namespace) -> Any:
         with lock:  # one generate at a time on the model
             return client.generate([ids], params)[0]
 
-    return Gateway(
-        sample,
-        lambda tools: TurnRenderer(tok, tools=tools),
-        lambda ids: tok.decode(ids),
-        Path(args.model).resolve().name,
-        args.max_tokens,
-        model.config.max_position_embeddings,
-        host=args.host,
-        port=args.port,
-        accept=(lambda k: True) if key is None else (lambda k: hmac.compare_digest(k.encode(), key.encode())),
-    )
+    try:
+        return Gateway(
+            sample,
+            lambda tools: TurnRenderer(tok, tools=tools),
+            lambda ids: tok.decode(ids),
+            Path(args.model).resolve().name,
+            args.max_tokens,
+            model.config.max_position_embeddings,
+            host=args.host,
+            port=args.port,
+            accept=(lambda k: True) if key is None else (lambda k: hmac.compare_digest(k.encode(), key.encode())),
+        )
+    except OSError as e:  # the address is not this machine's, the port is taken, no IPv6 ...
+        raise InputError(f"--host {args.host} --port {args.port}: cannot bind ({e})") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -147,3 +147,14 @@ def test_the_docs_toml_example_parses(tmp_path):
         0.28,
         "examples/own_data/train.jsonl",
     )
+
+
+def test_a_yaml_alias_bomb_is_a_short_error(tmp_path, capsys):
+    pytest.importorskip("yaml")
+    text = 'tools: &a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x", "x"]\n'  # a 600-byte file ...
+    for i in range(1, 7):  # ... whose value is 10^7 strings (YAML keeps the last duplicate key)
+        text += f"tools: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]\n"
+    err = error_of(tmp_path, "bomb.yaml", text, capsys)
+    assert "'tools[0]' must be str" in err and len(err) < 2000  # was its full repr: 5 MB here, 50 MB at 10^8
+    err = error_of(tmp_path, "small.yaml", "tools: [[x, y]]\n", capsys)
+    assert "['x', 'y']" in err  # control: a small value is shown whole

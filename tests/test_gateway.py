@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import socket
 import urllib.error
 import urllib.request
 
@@ -291,3 +292,53 @@ def test_anthropic_messages_with_a_tool_use_round_trip_is_one_trajectory(tok):
     suffix = r.suffix([{"role": "tool", "content": "42"}])
     assert b.prompt_ids == first and b.token_ids[: len(s1) + len(suffix)] == s1 + suffix
     assert b.mask.count(False) == len(suffix)
+
+
+def _raw(gw: Gateway, head: bytes, body: bytes = b"") -> bytes:
+    """One request written on a socket, the body sent in full and the write side closed; the reply's status line."""
+    host, port = gw.httpd.server_address[:2]
+    with socket.create_connection((host, port), timeout=30) as s:
+        s.sendall(head + b"\r\n\r\n")
+        try:
+            s.sendall(body)
+            s.shutdown(socket.SHUT_WR)
+        except OSError:  # the server answered and closed without reading the body
+            pass
+        return s.recv(200).split(b"\r\n")[0]
+
+
+def test_a_bad_content_length_or_text_is_a_400_not_a_read_past_the_cap(tok):
+    gw, _, key = _gateway(tok, ["x"], max_body_mb=0.01)
+    post = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode()
+    try:
+        # "-1" read until the client closed: 12x the cap read before any key or size check
+        assert _raw(gw, post + b"\r\nContent-Length: -1", b"x" * 120_000) == b"HTTP/1.1 400 Bad Request"
+        assert _raw(gw, post + b"\r\nContent-Length: abc") == b"HTTP/1.1 400 Bad Request"  # was a 500
+        assert _raw(gw, post + b"\r\nContent-Length: 120000") == b"HTTP/1.1 413 Request Entity Too Large"  # control
+        lone = b'{"model": "policy", "messages": [{"role": "user", "content": "\\ud800"}]}'
+        status, body = _post(gw.base_url + "/chat/completions", lone, key)
+        assert status == 400 and "not valid Unicode" in body["error"]["message"]  # was a 500 from the tokenizer
+        ok = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "\u00e9"}]}).encode()
+        assert _post(gw.base_url + "/chat/completions", ok, key)[0] == 200  # control: valid non-ASCII text
+    finally:
+        gw.close()
+
+
+def test_a_request_without_a_key_is_refused_before_its_body_is_read(tok):
+    gw, _, key = _gateway(tok, ["x"])
+    host, port = gw.httpd.server_address[:2]
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\nAuthorization: Bearer "
+    try:
+        for k, status in ((b"sk-wrong", b"401"), (key.encode(), None)):
+            with socket.create_connection((host, port), timeout=5) as s:
+                s.sendall(head + k + b"\r\n\r\n")  # the body never comes
+                try:
+                    first = s.recv(100)
+                except TimeoutError:  # waiting for the body (the server's read timeout is 60 s)
+                    first = b""
+            if status:  # was a wait for 100 kB an unauthenticated client never sends
+                assert first.startswith(b"HTTP/1.1 " + status)
+            else:  # control: with the key the server waits for the body
+                assert first == b""
+    finally:
+        gw.close()

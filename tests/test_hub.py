@@ -73,3 +73,21 @@ def test_cli_trains_a_cached_hub_id_and_names_the_download_before_loading(tmp_pa
     err = capsys.readouterr().err
     assert "--model Org/Not-Cached" in err and "huggingface-cli download Org/Not-Cached" in err
     assert "hf download Org/Not-Cached" in err
+
+
+def test_a_ref_naming_a_path_does_not_leave_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "config.json").write_text("{}")
+    repo = tmp_path / "hub" / "models--org--name"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    (repo / "snapshots" / "abc123" / "config.json").write_text("{}")
+    (repo / "refs" / "main").write_text("../../../outside\n")  # was resolved: a snapshot outside the cache
+    with pytest.raises(InputError, match="no complete snapshot"):
+        resolve_model("org/name")
+    with pytest.raises(InputError, match="no complete snapshot"):
+        resolve_model("org/name@..")
+    (repo / "refs" / "main").write_text("abc123\n")
+    assert resolve_model("org/name") == str(repo / "snapshots" / "abc123")  # control: a commit-hash ref resolves

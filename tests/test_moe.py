@@ -13,6 +13,7 @@ from helpers_train import char_moe_model
 from hf_reference import MOE_FEATURES, hf_model, save_hf
 
 from align import learner, lora, moe
+from align.errors import InputError
 from align.grpo import merge_stats, normalisers, policy_loss
 from align.model import ModelConfig, Transformer, load_pretrained, save_pretrained
 from align.rollout.native import generate
@@ -472,9 +473,10 @@ def test_replay_refusals_name_the_flag(tmp_path):
     dense = save_hf(hf_model("qwen3"), tmp_path / "dense")
     sparse = save_hf(hf_model("qwen3_moe"), tmp_path / "sparse")
     replay = moe.MoeConfig(routing_replay="rollout")
-    with pytest.raises(ValueError, match="--routing-replay rollout needs a mixture-of-experts model.*'qwen3'"):
+    # InputError: the CLI's one-line error (a ValueError was a raw traceback from align.train)
+    with pytest.raises(InputError, match="--routing-replay rollout needs a mixture-of-experts model.*'qwen3'"):
         replay.check_run("native", dense)
-    with pytest.raises(ValueError, match="--rollout spool.*enable_return_routed_experts"):
+    with pytest.raises(InputError, match="--rollout spool.*enable_return_routed_experts"):
         replay.check_run("spool", sparse)
     replay.check_run("native", sparse)  # control
     moe.MoeConfig().check_run("spool", dense)  # control: off checks nothing
@@ -534,3 +536,27 @@ def test_mixtral_sliding_window_in_cached_decode(tmp_path):
     ours.config.sliding_window = None
     wide = generate(ours, prompts[:1], SamplingParams(temperature=0, max_tokens=10))[0]
     assert wide.logprobs != pytest.approx(outs[0].logprobs, abs=1e-4)
+
+
+def test_a_contradicting_moe_config_is_an_input_error(tmp_path):
+    """An input error names the checkpoint: align.train's one-line error (a ValueError was a raw traceback)."""
+    d = tmp_path / "moe"
+    save_hf(hf_model("qwen3_moe"), d)
+    load_pretrained(d)  # control: the checkpoint as saved loads
+    c = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(c | {"num_experts_per_tok": c["num_local_experts"] + 3}))
+    with pytest.raises(InputError, match=f"{d}: config.json num_experts_per_tok=9 exceeds num_experts=6"):
+        load_pretrained(d)
+
+
+def test_a_missing_expert_tensor_is_an_input_error(tmp_path):
+    """A checkpoint that does not match its config.json: align.train's one-line error (was a raw traceback)."""
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "moe"
+    save_hf(hf_model("qwen3_moe"), d)
+    load_pretrained(d)  # control: the checkpoint as saved loads
+    for f in d.glob("*.safetensors"):
+        save_file({k: v for k, v in load_file(f).items() if ".experts.1." not in k}, f)
+    with pytest.raises(InputError, match=r"is missing tensors: model\.layers\.0\.mlp\.experts\.1\.down_proj"):
+        load_pretrained(d)

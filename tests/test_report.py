@@ -95,3 +95,26 @@ def test_tokens_show_trained_and_masked():
 
 def _rows(run):
     return [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+
+
+def test_a_hostile_run_dir_renders_no_markup(tmp_path):
+    """Every value a run dir's files carry is text in the report: step / group, token ids in an attribute, metric
+    names in the SVG's attributes (each was raw HTML before)."""
+    from align.report import render
+
+    x = '"><script>alert(1)</script>'
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "eval/pass@1" + x: 1.0}) + "\n")
+    (tmp_path / "config.json").write_text(json.dumps({x: x}))
+    rec = {"step": x, "group": x, "prompt": x, "completions": [x], "pieces": [[x]], "token_ids": [[x]], "masks": [[1]]}
+    (tmp_path / "completions.jsonl").write_text(json.dumps(rec) + "\n")
+    page = render(tmp_path)
+    tags = []
+
+    class Tags(HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            tags.append((tag, [k for k, _ in attrs]))
+
+    Tags().feed(page)
+    assert not [t for t in tags if t[0] == "script"]
+    assert not [t for t in tags if any(k.startswith("on") or not k.isidentifier() and "-" not in k for k in t[1])]
+    assert page.count("&lt;script&gt;") >= 4  # control: the text is there, escaped

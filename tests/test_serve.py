@@ -70,3 +70,39 @@ def test_serve_with_a_key_file_refuses_other_keys(model_dir, tmp_path):
         assert openai.OpenAI(base_url=gw.base_url, api_key="s3cret-key", max_retries=0).models.list().data
     finally:
         gw.close()
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (["--port", "99999"], "--port 99999"),  # was a raw OverflowError from bind()
+        (["--max-tokens", "-5"], "max_tokens"),  # was a server whose every request got a 400
+        (["--top-p", "7"], "top_p"),
+        (["--temperature", "nan"], "temperature"),  # was a server sampling from nan probabilities
+        (["--host", "192.0.2.1", "--api-key-file", "KEY"], "cannot bind"),  # not this machine's: was an OSError
+        (["--api-key-file", "BINARY"], "UTF-8"),  # was a raw UnicodeDecodeError
+    ],
+)
+def test_serve_refuses_bad_flags_with_an_input_error(model_dir, tmp_path, flags, match):
+    (tmp_path / "KEY").write_text("s3cret\n")
+    (tmp_path / "BINARY").write_bytes(b"\xff\xfe")
+    flags = [str(tmp_path / f) if f in ("KEY", "BINARY") else f for f in flags]
+    with pytest.raises(InputError, match=match):
+        open_server(parse_args(["--model", str(model_dir), *flags])).close()
+
+
+def test_serve_cli_error_is_one_line(model_dir, capsys):
+    from align.serve import main
+
+    assert main(["--model", str(model_dir), "--port", "-3"]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("error: --port -3") and out.count("\n") == 1
+
+
+def test_serve_binds_ipv6_loopback(model_dir):
+    gw = open_server(parse_args(["--model", str(model_dir), "--host", "::1", "--port", "0"]))  # was a gaierror
+    try:
+        assert gw.base_url.startswith("http://[::1]:")
+        assert openai.OpenAI(base_url=gw.base_url, api_key="any", max_retries=0).models.list().data
+    finally:
+        gw.close()

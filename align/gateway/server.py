@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -78,6 +79,10 @@ def cut_at_stop(ids: list[int], decode: Callable[[list[int]], str], stops: list[
     return len(ids), full[:at]
 
 
+class _Server6(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
 class Gateway:
     """The gateway's state: episodes by key, the sampler. ``sample(prompt_ids, max_tokens, capture) -> Completion``
     (the run's sampling params); ``renderer(tools) -> TurnRenderer``; ``decode(ids) -> text`` without the stop token;
@@ -110,7 +115,7 @@ class Gateway:
         class Handler(_Handler):
             gateway = gw
 
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd = (_Server6 if ":" in host else ThreadingHTTPServer)((host, port), Handler)  # ::1 is IPv6
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="align-gateway", daemon=True)
         self.thread.start()
@@ -118,7 +123,7 @@ class Gateway:
     @property
     def base_url(self) -> str:
         host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}/v1"
+        return f"http://[{host}]:{port}/v1" if ":" in host else f"http://{host}:{port}/v1"
 
     def open_episode(self) -> str:
         key = "sk-align-" + secrets.token_urlsafe(24)
@@ -319,14 +324,20 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         try:
-            size = int(self.headers.get("Content-Length") or 0)
+            length = (self.headers.get("Content-Length") or "0").strip()
+            if not length.isdecimal():  # "-1" would read until the client closes: past the cap, before the key
+                self.close_connection = True
+                raise ApiError(400, f"Content-Length must be a non-negative integer, got {length[:40]!r}")
+            size = int(length)
             if size > self.gateway.max_body:
                 self.close_connection = True  # the body is not read
                 raise ApiError(
                     413, f"the body has {size} bytes, over --gateway-max-body-mb ({self.gateway.max_body} bytes)"
                 )
-            raw = self.rfile.read(size)
+            self.close_connection = True  # until the key is known: a refused request's body is never read
             cap = self._auth()
+            self.close_connection = False
+            raw = self.rfile.read(size)
             api = APIS.get(self.path.rstrip("/"))
             if api is None:
                 raise ApiError(404, f"no route {self.path}", code="not_found")
@@ -336,6 +347,10 @@ class _Handler(BaseHTTPRequestHandler):
                 raise ApiError(400, f"the body is not valid JSON ({e})") from e
             if not isinstance(body, dict):
                 raise ApiError(400, "the body must be a JSON object")
+            try:  # a lone surrogate ("\\ud800") parses but no tokenizer encodes it
+                json.dumps(body, ensure_ascii=False).encode()
+            except UnicodeEncodeError as e:
+                raise ApiError(400, f"the body holds text that is not valid Unicode ({e.reason} at {e.start})") from e
             try:
                 body = api.request(body)
             except InputError as e:

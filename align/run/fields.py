@@ -5,6 +5,7 @@ file or a flag (``align.run.cli`` builds the parser from them, ``align.run.confi
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 import types
 import typing
 from typing import Any
@@ -70,12 +71,19 @@ def _type_name(tp: Any) -> str:
     return {bool: "bool (true/false)", int: "int", float: "float", str: "str", dict: "object"}.get(tp, str(tp))
 
 
+def _short(value: Any) -> str:
+    """``repr(value)`` cut short: a YAML alias bomb is a small file whose full repr is gigabytes."""
+    r = reprlib.Repr()
+    r.maxlevel, r.maxlist, r.maxdict, r.maxstring, r.maxother = 3, 6, 6, 80, 80
+    return r.repr(value)
+
+
 def check_value(key: str, value: Any, tp: Any) -> Any:
     """``value`` checked against the annotation ``tp`` (JSON types: no implicit conversion); returns it with
     an int widened to float where a float is expected. Raises ValueError naming the key, type and value."""
 
     def fail() -> ValueError:
-        return ValueError(f"config key {key!r} must be {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+        return ValueError(f"config key {key!r} must be {_type_name(tp)}, got {_short(value)} ({type(value).__name__})")
 
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):

@@ -109,7 +109,7 @@ def _panel(pid: str, title: str, series: dict, ox: float, oy: float, x0: float, 
         pts = sorted(pts)
         points = " ".join(f"{X(s):.1f},{Y(v):.1f}" for s, v in pts)
         dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
-        out.append(f'<g class="series" data-name="{escape(name)}">')
+        out.append(f'<g class="series" data-name="{escape(name, {chr(34): "&quot;"})}">')  # in an attribute
         out.append(f'<polyline fill="none" stroke="{color}" stroke-width="{width}"{dash_attr} points="{points}"/>')
         out.extend(_marker(marker, X(s), Y(v), color) for s, v in pts)
         out.append("</g>")
