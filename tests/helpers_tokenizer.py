@@ -84,3 +84,16 @@ def make_bpe_tokenizer(
     if generation_eos is not None:
         (path / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos}))
     return path
+
+
+# The tool-use task of tests/test_tool_train.py and tests/test_agent.py: a ChatML-like template that lists the tools,
+# one question, the tool call that answers it and the final answer.
+TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\ntools: ' }}{% for t in tools %}{{ t['function']['name'] + ' ' }}"
+    "{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+QUESTION = "What is 2 + 3?"
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+ANSWER = "The answer is 5."

@@ -86,3 +86,19 @@ def hf_model(model_type: str, seed: int = 0, vocab_size: int = 97, std: float = 
 def save_hf(model, path) -> str:
     model.save_pretrained(str(path))
     return str(path)
+
+
+def assert_greedy_matches(ours, hf, prompts: list[list[int]], max_tokens: int = 12) -> list:
+    """align's greedy sampler (cached decode) equals transformers.generate token for token; returns align's."""
+    import torch
+
+    from align.rollout.native import generate
+    from align.rollout.protocol import SamplingParams
+
+    outs = generate(ours, prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
+    for p, c in zip(prompts, outs):
+        ref = hf.generate(
+            torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        assert c.token_ids == ref[0, len(p) :].tolist()
+    return outs

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from helpers_models import load_hf, teacher_forced_logprobs
-from helpers_tokenizer import make_bpe_tokenizer
+from helpers_tokenizer import ANSWER, CALL, QUESTION, TEMPLATE, make_bpe_tokenizer
 
 from align.chat import TurnRenderer
 from align.data import load_tokenizer
@@ -30,15 +30,6 @@ pytest.importorskip("openai", reason="the test extra: pip install -e '.[test]'")
 
 ROOT = Path(__file__).resolve().parents[1]
 AGENT = f"{ROOT / 'examples' / 'agent' / 'agent.py'}:run"
-TEMPLATE = (
-    "{% if tools %}{{ '<|im_start|>system\\ntools: ' }}{% for t in tools %}{{ t['function']['name'] + ' ' }}"
-    "{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}"
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-QUESTION = "What is 2 + 3?"
-CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
-ANSWER = "The answer is 5."
 WARM_STEPS = 150
 LOGPROB_TOL = 1e-3  # fp32 sampler vs transformers' forward
 

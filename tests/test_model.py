@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from hf_reference import FEATURES, hf_model, save_hf
+from hf_reference import FEATURES, assert_greedy_matches, hf_model, save_hf
 
 from align.atomic import COMMIT_MARKER
 from align.model import ModelConfig, Transformer, load_pretrained, save_pretrained
@@ -68,10 +68,7 @@ def test_greedy_generation_matches_transformers(pair):
     _name, hf, path = pair
     ours = load_pretrained(path)
     prompts = [[1, 5, 9, 13], [7, 3], [11, 12, 13, 14, 15, 16, 17]]
-    outs = generate(ours, prompts, SamplingParams(temperature=0, max_tokens=12))
-    for p, c in zip(prompts, outs):
-        ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert c.token_ids == ref[0, len(p) :].tolist()
+    assert_greedy_matches(ours, hf, prompts)
 
 
 def test_bf16_loads_and_runs(pair):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers_learner import CPU, batch_for, cfg
 from helpers_train import char_moe_model
-from hf_reference import MOE_FEATURES, hf_model, save_hf
+from hf_reference import MOE_FEATURES, assert_greedy_matches, hf_model, save_hf
 
 from align import learner, lora, moe
 from align.errors import InputError
@@ -93,10 +93,7 @@ def test_greedy_generation_matches_transformers_and_cached_equals_full(pair):
     _name, hf, path = pair
     ours = load_pretrained(path)
     prompts = [[1, 5, 9, 13], [7, 3], [11, 12, 13, 14, 15, 16, 17]]
-    outs = generate(ours, prompts, SamplingParams(temperature=0, max_tokens=12))
-    for p, c in zip(prompts, outs):
-        ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert c.token_ids == ref[0, len(p) :].tolist()
+    assert_greedy_matches(ours, hf, prompts)
     sampled = generate(ours, prompts, SamplingParams(temperature=1.0, max_tokens=10, seed=3))
     for p, c in zip(prompts, sampled):
         seq = torch.tensor([p + c.token_ids])

@@ -16,7 +16,7 @@ import types
 from pathlib import Path
 
 import pytest
-from helpers_tokenizer import make_bpe_tokenizer
+from helpers_tokenizer import ANSWER, CALL, QUESTION, TEMPLATE, make_bpe_tokenizer
 
 from align.chat import TurnRenderer
 from align.data import load_tokenizer
@@ -25,15 +25,6 @@ from align.envs.tools import load_tools, make_tool_env, parse_tool_calls
 from align.model import ModelConfig
 from align.run.config import TrainConfig
 
-TEMPLATE = (
-    "{% if tools %}{{ '<|im_start|>system\\ntools: ' }}{% for t in tools %}{{ t['function']['name'] + ' ' }}"
-    "{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}"
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-QUESTION = "What is 2 + 3?"
-CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
-ANSWER = "The answer is 5."
 WARM_STEPS = 150  # the two targets memorised (loss ~1e-3 per token): most T=1 samples are the call, then the answer
 
 
