@@ -295,25 +295,31 @@ def _open_rollout(run: Run) -> None:
         log.warning(warning)
 
 
+def eval_params(cfg: Any, stops: list[int]) -> Any:
+    """How held-out prompts are sampled (``align.train`` and ``align.sft``): --eval-n, --eval-temperature (else the
+    run's), --eval-max-tokens (else --max-tokens), the run's top-p / top-k, stop ids and seed."""
+    from align.rollout.protocol import SamplingParams
+
+    return SamplingParams(
+        n=cfg.eval.eval_n,
+        temperature=cfg.temperature if cfg.eval.eval_temperature is None else cfg.eval.eval_temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        max_tokens=cfg.eval.eval_max_tokens or cfg.max_tokens,
+        stop_token_ids=stops,
+        seed=cfg.seed,
+    )
+
+
 def _open_eval(run: Run) -> None:
     """Held-out prompts, scored in-process (blocking) or on snapshots (align.eval)."""
     from align.eval import EvalSet, make_evaluator
     from align.eval.evaluator import Evaluator
     from align.eval.fleet import EvalFleet
     from align.eval.metrics import score_completions, score_episodes
-    from align.rollout.protocol import SamplingParams
 
     cfg, policy, place, task = run.cfg, run.policy, run.place, run.task
-    eval_t = cfg.temperature if cfg.eval.eval_temperature is None else cfg.eval.eval_temperature
-    eval_sampling = SamplingParams(
-        n=cfg.eval.eval_n,
-        temperature=eval_t,
-        top_p=cfg.top_p,
-        top_k=cfg.top_k,
-        max_tokens=cfg.eval.eval_max_tokens or cfg.max_tokens,
-        stop_token_ids=run.stops,
-        seed=cfg.seed,
-    )
+    eval_sampling = eval_params(cfg, run.stops)
     eval_set = None
     if run.eval_encoded:
         eval_set = EvalSet(run.eval_encoded, run.score_eval, eval_sampling, name=run.task_name)

@@ -19,7 +19,16 @@ import torch
 
 from align import dist, learner
 from align.run import safety
-from align.run.build import DataCursor, Run, _open_logs, load_policy, open_optimizer, stop_ids, write_config
+from align.run.build import (
+    DataCursor,
+    Run,
+    _open_logs,
+    eval_params,
+    load_policy,
+    open_optimizer,
+    stop_ids,
+    write_config,
+)
 from align.run.log import Progress, check_logger
 from align.sft.config import SFTConfig
 from align.sft.data import Example, Renderers, load_examples, read_model_config, verified_examples
@@ -191,7 +200,6 @@ def evaluate(run: SFTRun) -> dict:
     from align.eval.metrics import score_completions, scored
     from align.rollout.client import ShardedNativeClient
     from align.rollout.native import generate
-    from align.rollout.protocol import SamplingParams
 
     cfg, policy = run.cfg, run.policy
     policy.eval()
@@ -202,16 +210,7 @@ def evaluate(run: SFTRun) -> dict:
     out = {"loss": stats["loss"], "tokens": stats["num_tokens"]}
     if run.scorer is None:
         return out
-    t = cfg.temperature if cfg.eval.eval_temperature is None else cfg.eval.eval_temperature
-    sampling = SamplingParams(
-        n=cfg.eval.eval_n,
-        temperature=t,
-        top_p=cfg.top_p,
-        top_k=cfg.top_k,
-        max_tokens=cfg.eval.eval_max_tokens or cfg.max_tokens,
-        stop_token_ids=run.stops,
-        seed=cfg.seed,
-    )
+    sampling = eval_params(cfg, run.stops)
     prompts = [e.ids[: e.prompt] for e in run.eval_examples]
     with run.place.autocast():
         if dist.active():  # every rank samples its share (the same completions), all score them
