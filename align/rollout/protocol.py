@@ -85,7 +85,10 @@ class Completion:
     logprobs: list[float]  # training basis: log_softmax(logits / T) of each token
     finish_reason: str  # "stop" | "length"
     sampled_logprobs: list[float] | None = None  # under the truncated (top-k/top-p) distribution
-    weights_version: int = 0
+    weights_version: int = 0  # the version the first token was sampled with
+    # partial rollouts (--partial-rollouts): the weights version that sampled each token (len(token_ids) entries),
+    # non-decreasing; None when every token came from weights_version (the only case without partial rollouts)
+    token_versions: list[int] | None = None
     # MoE, native sampler only (not on the wire): (len(token_ids) - 1, MoE layers, top-k) int16 expert ids of each
     # token fed back to the model (align.moe.batch_routes); None otherwise
     routes: Any = None
