@@ -151,10 +151,34 @@ def test_the_docs_toml_example_parses(tmp_path):
 
 def test_a_yaml_alias_bomb_is_a_short_error(tmp_path, capsys):
     pytest.importorskip("yaml")
-    text = 'tools: &a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x", "x"]\n'  # a 600-byte file ...
-    for i in range(1, 7):  # ... whose value is 10^7 strings (YAML keeps the last duplicate key)
-        text += f"tools: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]\n"
+    inner = '["x", "x", "x", "x", "x", "x", "x", "x", "x", "x"]'  # a 500-byte file ...
+    for i in range(6):  # ... whose value is 10^7 strings: each level is 10 references to the one below
+        inner = f"[&a{i} {inner}, " + ", ".join([f"*a{i}"] * 9) + "]"
+    text = f"tools: [{inner}]\n"
+    assert len(text) < 600
     err = error_of(tmp_path, "bomb.yaml", text, capsys)
     assert "'tools[0]' must be str" in err and len(err) < 2000  # was its full repr: 5 MB here, 50 MB at 10^8
     err = error_of(tmp_path, "small.yaml", "tools: [[x, y]]\n", capsys)
     assert "['x', 'y']" in err  # control: a small value is shown whole
+
+
+@pytest.mark.parametrize(
+    ("name", "twice", "once", "said"),
+    [
+        ("run.json", '{"lr": 0.001,\n "lr": 0.002}', '{"lr": 0.002}', "run.json: key 'lr' is set twice"),
+        ("run.yaml", "lr: 0.001\nsteps: 3\nlr: 0.002\n", "steps: 3\nlr: 0.002\n", "run.yaml:3: key 'lr' is set twice"),
+        ("run.yaml", "loss:\n  lr: 0.2\n  lr: 0.3\n", "loss:\n  lr: 0.3\n", "run.yaml:3: key 'lr' is set twice"),
+        (
+            "run.toml",
+            "lr = 0.001\nlr = 0.002\n",
+            "lr = 0.002\n",
+            "Cannot overwrite a value (at line 2",
+        ),  # tomllib's words
+    ],
+)
+def test_a_key_set_twice_is_refused_not_last_wins(tmp_path, capsys, name, twice, once, said):
+    if name.endswith(".yaml"):
+        pytest.importorskip("yaml")
+    assert said in error_of(tmp_path, name, twice, capsys)
+    if "loss" not in once:  # control: the key once loads
+        assert load(tmp_path, name, once).lr == 0.002

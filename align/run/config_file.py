@@ -52,8 +52,16 @@ def read_file(path: str) -> dict:
 
 
 def _json(path: str, text: str) -> Any:
+    def unique(pairs: list[tuple[str, Any]]) -> dict:
+        seen: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in seen:
+                raise ValueError(f"--config {path}: key {key!r} is set twice in one object; keep one")
+            seen[key] = value
+        return seen
+
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=unique)
     except json.JSONDecodeError as e:
         raise ValueError(f"--config {path}:{e.lineno}: not valid JSON ({e.msg})") from None
 
@@ -82,8 +90,22 @@ def _yaml(path: str, text: str) -> Any:
         raise ValueError(
             f"--config {path}: reading YAML needs PyYAML: pip install 'align[yaml]' (or use a .toml / .json file)"
         ) from None
+
+    class UniqueKeys(yaml.SafeLoader):  # PyYAML keeps the last of two equal keys silently; a config file may not
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if isinstance(key, str) and key in seen:
+                    raise ValueError(
+                        f"--config {path}:{key_node.start_mark.line + 1}: key {key!r} is set twice in one mapping; "
+                        "keep one"
+                    )
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=UniqueKeys)  # a SafeLoader subclass: no arbitrary objects
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
