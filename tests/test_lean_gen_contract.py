@@ -551,6 +551,16 @@ def test_cli_usage_errors_exit_2():
         assert e.value.code == 2
 
 
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-5", "soon"])
+def test_pipeline_timeouts_must_be_finite_seconds(value, capsys):
+    base = ["--problems", "p", "--workdir", "w", "--cap-tokens", "8"]
+    for flag in ("--repl-timeout", "--import-timeout", "--gpu-drain-timeout"):
+        with pytest.raises(SystemExit) as e:
+            pgv.parse_args([*base, flag, value])
+        assert e.value.code == 2 and flag in capsys.readouterr().err
+    assert pgv.parse_args([*base, "--repl-timeout", "2.5"]).repl_timeout == 2.5  # control
+
+
 def test_lean_gen_pure_half_is_stdlib_only():
     _check_stdlib_only("lean_gen", "pipeline_gen_verify")
 

@@ -245,6 +245,17 @@ def run_generator(cmd: list[str], log_path: str, drain_s: float, stop: dict) -> 
 # --- CLI ----------------------------------------------------------------------------------------------------------------
 
 
+def seconds(text: str) -> float:
+    """A timeout flag's value: finite and > 0 (``inf`` would wait forever on a hung REPL, ``nan`` never times out)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: a timeout must be a finite number of seconds > 0")
+    return value
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pipeline_gen_verify.py", description=__doc__.split("\n")[0])
     p.add_argument("--problems", required=True)
@@ -258,10 +269,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gen-args", default="", help="extra lean_gen.py arguments (one shell-quoted string)")
     p.add_argument("--repl-cmd", default="lake exe repl", help="command starting a Lean REPL (JSON on stdin/stdout)")
     p.add_argument("--repl-cwd", default=None, help="where to start it (the Mathlib project)")
-    p.add_argument("--repl-timeout", type=float, default=float(os.environ.get("PROOF_TIMEOUT", "300")))
-    p.add_argument("--import-timeout", type=float, default=100.0)
+    p.add_argument("--repl-timeout", type=seconds, default=seconds(os.environ.get("PROOF_TIMEOUT", "300")))
+    p.add_argument("--import-timeout", type=seconds, default=100.0)
     p.add_argument("--allowed-axioms", default=",".join(STANDARD_AXIOMS))
-    p.add_argument("--gpu-drain-timeout", type=float, default=120.0)
+    p.add_argument("--gpu-drain-timeout", type=seconds, default=120.0)
     return p.parse_args(argv)
 
 
