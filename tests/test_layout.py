@@ -55,7 +55,7 @@ FLOORS = [
         "the run wing",
         (
             "run run.parts run.fields run.help run.cli run.config_file run.advice run.sources run.presets run.log run.plot run.safety run.checkpoint run.teacher run.watchdog run.config run.task "
-            "run.build"
+            "run.policy run.evaluation run.build"
         ),
     ),
     ("entry points", "train report serve sft sft.__main__ sft.config sft.data sft.run"),

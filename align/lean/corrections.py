@@ -79,7 +79,7 @@ def correctable(ep: Any) -> bool:
 
 
 class CorrectionQueue:
-    """The queue over a run's rows and data cursor (``align.run.build.DataCursor``); see the module docstring.
+    """The queue over a run's rows and data cursor (``align.run.policy.DataCursor``); see the module docstring.
     ``begin(t)`` opens step t, ``next_prompts(k)`` draws (corrections first), ``row(i)`` is any drawn index's row,
     ``add(groups, t)`` queues the step's failures."""
 
