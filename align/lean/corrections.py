@@ -28,12 +28,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from align.options import flag_help as _h  # the one definition of a flag's help
+
 CORRECTION_KEY = "lean_correction"  # a correction row's prompt: {"messages", "round"}
 STATE_KEY = "lean_corrections"
-
-
-def _h(text: str) -> Any:
-    return {"help": text}
 
 
 @dataclass

@@ -29,13 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from align.errors import InputError
+from align.options import flag_help as _h  # the one definition of a flag's help
 
 SAMPLE_TEXTS = ("Hello, world!", " The answer is 42.", "a b\tc\n\nd", "x = f(y) + 3 * z", "ünïcødé ✓ 你好", "cabd=")
 TEACHER_SPOOL = "teacher_spool"  # under --out
-
-
-def _h(text: str) -> Any:
-    return {"help": text}
 
 
 @dataclass
