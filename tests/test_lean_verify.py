@@ -13,10 +13,11 @@ import json
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from helpers_http import LocalServer, QuietHandler
+from helpers_locks import alive
 
 from align.errors import InputError
 from align.lean import goedel
@@ -191,28 +192,19 @@ def test_a_hang_hits_the_timeout_and_the_process_group_is_killed(replies, tmp_pa
     v = LeanVerifier(LeanConfig(repl=cmd, workers=1, timeout_s=1.0))
     try:
         pid, child_pid = v.repls[0].pid, int(child.read_text())
-        assert _alive(child_pid)  # control: the child runs beside the REPL
+        assert alive(child_pid)  # control: the child runs beside the REPL
         t0 = time.monotonic()
         (x,) = v.verify([(STMT, proof("  norm_num [HANG]"))])
         assert time.monotonic() - t0 < 10
         assert x.reason == "verifier_error" and "TIMEOUT ERROR" in x.detail
         assert v.repls[0].proc is None and not Path(f"/proc/{pid}").exists()  # killed and reaped
         deadline = time.monotonic() + WAIT_S
-        while _alive(child_pid) and time.monotonic() < deadline:  # init reaps the orphaned child
+        while alive(child_pid) and time.monotonic() < deadline:  # init reaps the orphaned child
             time.sleep(0.05)
-        assert not _alive(child_pid)
+        assert not alive(child_pid)
         assert v.verify([(STMT, proof("  norm_num"))])[0].ok and v.repls[0].starts == 2
     finally:
         v.close()
-
-
-def _alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie waiting for its parent to reap it counts as gone)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_malformed_json_is_named(replies):
@@ -281,36 +273,24 @@ def test_banned_is_a_comma_list_flag():
 # --- the kimina-lean-server client, against a stdlib stand-in -----------------------------------------------------------
 
 
-class KiminaStandin(ThreadingHTTPServer):
+class KiminaStandin(LocalServer):
     """A STAND-IN for kimina-lean-server: ``GET /health`` and ``POST /verify`` in its shapes; a code containing
     ``norm_num`` compiles (the ``#print axioms`` info on the snippet's last line), anything else gets the recorded
     error, positions in whole-snippet lines (header included, as kimina reports them)."""
 
     def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
+        super().__init__(_Handler)
         self.health_status, self.fail_next, self.batches = 200, 0, []
         self.gate = threading.Event()
         self.gate.set()
-        self.url = f"http://127.0.0.1:{self.server_address[1]}"
-        threading.Thread(target=self.serve_forever, daemon=True).start()
+        self.start()
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(QuietHandler):
     server: KiminaStandin
 
-    def log_message(self, *args) -> None:  # quiet
-        pass
-
-    def _json(self, status: int, obj: dict) -> None:
-        data = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
     def do_GET(self) -> None:
-        self._json(self.server.health_status, {"status": "ok"} if self.server.health_status == 200 else {})
+        self.send_json(self.server.health_status, {"status": "ok"} if self.server.health_status == 200 else {})
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -318,8 +298,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.gate.wait(WAIT_S)
         if self.server.fail_next:
             self.server.fail_next -= 1
-            return self._json(503, {"detail": "busy"})
-        self._json(200, {"results": [_kimina_result(c) for c in body["codes"]]})
+            return self.send_json(503, {"detail": "busy"})
+        self.send_json(200, {"results": [_kimina_result(c) for c in body["codes"]]})
 
 
 def _kimina_result(code: dict) -> dict:
