@@ -317,7 +317,7 @@ class Run(RunBase):
         watchdog: Any,
     ) -> None:
         super().__init__(cfg, stop_flag)
-        self.place, self.owns_group, self.task_part, self.learner = place, owns_group, task, learner
+        self.place, self.owns_group, self.run_task, self.learner = place, owns_group, task, learner
         self.use_logs(logs)
         self.rollout, self.evaluation, self.rollouts, self.watchdog = rollout, evaluation, rollouts, watchdog
         self.client, self.worker, self.evaluator = rollout.client, rollout.worker, evaluation.evaluator
