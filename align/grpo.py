@@ -94,6 +94,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -238,41 +239,20 @@ def _reject(rho: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
     return torch.where(keep, rho, torch.zeros_like(rho)), ~keep
 
 
-def token_tis(log_rho: Tensor, m: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
-    return _truncate(torch.exp(log_rho), cfg)
-
-
-def seq_tis(log_rho: Tensor, m: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
-    w, mod = _truncate(torch.exp(_seq_log_rho(log_rho, m, geometric=False)), cfg)
+def _rho_weights(rule: Callable, level: str, log_rho: Tensor, m: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
+    """``rule`` (``_truncate``: TIS, ``_reject``: MIS) applied to each token's ratio (``level`` "token"), or to its
+    sequence's product ("seq") or geometric mean ("geo_seq"), broadcast over the sequence's tokens."""
+    if level == "token":
+        return rule(torch.exp(log_rho), cfg)
+    w, mod = rule(torch.exp(_seq_log_rho(log_rho, m, geometric=level == "geo_seq")), cfg)
     return w.expand_as(log_rho), mod.expand_as(log_rho)
 
 
-def geo_seq_tis(log_rho: Tensor, m: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
-    w, mod = _truncate(torch.exp(_seq_log_rho(log_rho, m, geometric=True)), cfg)
-    return w.expand_as(log_rho), mod.expand_as(log_rho)
-
-
-def token_mis(log_rho: Tensor, m: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
-    return _reject(torch.exp(log_rho), cfg)
-
-
-def seq_mis(log_rho: Tensor, m: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
-    w, mod = _reject(torch.exp(_seq_log_rho(log_rho, m, geometric=False)), cfg)
-    return w.expand_as(log_rho), mod.expand_as(log_rho)
-
-
-def geo_seq_mis(log_rho: Tensor, m: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
-    w, mod = _reject(torch.exp(_seq_log_rho(log_rho, m, geometric=True)), cfg)
-    return w.expand_as(log_rho), mod.expand_as(log_rho)
-
-
+# token_tis, seq_tis, geo_seq_tis, token_mis, seq_mis, geo_seq_mis
 RHO_MODES: dict[str, Callable[[Tensor, Tensor, LossConfig], tuple[Tensor, Tensor]]] = {
-    "token_tis": token_tis,
-    "seq_tis": seq_tis,
-    "geo_seq_tis": geo_seq_tis,
-    "token_mis": token_mis,
-    "seq_mis": seq_mis,
-    "geo_seq_mis": geo_seq_mis,
+    f"{level}_{name}": partial(_rho_weights, rule, level)
+    for name, rule in (("tis", _truncate), ("mis", _reject))
+    for level in ("token", "seq", "geo_seq")
 }
 
 # ---------------------------------------------------------------------------------------------

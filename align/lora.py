@@ -38,6 +38,7 @@ from torch import nn
 
 from align.atomic import commit_dir
 from align.model import Linear, Transformer, check_weight, rope_inv_freq, save_pretrained
+from align.options import flag_help as _h  # the one definition of a flag's help
 
 DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ALL_LINEAR = "all-linear"  # PEFT's spelling: every linear layer of the decoder (not embeddings, not lm_head)
@@ -55,10 +56,6 @@ UNSUPPORTED = {
     "bias": "none",
     "fan_in_fan_out": False,
 }
-
-
-def _h(text: str) -> Any:
-    return {"help": text}
 
 
 @dataclass

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from align.errors import InputError
+from align.options import flag_help as _h  # the one definition of a flag's help
 
 
 @dataclass(frozen=True)
@@ -305,10 +306,6 @@ def load_balancing_loss(routing: Routing) -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------------- the run's settings
-
-
-def _h(text: str) -> Any:
-    return {"help": text}
 
 
 REPLAY_MODES = ("off", "rollout")

@@ -98,29 +98,29 @@ def sft(spec: dict) -> None:
 
 
 def record_teacher_shards(path: str) -> None:
-    """Wrap ``open_teacher`` (as align.run.build calls it) to write this rank's share of the in-process teacher's
+    """Wrap ``open_teacher`` (as align.run.policy calls it) to write this rank's share of the in-process teacher's
     parameters: FSDP2 leaves a rank 1/world of each (DTensor shards), one process all of them."""
-    from align.run import build
+    from align.run import policy
 
-    stock = build.open_teacher
+    stock = policy.open_teacher
 
-    def opened(run):
-        teacher = stock(run)
+    def opened(*args):
+        teacher = stock(*args)
         params = list(teacher.model.parameters())
         local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)
         with open(f"{path}.teacher{dist.rank()}.json", "w") as fh:
             json.dump({"local": local, "total": sum(p.numel() for p in params)}, fh)
         return teacher
 
-    build.open_teacher = opened
+    policy.open_teacher = opened
 
 
 def run(spec: dict, owns_group: bool) -> None:
     """One ``train()`` of ``spec``, its patches undone after it. ``owns_group``: train() creates and must end the
     process group (one run per launch); else it runs in the group ``batch`` made and must leave it."""
-    from align.run import build
+    from align.run import policy
 
-    stock_counts, stock_teacher = dist.reduce_counts, build.open_teacher
+    stock_counts, stock_teacher = dist.reduce_counts, policy.open_teacher
     CALLS.clear()
     HANG.clear()
     if spec.get("per_rank_normaliser"):  # the negative control: each rank divides by its own counts
@@ -150,7 +150,7 @@ def run(spec: dict, owns_group: bool) -> None:
         train(cfg, model=spec["model"], tokenizer=TOK, prompts=PROMPTS, reward=reward,
               eval_prompts=EVAL_PROMPTS if spec.get("eval") else None, env=Retry if spec.get("env") else None)  # fmt: skip
     finally:
-        dist.reduce_counts, build.open_teacher = stock_counts, stock_teacher
+        dist.reduce_counts, policy.open_teacher = stock_counts, stock_teacher
     # tests/test_dist.py: every torchrun run checks train() ended the group it created and left the caller's
     if owns_group and torch.distributed.is_initialized():
         sys.exit("train() returned with its process group still initialised")

@@ -97,3 +97,54 @@ TEMPLATE = (
 QUESTION = "What is 2 + 3?"
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 ANSWER = "The answer is 5."
+
+
+TOOL_WARM_STEPS = (
+    150  # the two targets memorised (loss ~1e-3 per token): most T=1 samples are the call, then the answer
+)
+
+
+def warm_tool_model(tmp_path_factory, tools: list, name: str) -> tuple[Path, list[int], list[int], list[int]]:
+    """A tiny qwen2 model warm-started on the tool-use turns (``QUESTION`` -> ``CALL``; the tool's result -> ``ANSWER``)
+    with ``tools`` in its prompt: (the model dir with its tokenizer, the first prompt's ids, the suffix ids of the
+    tool's result "5", those of a wrong result "6")."""
+    import shutil
+    import types
+
+    from align.chat import TurnRenderer
+    from align.data import load_tokenizer
+    from align.model import ModelConfig
+    from align.tasks.warm import supervised
+
+    tok_dir = make_bpe_tokenizer(tmp_path_factory.mktemp("tok"))
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    tok = load_tokenizer(str(tok_dir), str(tok_dir))
+    stop = tok.encode("<|im_end|>")
+    renderer = TurnRenderer(tok, tools=tools)
+    first = renderer.first([{"role": "user", "content": QUESTION}])
+    call, answer = tok.encode(CALL) + stop, tok.encode(ANSWER) + stop
+    suffix, wrong = (renderer.suffix([{"role": "tool", "name": "add", "content": r}]) for r in ("5", "6"))
+    batch = [_example(first, call), _example(first + call + suffix, answer)]
+    cfg = ModelConfig(
+        model_type="qwen2",
+        vocab_size=400,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        qkv_bias=True,
+        max_position_embeddings=256,
+        eos_token_id=stop[0],
+        pad_token_id=0,
+    )
+    with_tokenizer = types.SimpleNamespace(save=lambda p: shutil.copytree(tok_dir, p, dirs_exist_ok=True))
+    model = tmp_path_factory.mktemp(name) / "m"
+    path = supervised(model, with_tokenizer, cfg, lambda rng: batch, steps=TOOL_WARM_STEPS, lr=1e-2, seed=0, log=None)
+    return path, first, suffix, wrong
+
+
+def _example(prompt: list[int], target: list[int]) -> tuple[list[int], list[int]]:
+    return prompt + target, [-100] * (len(prompt) - 1) + target + [-100]

@@ -174,7 +174,7 @@ def native_episode_rewards(policy, tok, rows: list[dict], env_cls, max_turns: in
     from align.envs.runner import EnvRunner
     from align.rollout.client import NativeClient
     from align.rollout.protocol import SamplingParams
-    from align.run.build import stop_ids
+    from align.run.policy import stop_ids
 
     stops = stop_ids(tok, policy.config)
     decode = lambda ids: tok.decode(ids[:-1] if ids and ids[-1] in stops else ids)
@@ -205,7 +205,7 @@ def greedy_eval(policy, tok, eval_prompts: list[dict], max_tokens: int) -> tuple
     from align.eval.metrics import score_completions
     from align.rollout.native import generate
     from align.rollout.protocol import SamplingParams
-    from align.run.build import stop_ids
+    from align.run.policy import stop_ids
 
     stops = stop_ids(tok, policy.config)
     encoded = [tok.encode(r["prompt"]) for r in eval_prompts]

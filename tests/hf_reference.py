@@ -88,6 +88,13 @@ def save_hf(model, path) -> str:
     return str(path)
 
 
+def feature_pair(features: dict, name: str, tmp_path_factory) -> tuple:
+    """(name, the transformers model of ``features[name]`` (model type, config overrides), its saved dir)."""
+    model_type, overrides = features[name]
+    hf = hf_model(model_type, **overrides)
+    return name, hf, save_hf(hf, tmp_path_factory.mktemp(name))
+
+
 def assert_greedy_matches(ours, hf, prompts: list[list[int]], max_tokens: int = 12) -> list:
     """align's greedy sampler (cached decode) equals transformers.generate token for token; returns align's."""
     import torch

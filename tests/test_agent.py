@@ -10,76 +10,28 @@ from __future__ import annotations
 
 import itertools
 import json
-import shutil
 import threading
-import types
 from pathlib import Path
 
 import pytest
 from helpers_models import load_hf, teacher_forced_logprobs
-from helpers_tokenizer import ANSWER, CALL, QUESTION, TEMPLATE, make_bpe_tokenizer
+from helpers_tokenizer import QUESTION, warm_tool_model
 
-from align.chat import TurnRenderer
-from align.data import load_tokenizer
 from align.errors import InputError
 from align.gateway.agents import check_agent, load_agent
-from align.model import ModelConfig
 from align.run.config import TrainConfig
 
 pytest.importorskip("openai", reason="the test extra: pip install -e '.[test]'")
 
 ROOT = Path(__file__).resolve().parents[1]
 AGENT = f"{ROOT / 'examples' / 'agent' / 'agent.py'}:run"
-WARM_STEPS = 150
 LOGPROB_TOL = 1e-3  # fp32 sampler vs transformers' forward
 
 
 @pytest.fixture(scope="module")
 def agent_model(tmp_path_factory) -> tuple[Path, list[int], list[int], list[int]]:
     """(the warm-started model dir, the first prompt's ids, the suffix ids of the tool's result "5", of "6")."""
-    from align.tasks.warm import supervised
-
-    tools = load_agent(AGENT).__globals__["TOOLS"]
-    tok_dir = make_bpe_tokenizer(tmp_path_factory.mktemp("tok"))
-    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
-    (tok_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
-    tok = load_tokenizer(str(tok_dir), str(tok_dir))
-    stop = tok.encode("<|im_end|>")
-    renderer = TurnRenderer(tok, tools=tools)
-    first = renderer.first([{"role": "user", "content": QUESTION}])
-    call, answer = tok.encode(CALL) + stop, tok.encode(ANSWER) + stop
-    suffix, wrong = (renderer.suffix([{"role": "tool", "name": "add", "content": r}]) for r in ("5", "6"))
-
-    def example(prompt: list[int], target: list[int]) -> tuple[list[int], list[int]]:
-        return prompt + target, [-100] * (len(prompt) - 1) + target + [-100]
-
-    batch = [example(first, call), example(first + call + suffix, answer)]
-    cfg = ModelConfig(
-        model_type="qwen2",
-        vocab_size=400,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        qkv_bias=True,
-        max_position_embeddings=256,
-        eos_token_id=stop[0],
-        pad_token_id=0,
-    )
-    with_tokenizer = types.SimpleNamespace(save=lambda p: shutil.copytree(tok_dir, p, dirs_exist_ok=True))
-    path = supervised(
-        tmp_path_factory.mktemp("agent") / "m",
-        with_tokenizer,
-        cfg,
-        lambda rng: batch,
-        steps=WARM_STEPS,
-        lr=1e-2,
-        seed=0,
-        log=None,
-    )
-    return path, first, suffix, wrong
+    return warm_tool_model(tmp_path_factory, load_agent(AGENT).__globals__["TOOLS"], "agent")
 
 
 def _config(tmp_path: Path, **kw) -> TrainConfig:

@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+from helpers_locks import alive
 
 from align.child import Child, ChildError
 
@@ -90,22 +91,14 @@ def test_kill_ends_the_whole_group_and_reaps():
         "import subprocess, time\np = subprocess.Popen(['sleep', '60'])\nprint(p.pid, flush=True)\ntime.sleep(60)"
     )
     grandchild = c.read(time.monotonic() + 10)
-    assert _alive(grandchild)  # control: it runs until the group is killed
+    assert alive(grandchild)  # control: it runs until the group is killed
     c.kill()
     assert c.proc.returncode is not None
     deadline = time.monotonic() + 10
-    while _alive(grandchild) and time.monotonic() < deadline:
+    while alive(grandchild) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert not _alive(grandchild)
+    assert not alive(grandchild)
     c.kill()  # idempotent
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_send_to_a_dead_child_is_eof():

@@ -378,7 +378,7 @@ def test_each_row_is_tokenized_once_and_the_ids_reach_the_trainer(tmp_path, mode
     cfg = cfg_for(tmp_path / "run", model=str(model_dir))
     cfg.data.train_data, cfg.data.eval_data, cfg.max_tokens = data, data, 8
     cfg.rewards.reward = ["align.rewards:exact_match"]
-    task, _ = resolve_task(cfg, None, None, None, None, None)
+    task, _ = resolve_task(cfg)
     assert len(calls) == 10  # each train row and each eval row once
     ids, eval_ids = task.encoded
     tok = HFTokenizer(model_dir)

@@ -140,13 +140,12 @@ def test_plan_command_under_plain_python3_fails_with_the_numbers():
     assert json.loads(ok.stdout)["rollout"] == [2, 3]
 
 
-def test_rollout_num_engines_flag_reaches_spawn_worker(tmp_path, monkeypatch, reverse_model):
-    """``--rollout-num-engines`` / ``--rollout-engine-restarts`` go from the CLI through train() to spawn_worker.
-    spawn_worker is replaced by a recorder that stops the run (the real fleet start is tests/test_fleet.py's)."""
+def spawn_worker_keywords(monkeypatch, cfg, model) -> dict:
+    """The keywords ``train(cfg)`` on the reverse task passes spawn_worker, which is replaced by a recorder that
+    stops the run (the real fleet start is tests/test_fleet.py's)."""
     from align.rollout import client as client_mod
-    from align.run.cli import parse
     from align.tasks import reverse
-    from align.train import CLI_PREFIXES, TrainConfig, train
+    from align.train import train
 
     class Stop(Exception):
         pass
@@ -157,15 +156,29 @@ def test_rollout_num_engines_flag_reaches_spawn_worker(tmp_path, monkeypatch, re
         seen.update(kw)
         raise Stop
 
+    monkeypatch.setattr(client_mod, "spawn_worker", record)
+    with pytest.raises(Stop):
+        train(
+            cfg,
+            model=str(model),
+            tokenizer=reverse.tokenizer(),
+            prompts=reverse.prompts(4, "train"),
+            reward=lambda *a, **k: 0.0,
+        )
+    return seen
+
+
+def test_rollout_num_engines_flag_reaches_spawn_worker(tmp_path, monkeypatch, reverse_model):
+    """``--rollout-num-engines`` / ``--rollout-engine-restarts`` go from the CLI through train() to spawn_worker.
+    spawn_worker is replaced by a recorder that stops the run (``spawn_worker_keywords``)."""
+    from align.run.cli import parse
+    from align.train import CLI_PREFIXES, TrainConfig
+
     argv = ["--out", str(tmp_path / "run"), "--rollout", "spool", "--rollout-num-engines", "2",
             "--rollout-engine-restarts", "3", "--steps", "1", "--eval-interval", "0"]  # fmt: skip
     cfg = parse(TrainConfig, argv, CLI_PREFIXES)
     assert (cfg.rollout_num_engines, cfg.rollout_engine_restarts) == (2, 3)
-    tok = reverse.tokenizer()
-    model = reverse_model
-    monkeypatch.setattr(client_mod, "spawn_worker", record)
-    with pytest.raises(Stop):
-        train(cfg, model=str(model), tokenizer=tok, prompts=reverse.prompts(4, "train"), reward=lambda *a, **k: 0.0)
+    seen = spawn_worker_keywords(monkeypatch, cfg, reverse_model)
     assert (seen["engines"], seen["engine_restarts"]) == (2, 3)
     with pytest.raises(ValueError, match="rollout-num-engines must be >= 1, got 0"):
         TrainConfig(rollout_num_engines=0)
@@ -218,29 +231,15 @@ def test_the_worker_hooks_the_fleet_overrides_exist():
 def test_eval_on_ray_flags_reach_spawn_worker(tmp_path, monkeypatch, flags, fleet, eval_engines, reverse_model):
     """``--eval-num-gpus`` with the Ray fleet asks spawn_worker for the eval engines and the eval spool (the real
     run is tests/test_fleet_eval_train.py's); spawn_worker is replaced by a recorder that stops the run."""
-    from align.rollout import client as client_mod
     from align.run.cli import parse
-    from align.tasks import reverse
-    from align.train import CLI_PREFIXES, TrainConfig, train
-
-    class Stop(Exception):
-        pass
-
-    seen: dict = {}
-
-    def record(spool, **kw):
-        seen.update(kw)
-        raise Stop
+    from align.train import CLI_PREFIXES, TrainConfig
 
     run = tmp_path / "run"
     argv = ["--out", str(run), "--rollout", "spool", "--steps", "1", "--eval-interval", "2", "--eval-num-gpus", "1",
             "--eval-hf-dir", str(tmp_path / "eval_hf"), *flags]  # fmt: skip
     cfg = parse(TrainConfig, argv, CLI_PREFIXES)
-    tok = reverse.tokenizer()
     model = reverse_model
-    monkeypatch.setattr(client_mod, "spawn_worker", record)
-    with pytest.raises(Stop):
-        train(cfg, model=str(model), tokenizer=tok, prompts=reverse.prompts(4, "train"), reward=lambda *a, **k: 0.0)
+    seen = spawn_worker_keywords(monkeypatch, cfg, model)
     assert seen["use_fleet"] is fleet and seen["eval_engines"] == eval_engines
     assert seen["eval_spool"] == (run / "eval_spool" if fleet else None)
     # the eval engines start on the base model as version 0 (the run deletes its rollout snapshots as it goes)

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from helpers_http import LocalServer, QuietHandler
 
 from align.lean import guards
 from align.lean.config import LeanConfig
@@ -181,23 +180,19 @@ def test_a_20mb_repl_reply_fails_fast_with_a_clear_error(forging, tmp_path):
 # --- a kimina server that misbehaves (a real http.server on 127.0.0.1) ---------------------------------------------------
 
 
-class Misbehaving(ThreadingHTTPServer):
+class Misbehaving(LocalServer):
     """``GET /health`` answers ok unless ``health`` is ``"drip"``; ``POST /verify`` acts out ``mode``."""
 
     daemon_threads = True
 
     def __init__(self, mode: str, health: str = "ok") -> None:
-        super().__init__(("127.0.0.1", 0), _Bad)
+        super().__init__(_Bad)
         self.mode, self.health = mode, health
-        self.url = f"http://127.0.0.1:{self.server_address[1]}"
-        threading.Thread(target=self.serve_forever, daemon=True).start()
+        self.start()
 
 
-class _Bad(BaseHTTPRequestHandler):
+class _Bad(QuietHandler):
     server: Misbehaving
-
-    def log_message(self, *args) -> None:  # quiet
-        pass
 
     def _head(self, length: int | None) -> None:
         self.send_response(200)

@@ -282,7 +282,7 @@ def test_a_correction_prompt_is_lean_gens_for_the_same_failure(prover, verifier,
     from align.envs.runner import EnvRunner
     from align.lean.corrections import CorrectionConfig, CorrectionQueue
     from align.rollout.protocol import SamplingParams
-    from align.run.build import DataCursor
+    from align.run.policy import DataCursor
 
     lr, pgv = _load("lean_records"), _load("pipeline_gen_verify")
     tok, rows = load_tokenizer(prover, prover), lean_rows(3)

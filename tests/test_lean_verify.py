@@ -13,10 +13,12 @@ import json
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from contextlib import closing
 from pathlib import Path
 
 import pytest
+from helpers_http import LocalServer, QuietHandler
+from helpers_locks import alive
 
 from align.errors import InputError
 from align.lean import goedel
@@ -116,16 +118,13 @@ def test_each_guard_rejects_its_hack(verifier, completion, reason, detail):
 
 def test_guards_are_what_reject(replies):
     """Negative controls: the same texts pass once their guard is off, so the guard (not Lean) rejected them."""
-    v = LeanVerifier(cfg_for(replies, banned=(), max_proof_chars=0, format_gate=False))
-    try:
+    with closing(LeanVerifier(cfg_for(replies, banned=(), max_proof_chars=0, format_gate=False))) as v:
         padded = proof("  norm_num\n" + "  skip\n" * 3000)
         two = proof("  linarith") + "\n" + proof("  norm_num")  # Goedel takes the last block
         native = proof("  norm_num [show (2:ℝ) = 2 by native_decide]")
         assert [x.reason for x in v.verify([(STMT, padded), (STMT, two), (STMT, native)])] == [None, None, None]
         comment_only = proof("  norm_num -- sorry, admit and native_decide only in a comment")
         assert verifier_ok(v, comment_only)
-    finally:
-        v.close()
 
 
 def test_the_format_gate_counts_only_the_answer(verifier):
@@ -159,8 +158,7 @@ def test_whitespace_and_comments_do_not_change_the_statement(verifier):
 
 
 def test_a_repl_crash_mid_batch_is_restarted_and_the_batch_finishes(replies, tmp_path):
-    v = LeanVerifier(cfg_for(replies, workers=2))
-    try:
+    with closing(LeanVerifier(cfg_for(replies, workers=2))) as v:
         items = [(STMT, proof("  norm_num"))] * 6
         items[2] = (STMT, proof("  norm_num [CRASH_ALWAYS]"))
         out = v.verify(items)
@@ -169,83 +167,57 @@ def test_a_repl_crash_mid_batch_is_restarted_and_the_batch_finishes(replies, tmp
         assert sum(r.starts for r in v.repls) >= 3  # 2 + the retry's fresh process (which crashed too)
         (once,) = v.verify([(STMT, proof("  norm_num [CRASH_ONCE]"))])  # transient: the retry succeeds
         assert once.ok and (replies.parent / "crashed_once").exists()
-    finally:
-        v.close()
 
 
 def test_without_retries_a_transient_crash_is_a_verifier_error(replies):
     (replies.parent / "crashed_once").unlink(missing_ok=True)
-    v = LeanVerifier(cfg_for(replies, retries=0))
-    try:
+    with closing(LeanVerifier(cfg_for(replies, retries=0))) as v:
         (x,) = v.verify([(STMT, proof("  norm_num [CRASH_ONCE]"))])
         assert x.reason == "verifier_error" and "EOF ERROR" in x.detail
         assert v.verify([(STMT, proof("  norm_num"))])[0].ok  # and the next proof gets a fresh process
-    finally:
-        v.close()
 
 
 def test_a_hang_hits_the_timeout_and_the_process_group_is_killed(replies, tmp_path):
     """The REPL command starts a child first (as ``lake exe repl`` does): the timeout must kill the whole group."""
     child = tmp_path / "child.pid"
     cmd = f"sh -c 'sleep 300 & echo $! > {child}; exec {sys.executable} {STANDIN} --replies {replies}'"
-    v = LeanVerifier(LeanConfig(repl=cmd, workers=1, timeout_s=1.0))
-    try:
+    with closing(LeanVerifier(LeanConfig(repl=cmd, workers=1, timeout_s=1.0))) as v:
         pid, child_pid = v.repls[0].pid, int(child.read_text())
-        assert _alive(child_pid)  # control: the child runs beside the REPL
+        assert alive(child_pid)  # control: the child runs beside the REPL
         t0 = time.monotonic()
         (x,) = v.verify([(STMT, proof("  norm_num [HANG]"))])
         assert time.monotonic() - t0 < 10
         assert x.reason == "verifier_error" and "TIMEOUT ERROR" in x.detail
         assert v.repls[0].proc is None and not Path(f"/proc/{pid}").exists()  # killed and reaped
         deadline = time.monotonic() + WAIT_S
-        while _alive(child_pid) and time.monotonic() < deadline:  # init reaps the orphaned child
+        while alive(child_pid) and time.monotonic() < deadline:  # init reaps the orphaned child
             time.sleep(0.05)
-        assert not _alive(child_pid)
+        assert not alive(child_pid)
         assert v.verify([(STMT, proof("  norm_num"))])[0].ok and v.repls[0].starts == 2
-    finally:
-        v.close()
-
-
-def _alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie waiting for its parent to reap it counts as gone)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_malformed_json_is_named(replies):
-    v = LeanVerifier(cfg_for(replies, retries=0))
-    try:
+    with closing(LeanVerifier(cfg_for(replies, retries=0))) as v:
         (x,) = v.verify([(STMT, proof("  norm_num [MALFORMED]"))])
         assert x.reason == "verifier_error" and "malformed JSON" in x.detail and "'{\"env\": 1,'" in x.detail
-    finally:
-        v.close()
 
 
 @pytest.mark.parametrize(("max_uses", "starts"), [(2, 3), (0, 1)])
 def test_max_uses_restarts_the_process(replies, max_uses, starts):
-    v = LeanVerifier(cfg_for(replies, max_uses=max_uses))
-    try:
+    with closing(LeanVerifier(cfg_for(replies, max_uses=max_uses))) as v:
         pids = set()
         for _ in range(5):
             assert v.verify([(STMT, proof("  norm_num"))])[0].ok
             pids.add(v.repls[0].pid)
         assert v.repls[0].starts == starts and len(pids) == starts
-    finally:
-        v.close()
 
 
 @pytest.mark.parametrize(("memory_mb", "starts"), [(40, 2), (0, 1)])
 def test_a_process_past_the_memory_limit_is_restarted(replies, memory_mb, starts):
-    v = LeanVerifier(cfg_for(replies, memory_mb=memory_mb))
-    try:
+    with closing(LeanVerifier(cfg_for(replies, memory_mb=memory_mb))) as v:
         assert v.verify([(STMT, proof("  norm_num [ALLOC]"))])[0].ok  # the stand-in now holds 64 MiB more
         assert v.verify([(STMT, proof("  norm_num"))])[0].ok
         assert v.repls[0].starts == starts
-    finally:
-        v.close()
 
 
 def test_submit_overlaps_and_returns_futures(verifier):
@@ -281,36 +253,24 @@ def test_banned_is_a_comma_list_flag():
 # --- the kimina-lean-server client, against a stdlib stand-in -----------------------------------------------------------
 
 
-class KiminaStandin(ThreadingHTTPServer):
+class KiminaStandin(LocalServer):
     """A STAND-IN for kimina-lean-server: ``GET /health`` and ``POST /verify`` in its shapes; a code containing
     ``norm_num`` compiles (the ``#print axioms`` info on the snippet's last line), anything else gets the recorded
     error, positions in whole-snippet lines (header included, as kimina reports them)."""
 
     def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
+        super().__init__(_Handler)
         self.health_status, self.fail_next, self.batches = 200, 0, []
         self.gate = threading.Event()
         self.gate.set()
-        self.url = f"http://127.0.0.1:{self.server_address[1]}"
-        threading.Thread(target=self.serve_forever, daemon=True).start()
+        self.start()
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(QuietHandler):
     server: KiminaStandin
 
-    def log_message(self, *args) -> None:  # quiet
-        pass
-
-    def _json(self, status: int, obj: dict) -> None:
-        data = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
     def do_GET(self) -> None:
-        self._json(self.server.health_status, {"status": "ok"} if self.server.health_status == 200 else {})
+        self.send_json(self.server.health_status, {"status": "ok"} if self.server.health_status == 200 else {})
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -318,8 +278,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.gate.wait(WAIT_S)
         if self.server.fail_next:
             self.server.fail_next -= 1
-            return self._json(503, {"detail": "busy"})
-        self._json(200, {"results": [_kimina_result(c) for c in body["codes"]]})
+            return self.send_json(503, {"detail": "busy"})
+        self.send_json(200, {"results": [_kimina_result(c) for c in body["codes"]]})
 
 
 def _kimina_result(code: dict) -> dict:
@@ -349,8 +309,7 @@ def server_cfg(url: str, **kw) -> LeanConfig:
 
 
 def test_server_verdicts_match_the_repl_rule(kimina):
-    v = LeanVerifier(server_cfg(kimina.url))
-    try:
+    with closing(LeanVerifier(server_cfg(kimina.url))) as v:
         ok, bad, hack = v.verify([(STMT, proof("  norm_num")), (STMT, proof("  linarith")), (STMT, proof("  sorry"))])
         assert ok.ok and ok.messages == [] and hack.reason == "sorry"
         assert sum(len(b) for b in kimina.batches) == 2  # the hack was never sent
@@ -358,13 +317,10 @@ def test_server_verdicts_match_the_repl_rule(kimina):
         assert bad.errors == goedel.get_error_str(
             goedel.compile_view(bad.proof), REC["unfinished_tactic_block"]["messages"]
         )
-    finally:
-        v.close()
 
 
 def test_server_batches_what_is_waiting(kimina):
-    v = LeanVerifier(server_cfg(kimina.url, server_batch=4))
-    try:
+    with closing(LeanVerifier(server_cfg(kimina.url, server_batch=4))) as v:
         kimina.gate.clear()
         first = v.submit(STMT, proof("  norm_num"))
         deadline = time.monotonic() + WAIT_S
@@ -374,21 +330,16 @@ def test_server_batches_what_is_waiting(kimina):
         kimina.gate.set()
         assert all(f.result(timeout=WAIT_S).ok for f in [first, *rest])
         assert [len(b) for b in kimina.batches] == [1, 4, 1]
-    finally:
-        v.close()
 
 
 @pytest.mark.parametrize(("retries", "ok"), [(1, True), (0, False)])
 def test_server_retries_with_backoff(kimina, retries, ok):
     kimina.fail_next = 1
-    v = LeanVerifier(server_cfg(kimina.url, retries=retries))
-    try:
+    with closing(LeanVerifier(server_cfg(kimina.url, retries=retries))) as v:
         (x,) = v.verify([(STMT, proof("  norm_num"))])
         assert x.ok is ok and len(kimina.batches) == 1 + retries
         if not ok:
             assert x.reason == "verifier_error" and "503" in x.detail
-    finally:
-        v.close()
 
 
 def test_server_health_check_failure_names_the_flag(kimina):

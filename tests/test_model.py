@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from hf_reference import FEATURES, assert_greedy_matches, hf_model, save_hf
+from hf_reference import FEATURES, assert_greedy_matches, feature_pair, hf_model, save_hf
 
 from align.atomic import COMMIT_MARKER
 from align.model import ModelConfig, Transformer, load_pretrained, save_pretrained
@@ -20,10 +20,7 @@ BF16_RTOL = 0.05  # bf16 vs fp32 logits, relative to the logit scale
 
 @pytest.fixture(scope="module", params=sorted(FEATURES))
 def pair(request, tmp_path_factory):
-    model_type, overrides = FEATURES[request.param]
-    hf = hf_model(model_type, **overrides)
-    path = save_hf(hf, tmp_path_factory.mktemp(request.param))
-    return request.param, hf, path
+    return feature_pair(FEATURES, request.param, tmp_path_factory)
 
 
 def test_fp32_logits_match_transformers(pair):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers_learner import CPU, batch_for, cfg
 from helpers_train import char_moe_model
-from hf_reference import MOE_FEATURES, assert_greedy_matches, hf_model, save_hf
+from hf_reference import MOE_FEATURES, assert_greedy_matches, feature_pair, hf_model, save_hf
 
 from align import learner, lora, moe
 from align.errors import InputError
@@ -25,10 +25,7 @@ GRAD_ATOL = 1e-5  # fp32 gradients of a small loss
 
 @pytest.fixture(scope="module", params=sorted(MOE_FEATURES))
 def pair(request, tmp_path_factory):
-    model_type, overrides = MOE_FEATURES[request.param]
-    hf = hf_model(model_type, **overrides)
-    path = save_hf(hf, tmp_path_factory.mktemp(request.param))
-    return request.param, hf, path
+    return feature_pair(MOE_FEATURES, request.param, tmp_path_factory)
 
 
 def ids_of(seed: int, shape=(3, 40)) -> torch.Tensor:

@@ -11,21 +11,14 @@ tests/test_chat_templates.py's; here a short prompt keeps the warm start to seco
 from __future__ import annotations
 
 import json
-import shutil
-import types
 from pathlib import Path
 
 import pytest
-from helpers_tokenizer import ANSWER, CALL, QUESTION, TEMPLATE, make_bpe_tokenizer
+from helpers_tokenizer import ANSWER, QUESTION, warm_tool_model
 
-from align.chat import TurnRenderer
-from align.data import load_tokenizer
 from align.envs.config import EnvConfig
 from align.envs.tools import load_tools, make_tool_env, parse_tool_calls
-from align.model import ModelConfig
 from align.run.config import TrainConfig
-
-WARM_STEPS = 150  # the two targets memorised (loss ~1e-3 per token): most T=1 samples are the call, then the answer
 
 
 def add(a: int, b: int) -> int:
@@ -46,29 +39,7 @@ def answered_five(prompt: str, completion: str, **_) -> float:
 def tool_model(tmp_path_factory) -> tuple[Path, list[int], list[int], list[int]]:
     """(the warm-started model dir with its tokenizer, the first prompt's ids, the suffix ids of the tool's result
     "5", those of a wrong result "6")."""
-    from align.tasks.warm import supervised
-
-    tok_dir = make_bpe_tokenizer(tmp_path_factory.mktemp("tok"))
-    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
-    (tok_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
-    tok = load_tokenizer(str(tok_dir), str(tok_dir))
-    stop = tok.encode("<|im_end|>")
-    renderer = TurnRenderer(tok, tools=make_tool_env(load_tools(None, [add])).tools)
-    first = renderer.first([{"role": "user", "content": QUESTION}])
-    call, answer = tok.encode(CALL) + stop, tok.encode(ANSWER) + stop
-    suffix, wrong = (renderer.suffix([{"role": "tool", "name": "add", "content": r}]) for r in ("5", "6"))
-
-    def example(prompt: list[int], target: list[int]) -> tuple[list[int], list[int]]:
-        return prompt + target, [-100] * (len(prompt) - 1) + target + [-100]
-
-    batch = [example(first, call), example(first + call + suffix, answer)]
-    cfg = ModelConfig(model_type="qwen2", vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, qkv_bias=True,
-                      max_position_embeddings=256, eos_token_id=stop[0], pad_token_id=0)  # fmt: skip
-    with_tokenizer = types.SimpleNamespace(save=lambda p: shutil.copytree(tok_dir, p, dirs_exist_ok=True))
-    path = supervised(tmp_path_factory.mktemp("tool") / "m", with_tokenizer, cfg, lambda rng: batch,
-                      steps=WARM_STEPS, lr=1e-2, seed=0, log=None)  # fmt: skip
-    return path, first, suffix, wrong
+    return warm_tool_model(tmp_path_factory, make_tool_env(load_tools(None, [add])).tools, "tool")
 
 
 def test_a_tool_call_turn_trains_with_the_result_as_masked_environment_tokens(tmp_path, tool_model, monkeypatch):

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+
+from align.options import flag_help as _h  # the one definition of a flag's help
 
 ENV_REWARDS = ("last", "sum")
-
-
-def _h(text: str) -> Any:
-    return {"help": text}
 
 
 @dataclass

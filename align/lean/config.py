@@ -12,15 +12,11 @@ import os
 import shlex
 import shutil
 from dataclasses import dataclass, field
-from typing import Any
 
 from align.errors import InputError
 from align.lean.goedel import HEADER
 from align.lean.guards import DEFAULT_BANNED
-
-
-def _h(text: str) -> Any:
-    return {"help": text}
+from align.options import flag_help as _h  # the one definition of a flag's help
 
 
 @dataclass

@@ -28,12 +28,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from align.options import flag_help as _h  # the one definition of a flag's help
+
 CORRECTION_KEY = "lean_correction"  # a correction row's prompt: {"messages", "round"}
 STATE_KEY = "lean_corrections"
-
-
-def _h(text: str) -> Any:
-    return {"help": text}
 
 
 @dataclass
@@ -79,7 +77,7 @@ def correctable(ep: Any) -> bool:
 
 
 class CorrectionQueue:
-    """The queue over a run's rows and data cursor (``align.run.build.DataCursor``); see the module docstring.
+    """The queue over a run's rows and data cursor (``align.run.policy.DataCursor``); see the module docstring.
     ``begin(t)`` opens step t, ``next_prompts(k)`` draws (corrections first), ``row(i)`` is any drawn index's row,
     ``add(groups, t)`` queues the step's failures."""
 

@@ -25,11 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from align.options import flag_help as _h  # the one definition of a flag's help
+
 log = logging.getLogger(__name__)
-
-
-def _h(text: str) -> Any:
-    return {"help": text}
 
 
 @dataclass

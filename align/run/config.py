@@ -25,6 +25,7 @@ from align.lean.config import LeanConfig
 from align.lean.corrections import CorrectionConfig
 from align.lora import LoraConfig
 from align.moe import MoeConfig
+from align.options import flag_help as _h  # the one definition of a flag's help
 from align.rewards import RewardConfig
 from align.rollout.backends import RolloutConfig
 from align.run.cli import from_dict
@@ -32,10 +33,6 @@ from align.run.log import LogConfig
 from align.run.presets import PRESET_NAMES
 from align.run.teacher import DistillConfig
 from align.run.watchdog import WatchdogConfig
-
-
-def _h(text: str) -> Any:
-    return {"help": text}
 
 
 @dataclass

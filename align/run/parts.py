@@ -1,42 +1,167 @@
-"""The parts of a training run and the ``Run`` that holds them between ``open_run`` (``align.run.build``) and
-``close``: the ``Learner`` (policy, reference, optimizer, schedule, teacher: ``update(batch)``), the opened rollout
-backend (``align.rollout.backends``), the ``Checkpointer``, the evaluator, the logs. ``align.train.train``'s stages
-call into them; each part owns its cadence and its teardown.
+"""The parts of a training run and the ``Run`` built from them by ``open_run`` (``align.run.build``): the task
+(``RunTask``: rows, sampler, scorer, the claimed ``--out``), the ``Learner`` (``align.run.policy``), the logs, the
+opened rollout backend (``align.rollout.backends``), the ``Evaluation`` (``align.run.evaluation``), the
+``Rollouts`` (the sampler's pipeline), the watchdog and the ``Checkpointer``. Each part opens itself from the config
+and what it needs; ``align.train.train``'s stages call into them; each owns its cadence and its teardown.
+``RunBase`` is what a GRPO run and an SFT run (``align.sft.run``) share: the logs, checkpoints, export, summary.
 """
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from align import dist, heartbeat, lora
-from align.learner import StepBatch, Update, make_batch, optimize
+from align.learner import StepBatch
 from align.run import checkpoint as ckpt
 from align.run import safety
 from align.run.config import TrainConfig
-from align.run.log import format_line, sample_groups
+from align.run.log import MetricsLog, Progress, format_line, make_logger, sample_groups
 from align.run.plot import write_plot
+from align.run.policy import DataCursor, Learner, Start, completion_text
+from align.run.task import Given, Task
+from align.run.teacher import check_teacher
+
+# ------------------------------------------------------------------------------------------------ the task
 
 
-class Learner:
-    """The trainable side of a run: the policy, its frozen reference (or None), the optimizer and its schedule, the
-    teacher (on-policy distillation, or None). ``update(batch)`` is one step's learning."""
+@dataclass
+class RunTask:
+    """What the run trains on, opened before the model loads: ``--out`` claimed (its lock, the run id), the task
+    (``align.run.task``) and its model dir, the sampling seam (``align.envs.sampler``), the scorer, the reward that
+    decides pass@k, the prompts' ids (training and held-out); ``config.json`` written."""
 
-    def __init__(self, policy: Any, ref_model: Any, opt: Any, sched: Any, cfg: Any, place: Any, teacher: Any) -> None:
-        self.policy, self.ref_model, self.opt, self.sched = policy, ref_model, opt, sched
-        self.cfg, self.place, self.teacher = cfg, place, teacher
+    task: Task
+    name: str  # the eval set's name: the built-in task's, else "eval"
+    model_path: str
+    out: Path
+    run_id: str
+    out_lock: Any
+    sampler: Any
+    scorer: Any
+    pass_reward: str | None
+    encoded: list[list[int]]
+    eval_encoded: list[list[int]]
 
-    def update(self, batch: StepBatch) -> Update:
-        """The step's batch on ``place.device``, ``align.learner.optimize`` (micro-batches, global normalisers), then
-        the schedule's step."""
-        on_device = make_batch(batch, self.cfg, self.place.device)
-        with heartbeat.working("learner"):
-            upd = optimize(self.policy, self.ref_model, self.opt, self.cfg, self.place, on_device, self.teacher)
-        self.sched.step()
-        return upd
+    @classmethod
+    def open(cls, cfg: TrainConfig, given: Given, undo: Any) -> RunTask:
+        """Paths checked and ``--out`` locked, the task resolved and checked (bad input fails here), the sampler
+        opened (an environment's open hook: a verifier pool), the scorer, ``config.json``; each opened resource's
+        teardown pushed on ``undo`` (an ``ExitStack``)."""
+        from align.envs.sampler import open_sampler
+        from align.eval.metrics import pass_reward_for
+        from align.hub import resolve_model
+        from align.rewards import make_scorer
+        from align.run.log import check_logger
+        from align.run.task import resolve_task
+
+        out = Path(cfg.out)
+        cfg.model, given = resolve_model(cfg.model), replace(given, model=resolve_model(given.model, "model="))
+        run_id, out_lock = safety.open_out(cfg, given.model or cfg.model)  # paths checked, --out locked, run id
+        undo.callback(safety.release, out_lock)
+        check_logger(cfg.log.logger, out)  # the --logger package imports, {out}/tensorboard is a dir
+        task, model_path = resolve_task(cfg, given)
+        name = cfg.task if given.prompts is None and not cfg.data.train_data else "eval"
+        sampler = open_sampler(cfg, task)  # an environment's open hook (a verifier pool) runs here, before the model
+        undo.callback(sampler.close)
+        rows = task.prompts + task.eval_prompts
+        has_reward = task.reward is not None or cfg.rewards.reward
+        needs_scorer = has_reward or not (sampler.terms or cfg.distill.distill_only)  # an environment rewards itself
+        scorer = sampler.scorer = make_scorer(cfg.rewards, task.reward, rows) if needs_scorer else None
+        if scorer is not None:  # --group-timeout-s: each group scored in its own thread (align.rollout.deadlines)
+            undo.callback(scorer.close)
+            scorer.concurrent = cfg.group_timeout_s > 0
+        check_teacher(cfg, model_path, task.tokenizer, task.prompts)  # --teacher: an HF dir, the same tokenizer
+        pass_reward = None  # the reward that decides pass@k (--eval-pass-reward); refused before the model loads
+        names = [*sampler.terms, *(scorer.names if scorer else [])]
+        if task.eval_prompts and cfg.eval.eval_interval > 0:  # episodes: the environment's verdict decides by default
+            pass_reward = pass_reward_for(names, cfg.eval.eval_pass_reward or next(iter(sampler.terms), None))
+        write_config(cfg, out, model_path)
+        encoded, eval_encoded = sampler.encode()  # an episode's first prompt is its reset(): no ids here
+        return cls(task, name, model_path, out, run_id, out_lock, sampler, scorer, pass_reward, encoded, eval_encoded)
+
+
+def write_config(cfg: Any, out: Path, model_path: str) -> None:
+    """``{out}/config.json`` (and ``config_sources.json``: each value's layer, ``align.run.sources``); resuming, a
+    changed setting that changes the math is refused, others are applied."""
+    new_config = json.loads(json.dumps({**asdict(cfg), "model": model_path}))  # as saved: tuples are lists
+    if ckpt.latest(out / "checkpoints"):  # resuming: refuse changed math, apply (and log) operational changes
+        for change in safety.check_resume_config(out / "config.json", new_config):
+            print(f"[align] resume: applying changed setting {change}", flush=True)
+    if dist.is_main():
+        from align.atomic import atomic_write_text
+        from align.run.sources import SOURCES_FILE, sources_of
+
+        atomic_write_text(out / "config.json", json.dumps(new_config, indent=2), shared=True)
+        atomic_write_text(
+            out / SOURCES_FILE, json.dumps(sources_of(cfg), indent=2), shared=True
+        )  # where each value came from
+
+
+# ------------------------------------------------------------------------------------------------ the logs
+
+
+class Logs:
+    """metrics.jsonl, completions.jsonl (the sampled groups), the logger sink (torchrun: rank 0 alone writes)."""
+
+    def __init__(self, metrics: Any, samples: Any) -> None:
+        self.metrics, self.samples = metrics, samples
+
+    @classmethod
+    def open(cls, cfg: Any, out: Path, step: int, resumed: bool) -> Logs:
+        if not dist.is_main():
+            return cls(dist.RankLog(), dist.RankLog())
+        resume_step = step if resumed else 0
+        logs = cls(MetricsLog(out / "metrics.jsonl", resume_step), MetricsLog(out / "completions.jsonl", resume_step))
+        if (sink := make_logger(cfg.log.logger, out, asdict(cfg), step)) is not None:
+            logs.metrics.sinks.append(sink)
+        return logs
+
+    def close(self) -> None:
+        self.metrics.close()
+
+
+# ------------------------------------------------------------------------------------------------ the rollouts
+
+
+class Rollouts:
+    """The sampling side of a step: the sampler started on the run's sampling params and data cursor, and the
+    rollout pipeline (``align.rollout.pipeline``) around its ``collect``, on the opened rollout backend."""
+
+    def __init__(self, cfg: Any, task: RunTask, backend: Any, start: Start, params: Any, place: Any, context: int):
+        from align.rollout.pipeline import make_pipeline
+
+        self.sampler = task.sampler
+        self.cursor = DataCursor(len(task.task.prompts), cfg.seed, start.cursor)
+        self.sampler.start(
+            params=params,
+            cursor=self.cursor,
+            encoded=task.encoded,
+            decode=partial(completion_text, task.task.tokenizer, params.stop_token_ids),
+            context=context,
+            autocast=place.autocast,
+        )
+        snapshots = task.out / "rollout_snapshots"
+        self.pipe = make_pipeline(cfg, self.collect, backend, start.step, self.cursor.state, start.pending, snapshots)
+
+    def stop_on(self, should_stop: Any) -> None:
+        """The pipeline's waits end when ``should_stop()`` (a signal: ``Run.signalled``)."""
+        self.pipe.should_stop = should_stop
+
+    def collect(self, t: int, version: int, gen: Any) -> Any:
+        """1-3 of step t: prompts -> rollouts (from weights ``version`` on client ``gen``) -> rewards."""
+        # a signal cuts the rewards at K = 0 in one process (a reward stuck in a sleep would hold the exit); K >= 1
+        # abandons the producer instead (pipeline), and under torchrun every rank finishes the step (agree_on_signal)
+        return self.sampler.collect(t, gen, None if self.pipe.is_async or dist.active() else self.pipe.should_stop)
+
+    def close(self) -> None:
+        self.pipe.close()
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
@@ -64,58 +189,39 @@ class Checkpointer:
 # ------------------------------------------------------------------------------------------------ the run
 
 
-class Run:
-    """Everything a training run holds between ``open_run`` and ``close``; the loop's stages call into it."""
+def signalled(stop_flag: dict) -> bool:
+    """A signal arrived (``main``'s handlers): the evaluator and the pipeline's waits end on it."""
+    return bool(stop_flag.get("signal") or stop_flag.get("stall"))  # or the watchdog (a stall)
 
-    cfg: TrainConfig
+
+class RunBase:
+    """What every run holds between its opening and ``close``, GRPO's (``Run``) and SFT's (``align.sft.run``): the
+    config, the stop flag, the step, the logs and progress line, checkpoints, the final export and the summary."""
+
+    cfg: Any
     out: Path
     plot_title = "align GRPO"
+    run_id: str
+    out_lock: Any = None
+    owns_group: bool
+    model_path: str
+    resumed: bool
+    evaluator: Any = None
+    logs: Any = None
+    metrics: Any = None
+    watchdog: Any = None  # --stall-timeout-s (align.run.watchdog)
 
-    def __init__(self, cfg: TrainConfig, stop_flag: dict) -> None:
+    def __init__(self, cfg: Any, stop_flag: dict) -> None:
         self.cfg, self.stop_flag, self.out = cfg, stop_flag, Path(cfg.out)
         self.t_start = time.monotonic()
-        self.rollout: Any = None  # the opened rollout backend (align.rollout.backends): client, worker, spool lock
-        self.learner: Any = None
-        self.scorer = self.pipe = self.out_lock = self.sampler = None
-        self.teacher: Any = None  # on-policy distillation (align.run.teacher)
-        self.metrics: Any = None
-        self.samples: Any = None
         self.progress: Any = dist.RankLog()
         self.first_error: list[str] = []
-        self.eval_weights: list = []  # torchrun: the eval step's weights, gathered to rank 0's CPU by every rank
         self.checkpointer = Checkpointer(self)
-        self.watchdog: Any = None  # --stall-timeout-s (align.run.watchdog)
         self.step = 0
 
-    # ---------------------------------------------------------------------- per-step helpers
-
-    @property
-    def client(self) -> Any:
-        return None if self.rollout is None else self.rollout.client
-
-    @property
-    def worker(self) -> Any:
-        return None if self.rollout is None else self.rollout.worker
-
-    def scores(self, groups: Any) -> Any:
-        """The step's (P, G) total, terms, lengths and truncation (NaN = unscorable); the rewards checked."""
-        scores = groups.tensors(self.cfg.group_size)
-        groups.check_reward_failures(self.step + 1, self.first_error)
-        return scores
-
-    def batch(self, groups: Any, adv: torch.Tensor, valid: torch.Tensor) -> StepBatch:
-        return StepBatch(self.prompt_ids(groups), groups.completions, adv, valid)
-
-    def prompt_ids(self, groups: Any) -> list[list[int]]:
-        return self.sampler.prompt_ids(groups.idx)
-
-    def completion_text(self, ids: list[int]) -> str:
-        return self.task.tokenizer.decode(ids[:-1] if ids and ids[-1] in self.stops else ids)
-
-    def checkpoint_state(self, step: int) -> dict:
-        """What a checkpoint after ``step`` keeps besides the weights, optimizer and schedule: the data cursor and
-        (K >= 1) the rollout pipeline's pending batches."""
-        return self.pipe.checkpoint_state(step, self.cursor.state)
+    def use_logs(self, logs: Logs) -> None:
+        """The run's logs: metrics.jsonl (its ``records``), completions.jsonl."""
+        self.logs, self.metrics, self.samples, self.records = logs, logs.metrics, logs.samples, logs.metrics.records
 
     def emit(self, records: list[dict]) -> None:
         for r in records:
@@ -123,101 +229,38 @@ class Run:
             if dist.is_main():
                 print(format_line(r), flush=True)
 
-    def log(self, rec: dict, groups: Any, scores: Any, adv: torch.Tensor, upd: Any) -> None:
-        """The step's record to metrics.jsonl and the progress line; sample groups every --log-completions-every;
-        then the non-finite count, which stops the run at --max-nonfinite-steps (before any checkpoint)."""
-        rec.update(self.sampler.metrics(groups.completions))  # an environment's own metrics (its metrics hook)
-        self.metrics.write(rec)
-        self.progress.update(rec["step"], format_line(rec))
-        every = self.cfg.log.log_completions_every
-        if every and rec["step"] % every == 0:
-            rows = self.task.prompts  # an index past the rows is a drawn row of an environment's own (episodes show it)
-            prompts = [rows[i].get("prompt", "") if i < len(rows) else "" for i in groups.idx]
-            for r in sample_groups(
-                rec["step"],
-                prompts,
-                groups.completions,
-                groups.texts,
-                scores.total,
-                adv,
-                scores.terms,
-                self.cfg.log.log_completions_groups,
-                self.task.tokenizer.decode if self.cfg.log.log_token_ids else None,
-            ):
-                self.samples.write(r)
-        for e in groups.evicted:  # --group-timeout-s: each evicted group and why, in the completions log
-            self.samples.write({"step": rec["step"], "evicted_group": e})
-        self.nonfinite.add(upd, rec["step"])
-
-    def eval_step(self, step: int, is_final: bool) -> list[dict]:
-        """Due evals of ``step`` (the evaluator decides) and finished ones; torchrun gathers a snapshot's weights."""
-        if dist.active() and self.eval_cfg.uses_snapshots and self.eval_cfg.is_due(step, is_final):
-            self.eval_weights[:] = [dist.full_model(self.policy, to_main_cpu=True)]  # a collective: all ranks
-        return self.evaluator.step(step, is_final) + self.evaluator.poll()
-
     def signalled(self) -> bool:
-        """A signal arrived (``main``'s handlers): the evaluator and the pipeline's waits end on it."""
-        return bool(self.stop_flag.get("signal") or self.stop_flag.get("stall"))  # or the watchdog (a stall)
-
-    def score_eval(self, i: int, ids: list[int]) -> Any:
-        """Held-out prompt ``i``'s completion ``ids`` scored, with the reward that decides pass@k."""
-        from align.eval.metrics import scored
-
-        text = self.completion_text(ids)
-        return scored(*self.scorer.score([(self.task.eval_prompts[i], text)]).item(0), self.pass_reward)
-
-    def export_eval(self, path: str) -> None:
-        """An eval point's snapshot. LoRA: the adapter (the fleet serves it on the base model); merged for a
-        CheckpointEvalFn's own backend. torchrun: the weights rank 0 gathered (``eval_step``)."""
-        lora.save_policy(
-            self.eval_weights.pop() if dist.active() else self.policy,
-            path,
-            merge=self.cfg.eval.eval_function_path is not None,
-            copy_tokenizer_from=self.cfg.data.tokenizer or self.model_path,
-        )
+        return signalled(self.stop_flag)
 
     def write_plot(self) -> None:
         if dist.is_main():
             write_plot(self.out / "plot.svg", self.records, title=f"{self.plot_title}: {self.out.name}")
 
-    def baseline_dir(self) -> str:
-        """The step-0 snapshot: the base model; in LoRA mode with an eval fleet the untrained adapter (written once,
-        atomically, before step 1), so the fleet starts its engines with LoRA enabled for every later point."""
-        cfg = self.cfg
-        if not (cfg.lora.enabled and cfg.eval.eval_num_gpus > 0 and not cfg.eval.eval_function_path):
-            return self.model_path
-        step0 = self.out / "lora_step0_adapter"
-        if not self.resumed and not (step0 / "adapter_config.json").exists():
-            lora.save_policy(self.policy, step0)
-        return str(step0) if (step0 / "adapter_config.json").exists() else self.model_path
-
-    def baseline(self) -> list[dict]:
-        """The step-0 eval, once per run, through the evaluator's own path."""
-        if self.eval_set is None:
-            return []
-        return self.evaluator.baseline(self.baseline_dir(), written=self.metrics.records, resumed=self.resumed)
-
     # ---------------------------------------------------------------------- teardown
 
-    def __enter__(self) -> Run:  # noqa: PYI034
+    def __enter__(self) -> RunBase:  # noqa: PYI034
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         self.close(after_error=exc)
 
+    def parts(self) -> list[Any]:
+        """What ``close`` closes after draining the evaluator, in order (each has ``close()``; None: not opened)."""
+        return [getattr(self, "scorer", None), self.logs]
+
     def close(self, after_error: BaseException | None = None) -> None:
-        """Drain the evaluator, then stop the pipeline, client, scorer, logs and worker (each once)."""
+        """Drain the evaluator, then close the parts (each once)."""
         self.progress.close()
         if self.watchdog is not None:
             self.watchdog.close()
         try:
-            if getattr(self, "evaluator", None) is not None:
+            if self.evaluator is not None:
                 self.emit(self.evaluator.drain(after_error=after_error))
         finally:
-            for part in (self.pipe, self.rollout, self.scorer, self.sampler, self.metrics, self.teacher):
+            parts, self.closed = ([] if getattr(self, "closed", False) else self.parts()), True
+            for part in parts:
                 if part is not None:
                     part.close()  # the rollout backend: its client, worker and spool lock
-            self.pipe = self.rollout = self.scorer = self.metrics = self.sampler = self.teacher = None
             if after_error is not None:  # the run ends here; else summary() releases --out after export_final
                 safety.release(self.out_lock)
 
@@ -251,3 +294,93 @@ class Run:
         dist.teardown(self.owns_group)  # torchrun: the group train() created ends with it
         safety.release(self.out_lock)  # the run's life ends: --out may be used by another run
         return out
+
+
+class Run(RunBase):
+    """A GRPO run built from its parts (``open_run``); the loop's stages call into it."""
+
+    cfg: TrainConfig
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        stop_flag: dict,
+        place: Any,
+        owns_group: bool,
+        task: RunTask,
+        learner: Learner,
+        start: Start,
+        logs: Logs,
+        rollout: Any,
+        evaluation: Any,
+        rollouts: Rollouts,
+        watchdog: Any,
+    ) -> None:
+        super().__init__(cfg, stop_flag)
+        self.place, self.owns_group, self.run_task, self.learner = place, owns_group, task, learner
+        self.use_logs(logs)
+        self.rollout, self.evaluation, self.rollouts, self.watchdog = rollout, evaluation, rollouts, watchdog
+        self.client, self.worker, self.evaluator = rollout.client, rollout.worker, evaluation.evaluator
+        self.policy, self.opt, self.sched, self.nonfinite = (
+            learner.policy,
+            learner.opt,
+            learner.sched,
+            learner.nonfinite,
+        )
+        self.task, self.sampler, self.scorer, self.pipe = task.task, task.sampler, task.scorer, rollouts.pipe
+        self.model_path, self.run_id, self.out_lock = task.model_path, task.run_id, task.out_lock
+        self.step, self.resumed, self.cursor = start.step, start.resumed, rollouts.cursor
+        if dist.is_main():
+            self.progress = Progress(cfg.steps, start=self.step)
+
+    # ---------------------------------------------------------------------- per-step helpers
+
+    def scores(self, groups: Any) -> Any:
+        """The step's (P, G) total, terms, lengths and truncation (NaN = unscorable); the rewards checked."""
+        scores = groups.tensors(self.cfg.group_size)
+        groups.check_reward_failures(self.step + 1, self.first_error)
+        return scores
+
+    def batch(self, groups: Any, adv: torch.Tensor, valid: torch.Tensor) -> StepBatch:
+        return StepBatch(self.sampler.prompt_ids(groups.idx), groups.completions, adv, valid)
+
+    def checkpoint_state(self, step: int) -> dict:
+        """What a checkpoint after ``step`` keeps besides the weights, optimizer and schedule: the data cursor and
+        (K >= 1) the rollout pipeline's pending batches."""
+        return self.pipe.checkpoint_state(step, self.cursor.state)
+
+    def log(self, rec: dict, groups: Any, scores: Any, adv: torch.Tensor, upd: Any) -> None:
+        """The step's record to metrics.jsonl and the progress line; sample groups every --log-completions-every;
+        then the non-finite count, which stops the run at --max-nonfinite-steps (before any checkpoint)."""
+        rec.update(self.sampler.metrics(groups.completions))  # an environment's own metrics (its metrics hook)
+        self.metrics.write(rec)
+        self.progress.update(rec["step"], format_line(rec))
+        every = self.cfg.log.log_completions_every
+        if every and rec["step"] % every == 0:
+            rows = self.task.prompts  # an index past the rows is a drawn row of an environment's own (episodes show it)
+            prompts = [rows[i].get("prompt", "") if i < len(rows) else "" for i in groups.idx]
+            for r in sample_groups(
+                rec["step"],
+                prompts,
+                groups.completions,
+                groups.texts,
+                scores.total,
+                adv,
+                scores.terms,
+                self.cfg.log.log_completions_groups,
+                self.task.tokenizer.decode if self.cfg.log.log_token_ids else None,
+            ):
+                self.samples.write(r)
+        for e in groups.evicted:  # --group-timeout-s: each evicted group and why, in the completions log
+            self.samples.write({"step": rec["step"], "evicted_group": e})
+        self.nonfinite.add(upd, rec["step"])
+
+    def eval_step(self, step: int, is_final: bool) -> list[dict]:
+        return self.evaluation.step(step, is_final)
+
+    def baseline(self) -> list[dict]:
+        """The step-0 eval, once per run, through the evaluator's own path."""
+        return self.evaluation.baseline(self.metrics.records, self.resumed)
+
+    def parts(self) -> list[Any]:
+        return [self.rollouts, self.rollout, self.scorer, self.sampler, self.logs, self.learner]

@@ -27,6 +27,19 @@ class Task:
     env_spec: str | None = None  # how an --env-workers process loads it
 
 
+@dataclass
+class Given:
+    """What ``train()``'s caller passed (``align.train.train``'s keywords; None: the built-in task's or the flags')."""
+
+    model: str | None = None
+    tokenizer: Any = None
+    prompts: list | None = None
+    reward: Callable[..., float | None] | None = None
+    eval_prompts: list | None = None
+    env: Any = None
+    tools: list | None = None
+
+
 def builtin_task(cfg: TrainConfig) -> tuple[Task, str]:
     """The built-in task (``align.tasks.TASKS``) and its warm-started model dir (built once, under {out}/base_model)."""
     from align.atomic import is_committed
@@ -63,16 +76,7 @@ def builtin_task(cfg: TrainConfig) -> tuple[Task, str]:
     return task, str(base)
 
 
-def env_task(
-    cfg: TrainConfig,
-    model: str | None,
-    tokenizer: Any,
-    prompts: list | None,
-    reward: Any,
-    eval_prompts: list | None,
-    env: Any,
-    tools: list | None,
-) -> tuple[Task, str]:
+def env_task(cfg: TrainConfig, given: Given) -> tuple[Task, str]:
     """A multi-turn task: rows from ``--train-data`` / ``prompts`` (every column goes to the environment), the
     environment class from ``--env`` (a name of ``align.tasks.ENVIRONMENTS`` or ``file.py:Class``) / ``env=`` (or the
     tool environment from ``--tools`` / ``tools=``), the tokenizer of the model (or ``--tokenizer``), rewards optional
@@ -81,8 +85,9 @@ def env_task(
     from align.envs.runner import load_env_class
     from align.envs.sampler import check_env
 
-    e = cfg.envs
-    model_path = model or cfg.model
+    e, env, tools = cfg.envs, given.env, given.tools
+    tokenizer, prompts, eval_prompts = given.tokenizer, given.prompts, given.eval_prompts
+    model_path = given.model or cfg.model
     if prompts is None and not cfg.data.train_data:
         raise InputError(
             "--env needs --train-data FILE.jsonl (its rows are the episodes' arguments) and --model DIR; "
@@ -129,7 +134,7 @@ def env_task(
         or [(f"prompts[{i}]", r) for i, r in enumerate(rows)]
         + [(f"eval_prompts[{i}]", r) for i, r in enumerate(eval_prompts or [])],
     )
-    task = Task(rows, tokenizer, reward, [dict(r) for r in eval_prompts or []], env=env, env_spec=spec)
+    task = Task(rows, tokenizer, given.reward, [dict(r) for r in eval_prompts or []], env=env, env_spec=spec)
     return task, model_path
 
 
@@ -151,31 +156,23 @@ def as_records(prompts: list, tokenizer: Any = None, prompt_key: str = "prompt")
     return out
 
 
-def resolve_task(*args: Any, **kwargs: Any) -> tuple[Task, str]:
-    """``find_task`` (the arguments are its), then ``--epochs`` turned into ``--steps`` from the task's rows and
-    ``--lr`` checked against the model's size (``align.run.advice``)."""
+def resolve_task(cfg: TrainConfig, given: Given | None = None) -> tuple[Task, str]:
+    """``find_task``, then ``--epochs`` turned into ``--steps`` from the task's rows and ``--lr`` checked against
+    the model's size (``align.run.advice``)."""
     from align.run.advice import check_lr
 
-    task, model_path = find_task(*args, **kwargs)
-    cfg = args[0] if args else kwargs["cfg"]
+    task, model_path = find_task(cfg, given or Given())
     apply_epochs(cfg, len(task.prompts))
     check_lr(cfg, model_path, set())  # a user's large checkpoint at a toy lr: said once, before the model loads
     return task, model_path
 
 
-def find_task(
-    cfg: TrainConfig,
-    model: str | None,
-    tokenizer: Any,
-    prompts: list | None,
-    reward: Any,
-    eval_prompts: list | None,
-    env: Any = None,
-    tools: list | None = None,
-) -> tuple[Task, str]:
+def find_task(cfg: TrainConfig, given: Given) -> tuple[Task, str]:
     """The task (your data from ``--train-data`` / the arguments, or the built-in one) and its model dir."""
-    if env is not None or tools or cfg.envs.enabled:
-        return env_task(cfg, model, tokenizer, prompts, reward, eval_prompts, env, tools)
+    if given.env is not None or given.tools or cfg.envs.enabled:
+        return env_task(cfg, given)
+    model, reward = given.model, given.reward
+    tokenizer, prompts, eval_prompts = given.tokenizer, given.prompts, given.eval_prompts
     ids = None  # the prompts' ids when align.data tokenized them (each row once)
     if prompts is None and cfg.data.train_data:  # your own data from files (align.data); rewards from --reward
         if not (model or cfg.model):

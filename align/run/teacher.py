@@ -29,13 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from align.errors import InputError
+from align.options import flag_help as _h  # the one definition of a flag's help
 
 SAMPLE_TEXTS = ("Hello, world!", " The answer is 42.", "a b\tc\n\nd", "x = f(y) + 3 * z", "ünïcødé ✓ 你好", "cabd=")
 TEACHER_SPOOL = "teacher_spool"  # under --out
-
-
-def _h(text: str) -> Any:
-    return {"help": text}
 
 
 @dataclass
@@ -238,12 +235,11 @@ class WorkerTeacher:
             self.worker = None
 
 
-def open_teacher(run: Any) -> InProcessTeacher | WorkerTeacher | None:
+def open_teacher(cfg: Any, place: Any, out: Path) -> InProcessTeacher | WorkerTeacher | None:
     """The run's teacher source (after the policy: the same placement and sharding as the KL reference)."""
     from align import dist
     from align import model as model_lib
 
-    cfg, place = run.cfg, run.place
     d = cfg.distill
     if d.teacher is None:
         return None
@@ -252,7 +248,7 @@ def open_teacher(run: Any) -> InProcessTeacher | WorkerTeacher | None:
         return InProcessTeacher(dist.shard(teacher.requires_grad_(False), place.precision))
     from align.rollout import client as client_mod
 
-    spool = run.out / TEACHER_SPOOL
+    spool = out / TEACHER_SPOOL
     dist.check_shared_dir(spool)  # torchrun: every rank writes score requests there
     worker = None
     if dist.is_main():  # the teacher's own context (vLLM refuses a max_model_len past its config's), not the student's
@@ -261,7 +257,7 @@ def open_teacher(run: Any) -> InProcessTeacher | WorkerTeacher | None:
         worker = client_mod.spawn_worker(
             spool,
             gpu=d.teacher_gpu,
-            log_path=run.out / "teacher_worker.log",
+            log_path=out / "teacher_worker.log",
             model=d.teacher,
             max_model_len=context,
             dtype=place.compute_dtype_name,

@@ -119,6 +119,15 @@ class Watchdog:
         self.thread: threading.Thread | None = None
         self.trainer = threading.get_ident()  # the thread that runs the loop (it opened the run)
 
+    @classmethod
+    def for_run(cls, out: Path, timeout_s: float, stop_flag: dict, spool: Any = None) -> Watchdog:
+        """The run's watchdog, started (``--stall-timeout-s``); a spool worker's heartbeat goes in stall.txt."""
+        watchdog = cls(out, timeout_s, stop_flag)
+        if spool is not None:
+            watchdog.reports.append((f"rollout worker heartbeat ({spool.root})", spool.read_heartbeat))
+        watchdog.start()
+        return watchdog
+
     def start(self) -> None:
         if self.timeout_s <= 0:
             return

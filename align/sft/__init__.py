@@ -3,8 +3,9 @@
 One step, top to bottom: the step's rows (a seeded shuffle per epoch) -> teacher-forcing tensors -> the mean token
 negative log-likelihood of the target tokens (``align.learner.nll_backward``: fused logprobs, no (N, V) logits,
 micro-batches divided by the whole batch's target count, so micro-batching and torchrun ranks give the whole-batch
-gradient) -> clip -> AdamW step -> log -> eval -> checkpoint. Setup is ``align.sft.run`` on ``align.run.build``'s
-parts: the run directory, checkpoints and exact resume, torchrun/FSDP2, LoRA and ``--save-hf`` are align.train's.
+gradient) -> clip -> AdamW step -> log -> eval -> checkpoint. Setup is ``align.sft.run`` on a GRPO run's parts
+(``align.run.parts``, ``align.run.policy``): the run directory, checkpoints and exact resume, torchrun/FSDP2, LoRA
+and ``--save-hf`` are align.train's.
 
 Rows (``align.sft.data``): ``messages`` (every assistant turn a target) or ``prompt`` + ``completion``, rendered
 token-in/token-out through the model's chat template; or ``--from-verified GEN VERIF`` (expert iteration on the

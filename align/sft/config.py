@@ -18,6 +18,7 @@ from typing import Any
 from align.data import DataConfig
 from align.eval.config import EvalConfig
 from align.lora import LoraConfig
+from align.options import flag_help as _h  # the one definition of a flag's help
 from align.rewards import RewardConfig
 from align.run.cli import from_dict
 from align.run.config import ComputeConfig, OptimConfig, SaveConfig, TrainConfig
@@ -32,10 +33,6 @@ def shared(cls: type, name: str, **metadata: Any) -> Any:
     f = {f.name: f for f in dataclasses.fields(cls)}[name]
     kw = {"default": f.default} if f.default is not dataclasses.MISSING else {"default_factory": f.default_factory}
     return field(**kw, metadata={**f.metadata, **metadata})
-
-
-def _h(text: str) -> dict:
-    return {"help": text}
 
 
 @dataclass

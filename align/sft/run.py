@@ -1,5 +1,6 @@
-"""Opening an SFT run: ``open_sft(cfg, ...) -> SFTRun``, built from ``align.run.build``'s parts (``Run``, its
-``Checkpointer``, ``load_policy``, ``open_optimizer``, ``write_config``, the logs), so a supervised run has a GRPO
+"""Opening an SFT run: ``open_sft(cfg, ...) -> SFTRun``, built from a GRPO run's parts (``align.run.parts``'
+``RunBase``, its ``Checkpointer``, ``write_config``, the ``Logs``; ``align.run.policy``'s ``load_policy``,
+``open_optimizer``), so a supervised run has a GRPO
 run's directory, safety checks, checkpoints, exact resume, torchrun sharding, LoRA and ``--save-hf``.
 
 Order, as ``open_run``: the process group and placement; ``--out`` claimed (paths checked, locked); the tokenizer,
@@ -19,22 +20,15 @@ import torch
 
 from align import dist, learner
 from align.run import safety
-from align.run.build import (
-    DataCursor,
-    Run,
-    _open_logs,
-    eval_params,
-    load_policy,
-    open_optimizer,
-    stop_ids,
-    write_config,
-)
+from align.run.evaluation import eval_params
 from align.run.log import Progress, check_logger
+from align.run.parts import Logs, RunBase, write_config
+from align.run.policy import DataCursor, load_policy, open_optimizer, stop_ids
 from align.sft.config import SFTConfig
 from align.sft.data import Example, Renderers, load_examples, read_model_config, verified_examples
 
 
-class SFTRun(Run):
+class SFTRun(RunBase):
     """A ``Run`` whose steps are supervised batches of ``examples`` (the data cursor picks the rows)."""
 
     plot_title = "align SFT"
@@ -90,7 +84,7 @@ def open_sft(
     try:
         _open_data(run, model, tokenizer, rows, eval_rows, reward)
         _open_policy(run)
-        _open_logs(run)
+        run.use_logs(Logs.open(run.cfg, run.out, run.step, run.resumed))
         _open_eval(run)
         if dist.is_main():
             run.progress = Progress(run.cfg.steps, start=run.step)

@@ -7,7 +7,8 @@ and signatures of ``TaskModule`` (``load_task`` checks them), single-turn and mu
     reward: reward(prompt, completion, **row) | None      # a single-turn task's reward (None: the environment's)
     Env: type | None                                      # a multi-turn task's environment (align.envs API) or None
     model_config(tok) -> ModelConfig                      # the shape its warm start trains
-    warm_start(path, *, steps, batch, lr, seed, log) -> Path
+    warm_start(path, *, steps, batch, lr, seed, log) -> Path    # the built-ins: align.tasks.warm.warm_start(module,
+                                                          #   path, ...) on the module's warm_example(row, tok, rng)
     check_sizes(rows, tok, max_tokens, max_turns=1)       # before the warm start: what is sampled fits the context
 
 Exactly one of ``reward`` and ``Env`` is set. Adding a task is a module and a row of ``TASKS``.

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable
-from pathlib import Path
+import sys
+from functools import partial
 
 from align.char_tokenizer import CharTokenizer
 from align.envs import Step
 from align.model import ModelConfig
-from align.tasks import reverse
+from align.tasks import reverse, warm
 
 LETTERS = "abcdefgh"
 ALPHABET = LETTERS + "=?|"
@@ -136,39 +136,21 @@ def _warm_example(row: dict, tok: CharTokenizer, rng: random.Random) -> tuple[li
     return ids, labels
 
 
-def warm_start(
-    path: str | Path,
-    *,
-    steps: int = 400,
-    batch: int = 64,
-    lr: float = 3e-3,
-    seed: int = 0,
-    log: Callable[[str], None] | None = print,
-) -> Path:
-    """Supervised warm start on both turns' formats, biased to repeat the first answer; saves an HF checkpoint
-    (with ``align_tokenizer.json``) at ``path``."""
-    from align.tasks.warm import supervised
+def warm_example(row: dict, tok: CharTokenizer, rng: random.Random) -> tuple[list[int], list[int]]:
+    """``_warm_example``'s pair as the warm start learns it (``align.tasks.warm``): label t, the token after t."""
+    ids, labels = _warm_example(row, tok, rng)
+    return ids, labels[1:]
 
-    tok = tokenizer()
-    data = prompts(4000, "train", seed=seed)
 
-    def examples(rng: random.Random) -> list[tuple[list[int], list[int]]]:
-        rows = [_warm_example(r, tok, rng) for r in rng.sample(data, batch)]
-        return [(ids, labels[1:]) for ids, labels in rows]  # label t: the token after position t
-
-    return supervised(path, tok, model_config(tok), examples, steps=steps, lr=lr, seed=seed, log=log)
+# the steps, batch, lr, seed and log of align.tasks.warm.warm_start, on this module's warm_example
+warm_start = partial(warm.warm_start, sys.modules[__name__])
 
 
 def check_sizes(rows: list[dict], tok: CharTokenizer, max_tokens: int, max_turns: int = 1) -> None:
     """Before the warm start: the longest prompt, ``max_turns`` answers of ``max_tokens`` and the feedback
     between them fit the task model's context (a ``ValueError`` naming the flag to lower)."""
     context = model_config(tok).max_position_embeddings
-    longest = max(len(tok.encode(r["prompt"])) for r in rows)
-    if longest + max_tokens > context:
-        raise ValueError(
-            f"--max-tokens {max_tokens}: the multiturn task's prompts are up to {longest} tokens and its model's "
-            f"context is {context}; --max-tokens can be at most {context - longest}"
-        )
+    longest = warm.longest_prompt(rows, tok, max_tokens, context, "multiturn")
     per_turn = max_tokens + len(feedback(LETTERS[0]))
     episode = longest + max_turns * max_tokens + (max_turns - 1) * len(feedback(LETTERS[0]))
     if episode > context:

@@ -10,11 +10,12 @@ has to find and reinforce the reversing behaviour on its own.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
-from pathlib import Path
+import sys
+from functools import partial
 
 from align.char_tokenizer import CharTokenizer
 from align.model import ModelConfig
+from align.tasks import warm
 
 ALPHABET = "abcdefgh="
 MIN_LEN, MAX_LEN = 3, 6
@@ -74,40 +75,19 @@ def model_config(tok: CharTokenizer) -> ModelConfig:
     )
 
 
-def warm_start(
-    path: str | Path,
-    *,
-    steps: int = 400,
-    batch: int = 64,
-    lr: float = 3e-3,
-    seed: int = 0,
-    log: Callable[[str], None] | None = print,
-) -> Path:
-    """Supervised warm start on the biased copy/reverse mixture; saves an HF checkpoint at ``path``."""
-    from align.tasks.warm import supervised
+def warm_example(row: dict, tok: CharTokenizer, rng: random.Random) -> tuple[list[int], list[int]]:
+    """One warm-start row of the biased copy/reverse mixture: (ids, labels), label t the token after position t."""
+    word = row["prompt"][:-1]
+    target = word if rng.random() < COPY_FRACTION else word[::-1]
+    p, c = tok.encode(row["prompt"]), tok.encode(target, add_bos=False) + [tok.eos_token_id]
+    return p + c, [-100] * (len(p) - 1) + c
 
-    tok = tokenizer()
-    data = prompts(4000, "train", seed=seed)
 
-    def examples(rng: random.Random) -> list[tuple[list[int], list[int]]]:
-        rows = []
-        for ex in rng.sample(data, batch):
-            word = ex["prompt"][:-1]
-            target = word if rng.random() < COPY_FRACTION else word[::-1]
-            p, c = tok.encode(ex["prompt"]), tok.encode(target, add_bos=False) + [tok.eos_token_id]
-            rows.append((p + c, [-100] * (len(p) - 1) + c))  # label t: the token after position t
-        return rows
-
-    return supervised(path, tok, model_config(tok), examples, steps=steps, lr=lr, seed=seed, log=log)
+# the steps, batch, lr, seed and log of align.tasks.warm.warm_start, on this module's warm_example
+warm_start = partial(warm.warm_start, sys.modules[__name__])
 
 
 def check_sizes(rows: list[dict], tok: CharTokenizer, max_tokens: int, max_turns: int = 1) -> None:
     """Before the warm start: the longest prompt + ``max_tokens`` fits the task model's context (one turn, whatever
     ``max_turns``)."""
-    context = model_config(tok).max_position_embeddings
-    longest = max(len(tok.encode(r["prompt"])) for r in rows)
-    if longest + max_tokens > context:
-        raise ValueError(
-            f"--max-tokens {max_tokens}: the built-in task's prompts are up to {longest} tokens and its model's "
-            f"context is {context}; --max-tokens can be at most {context - longest}"
-        )
+    warm.longest_prompt(rows, tok, max_tokens, model_config(tok).max_position_embeddings, "built-in")

@@ -1,11 +1,13 @@
 """The built-in tasks' supervised warm start: one loop for every task (AdamW, a linear warm-up then decay, grad clip
-1.0, cross-entropy on the labelled tokens), the task supplying its examples."""
+1.0, cross-entropy on the labelled tokens), the task supplying its examples. ``warm_start(task, path, ...)`` is
+every task module's ``warm_start``: the module's model on batches of its ``warm_example(row, tok, rng)``."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -54,3 +56,44 @@ def supervised(
     path = save_pretrained(model.eval(), path)
     tok.save(path)
     return path
+
+
+def warm_start(
+    task: Any,
+    path: str | Path,
+    *,
+    steps: int = 400,
+    batch: int = 64,
+    lr: float = 3e-3,
+    seed: int = 0,
+    log: Callable[[str], None] | None = print,
+) -> Path:
+    """A task module's warm start (``align.tasks.TaskModule``): a fresh ``task.model_config(tok)`` model trained
+    ``steps`` steps on ``batch`` rows a step of 4000 of its training prompts, each made an (ids, labels) pair by
+    ``task.warm_example(row, tok, rng)``; saved with the tokenizer at ``path``."""
+    tok = task.tokenizer()
+    data = task.prompts(4000, "train", seed=seed)
+    examples = TaskExamples(task.warm_example, tok, data, batch)
+    return supervised(path, tok, task.model_config(tok), examples, steps=steps, lr=lr, seed=seed, log=log)
+
+
+class TaskExamples:
+    """``examples(rng)`` for ``supervised``: ``batch`` rows drawn from ``data``, each made a pair by ``example``."""
+
+    def __init__(self, example: Callable[..., tuple[list[int], list[int]]], tok: Any, data: list, batch: int) -> None:
+        self.example, self.tok, self.data, self.batch = example, tok, data, batch
+
+    def __call__(self, rng: random.Random) -> list[tuple[list[int], list[int]]]:
+        return [self.example(row, self.tok, rng) for row in rng.sample(self.data, self.batch)]
+
+
+def longest_prompt(rows: list[dict], tok: Any, max_tokens: int, context: int, task: str) -> int:
+    """A task's ``check_sizes`` start: the longest prompt of ``rows`` in tokens, refused (a ``ValueError`` naming
+    --max-tokens) when it and ``max_tokens`` do not fit the model's ``context``; ``task`` names the task."""
+    longest = max(len(tok.encode(r["prompt"])) for r in rows)
+    if longest + max_tokens > context:
+        raise ValueError(
+            f"--max-tokens {max_tokens}: the {task} task's prompts are up to {longest} tokens and its model's "
+            f"context is {context}; --max-tokens can be at most {context - longest}"
+        )
+    return longest

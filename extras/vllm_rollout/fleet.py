@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
-import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -97,23 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", e)
         spool.write_heartbeat("failed", error=str(e), log_path=args.log_path)
         return 2
-
-    def on_signal(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    error = None
-    try:
-        return worker.run()
-    except SystemExit as e:
-        error = f"terminated by signal {int(e.code) - 128}" if isinstance(e.code, int) and e.code > 128 else None
-        raise
-    except BaseException as e:  # noqa: BLE001 - recorded in the heartbeat and the log, exit 1
-        error = f"{e.__class__.__name__}: {e}"
-        log.error("rollout fleet failed:\n%s", traceback.format_exc())
-        return 1
-    finally:
-        worker.close(error)
+    return rw.serve(worker, "rollout fleet")  # the fleet's launcher watch sets no reason: a signal or the exception
 
 
 def _engine_argv(rest: list[str]) -> list[str]:

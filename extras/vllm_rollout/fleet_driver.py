@@ -246,12 +246,7 @@ class FleetWorker(rw.Worker):
         One call per engine carries all its prompts of the batch, so the engine serves them as one vLLM batch.
         """
         items: list[tuple[Job, int]] = []
-        for msg, claimed_at in batch:
-            params = P.SamplingParams.from_dict(msg.body["params"])
-            problem = self.check_generate(msg.body["prompts"], params)
-            if problem is not None:
-                self.answer(P.error_response(msg.id, "bad_request", problem))
-                continue
+        for msg, claimed_at, params in self.checked(batch):
             job = Job(msg, params, claimed_at, set(range(len(msg.body["prompts"]))))
             items += [(job, i) for i in sorted(job.remaining)]
         with self.lock:

@@ -40,6 +40,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -193,6 +194,17 @@ class Worker(Commands):
             gc.collect()
 
     # -- requests ----------------------------------------------------------------------------------
+    def checked(self, batch: list[tuple[P.Message, float]]) -> Iterator[tuple[P.Message, float, P.SamplingParams]]:
+        """The claimed generate requests of ``batch`` that ``check_generate`` passes, with their sampling params;
+        each other one is answered ``bad_request`` at once."""
+        for msg, claimed_at in batch:
+            params = P.SamplingParams.from_dict(msg.body["params"])
+            problem = self.check_generate(msg.body["prompts"], params)
+            if problem is not None:
+                self.answer(P.error_response(msg.id, "bad_request", problem))
+                continue
+            yield msg, claimed_at, params
+
     def check_generate(self, prompts: list[list[int]], params: P.SamplingParams) -> str | None:
         limit = self.args.max_model_len
         for i, p in enumerate(prompts):
@@ -217,12 +229,7 @@ class Worker(Commands):
         from vllm.sampling_params import RequestOutputKind
 
         engine = self.llm.llm_engine
-        for msg, claimed_at in batch:
-            params = P.SamplingParams.from_dict(msg.body["params"])
-            problem = self.check_generate(msg.body["prompts"], params)
-            if problem is not None:
-                self.answer(P.error_response(msg.id, "bad_request", problem))
-                continue
+        for msg, claimed_at, params in self.checked(batch):
             first = msg.body.get("first_prompt_index", 0)  # a torchrun rank's share: seeds by global prompt index
             ids: list[str] = []
             try:
@@ -459,6 +466,13 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", e)
         spool.write_heartbeat("failed", error=str(e), log_path=args.log_path)
         return 2
+    return serve(worker, "worker")
+
+
+def serve(worker: object, name: str) -> int:
+    """``worker.run()`` (this worker's, or the fleet driver's) until it returns, a SIGTERM or a failure; then
+    ``worker.close(error)`` with why it ended, for its heartbeat: the signal, the launcher gone, or the exception
+    (logged as ``{name} failed``, exit 1)."""
 
     def on_signal(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)
@@ -473,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     except BaseException as e:  # noqa: BLE001 - recorded in the heartbeat and the log, exit 1
         error = f"{e.__class__.__name__}: {e}"
-        log.error("worker failed:\n%s", traceback.format_exc())
+        log.error("%s failed:\n%s", name, traceback.format_exc())
         return 1
     finally:
         worker.close(error)
