@@ -187,9 +187,10 @@ def _open_policy(run: Run) -> None:
             )
     policy, ref_model = dist.shard(policy, place.precision), ref_model and dist.shard(ref_model, place.precision)
     run.opt, run.sched = open_optimizer(cfg, policy, place, resume, state)
-    cursor, run.pending = None, []
+    cursor, run.pending, run.carried = None, [], []
     if resume:
         run.step, cursor, run.pending = state["step"], state["cursor"], state.get("pending_batches", [])
+        run.carried = state.get("carry") or []  # --partial-rollouts: the cut groups carried (align.rollout.partial)
         print(f"[align] resuming from {resume[1]} (step {run.step})", flush=True)
     run.cursor = DataCursor(len(run.task.prompts), cfg.seed, cursor)
     run.nonfinite = learner.NonFiniteSteps(cfg.max_nonfinite_steps, (state or {}).get("nonfinite_steps", 0))
@@ -399,7 +400,12 @@ def _open_pipeline(run: Run) -> None:
         return run.sampler.collect(t, gen, None if run.pipe.is_async or dist.active() else run.pipe.should_stop)
 
     snapshots = run.out / "rollout_snapshots"
-    run.pipe = make_pipeline(cfg, collect, run.rollout, run.step, run.cursor.state, run.pending, snapshots)
+    carry = None
+    if cfg.partial_rollouts:  # the carried groups: the sampler draws from them, the pipeline checkpoints them
+        from align.rollout.partial import Carry
+
+        carry = run.sampler.carry = Carry(cfg.group_size, cfg.max_token_staleness, cfg.stale_policy, run.carried)
+    run.pipe = make_pipeline(cfg, collect, run.rollout, run.step, run.cursor.state, run.pending, snapshots, carry)
     run.pipe.should_stop = run.signalled  # its waits end on a signal (align.rollout.pipeline)
     run.evaluator = pinned_evaluator(run.pipe, run.evaluator, run.eval_set, cfg)  # K >= 1: eval on the engine
     if dist.is_main():

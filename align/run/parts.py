@@ -86,6 +86,7 @@ class Run:
         self.checkpointer = Checkpointer(self)
         self.watchdog: Any = None  # --stall-timeout-s (align.run.watchdog)
         self.step = 0
+        self.carried: list = []  # --partial-rollouts: the resumed checkpoint's carried groups
 
     # ---------------------------------------------------------------------- per-step helpers
 
