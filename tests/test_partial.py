@@ -69,14 +69,22 @@ def test_uncut_call_is_bit_identical_to_generate(versions):
     assert client(v0, 0).generate_until(ENCODED, PARAMS, 1, None) != want
 
 
-def test_a_cut_row_resumes_under_the_new_version_token_by_token(versions):
+@pytest.fixture(scope="module")
+def resumed(versions):
+    """A call on version 0 that completes 1 group (the rest cut), resumed by a call on version 1 to the end."""
     v0, v1 = versions
     first = client(v0, 0).generate_until(ENCODED, PARAMS, 1, None)
+    second = client(v1, 1).generate_until(ENCODED, PARAMS.__class__(**{**PARAMS.__dict__, "seed": 6}), 4, first)
+    return first, second
+
+
+def test_a_cut_row_resumes_under_the_new_version_token_by_token(versions, resumed):
+    v0, v1 = versions
+    first, second = resumed
     cut = [c for c in first if c.finish_reason == "cut"]
     assert cut and len(cut) < len(first)  # the call stopped at a token boundary with rows still running
     done = {c.prompt_index for c in first if c.finish_reason != "cut"}
     assert any(all(c.finish_reason != "cut" for c in first if c.prompt_index == p) for p in done)
-    second = client(v1, 1).generate_until(ENCODED, PARAMS.__class__(**{**PARAMS.__dict__, "seed": 6}), 4, first)
     assert all(c.finish_reason in ("stop", "length") for c in second)
     resumed = 0
     for a, b in zip(first, second):
@@ -98,6 +106,24 @@ def test_a_cut_row_resumes_under_the_new_version_token_by_token(versions):
         assert stamped_error(b, (v0, v1), [1] * len(stamps)) > 100 * LOGPROB_ATOL
         assert stamped_error(b, (v0, v1), [0] * (j + 1) + [1] * (len(stamps) - j - 1)) > 100 * LOGPROB_ATOL
     assert resumed >= 2
+
+
+def test_the_loss_corrects_a_spanning_completion_token_by_token(versions, resumed):
+    """The learner's behaviour logprobs are the stitched per-token ones: trained on version 1's weights, rho =
+    pi / mu is 1 on the tokens version 1 sampled and differs from 1 on those version 0 sampled."""
+    from align.learner import sequence_batch
+
+    _, v1 = versions
+    first, second = resumed
+    spans = [(a, b) for a, b in zip(first, second) if a.finish_reason == "cut" and len(b.token_ids) > len(a.token_ids)]
+    _, _, mask, full, sampled = sequence_batch(ENCODED, [b for _, b in spans], PARAMS.n, "cpu")
+    for row, (a, b) in enumerate(spans):
+        mu = full[row][mask[row]]
+        assert torch.equal(mu, sampled[row][mask[row]])  # no truncation: the two bases agree
+        log_rho = teacher_forced(v1, ENCODED[b.prompt_index], b.token_ids) - mu
+        j = len(a.token_ids)
+        assert log_rho[j:].abs().max() < LOGPROB_ATOL
+        assert log_rho[:j].abs().max() > 100 * LOGPROB_ATOL  # negative control: the old segment is off-policy
 
 
 def test_the_carry_drops_stale_groups_and_refills_from_fresh_prompts(versions):
@@ -222,3 +248,14 @@ def test_resume_continues_from_the_carried_groups(tmp_path, char_model, partial_
 def test_bad_partial_settings_fail_before_the_model_loads(kw, match):
     with pytest.raises(ValueError, match=match):
         TrainConfig(**kw)
+
+
+def test_the_pipeline_refuses_cut_or_future_tokens():
+    from align.rollout.partial import check_versions
+
+    ok = [Completion(0, 0, [3, 4], [-1.0, -1.0], "stop", token_versions=[1, 2], weights_version=1)]
+    check_versions(3, 2, ok)  # older tokens are what partial rollouts are for
+    with pytest.raises(RuntimeError, match="version\\(s\\) \\[3\\]"):
+        check_versions(3, 2, [Completion(0, 0, [3], [-1.0], "stop", weights_version=3)])
+    with pytest.raises(RuntimeError, match="1 cut completion"):
+        check_versions(3, 2, [Completion(0, 0, [3], [-1.0], "cut", weights_version=2)])
