@@ -55,6 +55,7 @@ class Turns:
         self.cfg, self.task = cfg, task
         self.scorer: Any = None  # the run's --reward scorer (None: --distill-only without rewards)
         self.rows: Any = None
+        self.carry: Any = None  # --partial-rollouts: the carried groups (align.rollout.partial.Carry)
 
     def encode(self) -> tuple[list[list[int]], list[list[int]]]:
         """The prompt ids of the training rows and the held-out rows."""
@@ -111,6 +112,15 @@ class Turns:
             with self.autocast():  # the sampler computes like the trainer (bf16-mixed: bf16 matmuls)
                 return self.sample(client, t, idx, params)
 
+        draw, carry, before = None, self.carry, 0
+        if carry is not None:  # --partial-rollouts: carried + fresh groups, the rest cut (align.rollout.partial)
+            before = carry.dropped
+
+            def draw(need: int, round_: int) -> tuple[list[int], list]:
+                params = replace(self.params, seed=step_seed(cfg.seed, t, round_))
+                with self.autocast():
+                    return carry.draw(t, need, rows.next_prompts, self.encoded.__getitem__, params, client)
+
         groups = collect_groups(
             cfg.prompts_per_step,
             rows.next_prompts,
@@ -123,7 +133,11 @@ class Turns:
             cfg.max_refill_rounds,
             cfg.group_timeout_s,
             cfg.evict_policy,
+            draw,
         )
+        if carry is not None:
+            carry.mask_stale(t, groups)
+            groups.dropped_stale = carry.dropped - before
         rows.add(groups, t)
         return groups
 
@@ -147,6 +161,11 @@ class Episodes(Turns):
         from align.envs.runner import EnvRunner
 
         super().__init__(cfg, task)
+        if cfg.partial_rollouts:
+            raise InputError(
+                "--partial-rollouts cuts single-turn generations; an environment's episodes (--env, --task "
+                "multiturn, --tools) are not cut yet: drop --partial-rollouts"
+            )
         if cfg.eval.eval_function_path:  # the function owns generation on its own backend; the turn loop is here
             raise InputError(
                 f"--eval-function-path {cfg.eval.eval_function_path!r} evaluates a snapshot on your own "

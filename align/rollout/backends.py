@@ -89,6 +89,36 @@ class RolloutConfig:
             "Max completions outstanding at the rollout engine per request (whole groups; a group is never split). None = one request per batch."
         ),
     )
+    partial_rollouts: bool = field(
+        default=False,
+        metadata=_h(
+            "Partial rollouts (needs --max-async-steps >= 1): a step's generate call holds the carried groups plus "
+            "fresh prompts (2x the groups it needs), stops at a token boundary once enough groups are complete, and "
+            "carries the rows still running (cut) into the next call, on newer weights. See docs/async.md."
+        ),
+    )
+    partial_prefill: str = field(
+        default="recompute",
+        metadata=_h(
+            "How a cut row resumes: 'recompute' (re-prefill prompt + its ids so far under the new weights). "
+            "'keep' (the old KV cache) is not built yet and refused."
+        ),
+    )
+    max_token_staleness: int | None = field(
+        default=None,
+        metadata=_h(
+            "With --partial-rollouts: a completion holding a token sampled more than S versions before the step it "
+            "trains in is dropped (or masked, --stale-policy). >= --max-async-steps; None = no limit (a token's lag "
+            "is K plus the calls its group was carried)."
+        ),
+    )
+    stale_policy: str = field(
+        default="drop",
+        metadata=_h(
+            "A stale completion (--max-token-staleness): 'drop' (its group is dropped before the call and a fresh "
+            "prompt takes its place) or 'mask' (it trains unscorable: no advantage, no loss)."
+        ),
+    )
 
     def check_rollout(self) -> None:
         """This section's values, the backend a row of ``BACKENDS`` and its own rules (``TrainConfig.__post_init__``
@@ -109,6 +139,9 @@ class RolloutConfig:
                 f"--rollout-gpu {self.rollout_gpu!r} is invalid: must be a GPU index >= 0 (or unset for the CPU build)"
             )
         BACKENDS[self.rollout].check(self)
+        from align.rollout.partial import check_config as check_partial
+
+        check_partial(self, getattr(BACKENDS[self.rollout], "cuts", False))  # --partial-rollouts and its flags
 
     @property
     def uses_ray(self) -> bool:
@@ -170,6 +203,8 @@ class Opened:
 class NativeBackend:
     """The native sampler in this process, on the policy itself (torchrun: each rank samples its share)."""
 
+    cuts = True  # --partial-rollouts: NativeClient.generate_until (align.rollout.partial)
+
     def check(self, cfg: RolloutConfig) -> None:
         pass
 
@@ -203,6 +238,8 @@ class SpoolOpened(Opened):
 
 class SpoolBackend:
     """A vLLM worker (or Ray fleet) in ``.venv-rollout`` behind a spool directory, spawned or attached to."""
+
+    cuts = False  # --partial-rollouts needs the worker's cut request (a spool generate_until): not wired yet
 
     def check(self, cfg: RolloutConfig) -> None:
         pass

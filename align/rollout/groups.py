@@ -88,6 +88,7 @@ class Groups:
     signal_groups: int = 0
     scored: int = 0
     evicted: list[dict] = field(default_factory=list)  # --group-timeout-s: the groups evicted and why
+    dropped_stale: int = 0  # --partial-rollouts: completions dropped or masked as stale (--max-token-staleness)
 
     def tensors(self, G: int) -> GroupTensors:
         """The scores, lengths and truncation flags as (P, G) tensors (a missing completion stays NaN / 0)."""
@@ -137,6 +138,7 @@ def collect_groups(
     max_rounds: int = 0,
     group_timeout_s: float = 0.0,
     evict_policy: str = "refill",
+    draw: Callable[[int, int], tuple[list[int], list]] | None = None,
 ) -> Groups:
     """Sample and score ``P`` groups. With ``refill`` (DAPO dynamic sampling), groups without reward variance are
     set aside and fresh prompts sampled (round r = 1..max_rounds) until ``P`` groups have signal; if the rounds
@@ -146,7 +148,8 @@ def collect_groups(
     it: ``RewardScorer.score(items, should_stop)`` ends with ``Interrupted``). ``group_timeout_s`` > 0: each group's
     rewards within that deadline (``align.rollout.deadlines``); an evicted group is refilled (another round, which
     ``max_rounds`` bounds: past it the group trains masked) or masked (``evict_policy``), and listed in
-    ``Groups.evicted``."""
+    ``Groups.evicted``. ``draw(need, round) -> (idx, completions)`` replaces ``next_prompts`` + ``sample`` (partial
+    rollouts, ``align.rollout.partial.Carry.draw``: the groups come from carried and fresh rows)."""
     from align.rollout.deadlines import score_by_group
 
     kept: list[Group] = []
@@ -157,9 +160,12 @@ def collect_groups(
     timeouts = failed = scored = sampled = rounds = 0
     need = P
     while True:
-        idx = next_prompts(need)
+        if draw is not None:
+            idx, comps = draw(need, rounds)
+        else:
+            idx = next_prompts(need)
+            comps = sample(idx, rounds)
         sampled += len(idx)
-        comps = sample(idx, rounds)
         texts = [text_of(c) for c in comps]
         items = [(record(idx[c.prompt_index]), t) for c, t in zip(comps, texts)]
         members: dict[int, list[int]] = {}

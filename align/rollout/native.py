@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -251,6 +252,20 @@ def sample_next(
     return tok, lp, slp
 
 
+class Until(NamedTuple):
+    """Stop a ``_generate`` call at a token boundary once ``need`` groups are complete (``--partial-rollouts``,
+    ``align.rollout.partial``); every row still running comes back cut (``finish_reason == "cut"``).
+
+    ``groups``: the group of each row; ``budgets``: each row's token budget (None: ``max_tokens``); ``draw``: each
+    row's index in the uniforms of a step, of ``total`` (None: the rows in order)."""
+
+    groups: list[int]
+    need: int
+    budgets: list[int] | None = None
+    draw: list[int] | None = None
+    total: int | None = None
+
+
 def generate(
     model: Transformer,
     prompts: list[list[int]],
@@ -278,7 +293,11 @@ def generate(
 
 
 def _generate(
-    model: Transformer, prompts: list[list[int]], params: SamplingParams, rows_of: tuple[int, int] | None = None
+    model: Transformer,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    rows_of: tuple[int, int] | None = None,
+    until: Until | None = None,
 ) -> list[Completion]:
     cfg = model.config
     context = cfg.max_position_embeddings
@@ -290,7 +309,8 @@ def _generate(
     P, n = len(prompts), params.n
     lens = torch.tensor([len(p) for p in prompts], device=device)
     L = int(lens.max())
-    max_new = min(params.max_tokens, context - int(lens.min()))
+    max_tokens = params.max_tokens if until is None or until.budgets is None else max(until.budgets)
+    max_new = min(max_tokens, context - int(lens.min()))
     generator = None
     if params.seed is not None:
         generator = torch.Generator(device=device).manual_seed(params.seed)
@@ -322,7 +342,17 @@ def _generate(
     if not 0 <= first <= total - R:
         raise ValueError(f"rows={rows_of}: {R} rows starting at {first} do not fit in {total} rows")
     row_id = torch.arange(R, device=device)  # original row of each live row
-    draw_id = row_id + first if rows_of is not None else None  # its row in the uniforms of a step (None: all R)
+    draw_base = row_id + first if rows_of is not None else None  # each row's row in the uniforms of a step
+    if until is not None and until.draw is not None:
+        draw_base, total = torch.tensor(until.draw, device=device), until.total
+    draw_id = draw_base  # the live rows' rows in the uniforms (None: all R, in order)
+    budget = None  # (R,) per-row token budgets: every row of an ``until`` call finishes explicitly
+    if until is not None:
+        budget = torch.tensor(until.budgets or [max_new] * R, device=device).clamp(max=max_new)
+    left: dict[int, int] = {}  # --partial-rollouts: rows still running per group
+    for g in until.groups if until is not None else ():
+        left[g] = left.get(g, 0) + 1
+    complete, cut = 0, torch.zeros(R, dtype=torch.bool, device=device)
     pos = lens[rows].clone()  # next position of each live row
     out_tok = torch.zeros(R, max_new, dtype=torch.long, device=device)
     out_lp = torch.zeros(R, max_new, device=device)
@@ -348,9 +378,11 @@ def _generate(
         else:
             out_tok[:, t], out_lp[:, t], out_slp[:, t] = tok, lp, slp
         newly = 0
-        if stop_ids is not None or t >= full_from:  # else no row can finish before max_tokens
+        if stop_ids is not None or t >= full_from or budget is not None:  # else none can finish before max_tokens
             hit_stop = torch.isin(tok, stop_ids) if stop_ids is not None else torch.zeros_like(done)
             full = pos + 1 >= context  # no position left for another token
+            if budget is not None:
+                full |= budget[row_id] <= t + 1  # the row's own budget (a resumed row's rest of max_tokens)
             if n_done:
                 hit_stop &= ~done
                 full &= ~done
@@ -361,6 +393,14 @@ def _generate(
                 stopped[row_id[hit_stop]] = True
                 done |= finished
                 n_done += newly
+                if until is not None:
+                    for r in row_id[finished].tolist():
+                        left[until.groups[r]] -= 1
+                        complete += left[until.groups[r]] == 0
+        if until is not None and complete >= until.need and n_done < done.numel():  # cut the rows still running
+            length[row_id[~done]] = t + 1
+            cut[row_id[~done]] = True
+            break
         if t == max_new - 1 or n_done == done.numel():
             break
         if newly and n_done >= max(1, int(COMPACT_FRACTION * done.numel())):
@@ -368,7 +408,7 @@ def _generate(
             cache.select(keep)
             tok, pos, row_id, done = tok[keep], pos[keep], row_id[keep], done[keep]
             seen = seen[keep] if seen is not None else None
-            draw_id, n_done, compacted = row_id + first, 0, True
+            draw_id, n_done, compacted = row_id if draw_base is None else draw_base[row_id], 0, True
         cache.valid[:, cache.length] = True
         if n_moe:  # MoE: the experts each fed token used, per MoE layer
             routing = Routing()
@@ -382,7 +422,7 @@ def _generate(
         pos = pos + 1
 
     completions = []
-    lengths, stopped_l = length.tolist(), stopped.tolist()
+    lengths, stopped_l, cut_l = length.tolist(), stopped.tolist(), cut.tolist()
     toks, lps, slps = out_tok.tolist(), out_lp.tolist(), out_slp.tolist()
     for r in range(R):
         k = lengths[r]
@@ -393,7 +433,7 @@ def _generate(
                 token_ids=toks[r][:k],
                 logprobs=lps[r][:k],
                 sampled_logprobs=slps[r][:k],
-                finish_reason="stop" if stopped_l[r] else "length",
+                finish_reason="cut" if cut_l[r] else "stop" if stopped_l[r] else "length",
                 routes=out_routes[r, : max(k - 1, 0)].cpu() if n_moe else None,
             )
         )

@@ -103,23 +103,27 @@ class Produced:
     groups: Groups
     cursor: dict | None = None
     seconds: float = 0.0
+    carry: list | None = None  # --partial-rollouts: the carried groups right after this batch (``Carry.state``)
 
     def to_state(self) -> dict:
         """Plain data (lists, dicts, str, int, float, None) that ``torch.load(weights_only=True)`` reads back."""
-        return {
+        d = {
             "step": self.step,
             "version": self.version,
             "cursor": self.cursor,
             "seconds": self.seconds,
             "batch": dataclasses.asdict(self.groups),  # the checkpoint key stays "batch" (old runs resume)
         }
+        return d if self.carry is None else {**d, "carry": self.carry}
 
     @classmethod
     def from_state(cls, d: dict) -> Produced:
         b = dict(d["batch"])
         b["completions"] = [(Episode if "mask" in c else Completion)(**c) for c in b["completions"]]
         b["scores"] = Scores(**b["scores"])
-        return cls(int(d["step"]), int(d["version"]), Groups(**b), d["cursor"], float(d.get("seconds", 0.0)))
+        p = cls(int(d["step"]), int(d["version"]), Groups(**b), d["cursor"], float(d.get("seconds", 0.0)))
+        p.carry = d.get("carry")
+        return p
 
 
 # ------------------------------------------------------------------------------------------------ the pipeline
@@ -146,8 +150,11 @@ class RolloutPipeline:
         pending: list[dict] = (),
         max_inflight_requests: int | None = None,
         pinned: bool = True,
+        carry: Any = None,
     ) -> None:
         self.K, self.collect, self.engine, self.client = max_async_steps, collect, engine, client
+        self.carry = carry  # --partial-rollouts: the carried groups (align.rollout.partial.Carry), else None
+        self.claim_carry: list | None = None
         self.permits = Permits(max_inflight_requests)  # train and eval requests together (K >= 1)
         self.taken = self.published = self.floor = start_step
         self.last_step, self.cursor = last_step, cursor
@@ -202,17 +209,11 @@ class RolloutPipeline:
                 t0 = time.perf_counter()
                 batch = self.collect(t, v, self.engine.client if self.permits.limit is None else self.client)
                 seconds = time.perf_counter() - t0
-                if isinstance(self.engine, SpoolEngine):  # name the likely cause: another trainer on the spool
-                    check_weights_version(batch.completions, v, self.engine.client.spool.root)
-                stale = sorted({c.weights_version for c in batch.completions} - {v})
-                if stale:
-                    raise RuntimeError(
-                        f"the rollouts of step {t} must come from weights version {v} (--max-async-steps {self.K}) "
-                        f"but some carry version(s) {stale}: the engine missed a weight update"
-                    )
+                self._check_versions(t, v, batch.completions)
                 with self._cond:
                     cur = None if self.cursor is None else dict(self.cursor)
-                    self.ready[t] = Produced(t, v, batch, cur, seconds)
+                    carry = None if self.carry is None else self.carry.state()
+                    self.ready[t] = Produced(t, v, batch, cur, seconds, carry)
                     self.producing, self.next_t = None, t + 1
                     self._cond.notify_all()
         except BaseException as e:  # noqa: BLE001 - handed to the trainer thread, which raises it
@@ -220,6 +221,22 @@ class RolloutPipeline:
                 self.error = e
                 self.producing = None
                 self._cond.notify_all()
+
+    def _check_versions(self, t: int, v: int, completions: list) -> None:
+        """Every completion of step ``t`` from version ``v``; with partial rollouts (``self.carry``) every token
+        from ``v`` or older (a carried group's tokens are older; the per-token bound is ``--max-token-staleness``)."""
+        if self.carry is not None:
+            from align.rollout.partial import check_versions
+
+            return check_versions(t, v, completions)
+        if isinstance(self.engine, SpoolEngine):  # name the likely cause: another trainer on the spool
+            check_weights_version(completions, v, self.engine.client.spool.root)
+        stale = sorted({c.weights_version for c in completions} - {v})
+        if stale:
+            raise RuntimeError(
+                f"the rollouts of step {t} must come from weights version {v} (--max-async-steps {self.K}) "
+                f"but some carry version(s) {stale}: the engine missed a weight update"
+            )
 
     def _blocked(self, t: int, v: int) -> bool:
         """Step t may not start yet: its version is unpublished, it is too far ahead, an eval of its version (or an
@@ -242,6 +259,7 @@ class RolloutPipeline:
                 if self._stop:
                     return False
                 self.claim_cursor = None if self.cursor is None else dict(self.cursor)
+                self.claim_carry = None if self.carry is None else self.carry.state()
                 if v == self.engine.version:  # same weights: no lock needed (a refill during a pinned eval tail)
                     self.producing = t
                     self.idle_s += time.monotonic() - t0
@@ -304,13 +322,18 @@ class RolloutPipeline:
             inflight = len(self.ready) + (self.producing is not None)
             self._cond.notify_all()
         off = [(t - 1) - c.weights_version for c in p.groups.completions]
-        return p, {
+        metrics = {
             "async/off_policy_steps_mean": sum(off) / max(1, len(off)),
             "async/off_policy_steps_max": max(off, default=0),
             "async/trainer_wait_s": time.monotonic() - t0,
             "async/generator_idle_s": idle,
             "async/inflight": inflight,
         }
+        if self.carry is not None:  # per-token staleness (align.rollout.partial)
+            from align.rollout.partial import lag_metrics
+
+            metrics.update(lag_metrics(p.groups.completions, t), **{"rollout/dropped_stale": p.groups.dropped_stale})
+        return p, metrics
 
     def publish(self, step: int, policy: Any) -> float:
         """After optimizer step ``step``: hand its weights to the rollout engine; returns the seconds it took.
@@ -494,9 +517,14 @@ class RolloutPipeline:
             ]
             missing = step + 1 + len(pending)
             if not complete and not pending and self.producing == missing:  # the resumed run redraws it
-                return {"cursor": dict(self.claim_cursor), "pending_batches": []}
+                return self._with_carry({"cursor": dict(self.claim_cursor), "pending_batches": []}, self.claim_carry)
         cur = pending[-1].cursor if pending else self._cursor_before(step + 1)
-        return {"cursor": dict(cur), "pending_batches": [p.to_state() for p in pending]}
+        carry = pending[-1].carry if pending else None if self.carry is None else self.carry.state()
+        return self._with_carry({"cursor": dict(cur), "pending_batches": [p.to_state() for p in pending]}, carry)
+
+    def _with_carry(self, state: dict, carry: list | None) -> dict:
+        """--partial-rollouts: the carried groups after the last stored batch (plain data) ride in the state."""
+        return state if self.carry is None else {**state, "carry": carry or []}
 
     def _cursor_before(self, t: int) -> dict:
         # no pending batch (the last steps): the cursor after the last batch drawn, i.e. that of step t-1's batch,
@@ -542,6 +570,7 @@ def make_pipeline(
     cursor: dict,
     pending: list[dict],
     snapshots: Path,
+    carry: Any = None,
 ) -> RolloutPipeline:
     """The pipeline of a ``TrainConfig`` on an opened rollout backend (``align.rollout.backends``): synchronous for
     ``max_async_steps == 0`` (the backend's weight publication, e.g. a spool worker synced through ``{snapshots}/v{N}``
@@ -565,4 +594,5 @@ def make_pipeline(
         cursor=cursor,
         pending=pending,
         max_inflight_requests=cfg.max_inflight_requests,
+        carry=carry,
     )

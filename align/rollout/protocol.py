@@ -72,7 +72,7 @@ from align.rollout.spool import (  # noqa: F401 -- the transport's public names:
 #                (vLLM logprobs_mode=processed_logprobs); equals "training" when no truncation is active
 LOGPROB_BASES = ("training", "raw", "processed")
 
-FINISH_REASONS = ("stop", "length")
+FINISH_REASONS = ("stop", "length", "cut")  # "cut": --partial-rollouts stopped it mid-way (never trained)
 
 
 @dataclass
@@ -83,7 +83,7 @@ class Completion:
     sample_index: int
     token_ids: list[int]  # ends with the stop token when finish_reason == "stop"
     logprobs: list[float]  # training basis: log_softmax(logits / T) of each token
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "cut" (partial rollouts: resumed in a later call, never trained)
     sampled_logprobs: list[float] | None = None  # under the truncated (top-k/top-p) distribution
     weights_version: int = 0  # the version the first token was sampled with
     # partial rollouts (--partial-rollouts): the weights version that sampled each token (len(token_ids) entries),

@@ -63,6 +63,10 @@ TOP_SECTIONS: dict[str, tuple[str, ...]] = {
         "sync_every",
         "max_async_steps",
         "max_inflight_requests",
+        "partial_rollouts",
+        "partial_prefill",
+        "max_token_staleness",
+        "stale_policy",
     ),
     "checkpoint": ("checkpoint_every", "keep_checkpoints", "save_hf", "overwrite", "resume_from", "merge_lora"),
 }

@@ -148,7 +148,14 @@ class Rollouts:
             autocast=place.autocast,
         )
         snapshots = task.out / "rollout_snapshots"
-        self.pipe = make_pipeline(cfg, self.collect, backend, start.step, self.cursor.state, start.pending, snapshots)
+        carry = None
+        if cfg.partial_rollouts:  # the carried groups: the sampler draws from them, the pipeline checkpoints them
+            from align.rollout.partial import Carry
+
+            carry = self.sampler.carry = Carry(cfg.group_size, cfg.max_token_staleness, cfg.stale_policy, start.carried)
+        self.pipe = make_pipeline(
+            cfg, self.collect, backend, start.step, self.cursor.state, start.pending, snapshots, carry
+        )
 
     def stop_on(self, should_stop: Any) -> None:
         """The pipeline's waits end when ``should_stop()`` (a signal: ``Run.signalled``)."""
@@ -218,6 +225,7 @@ class RunBase:
         self.first_error: list[str] = []
         self.checkpointer = Checkpointer(self)
         self.step = 0
+        self.carried: list = []  # --partial-rollouts: the resumed checkpoint's carried groups
 
     def use_logs(self, logs: Logs) -> None:
         """The run's logs: metrics.jsonl (its ``records``), completions.jsonl."""

@@ -114,6 +114,7 @@ class Start(NamedTuple):
     cursor: dict | None
     pending: list
     resumed: bool
+    carried: list  # --partial-rollouts: the cut groups carried into the next generate call (align.rollout.partial)
 
 
 class Learner:
@@ -150,16 +151,17 @@ class Learner:
                 )
         policy, ref_model = dist.shard(policy, place.precision), ref_model and dist.shard(ref_model, place.precision)
         opt, sched = open_optimizer(cfg, policy, place, resume, state)
-        step, cursor, pending = 0, None, []
+        step, cursor, pending, carried = 0, None, [], []
         if resume:
             step, cursor, pending = state["step"], state["cursor"], state.get("pending_batches", [])
+            carried = state.get("carry") or []
             print(f"[align] resuming from {resume[1]} (step {step})", flush=True)
         nonfinite = learner_lib.NonFiniteSteps(cfg.max_nonfinite_steps, (state or {}).get("nonfinite_steps", 0))
         teacher = open_teacher(cfg, place, out)  # --teacher: frozen like the reference, or a vLLM worker
         if not resume:
             torch.manual_seed(cfg.seed)
         learner = cls(policy, ref_model, opt, sched, cfg, place, teacher, nonfinite)
-        return learner, Start(step, cursor, pending, bool(resume))
+        return learner, Start(step, cursor, pending, bool(resume), carried)
 
     def update(self, batch: StepBatch) -> Update:
         """The step's batch on ``place.device``, ``align.learner.optimize`` (micro-batches, global normalisers), then

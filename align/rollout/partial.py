@@ -1,0 +1,249 @@
+"""Partial rollouts (``--partial-rollouts``): over-sample, cut and carry, so a static-batch sampler never waits on the
+long tail of a step (slime's ``--partial-rollout``, verl's ``partial_rollout``).
+
+A step needs B groups. Its generate call holds the groups carried over from earlier calls (cut, unfinished) plus
+fresh prompts, ``POOL_FACTOR * B`` groups in all, and stops at a token boundary once B groups are complete (all G
+rows finished); every row still running comes back cut (``finish_reason == "cut"``, never trained) with its ids and
+logprobs so far. The B complete groups train; the rest are carried into the next call, which runs on the version the
+pipeline gives the next step (one newer), so their later tokens come from newer weights. Every token carries the
+version that sampled it (``Completion.token_versions``) and its own behaviour logprobs, so the loss's rho
+correction (TIS / MIS, token / sequence / geometric: ``align.grpo``) corrects a completion spanning versions token
+by token.
+
+- ``generate_until``: the one operation, "generate until ``need`` groups are complete, return the rest cut", for the
+  native sampler (``NativeClient.generate_until``). A resumed row is re-prefilled (``--partial-prefill recompute``:
+  prompt + its ids so far under the new weights) and continues with the rest of its ``max_tokens``. A spool worker
+  can implement the same method (the worker's ``cut`` request) and slot in.
+- ``Carry``: the carried groups of a run, as plain data for the checkpoint (``state``), and ``draw``: the step's
+  groups from the carry plus fresh prompts (``align.rollout.groups.collect_groups``'s ``draw``).
+- Staleness per token (``--max-token-staleness S``): a completion trained at step t holding a token sampled with
+  version u has lag ``(t - 1) - u``; fresh tokens have lag K (``--max-async-steps``), carried ones K + the calls they
+  waited. A carried group holding a token older than S is dropped before the call (``--stale-policy drop``: the call
+  takes a fresh prompt in its place) or trained with those completions masked (``mask``: unscorable).
+- ``lag_metrics``: ``rollout/partial_frac`` (completions spanning more than one version), ``rollout/token_lag_mean``,
+  ``rollout/token_lag_max``.
+
+Shapes: B groups a step needs, G rows per group, R rows in a call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+from align.rollout.protocol import Completion, SamplingParams
+
+PARTIAL_PREFILLS = ("recompute", "keep")
+STALE_POLICIES = ("drop", "mask")
+POOL_FACTOR = 2  # a call holds this many times the groups it must complete (carried first, then fresh prompts)
+
+
+def check_config(cfg: Any, cuts: bool) -> None:
+    """Value checks of the partial-rollout flags, before the model loads (``RolloutConfig.check_rollout``);
+    ``cuts``: the backend can cut a generation at a token boundary (a row of ``BACKENDS``)."""
+    if cfg.partial_prefill not in PARTIAL_PREFILLS:
+        raise ValueError(f"--partial-prefill must be one of {PARTIAL_PREFILLS}, got {cfg.partial_prefill!r}")
+    if cfg.stale_policy not in STALE_POLICIES:
+        raise ValueError(f"--stale-policy must be one of {STALE_POLICIES}, got {cfg.stale_policy!r}")
+    S = cfg.max_token_staleness
+    if S is not None and (isinstance(S, bool) or not isinstance(S, int) or S < 0):
+        raise ValueError(f"--max-token-staleness must be an int >= 0 (or unset = no limit), got {S!r}")
+    if not cfg.partial_rollouts:
+        return
+    if cfg.max_async_steps < 1:
+        raise ValueError(
+            "--partial-rollouts carries cut generations into the next step's call, which needs the asynchronous "
+            f"pipeline: add --max-async-steps 1 (or more); got --max-async-steps {cfg.max_async_steps}"
+        )
+    if S is not None and S < cfg.max_async_steps:
+        raise ValueError(
+            f"--max-token-staleness {S} is below --max-async-steps {cfg.max_async_steps}: every fresh token is "
+            f"{cfg.max_async_steps} version(s) old when it trains, so every completion would be stale; use "
+            f"--max-token-staleness >= {cfg.max_async_steps}"
+        )
+    if cfg.partial_prefill == "keep":
+        raise ValueError(
+            "--partial-prefill keep (a cut row keeps its KV cache from the old weights) is not built for the native "
+            "sampler yet; use --partial-prefill recompute (the default: re-prefill prompt + ids so far)"
+        )
+    if not cuts:
+        raise ValueError(
+            f"--partial-rollouts with --rollout {cfg.rollout} needs the worker's cut request; not wired yet: use "
+            "--rollout native, or drop --partial-rollouts"
+        )
+    if getattr(getattr(cfg, "moe", None), "routing_replay", "off") != "off":
+        raise ValueError(
+            "--partial-rollouts does not stitch a resumed row's MoE routes yet: drop --routing-replay (or "
+            "--partial-rollouts)"
+        )
+    if cfg.max_inflight_requests is not None:
+        raise ValueError(
+            "--partial-rollouts generates a step's pool of groups in one call; --max-inflight-requests does not "
+            "apply to it yet: drop it (or drop --partial-rollouts)"
+        )
+
+
+# ------------------------------------------------------------------------------------------------ the operation
+
+
+def versions_of(c: Completion) -> list[int]:
+    """The weights version of each token of ``c``."""
+    return list(c.token_versions) if c.token_versions is not None else [c.weights_version] * len(c.token_ids)
+
+
+def stitch(before: Completion | None, new: Completion, version: int) -> Completion:
+    """``new`` (sampled with ``version``) continuing ``before`` (None: a fresh row): ids, logprobs and per-token
+    versions concatenated; ``weights_version`` stays the first token's."""
+    if before is None:
+        return dataclasses.replace(new, weights_version=version, token_versions=None)
+    versions = versions_of(before) + [version] * len(new.token_ids)
+    first = versions[0]
+    return dataclasses.replace(
+        new,
+        token_ids=before.token_ids + new.token_ids,
+        logprobs=before.logprobs + new.logprobs,
+        sampled_logprobs=None
+        if before.sampled_logprobs is None or new.sampled_logprobs is None
+        else before.sampled_logprobs + new.sampled_logprobs,
+        weights_version=first,
+        token_versions=None if all(v == first for v in versions) else versions,
+        routes=None,
+    )
+
+
+def generate_until(
+    model: Any,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    need: int,
+    carried: list[Completion | None] | None,
+    version: int,
+) -> list[Completion]:
+    """The native sampler's "generate until ``need`` groups are complete, return the rest cut".
+
+    ``prompts``: one per group, ``params.n`` rows each; ``carried``: per row (``len(prompts) * n``, prompt-major) the
+    completion so far (a cut one resumes: its prompt + ids re-prefilled under the current weights, the rest of
+    ``max_tokens`` to go; a finished one comes back unchanged) or None (fresh). Returns one completion per row,
+    finished or cut, with per-token versions (new tokens: ``version``). With nothing carried and ``need`` = every
+    group, the call is exactly ``native.generate``'s."""
+    from align.rollout.native import Until, _generate, packed_weights
+
+    n = params.n
+    R = len(prompts) * n
+    carried = list(carried) if carried is not None else [None] * R
+    if len(carried) != R:
+        raise ValueError(f"carried has {len(carried)} rows, the call has {R} ({len(prompts)} prompts x n={n})")
+    run = [r for r in range(R) if carried[r] is None or carried[r].finish_reason == "cut"]
+    done_groups = len({r // n for r in range(R)} - {r // n for r in run})
+    if done_groups >= need or not run:
+        raise ValueError(f"{done_groups} of the {len(prompts)} groups are complete already; need {need}: no call")
+    import torch
+
+    with torch.inference_mode(), packed_weights(model, len(run)):
+        if len(run) == R and all(c is None for c in carried):  # fresh groups: one shared prefill per prompt
+            until = Until([r // n for r in range(R)], need)
+            new = _generate(model, prompts, params, None, until)
+        else:  # each running row its own prompt: the group's prompt + its ids so far
+            rows = [prompts[r // n] + (carried[r].token_ids if carried[r] is not None else []) for r in run]
+            budgets = [params.max_tokens - (len(carried[r].token_ids) if carried[r] is not None else 0) for r in run]
+            until = Until([r // n for r in run], need - done_groups, budgets, run, R)
+            new = _generate(model, rows, dataclasses.replace(params, n=1), None, until)
+    out = list(carried)
+    for r, c in zip(run, new):
+        out[r] = dataclasses.replace(stitch(carried[r], c, version), prompt_index=r // n, sample_index=r % n)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the carry
+
+
+def group_complete(rows: list[Completion | None]) -> bool:
+    return all(c is not None and c.finish_reason != "cut" for c in rows)
+
+
+class Carry:
+    """The groups a run carries between generate calls: ``[{"row": data row, "completions": [G completion dicts or
+    None]}]`` in pool order (oldest first); ``state()`` is what a checkpoint stores (plain data)."""
+
+    def __init__(self, group_size: int, max_token_staleness: int | None, policy: str, state: list | None = None):
+        self.G, self.S, self.policy = group_size, max_token_staleness, policy
+        self.groups: list[tuple[int, list[Completion]]] = [
+            (int(g["row"]), [Completion.from_dict(c) for c in g["completions"]]) for g in state or []
+        ]
+        self.dropped = 0  # completions dropped as stale (drop) or masked (mask), run total
+
+    def state(self) -> list[dict]:
+        return [{"row": i, "completions": [c.to_dict() for c in cs]} for i, cs in self.groups]
+
+    def too_old(self, c: Completion, t: int) -> bool:
+        return self.S is not None and bool(c.token_ids) and (t - 1) - min(versions_of(c)) > self.S
+
+    def draw(
+        self,
+        t: int,
+        need: int,
+        next_prompts: Callable[[int], list[int]],
+        prompt_of: Callable[[int], list[int]],
+        params: SamplingParams,
+        client: Any,
+    ) -> tuple[list[int], list[Completion]]:
+        """Step ``t``'s ``need`` complete groups: ``(rows, completions)`` with ``prompt_index`` indexing ``rows``.
+        The carried groups go first (oldest first), fresh prompts fill the pool to ``POOL_FACTOR * need``."""
+        pool = self.groups
+        if self.policy == "drop" and self.S is not None:
+            old = [g for g in pool if any(self.too_old(c, t) for c in g[1])]
+            self.dropped += sum(len(cs) for _, cs in old)
+            pool = [g for g in pool if not any(self.too_old(c, t) for c in g[1])]
+        if sum(group_complete(cs) for _, cs in pool) < need:
+            fresh = next_prompts(max(0, POOL_FACTOR * need - len(pool)))
+            pool = pool + [(i, [None] * self.G) for i in fresh]
+            flat = [c for _, cs in pool for c in cs]
+            comps = client.generate_until([prompt_of(i) for i, _ in pool], params, need, flat)
+            pool = [(i, comps[k * self.G : (k + 1) * self.G]) for k, (i, _) in enumerate(pool)]
+        take = [k for k, (_, cs) in enumerate(pool) if group_complete(cs)][:need]
+        chosen = set(take)
+        self.groups = [g for k, g in enumerate(pool) if k not in chosen]
+        rows, out = [], []
+        for p, k in enumerate(take):
+            i, cs = pool[k]
+            rows.append(i)
+            out += [dataclasses.replace(c, prompt_index=p) for c in cs]
+        return rows, out
+
+    def mask_stale(self, t: int, groups: Any) -> None:
+        """``--stale-policy mask``: the completions of ``groups`` (step ``t``) holding a token older than S become
+        unscorable (NaN: no advantage, no loss)."""
+        if self.policy != "mask" or self.S is None:
+            return
+        for j, c in enumerate(groups.completions):
+            if self.too_old(c, t):
+                groups.scores.totals[j] = math.nan
+                for v in groups.scores.terms.values():
+                    v[j] = math.nan
+                self.dropped += 1
+
+
+def check_versions(t: int, v: int, completions: list[Completion]) -> None:
+    """The pipeline's check under partial rollouts: step ``t``'s completions are finished and every token comes
+    from version ``v`` (the step's) or older (the per-token bound is ``--max-token-staleness``)."""
+    newer = sorted({u for c in completions for u in versions_of(c) if u > v})
+    cut = sum(c.finish_reason == "cut" for c in completions)
+    if newer or cut:
+        raise RuntimeError(
+            f"the rollouts of step {t} (partial rollouts) must be finished and come from weights version {v} or "
+            f"older, but hold tokens of version(s) {newer} and {cut} cut completion(s): the engine missed a weight "
+            "update"
+        )
+
+
+def lag_metrics(completions: list[Completion], t: int) -> dict:
+    """Per-token staleness of step ``t``'s completions: the lag of a token sampled with version u is ``(t-1) - u``."""
+    lags = [(t - 1) - v for c in completions for v in versions_of(c)]
+    spans = sum(len(set(versions_of(c))) > 1 for c in completions)
+    return {
+        "rollout/partial_frac": spans / max(1, len(completions)),
+        "rollout/token_lag_mean": sum(lags) / max(1, len(lags)),
+        "rollout/token_lag_max": max(lags, default=0),
+    }

@@ -1,0 +1,261 @@
+"""Partial rollouts (--partial-rollouts, align.rollout.partial): exactness of cut-and-resume against teacher-forced
+recomputation under each version's saved weights, bit-identity when nothing is cut, the carry (staleness, checkpoint
+and resume), the per-token metrics, bad input. Native sampler on the char task's model (vocab 8, <eos> = 2)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from helpers_train import PROMPTS, TIMING_KEYS, TOK, a_reward, cfg_for, records
+
+from align.model import load_pretrained
+from align.rewards import Scores
+from align.rollout.client import NativeClient
+from align.rollout.groups import Groups
+from align.rollout.native import generate
+from align.rollout.partial import Carry, versions_of
+from align.rollout.protocol import Completion, SamplingParams
+from align.train import TrainConfig, train
+
+LOGPROB_ATOL = 1e-4  # cached decode vs one full forward (fp32)
+ENCODED = [TOK.encode(p["prompt"]) for p in PROMPTS[:4]]
+PARAMS = SamplingParams(n=3, temperature=1.0, max_tokens=14, seed=5, stop_token_ids=[TOK.eos_token_id])
+
+
+@pytest.fixture(scope="module")
+def versions(char_model):
+    """Version 0 (the saved weights) and version 1 (every weight moved by seeded noise): two sets of weights."""
+    v0 = load_pretrained(char_model)
+    v1 = copy.deepcopy(v0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in v1.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=g))
+    return v0, v1
+
+
+def client(model, version):
+    c = NativeClient(model)
+    c.weights_version = version
+    return c
+
+
+@torch.no_grad()
+def teacher_forced(model, prompt, ids, T=1.0):
+    """log_softmax(logits / T) of each of ``ids`` after ``prompt``, one full forward (no cache)."""
+    logits = model(torch.tensor([prompt + ids]))[0, len(prompt) - 1 : -1] / T
+    return logits.log_softmax(-1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
+
+
+def stamped_error(c, models, stamps):
+    """Largest |logprob - teacher-forced logprob under the model each token is stamped with|."""
+    prompt = ENCODED[c.prompt_index]
+    ref = torch.stack([teacher_forced(models[v], prompt, c.token_ids)[i] for i, v in enumerate(stamps)])
+    return float((torch.tensor(c.logprobs) - ref).abs().max())
+
+
+def test_uncut_call_is_bit_identical_to_generate(versions):
+    v0, _ = versions
+    want = generate(v0, ENCODED, PARAMS)
+    got = client(v0, 0).generate_until(ENCODED, PARAMS, len(ENCODED), None)
+    assert got == want  # token ids, logprobs, sampled logprobs, finish reasons: every bit
+    assert all(c.token_versions is None and c.weights_version == 0 for c in got)
+    # negative control: needing fewer groups than the call holds cuts rows, so the outputs differ
+    assert client(v0, 0).generate_until(ENCODED, PARAMS, 1, None) != want
+
+
+@pytest.fixture(scope="module")
+def resumed(versions):
+    """A call on version 0 that completes 1 group (the rest cut), resumed by a call on version 1 to the end."""
+    v0, v1 = versions
+    first = client(v0, 0).generate_until(ENCODED, PARAMS, 1, None)
+    second = client(v1, 1).generate_until(ENCODED, PARAMS.__class__(**{**PARAMS.__dict__, "seed": 6}), 4, first)
+    return first, second
+
+
+def test_a_cut_row_resumes_under_the_new_version_token_by_token(versions, resumed):
+    v0, v1 = versions
+    first, second = resumed
+    cut = [c for c in first if c.finish_reason == "cut"]
+    assert cut and len(cut) < len(first)  # the call stopped at a token boundary with rows still running
+    done = {c.prompt_index for c in first if c.finish_reason != "cut"}
+    assert any(all(c.finish_reason != "cut" for c in first if c.prompt_index == p) for p in done)
+    assert all(c.finish_reason in ("stop", "length") for c in second)
+    resumed = 0
+    for a, b in zip(first, second):
+        assert (a.prompt_index, a.sample_index) == (b.prompt_index, b.sample_index)
+        if a.finish_reason != "cut":
+            assert b == a  # a finished row comes back unchanged
+            continue
+        j = len(a.token_ids)
+        assert b.token_ids[:j] == a.token_ids and b.logprobs[:j] == a.logprobs and b.weights_version == 0
+        assert len(b.token_ids) <= PARAMS.max_tokens
+        if len(b.token_ids) == j:
+            continue
+        resumed += 1
+        stamps = versions_of(b)
+        assert stamps == [0] * j + [1] * (len(b.token_ids) - j)
+        assert stamped_error(b, (v0, v1), stamps) < LOGPROB_ATOL
+        # negative controls: one model for both segments, or the boundary stamped one token late, fails the check
+        assert stamped_error(b, (v0, v1), [0] * len(stamps)) > 100 * LOGPROB_ATOL
+        assert stamped_error(b, (v0, v1), [1] * len(stamps)) > 100 * LOGPROB_ATOL
+        assert stamped_error(b, (v0, v1), [0] * (j + 1) + [1] * (len(stamps) - j - 1)) > 100 * LOGPROB_ATOL
+    assert resumed >= 2
+
+
+def test_the_loss_corrects_a_spanning_completion_token_by_token(versions, resumed):
+    """The learner's behaviour logprobs are the stitched per-token ones: trained on version 1's weights, rho =
+    pi / mu is 1 on the tokens version 1 sampled and differs from 1 on those version 0 sampled."""
+    from align.learner import sequence_batch
+
+    _, v1 = versions
+    first, second = resumed
+    spans = [(a, b) for a, b in zip(first, second) if a.finish_reason == "cut" and len(b.token_ids) > len(a.token_ids)]
+    _, _, mask, full, sampled = sequence_batch(ENCODED, [b for _, b in spans], PARAMS.n, "cpu")
+    for row, (a, b) in enumerate(spans):
+        mu = full[row][mask[row]]
+        assert torch.equal(mu, sampled[row][mask[row]])  # no truncation: the two bases agree
+        log_rho = teacher_forced(v1, ENCODED[b.prompt_index], b.token_ids) - mu
+        j = len(a.token_ids)
+        assert log_rho[j:].abs().max() < LOGPROB_ATOL
+        assert log_rho[:j].abs().max() > 100 * LOGPROB_ATOL  # negative control: the old segment is off-policy
+
+
+def test_the_carry_drops_stale_groups_and_refills_from_fresh_prompts(versions):
+    v0, v1 = versions
+    carry = Carry(3, 1, "drop")
+    drawn: list[int] = []
+
+    def next_prompts(k):
+        drawn.extend(range(len(drawn), len(drawn) + k))
+        return drawn[-k:] if k else []
+
+    rows, comps = carry.draw(1, 2, next_prompts, ENCODED.__getitem__, PARAMS, client(v0, 0))
+    assert len(rows) == 2 and len(comps) == 6 and drawn == [0, 1, 2, 3]  # a pool of 2 x 2 groups
+    assert all(c.finish_reason != "cut" for c in comps)
+    held = carry.state()
+    assert len(held) == 2 and any(c["finish_reason"] == "cut" for g in held for c in g["completions"])
+    json.dumps(held)  # plain data
+    # step 2 on version 1: lag of the carried tokens is 1 <= S, nothing dropped; step 3 (lag 2 > S): dropped
+    again = Carry(3, 1, "drop", held)
+    again.draw(2, 2, next_prompts, lambda i: ENCODED[i % 4], PARAMS, client(v1, 1))
+    assert again.dropped == 0
+    late = Carry(3, 1, "drop", held)
+    before = len(drawn)
+    late.draw(3, 2, next_prompts, lambda i: ENCODED[i % 4], PARAMS, client(v1, 2))
+    assert late.dropped == 6 and len(drawn) - before == 4  # both carried groups gone, the pool refilled fresh
+
+
+def test_mask_policy_makes_stale_completions_unscorable():
+    old = Completion(0, 0, [3, 4], [-1.0, -1.0], "stop", token_versions=[0, 1])
+    new = Completion(0, 1, [3], [-1.0], "stop", weights_version=2)
+    g = Groups([0], [old, new], ["", ""], Scores([0.5, 1.0], {"r": [0.5, 1.0]}), 0, 1, 1, 2)
+    carry = Carry(2, 1, "mask")
+    carry.mask_stale(4, g)  # step 4: lags 3 and 2 for `old` (> 1), 1 for `new`
+    assert math.isnan(g.scores.totals[0]) and math.isnan(g.scores.terms["r"][0])
+    assert g.scores.totals[1] == 1.0 and carry.dropped == 1
+    Carry(2, 3, "mask").mask_stale(4, g)  # negative control: S = 3 masks nothing more
+    assert g.scores.totals[1] == 1.0
+
+
+# ------------------------------------------------------------------------------------------------ runs
+
+
+def run(out, model, **kw) -> list[dict]:
+    cfg = cfg_for(
+        out, **{"steps": 6, "checkpoint_every": 2, "keep_checkpoints": 10, "max_tokens": 12, "group_size": 2, **kw}
+    )
+    cfg.log.log_completions_every = 1
+    train(cfg, model=model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward)
+    return [
+        {k: v for k, v in r.items() if k not in TIMING_KEYS and "wait" not in k and "idle" not in k}
+        for r in records(out)
+    ]
+
+
+@pytest.fixture(scope="module")
+def partial_run(tmp_path_factory, char_model):
+    out = tmp_path_factory.mktemp("partial")
+    return out, run(out, char_model, max_async_steps=1, partial_rollouts=True)
+
+
+def test_a_partial_run_trains_on_tokens_of_several_versions(partial_run):
+    _, recs = partial_run
+    assert len(recs) == 6
+    assert max(r["rollout/partial_frac"] for r in recs) > 0  # some completions span two versions
+    assert max(r["rollout/token_lag_max"] for r in recs) >= 2  # carried tokens are older than K = 1
+    assert all(r["rollout/token_lag_mean"] >= min(r["step"] - 1, 1) for r in recs)
+
+
+def test_without_the_flag_nothing_partial_is_logged_or_stored(tmp_path, char_model):
+    recs = run(tmp_path / "plain", char_model, max_async_steps=1, steps=2)
+    assert not any(k.startswith("rollout/") and ("lag" in k or "partial" in k) for r in recs for k in r)
+    state = torch.load(tmp_path / "plain" / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=True)
+    assert "carry" not in state
+
+
+def test_max_token_staleness_bounds_every_token(tmp_path, char_model):
+    recs = run(tmp_path / "s", char_model, max_async_steps=1, partial_rollouts=True, max_token_staleness=1)
+    assert all(r["rollout/token_lag_max"] <= 1 for r in recs)
+    assert sum(r["rollout/dropped_stale"] for r in recs) > 0
+
+
+def test_resume_continues_from_the_carried_groups(tmp_path, char_model, partial_run):
+    """A kill -9 after checkpoint 2 (the disk as it was): the rerun logs exactly the uninterrupted run; without the
+    checkpoint's carried groups it does not."""
+    full, recs = partial_run
+    state_path = full / "checkpoints" / "step_2" / "trainer_state.pt"
+    state = torch.load(state_path, weights_only=True)
+    assert any(c["finish_reason"] == "cut" for g in state["carry"] for c in g["completions"])
+
+    def rerun(name, edit=None):
+        out = tmp_path / name
+        shutil.copytree(full, out)
+        for p in (out / "checkpoints").iterdir():
+            if p.name != "step_2":
+                shutil.rmtree(p)
+        if edit is not None:
+            s = torch.load(out / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=True)
+            edit(s)
+            torch.save(s, out / "checkpoints" / "step_2" / "trainer_state.pt")
+        return run(out, char_model, max_async_steps=1, partial_rollouts=True)
+
+    assert rerun("resumed") == recs
+    assert rerun("lost", lambda s: s.update(carry=[]))[2:] != recs[2:]  # negative control
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"partial_rollouts": True}, "add --max-async-steps 1"),
+        ({"max_token_staleness": -1}, "--max-token-staleness must be an int >= 0"),
+        ({"partial_rollouts": True, "max_async_steps": 2, "max_token_staleness": 1}, "below --max-async-steps 2"),
+        ({"stale_policy": "keep"}, "--stale-policy must be one of"),
+        ({"partial_prefill": "nope"}, "--partial-prefill must be one of"),
+        ({"partial_rollouts": True, "max_async_steps": 1, "partial_prefill": "keep"}, "not built"),
+        ({"partial_rollouts": True, "max_async_steps": 1, "rollout": "spool"}, "needs the worker's cut request"),
+        ({"partial_rollouts": True, "max_async_steps": 1, "max_inflight_requests": 8}, "--max-inflight-requests"),
+    ],
+)
+def test_bad_partial_settings_fail_before_the_model_loads(kw, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**kw)
+
+
+def test_the_pipeline_refuses_cut_or_future_tokens():
+    from align.rollout.partial import check_versions
+
+    ok = [Completion(0, 0, [3, 4], [-1.0, -1.0], "stop", token_versions=[1, 2], weights_version=1)]
+    check_versions(3, 2, ok)  # older tokens are what partial rollouts are for
+    with pytest.raises(RuntimeError, match="version\\(s\\) \\[3\\]"):
+        check_versions(3, 2, [Completion(0, 0, [3], [-1.0], "stop", weights_version=3)])
+    with pytest.raises(RuntimeError, match="1 cut completion"):
+        check_versions(3, 2, [Completion(0, 0, [3], [-1.0], "cut", weights_version=2)])
