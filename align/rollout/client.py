@@ -191,6 +191,12 @@ class SpoolClient:
         self.last_timings = {"sync_s": body["seconds"], "sync_method": body["method"]}
         return float(body["seconds"])
 
+    def cut(self, requests: dict[str, tuple[list[list[int]], SamplingParams]]) -> dict[str, list[Completion]]:
+        """Stop generate requests in flight and collect their rows so far (partial rollouts): ``align.rollout.cut``."""
+        from align.rollout import cut
+
+        return cut.cut(self, requests)
+
     def shutdown_worker(self, timeout_s: float = 60.0) -> None:
         """Ask the worker to exit after the requests queued before this one."""
         msg = shutdown_request()
