@@ -52,7 +52,8 @@ def test_stitch_is_the_plain_loop():
     again = C.stitch(dataclasses_replace(s, finish_reason="cut"), rest)  # a second cut: versions carried per token
     assert again.token_versions == [3, 3, 3, 4, 4, 4, 4] == _loop_stitch(dataclasses_replace(s), rest)["versions"]
     empty = Completion(1, 0, [], [], "cut", [], weights_version=3)  # cut before its first token
-    assert C.stitch(empty, rest).token_versions == [4, 4] and C.stitch(empty, rest).weights_version == 4
+    assert C.stitch(empty, rest).token_versions is None and C.stitch(empty, rest).weights_version == 4  # uniform
+    assert C.stitch(dataclasses_replace(done, weights_version=4), rest).token_versions is None
     with pytest.raises(ValueError, match="not 'cut'"):
         C.stitch(rest, rest)
     with pytest.raises(ValueError, match="back in time"):
@@ -79,6 +80,8 @@ def test_cut_rows_pass_the_completions_check_and_others_do_not():
     assert C.cut_request(["a", "b"]).kind == "cut"
     with pytest.raises(ValueError, match="names a request twice"):
         C.cut_request(["a", "a"])
+    with pytest.raises(ValueError, match="list of generate request ids"):  # never a path out of requests/
+        C.cut_request(["../secret"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,7 +222,8 @@ def test_a_queued_request_is_cut_before_it_starts_behind_a_pending_sync(worker):
     else:
         pytest.fail("the long request finished before its cut arrived, three times: the machine is too slow")
     assert [c.token_ids for c in got[queued.id]] == [[]] * 4 and {c.finish_reason for c in got[queued.id]} == {"cut"}
-    assert all(c.logprobs == [] and c.weights_version == client.weights_version - 1 for c in got[queued.id])
+    before = got[long.id][0].weights_version  # stamped with the weights before the sync, as the long one
+    assert all(c.logprobs == [] and c.weights_version == before != 4 + attempt for c in got[queued.id])
 
 
 def test_a_worker_below_minor_2_is_refused_before_sending(tmp_path):
@@ -236,3 +240,29 @@ def test_a_worker_below_minor_2_is_refused_before_sending(tmp_path):
     with pytest.raises(WorkerDiedError, match="no answer"):
         client.cut({"r-any": (PROMPTS, SamplingParams())})
     assert [Spool(spool.root).read(p).kind for p in spool.pending()] == ["cut"]
+
+
+@pytest.mark.rollout
+def test_generate_until_cuts_the_rest_and_a_second_call_finishes_them(worker):
+    """``SpoolClient.generate_until`` (the partial-rollouts call): greedy, one group stops at its 4th token; the call
+    returns once one group is complete, the rows still running cut as prefixes of the uncut run; a second call with
+    them carried finishes every row exactly as the uncut run (same weights: one version, ``token_versions`` None)."""
+    client = worker["client"]
+    groups = [PROMPTS[1], [5, 17, 99, 123], [7, 8, 9]]
+    ref = client.generate(groups, SamplingParams(n=2, temperature=0.0, max_tokens=LONG))
+    stop = ref[0].token_ids[3]
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=LONG, stop_token_ids=[stop])
+    expected = [c.token_ids[: c.token_ids.index(stop) + 1] if stop in c.token_ids else c.token_ids for c in ref]
+    first = client.generate_until(groups, params, 1, None)
+    assert [(c.prompt_index, c.sample_index) for c in first] == [(g, j) for g in range(3) for j in range(2)]
+    for c, e in zip(first, expected):
+        assert c.token_ids == e[: len(c.token_ids)]  # cut or not, a prefix of the uncut run
+        assert c.finish_reason == "cut" or c.token_ids == e
+    complete = [g for g in range(3) if all(c.finish_reason != "cut" for c in first[2 * g : 2 * g + 2])]
+    print(f"\ngenerate_until(need=1): groups {complete} complete, rows cut after {[len(c.token_ids) for c in first]}")
+    assert complete  # at least the one it waited for
+    second = client.generate_until(groups, params, 3, first)
+    assert [c.token_ids for c in second] == expected and "cut" not in {c.finish_reason for c in second}
+    assert all(c.token_versions is None and c.weights_version == client.weights_version for c in second)
+    with pytest.raises(ValueError, match="complete already"):
+        client.generate_until(groups, params, 3, second)

@@ -192,10 +192,14 @@ class SpoolClient:
         return float(body["seconds"])
 
     def cut(self, requests: dict[str, tuple[list[list[int]], SamplingParams]]) -> dict[str, list[Completion]]:
-        """Stop generate requests in flight and collect their rows so far (partial rollouts): ``align.rollout.cut``."""
-        from align.rollout import cut
+        from align.rollout import cut  # partial rollouts: stop requests in flight, collect their rows so far
 
         return cut.cut(self, requests)
+
+    def generate_until(self, prompts: list[list[int]], params: SamplingParams, need: int, carried: list) -> list:
+        from align.rollout import cut  # partial rollouts: generate until ``need`` groups are complete, cut the rest
+
+        return cut.generate_until(self, prompts, params, need, carried)
 
     def shutdown_worker(self, timeout_s: float = 60.0) -> None:
         """Ask the worker to exit after the requests queued before this one."""

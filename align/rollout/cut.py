@@ -26,10 +26,19 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from typing import Any
 
-from align.rollout.message import WorkerTooOldError, worker_minor
-from align.rollout.protocol import Completion, Message, ProtocolError, SamplingParams, _is_int, new_id
+from align.rollout.message import _ID_RE, WorkerTooOldError, worker_minor
+from align.rollout.protocol import (
+    Completion,
+    Message,
+    ProtocolError,
+    SamplingParams,
+    _is_int,
+    generate_request,
+    new_id,
+)
 
 CUT_MINOR = 2
 
@@ -47,7 +56,7 @@ def too_old(root: object, minor: object) -> WorkerTooOldError:
 def cut_problem(body: dict) -> str | None:
     """What is wrong with a cut request body, or None."""
     ids = body["requests"]
-    if not ids or not all(isinstance(i, str) and i for i in ids):
+    if not ids or not all(isinstance(i, str) and _ID_RE.fullmatch(i) for i in ids):
         return f"'requests' must be a non-empty list of generate request ids, got {str(ids)[:80]}"
     if len(set(ids)) != len(ids):
         return "'requests' names a request twice"
@@ -122,7 +131,8 @@ def continuation_prompt(prompt: list[int], done: Completion, params: SamplingPar
 def stitch(done: Completion, rest: Completion) -> Completion:
     """``done`` (a cut completion) followed by ``rest`` (the answer to its continuation): one completion with the
     indices and first version of ``done``, the finish reason of ``rest``, and each token's version in
-    ``token_versions`` (a segment without its own takes its answer's ``weights_version`` for every token)."""
+    ``token_versions`` (a segment without its own takes its answer's ``weights_version`` for every token; None when
+    all tokens share one version, as the protocol reads None)."""
     if done.finish_reason != "cut":
         raise ValueError(f"stitch: the first segment finished with {done.finish_reason!r}, not 'cut'")
     if (done.sampled_logprobs is None) != (rest.sampled_logprobs is None):
@@ -134,7 +144,8 @@ def stitch(done: Completion, rest: Completion) -> Completion:
     first = versions[0] if versions else rest.weights_version
     joined = {"token_ids": done.token_ids + rest.token_ids, "logprobs": done.logprobs + rest.logprobs}
     joined.update(finish_reason=rest.finish_reason, sampled_logprobs=sampled, weights_version=first)
-    return dataclasses.replace(done, **joined, token_versions=versions, routes=None)
+    uniform = all(v == first for v in versions)  # None: every token from weights_version (as without a cut)
+    return dataclasses.replace(done, **joined, token_versions=None if uniform else versions, routes=None)
 
 
 def _versions(c: Completion) -> list[int]:
@@ -143,3 +154,80 @@ def _versions(c: Completion) -> list[int]:
     if len(c.token_versions) != len(c.token_ids) or not all(_is_int(v) for v in c.token_versions):
         raise ValueError(f"token_versions has {len(c.token_versions)} entries for {len(c.token_ids)} tokens")
     return list(c.token_versions)
+
+
+def generate_until(
+    client: Any,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    need: int,
+    carried: list[Completion | None] | None = None,
+) -> list[Completion]:
+    """The spool's "generate until ``need`` groups are complete, return the rest cut" (``--partial-rollouts``; the
+    native sampler's is ``align.rollout.partial.generate_until`` on the ``partial`` branch, same contract).
+
+    ``prompts``: one per group, ``params.n`` rows each; ``carried``: per row (prompt-major) None (fresh) or its
+    completion so far (a cut one resumes as prompt + its ids with the rest of ``max_tokens``; a finished one comes
+    back unchanged). A fresh group is one request, seeded as the whole batch in one request would be
+    (``first_prompt_index``); a resumed row is a request of its own (seed stream ``R + row``). Once ``need`` groups
+    are complete the requests still out are cut (``cut``). Returns one completion per row, finished or cut,
+    stitched onto what was carried (``stitch``)."""
+    n, R = params.n, len(prompts) * params.n
+    carried = list(carried) if carried is not None else [None] * R
+    if len(carried) != R:
+        raise ValueError(f"carried has {len(carried)} rows, the call has {R} ({len(prompts)} prompts x n={n})")
+    run = [r for r in range(R) if carried[r] is None or carried[r].finish_reason == "cut"]
+    if len(prompts) - len({r // n for r in run}) >= need or not run:
+        raise ValueError(f"{need} group(s) are complete already: no call")
+    sent: dict[str, tuple[list[list[int]], SamplingParams, list[int]]] = {}  # request id -> (prompts, params, rows)
+    for g in sorted({r // n for r in run}):
+        rows = [r for r in run if r // n == g]
+        if len(rows) == n and all(carried[r] is None for r in rows):
+            requests = [([prompts[g]], params, g, rows)]
+        else:
+            requests = []
+            for r in rows:
+                so_far = carried[r] if carried[r] is not None else Completion(g, r % n, [], [], "cut", [])
+                p, budget = continuation_prompt(prompts[g], so_far, params)
+                requests.append(([p], dataclasses.replace(params, n=1, max_tokens=budget), R + r, [r]))
+        for ps, p, first, rs in requests:
+            msg = generate_request(ps, p, first_prompt_index=first)
+            client.spool.submit(msg)
+            sent[msg.id] = (ps, p, rs)
+    out = list(carried)
+    for r, c in _until_groups(client, sent, len(prompts) - len({r // n for r in run}), need, n).items():
+        c = dataclasses.replace(c, prompt_index=r // n, sample_index=r % n)
+        out[r] = c if carried[r] is None else stitch(carried[r], c)
+    return out
+
+
+def _until_groups(client: Any, sent: dict, complete: int, need: int, n: int) -> dict[int, Completion]:
+    """Take the answers of ``sent`` until ``need`` groups are complete (``complete`` already are), then cut the rest;
+    {row: its new completion}. Bounded by ``client.timeout_s``; a dead worker raises (``SpoolClient``'s check)."""
+    pending, got = dict(sent), {}
+    todo = {}  # group -> its rows still to answer
+    for _, _, rows in sent.values():
+        for r in rows:
+            todo.setdefault(r // n, set()).add(r)
+    deadline, last_check = time.monotonic() + client.timeout_s, 0.0
+    while pending and complete + sum(not rows for rows in todo.values()) < need:
+        answered = [rid for rid in pending if client.spool.request_state(rid) == "answered"]
+        for rid in answered:
+            ps, p, rows = pending.pop(rid)
+            got.update(zip(rows, client.generate(ps, p, request_id=rid)))
+            for r in rows:
+                todo[r // n].discard(r)
+        if answered:
+            continue
+        now = time.monotonic()
+        if now > deadline:
+            raise RuntimeError(f"{need} group(s) not complete within timeout_s={client.timeout_s:.0f}")
+        if now - last_check >= 0.25:
+            last_check = now
+            client._check_alive(next(iter(pending)))  # WorkerDiedError with the worker's log tail
+        time.sleep(client.poll_s)
+    if pending:
+        answers = cut(client, {rid: (ps, p) for rid, (ps, p, _) in pending.items()})
+        for rid, comps in answers.items():
+            got.update(zip(pending[rid][2], comps))
+    return got
