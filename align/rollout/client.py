@@ -200,6 +200,16 @@ class SpoolClient:
         self.last_timings = {"sync_s": body["seconds"], "sync_method": body["method"]}
         return float(body["seconds"])
 
+    def cut(self, requests: dict[str, tuple[list[list[int]], SamplingParams]]) -> dict[str, list[Completion]]:
+        from align.rollout import cut  # partial rollouts: stop requests in flight, collect their rows so far
+
+        return cut.cut(self, requests)
+
+    def generate_until(self, prompts: list[list[int]], params: SamplingParams, need: int, carried: list) -> list:
+        from align.rollout import cut  # partial rollouts: generate until ``need`` groups are complete, cut the rest
+
+        return cut.generate_until(self, prompts, params, need, carried)
+
     def shutdown_worker(self, timeout_s: float = 60.0) -> None:
         """Ask the worker to exit after the requests queued before this one."""
         msg = shutdown_request()

@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 
 PROTOCOL = "align-spool"
 PROTOCOL_VERSION = 1
-PROTOCOL_MINOR = (
-    1  # minor versions only add request kinds (1: ``score``, align/rollout/teacher_logprobs.py); heartbeat "minor"
-)
+# minor versions only add request kinds (1: ``score``, align/rollout/teacher_logprobs.py; 2: ``cut``,
+# align/rollout/cut.py); a worker announces its minor in its heartbeat ("minor")
+PROTOCOL_MINOR = 2
 
-REQUEST_KINDS = ("generate", "sync_weights", "shutdown", "score")
-RESPONSE_KINDS = ("completions", "synced", "error", "stopped", "scores")
+REQUEST_KINDS = ("generate", "sync_weights", "shutdown", "score", "cut")
+RESPONSE_KINDS = ("completions", "synced", "error", "stopped", "scores", "cut_done")
 # Required body fields and their JSON types, per kind. Extra fields are allowed (forward compatible).
 _BODY_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "generate": {"prompts": (list,), "params": (dict,)},
@@ -38,6 +38,8 @@ _BODY_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "stopped": {},
     "score": {"sequences": (list,), "starts": (list,)},
     "scores": {"logprobs": (list,)},
+    "cut": {"requests": (list,)},
+    "cut_done": {"cut": (list,), "untouched": (list,)},
 }
 _ID_RE = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9._-]{0,127}\Z")  # \Z: "$" would accept a trailing newline
 _counter = itertools.count()
@@ -49,6 +51,16 @@ class ProtocolError(ValueError):
 
 class UntrustedMessageError(ProtocolError):
     """A spool file not written by the spool's owner, or without a valid MAC of its secret: rejected, never answered."""
+
+
+class WorkerTooOldError(RuntimeError):
+    """The worker speaks an older minor version of the spool protocol than the request needs."""
+
+
+def worker_minor(hb: dict | None) -> int:
+    """The minor protocol version a heartbeat announces (0 for a worker from before minor versions)."""
+    minor = (hb or {}).get("minor", 0)
+    return minor if _is_int(minor) else 0
 
 
 @dataclass

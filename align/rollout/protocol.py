@@ -72,7 +72,11 @@ from align.rollout.spool import (  # noqa: F401 -- the transport's public names:
 #                (vLLM logprobs_mode=processed_logprobs); equals "training" when no truncation is active
 LOGPROB_BASES = ("training", "raw", "processed")
 
-FINISH_REASONS = ("stop", "length", "cut")  # "cut": --partial-rollouts stopped it mid-way (never trained)
+FINISH_REASONS = (
+    "stop",
+    "length",
+    "cut",
+)  # "cut": --partial-rollouts stopped it mid-way; a cut request (align/rollout/cut.py)
 
 
 @dataclass
@@ -137,9 +141,9 @@ def check_completions(
     """The completions of a ``completions`` response, checked against the request that asked for them.
 
     Exactly one completion per (prompt_index in [0, len(prompts)), sample_index in [0, params.n)); token ids
-    are ints (not bool / float / str) in [0, vocab_size) when ``vocab_size`` is known; 1 <= len <= max_tokens;
-    ``logprobs`` (and ``sampled_logprobs`` unless None) are one number <= 0 per token; finish_reason is
-    'stop' | 'length'. Any defect raises ProtocolError naming ``source``. Returns them in (prompt, sample) order.
+    are ints (not bool / float / str) in [0, vocab_size) when ``vocab_size`` is known; 1 <= len <= max_tokens (0 too for
+    a row a ``cut`` request stopped); ``logprobs`` (and ``sampled_logprobs`` unless None) are one number <= 0 per
+    token; finish_reason is 'stop' | 'length' | 'cut'. Any defect raises ProtocolError naming ``source``. Returns them in (prompt, sample) order.
     """
     items = body["completions"]
     if body.get("logprob_basis") not in LOGPROB_BASES:
@@ -185,8 +189,9 @@ def _completion_problem(c: object, n_prompts: int, params: SamplingParams, vocab
         return f"sample_index {si!r} is not an int in [0, n={params.n})"
     if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
         return f"token_ids must be a list of int token ids, got {str(ids)[:80]}"
-    if not 1 <= len(ids) <= params.max_tokens:
-        return f"{len(ids)} token ids, expected 1..max_tokens={params.max_tokens}"
+    least = 0 if c.get("finish_reason") == "cut" else 1  # a row cut before its first token has none
+    if not least <= len(ids) <= params.max_tokens:
+        return f"{len(ids)} token ids, expected {least}..max_tokens={params.max_tokens}"
     bad = [t for t in ids if t < 0 or (vocab_size and t >= vocab_size)]
     if bad:
         return f"token ids outside the vocabulary [0, {vocab_size or 'inf'}): {bad[:5]}"

@@ -17,13 +17,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from align.rollout.message import WorkerTooOldError, worker_minor  # defined once, for score and cut
 from align.rollout.protocol import PROTOCOL, PROTOCOL_VERSION, Message, ProtocolError, _is_int, _is_logprob, new_id
 
 SCORE_MINOR = 1
-
-
-class WorkerTooOldError(RuntimeError):
-    """The worker speaks an older minor version of the spool protocol than the request needs."""
 
 
 def too_old(root: object, minor: object) -> WorkerTooOldError:
@@ -32,12 +29,6 @@ def too_old(root: object, minor: object) -> WorkerTooOldError:
         f"distillation's teacher logprobs) needs {PROTOCOL_VERSION}.{SCORE_MINOR} or newer: restart the worker from "
         "this align checkout (extras/vllm_rollout/rollout_worker.py), or use the in-process teacher"
     )
-
-
-def worker_minor(hb: dict | None) -> int:
-    """The minor protocol version a heartbeat announces (0 for a worker from before minor versions)."""
-    minor = (hb or {}).get("minor", 0)
-    return minor if _is_int(minor) else 0
 
 
 def score_problem(body: dict, vocab_size: int | None = None, max_len: int | None = None) -> str | None:

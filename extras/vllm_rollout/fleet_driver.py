@@ -60,6 +60,9 @@ LOCAL_OBJECT_STORE_BYTES = 256 * 1024**2  # requests and answers are small; Ray'
 _ENV_PREFIXES = ("VLLM_", "TORCHINDUCTOR_", "TRITON_", "HF_", "OMP_", "PYTHONUNBUFFERED")
 
 
+FLEET_MINOR = 1  # the protocol minor the fleet serves: score, not cut (align/rollout/cut.py)
+
+
 class FleetSpool(P.Spool):
     """The spool, with the fleet's engine report added to every heartbeat."""
 
@@ -68,7 +71,8 @@ class FleetSpool(P.Spool):
         self.report = report
 
     def write_heartbeat(self, state: str, **info: object) -> None:
-        super().write_heartbeat(state, **info, **self.report())
+        # minor 1: the fleet does not cut requests (``cut``, minor 2) yet, so a client refuses it before sending one
+        super().write_heartbeat(state, **info, **self.report(), minor=FLEET_MINOR)
 
 
 class FleetWorker(rw.Worker):
@@ -418,6 +422,13 @@ class FleetWorker(rw.Worker):
         }  # fmt: skip
         body = {"completions": comps, "weights_version": min(c["weights_version"] for c in comps)}
         self.answer(P.Message("completions", job.msg.id, {**body, "logprob_basis": self.basis, "timings": timings}))
+
+    def serve_cut(self, msg: P.Message) -> None:
+        """Not served yet (the heartbeat announces minor ``FLEET_MINOR``): each engine would cut its own requests."""
+        self.answer(P.error_response(msg.id, "unsupported", "the rollout fleet does not cut requests yet"))
+
+    def cut_ahead(self) -> None:
+        pass
 
     # -- weight sync ----------------------------------------------------------------------------
     def serve_sync(self, msg: P.Message) -> None:

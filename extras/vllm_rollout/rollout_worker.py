@@ -14,7 +14,9 @@ finished; a command waits until nothing is in flight, and nothing after it is cl
 changed or reload fails; a committed PEFT adapter dir (LoRA training, worker started with
 ``--max-lora-rank``) is loaded as a new ``LoRARequest`` on the unchanged base model (no engine rebuild, no
 base reload) and serves every later request; ``score`` (protocol 1.1, ``align/rollout/teacher_logprobs.py``) answers the
-exact logprob of each given token (vLLM ``prompt_logprobs``); ``shutdown`` answers and exits. A heartbeat thread rewrites
+exact logprob of each given token (vLLM ``prompt_logprobs``); ``cut`` (protocol 1.2, ``align/rollout/cut.py``) is
+served at once, between two engine steps, even ahead of a claimed command or a full batch: the named requests are
+aborted and answered with their rows so far; ``shutdown`` answers and exits. A heartbeat thread rewrites
 ``heartbeat.json`` every ``--heartbeat-s``. One worker per spool (``worker.lock``). On start,
 requests a dead predecessor had claimed but not answered are served again (answers are keyed by
 request id, so none is answered twice).
@@ -47,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (tests), not run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 from worker_answers import ResponseWriter, Running, completions_message
-from worker_commands import Commands, arch_of
+from worker_commands import UNSTARTED, Commands, arch_of
 
 from align.rollout import protocol as P
 
@@ -125,6 +127,7 @@ class Worker(Commands):
         self.arch = arch_of(self.model_dir / "config.json")  # kept: the snapshot dir may be deleted once loaded
         self.running: dict[str, Running] = {}  # generate requests in flight, by message id
         self.running_seqs: dict[str, tuple[Running, int]] = {}  # engine request id -> (its request, sequence index)
+        self.queued_kinds: dict[str, str] = {}  # a queued request file's kind, read once (``cut_ahead``)
         self.finished_tokens = 0  # completion tokens of every finished sequence (the batch figures' basis)
         self.writer = ResponseWriter(self.publish)
         self._stop = threading.Event()
@@ -305,15 +308,18 @@ class Worker(Commands):
         self.answer(completions_message(job, comps, self.finished_tokens, self.version, self.basis))
 
     def completion(self, out, prompt_index: int, sample_index: int, params: P.SamplingParams) -> P.Completion:
+        truncated = params.processed  # top-k / top-p / min-p / repetition penalty
+        exact = self.basis == "processed" or (params.temperature == 1.0 and not truncated)
+        if out is UNSTARTED:  # cut before the engine started it
+            return P.Completion(prompt_index, sample_index, [], [], "cut", [] if exact else None, self.version)
         o = out.outputs[0]
         ids = [int(t) for t in o.token_ids]
         lps = [float(o.logprobs[k][t].logprob) for k, t in enumerate(ids)]
-        if o.finish_reason not in ("stop", "length"):
+        reason = "cut" if o.finish_reason == "abort" else o.finish_reason  # abort: our cut (serve_cut)
+        if reason not in P.FINISH_REASONS:
             raise RuntimeError(f"vLLM finished a sequence with reason {o.finish_reason!r}")
-        truncated = params.processed  # top-k / top-p / min-p / repetition penalty
-        exact = self.basis == "processed" or (params.temperature == 1.0 and not truncated)
         return P.Completion(
-            prompt_index, sample_index, ids, lps, o.finish_reason,
+            prompt_index, sample_index, ids, lps, reason,
             sampled_logprobs=lps if exact else None, weights_version=self.version,
         )  # fmt: skip
 
@@ -352,7 +358,7 @@ class Worker(Commands):
             if self.spool.request_state(msg.id) == "answered":  # already answered before a restart
                 self.spool.finish(msg.id)
                 continue
-            if msg.kind != "generate":
+            if msg.kind != "generate":  # a command (run once nothing is in flight), or a cut (run at once)
                 return batch, msg
             batch.append((msg, time.time()))
             if len(batch) >= limit:
@@ -381,6 +387,12 @@ class Worker(Commands):
                 batch, command = self.next_batch()
                 if batch:
                     self.serve_generate(batch)
+            if command is not None and command.kind == "cut":  # between two engine steps, not after the drain
+                command, cut = None, command
+                self.serve_cut(cut)
+                continue
+            if self.running and (command is not None or len(self.running) >= self.args.max_batch_requests):
+                self.cut_ahead()  # nothing more is claimed before the drain, but a cut is served at once
             if self.running:
                 self.step()
                 continue

@@ -46,6 +46,8 @@ def completions_message(job: Running, comps: list[P.Completion], finished_tokens
         "queue_s": max(0.0, job.claimed_at - msg.created), "generate_s": gen_s, "batch_requests": job.peak,
         "batch_completion_tokens": total_tokens, "completion_tokens": sum(len(c.token_ids) for c in comps),
         "tokens_per_s": total_tokens / max(gen_s, 1e-9),
+        "cached_prompt_tokens": sum(getattr(out, "num_cached_tokens", None) or 0 for out in job.outs if
+                                    hasattr(out, "outputs")),  # prefix-cache hits (a cut row's continuation)
     }  # fmt: skip
     body = {"completions": [c.to_dict() for c in comps], "weights_version": version}
     return P.Message("completions", msg.id, {**body, "logprob_basis": basis, "timings": timings})

@@ -1,6 +1,8 @@
 """The rollout worker's commands (run once nothing is in flight): ``sync_weights`` (a committed snapshot reloaded
 into the running engine, or the engine rebuilt when the architecture changed or reload fails; a committed PEFT
-adapter dir loaded as a new ``LoRARequest``) and ``score`` (the exact logprob of given tokens).
+adapter dir loaded as a new ``LoRARequest``) and ``score`` (the exact logprob of given tokens); and ``cut``
+(``align/rollout/cut.py``), served at once between two engine steps: the named generate requests answered with
+what their rows sampled so far.
 
 A mixin of ``rollout_worker.Worker``: it uses the worker's engine (``self.llm``), arguments, state and ``answer``.
 Stdlib only at import, like the worker.
@@ -16,6 +18,8 @@ from pathlib import Path
 from align.rollout import protocol as P
 
 log = logging.getLogger("rollout_worker")
+
+UNSTARTED = "unstarted"  # a cut row the engine never started (no tokens): ``Running.outs`` entry
 
 # config.json keys that do not change the architecture (a reload suffices when only these differ).
 _NON_ARCH_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache", "architectures"}
@@ -38,8 +42,24 @@ def snapshot_problem(path: Path) -> str | None:
     return None
 
 
+def partial_output(engine, rid: str):
+    """The output so far of engine request ``rid`` (vLLM's RequestOutput, as a finished one looks), or None when the
+    engine has not taken it. vLLM 0.32's ``LLMEngine.abort_request`` drops an aborted request's state without an
+    output (only ``AsyncLLM`` queues the final "abort" output), so the output is made here the way
+    ``OutputProcessor.abort_requests`` makes it: from the request's state, before the abort. Its token ids and
+    logprobs are the ones the output processor accumulated, the same as a finished request's."""
+    from vllm.v1.engine import FinishReason
+
+    op = engine.output_processor
+    for internal in op.external_req_ids.get(rid, []):
+        state = op.request_states.get(internal)
+        if state is not None:
+            return state.make_request_output([], None, FinishReason.ABORT, None)
+    return None
+
+
 class Commands:
-    """``serve_sync``, ``serve_adapter_sync``, ``serve_score``: see the module docstring."""
+    """``serve_sync``, ``serve_adapter_sync``, ``serve_score``, ``serve_cut``: see the module docstring."""
 
     def serve_sync(self, msg: P.Message) -> None:
         path, version = Path(msg.body["path"]), msg.body["version"]
@@ -56,7 +76,7 @@ class Commands:
         if self.args.sync_mode != "rebuild" and same_arch:
             try:
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
-                self.llm.reset_prefix_cache()
+                self.reset_prefix_cache()
                 method = "reload"
             except Exception as e:
                 if self.args.sync_mode == "reload":
@@ -105,7 +125,7 @@ class Commands:
         old, self.lora = self.lora, request
         if old is not None and old.lora_int_id in self.llm.llm_engine.list_loras():
             self.llm.llm_engine.remove_lora(old.lora_int_id)
-        self.llm.reset_prefix_cache()
+        self.reset_prefix_cache()
         seconds = time.perf_counter() - t0
         self.version = version
         log.info("weights version %d: adapter %s as LoRA %d in %.2f s", version, path, request.lora_int_id, seconds)
@@ -145,3 +165,84 @@ class Commands:
         self.answer(P.Message("scores", msg.id, {"logprobs": lps, "timings": timings}))
         self.set_state("ready")
         return None
+
+    def reset_prefix_cache(self) -> None:
+        """Drop the prefix cache after a weight load: its KV was computed under the old weights, and a continuation
+        of a cut completion (prompt + its ids so far) must be prefilled under the new ones. vLLM resets only when no
+        request holds KV (a sync runs after the drain); a refusal is an error, never stale KV served."""
+        if self.llm.reset_prefix_cache() is False:
+            raise RuntimeError("vLLM refused to reset the prefix cache after a weight load (a request still holds KV)")
+
+    def serve_cut(self, msg: P.Message) -> None:
+        """A ``cut`` request (align/rollout/cut.py): each named generate request in flight is aborted in the engine
+        and answered with its rows so far (finished rows as they finished, the rest ``cut``); one still queued in
+        the spool is taken and answered with every row cut before its first token; the rest are left alone."""
+        from align.rollout import cut
+
+        problem = cut.cut_problem(msg.body)
+        if problem is not None:
+            return self.answer(P.error_response(msg.id, "bad_request", problem))
+        engine, done, untouched = self.llm.llm_engine, [], []
+        for rid in msg.body["requests"]:
+            job = self.running.pop(rid, None)
+            if job is None:
+                job = self.take_queued(rid)
+            if job is None:
+                untouched.append(rid)
+                continue
+            left = []
+            for k, out in enumerate(job.outs):
+                if out is None:  # not finished: its output so far, taken before the abort drops it
+                    left.append(f"{rid}:{k}")
+                    self.running_seqs.pop(left[-1], None)
+                    job.outs[k] = partial_output(engine, left[-1]) or UNSTARTED
+                    self.finished_tokens += 0 if job.outs[k] is UNSTARTED else len(job.outs[k].outputs[0].token_ids)
+            if left:
+                engine.abort_request(left)
+            job.left = 0
+            self.answer_job(job)
+            done.append(rid)
+        log.info("cut %d request(s) %s; %d already answered or unknown", len(done), done, len(untouched))
+        self.answer(P.Message("cut_done", msg.id, {"cut": done, "untouched": untouched}))
+        if not self.running:
+            self.flip_state("ready")
+        return None
+
+    def cut_ahead(self) -> None:
+        """Serve the cut requests queued behind what cannot be claimed yet (a command waiting for the drain, a full
+        batch); each queued file is read once for its kind."""
+        queued = self.spool.pending()
+        self.queued_kinds = {p.name: self.queued_kinds.get(p.name) or self._kind(p) for p in queued}
+        for path in queued:
+            if self.queued_kinds[path.name] != "cut" or (claimed := self.spool.claim(path)) is None:
+                continue
+            try:
+                msg = self.spool.read(claimed)
+            except P.ProtocolError as e:  # changed since it was read: the main loop's handling, in short
+                log.error("%s", e)
+                self.spool.reject(claimed)
+                continue
+            self.serve_cut(msg)
+
+    def _kind(self, path: Path) -> str:
+        try:
+            return self.spool.read(path).kind
+        except (OSError, P.ProtocolError):
+            return "?"  # gone, or bad: the main loop deals with it when it comes to it
+
+    def take_queued(self, rid: str):
+        """A generate request ``rid`` still queued in the spool, claimed as a ``Running`` none of whose rows
+        started; None when it is not queued (answered, in flight elsewhere, unknown) or not a valid generate."""
+        from worker_answers import Running
+
+        path = self.spool.requests / f"{rid}.json"
+        try:
+            msg = self.spool.read(path)
+        except (OSError, P.ProtocolError):
+            return None  # gone meanwhile, or one the main loop rejects when it comes to it
+        if msg.kind != "generate" or self.spool.claim(path) is None:
+            return None
+        params = P.SamplingParams.from_dict(msg.body["params"])
+        job = Running(msg, time.time(), params, len(msg.body["prompts"]) * params.n, self.finished_tokens)
+        job.outs = [UNSTARTED] * len(job.outs)
+        return job
