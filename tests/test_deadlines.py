@@ -198,3 +198,17 @@ def test_an_abandoned_call_holding_the_environment_evicts_later_calls_instead_of
             assert envs.step(1, "x").done  # the abandoned call returned: the lock is free again
     finally:
         release.set()
+
+
+def test_a_spool_group_deadline_under_torchrun_is_one_clear_error(tmp_path, capsys, monkeypatch):
+    """Refused before anything loads (each rank would gather from several threads); control: one process is fine."""
+    from align.train import TrainConfig
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as e:
+        main(["--out", str(tmp_path / "never"), "--group-timeout-s", "5", "--rollout", "spool"])
+    assert e.value.code == 2 and "under torchrun is not supported yet" in capsys.readouterr().err
+    assert not (tmp_path / "never").exists()
+    TrainConfig(group_timeout_s=5, rollout="native")  # the native sampler: its generation is the watchdog's
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    TrainConfig(group_timeout_s=5, rollout="spool")

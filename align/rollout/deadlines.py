@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from align import heartbeat
+from align import dist, heartbeat
 from align.rewards import Scores
 
 EVICT_POLICIES = {
@@ -170,6 +170,11 @@ def check_deadline(cfg: Any) -> None:
         raise ValueError(f"--group-timeout-s {v!r} is invalid: must be a finite number >= 0 (0 = off)")
     if cfg.evict_policy not in EVICT_POLICIES:
         raise ValueError(f"--evict-policy must be one of {tuple(EVICT_POLICIES)}, got {cfg.evict_policy!r}")
+    if v and cfg.rollout != "native" and dist.env_world_size() > 1:  # generate_by_group's threads would each gather
+        raise ValueError(
+            f"--group-timeout-s {v:g} with --rollout {cfg.rollout} under torchrun is not supported yet (each rank "
+            "would gather its groups' answers from several threads); run it in one process, or use --rollout native"
+        )
     if v and v < MIN_GROUP_S:
         raise ValueError(f"--group-timeout-s {v!r} is invalid: below the minimum {MIN_GROUP_S} s (or 0 = off)")
     if v and cfg.rewards.reward_workers > 1:
