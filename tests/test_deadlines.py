@@ -212,3 +212,63 @@ def test_a_spool_group_deadline_under_torchrun_is_one_clear_error(tmp_path, caps
     TrainConfig(group_timeout_s=5, rollout="native")  # the native sampler: its generation is the watchdog's
     monkeypatch.setenv("WORLD_SIZE", "1")
     TrainConfig(group_timeout_s=5, rollout="spool")
+
+
+def test_on_a_thread_per_episode_client_a_turn_not_back_is_evicted_and_the_rest_finish():
+    """``EpisodeRunner`` with a client it drives one thread per episode (as a spool worker: here the real native
+    sampler behind a plain wrapper), the first row's turns held back: at the deadline its episodes are evicted
+    ("not back") while the other row's episodes finished; once released, the abandoned threads' answers are dropped
+    (the evicted episodes stay as evicted, no turn added). Control: without a deadline every episode finishes."""
+    import sys
+    import time
+
+    from helpers_learner import PARAMS, rev_model
+
+    from align.chat import TurnRenderer
+    from align.envs.config import EnvConfig
+    from align.envs.episodes import EpisodeRunner
+    from align.envs.runner import EnvRunner
+    from align.rollout.client import NativeClient
+    from align.tasks import reverse
+
+    sys.path.insert(0, str(FIXTURES))
+    from turn_envs import Feedback
+
+    tok = reverse.tokenizer()
+    native, lock, release = NativeClient(rev_model()), threading.Lock(), threading.Event()
+    rows = [{"prompt": "hhh=", "answer": "hhh"}, {"prompt": "abc=", "answer": "cba"}]
+
+    class ThreadClient:
+        weights_version = 0
+
+        def generate(self, prompts, params):
+            if prompts[0][: len(held)] == held:
+                release.wait(WAIT_S)
+            with lock:  # one decode at a time on the one model
+                return native.generate(prompts, params)
+
+    def runner() -> tuple[EpisodeRunner, EnvRunner]:
+        envs = EnvRunner(None, Feedback, 0, 0.0)
+        decode = lambda ids: tok.decode(ids[:-1] if ids and ids[-1] == tok.eos_token_id else ids)
+        return EpisodeRunner(envs, TurnRenderer(tok), decode, EnvConfig(max_turns=2), max_tokens=8, context=32), envs
+
+    run, envs = runner()
+    held = run.renderer.first("hhh=")
+    try:
+        with envs:
+            t0 = time.monotonic()
+            eps = run.run(ThreadClient(), rows, 2, PARAMS, timeout_s=3.0)
+            assert time.monotonic() - t0 < 30.0
+        late = [e for e in eps if e.prompt_index == 0]
+        assert all(e.evicted and "(not back)" in e.evicted and not e.turns for e in late), [e.evicted for e in late]
+        assert all(e.error is None and e.turns for e in eps if e.prompt_index == 1)
+        release.set()
+        deadline = time.monotonic() + WAIT_S  # the abandoned threads get their answers, and drop them
+        while any(t.name.startswith("align-episode-") for t in threading.enumerate()) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        assert all(e.evicted and not e.turns and not e.token_ids for e in late)
+        run, envs = runner()  # control: no deadline, nothing held
+        with envs:
+            assert all(e.error is None and e.turns for e in run.run(ThreadClient(), rows, 2, PARAMS))
+    finally:
+        release.set()
