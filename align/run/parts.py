@@ -210,6 +210,10 @@ class Run:
         self.progress.close()
         if self.watchdog is not None:
             self.watchdog.close()
+            from align.rollout.client import WorkerDiedError
+
+            if isinstance(after_error, WorkerDiedError):  # a rollout worker stopped: the watchdog's stall.txt and line
+                self.watchdog.worker_stopped(after_error)
         try:
             if getattr(self, "evaluator", None) is not None:
                 self.emit(self.evaluator.drain(after_error=after_error))
