@@ -34,6 +34,7 @@ from skip_policy import (  # noqa: F401  (hooks re-exported for pytest)
 # lean_gen. Every test in them is marked ``e2e`` (per file: seed-named test paths keep the suite flat), so the quick
 # loop is ``pytest -m "not e2e and not rollout"``. tests/test_test_layout.py checks that each name here exists.
 E2E_FILES = [
+    "test_deadlines_spool.py",
     "test_dist.py",
     "test_eval_fleet.py",
     "test_eval_train.py",

@@ -9,6 +9,7 @@ no graceful drain) and prints {"killed": NAME}; end of input shuts the cluster d
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from ray.cluster_utils import Cluster
@@ -21,6 +22,7 @@ HEALTH_CHECK_PERIOD_MS = 1000
 
 
 def main() -> None:
+    os.environ.setdefault("RAY_worker_niceness", "0")  # the raylets' workers (the engines) at the driver's niceness
     gpus = int(sys.argv[1])
     head = {"num_cpus": 1, "num_gpus": 0, "object_store_memory": OBJECT_STORE_BYTES,
             "_system_config": {"health_check_period_ms": HEALTH_CHECK_PERIOD_MS}}  # fmt: skip

@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from helpers_models import require_rollout_venv
@@ -49,6 +50,11 @@ def fleet(tmp_path_factory, reverse_model):
     finally:
         handle.shutdown(grace_s=30)
         assert not handle.group_alive(), "a fleet process survived teardown"
+
+
+def _nice(pid: int) -> int:
+    """A process's niceness, field 19 of /proc/PID/stat (after the parenthesised name, which may hold spaces)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
 
 
 class HeartbeatLog:
@@ -126,6 +132,17 @@ def test_eval_router_runs_on_its_runner_actor_and_never_blocks_rollout(fleet):
     eval_hb = eval_client.spool.read_heartbeat()
     assert eval_hb["region"] == "eval" and roll.spool.read_heartbeat()["pid"] == driver
     assert eval_hb["pid"] != driver and pid_alive(eval_hb["pid"])  # written by the EvalRunner actor's process
+    # every Ray worker of the fleet (engines, the runner actor) at the driver's niceness: RAY_worker_niceness=0 (Ray's
+    # default renices them to 15, and loaded cores starved the engines; without it this reads driver + 15)
+    deadline = time.monotonic() + READY_TIMEOUT_S  # run alone, the eval engine may still be starting
+    while time.monotonic() < deadline:
+        engines = [e for c in (eval_client, roll) for e in (c.spool.read_heartbeat() or {}).get("engines", [])]
+        if len(engines) == 3 and all(e["state"] == "ready" and "pid" in e for e in engines):
+            break
+        time.sleep(0.5)
+    eval_hb = eval_client.spool.read_heartbeat()
+    actors = [eval_hb["pid"], *(e["pid"] for e in engines)]
+    assert len(actors) == 4 and {_nice(p) for p in actors} == {_nice(driver)}, [_nice(p) for p in [driver, *actors]]
     eval_versions = {e["version"] for e in eval_hb["engines"]}
     cfg = reverse.model_config(fleet["tok"])
     snaps = [save_pretrained(Transformer(cfg).init_weights(seed=s), fleet["root"] / f"v{s}") for s in (7, 8)]

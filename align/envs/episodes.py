@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -56,13 +57,29 @@ class _Live:
         self.ep = Episode(row, sample, [], [], "stop", [], 0)
         self.rewards: list[float | None] = []
         self.done = False
+        # --group-timeout-s: on a spool client the group's deadline (time.monotonic()); on the native sampler what is
+        # left of the episode's environment time (its own calls)
+        self.deadline = self.env_left = math.inf
+        self.lock = threading.Lock()  # a spool client's episode thread vs the eviction at the deadline
 
     def fail(self, e: EnvError) -> None:
         self.ep.error = str(e)
-        from align.envs.runner import EnvTimeout
+        from align.envs.runner import EnvEvicted, EnvTimeout
 
         self.ep.timed_out = isinstance(e, EnvTimeout)
+        if isinstance(e, EnvEvicted):
+            self.ep.evicted = str(e)
         self.done = True
+
+    def past(self) -> bool:
+        """Past the group's deadline: the episode is evicted (no further turn starts)."""
+        if self.done or time.monotonic() < self.deadline:
+            return False
+        from align.envs.runner import EnvEvicted
+        from align.rollout.deadlines import past_deadline
+
+        self.fail(EnvEvicted(f"turn {len(self.ep.turns) + 1}: {past_deadline(self.deadline)}"))
+        return True
 
     def begin(self, obs: list[dict] | str) -> None:
         size = self.runner.too_big(obs, self.runner.context)
@@ -195,16 +212,24 @@ class EpisodeRunner:
         size = sum(len(t.encode("utf-8", "replace")) for t in texts)
         return size if size > bound else None
 
-    def run(self, client: Any, rows: list[dict], G: int, params: SamplingParams) -> list[Episode]:
-        """G episodes of each row; returned in (row, sample) order, every one (failed ones carry ``error``)."""
+    def run(
+        self, client: Any, rows: list[dict], G: int, params: SamplingParams, timeout_s: float = 0.0
+    ) -> list[Episode]:
+        """G episodes of each row; returned in (row, sample) order, every one (failed ones carry ``error``).
+        ``timeout_s`` > 0 (``--group-timeout-s``): every group's deadline, from now; an episode whose environment call
+        or (spool client) turn is not back by then, or that would start a turn past it, is evicted
+        (``Episode.evicted`` says why)."""
         with self._lock:
             first = self._next_key
             self._next_key += len(rows) * G
         live = [_Live(first + p * G + g, p * G + g, p, g, self) for p in range(len(rows)) for g in range(G)]
+        deadline = time.monotonic() + timeout_s if timeout_s > 0 else math.inf
+        for e in live:
+            e.deadline, e.env_left = deadline, timeout_s or math.inf
         try:
-            opened = self.envs.call_many([(e.key, "open", (rows[e.ep.prompt_index],)) for e in live])
+            opened = self._calls([(e, "open", (rows[e.ep.prompt_index],)) for e in live])
             todo = [e for e, res in zip(live, opened) if not _failed(e, res)]
-            for e, obs in zip(todo, self.envs.call_many([(e.key, "reset", ()) for e in todo])):
+            for e, obs in zip(todo, self._calls([(e, "reset", ()) for e in todo])):
                 if not _failed(e, obs):
                     e.begin(obs)
             model, sharded = _native_model(client)
@@ -225,6 +250,17 @@ class EpisodeRunner:
             for e in live:
                 self.envs.close_episode(e.key)
         return [e.finish() for e in live]
+
+    def _calls(self, calls: list[tuple[_Live, str, tuple]]) -> list:
+        """``envs.call_many`` of the episodes' calls, each bounded by what is left of its episode's environment time
+        (``--group-timeout-s``: the waits for the batched decode and for other episodes' calls do not count)."""
+        now, took = time.monotonic(), []
+        results = self.envs.call_many(
+            [(e.key, op, a) for e, op, a in calls], [now + e.env_left for e, _, _ in calls], took
+        )
+        for (e, _, _), s in zip(calls, took):
+            e.env_left -= s
+        return results
 
     # ---------------------------------------------------------------------- the native sampler: turn waves
 
@@ -248,7 +284,7 @@ class EpisodeRunner:
                 text = e.add_turn(t.token_ids, t.logprobs, t.sampled_logprobs, t.finish_reason, version)
                 if not e.done:
                     stepping.append((i, text))
-            results = self.envs.call_many([(live[i].key, "step", (text,)) for i, text in stepping])
+            results = self._calls([(live[i], "step", (text,)) for i, text in stepping])
             nxt, suffixes = [], []
             for (i, _), st in zip(stepping, results):
                 e = live[i]
@@ -277,23 +313,28 @@ class EpisodeRunner:
                     seed = None if params.seed is None else params.seed + 7919 * e.index + 104_729 * len(e.ep.turns)
                     p = dataclasses.replace(params, n=1, max_tokens=e.budget(), seed=seed)
                     c = client.generate([ids], p)[0]
-                    text = e.add_turn(
-                        c.token_ids,
-                        list(c.logprobs),
-                        list(c.sampled_logprobs or c.logprobs),
-                        c.finish_reason,
-                        c.weights_version,
-                    )
+                    with e.lock:  # evicted meanwhile (the deadline passed): the answer is ignored
+                        if e.done:
+                            return
+                        text = e.add_turn(
+                            c.token_ids,
+                            list(c.logprobs),
+                            list(c.sampled_logprobs or c.logprobs),
+                            c.finish_reason,
+                            c.weights_version,
+                        )
                     if e.done:
                         return
                     try:
-                        st = self.envs.step(e.key, text)
+                        st = self.envs.step(e.key, text, e.deadline)
                     except EnvError as err:
-                        e.fail(err)
+                        with e.lock:
+                            if not e.done:
+                                e.fail(err)
                         return
-                    suffix = e.add_step(st)
-                    if suffix is None:
-                        return
+                    with e.lock:
+                        if e.done or e.add_step(st) is None or e.past():
+                            return
                     ids = e.ep.prompt_ids + e.ep.token_ids
             except BaseException as err:  # noqa: BLE001 -- a rollout failure (dead worker): raised by run()
                 errors.append(err)
@@ -303,8 +344,22 @@ class EpisodeRunner:
         ]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        from align.envs.runner import CUT_GRACE_S
+
+        deadline = live[0].deadline if live else math.inf
+        for t in threads:  # a step cut at the deadline reports within the grace; a turn not back is abandoned
+            t.join(None if deadline == math.inf else max(0.0, deadline + CUT_GRACE_S - time.monotonic()))
+        late = [(e, t) for e, t in zip(live, threads) if t.is_alive()]
+        if late:  # past the deadline (a turn or a step not back): evicted, the thread abandoned
+            from align import heartbeat
+            from align.envs.runner import EnvEvicted
+            from align.rollout.deadlines import past_deadline
+
+            heartbeat.forget({t.ident for _, t in late})
+            for e, _ in late:
+                with e.lock:
+                    if not e.done:
+                        e.fail(EnvEvicted(f"turn {len(e.ep.turns) + 1}: {past_deadline(deadline)} (not back)"))
         if errors:
             raise errors[0]
 
@@ -338,7 +393,7 @@ def env_stats(episodes: list[Episode]) -> dict[str, float]:
         "env/turns_mean": sum(len(e.turns) for e in episodes) / n,
         "env/policy_tokens_mean": sum(e.policy_tokens for e in episodes) / n,
         "env/env_tokens_mean": sum(len(e.token_ids) - e.policy_tokens for e in episodes) / n,
-        "env/errors": sum(e.error is not None and not e.timed_out for e in episodes),
+        "env/errors": sum(e.error is not None and not e.timed_out and not e.evicted for e in episodes),
         "env/timeouts": sum(e.timed_out for e in episodes),
         "env/truncated_frac": sum(e.truncated for e in episodes) / n,
         "env/tool_calls_mean": sum(e.tool_calls for e in episodes) / n,

@@ -7,13 +7,17 @@ drops it, and ``call_many`` runs a batch of calls at once (the native sampler st
 
 Failures: every failure of a call is an ``EnvError`` whose message holds the traceback of the environment's code,
 or "timed out after --env-timeout-s N s" (``EnvTimeout``, its subclass); the caller counts the episode as failed.
+A call given a ``deadline`` (``--group-timeout-s``: its group's) is bounded by what is left of it, and cut there
+(``EnvEvicted``: the caller evicts the episode's group); ``call_many`` then waits for no call past it (plus a grace).
 
 In process (``workers=0``): the deadline is the reward code's (``align.rewards.call_in_process``): a SIGALRM timer
 on the main thread (it interrupts Python code and sleeps), a watchdog on other threads (Python code only: a sleep
 finishes first); a bare ``except:`` in the environment cannot swallow it. Calls are serialised by one lock, so an
 environment class need not be thread-safe; a class that sets ``concurrent = True`` has only its calls on one episode
 serialised (a lock per episode: an instance is never entered by two threads), and different episodes' calls run at
-once, so a step that waits (I/O, a sleep, a verifier) holds up only its own episode.
+once, so a step that waits (I/O, a sleep, a verifier) holds up only its own episode. The call lock is not the episode
+table's: a call abandoned at a deadline while it holds the call lock never blocks ``close_episode``, and later calls
+with a deadline give up waiting for it there.
 
 Worker processes (``workers >= 1``, ``python -m align.envs.runner --worker``): each worker loads the class from the
 spec once and keeps a dict episode -> instance; an episode's state lives only in its worker, and the episode is
@@ -50,10 +54,16 @@ STARTUP_TIMEOUT_S = 120.0  # a worker's start (python + the environment's module
 MAX_REPLY_BYTES = 16 << 20  # one worker reply; a bigger one fails its call (read no further) and replaces the worker
 CLOSE_GRACE_S = 5.0  # close(): how long workers get to exit on EOF before their process group is killed
 OPS = ("open", "reset", "step")
+CUT_GRACE_S = 1.0  # call_many with a deadline: how long past it a cut call gets to report before it is abandoned
 
 
 class EnvTimeout(EnvError):
     """An environment call ran past ``--env-timeout-s``."""
+
+
+class EnvEvicted(EnvError):
+    """An environment call cut (or never started) at its group's deadline (``--group-timeout-s``): the episode's
+    group is evicted (``align.rollout.deadlines``)."""
 
 
 def load_env_class(spec: str, flag: str = "--env") -> type:
@@ -211,7 +221,8 @@ class EnvRunner:
         # a class that sets ``concurrent = True`` (its instances are independent and thread-safe, e.g. each waits on
         # a shared verifier pool) is called without the in-process lock, and call_many runs its calls at once
         self.concurrent = not workers and getattr(cls, "concurrent", False) is True
-        self._lock = threading.Lock()  # in process: every call; with workers: the episode table
+        self._lock = threading.Lock()  # the episode tables
+        self._call_lock = threading.Lock()  # in process: every call (a class that is not concurrent)
         self._envs: dict[int, tuple[Any, dict]] = {}  # in process: episode -> (instance, row)
         self._episode_locks: dict[int, threading.Lock] = {}  # in process, concurrent classes: one per episode
         self._home: dict[int, tuple[int, _Worker | None]] = {}  # with workers: episode -> (slot, its worker)
@@ -237,18 +248,27 @@ class EnvRunner:
         """The episode's first messages (chat) or plain prompt, checked with ``check_observation``."""
         return self._run(self._route(episode, "reset"), episode, "reset", self._payload(episode, "reset", None), None)
 
-    def step(self, episode: int, completion: str) -> Step:
-        """The environment's answer to the policy's ``completion``, checked with ``check_step``."""
+    def step(self, episode: int, completion: str, deadline: float = math.inf) -> Step:
+        """The environment's answer to the policy's ``completion``, checked with ``check_step``; past ``deadline``
+        (``time.monotonic()``; the group's, ``--group-timeout-s``) the call is cut: ``EnvEvicted``."""
         payload = self._payload(episode, "step", completion)
-        return self._run(self._route(episode, "step"), episode, "step", payload, completion)
+        return self._run(self._route(episode, "step"), episode, "step", payload, completion, deadline)
 
-    def call_many(self, calls: list[tuple[int, str, tuple]]) -> list:
+    def call_many(
+        self, calls: list[tuple[int, str, tuple]], deadline: float | list[float] = math.inf, took: list | None = None
+    ) -> list:
         """``[(episode, "open" | "reset" | "step", args)]`` run concurrently (one thread per worker involved, each
         running its calls in order; in order in process): each result is the value or the ``EnvError`` (returned,
-        not raised). A row that is not JSON raises ``InputError`` before anything runs."""
+        not raised). A row that is not JSON raises ``InputError`` before anything runs. With a ``deadline`` (one for
+        all, or one per call) the calls run on threads, each cut at its deadline (``EnvEvicted``: a worker's call by
+        killing its worker, in process where Python can interrupt it), and are waited for ``CUT_GRACE_S`` past it
+        only: a call not back by then is abandoned on its daemon thread and its result is ``EnvEvicted`` too.
+        ``took``: filled with each call's seconds (an abandoned one: until it was given up)."""
         payloads = [self._payload(e, op, args[0] if args else None) for e, op, args in calls]
         slots = [self._route(e, op) for e, op, _ in calls]
+        deadlines = deadline if isinstance(deadline, list) else [deadline] * len(calls)
         results: list[Any] = [None] * len(calls)
+        seconds = [0.0] * len(calls)
         queues: dict[int, list[int]] = {}
         for i, j in enumerate(slots):
             queues.setdefault(j, []).append(i)
@@ -256,21 +276,36 @@ class EnvRunner:
         def drain(idx: list[int]) -> None:
             for i in idx:
                 e, op, args = calls[i]
+                t0 = time.monotonic()
                 try:
-                    results[i] = self._run(slots[i], e, op, payloads[i], args[0] if args else None)
+                    results[i] = self._run(slots[i], e, op, payloads[i], args[0] if args else None, deadlines[i])
                 except Exception as err:  # noqa: BLE001 -- EnvError is the call's result; others re-raised below
                     results[i] = err
+                seconds[i] = time.monotonic() - t0
 
         if self.concurrent:
             queues = {i: [i] for i in range(len(calls))}
-        if len(queues) <= 1:
+        start = time.monotonic()
+        if len(queues) <= 1 and max(deadlines, default=math.inf) == math.inf:
             drain(list(range(len(calls))))
         else:
-            threads = [threading.Thread(target=drain, args=(idx,), daemon=True) for idx in queues.values()]
-            for t in threads:
+            threads = [(threading.Thread(target=drain, args=(idx,), daemon=True), idx) for idx in queues.values()]
+            for t, _ in threads:
                 t.start()
-            for t in threads:
-                t.join()
+            for t, idx in threads:
+                last = max(deadlines[i] for i in idx)
+                t.join(None if last == math.inf else max(0.0, last + CUT_GRACE_S - time.monotonic()))
+            late = {t.ident for t, _ in threads if t.is_alive()}
+            if late:  # abandoned at the deadline: the watchdog no longer counts their calls
+                heartbeat.forget(late)
+                for i, r in enumerate(results):
+                    if r is None:
+                        results[i] = EnvEvicted(
+                            f"{calls[i][1]}() of episode {calls[i][0]}: {_past(deadlines[i])} (abandoned)"
+                        )
+                        seconds[i] = time.monotonic() - start
+        if took is not None:
+            took[:] = seconds
         for r in results:
             if isinstance(r, Exception) and not isinstance(r, EnvError):
                 raise r
@@ -337,16 +372,38 @@ class EnvRunner:
                 self._home[episode], self._load[j] = (j, None), self._load[j] + 1
             return self._home[episode][0]
 
-    def _run(self, j: int, episode: int, op: str, payload: str | None, arg: Any) -> Any:
+    def _run(self, j: int, episode: int, op: str, payload: str | None, arg: Any, deadline: float = math.inf) -> Any:
         with heartbeat.working("environment", call=op, episode=episode):  # progress for the watchdog
-            return self._run_call(j, episode, op, payload, arg)
+            return self._run_call(j, episode, op, payload, arg, deadline)
 
-    def _run_call(self, j: int, episode: int, op: str, payload: str | None, arg: Any) -> Any:
+    def _bound(self, episode: int, op: str, deadline: float) -> tuple[float, bool]:
+        """The call's timeout as it starts: ``--env-timeout-s``, or what is left of the group's deadline when that is
+        sooner (then True); ``EnvEvicted`` when nothing is left."""
+        if deadline == math.inf:
+            return self.timeout_s, False
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise EnvEvicted(f"{op}() of episode {episode}: {_past(deadline)} (never started)")
+        return (left, True) if not self.timeout_s or left < self.timeout_s else (self.timeout_s, False)
+
+    def _run_call(self, j: int, episode: int, op: str, payload: str | None, arg: Any, deadline: float) -> Any:
         if j < 0:
-            with self._lock if not self.concurrent else self._episode_lock(episode):
+            lock = self._call_lock if not self.concurrent else self._episode_lock(episode)
+            # bounded by the deadline: a call abandoned at an earlier deadline may hold the lock for good
+            if not lock.acquire(timeout=-1 if deadline == math.inf else max(0.0, deadline - time.monotonic())):
+                raise EnvEvicted(f"{op}() of episode {episode}: {_past(deadline)} (waiting for the environment)")
+            try:
                 if (episode in self._envs) != (op != "open"):
                     raise ValueError(f"episode {episode} is {'already' if op == 'open' else 'not'} open")
-                return _apply(self._envs, self.cls, op, episode, arg, self.timeout_s)
+                timeout_s, cut = self._bound(episode, op, deadline)
+                try:
+                    return _apply(self._envs, self.cls, op, episode, arg, timeout_s)
+                except EnvTimeout:
+                    if cut:
+                        raise EnvEvicted(f"{op}() of episode {episode}: {_past(deadline)} (cut)") from None
+                    raise
+            finally:
+                lock.release()
         what = f"{'the constructor' if op == 'open' else op + '()'} of episode {episode}"
         with self._slot_locks[j]:
             w = self._pool[j] if self._pool else None
@@ -361,12 +418,15 @@ class EnvRunner:
                     f"episode {episode}: the worker was replaced ({home[1].lost}), and the episode's state went with it"
                 )
             try:
-                value = w.request(payload, self.timeout_s, what)
-            except EnvError:
+                timeout_s, cut = self._bound(episode, op, deadline)
+                value = w.request(payload, timeout_s, what)
+            except EnvError as e:
                 if w.lost is not None and self._pool and not self._closed:
                     self._pool[j] = _Worker(self.spec)
                 if op == "open":
                     self._drop(episode)
+                if isinstance(e, EnvTimeout) and cut:  # the worker was killed at the deadline, and replaced
+                    raise EnvEvicted(f"{what}: {_past(deadline)} (cut; its worker was killed and replaced)") from None
                 raise
         return Step(**value) if op == "step" else value
 
@@ -383,6 +443,12 @@ class EnvRunner:
             if home is not None:
                 self._load[home[0]] -= 1
         return home
+
+
+def _past(deadline: float) -> str:
+    from align.rollout.deadlines import past_deadline
+
+    return past_deadline(deadline)
 
 
 # ------------------------------------------------------------------------------------------------ the worker side

@@ -80,7 +80,12 @@ class Turns:
     def sample(self, client: Any, t: int, idx: list[int], params: Any) -> list:
         from align.rollout.engines import generate_groups
 
-        return generate_groups(client, [self.encoded[i] for i in idx], params, self.cfg.max_inflight_requests)
+        prompts = [self.encoded[i] for i in idx]
+        if self.cfg.group_timeout_s > 0 and not _native(client):  # a spool worker: each group its own request
+            from align.rollout.deadlines import generate_by_group
+
+            return generate_by_group(client, prompts, params, self.cfg.group_timeout_s)
+        return generate_groups(client, prompts, params, self.cfg.max_inflight_requests)
 
     def text(self, c: Any) -> str:
         return self.decode(c.token_ids)
@@ -209,17 +214,27 @@ class Episodes(Turns):
         return [[] for _ in idx]  # an episode carries its own first prompt (a correction row has no index in rows)
 
     def sample(self, client: Any, t: int, idx: list[int], params: Any) -> list:
-        eps = self.episodes(client, [self.rows.row(i) for i in idx], self.cfg.group_size, params)
+        from align.rollout.deadlines import Sampled
+
+        T = self.cfg.group_timeout_s
+        eps = self.episodes(client, [self.rows.row(i) for i in idx], self.cfg.group_size, params, T)
         failed = [e for e in eps if e.error is not None]
         if len(failed) == len(eps):
             raise RuntimeError(
                 f"every episode of step {t} failed in its environment; the first error:\n{failed[0].error}"
             )
-        return eps
+        evicted = {}  # --group-timeout-s: the groups with an episode past the deadline, and the first one's why
+        for e in eps:
+            if e.evicted and e.prompt_index not in evicted:
+                n = sum(x.evicted is not None for x in eps if x.prompt_index == e.prompt_index)
+                evicted[e.prompt_index] = (
+                    f"environment episodes past --group-timeout-s {T:g} ({n} episode(s)): {e.evicted}"
+                )
+        return Sampled(eps, evicted)
 
-    def episodes(self, client: Any, rows: list[dict], G: int, params: Any) -> list:
+    def episodes(self, client: Any, rows: list[dict], G: int, params: Any, timeout_s: float = 0.0) -> list:
         own = getattr(self.envs.cls, "run_episodes", None)  # a source that runs its own turns (--agent: the gateway)
-        eps = own(self, client, rows, G, params) if own else self.runner.run(client, rows, G, params)
+        eps = own(self, client, rows, G, params) if own else self.runner.run(client, rows, G, params, timeout_s)
         self.compare_once(eps)
         return eps
 
@@ -294,6 +309,12 @@ def check_env(cls: type, cfg: Any, located: list[tuple[str, dict]]) -> None:
             f"e.g. --env lean's pool of Lean processes, --lean-workers); --env-workers {cfg.envs.env_workers} does "
             "not apply: drop it (or pass --env-workers 0)"
         )
+
+
+def _native(client: Any) -> bool:
+    from align.envs.episodes import _native_model
+
+    return _native_model(client)[0] is not None
 
 
 def open_sampler(cfg: Any, task: Any) -> Turns:

@@ -1,28 +1,39 @@
-"""Group deadlines (``--group-timeout-s``, ``--evict-policy``): a step never waits forever on one group's rewards.
+"""Group deadlines (``--group-timeout-s``, ``--evict-policy``): a step never waits forever on one group.
 
-``score_by_group`` scores each group of a round in its own thread, its completions one by one, and waits for all of
-them until the deadline (``--group-timeout-s`` after scoring began). A group not finished by then is *evicted*, its
-thread abandoned (a reward stuck in a sleep keeps a daemon thread, nothing else): the round's other groups are not
-held up by it. What becomes of an evicted group is a row of ``EVICT_POLICIES``:
+Three phases of a group have the deadline, each from its own start:
+
+- **generation** on a spool client (a vLLM worker or fleet): ``generate_by_group`` sends each group as its own
+  request (seeded as ``--max-inflight-requests`` = G would) from its own thread and waits until the deadline; a group
+  not answered by then is evicted and its request abandoned: the thread keeps waiting for the worker's answer and
+  drops it when it comes (within ``--rollout-timeout-s``). The native sampler generates every group in one batched
+  in-process call: its deadline is the watchdog's (``--stall-timeout-s``).
+- **environment steps** (``align.envs.episodes``): every episode of the round shares the deadline from its first
+  ``open``; each environment call is cut at it (a worker's call: its worker killed and replaced, as for
+  ``--env-timeout-s``; in process: the call is interrupted where Python can be, else abandoned on its daemon thread),
+  a turn is not started past it, and on a spool client an episode whose turn is not back by then is abandoned.
+- **rewards**: ``score_by_group`` scores each group of a round in its own thread and waits for all of them until the
+  deadline from when scoring began; a reward stuck in a sleep keeps a daemon thread, nothing else.
+
+A group past the deadline in any phase is *evicted* (``Groups.evicted``, ``rollout/evicted_groups``, an
+``evicted_group`` record in completions.jsonl with the phase and why); the round's other groups are not held up by it.
+What becomes of it is a row of ``EVICT_POLICIES``:
 
 - ``refill``: the group is set aside and its prompt refilled from the data (``collect_groups`` samples another round,
   the DAPO refill machinery, within ``--max-refill-rounds``; if the rounds run out, the group trains masked);
-- ``mask``: the group trains with its finished members' scores, the rest unscorable (NaN: no gradient).
-
-Generation is one batched call of all groups (the native sampler cannot stall one group; a spool worker's answer is
-bounded by ``--rollout-timeout-s``) and an episode's environment steps by ``--env-timeout-s``: the deadline covers
-the rewards. Requires in-process rewards (``--reward-workers 1``): the groups' calls run concurrently.
+- ``mask``: the group trains with its finished members' scores, the rest unscorable (NaN: no gradient); a group evicted
+  in generation has no finished member.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from align import heartbeat
+from align import dist, heartbeat
 from align.rewards import Scores
 
 EVICT_POLICIES = {
@@ -97,6 +108,61 @@ def _merge(got: list[Scores | None], names: list[str]) -> Scores:
     return out
 
 
+class Sampled(list):
+    """A round's completions (``collect_groups``' ``sample`` may return one) with the groups evicted while sampling:
+    ``evicted`` = {prompt position in the round: why}."""
+
+    def __init__(self, items: Any = (), evicted: dict[int, str] | None = None) -> None:
+        super().__init__(items)
+        self.evicted = dict(evicted or {})
+
+
+def past_deadline(deadline: float) -> str:
+    """Why a call was cut at a group's deadline (``time.monotonic()``)."""
+    late = time.monotonic() - deadline
+    return f"past its group's deadline (--group-timeout-s){f' by {late:.1f} s' if late >= 0.05 else ''}"
+
+
+def generate_by_group(client: Any, prompts: list[list[int]], params: Any, timeout_s: float) -> Sampled:
+    """``prompts``' groups (``params.n`` each), one request per group on its own thread, waited for ``timeout_s``
+    from now; request ``i`` seeded like ``split_requests`` with ``permits = params.n``. A group not answered by then
+    is evicted: its thread is abandoned (it takes the worker's answer when it comes and drops it) and it has no
+    completions. A request that fails (the worker died) raises here."""
+    from align.rollout.engines import split_requests
+
+    requests = split_requests(prompts, params, params.n)
+    got: list[list | None] = [None] * len(requests)
+    errors: list[BaseException] = []
+
+    def run(i: int, chunk: list, p: Any) -> None:
+        try:
+            got[i] = client.generate(chunk, p)
+        except BaseException as e:  # noqa: BLE001 - raised on the caller's thread below (unless abandoned)
+            got[i] = []
+            errors.append(e)
+
+    threads = [
+        threading.Thread(target=run, args=(i, chunk, p), name=f"align-group-gen-{i}", daemon=True)
+        for i, (_, chunk, p) in enumerate(requests)
+    ]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.0, start + timeout_s - time.monotonic()))
+    late = {i for i, t in enumerate(threads) if t.is_alive()}
+    if errors:
+        raise errors[0]
+    heartbeat.forget({threads[i].ident for i in late})
+    out = Sampled()
+    for i, (first, _, _) in enumerate(requests):
+        if i in late:
+            out.evicted[first] = f"generation past --group-timeout-s {timeout_s:g} (no answer in {timeout_s:g} s)"
+            continue
+        out += [dataclasses.replace(c, prompt_index=c.prompt_index + first) for c in got[i] or []]
+    return out
+
+
 def check_deadline(cfg: Any) -> None:
     """``--group-timeout-s`` / ``--evict-policy`` against the rest of the config (``TrainConfig`` calls this)."""
     v = cfg.group_timeout_s
@@ -104,6 +170,11 @@ def check_deadline(cfg: Any) -> None:
         raise ValueError(f"--group-timeout-s {v!r} is invalid: must be a finite number >= 0 (0 = off)")
     if cfg.evict_policy not in EVICT_POLICIES:
         raise ValueError(f"--evict-policy must be one of {tuple(EVICT_POLICIES)}, got {cfg.evict_policy!r}")
+    if v and cfg.rollout != "native" and dist.env_world_size() > 1:  # generate_by_group's threads would each gather
+        raise ValueError(
+            f"--group-timeout-s {v:g} with --rollout {cfg.rollout} under torchrun is not supported yet (each rank "
+            "would gather its groups' answers from several threads); run it in one process, or use --rollout native"
+        )
     if v and v < MIN_GROUP_S:
         raise ValueError(f"--group-timeout-s {v!r} is invalid: below the minimum {MIN_GROUP_S} s (or 0 = off)")
     if v and cfg.rewards.reward_workers > 1:

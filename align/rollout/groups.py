@@ -45,6 +45,7 @@ class Episode(Completion):
     env_reward: float | None = None  # the per-turn rewards combined (--env-reward); None: none given
     error: str | None = None  # the environment failed: unscorable
     timed_out: bool = False
+    evicted: str | None = None  # past its group's deadline (--group-timeout-s): why (the group is evicted)
     truncated: bool = False  # a budget or the context ended it
     tool_calls: int = 0
     tool_errors: int = 0
@@ -146,10 +147,11 @@ def collect_groups(
     completions whose ``prompt_index`` indexes ``idx``; ``text_of(completion)`` is what the rewards read;
     ``score(items, completions)`` scores the (record, text) items (``names``: its terms; a run's stop flag rides in
     it: ``RewardScorer.score(items, should_stop)`` ends with ``Interrupted``). ``group_timeout_s`` > 0: each group's
-    rewards within that deadline (``align.rollout.deadlines``); an evicted group is refilled (another round, which
-    ``max_rounds`` bounds: past it the group trains masked) or masked (``evict_policy``), and listed in
-    ``Groups.evicted``. ``draw(need, round) -> (idx, completions)`` replaces ``next_prompts`` + ``sample`` (partial
-    rollouts, ``align.rollout.partial.Carry.draw``: the groups come from carried and fresh rows)."""
+    rewards within that deadline (``align.rollout.deadlines``), and a ``sample`` that returns a ``Sampled`` names the
+    groups it evicted; an evicted group is refilled (another round, which ``max_rounds`` bounds: past it the group
+    trains masked) or masked (``evict_policy``), and listed in ``Groups.evicted``. ``draw(need, round) -> (idx,
+    completions)`` replaces ``next_prompts`` + ``sample`` (partial rollouts, ``align.rollout.partial.Carry.draw``: the
+    groups come from carried and fresh rows)."""
     from align.rollout.deadlines import score_by_group
 
     kept: list[Group] = []
@@ -176,6 +178,7 @@ def collect_groups(
             s, late = score_by_group(score, items, comps, members, group_timeout_s, names)
         else:
             s = score(items, comps)
+        late.update(getattr(comps, "evicted", None) or {})  # evicted while sampling (generation, environment)
         errors += s.errors
         timeouts, failed, scored = timeouts + s.timeouts, failed + s.failed, scored + len(comps)
         for p, i in enumerate(idx):
@@ -200,6 +203,11 @@ def collect_groups(
         rounds += 1
         need = P - len(kept)
     final = (kept + dropped + masked)[:P]
+    if evicted and not any(g.completions for g in final):
+        raise RuntimeError(
+            f"every group of the step was evicted (--group-timeout-s {group_timeout_s:g}); the first: "
+            f"{evicted[0]['why']}. Raise --group-timeout-s, or find what hangs (the completions log names each)"
+        )
     out = Groups(
         [],
         [],

@@ -228,6 +228,10 @@ def run_main(
     except NonFiniteError as e:  # --max-nonfinite-steps reached; the last checkpoint is intact
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         return 1
+    except Exception:
+        if stop_flag.get("stall"):  # a rollout worker stopped (Watchdog.worker_stopped): its line and stall.txt are out
+            return STALL_EXIT
+        raise
     finally:
         for s, h in old.items():
             signal.signal(s, h)

@@ -261,6 +261,10 @@ class RunBase:
         self.progress.close()
         if self.watchdog is not None:
             self.watchdog.close()
+            from align.rollout.client import WorkerDiedError
+
+            if isinstance(after_error, WorkerDiedError):  # a rollout worker stopped: the watchdog's stall.txt and line
+                self.watchdog.worker_stopped(after_error)
         try:
             if self.evaluator is not None:
                 self.emit(self.evaluator.drain(after_error=after_error))

@@ -56,9 +56,10 @@ class WatchdogConfig:
     group_timeout_s: float = field(
         default=0.0,
         metadata={
-            "help": "Group deadline: a group whose rewards are not all scored this many seconds after scoring began is "
-            "evicted (counted in rollout/evicted_groups, named in the completions log) and handled by --evict-policy; "
-            "0 = off. Needs --reward-workers 1."
+            "help": "Group deadline: a group whose rewards are not all scored this many seconds after scoring began, "
+            "whose environment calls take longer, or (spool worker) whose generation request is not answered within it "
+            "is evicted (counted in rollout/evicted_groups, named in the completions log) and handled by "
+            "--evict-policy; 0 = off. Needs --reward-workers 1. The native sampler's generation is the watchdog's."
         },
     )
     evict_policy: str = field(
@@ -171,6 +172,25 @@ class Watchdog:
             )
         logging.shutdown()
         os._exit(STALL_EXIT)
+
+    def worker_stopped(self, err: BaseException) -> None:
+        """A rollout worker found dead or stopped by its client (``WorkerDiedError``: its process exited, its
+        heartbeat went stale, e.g. SIGSTOP, or no answer within --rollout-timeout-s) ends the run as a stall: the
+        same ``stall.txt`` (the worker's heartbeat and log tail, the calls in flight, every stack) and one line naming
+        the worker; the run exits with ``STALL_EXIT``. Its client notices sooner than --stall-timeout-s could (its
+        heartbeat is rewritten every second: 30 s stale is a stopped worker), so this is the worker's watchdog."""
+        if self.timeout_s <= 0 or self.stop_flag.get("stall"):
+            return
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        line = (
+            f"stalled: the rollout worker stopped ({first}); its log tail and thread stacks in {self.out / 'stall.txt'}"
+        )
+        try:
+            atomic_write_text(self.out / "stall.txt", self.report(line) + f"\nthe client's error:\n{err}\n")
+        except OSError as e:
+            line += f" (stall.txt not written: {e})"
+        print(f"{self.prog}: error: {line}", file=sys.stderr, flush=True)
+        self.stop_flag["stall"] = line
 
     def describe(self, idle_s: float) -> str:
         """The one line: the part that stopped (the oldest call in flight), or the loop between parts."""

@@ -58,6 +58,10 @@ HERE = Path(__file__).resolve().parent
 LOCAL_OBJECT_STORE_BYTES = 256 * 1024**2  # requests and answers are small; Ray's default takes 30% of RAM
 # Environment variables the engine actors inherit from the driver (Ray workers do not see the driver's env).
 _ENV_PREFIXES = ("VLLM_", "TORCHINDUCTOR_", "TRITON_", "HF_", "OMP_", "PYTHONUNBUFFERED")
+# Ray's core worker calls nice(RayConfig worker_niceness) as it starts, 15 by default (ray_config_def.h; read from this
+# variable in the worker's environment, as Ray's job manager sets it for its supervisor): under load the engines
+# starved beside the trainer (tests/test_fleet_nodes.py 600-1025 s loaded vs 92 s quiet). 0 = the driver's niceness.
+NICENESS_VAR = "RAY_worker_niceness"
 
 
 FLEET_MINOR = 1  # the protocol minor the fleet serves: score, not cut (align/rollout/cut.py)
@@ -130,6 +134,7 @@ class FleetWorker(rw.Worker):
         if self.region == "eval":  # in the EvalRunner actor: Ray is up, the placement group is the driver's
             self.actor_cls = engine_actor_class()
             return self._start_all()
+        os.environ.setdefault(NICENESS_VAR, "0")  # a local cluster's workers inherit it; an attached one: _actor_env
         if f.ray_address:
             ray.init(address=f.ray_address, log_to_driver=True)
         else:
@@ -552,6 +557,7 @@ def _actor_env() -> dict[str, str]:
     """The environment of an actor this driver starts: its own VLLM_/HF_/... variables and the import path."""
     env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parents[1])])
+    env[NICENESS_VAR] = os.environ.get(NICENESS_VAR, "0")  # Ray renices its workers to 15 by default
     return env
 
 
