@@ -231,3 +231,15 @@ def _until_groups(client: Any, sent: dict, complete: int, need: int, n: int) -> 
         for rid, comps in answers.items():
             got.update(zip(pending[rid][2], comps))
     return got
+
+
+class SpoolCuts:
+    """``SpoolClient``'s partial-rollout methods (a mixin): ``cut`` and ``generate_until`` above."""
+
+    def cut(self, requests: dict[str, tuple[list[list[int]], SamplingParams]]) -> dict[str, list[Completion]]:
+        return cut(self, requests)
+
+    def generate_until(
+        self, prompts: list[list[int]], params: SamplingParams, need: int, carried: list | None = None
+    ) -> list[Completion]:
+        return generate_until(self, prompts, params, need, carried)
