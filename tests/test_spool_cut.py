@@ -235,6 +235,8 @@ def test_a_worker_below_minor_2_is_refused_before_sending(tmp_path):
     client = make_rollout_client("spool", spool=spool.root, timeout_s=0.5)
     with pytest.raises(WorkerTooOldError, match=r"1\.1; cutting requests in flight .* needs 1\.2 or newer"):
         client.cut({"r-any": (PROMPTS, SamplingParams())})
+    with pytest.raises(WorkerTooOldError, match="needs 1\\.2"):
+        client.generate_until(PROMPTS, SamplingParams(), 1)
     assert spool.pending() == []  # nothing was sent
     spool.write_heartbeat("ready")  # control: this checkout's minor; the cut is sent (and, with no worker, unanswered)
     with pytest.raises(WorkerDiedError, match="no answer"):

@@ -31,6 +31,7 @@ from typing import IO, Any
 
 from align import heartbeat
 from align.atomic import hold_lock
+from align.rollout.cut import SpoolCuts  # cut, generate_until: partial rollouts
 from align.rollout.protocol import (
     Completion,
     Message,
@@ -113,7 +114,7 @@ class NativeClient:
 # Spool
 
 
-class SpoolClient:
+class SpoolClient(SpoolCuts):
     """Talks to a rollout worker through a spool directory (``align.rollout.spool``).
 
     Every call returns within ``timeout_s``: a worker that dies (its process is gone, or
@@ -199,16 +200,6 @@ class SpoolClient:
         self.weights_version = body["version"]
         self.last_timings = {"sync_s": body["seconds"], "sync_method": body["method"]}
         return float(body["seconds"])
-
-    def cut(self, requests: dict[str, tuple[list[list[int]], SamplingParams]]) -> dict[str, list[Completion]]:
-        from align.rollout import cut  # partial rollouts: stop requests in flight, collect their rows so far
-
-        return cut.cut(self, requests)
-
-    def generate_until(self, prompts: list[list[int]], params: SamplingParams, need: int, carried: list) -> list:
-        from align.rollout import cut  # partial rollouts: generate until ``need`` groups are complete, cut the rest
-
-        return cut.generate_until(self, prompts, params, need, carried)
 
     def shutdown_worker(self, timeout_s: float = 60.0) -> None:
         """Ask the worker to exit after the requests queued before this one."""

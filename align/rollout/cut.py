@@ -79,15 +79,20 @@ def check_cut_done(body: dict, request: dict, source: str) -> dict[str, str]:
     return got
 
 
-def cut_requests(client: Any, request_ids: list[str]) -> dict[str, str]:
-    """Cut the generate requests ``request_ids`` on the worker behind ``client`` (an
-    ``align.rollout.client.SpoolClient``); returns {id: "cut" | "untouched"} once their answers are published.
-    ``WorkerTooOldError``, nothing sent, for a worker below ``CUT_MINOR``."""
+def check_worker(client: Any) -> None:
+    """``WorkerTooOldError`` when the worker behind ``client`` announces a minor below ``CUT_MINOR``."""
     hb = client.spool.read_heartbeat()
     if hb is None:
         raise RuntimeError(f"no worker has announced itself on spool {client.spool.root} yet (no heartbeat.json)")
     if worker_minor(hb) < CUT_MINOR:
         raise too_old(client.spool.root, worker_minor(hb))
+
+
+def cut_requests(client: Any, request_ids: list[str]) -> dict[str, str]:
+    """Cut the generate requests ``request_ids`` on the worker behind ``client`` (an
+    ``align.rollout.client.SpoolClient``); returns {id: "cut" | "untouched"} once their answers are published.
+    ``WorkerTooOldError``, nothing sent, for a worker below ``CUT_MINOR``."""
+    check_worker(client)
     msg = cut_request(request_ids)
     client.spool.submit(msg)
     out: dict[str, str] = {}
@@ -179,6 +184,7 @@ def generate_until(
     run = [r for r in range(R) if carried[r] is None or carried[r].finish_reason == "cut"]
     if len(prompts) - len({r // n for r in run}) >= need or not run:
         raise ValueError(f"{need} group(s) are complete already: no call")
+    check_worker(client)  # before anything is sent: a worker that cannot cut would run every group to the end
     sent: dict[str, tuple[list[list[int]], SamplingParams, list[int]]] = {}  # request id -> (prompts, params, rows)
     for g in sorted({r // n for r in run}):
         rows = [r for r in run if r // n == g]
@@ -231,3 +237,15 @@ def _until_groups(client: Any, sent: dict, complete: int, need: int, n: int) -> 
         for rid, comps in answers.items():
             got.update(zip(pending[rid][2], comps))
     return got
+
+
+class SpoolCuts:
+    """``SpoolClient``'s partial-rollout methods (a mixin): ``cut`` and ``generate_until`` above."""
+
+    def cut(self, requests: dict[str, tuple[list[list[int]], SamplingParams]]) -> dict[str, list[Completion]]:
+        return cut(self, requests)
+
+    def generate_until(
+        self, prompts: list[list[int]], params: SamplingParams, need: int, carried: list | None = None
+    ) -> list[Completion]:
+        return generate_until(self, prompts, params, need, carried)
