@@ -130,6 +130,11 @@ def test_tool_loop_with_the_openai_client_is_token_exact(tok):
 
 
 def test_edited_history_starts_a_new_branch_and_going_back_forks(tok):
+    _branching(tok)
+
+
+def _branching(tok: HFTokenizer) -> tuple:
+    """An episode of four requests: a turn, its extension, an edited history (a new branch), a return to turn 1 (a fork)."""
     gw, s, key = _gateway(tok, ["one", "two", "three", "four"])
     try:
         client = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
@@ -160,18 +165,73 @@ def test_edited_history_starts_a_new_branch_and_going_back_forks(tok):
     one = [i for ch in "one" for i in tok.encode(ch)] + [r.stop_id()]
     assert cap.branches[2].prompt_ids == r.first(u) + one + r.suffix([{"role": "user", "content": "other"}])
     assert sum(sum(b.mask) for b in cap.branches) == sum(len(x) + 1 for x in ("one", "two", "three", "four"))
-    # the episode the learner gets: the fork (the last request's trajectory); the rest counted, not silently dropped
+    # control: the edited history rendered from text differs from the first branch's ids for the same turn
+    assert cap.branches[1].prompt_ids != cap.branches[0].prompt_ids + cap.branches[0].token_ids[: len(s.prompts[1])]
+    return cap, u, h, edited, back
+
+
+def test_every_branch_of_an_episode_trains_with_its_advantage(tok):
+    """The learner's rows for a branching episode == a plain loop over its three trajectories (ids, masks, sampled
+    logprobs, the episode's advantage on each); control: the last request's trajectory alone (the episode without its
+    branches) trains fewer tokens than were sampled."""
+    import dataclasses
+    import types
+
+    import torch
+
+    from align.learner import StepBatch, make_batch
+    from align.rollout.groups import Episode, trajectories
+
+    cap, u, h, edited, back = _branching(tok)
     done: cf.Future = cf.Future()
     done.set_result(1.0)
     ep = _Agents.episode(cap, done, True, 0, 0)
-    assert ep.prompt_ids == cap.branches[2].prompt_ids and ep.token_ids == cap.branches[2].token_ids
-    assert [t["trained"] for t in ep.turns] == [False, False, False, True]
+    r = TurnRenderer(tok)
+
+    def sampled(text: str, request: int) -> tuple[list[int], list[float]]:  # Scripted's ids and logprobs
+        ids = [i for ch in text for i in tok.encode(ch)] + [r.stop_id()]
+        return ids, [-0.01 * (k + 1) - request for k in range(len(ids))]
+
+    (one, lp1), (two, lp2), (three, lp3), (four, lp4) = (
+        sampled(x, k + 1) for k, x in enumerate(("one", "two", "three", "four"))
+    )
+    more = r.suffix(h[2:])
+    loop = [  # (prompt, tokens, mask, logprobs) of each trajectory, the last request's first
+        (r.first(u) + one + r.suffix(back[2:]), four, [True] * len(four), lp4),
+        (
+            r.first(u),
+            one + more + two,
+            [True] * len(one) + [False] * len(more) + [True] * len(two),
+            lp1 + [0.0] * len(more) + lp2,
+        ),
+        (r.first(edited), three, [True] * len(three), lp3),
+    ]
+    trajs = trajectories([ep])
+    assert len(trajs) == 3 and all((t.prompt_index, t.sample_index) == (0, 0) for t in trajs)
+    assert [t["trained"] for t in ep.turns] == [True] * 4
+    cfg = types.SimpleNamespace(group_size=1, behaviour_logprobs="sampled")
+    adv, valid = torch.tensor([[0.7]]), torch.tensor([[True]])
+    batch = make_batch(StepBatch([[]], trajs, adv, valid), cfg, torch.device("cpu"))
+    for row, (prompt, ids, mask, lps) in enumerate(loop):
+        seq, n = prompt + ids, len(prompt + ids) - 1
+        assert batch.inputs[row, :n].tolist() == seq[:-1] and batch.targets[row, :n].tolist() == seq[1:]
+        want = [False] * (len(prompt) - 1) + mask
+        assert batch.mask[row, :n].tolist() == want and not batch.mask[row, n:].any()
+        assert batch.behav[row, :n].tolist() == pytest.approx([0.0] * (len(prompt) - 1) + lps)
+    assert batch.advantages.tolist() == pytest.approx([0.7] * 3)
+    assert int(batch.mask.sum()) == len(one + two + three + four)  # every sampled token once
+    # control: the episode without its branches (the last request's trajectory only) leaves sampled tokens untrained
+    alone = make_batch(StepBatch([[]], [dataclasses.replace(ep, branches=[])], adv, valid), cfg, torch.device("cpu"))
+    assert int(alone.mask.sum()) == len(four) < int(batch.mask.sum())
+    # an unscorable episode trains none of its trajectories
+    assert not make_batch(StepBatch([[]], trajs, adv, ~valid), cfg, torch.device("cpu")).mask.any()
+    # a checkpoint's pending batch (K >= 1) keeps the branches: plain dicts back to Episodes
+    again = Episode(**dataclasses.asdict(ep))
+    assert again.branches == ep.branches and isinstance(again.branches[0], Episode)
     m = _Agents.metrics([ep])
     assert m["agent/requests_mean"] == 4 and m["agent/branches_mean"] == 3
     assert m["agent/rerendered_tokens"] == len(r.first(edited))  # the edited history; the first prompt is none
-    assert m["agent/untrained_tokens"] == sum(len(x) + 1 for x in ("one", "two", "three"))
-    # control: the edited history rendered from text differs from the first branch's ids for the same turn
-    assert cap.branches[1].prompt_ids != cap.branches[0].prompt_ids + cap.branches[0].token_ids[: len(s.prompts[1])]
+    assert m["agent/branch_tokens"] == len(one + two + three)
 
 
 def test_stop_and_max_tokens_shorten_a_turn(tok):

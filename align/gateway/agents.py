@@ -14,8 +14,10 @@ key is revoked, its thread abandoned: a Python thread cannot be killed) or retur
 unscorable (``agent/errors``, ``agent/timeouts``); the step goes on (``Episodes.sample`` stops the run when every
 episode failed, with the first traceback).
 
-An episode that the agent branched (edited history) trains the trajectory of its last request; the sampled tokens of
-its other branches are counted (``agent/untrained_tokens``), not yet trained (a group has one completion per run).
+An episode that the agent branched (edited history, a return to an earlier turn) trains every trajectory: the last
+request's is the episode (what ``--reward`` scores, what the log shows first), the others ride in ``Episode.branches``
+and the learner lays each out as a sequence of its own with the episode's advantage (``align.rollout.groups.
+trajectories``): the episode counts once in its group's normalisation, each sampled token once in the loss.
 """
 
 from __future__ import annotations
@@ -275,8 +277,24 @@ class _Agents(AgentEnv):
             b = cap.branches[cap.last]
             ep.prompt_ids, ep.token_ids, ep.mask = b.prompt_ids, b.token_ids, b.mask
             ep.logprobs, ep.sampled_logprobs = b.logprobs, b.sampled_logprobs
-            # every request in order (completions.jsonl, metrics): trained = in the trajectory the learner gets
-            ep.turns = [{**r, "trained": r["branch"] == cap.last} for r in cap.log]
+            # every trajectory with a sampled token is trained: the others ride along with the episode's advantage
+            ep.branches = [
+                Episode(
+                    p,
+                    g,
+                    o.token_ids,
+                    o.logprobs,
+                    o.turns[-1]["finish_reason"],
+                    o.sampled_logprobs,
+                    o.weights_version,
+                    prompt_ids=o.prompt_ids,
+                    mask=o.mask,
+                )
+                for i, o in enumerate(cap.branches)
+                if i != cap.last and any(o.mask)
+            ]
+            # every request in order (completions.jsonl, metrics): trained = in a trajectory the learner gets
+            ep.turns = [{**r, "trained": any(cap.branches[r["branch"]].mask)} for r in cap.log]
             ep.turns[-1]["agent_metrics"] = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
             ep.weights_version, ep.finish_reason = b.weights_version, b.turns[-1]["finish_reason"]
             ep.truncated = ep.finish_reason == "length"
@@ -294,7 +312,10 @@ class _Agents(AgentEnv):
             "agent/branches_mean": sum(len({t["branch"] for t in e.turns}) for e in episodes) / n,
             # a later branch rendered from scratch (edited history); the first prompt is no re-render
             "agent/rerendered_tokens": sum(t["context_tokens"] for t in reqs if t["parent"] is None and t["branch"]),
-            "agent/untrained_tokens": sum(t["policy_tokens"] for t in reqs if not t["trained"]),
+            # sampled in a trajectory other than the last request's (trained with the episode's advantage)
+            "agent/branch_tokens": sum(
+                t["policy_tokens"] for e in episodes for t in e.turns if t["branch"] != e.turns[-1]["branch"]
+            ),
             "agent/overridden_sampling": sum(t.get("overridden_sampling", False) for t in reqs),
             "agent/errors": sum(e.error is not None and not e.timed_out for e in episodes),
             "agent/timeouts": sum(e.timed_out for e in episodes),

@@ -14,6 +14,7 @@ import torch
 
 from align import dist, heartbeat, lora
 from align.learner import StepBatch, Update, make_batch, optimize
+from align.rollout.groups import trajectories
 from align.run import checkpoint as ckpt
 from align.run import safety
 from align.run.config import TrainConfig
@@ -104,7 +105,7 @@ class Run:
         return scores
 
     def batch(self, groups: Any, adv: torch.Tensor, valid: torch.Tensor) -> StepBatch:
-        return StepBatch(self.prompt_ids(groups), groups.completions, adv, valid)
+        return StepBatch(self.prompt_ids(groups), trajectories(groups.completions), adv, valid)
 
     def prompt_ids(self, groups: Any) -> list[list[int]]:
         return self.sampler.prompt_ids(groups.idx)
