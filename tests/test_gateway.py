@@ -402,3 +402,90 @@ def test_a_request_without_a_key_is_refused_before_its_body_is_read(tok):
                 assert first == b""
     finally:
         gw.close()
+
+
+def _wait_until(cond, what: str, limit_s: float = 20.0) -> None:
+    import time
+
+    end = time.monotonic() + limit_s
+    while not cond():
+        assert time.monotonic() < end, f"not within {limit_s} s: {what}"
+        time.sleep(0.01)
+
+
+def _models(key: str) -> bytes:
+    return f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n\r\n".encode()
+
+
+def test_connections_past_the_cap_get_a_503_and_a_freed_slot_serves_again(tok):
+    gw, _, key = _gateway(tok, [], max_connections=2)
+    addr = gw.httpd.server_address[:2]
+    try:
+        idle = [socket.create_connection(addr, timeout=10) for _ in range(2)]  # each holds a handler, sends nothing
+        _wait_until(lambda: gw.httpd.active == 2, "both idle connections accepted")
+        with socket.create_connection(addr, timeout=10) as s:
+            s.sendall(_models(key))
+            reply = s.recv(4096)
+            assert reply.startswith(b"HTTP/1.1 503") and b"too_many_connections" in reply
+            assert s.recv(100) == b""  # and closed
+        idle.pop().close()
+        _wait_until(lambda: gw.httpd.active == 1, "the closed connection's handler gone")
+        with socket.create_connection(addr, timeout=10) as s:  # control: under the cap a request is served
+            s.sendall(_models(key))
+            assert s.recv(4096).startswith(b"HTTP/1.1 200")
+        for s in idle:
+            s.close()
+    finally:
+        gw.close()
+
+
+def test_a_request_dripping_its_headers_or_body_is_cut_off_at_the_read_deadline(tok):
+    """Slowloris: a byte every 0.1 s never trips a per-read timeout, but the whole request has read_timeout_s from its
+    first byte; control: the same request dripped faster than the deadline is served."""
+    import time
+
+    limit = 2.0
+    gw, _, key = _gateway(tok, [], read_timeout_s=limit)
+    addr = gw.httpd.server_address[:2]
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    post = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+
+    def drip(data: bytes, whole: bytes, gap_s: float) -> tuple[bytes, float]:
+        """``whole`` sent at once, then ``data`` a byte per ``gap_s`` until the server closes or answers."""
+        with socket.create_connection(addr, timeout=limit + 20) as s:
+            t0 = time.monotonic()
+            s.sendall(whole)
+            try:
+                for b in data:
+                    s.sendall(bytes([b]))
+                    time.sleep(gap_s)
+                    if time.monotonic() - t0 > limit + 20:
+                        raise AssertionError("still reading past the deadline")
+                return s.recv(4096), time.monotonic() - t0
+            except (BrokenPipeError, ConnectionResetError):
+                return b"", time.monotonic() - t0
+
+    try:
+        got, took = drip(_models(key)[1:], _models(key)[:1], 0.1)  # the headers dripped: ~90 bytes, ~9 s
+        assert got == b"" and took >= limit
+        got, took = drip(body, post, 0.1)  # the headers at once, the body dripped
+        assert got == b"" and took >= limit
+        got, _ = drip(_models(key)[1:], _models(key)[:1], 0.0)  # control: all within the deadline
+        assert got.startswith(b"HTTP/1.1 200")
+    finally:
+        gw.close()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "flag"),
+    [("gateway_max_connections", 0, "--gateway-max-connections"), ("gateway_read_timeout_s", 0.0, "--gateway-read-")],
+)
+def test_bad_gateway_limits_are_refused_by_name(field, value, flag):
+    from align.envs.config import EnvConfig
+
+    EnvConfig(agent="a.py:run").check(64)  # control: the defaults pass
+    with pytest.raises(ValueError, match=flag):
+        EnvConfig(agent="a.py:run", **{field: value}).check(64)

@@ -219,6 +219,8 @@ class _Agents(AgentEnv):
                 sampler.context,
                 cls.cfg.gateway_max_body_mb,
                 episode_tokens=cls.cfg.max_episode_tokens,
+                max_connections=cls.cfg.gateway_max_connections,
+                read_timeout_s=cls.cfg.gateway_read_timeout_s,
             )
             cls.state["gen_lock"] = threading.Lock()
         return cls.state["gw"]

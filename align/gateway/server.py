@@ -13,11 +13,16 @@ in the log); its ``max_tokens`` and ``stop`` only shorten a turn. A stop string 
 completes it (the returned text ends before it); the ids kept are the sampled ones.
 
 Security: binds 127.0.0.1 on a free port; each episode gets a random key (``secrets``) that expires with it and is
-never logged; bodies are capped; a request's socket has a timeout; nothing received is run.
+never logged; bodies are capped; nothing received is run. Slow clients (slowloris): at most ``max_connections``
+connections are served at once (one more is answered 503 and closed by the accepting thread, which reads nothing
+from it), and a request's headers and body must arrive within ``read_timeout_s`` of its first byte, however slowly
+they drip (else the connection is closed unanswered); a kept-alive connection waits ``IDLE_TIMEOUT_S`` for its next
+request.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import secrets
@@ -34,7 +39,8 @@ from align.gateway.capture import Capture, template_messages, text_of
 
 log = logging.getLogger(__name__)
 
-READ_TIMEOUT_S = 60.0  # a client that stops sending its body mid-way
+IDLE_TIMEOUT_S = 60.0  # a kept-alive connection's wait for its next request's first byte; each write's too
+BUSY = "the gateway serves {} connections at once (--gateway-max-connections); retry when one closes"
 
 
 class ApiError(Exception):
@@ -79,7 +85,72 @@ def cut_at_stop(ids: list[int], decode: Callable[[list[int]], str], stops: list[
     return len(ids), full[:at]
 
 
-class _Server6(ThreadingHTTPServer):
+class _DeadlineReader(io.RawIOBase):
+    """A connection's socket as the raw stream under the handler's ``rfile``: the first byte of a request arms a
+    deadline ``limit_s`` ahead and every later read of that request waits only for what is left of it (a client
+    dripping a byte a second is cut off at the deadline, not served forever); ``done()`` once the request is read."""
+
+    def __init__(self, sock: socket.socket, limit_s: float) -> None:
+        self.sock, self.limit_s, self.deadline = sock, limit_s, None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        if self.deadline is None:  # between requests: wait for the next one's first byte
+            n = self.sock.recv_into(b)
+            self.deadline = time.monotonic() + self.limit_s
+            return n
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"the request did not arrive within {self.limit_s} s")
+        self.sock.settimeout(left)
+        return self.sock.recv_into(b)
+
+    def done(self) -> None:
+        self.deadline = None
+        self.sock.settimeout(IDLE_TIMEOUT_S)
+
+
+class _Server(ThreadingHTTPServer):
+    """A thread per connection, at most ``max_connections`` at once."""
+
+    max_connections = 512
+
+    def server_bind(self) -> None:
+        self.active, self.count_lock = 0, threading.Lock()
+        super().server_bind()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self.count_lock:
+            full = self.active >= self.max_connections
+            self.active += not full
+        if not full:
+            try:
+                return super().process_request(request, client_address)
+            except BaseException:  # no thread started: nothing will count it down
+                with self.count_lock:
+                    self.active -= 1
+                raise
+        err = {"message": BUSY.format(self.max_connections), "type": "server_error", "param": None}
+        data = json.dumps({"error": {**err, "code": "too_many_connections"}}).encode()
+        head = "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+        try:
+            request.settimeout(1.0)  # the accepting thread never waits long on one client
+            request.sendall(f"{head}Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self.count_lock:
+                self.active -= 1
+
+
+class _Server6(_Server):
     address_family = socket.AF_INET6
 
 
@@ -101,6 +172,8 @@ class Gateway:
         port: int = 0,
         episode_tokens: int = 0,
         accept: Callable[[str], bool] | None = None,
+        max_connections: int = 512,
+        read_timeout_s: float = 30.0,
     ) -> None:
         self.sample, self.renderer, self.decode, self.model = sample, renderer, decode, model
         self.max_tokens, self.context, self.max_body = max_tokens, context, int(max_body_mb * 2**20)
@@ -112,10 +185,13 @@ class Gateway:
         self.lock = threading.Lock()
         gw = self
 
+        self.read_timeout_s = read_timeout_s
+
         class Handler(_Handler):
             gateway = gw
 
-        self.httpd = (_Server6 if ":" in host else ThreadingHTTPServer)((host, port), Handler)  # ::1 is IPv6
+        server = type("Server", (_Server6 if ":" in host else _Server,), {"max_connections": max_connections})
+        self.httpd = server((host, port), Handler)  # ::1 is IPv6
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="align-gateway", daemon=True)
         self.thread.start()
@@ -277,7 +353,17 @@ APIS = {  # path -> the API spoken there
 class _Handler(BaseHTTPRequestHandler):
     gateway: Gateway
     protocol_version = "HTTP/1.1"
-    timeout = READ_TIMEOUT_S
+    timeout = IDLE_TIMEOUT_S
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()  # the socket's own reader: ours replaces it (closed, so the socket's close is real)
+        self.reader = _DeadlineReader(self.connection, self.gateway.read_timeout_s)
+        self.rfile = io.BufferedReader(self.reader)
+
+    def handle_one_request(self) -> None:
+        self.reader.done()  # the next request's first byte arms its deadline
+        super().handle_one_request()  # a TimeoutError while reading closes the connection unanswered
 
     def log_message(self, format: str, *args: Any) -> None:  # keys travel in headers, never logged
         log.debug("gateway: %s %s", self.command, self.path.split("?")[0])
@@ -313,6 +399,7 @@ class _Handler(BaseHTTPRequestHandler):
         return cap
 
     def do_GET(self) -> None:
+        self.reader.done()
         try:
             self._auth()
             if self.path.rstrip("/") != "/v1/models":
@@ -337,7 +424,12 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True  # until the key is known: a refused request's body is never read
             cap = self._auth()
             self.close_connection = False
-            raw = self.rfile.read(size)
+            try:
+                raw = self.rfile.read(size)  # within --gateway-read-timeout-s of the request's first byte
+            except TimeoutError:
+                self.close_connection = True  # too slow: closed unanswered
+                return
+            self.reader.done()
             api = APIS.get(self.path.rstrip("/"))
             if api is None:
                 raise ApiError(404, f"no route {self.path}", code="not_found")
