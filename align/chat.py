@@ -511,6 +511,10 @@ class TurnRenderer:
         text = obs if isinstance(obs, str) else self.suffix_text(obs)
         return _encode(self.tok, text, special=False)
 
+    def encode_text(self, text: str) -> list[int]:
+        """``text``'s ids inside a message (no special token added: no BOS)."""
+        return _encode(self.tok, text, special=False)
+
     def stop_id(self) -> int:
         """The id of the stop token that ends an assistant message in this template (the tokenizer's first stop id
         for a tokenizer without a template): the last id of ``assistant``."""

@@ -489,3 +489,116 @@ def test_bad_gateway_limits_are_refused_by_name(field, value, flag):
     EnvConfig(agent="a.py:run").check(64)  # control: the defaults pass
     with pytest.raises(ValueError, match=flag):
         EnvConfig(agent="a.py:run", **{field: value}).check(64)
+
+
+def test_tool_choice_none_required_and_named_with_the_openai_client(tok):
+    """``none``: the same prompt ids as ``auto``, the reply not parsed; ``required`` / a named function: the
+    template's call opening written into the reply as masked context, the policy samples the rest, and the next
+    request extends the same trajectory. Controls: ``auto`` parses the same text; the opening is not sampled."""
+    rest = '{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    args = '{"a": 3, "b": 4}}\n</tool_call>'
+    gw, s, key = _gateway(tok, [CALL, CALL, rest, "3", args])
+    r = TurnRenderer(tok, tools=[TOOL])
+    msgs = [{"role": "user", "content": "add"}]
+    try:
+        client = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
+        none = client.chat.completions.create(model=MODEL, messages=msgs, tools=[TOOL], tool_choice="none")
+        auto = client.chat.completions.create(model=MODEL, messages=msgs, tools=[TOOL], tool_choice="auto")
+        assert none.choices[0].message.content == CALL and not none.choices[0].message.tool_calls
+        assert none.choices[0].finish_reason == "stop" and auto.choices[0].finish_reason == "tool_calls"  # control
+        assert s.prompts[0] == s.prompts[1] == r.first(msgs)  # the tools stay in the prompt
+        req = client.chat.completions.create(model=MODEL, messages=msgs, tools=[TOOL], tool_choice="required")
+        (call,) = req.choices[0].message.tool_calls
+        assert req.choices[0].finish_reason == "tool_calls" and json.loads(call.function.arguments) == {"a": 1, "b": 2}
+        opening = r.encode_text("<tool_call>\n")
+        assert s.prompts[2] == r.first(msgs) + opening  # written, not sampled
+        h = [*msgs, req.choices[0].message.model_dump(exclude_none=True)]
+        h.append({"role": "tool", "tool_call_id": call.id, "content": "3"})
+        client.chat.completions.create(model=MODEL, messages=h, tools=[TOOL])  # extends the forced turn
+        named = {"type": "function", "function": {"name": "add"}}
+        n = client.chat.completions.create(model=MODEL, messages=msgs, tools=[TOOL], tool_choice=named)
+        assert json.loads(n.choices[0].message.tool_calls[0].function.arguments) == {"a": 3, "b": 4}
+        assert s.prompts[4] == r.first(msgs) + r.encode_text('<tool_call>\n{"name": "add", "arguments": ')
+        for bad, why in (
+            ({"type": "function", "function": {"name": "mul"}}, "not among the tools"),
+            ("sometimes", "tool_choice must be"),
+        ):
+            with pytest.raises(openai.BadRequestError, match=why):
+                client.chat.completions.create(model=MODEL, messages=msgs, tools=[TOOL], tool_choice=bad)
+        with pytest.raises(openai.BadRequestError, match="needs tools"):
+            client.chat.completions.create(model=MODEL, messages=msgs, tool_choice="required")
+    finally:
+        gw.close()
+    cap = gw.close_episode(key)
+    forced = next(b for b in cap.branches if b.prompt_ids == r.first(msgs) + opening)
+    sampled = [i for ch in rest for i in tok.encode(ch)] + [r.stop_id()]
+    assert forced.token_ids[: len(sampled)] == sampled and all(forced.mask[: len(sampled)])
+    assert len(forced.turns) == 2  # the tool result extended the forced turn's trajectory
+
+
+def test_tool_choice_required_is_refused_on_a_template_without_tool_call_blocks(tmp_path):
+    llama = HFTokenizer(make_bpe_tokenizer(tmp_path, template="llama3", bos=True, eos_token="<|eot_id|>"))
+    gw, _, key = _gateway(llama, ["x"])
+    try:
+        client = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
+        msgs = [{"role": "user", "content": "add"}]
+        with pytest.raises(openai.BadRequestError, match="<tool_call>"):
+            client.chat.completions.create(model=MODEL, messages=msgs, tools=[TOOL], tool_choice="required")
+        client.chat.completions.create(model=MODEL, messages=msgs, tools=[TOOL], tool_choice="none")  # control
+    finally:
+        gw.close()
+
+
+def test_top_logprobs_come_from_the_backend_and_are_bounded(tok):
+    seen: list = []
+
+    def top(prompt_ids, token_ids, k):
+        seen.append((list(prompt_ids), list(token_ids), k))
+        return [[(t, -0.5), (t + 1, -1.5)][:k] for t in token_ids]
+
+    gw, s, key = _gateway(tok, ["ab", "cd"], top=top)
+    msgs = [{"role": "user", "content": "hi"}]
+    try:
+        client = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
+        rsp = client.chat.completions.create(model=MODEL, messages=msgs, logprobs=True, top_logprobs=2)
+        content = rsp.choices[0].logprobs.content
+        assert [[x.logprob for x in c.top_logprobs] for c in content] == [[-0.5, -1.5]] * 3
+        assert [c.top_logprobs[0].token for c in content] == [c.token for c in content]
+        assert seen == [(s.prompts[0], seen[0][1], 2)] and len(seen[0][1]) == 3
+        for k, flags, why in ((21, {"logprobs": True}, "0 to 20"), (2, {}, "needs logprobs")):
+            with pytest.raises(openai.BadRequestError, match=why):
+                client.chat.completions.create(model=MODEL, messages=msgs, top_logprobs=k, **flags)
+        zero = client.chat.completions.create(model=MODEL, messages=msgs, logprobs=True, top_logprobs=0)
+        assert all(c.top_logprobs == [] for c in zero.choices[0].logprobs.content) and len(seen) == 1  # control
+    finally:
+        gw.close()
+    gw, _, key = _gateway(tok, ["ab"])  # a backend without them: refused by name
+    try:
+        client = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="only the sampled token"):
+            client.chat.completions.create(model=MODEL, messages=msgs, logprobs=True, top_logprobs=1)
+    finally:
+        gw.close()
+
+
+def test_anthropic_tool_choice_any_tool_and_none(tok):
+    anthropic = pytest.importorskip("anthropic", reason="the test extra: pip install -e '.[test]'")
+    rest = '{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    gw, s, key = _gateway(tok, [rest, '{"a": 5, "b": 6}}\n</tool_call>', CALL])
+    tool = {"name": "add", "description": "Add two numbers.", "input_schema": TOOL["function"]["parameters"]}
+    msgs = [{"role": "user", "content": "add"}]
+    try:
+        client = anthropic.Anthropic(base_url=gw.base_url.removesuffix("/v1"), api_key=key, max_retries=0)
+        kw = {"model": MODEL, "max_tokens": 200, "messages": msgs, "tools": [tool]}
+        anyone = client.messages.create(**kw, tool_choice={"type": "any"})
+        assert anyone.stop_reason == "tool_use" and anyone.content[0].input == {"a": 1, "b": 2}
+        named = client.messages.create(**kw, tool_choice={"type": "tool", "name": "add"})
+        assert named.content[0].name == "add" and named.content[0].input == {"a": 5, "b": 6}
+        none = client.messages.create(**kw, tool_choice={"type": "none"})
+        assert none.stop_reason == "end_turn" and none.content[0].text == CALL  # not parsed
+        with pytest.raises(anthropic.BadRequestError, match="tool_choice"):
+            client.messages.create(**kw, tool_choice={"type": "sometimes"})
+    finally:
+        gw.close()
+    r = TurnRenderer(tok, tools=[TOOL])
+    assert s.prompts[0] == r.first(msgs) + r.encode_text("<tool_call>\n") and s.prompts[2] == r.first(msgs)

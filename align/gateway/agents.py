@@ -113,6 +113,24 @@ def run_pool(calls: list[Callable[[], Any]], workers: int, timeout_s: float | No
     return futs
 
 
+def top_logprobs(model: Any, temperature: float, prompt_ids: list[int], token_ids: list[int], k: int) -> list:
+    """Per token of ``token_ids`` (sampled after ``prompt_ids``) its ``k`` most likely ``(id, logprob)`` under the
+    training basis ``log_softmax(logits / T)`` (``log_softmax(logits)`` greedy), teacher-forced on ``model``: what
+    the learner recomputes, the sampler's own distribution up to float summation order. The caller holds the
+    model's lock and autocast."""
+    import torch
+
+    if not token_ids:
+        return []
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        ids = torch.tensor([prompt_ids + token_ids[:-1]], device=device)
+        logits = model(ids)[0, len(prompt_ids) - 1 :].float()  # (len(token_ids), V)
+    lp = (logits / temperature if temperature > 0 else logits).log_softmax(-1)
+    values, idx = lp.topk(min(k, lp.shape[-1]), -1)
+    return [list(zip(i, v)) for i, v in zip(idx.tolist(), values.tolist())]
+
+
 class Batcher:
     """``--gateway-batch-ms``: requests arriving within that many ms of the first go out as one generate (sampled to
     the largest budget among them, each cut at its own: the kept tokens are exactly the sampled ones, the cut one
@@ -243,6 +261,13 @@ class _Agents(AgentEnv):
             return batcher(ids, max_tokens, seed) if batcher else generate([ids], max_tokens, seed)[0]
 
         cls.state["sample"] = sample
+        model = getattr(client, "model", None)  # the in-process sampler's (a vLLM worker's are out of reach)
+
+        def top(prompt_ids: list[int], token_ids: list[int], k: int) -> list:
+            with lock, sampler.autocast():
+                return top_logprobs(model, params.temperature, prompt_ids, token_ids, k)
+
+        gw.top = top if model is not None else None
         jobs = [(p, g) for p in range(len(rows)) for g in range(G)]
         keys = [gw.open_episode() for _ in jobs]
         for i, k in enumerate(keys):

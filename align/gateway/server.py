@@ -2,7 +2,8 @@
 program written against a provider's client trains unchanged.
 
 Endpoints: ``POST /v1/chat/completions`` (messages with string or list content, ``tools``, ``max_tokens`` /
-``max_completion_tokens``, ``stop``, ``n=1``, ``stream`` as server-sent events ending with a usage chunk) and
+``max_completion_tokens``, ``stop``, ``n=1``, ``tool_choice`` (``tool_choice()``), ``logprobs`` / ``top_logprobs``
+(``top``), ``stream`` as server-sent events ending with a usage chunk) and
 ``GET /v1/models``. Replies follow OpenAI's schema: ``tool_calls`` parsed from the sampled text in the template
 family's format (``align.envs.tools.parse_tool_calls``: Hermes / Qwen ``<tool_call>`` blocks, Llama-3.1 JSON),
 ``finish_reason`` (``stop``, ``length``, ``tool_calls``) and ``usage``. Errors are OpenAI error objects: 400 a
@@ -49,11 +50,12 @@ class ApiError(Exception):
         self.status, self.kind, self.code = status, kind, code
 
 
-def reply_message(text: str) -> tuple[dict, list[dict]]:
-    """(the OpenAI assistant message for the sampled ``text``, its readable tool calls as template messages' calls)."""
+def reply_message(text: str, parse: bool = True) -> tuple[dict, list[dict]]:
+    """(the OpenAI assistant message for the sampled ``text``, its readable tool calls as template messages' calls);
+    ``parse`` False (``tool_choice: "none"``): the text as it is, no tool calls."""
     from align.envs.tools import parse_tool_calls
 
-    calls = [c for c in parse_tool_calls(text) if "error" not in c]
+    calls = [c for c in parse_tool_calls(text) if "error" not in c] if parse else []
     msg: dict[str, Any] = {"role": "assistant", "content": text}
     if calls:
         before = text.split("<tool_call>")[0].strip() if "<tool_call>" in text else ""
@@ -67,6 +69,60 @@ def reply_message(text: str) -> tuple[dict, list[dict]]:
             for c in calls
         ]
     return msg, calls
+
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's cap
+PROBE = "ALIGN_TOOL_PROBE"  # a function name no template edits, to find how the template opens a call
+
+
+def tool_choice(body: dict, tools: list | None, renderer: Any) -> tuple[bool, str]:
+    """(parse the reply for tool calls, the text the gateway writes at the start of the reply) for the request's
+    ``tool_choice``. ``auto`` (the default): as sampled. ``none``: the tools stay in the prompt (the same ids as
+    ``auto``, as vLLM renders it) and the reply is not parsed. ``required`` / ``{"type": "function", "function":
+    {"name": N}}``: the opening of a call in the template's own format (``<tool_call>\n`` / ``<tool_call>\n{"name":
+    "N", "arguments": ``) is written into the reply as context (masked, never trained) and the policy samples the
+    rest, so the logprobs stay the policy's; a template that does not write calls as ``<tool_call>`` blocks cannot be
+    forced this way and the request is refused. (Sampling is never constrained: a call the policy then writes badly
+    comes back as text.)"""
+    choice = body.get("tool_choice")
+    if choice is None or choice == "auto":
+        return True, ""
+    if not tools:
+        raise ApiError(400, f"tool_choice {choice!r} needs tools: give the request's tools, or drop tool_choice")
+    if choice == "none":
+        return False, ""
+    if choice == "required":
+        name = None
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        names = [t.get("function", t).get("name") for t in tools if isinstance(t, dict)]
+        if name not in names:
+            raise ApiError(400, f"tool_choice names the function {name!r}, which is not among the tools {names}")
+    else:
+        raise ApiError(
+            400, f'tool_choice must be "auto", "none", "required" or {{"type": "function", ...}}, got {choice!r}'
+        )
+    probe = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": PROBE, "arguments": {}}}],
+    }
+    try:
+        text = renderer.template.render([{"role": "user", "content": "x"}, probe], False, tools=tools)
+    except Exception:  # noqa: BLE001 -- no template, or one that cannot render a call: refused below
+        text = ""
+    name_at = text.find(f'"{PROBE}"')
+    at = text.rfind("<tool_call>", 0, max(name_at, 0))  # the call's own (a system prompt may show the format too)
+    if at < 0 or name_at < at or text.find("{}", name_at) < 0:
+        raise ApiError(
+            400,
+            f"tool_choice {choice!r}: {getattr(renderer, 'name', 'the template')} does not write tool calls as "
+            "<tool_call> blocks, so the gateway cannot open a call for the policy to complete (it never constrains "
+            'sampling): use tool_choice "auto" and check the reply',
+        )
+    if name is None:
+        return True, text[at : text.index("{", at)]
+    return True, text[at:name_at] + json.dumps(name) + text[name_at + len(PROBE) + 2 : text.find("{}", name_at)]
 
 
 def cut_at_stop(ids: list[int], decode: Callable[[list[int]], str], stops: list[str]) -> tuple[int, str] | None:
@@ -174,6 +230,7 @@ class Gateway:
         accept: Callable[[str], bool] | None = None,
         max_connections: int = 512,
         read_timeout_s: float = 30.0,
+        top: Callable[[list[int], list[int], int], list] | None = None,
     ) -> None:
         self.sample, self.renderer, self.decode, self.model = sample, renderer, decode, model
         self.max_tokens, self.context, self.max_body = max_tokens, context, int(max_body_mb * 2**20)
@@ -186,6 +243,9 @@ class Gateway:
         gw = self
 
         self.read_timeout_s = read_timeout_s
+        # top(prompt_ids, token_ids, k) -> per token its k most likely (id, logprob) in the training basis; None: the
+        # backend cannot give them (top_logprobs is refused)
+        self.top = top
 
         class Handler(_Handler):
             gateway = gw
@@ -219,12 +279,24 @@ class Gateway:
 
     # ------------------------------------------------------------------ a chat completion
 
-    def _logprobs(self, body: dict, c: Any) -> dict | None:
+    def _top_k(self, body: dict) -> int:
+        k = body.get("top_logprobs")
+        if k is None:
+            return 0
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {k!r}")
+        if k and not body.get("logprobs"):
+            raise ApiError(400, "top_logprobs needs logprobs: true")
+        if k and self.top is None:
+            raise ApiError(400, "top_logprobs: this gateway's sampler returns only the sampled token's logprob")
+        return k
+
+    def _logprobs(self, body: dict, c: Any, prompt_ids: list[int], k: int) -> dict | None:
         if not body.get("logprobs"):
             return None
         tok = getattr(self.renderer(None), "tok", None)
         decode = (lambda ids: tok.decode(ids, skip_special_tokens=False)) if tok is not None else self.decode
-        return _token_logprobs(decode, c)
+        return _token_logprobs(decode, c, self.top(prompt_ids, c.token_ids, k) if k else None)
 
     def chat(self, cap: Capture, body: dict) -> dict:
         """One request of an episode -> the OpenAI response (a dict; the handler streams it when asked)."""
@@ -241,6 +313,8 @@ class Gateway:
         tools = body.get("tools") or None
         if tools is not None and not isinstance(tools, list):
             raise ApiError(400, "tools must be a list of function schemas")
+        parse, opening = tool_choice(body, tools, self.renderer(tools))
+        k_top = self._top_k(body)
         cap_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if cap_tokens is not None and (not isinstance(cap_tokens, int) or cap_tokens < 1):
             raise ApiError(400, f"max_tokens must be a positive integer, got {cap_tokens!r}")
@@ -252,6 +326,8 @@ class Gateway:
             messages = template_messages(body.get("messages"))
             with cap.lock:
                 plan = cap.plan(messages, tools)
+                if opening:  # tool_choice required / a named function: the call's opening, as context
+                    plan.force(self.renderer(tools).encode_text(opening))
                 room = self.context - len(plan.prompt_ids)
                 if self.episode_tokens:
                     root = plan.new.prompt_ids if plan.new else cap.branches[plan.branch].prompt_ids
@@ -277,7 +353,7 @@ class Gateway:
                     finish, ended = "stop", False
                 else:
                     text = self.decode(c.token_ids)
-                msg, calls = reply_message(text)
+                msg, calls = reply_message(opening + text, parse)
                 cap.record(plan, c, template_messages([msg])[0], ended, finish)
                 cap.log[-1]["overridden_sampling"] = asked
         except ValueError as e:  # InputError included: messages or tools the template cannot render, ids past the vocab
@@ -289,7 +365,14 @@ class Gateway:
             "object": "chat.completion",
             "created": int(time.time()),
             "model": self.model,
-            "choices": [{"index": 0, "message": msg, "finish_reason": reason, "logprobs": self._logprobs(body, c)}],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": msg,
+                    "finish_reason": reason,
+                    "logprobs": self._logprobs(body, c, plan.prompt_ids, k_top),
+                }
+            ],
             "usage": {"prompt_tokens": prompt_n, "completion_tokens": out_n, "total_tokens": prompt_n + out_n},
             "stop_sequence": hit,  # not OpenAI's: Anthropic's row reads it (OPENAI drops it)
         }
@@ -314,13 +397,18 @@ def _openai_response(resp: dict) -> dict:
     return {k: v for k, v in resp.items() if k != "stop_sequence"}
 
 
-def _token_logprobs(decode: Callable[..., str], c: Any) -> dict:
+def _token_logprobs(decode: Callable[..., str], c: Any, tops: list | None = None) -> dict:
     """OpenAI's ``logprobs.content``: each sampled token's logprob in the training basis (``log_softmax(logits / T)``
-    of the run's sampling); ``top_logprobs`` are empty (the sampler keeps only the sampled token's)."""
-    out = []
-    for t, lp in zip(c.token_ids, c.logprobs):
+    of the run's sampling) and, with ``tops`` (per token its ``(id, logprob)`` most likely, best first), its
+    ``top_logprobs`` (else empty)."""
+
+    def entry(t: int, lp: float) -> dict:
         text = decode([t])
-        out.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    out = []
+    for i, (t, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+        out.append({**entry(t, lp), "top_logprobs": [entry(j, v) for j, v in tops[i]] if tops else []})
     return {"content": out}
 
 
