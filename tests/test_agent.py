@@ -279,3 +279,41 @@ def test_the_documented_command_trains_the_example_agent(tmp_path, agent_model, 
     assert main([*argv, *flags, "--max-tokens", "80", "--eval-interval", "0", "--agent-workers", "2"]) == 0
     (rec,) = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert rec["agent/requests_mean"] >= 1 and rec["agent/errors"] == 0
+
+
+def test_an_agent_run_killed_mid_run_resumes_where_an_uninterrupted_run_goes(tmp_path, agent_model, monkeypatch):
+    """kill -9 of the trainer after its step-1 checkpoint (its agents and gateway are threads of it), then the same
+    command again: it resumes from the last checkpoint and its metrics continue to the same values as a run never
+    killed (the example agent is deterministic and each request draws with its own seed: --gateway-batch-ms 0)."""
+    from helpers_train import comparable, records, run_cli, wait_for
+
+    from align.train import main
+
+    monkeypatch.chdir(ROOT)
+
+    def args(out: Path) -> list[str]:
+        return ["--out", str(out), "--model", str(agent_model[0]), "--train-data", "examples/agent/rows.jsonl",
+                "--agent", "examples/agent/agent.py:run", "--steps", "3", "--prompts-per-step", "2",
+                "--group-size", "2", "--max-tokens", "80", "--eval-interval", "0", "--checkpoint-every", "1",
+                "--agent-workers", "2", "--seed", "3"]  # fmt: skip
+
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    assert main(args(whole)) == 0
+    proc = run_cli(args(killed), cwd=ROOT)
+    try:
+        wait_for(lambda: (killed / "checkpoints" / "step_1").is_dir(), proc, timeout=240)
+        proc.kill()  # SIGKILL: no handler runs
+        proc.wait(timeout=60)
+    except BaseException:
+        proc.kill()
+        raise
+    assert proc.returncode == -9
+    done = {p.name for p in (killed / "checkpoints").iterdir() if p.name.startswith("step_")}
+    assert done and "step_3" not in done, done  # killed mid-run
+    assert main(args(killed)) == 0  # the same command again: resumes
+    steps = [r["step"] for r in records(killed) if "loss" in r]
+    assert steps == [1, 2, 3]  # the metrics continue (records past the checkpoint dropped, none twice)
+    got = [r for r in comparable(killed) if "loss" in r]
+    want = [r for r in comparable(whole) if "loss" in r]
+    assert got == want  # every value but the wall-clock ones: entropy, rewards, agent/*, grad norm
+    assert len({r["entropy"] for r in want}) == 3  # control: the steps differ from each other (the policy moved)
