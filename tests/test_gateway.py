@@ -602,3 +602,31 @@ def test_anthropic_tool_choice_any_tool_and_none(tok):
         gw.close()
     r = TurnRenderer(tok, tools=[TOOL])
     assert s.prompts[0] == r.first(msgs) + r.encode_text("<tool_call>\n") and s.prompts[2] == r.first(msgs)
+
+
+def test_a_batch_goes_out_once_every_running_agent_has_a_request_in_it():
+    """``--gateway-batch-ms``: with a 60 s window, three requests from the three running agents go out at once as
+    one generate (not after the window); control: with a fourth agent running, the window runs out first."""
+    import threading
+    import time
+
+    from align.gateway.agents import Batcher
+
+    def generate(prompts, max_tokens, seed):
+        return [Completion(0, 0, [1] * max_tokens, [0.0] * max_tokens, "length", None, 0) for _ in prompts]
+
+    for running, window_ms in ((3, 60_000), (4, 500)):
+        b = Batcher(generate, window_ms, lambda r=running: r)
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=b, args=([1, 2], 2, 0)) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        took = time.monotonic() - t0
+        b.close()
+        assert not any(t.is_alive() for t in threads), "a request still waits"
+        if running == 3:
+            assert took < 30 and b.batches == [3]  # one generate, long before the window
+        else:
+            assert took >= 0.5 and sum(b.batches) == 3

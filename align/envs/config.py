@@ -75,8 +75,8 @@ class EnvConfig:
     gateway_batch_ms: float = field(
         default=0.0,
         metadata=_h(
-            "With --agent: requests arriving within this many ms of each other go out as one generate (0 = one "
-            "generate per request, draws reproducible)."
+            "With --agent: requests arriving within this many ms of each other go out as one generate, sooner once "
+            "every running agent has one waiting (0 = one generate per request, draws reproducible)."
         ),
     )
     gateway_max_connections: int = field(

@@ -134,10 +134,17 @@ def top_logprobs(model: Any, temperature: float, prompt_ids: list[int], token_id
 class Batcher:
     """``--gateway-batch-ms``: requests arriving within that many ms of the first go out as one generate (sampled to
     the largest budget among them, each cut at its own: the kept tokens are exactly the sampled ones, the cut one
-    ``length``). The batch draws with its first request's seed, so draws depend on which requests shared a batch."""
+    ``length``). The batch draws with its first request's seed, so draws depend on which requests shared a batch.
+    ``running() -> int``: the agents running now; once each of them has a request waiting, the batch goes out
+    without waiting out the window (no agent can add to it)."""
 
-    def __init__(self, generate: Callable[[list[list[int]], int, int | None], list], batch_ms: float) -> None:
-        self.generate, self.wait_s = generate, batch_ms / 1000
+    def __init__(
+        self,
+        generate: Callable[[list[list[int]], int, int | None], list],
+        batch_ms: float,
+        running: Callable[[], int] | None = None,
+    ) -> None:
+        self.generate, self.wait_s, self.running = generate, batch_ms / 1000, running
         self.q: queue.Queue = queue.Queue()
         self.batches: list[int] = []  # the size of each generate (for the metrics and the tests)
         self.thread = threading.Thread(target=self._loop, name="align-gateway-batch", daemon=True)
@@ -154,7 +161,7 @@ class Batcher:
     def _loop(self) -> None:
         while (first := self.q.get()) is not None:
             batch, end = [first], time.monotonic() + self.wait_s
-            while (left := end - time.monotonic()) > 0:
+            while (left := end - time.monotonic()) > 0 and not (self.running and len(batch) >= self.running()):
                 try:
                     item = self.q.get(timeout=left)
                 except queue.Empty:
@@ -254,7 +261,20 @@ class _Agents(AgentEnv):
             with lock, sampler.autocast():  # one generate at a time on the shared model (autocast is per thread)
                 return client.generate(prompts, p)
 
-        batcher = Batcher(generate, cls.cfg.gateway_batch_ms) if cls.cfg.gateway_batch_ms else None
+        jobs = [(p, g) for p in range(len(rows)) for g in range(G)]
+        workers = cls.cfg.agent_workers or len(jobs)
+        left = [len(jobs)]  # agents not returned yet: min(workers, left) of them run or are about to
+        count = threading.Lock()
+
+        def counted(call: Callable[[], Any]) -> Any:
+            try:
+                return call()
+            finally:
+                with count:
+                    left[0] -= 1
+
+        batch_ms = cls.cfg.gateway_batch_ms
+        batcher = Batcher(generate, batch_ms, lambda: min(workers, left[0])) if batch_ms else None
 
         def sample(ids: list[int], max_tokens: int, cap: Any) -> Any:
             seed = None if params.seed is None else params.seed + 7919 * cap.index + 104_729 * cap.requests
@@ -268,12 +288,14 @@ class _Agents(AgentEnv):
                 return top_logprobs(model, params.temperature, prompt_ids, token_ids, k)
 
         gw.top = top if model is not None else None
-        jobs = [(p, g) for p in range(len(rows)) for g in range(G)]
         keys = [gw.open_episode() for _ in jobs]
         for i, k in enumerate(keys):
             gw.episodes[k].index = i
-        calls = [functools.partial(cls.fn, gw.base_url, k, MODEL_NAME, **rows[p]) for (p, _), k in zip(jobs, keys)]
-        futs = run_pool(calls, cls.cfg.agent_workers or len(jobs), cls.cfg.agent_timeout_s or None)
+        calls = [
+            functools.partial(counted, functools.partial(cls.fn, gw.base_url, k, MODEL_NAME, **rows[p]))
+            for (p, _), k in zip(jobs, keys)
+        ]
+        futs = run_pool(calls, workers, cls.cfg.agent_timeout_s or None)
         # an agent past its time is abandoned: its key is revoked here, so its next request gets a 401
         eps = [
             cls.episode(gw.close_episode(k), f, f.done() and not f.cancelled(), p, g)

@@ -72,6 +72,7 @@ def reply_message(text: str, parse: bool = True) -> tuple[dict, list[dict]]:
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's cap
+MAX_RENDERERS = 64  # distinct tool sets whose renderers are kept
 PROBE = "ALIGN_TOOL_PROBE"  # a function name no template edits, to find how the template opens a call
 
 
@@ -172,6 +173,7 @@ class _Server(ThreadingHTTPServer):
     """A thread per connection, at most ``max_connections`` at once."""
 
     max_connections = 512
+    request_queue_size = 256  # the listen backlog (socketserver's 5 resets connections when many agents start at once)
 
     def server_bind(self) -> None:
         self.active, self.count_lock = 0, threading.Lock()
@@ -232,7 +234,8 @@ class Gateway:
         read_timeout_s: float = 30.0,
         top: Callable[[list[int], list[int], int], list] | None = None,
     ) -> None:
-        self.sample, self.renderer, self.decode, self.model = sample, renderer, decode, model
+        self.sample, self.decode, self.model = sample, decode, model
+        self.make_renderer, self.renderers = renderer, {}  # one TurnRenderer per tool set, reused (it caches its end)
         self.max_tokens, self.context, self.max_body = max_tokens, context, int(max_body_mb * 2**20)
         self.episode_tokens = episode_tokens  # --max-episode-tokens: a trajectory's tokens after its first prompt
         self.accept = accept  # align.serve: keys outside any episode it accepts (each request a capture of its own)
@@ -255,6 +258,16 @@ class Gateway:
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="align-gateway", daemon=True)
         self.thread.start()
+
+    def renderer(self, tools: list | None) -> Any:
+        """The renderer of a request's ``tools`` (made once per distinct tool set: agents reuse a handful)."""
+        key = json.dumps(tools, sort_keys=True) if tools else ""
+        r = self.renderers.get(key)
+        if r is None:
+            if len(self.renderers) >= MAX_RENDERERS:  # an agent inventing tool sets cannot grow it without bound
+                self.renderers.clear()
+            r = self.renderers[key] = self.make_renderer(tools)
+        return r
 
     @property
     def base_url(self) -> str:
@@ -313,7 +326,7 @@ class Gateway:
         tools = body.get("tools") or None
         if tools is not None and not isinstance(tools, list):
             raise ApiError(400, "tools must be a list of function schemas")
-        parse, opening = tool_choice(body, tools, self.renderer(tools))
+        parse, opening = tool_choice(body, tools, self.renderer(tools)) if "tool_choice" in body else (True, "")
         k_top = self._top_k(body)
         cap_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if cap_tokens is not None and (not isinstance(cap_tokens, int) or cap_tokens < 1):
