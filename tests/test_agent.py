@@ -317,3 +317,40 @@ def test_an_agent_run_killed_mid_run_resumes_where_an_uninterrupted_run_goes(tmp
     want = [r for r in comparable(whole) if "loss" in r]
     assert got == want  # every value but the wall-clock ones: entropy, rewards, agent/*, grad norm
     assert len({r["entropy"] for r in want}) == 3  # control: the steps differ from each other (the policy moved)
+
+
+def editing(base_url: str, api_key: str, model: str, question: str, answer: str, **row) -> float:
+    """Asks, then asks again with its history edited (a summary in place of the question): two trajectories."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    first = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}])
+    edited = [{"role": "user", "content": "(summary) " + question}, first.choices[0].message.model_dump()]
+    edited.append({"role": "user", "content": "Again."})
+    last = client.chat.completions.create(model=model, messages=edited).choices[0].message
+    return float(str(answer) in (last.content or ""))
+
+
+def test_every_trajectory_of_an_editing_agent_reaches_the_learner(tmp_path, agent_model, monkeypatch):
+    """train() with an agent that edits its history: the learner's batch holds both trajectories of every episode,
+    each with its sampled tokens trained once (control: the episodes alone hold only the last request's tokens)."""
+    from align.run.parts import Run
+    from align.train import train
+
+    batches: list = []
+    real = Run.batch
+    monkeypatch.setattr(Run, "batch", lambda self, *a: batches.append(b := real(self, *a)) or b)
+    rows = [{"question": QUESTION, "answer": "5"}] * 4
+    train(_config(tmp_path), model=str(agent_model[0]), prompts=rows, agent=editing)
+    assert len(batches) == 2
+    for b in batches:
+        eps = [c for c in b.completions if c.turns]  # the episodes (their branches carry no request records)
+        assert len(eps) == 4 and len(b.completions) == 8  # one more trajectory per episode
+        for e in eps:
+            assert len(e.branches) == 1 and e.branches[0] in b.completions
+            sampled = sum(t["policy_tokens"] for t in e.turns)
+            assert sum(e.mask) + sum(e.branches[0].mask) == sampled
+            assert sum(e.mask) < sampled  # control: the last request's trajectory alone misses the first reply
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "loss" in r]
+    assert all(r["agent/branches_mean"] == 2 and r["agent/branch_tokens"] > 0 for r in steps), steps
