@@ -33,7 +33,7 @@ import functools
 import inspect
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any, ClassVar
@@ -421,11 +421,20 @@ def _encode(tok: Any, text: str, special: bool) -> list[int]:
     ``align.data`` encodes (a ``ChatPrompt`` gets none), the char tokenizer through ``add_bos``."""
     if isinstance(tok, HFTokenizer):
         return tok.encode(text, add_special_tokens=special)
-    params = inspect.signature(tok.encode).parameters
-    for flag in ("add_special_tokens", "add_bos"):
-        if flag in params:
-            return list(tok.encode(text, **{flag: special}))
-    return list(tok.encode(text))
+    own = "encode" in getattr(tok, "__dict__", {}) or not hasattr(type(tok), "encode")
+    flag = _flag_of(tok.encode) if own else _class_flag(type(tok))
+    return list(tok.encode(text, **{flag: special})) if flag else list(tok.encode(text))
+
+
+def _flag_of(encode: Callable[..., Any]) -> str | None:
+    """The keyword of ``encode`` that switches special tokens, if any."""
+    params = inspect.signature(encode).parameters
+    return next((f for f in ("add_special_tokens", "add_bos") if f in params), None)
+
+
+@functools.lru_cache(maxsize=64)
+def _class_flag(cls: type) -> str | None:
+    return _flag_of(cls.encode)  # once per tokenizer class: inspect is slow (a render's encode paid it each time)
 
 
 class TurnRenderer:
@@ -509,6 +518,10 @@ class TurnRenderer:
         template re-renders (Qwen3's dropped <think>) does not matter here: ``check_append_only`` reports it. A str
         obs: encoded as is (no template, no special tokens), for tokenizers without a chat template."""
         text = obs if isinstance(obs, str) else self.suffix_text(obs)
+        return _encode(self.tok, text, special=False)
+
+    def encode_text(self, text: str) -> list[int]:
+        """``text``'s ids inside a message (no special token added: no BOS)."""
         return _encode(self.tok, text, special=False)
 
     def stop_id(self) -> int:

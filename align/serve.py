@@ -92,6 +92,12 @@ def open_server(args: argparse.Namespace) -> Any:
         with lock:  # one generate at a time on the model
             return client.generate([ids], params)[0]
 
+    def top(prompt_ids: list[int], token_ids: list[int], k: int) -> list:
+        from align.gateway.agents import top_logprobs
+
+        with lock:
+            return top_logprobs(model, args.temperature, prompt_ids, token_ids, k)
+
     try:
         return Gateway(
             sample,
@@ -102,6 +108,7 @@ def open_server(args: argparse.Namespace) -> Any:
             model.config.max_position_embeddings,
             host=args.host,
             port=args.port,
+            top=top,
             accept=(lambda k: True) if key is None else (lambda k: hmac.compare_digest(k.encode(), key.encode())),
         )
     except OSError as e:  # the address is not this machine's, the port is taken, no IPv6 ...

@@ -231,3 +231,78 @@ def test_the_documented_command_trains_the_example_agent(tmp_path, agent_model, 
     assert main([*argv, *flags, "--max-tokens", "80", "--eval-interval", "0", "--agent-workers", "2"]) == 0
     (rec,) = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert rec["agent/requests_mean"] >= 1 and rec["agent/errors"] == 0
+
+
+def test_an_agent_run_killed_mid_run_resumes_where_an_uninterrupted_run_goes(tmp_path, agent_model, monkeypatch):
+    """kill -9 of the trainer after its step-1 checkpoint (its agents and gateway are threads of it), then the same
+    command again: it resumes from the last checkpoint and its metrics continue to the same values as a run never
+    killed (the example agent is deterministic and each request draws with its own seed: --gateway-batch-ms 0)."""
+    from helpers_train import comparable, records, run_cli, wait_for
+
+    from align.train import main
+
+    monkeypatch.chdir(ROOT)
+
+    def args(out: Path) -> list[str]:
+        return ["--out", str(out), "--model", str(agent_model[0]), "--train-data", "examples/agent/rows.jsonl",
+                "--agent", "examples/agent/agent.py:run", "--steps", "3", "--prompts-per-step", "2",
+                "--group-size", "2", "--max-tokens", "80", "--eval-interval", "0", "--checkpoint-every", "1",
+                "--agent-workers", "2", "--seed", "3"]  # fmt: skip
+
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    assert main(args(whole)) == 0
+    proc = run_cli(args(killed), cwd=ROOT)
+    try:
+        wait_for(lambda: (killed / "checkpoints" / "step_1").is_dir(), proc, timeout=240)
+        proc.kill()  # SIGKILL: no handler runs
+        proc.wait(timeout=60)
+    except BaseException:
+        proc.kill()
+        raise
+    assert proc.returncode == -9
+    done = {p.name for p in (killed / "checkpoints").iterdir() if p.name.startswith("step_")}
+    assert done and "step_3" not in done, done  # killed mid-run
+    assert main(args(killed)) == 0  # the same command again: resumes
+    steps = [r["step"] for r in records(killed) if "loss" in r]
+    assert steps == [1, 2, 3]  # the metrics continue (records past the checkpoint dropped, none twice)
+    got = [r for r in comparable(killed) if "loss" in r]
+    want = [r for r in comparable(whole) if "loss" in r]
+    assert got == want  # every value but the wall-clock ones: entropy, rewards, agent/*, grad norm
+    assert len({r["entropy"] for r in want}) == 3  # control: the steps differ from each other (the policy moved)
+
+
+def editing(base_url: str, api_key: str, model: str, question: str, answer: str, **row) -> float:
+    """Asks, then asks again with its history edited (a summary in place of the question): two trajectories."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    first = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}])
+    edited = [{"role": "user", "content": "(summary) " + question}, first.choices[0].message.model_dump()]
+    edited.append({"role": "user", "content": "Again."})
+    last = client.chat.completions.create(model=model, messages=edited).choices[0].message
+    return float(str(answer) in (last.content or ""))
+
+
+def test_every_trajectory_of_an_editing_agent_reaches_the_learner(tmp_path, agent_model, monkeypatch):
+    """train() with an agent that edits its history: the learner's batch holds both trajectories of every episode,
+    each with its sampled tokens trained once (control: the episodes alone hold only the last request's tokens)."""
+    from align.run.parts import Run
+    from align.train import train
+
+    batches: list = []
+    real = Run.batch
+    monkeypatch.setattr(Run, "batch", lambda self, *a: batches.append(b := real(self, *a)) or b)
+    rows = [{"question": QUESTION, "answer": "5"}] * 4
+    train(_config(tmp_path), model=str(agent_model[0]), prompts=rows, agent=editing)
+    assert len(batches) == 2
+    for b in batches:
+        eps = [c for c in b.completions if c.turns]  # the episodes (their branches carry no request records)
+        assert len(eps) == 4 and len(b.completions) == 8  # one more trajectory per episode
+        for e in eps:
+            assert len(e.branches) == 1 and e.branches[0] in b.completions
+            sampled = sum(t["policy_tokens"] for t in e.turns)
+            assert sum(e.mask) + sum(e.branches[0].mask) == sampled
+            assert sum(e.mask) < sampled  # control: the last request's trajectory alone misses the first reply
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "loss" in r]
+    assert all(r["agent/branches_mean"] == 2 and r["agent/branch_tokens"] > 0 for r in steps), steps

@@ -130,6 +130,11 @@ def test_tool_loop_with_the_openai_client_is_token_exact(tok):
 
 
 def test_edited_history_starts_a_new_branch_and_going_back_forks(tok):
+    _branching(tok)
+
+
+def _branching(tok: HFTokenizer) -> tuple:
+    """An episode of four requests: a turn, its extension, an edited history (a new branch), a return to turn 1 (a fork)."""
     gw, s, key = _gateway(tok, ["one", "two", "three", "four"])
     try:
         client = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
@@ -160,18 +165,73 @@ def test_edited_history_starts_a_new_branch_and_going_back_forks(tok):
     one = [i for ch in "one" for i in tok.encode(ch)] + [r.stop_id()]
     assert cap.branches[2].prompt_ids == r.first(u) + one + r.suffix([{"role": "user", "content": "other"}])
     assert sum(sum(b.mask) for b in cap.branches) == sum(len(x) + 1 for x in ("one", "two", "three", "four"))
-    # the episode the learner gets: the fork (the last request's trajectory); the rest counted, not silently dropped
+    # control: the edited history rendered from text differs from the first branch's ids for the same turn
+    assert cap.branches[1].prompt_ids != cap.branches[0].prompt_ids + cap.branches[0].token_ids[: len(s.prompts[1])]
+    return cap, u, h, edited, back
+
+
+def test_every_branch_of_an_episode_trains_with_its_advantage(tok):
+    """The learner's rows for a branching episode == a plain loop over its three trajectories (ids, masks, sampled
+    logprobs, the episode's advantage on each); control: the last request's trajectory alone (the episode without its
+    branches) trains fewer tokens than were sampled."""
+    import dataclasses
+    import types
+
+    import torch
+
+    from align.learner import StepBatch, make_batch
+    from align.rollout.groups import Episode, trajectories
+
+    cap, u, h, edited, back = _branching(tok)
     done: cf.Future = cf.Future()
     done.set_result(1.0)
     ep = _Agents.episode(cap, done, True, 0, 0)
-    assert ep.prompt_ids == cap.branches[2].prompt_ids and ep.token_ids == cap.branches[2].token_ids
-    assert [t["trained"] for t in ep.turns] == [False, False, False, True]
+    r = TurnRenderer(tok)
+
+    def sampled(text: str, request: int) -> tuple[list[int], list[float]]:  # Scripted's ids and logprobs
+        ids = [i for ch in text for i in tok.encode(ch)] + [r.stop_id()]
+        return ids, [-0.01 * (k + 1) - request for k in range(len(ids))]
+
+    (one, lp1), (two, lp2), (three, lp3), (four, lp4) = (
+        sampled(x, k + 1) for k, x in enumerate(("one", "two", "three", "four"))
+    )
+    more = r.suffix(h[2:])
+    loop = [  # (prompt, tokens, mask, logprobs) of each trajectory, the last request's first
+        (r.first(u) + one + r.suffix(back[2:]), four, [True] * len(four), lp4),
+        (
+            r.first(u),
+            one + more + two,
+            [True] * len(one) + [False] * len(more) + [True] * len(two),
+            lp1 + [0.0] * len(more) + lp2,
+        ),
+        (r.first(edited), three, [True] * len(three), lp3),
+    ]
+    trajs = trajectories([ep])
+    assert len(trajs) == 3 and all((t.prompt_index, t.sample_index) == (0, 0) for t in trajs)
+    assert [t["trained"] for t in ep.turns] == [True] * 4
+    cfg = types.SimpleNamespace(group_size=1, behaviour_logprobs="sampled")
+    adv, valid = torch.tensor([[0.7]]), torch.tensor([[True]])
+    batch = make_batch(StepBatch([[]], trajs, adv, valid), cfg, torch.device("cpu"))
+    for row, (prompt, ids, mask, lps) in enumerate(loop):
+        seq, n = prompt + ids, len(prompt + ids) - 1
+        assert batch.inputs[row, :n].tolist() == seq[:-1] and batch.targets[row, :n].tolist() == seq[1:]
+        want = [False] * (len(prompt) - 1) + mask
+        assert batch.mask[row, :n].tolist() == want and not batch.mask[row, n:].any()
+        assert batch.behav[row, :n].tolist() == pytest.approx([0.0] * (len(prompt) - 1) + lps)
+    assert batch.advantages.tolist() == pytest.approx([0.7] * 3)
+    assert int(batch.mask.sum()) == len(one + two + three + four)  # every sampled token once
+    # control: the episode without its branches (the last request's trajectory only) leaves sampled tokens untrained
+    alone = make_batch(StepBatch([[]], [dataclasses.replace(ep, branches=[])], adv, valid), cfg, torch.device("cpu"))
+    assert int(alone.mask.sum()) == len(four) < int(batch.mask.sum())
+    # an unscorable episode trains none of its trajectories
+    assert not make_batch(StepBatch([[]], trajs, adv, ~valid), cfg, torch.device("cpu")).mask.any()
+    # a checkpoint's pending batch (K >= 1) keeps the branches: plain dicts back to Episodes
+    again = Episode(**dataclasses.asdict(ep))
+    assert again.branches == ep.branches and isinstance(again.branches[0], Episode)
     m = _Agents.metrics([ep])
     assert m["agent/requests_mean"] == 4 and m["agent/branches_mean"] == 3
     assert m["agent/rerendered_tokens"] == len(r.first(edited))  # the edited history; the first prompt is none
-    assert m["agent/untrained_tokens"] == sum(len(x) + 1 for x in ("one", "two", "three"))
-    # control: the edited history rendered from text differs from the first branch's ids for the same turn
-    assert cap.branches[1].prompt_ids != cap.branches[0].prompt_ids + cap.branches[0].token_ids[: len(s.prompts[1])]
+    assert m["agent/branch_tokens"] == len(one + two + three)
 
 
 def test_stop_and_max_tokens_shorten_a_turn(tok):
@@ -342,3 +402,231 @@ def test_a_request_without_a_key_is_refused_before_its_body_is_read(tok):
                 assert first == b""
     finally:
         gw.close()
+
+
+def _wait_until(cond, what: str, limit_s: float = 20.0) -> None:
+    import time
+
+    end = time.monotonic() + limit_s
+    while not cond():
+        assert time.monotonic() < end, f"not within {limit_s} s: {what}"
+        time.sleep(0.01)
+
+
+def _models(key: str) -> bytes:
+    return f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n\r\n".encode()
+
+
+def test_connections_past_the_cap_get_a_503_and_a_freed_slot_serves_again(tok):
+    gw, _, key = _gateway(tok, [], max_connections=2)
+    addr = gw.httpd.server_address[:2]
+    try:
+        idle = [socket.create_connection(addr, timeout=10) for _ in range(2)]  # each holds a handler, sends nothing
+        _wait_until(lambda: gw.httpd.active == 2, "both idle connections accepted")
+        with socket.create_connection(addr, timeout=10) as s:
+            s.sendall(_models(key))
+            reply = s.recv(4096)
+            assert reply.startswith(b"HTTP/1.1 503") and b"too_many_connections" in reply
+            assert s.recv(100) == b""  # and closed
+        idle.pop().close()
+        _wait_until(lambda: gw.httpd.active == 1, "the closed connection's handler gone")
+        with socket.create_connection(addr, timeout=10) as s:  # control: under the cap a request is served
+            s.sendall(_models(key))
+            assert s.recv(4096).startswith(b"HTTP/1.1 200")
+        for s in idle:
+            s.close()
+    finally:
+        gw.close()
+
+
+def test_a_request_dripping_its_headers_or_body_is_cut_off_at_the_read_deadline(tok):
+    """Slowloris: a byte every 0.1 s never trips a per-read timeout, but the whole request has read_timeout_s from its
+    first byte; control: the same request dripped faster than the deadline is served."""
+    import time
+
+    limit = 2.0
+    gw, _, key = _gateway(tok, [], read_timeout_s=limit)
+    addr = gw.httpd.server_address[:2]
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    post = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+
+    def drip(data: bytes, whole: bytes, gap_s: float) -> tuple[bytes, float]:
+        """``whole`` sent at once, then ``data`` a byte per ``gap_s`` until the server closes or answers."""
+        with socket.create_connection(addr, timeout=limit + 20) as s:
+            t0 = time.monotonic()
+            s.sendall(whole)
+            try:
+                for b in data:
+                    s.sendall(bytes([b]))
+                    time.sleep(gap_s)
+                    if time.monotonic() - t0 > limit + 20:
+                        raise AssertionError("still reading past the deadline")
+                return s.recv(4096), time.monotonic() - t0
+            except (BrokenPipeError, ConnectionResetError):
+                return b"", time.monotonic() - t0
+
+    try:
+        got, took = drip(_models(key)[1:], _models(key)[:1], 0.1)  # the headers dripped: ~90 bytes, ~9 s
+        assert got == b"" and took >= limit
+        got, took = drip(body, post, 0.1)  # the headers at once, the body dripped
+        assert got == b"" and took >= limit
+        got, _ = drip(_models(key)[1:], _models(key)[:1], 0.0)  # control: all within the deadline
+        assert got.startswith(b"HTTP/1.1 200")
+    finally:
+        gw.close()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "flag"),
+    [("gateway_max_connections", 0, "--gateway-max-connections"), ("gateway_read_timeout_s", 0.0, "--gateway-read-")],
+)
+def test_bad_gateway_limits_are_refused_by_name(field, value, flag):
+    from align.envs.config import EnvConfig
+
+    EnvConfig(agent="a.py:run").check(64)  # control: the defaults pass
+    with pytest.raises(ValueError, match=flag):
+        EnvConfig(agent="a.py:run", **{field: value}).check(64)
+
+
+def test_tool_choice_none_required_and_named_with_the_openai_client(tok):
+    """``none``: the same prompt ids as ``auto``, the reply not parsed; ``required`` / a named function: the
+    template's call opening written into the reply as masked context, the policy samples the rest, and the next
+    request extends the same trajectory. Controls: ``auto`` parses the same text; the opening is not sampled."""
+    rest = '{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    args = '{"a": 3, "b": 4}}\n</tool_call>'
+    gw, s, key = _gateway(tok, [CALL, CALL, rest, "3", args])
+    r = TurnRenderer(tok, tools=[TOOL])
+    msgs = [{"role": "user", "content": "add"}]
+    try:
+        client = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
+        none = client.chat.completions.create(model=MODEL, messages=msgs, tools=[TOOL], tool_choice="none")
+        auto = client.chat.completions.create(model=MODEL, messages=msgs, tools=[TOOL], tool_choice="auto")
+        assert none.choices[0].message.content == CALL and not none.choices[0].message.tool_calls
+        assert none.choices[0].finish_reason == "stop" and auto.choices[0].finish_reason == "tool_calls"  # control
+        assert s.prompts[0] == s.prompts[1] == r.first(msgs)  # the tools stay in the prompt
+        req = client.chat.completions.create(model=MODEL, messages=msgs, tools=[TOOL], tool_choice="required")
+        (call,) = req.choices[0].message.tool_calls
+        assert req.choices[0].finish_reason == "tool_calls" and json.loads(call.function.arguments) == {"a": 1, "b": 2}
+        opening = r.encode_text("<tool_call>\n")
+        assert s.prompts[2] == r.first(msgs) + opening  # written, not sampled
+        h = [*msgs, req.choices[0].message.model_dump(exclude_none=True)]
+        h.append({"role": "tool", "tool_call_id": call.id, "content": "3"})
+        client.chat.completions.create(model=MODEL, messages=h, tools=[TOOL])  # extends the forced turn
+        named = {"type": "function", "function": {"name": "add"}}
+        n = client.chat.completions.create(model=MODEL, messages=msgs, tools=[TOOL], tool_choice=named)
+        assert json.loads(n.choices[0].message.tool_calls[0].function.arguments) == {"a": 3, "b": 4}
+        assert s.prompts[4] == r.first(msgs) + r.encode_text('<tool_call>\n{"name": "add", "arguments": ')
+        for bad, why in (
+            ({"type": "function", "function": {"name": "mul"}}, "not among the tools"),
+            ("sometimes", "tool_choice must be"),
+        ):
+            with pytest.raises(openai.BadRequestError, match=why):
+                client.chat.completions.create(model=MODEL, messages=msgs, tools=[TOOL], tool_choice=bad)
+        with pytest.raises(openai.BadRequestError, match="needs tools"):
+            client.chat.completions.create(model=MODEL, messages=msgs, tool_choice="required")
+    finally:
+        gw.close()
+    cap = gw.close_episode(key)
+    forced = next(b for b in cap.branches if b.prompt_ids == r.first(msgs) + opening)
+    sampled = [i for ch in rest for i in tok.encode(ch)] + [r.stop_id()]
+    assert forced.token_ids[: len(sampled)] == sampled and all(forced.mask[: len(sampled)])
+    assert len(forced.turns) == 2  # the tool result extended the forced turn's trajectory
+
+
+def test_tool_choice_required_is_refused_on_a_template_without_tool_call_blocks(tmp_path):
+    llama = HFTokenizer(make_bpe_tokenizer(tmp_path, template="llama3", bos=True, eos_token="<|eot_id|>"))
+    gw, _, key = _gateway(llama, ["x"])
+    try:
+        client = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
+        msgs = [{"role": "user", "content": "add"}]
+        with pytest.raises(openai.BadRequestError, match="<tool_call>"):
+            client.chat.completions.create(model=MODEL, messages=msgs, tools=[TOOL], tool_choice="required")
+        client.chat.completions.create(model=MODEL, messages=msgs, tools=[TOOL], tool_choice="none")  # control
+    finally:
+        gw.close()
+
+
+def test_top_logprobs_come_from_the_backend_and_are_bounded(tok):
+    seen: list = []
+
+    def top(prompt_ids, token_ids, k):
+        seen.append((list(prompt_ids), list(token_ids), k))
+        return [[(t, -0.5), (t + 1, -1.5)][:k] for t in token_ids]
+
+    gw, s, key = _gateway(tok, ["ab", "cd"], top=top)
+    msgs = [{"role": "user", "content": "hi"}]
+    try:
+        client = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
+        rsp = client.chat.completions.create(model=MODEL, messages=msgs, logprobs=True, top_logprobs=2)
+        content = rsp.choices[0].logprobs.content
+        assert [[x.logprob for x in c.top_logprobs] for c in content] == [[-0.5, -1.5]] * 3
+        assert [c.top_logprobs[0].token for c in content] == [c.token for c in content]
+        assert seen == [(s.prompts[0], seen[0][1], 2)] and len(seen[0][1]) == 3
+        for k, flags, why in ((21, {"logprobs": True}, "0 to 20"), (2, {}, "needs logprobs")):
+            with pytest.raises(openai.BadRequestError, match=why):
+                client.chat.completions.create(model=MODEL, messages=msgs, top_logprobs=k, **flags)
+        zero = client.chat.completions.create(model=MODEL, messages=msgs, logprobs=True, top_logprobs=0)
+        assert all(c.top_logprobs == [] for c in zero.choices[0].logprobs.content) and len(seen) == 1  # control
+    finally:
+        gw.close()
+    gw, _, key = _gateway(tok, ["ab"])  # a backend without them: refused by name
+    try:
+        client = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="only the sampled token"):
+            client.chat.completions.create(model=MODEL, messages=msgs, logprobs=True, top_logprobs=1)
+    finally:
+        gw.close()
+
+
+def test_anthropic_tool_choice_any_tool_and_none(tok):
+    anthropic = pytest.importorskip("anthropic", reason="the test extra: pip install -e '.[test]'")
+    rest = '{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    gw, s, key = _gateway(tok, [rest, '{"a": 5, "b": 6}}\n</tool_call>', CALL])
+    tool = {"name": "add", "description": "Add two numbers.", "input_schema": TOOL["function"]["parameters"]}
+    msgs = [{"role": "user", "content": "add"}]
+    try:
+        client = anthropic.Anthropic(base_url=gw.base_url.removesuffix("/v1"), api_key=key, max_retries=0)
+        kw = {"model": MODEL, "max_tokens": 200, "messages": msgs, "tools": [tool]}
+        anyone = client.messages.create(**kw, tool_choice={"type": "any"})
+        assert anyone.stop_reason == "tool_use" and anyone.content[0].input == {"a": 1, "b": 2}
+        named = client.messages.create(**kw, tool_choice={"type": "tool", "name": "add"})
+        assert named.content[0].name == "add" and named.content[0].input == {"a": 5, "b": 6}
+        none = client.messages.create(**kw, tool_choice={"type": "none"})
+        assert none.stop_reason == "end_turn" and none.content[0].text == CALL  # not parsed
+        with pytest.raises(anthropic.BadRequestError, match="tool_choice"):
+            client.messages.create(**kw, tool_choice={"type": "sometimes"})
+    finally:
+        gw.close()
+    r = TurnRenderer(tok, tools=[TOOL])
+    assert s.prompts[0] == r.first(msgs) + r.encode_text("<tool_call>\n") and s.prompts[2] == r.first(msgs)
+
+
+def test_a_batch_goes_out_once_every_running_agent_has_a_request_in_it():
+    """``--gateway-batch-ms``: with a 60 s window, three requests from the three running agents go out at once as
+    one generate (not after the window); control: with a fourth agent running, the window runs out first."""
+    import threading
+    import time
+
+    from align.gateway.agents import Batcher
+
+    def generate(prompts, max_tokens, seed):
+        return [Completion(0, 0, [1] * max_tokens, [0.0] * max_tokens, "length", None, 0) for _ in prompts]
+
+    for running, window_ms in ((3, 60_000), (4, 500)):
+        b = Batcher(generate, window_ms, lambda r=running: r)
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=b, args=([1, 2], 2, 0)) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        took = time.monotonic() - t0
+        b.close()
+        assert not any(t.is_alive() for t in threads), "a request still waits"
+        if running == 3:
+            assert took < 30 and b.batches == [3]  # one generate, long before the window
+        else:
+            assert took >= 0.5 and sum(b.batches) == 3

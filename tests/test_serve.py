@@ -48,6 +48,36 @@ def test_serve_answers_with_the_models_greedy_tokens(model_dir):
     assert tok.decode(ref) != tok.decode(greedy_ids(load_hf(model_dir), prompt[:-1], 8))  # control: another prompt
 
 
+def test_top_logprobs_are_the_models_own_at_each_sampled_token(model_dir):
+    """``top_logprobs`` through the real client == transformers' ``log_softmax(logits / T)`` top-k at each position
+    of the sampled reply (T = 0.7, sampled); control: the positions shifted by one differ."""
+    import torch
+
+    argv = ["--model", str(model_dir), "--port", "0", "--temperature", "0.7", "--max-tokens", "6"]
+    gw = open_server(parse_args(argv))
+    sampled, real = [], gw.sample
+    gw.sample = lambda *a: sampled.append(c := real(*a)) or c  # the sampled ids, as the gateway got them
+    msgs = [{"role": "user", "content": "What is 12 + 30?"}]
+    try:
+        client = openai.OpenAI(base_url=gw.base_url, api_key="anything", max_retries=0)
+        r = client.chat.completions.create(model="tiny-policy", messages=msgs, logprobs=True, top_logprobs=3, seed=1)
+    finally:
+        gw.close()
+    tok = load_tokenizer(model_dir, model_dir)
+    prompt = TurnRenderer(tok).first(msgs)
+    content = r.choices[0].logprobs.content
+    ids = sampled[0].token_ids
+    assert len(ids) == r.usage.completion_tokens == len(content)
+    with torch.no_grad():
+        logits = load_hf(model_dir)(torch.tensor([prompt + ids])).logits[0].float()
+    ref = (logits / 0.7).log_softmax(-1).topk(3, -1).values  # (len, 3): row i predicts token i + 1
+    got = torch.tensor([[t.logprob for t in c.top_logprobs] for c in content])
+    n = len(ids)
+    assert torch.allclose(got, ref[len(prompt) - 1 : len(prompt) - 1 + n], atol=1e-4)
+    assert all(c.logprob <= c.top_logprobs[0].logprob + 1e-4 for c in content)  # the sampled token's is no higher
+    assert not torch.allclose(got, ref[len(prompt) : len(prompt) + n], atol=1e-4)  # control: one position later
+
+
 def test_serve_refuses_a_public_host_without_a_key(tmp_path):
     with pytest.raises(InputError, match="--api-key-file"):
         read_key(parse_args(["--model", "x", "--host", "0.0.0.0"]))

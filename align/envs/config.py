@@ -72,8 +72,19 @@ class EnvConfig:
     gateway_batch_ms: float = field(
         default=0.0,
         metadata=_h(
-            "With --agent: requests arriving within this many ms of each other go out as one generate (0 = one "
-            "generate per request, draws reproducible)."
+            "With --agent: requests arriving within this many ms of each other go out as one generate, sooner once "
+            "every running agent has one waiting (0 = one generate per request, draws reproducible)."
+        ),
+    )
+    gateway_max_connections: int = field(
+        default=512,
+        metadata=_h("With --agent: open connections the gateway serves at once; one more gets a 503 and is closed."),
+    )
+    gateway_read_timeout_s: float = field(
+        default=30.0,
+        metadata=_h(
+            "With --agent: seconds a request's headers and body have to arrive in full, from its first byte (a "
+            "client that drips them is cut off)."
         ),
     )
 
@@ -107,6 +118,10 @@ class EnvConfig:
             )
         if not (math.isfinite(self.gateway_batch_ms) and self.gateway_batch_ms >= 0):
             raise ValueError(f"--gateway-batch-ms must be a finite number >= 0, got {self.gateway_batch_ms}")
+        if self.gateway_max_connections < 1:
+            raise ValueError(f"--gateway-max-connections must be >= 1, got {self.gateway_max_connections}")
+        if not (math.isfinite(self.gateway_read_timeout_s) and self.gateway_read_timeout_s > 0):
+            raise ValueError(f"--gateway-read-timeout-s must be a finite number > 0, got {self.gateway_read_timeout_s}")
         if not self.gateway_max_body_mb > 0:
             raise ValueError(f"--gateway-max-body-mb must be > 0, got {self.gateway_max_body_mb}")
         if self.tools and self.env not in (None, "tools"):

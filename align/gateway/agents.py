@@ -14,8 +14,10 @@ key is revoked, its thread abandoned: a Python thread cannot be killed) or retur
 unscorable (``agent/errors``, ``agent/timeouts``); the step goes on (``Episodes.sample`` stops the run when every
 episode failed, with the first traceback).
 
-An episode that the agent branched (edited history) trains the trajectory of its last request; the sampled tokens of
-its other branches are counted (``agent/untrained_tokens``), not yet trained (a group has one completion per run).
+An episode that the agent branched (edited history, a return to an earlier turn) trains every trajectory: the last
+request's is the episode (what ``--reward`` scores, what the log shows first), the others ride in ``Episode.branches``
+and the learner lays each out as a sequence of its own with the episode's advantage (``align.rollout.groups.
+trajectories``): the episode counts once in its group's normalisation, each sampled token once in the loss.
 """
 
 from __future__ import annotations
@@ -111,13 +113,38 @@ def run_pool(calls: list[Callable[[], Any]], workers: int, timeout_s: float | No
     return futs
 
 
+def top_logprobs(model: Any, temperature: float, prompt_ids: list[int], token_ids: list[int], k: int) -> list:
+    """Per token of ``token_ids`` (sampled after ``prompt_ids``) its ``k`` most likely ``(id, logprob)`` under the
+    training basis ``log_softmax(logits / T)`` (``log_softmax(logits)`` greedy), teacher-forced on ``model``: what
+    the learner recomputes, the sampler's own distribution up to float summation order. The caller holds the
+    model's lock and autocast."""
+    import torch
+
+    if not token_ids:
+        return []
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        ids = torch.tensor([prompt_ids + token_ids[:-1]], device=device)
+        logits = model(ids)[0, len(prompt_ids) - 1 :].float()  # (len(token_ids), V)
+    lp = (logits / temperature if temperature > 0 else logits).log_softmax(-1)
+    values, idx = lp.topk(min(k, lp.shape[-1]), -1)
+    return [list(zip(i, v)) for i, v in zip(idx.tolist(), values.tolist())]
+
+
 class Batcher:
     """``--gateway-batch-ms``: requests arriving within that many ms of the first go out as one generate (sampled to
     the largest budget among them, each cut at its own: the kept tokens are exactly the sampled ones, the cut one
-    ``length``). The batch draws with its first request's seed, so draws depend on which requests shared a batch."""
+    ``length``). The batch draws with its first request's seed, so draws depend on which requests shared a batch.
+    ``running() -> int``: the agents running now; once each of them has a request waiting, the batch goes out
+    without waiting out the window (no agent can add to it)."""
 
-    def __init__(self, generate: Callable[[list[list[int]], int, int | None], list], batch_ms: float) -> None:
-        self.generate, self.wait_s = generate, batch_ms / 1000
+    def __init__(
+        self,
+        generate: Callable[[list[list[int]], int, int | None], list],
+        batch_ms: float,
+        running: Callable[[], int] | None = None,
+    ) -> None:
+        self.generate, self.wait_s, self.running = generate, batch_ms / 1000, running
         self.q: queue.Queue = queue.Queue()
         self.batches: list[int] = []  # the size of each generate (for the metrics and the tests)
         self.thread = threading.Thread(target=self._loop, name="align-gateway-batch", daemon=True)
@@ -134,7 +161,7 @@ class Batcher:
     def _loop(self) -> None:
         while (first := self.q.get()) is not None:
             batch, end = [first], time.monotonic() + self.wait_s
-            while (left := end - time.monotonic()) > 0:
+            while (left := end - time.monotonic()) > 0 and not (self.running and len(batch) >= self.running()):
                 try:
                     item = self.q.get(timeout=left)
                 except queue.Empty:
@@ -217,6 +244,8 @@ class _Agents(AgentEnv):
                 sampler.context,
                 cls.cfg.gateway_max_body_mb,
                 episode_tokens=cls.cfg.max_episode_tokens,
+                max_connections=cls.cfg.gateway_max_connections,
+                read_timeout_s=cls.cfg.gateway_read_timeout_s,
             )
             cls.state["gen_lock"] = threading.Lock()
         return cls.state["gw"]
@@ -232,19 +261,41 @@ class _Agents(AgentEnv):
             with lock, sampler.autocast():  # one generate at a time on the shared model (autocast is per thread)
                 return client.generate(prompts, p)
 
-        batcher = Batcher(generate, cls.cfg.gateway_batch_ms) if cls.cfg.gateway_batch_ms else None
+        jobs = [(p, g) for p in range(len(rows)) for g in range(G)]
+        workers = cls.cfg.agent_workers or len(jobs)
+        left = [len(jobs)]  # agents not returned yet: min(workers, left) of them run or are about to
+        count = threading.Lock()
+
+        def counted(call: Callable[[], Any]) -> Any:
+            try:
+                return call()
+            finally:
+                with count:
+                    left[0] -= 1
+
+        batch_ms = cls.cfg.gateway_batch_ms
+        batcher = Batcher(generate, batch_ms, lambda: min(workers, left[0])) if batch_ms else None
 
         def sample(ids: list[int], max_tokens: int, cap: Any) -> Any:
             seed = None if params.seed is None else params.seed + 7919 * cap.index + 104_729 * cap.requests
             return batcher(ids, max_tokens, seed) if batcher else generate([ids], max_tokens, seed)[0]
 
         cls.state["sample"] = sample
-        jobs = [(p, g) for p in range(len(rows)) for g in range(G)]
+        model = getattr(client, "model", None)  # the in-process sampler's (a vLLM worker's are out of reach)
+
+        def top(prompt_ids: list[int], token_ids: list[int], k: int) -> list:
+            with lock, sampler.autocast():
+                return top_logprobs(model, params.temperature, prompt_ids, token_ids, k)
+
+        gw.top = top if model is not None else None
         keys = [gw.open_episode() for _ in jobs]
         for i, k in enumerate(keys):
             gw.episodes[k].index = i
-        calls = [functools.partial(cls.fn, gw.base_url, k, MODEL_NAME, **rows[p]) for (p, _), k in zip(jobs, keys)]
-        futs = run_pool(calls, cls.cfg.agent_workers or len(jobs), cls.cfg.agent_timeout_s or None)
+        calls = [
+            functools.partial(counted, functools.partial(cls.fn, gw.base_url, k, MODEL_NAME, **rows[p]))
+            for (p, _), k in zip(jobs, keys)
+        ]
+        futs = run_pool(calls, workers, cls.cfg.agent_timeout_s or None)
         # an agent past its time is abandoned: its key is revoked here, so its next request gets a 401
         eps = [
             cls.episode(gw.close_episode(k), f, f.done() and not f.cancelled(), p, g)
@@ -275,8 +326,24 @@ class _Agents(AgentEnv):
             b = cap.branches[cap.last]
             ep.prompt_ids, ep.token_ids, ep.mask = b.prompt_ids, b.token_ids, b.mask
             ep.logprobs, ep.sampled_logprobs = b.logprobs, b.sampled_logprobs
-            # every request in order (completions.jsonl, metrics): trained = in the trajectory the learner gets
-            ep.turns = [{**r, "trained": r["branch"] == cap.last} for r in cap.log]
+            # every trajectory with a sampled token is trained: the others ride along with the episode's advantage
+            ep.branches = [
+                Episode(
+                    p,
+                    g,
+                    o.token_ids,
+                    o.logprobs,
+                    o.turns[-1]["finish_reason"],
+                    o.sampled_logprobs,
+                    o.weights_version,
+                    prompt_ids=o.prompt_ids,
+                    mask=o.mask,
+                )
+                for i, o in enumerate(cap.branches)
+                if i != cap.last and any(o.mask)
+            ]
+            # every request in order (completions.jsonl, metrics): trained = in a trajectory the learner gets
+            ep.turns = [{**r, "trained": any(cap.branches[r["branch"]].mask)} for r in cap.log]
             ep.turns[-1]["agent_metrics"] = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
             ep.weights_version, ep.finish_reason = b.weights_version, b.turns[-1]["finish_reason"]
             ep.truncated = ep.finish_reason == "length"
@@ -294,7 +361,10 @@ class _Agents(AgentEnv):
             "agent/branches_mean": sum(len({t["branch"] for t in e.turns}) for e in episodes) / n,
             # a later branch rendered from scratch (edited history); the first prompt is no re-render
             "agent/rerendered_tokens": sum(t["context_tokens"] for t in reqs if t["parent"] is None and t["branch"]),
-            "agent/untrained_tokens": sum(t["policy_tokens"] for t in reqs if not t["trained"]),
+            # sampled in a trajectory other than the last request's (trained with the episode's advantage)
+            "agent/branch_tokens": sum(
+                t["policy_tokens"] for e in episodes for t in e.turns if t["branch"] != e.turns[-1]["branch"]
+            ),
             "agent/overridden_sampling": sum(t.get("overridden_sampling", False) for t in reqs),
             "agent/errors": sum(e.error is not None and not e.timed_out for e in episodes),
             "agent/timeouts": sum(e.timed_out for e in episodes),

@@ -143,6 +143,15 @@ class Plan:
     messages: list[dict] = field(default_factory=list)
     start: int = 0  # the first of ``messages`` that no earlier turn had (0: rendered from scratch)
 
+    def force(self, ids: list[int]) -> None:
+        """``ids`` the gateway writes at the start of the reply (a forced tool call's opening): context after the
+        prompt, never sampled (mask False)."""
+        self.prompt_ids = self.prompt_ids + ids
+        if self.new is not None:
+            self.new.prompt_ids = self.new.prompt_ids + ids
+        else:
+            self.prefix = self.prefix + ids
+
 
 class Capture:
     """One agent episode's requests (thread-safe; the gateway serialises an episode's requests with ``lock``).

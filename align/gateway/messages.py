@@ -14,6 +14,7 @@ from typing import Any
 
 from align.errors import InputError
 
+TOOL_CHOICE = {"auto": "auto", "any": "required", "none": "none", "tool": None}  # None: the named tool
 STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -82,6 +83,12 @@ def request(body: dict) -> dict:
         out["max_tokens"] = body["max_tokens"]
     if body.get("stop_sequences"):
         out["stop"] = body["stop_sequences"]
+    choice = body.get("tool_choice")
+    if choice is not None:
+        kind = choice.get("type") if isinstance(choice, dict) else None
+        if kind not in TOOL_CHOICE:
+            raise InputError(f'tool_choice must be {{"type": "auto" | "any" | "tool" | "none"}}, got {choice!r}')
+        out["tool_choice"] = TOOL_CHOICE[kind] or {"type": "function", "function": {"name": choice.get("name")}}
     if tools:
         out["tools"] = [
             {

@@ -2,7 +2,8 @@
 program written against a provider's client trains unchanged.
 
 Endpoints: ``POST /v1/chat/completions`` (messages with string or list content, ``tools``, ``max_tokens`` /
-``max_completion_tokens``, ``stop``, ``n=1``, ``stream`` as server-sent events ending with a usage chunk) and
+``max_completion_tokens``, ``stop``, ``n=1``, ``tool_choice`` (``tool_choice()``), ``logprobs`` / ``top_logprobs``
+(``top``), ``stream`` as server-sent events ending with a usage chunk) and
 ``GET /v1/models``. Replies follow OpenAI's schema: ``tool_calls`` parsed from the sampled text in the template
 family's format (``align.envs.tools.parse_tool_calls``: Hermes / Qwen ``<tool_call>`` blocks, Llama-3.1 JSON),
 ``finish_reason`` (``stop``, ``length``, ``tool_calls``) and ``usage``. Errors are OpenAI error objects: 400 a
@@ -13,11 +14,16 @@ in the log); its ``max_tokens`` and ``stop`` only shorten a turn. A stop string 
 completes it (the returned text ends before it); the ids kept are the sampled ones.
 
 Security: binds 127.0.0.1 on a free port; each episode gets a random key (``secrets``) that expires with it and is
-never logged; bodies are capped; a request's socket has a timeout; nothing received is run.
+never logged; bodies are capped; nothing received is run. Slow clients (slowloris): at most ``max_connections``
+connections are served at once (one more is answered 503 and closed by the accepting thread, which reads nothing
+from it), and a request's headers and body must arrive within ``read_timeout_s`` of its first byte, however slowly
+they drip (else the connection is closed unanswered); a kept-alive connection waits ``IDLE_TIMEOUT_S`` for its next
+request.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import secrets
@@ -34,7 +40,8 @@ from align.gateway.capture import Capture, template_messages, text_of
 
 log = logging.getLogger(__name__)
 
-READ_TIMEOUT_S = 60.0  # a client that stops sending its body mid-way
+IDLE_TIMEOUT_S = 60.0  # a kept-alive connection's wait for its next request's first byte; each write's too
+BUSY = "the gateway serves {} connections at once (--gateway-max-connections); retry when one closes"
 
 
 class ApiError(Exception):
@@ -43,11 +50,12 @@ class ApiError(Exception):
         self.status, self.kind, self.code = status, kind, code
 
 
-def reply_message(text: str) -> tuple[dict, list[dict]]:
-    """(the OpenAI assistant message for the sampled ``text``, its readable tool calls as template messages' calls)."""
+def reply_message(text: str, parse: bool = True) -> tuple[dict, list[dict]]:
+    """(the OpenAI assistant message for the sampled ``text``, its readable tool calls as template messages' calls);
+    ``parse`` False (``tool_choice: "none"``): the text as it is, no tool calls."""
     from align.envs.tools import parse_tool_calls
 
-    calls = [c for c in parse_tool_calls(text) if "error" not in c]
+    calls = [c for c in parse_tool_calls(text) if "error" not in c] if parse else []
     msg: dict[str, Any] = {"role": "assistant", "content": text}
     if calls:
         before = text.split("<tool_call>")[0].strip() if "<tool_call>" in text else ""
@@ -61,6 +69,61 @@ def reply_message(text: str) -> tuple[dict, list[dict]]:
             for c in calls
         ]
     return msg, calls
+
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's cap
+MAX_RENDERERS = 64  # distinct tool sets whose renderers are kept
+PROBE = "ALIGN_TOOL_PROBE"  # a function name no template edits, to find how the template opens a call
+
+
+def tool_choice(body: dict, tools: list | None, renderer: Any) -> tuple[bool, str]:
+    """(parse the reply for tool calls, the text the gateway writes at the start of the reply) for the request's
+    ``tool_choice``. ``auto`` (the default): as sampled. ``none``: the tools stay in the prompt (the same ids as
+    ``auto``, as vLLM renders it) and the reply is not parsed. ``required`` / ``{"type": "function", "function":
+    {"name": N}}``: the opening of a call in the template's own format (``<tool_call>\n`` / ``<tool_call>\n{"name":
+    "N", "arguments": ``) is written into the reply as context (masked, never trained) and the policy samples the
+    rest, so the logprobs stay the policy's; a template that does not write calls as ``<tool_call>`` blocks cannot be
+    forced this way and the request is refused. (Sampling is never constrained: a call the policy then writes badly
+    comes back as text.)"""
+    choice = body.get("tool_choice")
+    if choice is None or choice == "auto":
+        return True, ""
+    if not tools:
+        raise ApiError(400, f"tool_choice {choice!r} needs tools: give the request's tools, or drop tool_choice")
+    if choice == "none":
+        return False, ""
+    if choice == "required":
+        name = None
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        names = [t.get("function", t).get("name") for t in tools if isinstance(t, dict)]
+        if name not in names:
+            raise ApiError(400, f"tool_choice names the function {name!r}, which is not among the tools {names}")
+    else:
+        raise ApiError(
+            400, f'tool_choice must be "auto", "none", "required" or {{"type": "function", ...}}, got {choice!r}'
+        )
+    probe = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": PROBE, "arguments": {}}}],
+    }
+    try:
+        text = renderer.template.render([{"role": "user", "content": "x"}, probe], False, tools=tools)
+    except Exception:  # noqa: BLE001 -- no template, or one that cannot render a call: refused below
+        text = ""
+    name_at = text.find(f'"{PROBE}"')
+    at = text.rfind("<tool_call>", 0, max(name_at, 0))  # the call's own (a system prompt may show the format too)
+    if at < 0 or name_at < at or text.find("{}", name_at) < 0:
+        raise ApiError(
+            400,
+            f"tool_choice {choice!r}: {getattr(renderer, 'name', 'the template')} does not write tool calls as "
+            "<tool_call> blocks, so the gateway cannot open a call for the policy to complete (it never constrains "
+            'sampling): use tool_choice "auto" and check the reply',
+        )
+    if name is None:
+        return True, text[at : text.index("{", at)]
+    return True, text[at:name_at] + json.dumps(name) + text[name_at + len(PROBE) + 2 : text.find("{}", name_at)]
 
 
 def cut_at_stop(ids: list[int], decode: Callable[[list[int]], str], stops: list[str]) -> tuple[int, str] | None:
@@ -79,7 +142,73 @@ def cut_at_stop(ids: list[int], decode: Callable[[list[int]], str], stops: list[
     return len(ids), full[:at]
 
 
-class _Server6(ThreadingHTTPServer):
+class _DeadlineReader(io.RawIOBase):
+    """A connection's socket as the raw stream under the handler's ``rfile``: the first byte of a request arms a
+    deadline ``limit_s`` ahead and every later read of that request waits only for what is left of it (a client
+    dripping a byte a second is cut off at the deadline, not served forever); ``done()`` once the request is read."""
+
+    def __init__(self, sock: socket.socket, limit_s: float) -> None:
+        self.sock, self.limit_s, self.deadline = sock, limit_s, None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        if self.deadline is None:  # between requests: wait for the next one's first byte
+            n = self.sock.recv_into(b)
+            self.deadline = time.monotonic() + self.limit_s
+            return n
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"the request did not arrive within {self.limit_s} s")
+        self.sock.settimeout(left)
+        return self.sock.recv_into(b)
+
+    def done(self) -> None:
+        self.deadline = None
+        self.sock.settimeout(IDLE_TIMEOUT_S)
+
+
+class _Server(ThreadingHTTPServer):
+    """A thread per connection, at most ``max_connections`` at once."""
+
+    max_connections = 512
+    request_queue_size = 256  # the listen backlog (socketserver's 5 resets connections when many agents start at once)
+
+    def server_bind(self) -> None:
+        self.active, self.count_lock = 0, threading.Lock()
+        super().server_bind()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self.count_lock:
+            full = self.active >= self.max_connections
+            self.active += not full
+        if not full:
+            try:
+                return super().process_request(request, client_address)
+            except BaseException:  # no thread started: nothing will count it down
+                with self.count_lock:
+                    self.active -= 1
+                raise
+        err = {"message": BUSY.format(self.max_connections), "type": "server_error", "param": None}
+        data = json.dumps({"error": {**err, "code": "too_many_connections"}}).encode()
+        head = "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+        try:
+            request.settimeout(1.0)  # the accepting thread never waits long on one client
+            request.sendall(f"{head}Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self.count_lock:
+                self.active -= 1
+
+
+class _Server6(_Server):
     address_family = socket.AF_INET6
 
 
@@ -101,8 +230,12 @@ class Gateway:
         port: int = 0,
         episode_tokens: int = 0,
         accept: Callable[[str], bool] | None = None,
+        max_connections: int = 512,
+        read_timeout_s: float = 30.0,
+        top: Callable[[list[int], list[int], int], list] | None = None,
     ) -> None:
-        self.sample, self.renderer, self.decode, self.model = sample, renderer, decode, model
+        self.sample, self.decode, self.model = sample, decode, model
+        self.make_renderer, self.renderers = renderer, {}  # one TurnRenderer per tool set, reused (it caches its end)
         self.max_tokens, self.context, self.max_body = max_tokens, context, int(max_body_mb * 2**20)
         self.episode_tokens = episode_tokens  # --max-episode-tokens: a trajectory's tokens after its first prompt
         self.accept = accept  # align.serve: keys outside any episode it accepts (each request a capture of its own)
@@ -112,13 +245,29 @@ class Gateway:
         self.lock = threading.Lock()
         gw = self
 
+        self.read_timeout_s = read_timeout_s
+        # top(prompt_ids, token_ids, k) -> per token its k most likely (id, logprob) in the training basis; None: the
+        # backend cannot give them (top_logprobs is refused)
+        self.top = top
+
         class Handler(_Handler):
             gateway = gw
 
-        self.httpd = (_Server6 if ":" in host else ThreadingHTTPServer)((host, port), Handler)  # ::1 is IPv6
+        server = type("Server", (_Server6 if ":" in host else _Server,), {"max_connections": max_connections})
+        self.httpd = server((host, port), Handler)  # ::1 is IPv6
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="align-gateway", daemon=True)
         self.thread.start()
+
+    def renderer(self, tools: list | None) -> Any:
+        """The renderer of a request's ``tools`` (made once per distinct tool set: agents reuse a handful)."""
+        key = json.dumps(tools, sort_keys=True) if tools else ""
+        r = self.renderers.get(key)
+        if r is None:
+            if len(self.renderers) >= MAX_RENDERERS:  # an agent inventing tool sets cannot grow it without bound
+                self.renderers.clear()
+            r = self.renderers[key] = self.make_renderer(tools)
+        return r
 
     @property
     def base_url(self) -> str:
@@ -143,12 +292,24 @@ class Gateway:
 
     # ------------------------------------------------------------------ a chat completion
 
-    def _logprobs(self, body: dict, c: Any) -> dict | None:
+    def _top_k(self, body: dict) -> int:
+        k = body.get("top_logprobs")
+        if k is None:
+            return 0
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {k!r}")
+        if k and not body.get("logprobs"):
+            raise ApiError(400, "top_logprobs needs logprobs: true")
+        if k and self.top is None:
+            raise ApiError(400, "top_logprobs: this gateway's sampler returns only the sampled token's logprob")
+        return k
+
+    def _logprobs(self, body: dict, c: Any, prompt_ids: list[int], k: int) -> dict | None:
         if not body.get("logprobs"):
             return None
         tok = getattr(self.renderer(None), "tok", None)
         decode = (lambda ids: tok.decode(ids, skip_special_tokens=False)) if tok is not None else self.decode
-        return _token_logprobs(decode, c)
+        return _token_logprobs(decode, c, self.top(prompt_ids, c.token_ids, k) if k else None)
 
     def chat(self, cap: Capture, body: dict) -> dict:
         """One request of an episode -> the OpenAI response (a dict; the handler streams it when asked)."""
@@ -165,6 +326,8 @@ class Gateway:
         tools = body.get("tools") or None
         if tools is not None and not isinstance(tools, list):
             raise ApiError(400, "tools must be a list of function schemas")
+        parse, opening = tool_choice(body, tools, self.renderer(tools)) if "tool_choice" in body else (True, "")
+        k_top = self._top_k(body)
         cap_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if cap_tokens is not None and (not isinstance(cap_tokens, int) or cap_tokens < 1):
             raise ApiError(400, f"max_tokens must be a positive integer, got {cap_tokens!r}")
@@ -176,6 +339,8 @@ class Gateway:
             messages = template_messages(body.get("messages"))
             with cap.lock:
                 plan = cap.plan(messages, tools)
+                if opening:  # tool_choice required / a named function: the call's opening, as context
+                    plan.force(self.renderer(tools).encode_text(opening))
                 room = self.context - len(plan.prompt_ids)
                 if self.episode_tokens:
                     root = plan.new.prompt_ids if plan.new else cap.branches[plan.branch].prompt_ids
@@ -201,7 +366,7 @@ class Gateway:
                     finish, ended = "stop", False
                 else:
                     text = self.decode(c.token_ids)
-                msg, calls = reply_message(text)
+                msg, calls = reply_message(opening + text, parse)
                 cap.record(plan, c, template_messages([msg])[0], ended, finish)
                 cap.log[-1]["overridden_sampling"] = asked
         except ValueError as e:  # InputError included: messages or tools the template cannot render, ids past the vocab
@@ -213,7 +378,14 @@ class Gateway:
             "object": "chat.completion",
             "created": int(time.time()),
             "model": self.model,
-            "choices": [{"index": 0, "message": msg, "finish_reason": reason, "logprobs": self._logprobs(body, c)}],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": msg,
+                    "finish_reason": reason,
+                    "logprobs": self._logprobs(body, c, plan.prompt_ids, k_top),
+                }
+            ],
             "usage": {"prompt_tokens": prompt_n, "completion_tokens": out_n, "total_tokens": prompt_n + out_n},
             "stop_sequence": hit,  # not OpenAI's: Anthropic's row reads it (OPENAI drops it)
         }
@@ -238,13 +410,18 @@ def _openai_response(resp: dict) -> dict:
     return {k: v for k, v in resp.items() if k != "stop_sequence"}
 
 
-def _token_logprobs(decode: Callable[..., str], c: Any) -> dict:
+def _token_logprobs(decode: Callable[..., str], c: Any, tops: list | None = None) -> dict:
     """OpenAI's ``logprobs.content``: each sampled token's logprob in the training basis (``log_softmax(logits / T)``
-    of the run's sampling); ``top_logprobs`` are empty (the sampler keeps only the sampled token's)."""
-    out = []
-    for t, lp in zip(c.token_ids, c.logprobs):
+    of the run's sampling) and, with ``tops`` (per token its ``(id, logprob)`` most likely, best first), its
+    ``top_logprobs`` (else empty)."""
+
+    def entry(t: int, lp: float) -> dict:
         text = decode([t])
-        out.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    out = []
+    for i, (t, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+        out.append({**entry(t, lp), "top_logprobs": [entry(j, v) for j, v in tops[i]] if tops else []})
     return {"content": out}
 
 
@@ -277,7 +454,17 @@ APIS = {  # path -> the API spoken there
 class _Handler(BaseHTTPRequestHandler):
     gateway: Gateway
     protocol_version = "HTTP/1.1"
-    timeout = READ_TIMEOUT_S
+    timeout = IDLE_TIMEOUT_S
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()  # the socket's own reader: ours replaces it (closed, so the socket's close is real)
+        self.reader = _DeadlineReader(self.connection, self.gateway.read_timeout_s)
+        self.rfile = io.BufferedReader(self.reader)
+
+    def handle_one_request(self) -> None:
+        self.reader.done()  # the next request's first byte arms its deadline
+        super().handle_one_request()  # a TimeoutError while reading closes the connection unanswered
 
     def log_message(self, format: str, *args: Any) -> None:  # keys travel in headers, never logged
         log.debug("gateway: %s %s", self.command, self.path.split("?")[0])
@@ -313,6 +500,7 @@ class _Handler(BaseHTTPRequestHandler):
         return cap
 
     def do_GET(self) -> None:
+        self.reader.done()
         try:
             self._auth()
             if self.path.rstrip("/") != "/v1/models":
@@ -337,7 +525,12 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True  # until the key is known: a refused request's body is never read
             cap = self._auth()
             self.close_connection = False
-            raw = self.rfile.read(size)
+            try:
+                raw = self.rfile.read(size)  # within --gateway-read-timeout-s of the request's first byte
+            except TimeoutError:
+                self.close_connection = True  # too slow: closed unanswered
+                return
+            self.reader.done()
             api = APIS.get(self.path.rstrip("/"))
             if api is None:
                 raise ApiError(404, f"no route {self.path}", code="not_found")

@@ -50,10 +50,24 @@ class Episode(Completion):
     tool_calls: int = 0
     tool_errors: int = 0
     chat: bool = False  # every message is a chat message (a str prompt or observation makes it False)
+    # the episode's other trajectories (an agent that edited its history: align.gateway.capture), each an Episode of
+    # the same (prompt_index, sample_index) holding the tokens it sampled; trained with this episode's advantage
+    branches: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:  # a checkpoint's pending batch holds them as dicts (Produced.from_state)
+        self.branches = [b if isinstance(b, Episode) else Episode(**b) for b in self.branches]
 
     @property
     def policy_tokens(self) -> int:
         return sum(self.mask)
+
+
+def trajectories(completions: list) -> list:
+    """The sequences the learner trains, in order: each completion, then its episode's other trajectories
+    (``Episode.branches``). Every trajectory of an episode carries its (prompt_index, sample_index), so it takes the
+    episode's advantage: a group's normalisation counts each episode once (its reward once), and each sampled token
+    is trained once, in the trajectory that sampled it (docs/agent.md "Branches")."""
+    return [t for c in completions for t in (c, *getattr(c, "branches", ()))]
 
 
 class Group(NamedTuple):

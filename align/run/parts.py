@@ -19,6 +19,7 @@ import torch
 
 from align import dist, heartbeat, lora
 from align.learner import StepBatch
+from align.rollout.groups import trajectories
 from align.run import checkpoint as ckpt
 from align.run import safety
 from align.run.config import TrainConfig
@@ -354,7 +355,7 @@ class Run(RunBase):
         return scores
 
     def batch(self, groups: Any, adv: torch.Tensor, valid: torch.Tensor) -> StepBatch:
-        return StepBatch(self.sampler.prompt_ids(groups.idx), groups.completions, adv, valid)
+        return StepBatch(self.sampler.prompt_ids(groups.idx), trajectories(groups.completions), adv, valid)
 
     def checkpoint_state(self, step: int) -> dict:
         """What a checkpoint after ``step`` keeps besides the weights, optimizer and schedule: the data cursor and
