@@ -3,7 +3,7 @@
 Three sections, each from a file the run wrote:
 
 - the metric curves (``metrics.jsonl``, drawn by ``align.run.plot.plot_svg``, the same panels as ``plot.svg``);
-- the config (``config.json``) with where each value came from (``config_sources.json``: default, task, file,
+- the config (``config.json``) with where each value came from (``config_sources.json``: default, task, backend, resume, file,
   preset, flag; ``align.run.sources``), the values that are not defaults first;
 - sampled groups (``completions.jsonl``): prompt, each completion with its reward, advantage and finish reason; an
   episode's messages by role; with ``--log-token-ids`` every token as a span, trained (a policy token) or masked (an

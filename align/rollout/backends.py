@@ -3,6 +3,8 @@ rollouts are generated, so the run wing and the pipeline name no backend.
 
 An entry owns:
 
+- ``TRAIN_DEFAULTS``: the ``TrainConfig`` fields whose default depends on the backend (dotted: ``{"loss.use_rho_correction":
+  True}``), applied like a built-in task's below ``--config`` and flags (``align.run.sources``: layer ``backend``);
 - its config section: the fields of ``RolloutConfig`` (flat in ``TrainConfig``, so the flags and every saved
   ``config.json`` keep their names) and its own rules, ``check(cfg)``, run when the config is built;
 - ``uses_ray(cfg)``: whether its engines are Ray actors (the eval engines then join them);
@@ -23,7 +25,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +174,8 @@ class Opened:
 class NativeBackend:
     """The native sampler in this process, on the policy itself (torchrun: each rank samples its share)."""
 
+    TRAIN_DEFAULTS: ClassVar[dict[str, Any]] = {}  # its logprobs are the trainer's own: no off-policy correction
+
     def check(self, cfg: RolloutConfig) -> None:
         pass
 
@@ -205,6 +209,10 @@ class SpoolOpened(Opened):
 
 class SpoolBackend:
     """A vLLM worker (or Ray fleet) in ``.venv-rollout`` behind a spool directory, spawned or attached to."""
+
+    # vLLM's logprobs (mu) are not the trainer's recompute (pi_old): another engine, kernels, and weights a version
+    # behind with --max-async-steps; rho = pi_old / mu corrects for it (TRL turns its IS correction on with vLLM too)
+    TRAIN_DEFAULTS: ClassVar[dict[str, Any]] = {"loss.use_rho_correction": True}
 
     def check(self, cfg: RolloutConfig) -> None:
         pass

@@ -123,8 +123,10 @@ def _open_files_and_task(
     from align.eval.metrics import pass_reward_for
     from align.hub import resolve_model
     from align.rewards import make_scorer
+    from align.run.sources import apply_backend_defaults
 
     cfg, out = run.cfg, run.out
+    apply_backend_defaults(cfg)  # the Python API's config: the backend's defaults where nothing was said
     cfg.model, model = resolve_model(cfg.model), resolve_model(model, "model=")  # a hub id: its cached snapshot
     run.run_id, run.out_lock = safety.open_out(cfg, model or cfg.model)  # paths checked, --out locked, run id
     check_logger(cfg.log.logger, out)  # the --logger package imports, {out}/tensorboard is a dir
@@ -150,8 +152,14 @@ def _open_files_and_task(
 def write_config(cfg: Any, out: Path, model_path: str) -> None:
     """``{out}/config.json`` (and ``config_sources.json``: each value's layer, ``align.run.sources``); resuming, a
     changed setting that changes the math is refused, others are applied."""
+    from align.run.sources import keep_resumed
+
+    resuming = ckpt.latest(out / "checkpoints")
+    if resuming:  # a default that depends on the backend keeps the resumed run's value (one made before it existed)
+        for kept in keep_resumed(cfg, safety.read_saved_config(out / "config.json")):
+            print(f"[align] resume: keeping the resumed run's setting {kept}", flush=True)
     new_config = json.loads(json.dumps({**asdict(cfg), "model": model_path}))  # as saved: tuples are lists
-    if ckpt.latest(out / "checkpoints"):  # resuming: refuse changed math, apply (and log) operational changes
+    if resuming:  # resuming: refuse changed math, apply (and log) operational changes
         for change in safety.check_resume_config(out / "config.json", new_config):
             print(f"[align] resume: applying changed setting {change}", flush=True)
     if dist.is_main():

@@ -218,11 +218,12 @@ class TrainConfig(RolloutConfig, SaveConfig, ComputeConfig, OptimConfig, Watchdo
     moe: MoeConfig = field(default_factory=MoeConfig)  # --routing-replay, --router-aux-loss-coef, --freeze-router
 
     @staticmethod
-    def task_layer(data: dict) -> dict[str, Any]:
-        """The built-in task's ``TRAIN_DEFAULTS`` when ``data`` (``asdict`` shape) runs it (``align.run.sources``)."""
-        from align.run.sources import task_layer
+    def default_layers(data: dict) -> list[tuple[str, dict[str, Any]]]:
+        """The built-in task's ``TRAIN_DEFAULTS`` when ``data`` (``asdict`` shape) runs it, then the rollout backend's
+        (``align.run.sources``): ``[("task", {...}), ("backend", {...})]``."""
+        from align.run.sources import default_layers
 
-        return task_layer(data)
+        return default_layers(data)
 
     def __post_init__(self) -> None:
         for name, cls in (
