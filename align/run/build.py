@@ -121,13 +121,15 @@ def _open_files_and_task(
 ) -> None:
     from align.envs.sampler import open_sampler
     from align.eval.metrics import pass_reward_for
-    from align.hub import resolve_model
+    from align.hub import resolve_model, resolve_tokenizer
     from align.rewards import make_scorer
     from align.run.sources import apply_backend_defaults
 
     cfg, out = run.cfg, run.out
     apply_backend_defaults(cfg)  # the Python API's config: the backend's defaults where nothing was said
     cfg.model, model = resolve_model(cfg.model), resolve_model(model, "model=")  # a hub id: its cached snapshot
+    cfg.data.tokenizer = resolve_tokenizer(cfg.data.tokenizer)
+    cfg.distill.teacher = resolve_model(cfg.distill.teacher, "--teacher")
     run.run_id, run.out_lock = safety.open_out(cfg, model or cfg.model)  # paths checked, --out locked, run id
     check_logger(cfg.log.logger, out)  # the --logger package imports, {out}/tensorboard is a dir
     run.task, run.model_path = resolve_task(cfg, model, tokenizer, prompts, reward, eval_prompts, env, tools)
