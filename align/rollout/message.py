@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 PROTOCOL = "align-spool"
 PROTOCOL_VERSION = 1
 PROTOCOL_MINOR = (
-    1  # minor versions only add request kinds (1: ``score``, align/rollout/teacher_logprobs.py); heartbeat "minor"
+    3  # minor versions only add request kinds (1: ``score``, align/rollout/teacher_logprobs.py); heartbeat "minor"
 )
 
 REQUEST_KINDS = ("generate", "sync_weights", "shutdown", "score")
@@ -39,6 +39,10 @@ _BODY_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "score": {"sequences": (list,), "starts": (list,)},
     "scores": {"logprobs": (list,)},
 }
+# minor 3: vLLM's sleep mode, ``sleep`` / ``wake_up`` (align/rollout/sleep_mode.py)
+REQUEST_KINDS += ("sleep", "wake_up")
+RESPONSE_KINDS += ("slept", "awake")
+_BODY_FIELDS.update(sleep={"level": (int,)}, wake_up={}, slept={"level": (int,)}, awake={})
 _ID_RE = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9._-]{0,127}\Z")  # \Z: "$" would accept a trailing newline
 _counter = itertools.count()
 

@@ -282,6 +282,8 @@ class TrainConfig(RolloutConfig, SaveConfig, ComputeConfig, OptimConfig, Watchdo
             raise ValueError("--adv-refill samples until groups differ in reward; --distill-only computes no reward")
         if self.merge_lora and not self.lora.enabled:
             raise ValueError("--merge-lora needs --lora-rank > 0 (it merges the adapter into the --save-hf export)")
+        if self.colocate and self.rollout_sleep_level == 2 and self.lora.enabled:
+            raise ValueError("--rollout-sleep-level 2 drops the base weights a LoRA worker keeps: use level 1")
         from align.learner import check_config
 
         check_config(self)
