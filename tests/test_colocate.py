@@ -52,6 +52,8 @@ def test_a_colocated_config_passes_its_flags_to_the_worker_and_sleeps_its_engine
     cfg = _parse([*GPU, "--colocate", "--rollout-gpu-memory-utilization", "0.3", "--rollout-sleep-level", "2"])
     assert worker_gpu_args(cfg) == ["--gpu-memory-utilization", "0.3", "--enable-sleep-mode"]
     assert worker_gpu_args(_parse(GPU)) == []
+    fleet = _parse(["--rollout", "spool", "--rollout-num-engines", "2", "--rollout-gpu-memory-utilization", "0.5"])
+    assert worker_gpu_args(fleet) == ["--gpu-memory-utilization", "0.5"]  # a Ray fleet places its engines itself
     from align.rollout.backends import SpoolOpened  # what the spool row's open() returns; its engine for K = 0
 
     assert SpoolOpened(client=object(), policy=None).engine(cfg, 0, tmp_path).sleep_level == 2

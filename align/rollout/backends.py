@@ -251,8 +251,10 @@ class SpoolBackend:
 
     def check(self, cfg: RolloutConfig) -> None:
         """``--colocate``: a spawned GPU worker, one engine, synchronous; refused here, before anything loads."""
-        if cfg.rollout_gpu_memory_utilization is not None and cfg.rollout_gpu is None:
-            raise ValueError("--rollout-gpu-memory-utilization applies to a GPU worker: pass --rollout-gpu N")
+        if cfg.rollout_gpu_memory_utilization is not None and cfg.rollout_gpu is None and not self.uses_ray(cfg):
+            raise ValueError(  # a Ray fleet places its engines on GPUs itself and passes the fraction to each
+                "--rollout-gpu-memory-utilization applies to a GPU worker: pass --rollout-gpu N"
+            )
         if not cfg.colocate:
             return
         if cfg.rollout_gpu is None:
