@@ -7,7 +7,7 @@
 #   5. one GPU shared with the vLLM worker (--colocate: vLLM sleep mode around each update; tests/test_colocate.py,
 #      skipped by name unless .venv-rollout holds a CUDA build of vLLM)
 # Needs a python3 with torch (CUDA), triton, transformers and pytest; installs nothing, downloads nothing, writes
-# only under $TMPDIR. PYTHON=/path/to/python picks another interpreter. Takes ~5 minutes on one GPU (<= 10).
+# only under $TMPDIR. PYTHON=/path/to/python picks another interpreter. Takes ~5 minutes on one GPU (<= 10), plus step 5 (<= 7) where .venv-rollout has a CUDA vLLM.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.
