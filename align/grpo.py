@@ -276,7 +276,8 @@ class LossConfig:
     )
     seq_count: str = field(default="nonempty", metadata={"help": "total_seqs counts 'nonempty' sequences or 'all' (B)"})
     use_rho_correction: bool = field(
-        default=False, metadata={"help": "reweight by pi_old / mu (needs behav_logprobs=)"}
+        default=False,
+        metadata={"help": "reweight by pi_old / mu (needs behav_logprobs=); on by default with --rollout spool"},
     )
     rho_mode: str = field(default="token_tis", metadata={"help": f"off-policy correction mode: {', '.join(RHO_MODES)}"})
     rho_cap: float = field(default=2.0, metadata={"help": "truncation cap for the *_tis modes"})

@@ -7,7 +7,8 @@ An ``org/name`` that is not a local directory is looked up in the Hugging Face c
       models--Org--Name/refs/main                   the commit hash of the main branch
       models--Org--Name/snapshots/<hash>/...        the files (links into blobs/)
 
-``org/name@REV`` picks ``refs/REV`` or the snapshot ``REV``. align never downloads (``local_files_only``): a model
+``org/name@REV`` picks ``refs/REV`` or the snapshot ``REV``. The flags that take one: ``--model`` (align.train and
+align.sft), ``--teacher`` and ``--tokenizer`` (a snapshot with ``tokenizer.json``). align never downloads (``local_files_only``): a model
 that is not cached is an ``InputError`` giving the one command that downloads it, before anything loads.
 """
 
@@ -33,9 +34,9 @@ def hub_cache() -> Path:
     return Path(xdg).expanduser() / "huggingface" / "hub"
 
 
-def resolve_model(name: str | None, flag: str = "--model") -> str | None:
+def resolve_model(name: str | None, flag: str = "--model", needs: tuple[str, ...] = ("config.json",)) -> str | None:
     """``name`` unchanged when it is None, an existing path or no ``org/name``; else the cached snapshot dir of that
-    hub id. ``InputError`` with the download command when the id is not cached."""
+    hub id (one holding a file of ``needs``). ``InputError`` with the download command when the id is not cached."""
     if name is None or Path(name).expanduser().exists():
         return name
     m = HUB_ID.fullmatch(name)
@@ -43,7 +44,7 @@ def resolve_model(name: str | None, flag: str = "--model") -> str | None:
         return name  # a missing local path: the loader names it
     repo_id, rev = f"{m['org']}/{m['name']}", m["rev"] or "main"
     repo = hub_cache() / f"models--{m['org']}--{m['name']}"
-    snapshot = _snapshot(repo, rev)
+    snapshot = _snapshot(repo, rev, needs)
     if snapshot is None:
         download = f"huggingface-cli download {repo_id}" + (f" --revision {rev}" if m["rev"] else "")
         raise InputError(
@@ -54,8 +55,14 @@ def resolve_model(name: str | None, flag: str = "--model") -> str | None:
     return str(snapshot)
 
 
-def _snapshot(repo: Path, rev: str) -> Path | None:
-    """The snapshot dir of ``rev`` (a ref name or a commit hash) holding a ``config.json``, else None."""
+def resolve_tokenizer(name: str | None, flag: str = "--tokenizer") -> str | None:
+    """``--tokenizer``: as ``resolve_model``, a snapshot holding ``tokenizer.json`` (a tokenizer-only repo too) or a
+    built-in task's ``align_tokenizer.json``."""
+    return resolve_model(name, flag, needs=("tokenizer.json", "align_tokenizer.json"))
+
+
+def _snapshot(repo: Path, rev: str, needs: tuple[str, ...]) -> Path | None:
+    """The snapshot dir of ``rev`` (a ref name or a commit hash) holding a file of ``needs``, else None."""
     ref = repo / "refs" / rev
     try:
         commit = ref.read_text().strip() if ref.is_file() else rev
@@ -64,4 +71,4 @@ def _snapshot(repo: Path, rev: str) -> Path | None:
     if not re.fullmatch(r"[\w.-]+", commit) or set(commit) == {"."}:  # a ref of "../../x" would leave the cache
         return None
     snap = repo / "snapshots" / commit
-    return snap if (snap / "config.json").is_file() else None
+    return snap if any((snap / f).is_file() for f in needs) else None

@@ -3,7 +3,7 @@
 Three sections, each from a file the run wrote:
 
 - the metric curves (``metrics.jsonl``, drawn by ``align.run.plot.plot_svg``, the same panels as ``plot.svg``);
-- the config (``config.json``) with where each value came from (``config_sources.json``: default, task, file,
+- the config (``config.json``) with where each value came from (``config_sources.json``: default, task, backend, resume, file,
   preset, flag; ``align.run.sources``), the values that are not defaults first;
 - sampled groups (``completions.jsonl``): prompt, each completion with its reward, advantage and finish reason; an
   episode's messages by role; with ``--log-token-ids`` every token as a span, trained (a policy token) or masked (an
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 CSS = """
-body{font-family:sans-serif;margin:24px;max-width:1300px;color:#222}
+body{font-family:sans-serif;margin:24px;max-width:1300px;color:#222}svg{max-width:100%;height:auto}
 h1{font-size:20px}h2{font-size:17px;border-bottom:1px solid #ccc;padding-bottom:4px;margin-top:28px}
 table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ddd;padding:2px 6px;text-align:left}
 tr.changed td{background:#fff8e0}.src{color:#666}
@@ -30,7 +30,7 @@ tr.changed td{background:#fff8e0}.src{color:#666}
 .prompt,.completion{white-space:pre-wrap;font-family:monospace;font-size:12px;margin:4px 0}
 .completion{border-left:3px solid #9ecae1;padding-left:6px}.meta{color:#555;font-size:11px}
 .t{background:#dff0d8}.m{background:#eee;color:#888}.role{font-weight:bold;font-size:11px;color:#444}
-.missing{color:#a33}
+.missing{color:#a33}summary{cursor:pointer;font-size:12px;color:#555;margin:6px 0}
 """
 MAX_GROUPS = 8  # the last this many sampled groups
 
@@ -75,14 +75,18 @@ def config_table(run: Path) -> str:
     values = _flat(json.loads(path.read_text(encoding="utf-8")))
     src_path = run / "config_sources.json"
     sources = json.loads(src_path.read_text(encoding="utf-8")) if src_path.is_file() else {}
-    order = sorted(values, key=lambda k: (sources.get(k, "default") == "default", k))
-    rows = []
-    for k in order:
+    said, defaults = [], []  # the values something set, shown; the ~200 defaults folded below them
+    for k in sorted(values):
         src = sources.get(k, "default" if sources else "")
         cls = ' class="changed"' if src not in ("default", "") else ""
         value = html.escape(json.dumps(values[k]))
-        rows.append(f'<tr{cls}><td>{html.escape(k)}</td><td>{value}</td><td class="src">{html.escape(src)}</td></tr>')
-    return "<table><tr><th>setting</th><th>value</th><th>from</th></tr>" + "".join(rows) + "</table>"
+        row = f'<tr{cls}><td>{html.escape(k)}</td><td>{value}</td><td class="src">{html.escape(src)}</td></tr>'
+        (defaults if src == "default" else said).append(row)
+    head = "<table><tr><th>setting</th><th>value</th><th>from</th></tr>"
+    out = head + "".join(said) + "</table>" if said else ""
+    if defaults:
+        out += f"<details><summary>{len(defaults)} settings at their defaults</summary>{head}{''.join(defaults)}</table></details>"
+    return out
 
 
 def tokens_html(pieces: list[str], ids: list[int], mask: list[bool]) -> str:
@@ -122,6 +126,8 @@ def group_html(rec: dict) -> str:
             )
         else:
             body = html.escape(_text(text))
+        if text == "":  # a completion that stopped at once (its stop token decodes to nothing): said, not a blank box
+            body += '<span class="missing">(empty completion)</span>'
         out.append(f'<div class="meta">{html.escape(meta)}</div><div class="completion">{body}</div>')
     out.append("</div>")
     return "".join(out)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from align.run.presets import parse
-from align.run.sources import apply_task_defaults, record, sources_of
+from align.run.sources import apply_backend_defaults, apply_task_defaults, record, sources_of
 from align.tasks import load_task
 from align.train import CLI_PREFIXES, TrainConfig, main
 
@@ -67,3 +67,57 @@ def test_cli_run_writes_sources_and_resumes(tmp_path, builtin_model):
     assert main([*argv, "--steps", "2"]) == 0  # the same command resumes: the task's values again
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs if "loss" in r] == [1, 2]
+
+
+def test_the_vllm_worker_turns_rho_correction_on_as_a_backend_default(tmp_path):
+    """--rollout spool: vLLM's logprobs are not the trainer's, so the rho correction is on by default (the backend's
+    row, BACKENDS["spool"].TRAIN_DEFAULTS); the native sampler's are exact: off. A flag or a file wins."""
+    key = "loss.use_rho_correction"
+    spool = _parse(["--rollout", "spool"])
+    assert spool.loss.use_rho_correction is True and sources_of(spool)[key] == "backend"
+    native = _parse([])  # negative control: the native sampler keeps the default
+    assert native.loss.use_rho_correction is False and sources_of(native)[key] == "default"
+    off = _parse(["--rollout", "spool", "--no-use-rho-correction"])
+    assert off.loss.use_rho_correction is False and sources_of(off)[key] == "flag"
+    (tmp_path / "r.toml").write_text("rollout = 'spool'\nuse-rho-correction = false\n")
+    filed = _parse(["--config", str(tmp_path / "r.toml")])
+    assert filed.loss.use_rho_correction is False and sources_of(filed)[key] == "file"
+    preset = _parse(["--rollout", "spool", "--preset", "dapo"])  # a preset that says nothing of rho keeps it
+    assert preset.loss.use_rho_correction is True
+    api = TrainConfig(rollout="spool")  # the Python API: applied at run time where nothing was said
+    apply_backend_defaults(api)
+    assert api.loss.use_rho_correction is True and sources_of(api)[key] == "backend"
+    code = TrainConfig(rollout="spool", lr=1e-5)
+    apply_backend_defaults(code)
+    assert sources_of(code)["lr"] == "code" and code.lr == 1e-5
+
+
+def test_a_run_resumed_from_before_the_backend_default_keeps_its_value(tmp_path):
+    """A --rollout spool run started when rho correction was off by default, resumed with the same command: it keeps
+    rho off (layer 'resume', said in the log) instead of being refused for changed math; a value it never saved
+    keeps today's default, and a flag that changes math is still refused (the negative control)."""
+    import dataclasses
+
+    import pytest
+
+    from align.atomic import COMMIT_MARKER
+    from align.run.build import write_config
+
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step_1").mkdir(parents=True)
+    (out / "checkpoints" / "step_1" / COMMIT_MARKER).write_text("")  # a pre-JSON marker: the run's own
+    before = dataclasses.asdict(_parse(["--rollout", "spool", "--no-use-rho-correction"]))
+    (out / "config.json").write_text(json.dumps({**before, "model": "m"}))
+    cfg = _parse(["--rollout", "spool"])  # the same command today: the backend's default says on
+    assert cfg.loss.use_rho_correction is True
+    write_config(cfg, out, "m")
+    assert cfg.loss.use_rho_correction is False
+    assert json.loads((out / "config.json").read_text())["loss"]["use_rho_correction"] is False
+    assert json.loads((out / "config_sources.json").read_text())["loss.use_rho_correction"] == "resume"
+    del before["loss"]["use_rho_correction"]  # a config.json from before the field existed: today's value
+    (out / "config.json").write_text(json.dumps({**before, "model": "m"}))
+    cfg = _parse(["--rollout", "spool"])
+    write_config(cfg, out, "m")
+    assert cfg.loss.use_rho_correction is True
+    with pytest.raises(ValueError, match="use_rho_correction: True -> False"):
+        write_config(_parse(["--rollout", "spool", "--no-use-rho-correction"]), out, "m")

@@ -77,7 +77,7 @@ STDLIB_ONLY = [
     "align.rollout.spool", "align.rollout.message", "align.specs", "align.envs.runner",
     "align.lean.goedel", "align.lean.config", "align.lean.repl", "align.lean.server", "align.lean.guards",
     "align.lean.verify",  # the Lean verifier: extras/vllm_rollout (the rollout venv) imports it too
-    "align.rollout.teacher_logprobs", "align.rollout.cut",
+    "align.rollout.teacher_logprobs", "align.rollout.cut", "align.rollout.sleep_mode",
 ]  # fmt: skip
 NO_TORCH = ("torch", "numpy", "triton", "safetensors")
 

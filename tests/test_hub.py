@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from align.errors import InputError
-from align.hub import resolve_model
+from align.hub import resolve_model, resolve_tokenizer
 from align.train import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,3 +91,75 @@ def test_a_ref_naming_a_path_does_not_leave_the_cache(tmp_path, monkeypatch):
         resolve_model("org/name@..")
     (repo / "refs" / "main").write_text("abc123\n")
     assert resolve_model("org/name") == str(repo / "snapshots" / "abc123")  # control: a commit-hash ref resolves
+
+
+def test_teacher_tokenizer_and_sft_model_take_hub_ids(tmp_path, monkeypatch, builtin_model, char_model, capsys):
+    """--teacher and --tokenizer (align.train) and align.sft's --model / --tokenizer resolve from the cache like
+    --model; an id that is not cached names the download command before any model loads."""
+    from align import sft
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    snap = lay_out_cache(tmp_path / "hf", "Org/Tiny-Reverse", builtin_model)
+    argv = ["--prompts-per-step", "2", "--group-size", "2", "--steps", "1", "--eval-interval", "0", "--threads", "1"]
+    run = tmp_path / "distill"
+    assert main(["--model", builtin_model, "--teacher", "Org/Tiny-Reverse", "--out", str(run), *argv]) == 0
+    assert json.loads((run / "config.json").read_text())["distill"]["teacher"] == str(snap)
+    assert "distill/reverse_kl_mean" in (run / "metrics.jsonl").read_text()  # the cached teacher scored the step
+    # a tokenizer-only repo (no config.json) is a --tokenizer, not a --model (the negative control)
+    tok_snap = lay_out_cache(
+        tmp_path / "hf", "Org/Tok-Only", _only(tmp_path / "tok", builtin_model, "align_tokenizer.json")
+    )
+    assert resolve_tokenizer("Org/Tok-Only") == str(tok_snap)
+    with pytest.raises(InputError, match="--model Org/Tok-Only: .*huggingface-cli download Org/Tok-Only"):
+        resolve_model("Org/Tok-Only")
+    # align.sft: --model and --tokenizer as hub ids, one step trained
+    char = lay_out_cache(tmp_path / "hf", "Org/Char", _with_tokenizer(tmp_path / "char", char_model))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "abc", "completion": "cba"}) + "\n")
+    sft_argv = [
+        "--train-data",
+        str(rows),
+        "--steps",
+        "1",
+        "--eval-interval",
+        "0",
+        "--threads",
+        "1",
+        "--max-tokens",
+        "4",
+    ]
+    out = tmp_path / "sft"
+    assert sft.main(["--model", "Org/Char", "--tokenizer", "Org/Char", "--out", str(out), *sft_argv]) == 0
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["model"], saved["data"]["tokenizer"]) == (str(char), str(char))
+    import align.model
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before the hub id was checked")
+
+    monkeypatch.setattr(align.model, "load_pretrained", no_load)
+    capsys.readouterr()
+    for module, flags, name in (
+        (main, ["--model", builtin_model, "--teacher", "Org/Teacher-Not-Cached"], "--teacher Org/Teacher-Not-Cached"),
+        (main, ["--model", builtin_model, "--train-data", str(rows), "--tokenizer", "Org/Tok"], "--tokenizer Org/Tok"),
+        (sft.main, ["--model", "Org/Sft-Not-Cached", *sft_argv], "--model Org/Sft-Not-Cached"),
+        (sft.main, ["--model", "Org/Char", "--tokenizer", "Org/Tok", *sft_argv], "--tokenizer Org/Tok"),
+    ):
+        assert module([*flags, "--out", str(tmp_path / "refused")]) == 2
+        err = capsys.readouterr().err
+        assert f"{name}: not a local directory" in err and f"huggingface-cli download {name.split()[1]}" in err, err
+
+
+def _only(d: Path, src: str, name: str) -> str:
+    d.mkdir()
+    shutil.copyfile(Path(src) / name, d / name)
+    return str(d)
+
+
+def _with_tokenizer(d: Path, model: str) -> str:
+    from helpers_train import TOK
+
+    shutil.copytree(model, d)
+    TOK.save(d)
+    return str(d)

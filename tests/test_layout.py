@@ -34,7 +34,7 @@ FLOORS = [
         "the rollout wing",
         (
             "rollout rollout.process rollout.message rollout.spool rollout.protocol rollout.cpu_kernel rollout.native "
-            "rollout.sessions rollout.client rollout.watcher rollout.teacher_logprobs rollout.cut rollout.deadlines rollout.groups rollout.partial rollout.engines rollout.backends "
+            "rollout.sessions rollout.client rollout.watcher rollout.teacher_logprobs rollout.cut rollout.sleep_mode rollout.deadlines rollout.groups rollout.partial rollout.engines rollout.backends "
             "rollout.pipeline"
         ),
     ),

@@ -118,3 +118,47 @@ def test_a_hostile_run_dir_renders_no_markup(tmp_path):
     assert not [t for t in tags if t[0] == "script"]
     assert not [t for t in tags if any(k.startswith("on") or not k.isidentifier() and "-" not in k for k in t[1])]
     assert page.count("&lt;script&gt;") >= 4  # control: the text is there, escaped
+
+
+def test_a_character_split_over_byte_tokens_shows_whole_on_the_token_that_completes_it():
+    """Byte-level BPE trained on ASCII splits 'é' (2 bytes) and '😀' (4) into byte tokens: decoded one by one each part
+    is U+FFFD (the negative control: what the report showed before); incrementally, the character lands whole on its
+    last byte's token, the others show "", and every piece joined is the text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator(["ab cd"] * 4, trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet))
+    ids = tok.encode("aé b😀").ids
+    decode = tok.decode
+    assert [decode([t]) for t in ids].count("\ufffd") == 6  # é: 2 bytes, 😀: 4
+    from align.run.log import token_pieces
+
+    pieces = token_pieces(ids, decode)
+    assert "".join(pieces) == "aé b😀" and "\ufffd" not in "".join(pieces) and len(pieces) == len(ids)
+    assert pieces[pieces.index("é") - 1] == "" and pieces[-4:] == ["", "", "", "😀"]
+    cut = token_pieces(ids[:-1], decode)  # a character cut at the end: shown as it decodes, on the last token
+    assert cut[-1] == "\ufffd" and cut[:-3] == pieces[:-4]
+
+
+def test_the_config_shows_what_was_set_and_folds_the_defaults(tmp_path):
+    from align.report import config_table
+
+    (tmp_path / "config.json").write_text(json.dumps({"lr": 1e-6, "steps": 3, "seed": 0}))
+    (tmp_path / "config_sources.json").write_text(json.dumps({"lr": "default", "steps": "flag", "seed": "default"}))
+    page = config_table(tmp_path)
+    shown, folded = page.split("<details>")
+    assert "steps" in shown and "lr" not in shown and "2 settings at their defaults" in folded and "lr" in folded
+
+
+def test_an_empty_completion_is_said_and_the_curves_scale_to_the_page(tmp_path):
+    from align.report import render
+
+    rec = {"step": 1, "group": 0, "prompt": "p", "completions": ["", "ab"], "pieces": [[""], ["a", "b"]]}
+    rec.update(token_ids=[[0], [1, 2]], masks=[[True], [True, True]])
+    (tmp_path / "completions.jsonl").write_text(json.dumps(rec) + "\n")
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 0.5}) + "\n")
+    page = render(tmp_path)
+    assert page.count("(empty completion)") == 1  # the stop-only one; "ab" (the control) is not
+    assert "svg{max-width:100%;height:auto}" in page and 'viewBox="0 0 ' in page  # scales: a narrow window cut it

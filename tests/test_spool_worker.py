@@ -320,6 +320,40 @@ def test_processed_logprobs_are_the_temperature_scaled_basis(processed, models):
     )
 
 
+def test_sleep_is_unsupported_on_the_cpu_build_and_the_worker_serves_on(processed, models, tmp_path, capsys):
+    """vLLM's CPU build has no sleep mode: the real worker answers sleep / wake_up with ``unsupported`` (a clear
+    SleepModeUnsupported, not a crash) and keeps serving; the trainer's colocated engine (SyncSpool) says so once and
+    goes on without sleeping. A worker asked to start with --enable-sleep-mode on CPU is refused before its engine
+    loads (the GPU path: tests/test_colocate.py, marked gpu)."""
+    from align.rollout import sleep_mode
+    from align.rollout.engines import SyncSpool
+
+    with pytest.raises(sleep_mode.SleepModeUnsupported, match="no sleep mode on cpu .*CPU build"):
+        sleep_mode.sleep(processed.client, 1)
+    with pytest.raises(sleep_mode.SleepModeUnsupported, match="no sleep mode"):
+        sleep_mode.wake_up(processed.client)
+    (out,) = processed.client.generate([PROMPTS[0]], SamplingParams(max_tokens=4, seed=0))
+    assert out.token_ids  # the worker serves on
+    engine = SyncSpool(processed.client, tmp_path / "snaps", processed.client.weights_version, 1, sleep_level=1)
+    capsys.readouterr()
+    engine.collected()
+    engine.collected()
+    assert capsys.readouterr().out.count("the rollout worker cannot sleep") == 1
+    assert engine.sleep_level == 0 and engine.wake() == 0.0  # never asleep: nothing to wake
+    log = tmp_path / "refused.log"
+    with pytest.raises(RuntimeError, match="--enable-sleep-mode: vLLM has no sleep mode on cpu"):
+        spawn_worker(
+            tmp_path / "spool",
+            model=models["v1"],
+            log_path=log,
+            in_process=True,
+            extra_args=["--enable-sleep-mode"],
+            max_model_len=MAX_MODEL_LEN,
+            ready_timeout_s=READY_TIMEOUT_S,
+        )
+    assert "engine up" not in log.read_text()  # refused before the engine loaded
+
+
 def test_invalid_model_fails_cleanly(models, tmp_path):
     """A checkpoint that passes the file checks but vLLM cannot load: the start fails with the log, no process left."""
     bad = tmp_path / "bad_model"

@@ -3,6 +3,8 @@ rollouts are generated, so the run wing and the pipeline name no backend.
 
 An entry owns:
 
+- ``TRAIN_DEFAULTS``: the ``TrainConfig`` fields whose default depends on the backend (dotted: ``{"loss.use_rho_correction":
+  True}``), applied like a built-in task's below ``--config`` and flags (``align.run.sources``: layer ``backend``);
 - its config section: the fields of ``RolloutConfig`` (flat in ``TrainConfig``, so the flags and every saved
   ``config.json`` keep their names) and its own rules, ``check(cfg)``, run when the config is built;
 - ``uses_ray(cfg)``: whether its engines are Ray actors (the eval engines then join them);
@@ -23,7 +25,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from align.options import flag_help as _h  # the one definition of a flag's help
 
@@ -42,6 +44,28 @@ class RolloutConfig:
         default=True, metadata=_h("With --rollout spool, start the vLLM worker (else attach to a running one).")
     )
     rollout_gpu: int | None = field(default=None, metadata=_h("GPU for the spawned vLLM worker (None = CPU build)."))
+    rollout_gpu_memory_utilization: float | None = field(
+        default=None,
+        metadata=_h(
+            "Fraction of the GPU's memory the spawned vLLM worker may take (vLLM's gpu_memory_utilization; None = "
+            "vLLM's 0.9). On the trainer's own GPU (--colocate) leave the rest to the trainer: e.g. 0.3."
+        ),
+    )
+    colocate: bool = field(
+        default=False,
+        metadata=_h(
+            "The spawned vLLM worker shares the trainer's GPU (--rollout-gpu N, the same GPU): it sleeps (vLLM sleep "
+            "mode: weights offloaded to CPU, KV cache dropped) while the trainer updates and wakes before the next "
+            "weight sync. GPU only; synchronous (--max-async-steps 0), one worker."
+        ),
+    )
+    rollout_sleep_level: int = field(
+        default=1,
+        metadata=_h(
+            "vLLM sleep level with --colocate: 1 offloads the weights to CPU memory, 2 drops them (each wake is "
+            "followed by a weight sync, so needs --sync-every 1 and no LoRA)."
+        ),
+    )
     rollout_logprobs_mode: str = field(
         default="raw",
         metadata=_h(
@@ -138,6 +162,11 @@ class RolloutConfig:
             raise ValueError(
                 f"--rollout-gpu {self.rollout_gpu!r} is invalid: must be a GPU index >= 0 (or unset for the CPU build)"
             )
+        frac = self.rollout_gpu_memory_utilization
+        if frac is not None and not (math.isfinite(frac) and 0 < frac <= 1):
+            raise ValueError(f"--rollout-gpu-memory-utilization {frac!r} is invalid: must be in (0, 1]")
+        if self.rollout_sleep_level not in (1, 2):
+            raise ValueError(f"--rollout-sleep-level must be 1 or 2, got {self.rollout_sleep_level!r}")
         BACKENDS[self.rollout].check(self)
         from align.rollout.partial import check_config as check_partial
 
@@ -204,9 +233,17 @@ class NativeBackend:
     """The native sampler in this process, on the policy itself (torchrun: each rank samples its share)."""
 
     cuts = True  # --partial-rollouts: NativeClient.generate_until (align.rollout.partial)
+    TRAIN_DEFAULTS: ClassVar[dict[str, Any]] = {}  # its logprobs are the trainer's own: no off-policy correction
 
     def check(self, cfg: RolloutConfig) -> None:
-        pass
+        for flag, value in (
+            ("--colocate", cfg.colocate),
+            ("--rollout-gpu-memory-utilization", cfg.rollout_gpu_memory_utilization),
+        ):
+            if value:
+                raise ValueError(
+                    f"{flag} is for the vLLM worker (--rollout spool); the native sampler runs on the policy itself"
+                )
 
     def uses_ray(self, cfg: RolloutConfig) -> bool:
         return False
@@ -227,7 +264,8 @@ class SpoolOpened(Opened):
         from align.rollout.engines import SpoolEngine, SyncSpool, save_snapshot
 
         if cfg.max_async_steps == 0:
-            return SyncSpool(self.client, snapshots, step, cfg.sync_every)
+            sleep_level = cfg.rollout_sleep_level if cfg.colocate else 0
+            return SyncSpool(self.client, snapshots, step, cfg.sync_every, sleep_level)
         return SpoolEngine(self.client, snapshots, step, save_snapshot, cfg.rollout_timeout_s)
 
     def logprob_warning(self, params: Any) -> str | None:
@@ -240,9 +278,36 @@ class SpoolBackend:
     """A vLLM worker (or Ray fleet) in ``.venv-rollout`` behind a spool directory, spawned or attached to."""
 
     cuts = False  # --partial-rollouts needs the worker's cut request (a spool generate_until): not wired yet
+    # vLLM's logprobs (mu) are not the trainer's recompute (pi_old): another engine, kernels, and weights a version
+    # behind with --max-async-steps; rho = pi_old / mu corrects for it (TRL turns its IS correction on with vLLM too)
+    TRAIN_DEFAULTS: ClassVar[dict[str, Any]] = {"loss.use_rho_correction": True}
 
     def check(self, cfg: RolloutConfig) -> None:
-        pass
+        """``--colocate``: a spawned GPU worker, one engine, synchronous; refused here, before anything loads."""
+        if cfg.rollout_gpu_memory_utilization is not None and cfg.rollout_gpu is None and not self.uses_ray(cfg):
+            raise ValueError(  # a Ray fleet places its engines on GPUs itself and passes the fraction to each
+                "--rollout-gpu-memory-utilization applies to a GPU worker: pass --rollout-gpu N"
+            )
+        if not cfg.colocate:
+            return
+        if cfg.rollout_gpu is None:
+            raise ValueError(
+                "--colocate needs vLLM's sleep mode, which the CPU build of vLLM does not have: pass --rollout-gpu N "
+                "(the trainer's GPU) with a CUDA build of vLLM in .venv-rollout, or drop --colocate"
+            )
+        problems = [
+            ("--no-spawn-worker (colocate spawns its worker)", not cfg.spawn_worker),
+            ("--max-async-steps > 0 (generation overlaps the update)", cfg.max_async_steps > 0),
+            ("a Ray fleet (--rollout-num-engines > 1, --rollout-ray, --ray-address)", self.uses_ray(cfg)),
+        ]
+        for what, bad in problems:
+            if bad:
+                raise ValueError(f"--colocate runs one spawned worker beside a synchronous trainer; drop {what}")
+        if cfg.rollout_sleep_level == 2 and cfg.sync_every != 1:
+            raise ValueError(
+                f"--rollout-sleep-level 2 drops the worker's weights, reloaded by the sync after each step: needs "
+                f"--sync-every 1 (got {cfg.sync_every}); or use level 1"
+            )
 
     def uses_ray(self, cfg: RolloutConfig) -> bool:
         return cfg.spawn_worker and (cfg.rollout_num_engines > 1 or cfg.rollout_ray or cfg.ray_address is not None)
@@ -272,7 +337,7 @@ class SpoolBackend:
                     logprobs_mode=cfg.rollout_logprobs_mode,
                     in_process=cfg.rollout_in_process,
                     dtype=target.dtype,
-                    extra_args=lora.worker_args(target.policy),
+                    extra_args=[*lora.worker_args(target.policy), *worker_gpu_args(cfg)],
                     engines=cfg.rollout_num_engines,
                     engine_restarts=cfg.rollout_engine_restarts,
                     use_fleet=self.uses_ray(cfg),
@@ -294,6 +359,15 @@ class SpoolBackend:
             opened.close()
             raise
         return opened
+
+
+def worker_gpu_args(cfg: Any) -> list[str]:
+    """The spawned worker's GPU memory flags: ``--gpu-memory-utilization F``, ``--enable-sleep-mode`` (--colocate)."""
+    frac = cfg.rollout_gpu_memory_utilization
+    return [
+        *(["--gpu-memory-utilization", str(frac)] if frac is not None else []),
+        *(["--enable-sleep-mode"] if cfg.colocate else []),
+    ]
 
 
 BACKENDS: dict[str, Any] = {

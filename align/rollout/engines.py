@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +25,8 @@ from typing import Any
 
 from align.rollout.protocol import SamplingParams
 from align.rollout.watcher import WeightWatcher, remove_snapshots_before
+
+log = logging.getLogger(__name__)
 
 CHUNK_SEED_STRIDE = 7_919  # seed offset of request i when --max-inflight-requests splits a batch
 WAIT_POLL_S = 0.1  # how often a blocked wait re-checks the other side's health
@@ -241,14 +244,47 @@ def save_snapshot(policy: Any, path: Path) -> None:
 
 class SyncSpool:
     """K = 0 with a spool worker: after every ``every``-th step a snapshot ``{root}/v{step}``, ``sync_weights`` to
-    it, and the older snapshots removed (rank 0). ``version``: the weights the worker serves."""
+    it, and the older snapshots removed (rank 0). ``version``: the weights the worker serves.
 
-    def __init__(self, client: Any, root: Path, version: int, every: int) -> None:
+    ``sleep_level`` > 0 (``--colocate``: the worker on the trainer's GPU): once a step's rollouts are in
+    (``collected``) the worker sleeps at that level (``align.rollout.sleep_mode``), freeing its GPU memory for the
+    update; ``publish`` wakes it before the snapshot is synced. A worker without sleep mode is said once, then the
+    run goes on without sleeping."""
+
+    def __init__(self, client: Any, root: Path, version: int, every: int, sleep_level: int = 0) -> None:
         self.client, self.root, self.version, self.every = client, Path(root), int(version), every
+        self.sleep_level, self.asleep = sleep_level, False
+
+    def collected(self) -> None:
+        from align import dist
+        from align.rollout import sleep_mode
+
+        if not self.sleep_level or self.asleep or not dist.is_main():
+            return
+        try:
+            body = sleep_mode.sleep(getattr(self.client, "client", self.client), self.sleep_level)  # torchrun: rank 0's
+        except sleep_mode.SleepModeUnsupported as e:
+            print(f"[align] --colocate: the rollout worker cannot sleep ({e}); going on without sleeping", flush=True)
+            self.sleep_level = 0
+            return
+        self.asleep = True
+        log.info("rollout worker asleep (level %d): %.2f GiB freed", body["level"], body.get("freed_bytes", 0) / 2**30)
+
+    def wake(self) -> float:
+        """Wake the worker if ``collected`` put it to sleep; the seconds it took."""
+        from align.rollout import sleep_mode
+
+        if not self.asleep:
+            return 0.0
+        t0 = time.perf_counter()
+        sleep_mode.wake_up(getattr(self.client, "client", self.client))
+        self.asleep = False
+        return time.perf_counter() - t0
 
     def publish(self, version: int, policy: Any) -> float:
+        woke = self.wake()
         if version % self.every:
-            return 0.0
+            return woke
         from align import dist
 
         save_snapshot(policy, self.root / f"v{version}")
@@ -256,7 +292,7 @@ class SyncSpool:
         self.version = version
         if dist.is_main():
             remove_snapshots_before(self.root, version)
-        return seconds
+        return woke + seconds
 
     def close(self) -> None:
         pass

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 PROTOCOL = "align-spool"
 PROTOCOL_VERSION = 1
 # minor versions only add request kinds (1: ``score``, align/rollout/teacher_logprobs.py; 2: ``cut``,
-# align/rollout/cut.py); a worker announces its minor in its heartbeat ("minor")
-PROTOCOL_MINOR = 2
+# align/rollout/cut.py; 3: ``sleep`` / ``wake_up``, align/rollout/sleep_mode.py); a worker announces its minor in its
+# heartbeat ("minor"), and a minor includes every one below it
+PROTOCOL_MINOR = 3
 
 REQUEST_KINDS = ("generate", "sync_weights", "shutdown", "score", "cut")
 RESPONSE_KINDS = ("completions", "synced", "error", "stopped", "scores", "cut_done")
@@ -41,6 +42,10 @@ _BODY_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "cut": {"requests": (list,)},
     "cut_done": {"cut": (list,), "untouched": (list,)},
 }
+# minor 3: vLLM's sleep mode, ``sleep`` / ``wake_up`` (align/rollout/sleep_mode.py)
+REQUEST_KINDS += ("sleep", "wake_up")
+RESPONSE_KINDS += ("slept", "awake")
+_BODY_FIELDS.update(sleep={"level": (int,)}, wake_up={}, slept={"level": (int,)}, awake={})
 _ID_RE = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9._-]{0,127}\Z")  # \Z: "$" would accept a trailing newline
 _counter = itertools.count()
 

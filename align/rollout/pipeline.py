@@ -311,6 +311,7 @@ class RolloutPipeline:
             if self.engine is not None:  # a backend's engine: every answer from the weights this run published last
                 where = getattr(getattr(self.client, "spool", None), "root", type(self.client).__name__)
                 check_weights_version(batch.completions, self.published, where)
+                getattr(self.engine, "collected", lambda: None)()  # --colocate: the worker sleeps through the update
             return Produced(t, self.published, batch, seconds=time.perf_counter() - t0), {}
         self.start()
         t0 = time.monotonic()

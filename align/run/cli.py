@@ -100,7 +100,7 @@ def load_config_file(path: str) -> dict:
 def parse(
     cls: type, argv: list[str] | None, prefixes: dict[str, str], description: str = "", preset: frozenset = frozenset()
 ) -> Any:
-    """Parse ``argv`` into a ``cls`` instance: defaults < the built-in task's (``cls.task_layer``, when it runs) <
+    """Parse ``argv`` into a ``cls`` instance: defaults < the built-in task's and the backend's (``cls.default_layers``) <
     ``--config`` file < flags (``preset``: the dotted fields whose flags a preset added). Each field's layer is
     recorded on the instance (``align.run.sources``)."""
     from align.run import sources
@@ -123,11 +123,12 @@ def parse(
         _put(base, dest.split("/"), value)
         dotted = dest.replace("/", ".")
         src[dotted] = "preset" if dotted in preset else "flag"
-    layer = getattr(cls, "task_layer", None)
-    for dotted, value in (layer(base) if layer else {}).items():
-        if dotted not in src:
-            _put(base, dotted.split("."), value)
-            src[dotted] = "task"
+    layers = getattr(cls, "default_layers", None)
+    for label, layer in layers(base) if layers else []:
+        for dotted, value in layer.items():
+            if dotted not in src:
+                _put(base, dotted.split("."), value)
+                src[dotted] = label
     try:
         return sources.record(from_dict(cls, base), src)
     except (ValueError, TypeError) as e:

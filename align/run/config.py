@@ -215,11 +215,12 @@ class TrainConfig(RolloutConfig, SaveConfig, ComputeConfig, OptimConfig, Watchdo
     moe: MoeConfig = field(default_factory=MoeConfig)  # --routing-replay, --router-aux-loss-coef, --freeze-router
 
     @staticmethod
-    def task_layer(data: dict) -> dict[str, Any]:
-        """The built-in task's ``TRAIN_DEFAULTS`` when ``data`` (``asdict`` shape) runs it (``align.run.sources``)."""
-        from align.run.sources import task_layer
+    def default_layers(data: dict) -> list[tuple[str, dict[str, Any]]]:
+        """The built-in task's ``TRAIN_DEFAULTS`` when ``data`` (``asdict`` shape) runs it, then the rollout backend's
+        (``align.run.sources``): ``[("task", {...}), ("backend", {...})]``."""
+        from align.run.sources import default_layers
 
-        return task_layer(data)
+        return default_layers(data)
 
     def __post_init__(self) -> None:
         for name, cls in (
@@ -278,6 +279,8 @@ class TrainConfig(RolloutConfig, SaveConfig, ComputeConfig, OptimConfig, Watchdo
             raise ValueError("--adv-refill samples until groups differ in reward; --distill-only computes no reward")
         if self.merge_lora and not self.lora.enabled:
             raise ValueError("--merge-lora needs --lora-rank > 0 (it merges the adapter into the --save-hf export)")
+        if self.colocate and self.rollout_sleep_level == 2 and self.lora.enabled:
+            raise ValueError("--rollout-sleep-level 2 drops the base weights a LoRA worker keeps: use level 1")
         from align.learner import check_config
 
         check_config(self)

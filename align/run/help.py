@@ -59,6 +59,7 @@ TOP_SECTIONS: dict[str, tuple[str, ...]] = {
         "rollout",
         "spool",
         "spawn_worker",
+        "colocate",
         "ray_address",
         "sync_every",
         "max_async_steps",

@@ -195,9 +195,25 @@ def _token_fields(completions: list, decode: Any) -> dict:
     ids = [list(c.token_ids) for c in completions]
     return {
         "token_ids": ids,
-        "pieces": [[decode([t]) for t in row] for row in ids],
+        "pieces": [token_pieces(row, decode) for row in ids],
         "masks": [list(c.mask) if getattr(c, "mask", None) else [True] * len(c.token_ids) for c in completions],
     }
+
+
+def token_pieces(ids: list[int], decode: Any) -> list[str]:
+    """Each token's text, decoded incrementally: a character split over byte tokens (byte-level BPE: 'é' is two) is
+    shown whole on the token that completes it and "" on the ones before (decoding each token alone gives a
+    U+FFFD per part). At most 3 tokens are held back (a UTF-8 character has at most 4 bytes)."""
+    out: list[str] = []
+    start = 0
+    for i in range(len(ids)):
+        text = decode(ids[start : i + 1])
+        if text.endswith("\ufffd") and i + 1 < len(ids) and i - start < 3:
+            out.append("")  # an incomplete character: the next token may complete it
+            continue
+        out.append(text)
+        start = i + 1
+    return out
 
 
 class TensorBoardLogger:

@@ -57,13 +57,17 @@ class RunTask:
         teardown pushed on ``undo`` (an ``ExitStack``)."""
         from align.envs.sampler import open_sampler
         from align.eval.metrics import pass_reward_for
-        from align.hub import resolve_model
+        from align.hub import resolve_model, resolve_tokenizer
         from align.rewards import make_scorer
+        from align.run.sources import apply_backend_defaults
         from align.run.log import check_logger
         from align.run.task import resolve_task
 
         out = Path(cfg.out)
+        apply_backend_defaults(cfg)  # the Python API's config: the backend's defaults where nothing was said
         cfg.model, given = resolve_model(cfg.model), replace(given, model=resolve_model(given.model, "model="))
+        cfg.data.tokenizer = resolve_tokenizer(cfg.data.tokenizer)
+        cfg.distill.teacher = resolve_model(cfg.distill.teacher, "--teacher")
         run_id, out_lock = safety.open_out(cfg, given.model or cfg.model)  # paths checked, --out locked, run id
         undo.callback(safety.release, out_lock)
         check_logger(cfg.log.logger, out)  # the --logger package imports, {out}/tensorboard is a dir
@@ -91,8 +95,14 @@ class RunTask:
 def write_config(cfg: Any, out: Path, model_path: str) -> None:
     """``{out}/config.json`` (and ``config_sources.json``: each value's layer, ``align.run.sources``); resuming, a
     changed setting that changes the math is refused, others are applied."""
+    from align.run.sources import keep_resumed
+
+    resuming = ckpt.latest(out / "checkpoints")
+    if resuming:  # a default that depends on the backend keeps the resumed run's value (one made before it existed)
+        for kept in keep_resumed(cfg, safety.read_saved_config(out / "config.json")):
+            print(f"[align] resume: keeping the resumed run's setting {kept}", flush=True)
     new_config = json.loads(json.dumps({**asdict(cfg), "model": model_path}))  # as saved: tuples are lists
-    if ckpt.latest(out / "checkpoints"):  # resuming: refuse changed math, apply (and log) operational changes
+    if resuming:  # resuming: refuse changed math, apply (and log) operational changes
         for change in safety.check_resume_config(out / "config.json", new_config):
             print(f"[align] resume: applying changed setting {change}", flush=True)
     if dist.is_main():

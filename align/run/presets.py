@@ -132,13 +132,14 @@ def parse(
         _paths(loaded) if isinstance(loaded, dict) else set()
     )
     defaults = dataclasses.asdict(cls())
-    if (layer := getattr(cls, "task_layer", None)) is not None:  # the built-in task's settings, when it runs
+    if (layers := getattr(cls, "default_layers", None)) is not None:  # the task's and the backend's settings
         seen = cli._merge(defaults, loaded if isinstance(loaded, dict) else {})
         for dest, value in given.items():
             if dest != "config":
                 cli._put(seen, dest.split("/"), value)
-        for dotted, value in layer(seen).items():
-            cli._put(defaults, dotted.split("."), value)
+        for _, layer in reversed(layers(seen)):  # the lowest layer's value last: it wins, as in cli.parse
+            for dotted, value in layer.items():
+                cli._put(defaults, dotted.split("."), value)
 
     def get(dotted: str) -> Any:
         path = tuple(dotted.split("."))
@@ -181,10 +182,11 @@ def build(cls: type, name: str, overrides: dict | None = None) -> Any:
     overrides = dict(overrides or {})
     data = dataclasses.asdict(cls())
     explicit = _paths(overrides)
-    if (layer := getattr(cls, "task_layer", None)) is not None:  # the built-in task's settings, when it runs
-        for dotted, value in layer(cli._merge(data, overrides)).items():
-            if tuple(dotted.split(".")) not in explicit:
-                cli._put(data, dotted.split("."), value)
+    if (layers := getattr(cls, "default_layers", None)) is not None:  # the task's and the backend's settings
+        for _, layer in reversed(layers(cli._merge(data, overrides))):  # the lowest layer's value last: it wins
+            for dotted, value in layer.items():
+                if tuple(dotted.split(".")) not in explicit:
+                    cli._put(data, dotted.split("."), value)
 
     def get(dotted: str) -> Any:
         path = tuple(dotted.split("."))

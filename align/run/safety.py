@@ -337,19 +337,31 @@ def _resumable(key: str) -> bool:
     return any(key == r or (r.endswith(".") and key.startswith(r)) for r in RESUMABLE)
 
 
+def read_saved_config(saved_path: Path) -> dict:
+    """The resumed run's ``config.json`` ({} when there is none); unreadable: a ValueError naming the fix."""
+    try:
+        saved = json.loads(Path(saved_path).read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"cannot read the resumed run's config {saved_path}: {e}; restore it or start a fresh run with a new --out"
+        ) from None
+    if not isinstance(saved, dict):
+        raise ValueError(  # noqa: TRY004 (bad input: the ValueError every caller reports)
+            f"the resumed run's config {saved_path} is not a JSON object; restore it or start a fresh run with a new --out"
+        )
+    return saved
+
+
 def check_resume_config(saved_path: Path, new: dict) -> list[str]:
     """Compare the resumed run's saved config with ``new``; return the applied changes as 'key: old -> new'.
 
     Raises ValueError listing every change outside ``RESUMABLE``. Keys missing on either side are skipped
     (a config written by another align version)."""
-    try:
-        saved = json.loads(Path(saved_path).read_text())
-    except FileNotFoundError:
+    saved = read_saved_config(saved_path)
+    if not saved:
         return []
-    except (OSError, ValueError) as e:
-        raise ValueError(
-            f"cannot read the resumed run's config {saved_path}: {e}; restore it or start a fresh run with a new --out"
-        ) from None
     old, cur = _flat(saved), _flat(new)
     for d in (old, cur):  # the same dir spelled differently is no change; "out" is the dir being resumed
         d.pop("out", None)

@@ -1,9 +1,12 @@
 """Where each setting of a run came from, saved beside ``config.json`` as ``config_sources.json``.
 
 Layers, lowest first: ``default`` (``TrainConfig``'s field, set for a user's checkpoint), ``task`` (the built-in
-task's ``TRAIN_DEFAULTS``, only when that task runs: no ``--train-data``, ``--env`` or ``--tools``), ``file``
-(``--config``), ``preset`` (``--preset``), ``flag`` (the command line). The Python API (``TrainConfig(...)``
-built in code) has no flags: a value other than the default is ``code``.
+task's ``TRAIN_DEFAULTS``, only when that task runs: no ``--train-data``, ``--env`` or ``--tools``), ``backend``
+(the rollout backend's ``TRAIN_DEFAULTS``, a row field of ``align.rollout.backends.BACKENDS``: ``--rollout spool``
+turns the rho correction on), ``file`` (``--config``), ``preset`` (``--preset``), ``flag`` (the command line). The
+Python API (``TrainConfig(...)`` built in code) has no flags: a value other than the default is ``code``. A resumed
+run keeps the value it was started with where today's default depends on the backend (``resume``: a run started
+before that default existed resumes with the same command).
 
 ``config.json`` stays the plain resolved config (it reloads and resumes as before: every value in it is explicit);
 the sources file is for people (``python -m align.report``) and is never read back by a run.
@@ -44,6 +47,20 @@ def task_layer(data: dict) -> dict[str, Any]:
     return dict(load_task(data["task"]).TRAIN_DEFAULTS)
 
 
+def backend_layer(data: dict) -> dict[str, Any]:
+    """The rollout backend's ``TRAIN_DEFAULTS`` (dotted keys) for ``data`` (``asdict`` shape); ``{}`` for an unknown
+    backend (it fails in its own check)."""
+    from align.rollout.backends import BACKENDS
+
+    row = BACKENDS.get(data["rollout"])
+    return dict(getattr(row, "TRAIN_DEFAULTS", {}))  # a test's toy row may have none
+
+
+def default_layers(data: dict) -> list[tuple[str, dict[str, Any]]]:
+    """The layers between ``default`` and ``file`` for ``data``, lowest first: ``[("task", {...}), ("backend", {...})]``."""
+    return [("task", task_layer(data)), ("backend", backend_layer(data))]
+
+
 def record(cfg: Any, sources: dict[str, str]) -> Any:
     """Attach ``sources`` (dotted field -> layer) to ``cfg``; returns ``cfg``."""
     cfg.__dict__[_ATTR] = dict(sources)
@@ -60,17 +77,50 @@ def sources_of(cfg: Any) -> dict[str, str]:
     return {k: "default" if defaults.get(k) == v else "code" for k, v in values.items()}
 
 
-def apply_task_defaults(cfg: Any, defaults: dict) -> None:
-    """A built-in task's settings (``TRAIN_DEFAULTS``: {"max_tokens": 10, "envs.max_turns": 2, ...}) for every field
-    still at its default; a value from a flag, a file, a preset or code wins. Idempotent (the CLI applied them)."""
+def apply_task_defaults(cfg: Any, defaults: dict, layer: str = "task") -> None:
+    """A built-in task's settings (``TRAIN_DEFAULTS``: {"max_tokens": 10, "envs.max_turns": 2, ...}), or a backend's
+    (``layer="backend"``), for every field still at its default; a value from a flag, a file, a preset or code wins.
+    Idempotent (the CLI applied them)."""
     src = sources_of(cfg)
     for key, value in defaults.items():
         if src[key] != "default":
             continue
-        *path, name = key.split(".")
-        obj = cfg
-        for p in path:
-            obj = getattr(obj, p)
-        setattr(obj, name, value)
-        src[key] = "task"
+        _set(cfg, key, value)
+        src[key] = layer
     record(cfg, src)
+
+
+def apply_backend_defaults(cfg: Any) -> None:
+    """The rollout backend's ``TRAIN_DEFAULTS`` where nothing was said (the Python API; the CLI applied them)."""
+    apply_task_defaults(cfg, backend_layer({"rollout": cfg.rollout}), "backend")
+
+
+def keep_resumed(cfg: Any, saved: dict) -> list[str]:
+    """Resuming: each ``backend`` value that differs from the resumed run's ``config.json`` (``saved``, asdict shape)
+    takes the saved one (layer ``resume``); returns them as 'key: new -> saved' for the log. A key the saved config
+    lacks keeps today's value."""
+    src, kept = sources_of(cfg), []
+    flat = flatten(cfg)
+    for key, layer in src.items():
+        if layer != "backend":
+            continue
+        node: Any = saved
+        for p in key.split("."):
+            node = node.get(p, _MISSING) if isinstance(node, dict) else _MISSING
+        if node is not _MISSING and node != flat[key]:
+            kept.append(f"{key}: {flat[key]!r} -> {node!r}")
+            _set(cfg, key, node)
+            src[key] = "resume"
+    record(cfg, src)
+    return kept
+
+
+_MISSING = object()
+
+
+def _set(cfg: Any, key: str, value: Any) -> None:
+    *path, name = key.split(".")
+    obj = cfg
+    for p in path:
+        obj = getattr(obj, p)
+    setattr(obj, name, value)

@@ -99,9 +99,12 @@ def _open_data(
 ) -> None:
     """--out claimed, the rows rendered and checked, the reward loaded, ``cfg.steps`` resolved, config.json."""
     from align.data import InputError, load_tokenizer
+    from align.hub import resolve_model, resolve_tokenizer
     from align.rewards import make_scorer
 
     cfg = run.cfg
+    cfg.model, model = resolve_model(cfg.model), resolve_model(model, "model=")  # a hub id: its cached snapshot
+    cfg.data.tokenizer = resolve_tokenizer(cfg.data.tokenizer)
     run.model_path = model or cfg.model
     if run.model_path is None:
         raise InputError("--model DIR is required: the Hugging Face checkpoint directory to fine-tune")

@@ -16,7 +16,9 @@ changed or reload fails; a committed PEFT adapter dir (LoRA training, worker sta
 base reload) and serves every later request; ``score`` (protocol 1.1, ``align/rollout/teacher_logprobs.py``) answers the
 exact logprob of each given token (vLLM ``prompt_logprobs``); ``cut`` (protocol 1.2, ``align/rollout/cut.py``) is
 served at once, between two engine steps, even ahead of a claimed command or a full batch: the named requests are
-aborted and answered with their rows so far; ``shutdown`` answers and exits. A heartbeat thread rewrites
+aborted and answered with their rows so far; ``sleep`` / ``wake_up`` (protocol 1.3, ``align/rollout/sleep_mode.py``)
+put the engine in vLLM's sleep mode and back (``--enable-sleep-mode``; refused at start on a platform without it);
+``shutdown`` answers and exits. A heartbeat thread rewrites
 ``heartbeat.json`` every ``--heartbeat-s``. One worker per spool (``worker.lock``). On start,
 requests a dead predecessor had claimed but not answered are served again (answers are keyed by
 request id, so none is answered twice).
@@ -49,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (tests), not run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 from worker_answers import ResponseWriter, Running, completions_message
-from worker_commands import UNSTARTED, Commands, arch_of
+from worker_commands import UNSTARTED, Commands, arch_of, sleep_mode_problem
 
 from align.rollout import protocol as P
 
@@ -71,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--gpu-memory-utilization", type=float, default=None, help="vLLM default when unset")
+    ap.add_argument(
+        "--enable-sleep-mode", action="store_true", help="vLLM sleep mode: serve sleep / wake_up (GPU only)"
+    )
     ap.add_argument(
         "--enforce-eager", action=argparse.BooleanOptionalAction, default=None, help="default: eager without CUDA"
     )
@@ -123,6 +128,7 @@ class Worker(Commands):
         self.llm = None
         self.lora = None  # the LoRARequest serving the current adapter version (LoRA training)
         self.lora_ids = 0
+        self.asleep = 0  # the sleep level the engine is in (0: awake)
         self.vocab_size = int(json.loads((self.model_dir / "config.json").read_text()).get("vocab_size", 0))
         self.arch = arch_of(self.model_dir / "config.json")  # kept: the snapshot dir may be deleted once loaded
         self.running: dict[str, Running] = {}  # generate requests in flight, by message id
@@ -138,7 +144,9 @@ class Worker(Commands):
     def heartbeat(self) -> None:
         info = {"weights_version": self.version, "logprob_basis": self.basis, "model": str(self.model_dir)}
         info.update(log_path=self.args.log_path, max_model_len=self.args.max_model_len, error=self.error)
-        info.update(vocab_size=self.vocab_size)  # clients check answered token ids against it (0: unknown)
+        info.update(
+            vocab_size=self.vocab_size, asleep=self.asleep
+        )  # clients check answered token ids against it (0: unknown)
         info.update(untrusted_rejected=self.spool.untrusted)  # requests refused: another uid's, or no valid MAC
         self.spool.write_heartbeat(self.state, **info)
 
@@ -177,6 +185,8 @@ class Worker(Commands):
         }  # fmt: skip
         if a.gpu_memory_utilization is not None:
             kw["gpu_memory_utilization"] = a.gpu_memory_utilization
+        if a.enable_sleep_mode:
+            kw["enable_sleep_mode"] = True
         if a.enable_prefix_caching is not None:
             kw["enable_prefix_caching"] = a.enable_prefix_caching
         if a.max_lora_rank:
@@ -209,6 +219,8 @@ class Worker(Commands):
             yield msg, claimed_at, params
 
     def check_generate(self, prompts: list[list[int]], params: P.SamplingParams) -> str | None:
+        if self.asleep:
+            return "the engine is asleep (vLLM sleep mode): send wake_up first"
         limit = self.args.max_model_len
         for i, p in enumerate(prompts):
             if len(p) + params.max_tokens > limit:
@@ -368,6 +380,10 @@ class Worker(Commands):
     def run(self) -> int:
         self.set_state("starting")
         self._beat.start()
+        if self.args.enable_sleep_mode and (problem := sleep_mode_problem(True)) is not None:
+            log.error("--enable-sleep-mode: %s", problem)  # before the engine loads
+            self.set_state("failed", f"--enable-sleep-mode: {problem}")
+            return 2
         requeued = self.spool.recover()
         if requeued:
             log.info("resuming %d request(s) claimed by a previous worker: %s", len(requeued), requeued)
@@ -405,6 +421,8 @@ class Worker(Commands):
                 self.serve_sync(pending)
             elif pending.kind == "score":
                 self.serve_score(pending)
+            elif pending.kind in ("sleep", "wake_up"):
+                self.serve_sleep(pending)
             elif pending.kind == "shutdown":
                 self.answer(P.Message("stopped", pending.id, {}))
                 self.writer.flush()

@@ -1,6 +1,7 @@
 """The rollout worker's commands (run once nothing is in flight): ``sync_weights`` (a committed snapshot reloaded
 into the running engine, or the engine rebuilt when the architecture changed or reload fails; a committed PEFT
-adapter dir loaded as a new ``LoRARequest``) and ``score`` (the exact logprob of given tokens); and ``cut``
+adapter dir loaded as a new ``LoRARequest``), ``score`` (the exact logprob of given tokens) and ``sleep`` /
+``wake_up`` (vLLM's sleep mode, ``align/rollout/sleep_mode.py``: the GPU shared with the trainer); and ``cut``
 (``align/rollout/cut.py``), served at once between two engine steps: the named generate requests answered with
 what their rows sampled so far.
 
@@ -58,11 +59,61 @@ def partial_output(engine, rid: str):
     return None
 
 
+def sleep_mode_problem(enabled: bool) -> str | None:
+    """Why this worker's engine cannot sleep (vLLM's platform has no sleep mode, or it was not enabled), or None."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_sleep_mode_available():
+        name = getattr(current_platform, "device_name", None) or "this platform"
+        return (
+            f"vLLM has no sleep mode on {name} (the CPU build has none): --colocate needs a GPU worker "
+            "(--rollout-gpu N, the trainer's GPU)"
+        )
+    if not enabled:
+        return "this worker was started without --enable-sleep-mode (the trainer passes it with --colocate)"
+    return None
+
+
+def _free_gpu_bytes() -> int:
+    import torch
+
+    return int(torch.cuda.mem_get_info()[0]) if torch.cuda.is_available() else 0
+
+
 class Commands:
-    """``serve_sync``, ``serve_adapter_sync``, ``serve_score``, ``serve_cut``: see the module docstring."""
+    """``serve_sync``, ``serve_adapter_sync``, ``serve_score``, ``serve_cut``, ``serve_sleep``: see the module docstring."""
+
+    def serve_sleep(self, msg: P.Message) -> None:
+        """``sleep`` (``LLM.sleep(level)``) or ``wake_up`` (``LLM.wake_up()``); ``unsupported`` without sleep mode."""
+        from align.rollout.sleep_mode import SLEEP_LEVELS
+
+        problem = sleep_mode_problem(self.args.enable_sleep_mode)
+        if problem is not None:
+            return self.answer(P.error_response(msg.id, "unsupported", problem))
+        level = msg.body.get("level")
+        if msg.kind == "sleep" and level not in SLEEP_LEVELS:
+            return self.answer(P.error_response(msg.id, "bad_request", f"sleep level {level!r} not in {SLEEP_LEVELS}"))
+        t0, free0 = time.perf_counter(), _free_gpu_bytes()
+        if msg.kind == "sleep" and not self.asleep:
+            self.llm.sleep(level=level)
+            self.asleep = level
+        elif msg.kind == "wake_up" and self.asleep:
+            self.llm.wake_up()
+            self.asleep = 0
+        seconds = time.perf_counter() - t0
+        if msg.kind == "sleep":
+            freed = _free_gpu_bytes() - free0
+            log.info("asleep (level %d) in %.2f s, %.2f GiB freed", level, seconds, freed / 2**30)
+            body = {"level": int(level), "seconds": seconds, "freed_bytes": freed}
+            return self.answer(P.Message("slept", msg.id, body))
+        log.info("awake in %.2f s", seconds)
+        return self.answer(P.Message("awake", msg.id, {"seconds": seconds}))
 
     def serve_sync(self, msg: P.Message) -> None:
         path, version = Path(msg.body["path"]), msg.body["version"]
+        if self.asleep:  # the trainer wakes it before a sync; an attached client may not have
+            self.llm.wake_up()
+            self.asleep = 0
         if (path / "adapter_config.json").is_file():
             return self.serve_adapter_sync(msg, path, version)
         problem = snapshot_problem(path)
@@ -143,6 +194,8 @@ class Commands:
         from align.rollout import teacher_logprobs
 
         problem = teacher_logprobs.score_problem(msg.body, self.vocab_size, self.args.max_model_len)
+        if self.asleep:
+            problem = "the engine is asleep (vLLM sleep mode): send wake_up first"
         if problem is not None:
             return self.answer(P.error_response(msg.id, "bad_request", problem))
         self.set_state("busy")
