@@ -271,3 +271,28 @@ def test_an_environment_task_is_refused_before_the_model_loads():
     with pytest.raises(InputError, match="episodes .* are not cut yet"):
         open_sampler(cfg, SimpleNamespace(env=object()))  # the sampling seam refuses before opening anything
     open_sampler(cfg, SimpleNamespace(env=None))  # negative control: a single-turn task is fine
+
+
+def test_pinned_eval_is_never_cut(tmp_path, char_model, monkeypatch):
+    """Eval epochs on the rollout engine (pinned to one version) go through generate, never generate_until: only the
+    producer thread calls it."""
+    import threading
+
+    callers = []
+    real = NativeClient.generate_until
+
+    def spy(self, *a, **kw):
+        callers.append(threading.current_thread().name)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(NativeClient, "generate_until", spy)
+    kw = {"steps": 4, "checkpoint_every": 0, "max_tokens": 12, "group_size": 2, "max_async_steps": 1}
+    cfg = cfg_for(tmp_path / "e", partial_rollouts=True, **kw)
+    cfg.eval.eval_interval = 2
+    train(cfg, model=char_model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward, eval_prompts=PROMPTS[:3])
+    assert callers and set(callers) == {"align-rollout-producer"}
+    evals = [r for r in records(tmp_path / "e") if "eval/weight_version" in r]
+    assert [r["eval/weight_version"] for r in evals] == [0, 2, 4]
+    assert all(r["eval/mixed_version_ratio"] == 0 for r in evals)
+    steps = [r for r in records(tmp_path / "e") if "rollout/token_lag_max" in r]
+    assert len(steps) == 4  # the train steps ran partial alongside
