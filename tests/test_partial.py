@@ -296,3 +296,14 @@ def test_pinned_eval_is_never_cut(tmp_path, char_model, monkeypatch):
     assert all(r["eval/mixed_version_ratio"] == 0 for r in evals)
     steps = [r for r in records(tmp_path / "e") if "rollout/token_lag_max" in r]
     assert len(steps) == 4  # the train steps ran partial alongside
+
+
+def test_bad_partial_flags_are_one_line_from_the_cli(tmp_path, capsys):
+    from align.train import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--partial-rollouts", "--max-async-steps", "1", "--stale-policy", "later", "--out", str(tmp_path / "o")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--stale-policy must be one of ('drop', 'mask'), got 'later'" in err[0]
+    assert not (tmp_path / "o").exists()  # nothing written
