@@ -4,9 +4,13 @@ histogram of the partial run.
 
     .venv/bin/python benchmarks/bench_partial.py [--steps 12] [--prompts 8] [--group-size 4]
 
-The length sampler: a policy whose next-token distribution is a Markov chain on the last token (one decoder layer
-whose output projections start at zero: one-hot embeddings through the final norm into an lm_head holding the log transition matrix), so the
-lengths follow a chosen shape and training still moves it. After the prompt's ``=`` a row enters a "short" mode
+The length sampler: a policy whose next-token distribution is a Markov chain on the last token (decoder layers
+whose output projections start at zero, so the residual stream is the one-hot embedding, which the final norm
+carries into an lm_head holding the log transition matrix), so the lengths follow a chosen shape, decoding costs
+what ``--layers`` x ``--hidden`` cost, and training still moves it. The default shape (1 x 16) keeps a decode
+step's cost nearly flat in the number of rows (per-step overhead), the regime of a GPU's memory-bound decode that
+partial rollouts are for: the call's length in steps is what they shorten, while the pool holds 2x the rows. A
+compute-bound CPU shape (``--layers 4 --hidden 64``) pays per row, so the extra rows eat most of the gain. After the prompt's ``=`` a row enters a "short" mode
 (tokens a-d, <eos> hazard 3% per token) with probability 0.7 or a "long" mode (w-z, hazard 0.8%): median ~32,
 p90 ~140, ~8% at the 160-token cap (seed 003's Goedel-Prover-V2-8B shape, 3.2k : 14k : 16k, scaled down 100x).
 The reward: 1 when the completion's last token before <eos> is ``c`` (pass@1 ~ 0.2 at the start). Native sampler,
@@ -70,13 +74,13 @@ def transitions() -> torch.Tensor:
     return T / T.sum(-1, keepdim=True)
 
 
-def length_sampler(path: Path) -> Path:
-    """The Markov-chain policy (no decoder layer), saved as a committed model dir."""
+def length_sampler(path: Path, layers: int = 1, E: int = 16) -> Path:
+    """The Markov-chain policy (``layers`` decoder layers that start as the identity, hidden size ``E``), saved as
+    a committed model dir."""
     V = TOK.vocab_size
-    E = 16
     cfg = ModelConfig(
-        model_type="qwen2", vocab_size=V, hidden_size=E, intermediate_size=16, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=8, qkv_bias=True,
+        model_type="qwen2", vocab_size=V, hidden_size=E, intermediate_size=2 * E, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=E // 4, qkv_bias=True,
         max_position_embeddings=CAP + 16, rope_theta=1000.0,
         bos_token_id=TOK.bos_token_id, eos_token_id=TOK.eos_token_id, pad_token_id=TOK.pad_token_id,
     )  # fmt: skip
@@ -194,12 +198,14 @@ def main() -> None:
     ap.add_argument("--eval-prompts", type=int, default=32)
     ap.add_argument("--eval-n", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=1, help="decoder layers (identity at the start): decode cost")
+    ap.add_argument("--hidden", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3, help="runs per setting (interleaved); the median is printed")
     args = ap.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        model = length_sampler(tmp / "model")
+        model = length_sampler(tmp / "model", args.layers, args.hidden)
         s = shape(model)
         print(f"completion lengths: median {s['median']}, p90 {s['p90']}, cap {CAP} ({s['at_cap']:.0%} at the cap)")
         gen, cut = sampler_alone(model, args)

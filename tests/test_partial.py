@@ -172,10 +172,8 @@ def run(out, model, **kw) -> list[dict]:
     )
     cfg.log.log_completions_every = 1
     train(cfg, model=model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward)
-    return [
-        {k: v for k, v in r.items() if k not in TIMING_KEYS and "wait" not in k and "idle" not in k}
-        for r in records(out)
-    ]
+    timed = {"async/trainer_wait_s", "async/generator_idle_s", "async/inflight"}  # timings, not records
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS and k not in timed} for r in records(out)]
 
 
 @pytest.fixture(scope="module")
@@ -259,3 +257,51 @@ def test_the_pipeline_refuses_cut_or_future_tokens():
         check_versions(3, 2, [Completion(0, 0, [3], [-1.0], "stop", weights_version=3)])
     with pytest.raises(RuntimeError, match="1 cut completion"):
         check_versions(3, 2, [Completion(0, 0, [3], [-1.0], "cut", weights_version=2)])
+
+
+def test_an_environment_task_is_refused_before_the_model_loads():
+    from types import SimpleNamespace
+
+    from align.data import InputError
+    from align.envs.sampler import open_sampler
+
+    cfg = TrainConfig(max_async_steps=1, partial_rollouts=True)
+    with pytest.raises(InputError, match="episodes .* are not cut yet"):
+        open_sampler(cfg, SimpleNamespace(env=object()))  # the sampling seam refuses before opening anything
+    open_sampler(cfg, SimpleNamespace(env=None))  # negative control: a single-turn task is fine
+
+
+def test_pinned_eval_is_never_cut(tmp_path, char_model, monkeypatch):
+    """Eval epochs on the rollout engine (pinned to one version) go through generate, never generate_until: only the
+    producer thread calls it."""
+    import threading
+
+    callers = []
+    real = NativeClient.generate_until
+
+    def spy(self, *a, **kw):
+        callers.append(threading.current_thread().name)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(NativeClient, "generate_until", spy)
+    kw = {"steps": 4, "checkpoint_every": 0, "max_tokens": 12, "group_size": 2, "max_async_steps": 1}
+    cfg = cfg_for(tmp_path / "e", partial_rollouts=True, **kw)
+    cfg.eval.eval_interval = 2
+    train(cfg, model=char_model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward, eval_prompts=PROMPTS[:3])
+    assert callers and set(callers) == {"align-rollout-producer"}
+    evals = [r for r in records(tmp_path / "e") if "eval/weight_version" in r]
+    assert [r["eval/weight_version"] for r in evals] == [0, 2, 4]
+    assert all(r["eval/mixed_version_ratio"] == 0 for r in evals)
+    steps = [r for r in records(tmp_path / "e") if "rollout/token_lag_max" in r]
+    assert len(steps) == 4  # the train steps ran partial alongside
+
+
+def test_bad_partial_flags_are_one_line_from_the_cli(tmp_path, capsys):
+    from align.train import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--partial-rollouts", "--max-async-steps", "1", "--stale-policy", "later", "--out", str(tmp_path / "o")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--stale-policy must be one of ('drop', 'mask'), got 'later'" in err[0]
+    assert not (tmp_path / "o").exists()  # nothing written
