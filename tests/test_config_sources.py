@@ -101,7 +101,7 @@ def test_a_run_resumed_from_before_the_backend_default_keeps_its_value(tmp_path)
     import pytest
 
     from align.atomic import COMMIT_MARKER
-    from align.run.build import write_config
+    from align.run.parts import write_config
 
     out = tmp_path / "run"
     (out / "checkpoints" / "step_1").mkdir(parents=True)
