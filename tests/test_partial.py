@@ -16,9 +16,10 @@ from helpers_train import PROMPTS, TIMING_KEYS, TOK, a_reward, cfg_for, records
 from align.model import load_pretrained
 from align.rewards import Scores
 from align.rollout.client import NativeClient
+from align.rollout.cut import versions_of
 from align.rollout.groups import Groups
 from align.rollout.native import generate
-from align.rollout.partial import Carry, versions_of
+from align.rollout.partial import Carry
 from align.rollout.protocol import Completion, SamplingParams
 from align.train import TrainConfig, train
 
@@ -239,7 +240,7 @@ def test_resume_continues_from_the_carried_groups(tmp_path, char_model, partial_
         ({"stale_policy": "keep"}, "--stale-policy must be one of"),
         ({"partial_prefill": "nope"}, "--partial-prefill must be one of"),
         ({"partial_rollouts": True, "max_async_steps": 1, "partial_prefill": "keep"}, "not built"),
-        ({"partial_rollouts": True, "max_async_steps": 1, "rollout": "spool"}, "needs the worker's cut request"),
+        ({"partial_rollouts": True, "max_async_steps": 1, "rollout": "spool", "rollout_num_engines": 2}, "Ray fleet"),
         ({"partial_rollouts": True, "max_async_steps": 1, "max_inflight_requests": 8}, "--max-inflight-requests"),
     ],
 )

@@ -244,3 +244,31 @@ def test_readme_worker_command_runs_on_make_tiny(tmp_path):
     assert main(argv) == 0
     rec = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert rec["step"] == 1 and rec["mismatch_abs_max"] > 10 * MISMATCH_TOL, rec["mismatch_abs_max"]
+
+
+def test_partial_rollouts_on_the_spool_worker_cut_carry_and_train(tmp_path, reverse_model, monkeypatch):
+    """`--partial-rollouts --max-async-steps 1 --rollout spool`: each step's call on the real vLLM worker stops once
+    the step's groups are complete, the worker's cut request returns the other rows so far, and they are carried into
+    the next call under the next weights (per-token versions). The cut/resume exactness on this worker is
+    tests/test_spool_cut.py's; here: the wiring through the run."""
+    require_rollout_venv()
+    from align.rollout import cut as cut_lib
+
+    cuts: list[int] = []
+    real = cut_lib.cut_requests
+    monkeypatch.setattr(cut_lib, "cut_requests", lambda client, ids: cuts.append(len(ids)) or real(client, ids))
+    cfg = spool_cfg(tmp_path / "run", steps=4, max_async_steps=1, partial_rollouts=True, max_tokens=24)
+    summary = train(
+        cfg,
+        model=str(reverse_model),
+        tokenizer=reverse.tokenizer(),
+        prompts=reverse.prompts(32, "train"),
+        reward=lambda prompt, completion, **_: completion.count("a") / 6,
+    )
+    assert summary["steps"] == 4
+    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    assert sum(cuts) > 0  # the worker was asked to cut rows still running
+    assert max(r["rollout/partial_frac"] for r in recs) > 0  # a carried row finished under newer weights
+    lags = [r["rollout/token_lag_max"] for r in recs]  # (t-1) - version: K = 1 for a fresh token, more if carried
+    assert lags[0] == 0 and all(1 <= lag <= 1 + 24 for lag in lags[1:]) and max(lags) >= 2, lags

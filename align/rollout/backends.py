@@ -277,13 +277,19 @@ class SpoolOpened(Opened):
 class SpoolBackend:
     """A vLLM worker (or Ray fleet) in ``.venv-rollout`` behind a spool directory, spawned or attached to."""
 
-    cuts = False  # --partial-rollouts needs the worker's cut request (a spool generate_until): not wired yet
+    cuts = True  # --partial-rollouts: SpoolClient.generate_until (align.rollout.cut: the worker's cut request)
     # vLLM's logprobs (mu) are not the trainer's recompute (pi_old): another engine, kernels, and weights a version
     # behind with --max-async-steps; rho = pi_old / mu corrects for it (TRL turns its IS correction on with vLLM too)
     TRAIN_DEFAULTS: ClassVar[dict[str, Any]] = {"loss.use_rho_correction": True}
 
     def check(self, cfg: RolloutConfig) -> None:
-        """``--colocate``: a spawned GPU worker, one engine, synchronous; refused here, before anything loads."""
+        """``--colocate``: a spawned GPU worker, one engine, synchronous; ``--partial-rollouts``: one worker (the Ray
+        fleet does not cut requests yet); refused here, before anything loads."""
+        if cfg.partial_rollouts and self.uses_ray(cfg):
+            raise ValueError(
+                "--partial-rollouts cuts requests on one vLLM worker; the Ray fleet (--rollout-num-engines > 1, "
+                "--rollout-ray, --ray-address) does not cut them yet: use one engine, or drop --partial-rollouts"
+            )
         if cfg.rollout_gpu_memory_utilization is not None and cfg.rollout_gpu is None and not self.uses_ray(cfg):
             raise ValueError(  # a Ray fleet places its engines on GPUs itself and passes the fraction to each
                 "--rollout-gpu-memory-utilization applies to a GPU worker: pass --rollout-gpu N"

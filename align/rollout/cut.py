@@ -142,7 +142,7 @@ def stitch(done: Completion, rest: Completion) -> Completion:
         raise ValueError(f"stitch: the first segment finished with {done.finish_reason!r}, not 'cut'")
     if (done.sampled_logprobs is None) != (rest.sampled_logprobs is None):
         raise ValueError("stitch: one segment has sampled_logprobs and the other not (two logprob bases)")
-    versions = [*_versions(done), *_versions(rest)]
+    versions = [*versions_of(done), *versions_of(rest)]
     if any(b < a for a, b in itertools.pairwise(versions)):
         raise ValueError(f"stitch: the continuation's versions go back in time ({versions})")
     sampled = None if done.sampled_logprobs is None else done.sampled_logprobs + rest.sampled_logprobs
@@ -153,7 +153,8 @@ def stitch(done: Completion, rest: Completion) -> Completion:
     return dataclasses.replace(done, **joined, token_versions=None if uniform else versions, routes=None)
 
 
-def _versions(c: Completion) -> list[int]:
+def versions_of(c: Completion) -> list[int]:
+    """The weights version of each token of ``c`` (checked against its tokens)."""
     if c.token_versions is None:
         return [c.weights_version] * len(c.token_ids)
     if len(c.token_versions) != len(c.token_ids) or not all(_is_int(v) for v in c.token_versions):

@@ -33,6 +33,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from align.rollout.cut import stitch, versions_of
 from align.rollout.protocol import Completion, SamplingParams
 
 PARTIAL_PREFILLS = ("recompute", "keep")
@@ -70,8 +71,8 @@ def check_config(cfg: Any, cuts: bool) -> None:
         )
     if not cuts:
         raise ValueError(
-            f"--partial-rollouts with --rollout {cfg.rollout} needs the worker's cut request; not wired yet: use "
-            "--rollout native, or drop --partial-rollouts"
+            f"--partial-rollouts with --rollout {cfg.rollout}: that backend cannot cut a generation at a token "
+            "boundary (its BACKENDS row has cuts = False); use --rollout native or spool, or drop --partial-rollouts"
         )
     if getattr(getattr(cfg, "moe", None), "routing_replay", "off") != "off":
         raise ValueError(
@@ -86,31 +87,6 @@ def check_config(cfg: Any, cuts: bool) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ the operation
-
-
-def versions_of(c: Completion) -> list[int]:
-    """The weights version of each token of ``c``."""
-    return list(c.token_versions) if c.token_versions is not None else [c.weights_version] * len(c.token_ids)
-
-
-def stitch(before: Completion | None, new: Completion, version: int) -> Completion:
-    """``new`` (sampled with ``version``) continuing ``before`` (None: a fresh row): ids, logprobs and per-token
-    versions concatenated; ``weights_version`` stays the first token's."""
-    if before is None:
-        return dataclasses.replace(new, weights_version=version, token_versions=None)
-    versions = versions_of(before) + [version] * len(new.token_ids)
-    first = versions[0]
-    return dataclasses.replace(
-        new,
-        token_ids=before.token_ids + new.token_ids,
-        logprobs=before.logprobs + new.logprobs,
-        sampled_logprobs=None
-        if before.sampled_logprobs is None or new.sampled_logprobs is None
-        else before.sampled_logprobs + new.sampled_logprobs,
-        weights_version=first,
-        token_versions=None if all(v == first for v in versions) else versions,
-        routes=None,
-    )
 
 
 def generate_until(
@@ -152,7 +128,9 @@ def generate_until(
             new = _generate(model, rows, dataclasses.replace(params, n=1), None, until)
     out = list(carried)
     for r, c in zip(run, new):
-        out[r] = dataclasses.replace(stitch(carried[r], c, version), prompt_index=r // n, sample_index=r % n)
+        c = dataclasses.replace(c, weights_version=version)  # the tokens this call sampled
+        joined = c if carried[r] is None else stitch(carried[r], c)  # the cut row's tokens keep their versions
+        out[r] = dataclasses.replace(joined, prompt_index=r // n, sample_index=r % n)
     return out
 
 

@@ -59,8 +59,8 @@ class RunTask:
         from align.eval.metrics import pass_reward_for
         from align.hub import resolve_model, resolve_tokenizer
         from align.rewards import make_scorer
-        from align.run.sources import apply_backend_defaults
         from align.run.log import check_logger
+        from align.run.sources import apply_backend_defaults
         from align.run.task import resolve_task
 
         out = Path(cfg.out)
