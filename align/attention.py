@@ -51,6 +51,12 @@ class KVCache:
 
     Rows are left-padded so every row writes at the same index; ``valid[b, s]`` is False for padding.
     The sampler owns the cache; the model only reads and writes the slots it is given.
+
+    Two ways to index it: by ``length`` (a Python int: the new tokens go at ``length``, attention reads the first
+    ``length + T`` slots), or, when ``slot`` is set, by ``slot`` (a (T,) long tensor on the cache's device: the new
+    tokens go there and attention reads every slot, ``valid`` masking the rest). The second keeps every shape and
+    address fixed from step to step, so one decode step can be captured in a CUDA graph and replayed
+    (``align.rollout.graph_decode``).
     """
 
     def __init__(self, cfg: Any, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str):
@@ -59,6 +65,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)  # (B, S)
         self.length = 0
+        self.slot: torch.Tensor | None = None  # (T,) write positions: the static (CUDA graph) indexing
 
     @property
     def max_len(self) -> int:
@@ -71,9 +78,27 @@ class KVCache:
         self.v = self.v[:, rows, :, :].contiguous() if S else self.v[:, rows]
         self.valid = self.valid[rows]
 
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store T new keys / values (B, K, T, D) of ``layer``; returns the keys and values to attend over."""
+        if self.slot is not None:  # static: fixed shapes and addresses, the position a device tensor
+            self.k[layer].index_copy_(2, self.slot, k)
+            self.v[layer].index_copy_(2, self.slot, v)
+            return self.k[layer], self.v[layer]  # (B, K, S_max, D)
+        s0, T = self.length, k.shape[2]
+        self.k[layer, :, :, s0 : s0 + T] = k
+        self.v[layer, :, :, s0 : s0 + T] = v
+        return self.k[layer, :, :, : s0 + T], self.v[layer, :, :, : s0 + T]  # (B, K, S, D)
+
 
 def cache_mask(cache: KVCache, T: int) -> torch.Tensor:
-    """The mask of T new tokens written at ``cache.length``: every valid cached slot at or before each of them."""
+    """The mask of T new tokens written at ``cache.length`` (or at ``cache.slot``): every valid cached slot at or
+    before each of them."""
+    if cache.slot is not None:  # static: every slot of the buffer; the caller marks the new ones valid first
+        mask = cache.valid[:, None, None, :]  # (B, 1, 1, S_max)
+        if T > 1:
+            key_idx = torch.arange(cache.max_len, device=mask.device)
+            mask = mask & (key_idx[None, :] <= cache.slot[:, None])[None, None]  # (B, 1, T, S_max)
+        return mask
     s0 = cache.length
     S = s0 + T
     mask = cache.valid[:, None, None, :S]  # (B, 1, 1, S): one new token (decode) sees every valid slot

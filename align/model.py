@@ -272,11 +272,7 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, K, T, D)
         if cache is not None:
-            s0 = cache.length
-            cache.k[layer, :, :, s0 : s0 + T] = k
-            cache.v[layer, :, :, s0 : s0 + T] = v
-            k = cache.k[layer, :, :, : s0 + T]  # (B, K, S, D)
-            v = cache.v[layer, :, :, : s0 + T]
+            k, v = cache.write(layer, k, v)  # (B, K, S, D)
         out = attend(q, k, v, how)  # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.H * self.D))
 
