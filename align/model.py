@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from align import kernels
 from align.atomic import COMMIT_MARKER, checkpoint_layout, commit_dir
 from align.attention import KVCache, PackedLayout, apply_rope, attend, cache_mask, sliding_window
 from align.errors import InputError, as_input_error
@@ -224,7 +225,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == self.weight.dtype == torch.float32:  # one fused kernel; the same math when nothing is cast
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            return kernels.rms_norm(x, self.weight, self.eps)  # F.rms_norm's floats, a fused backward
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
