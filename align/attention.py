@@ -81,8 +81,8 @@ class KVCache:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store T new keys / values (B, K, T, D) of ``layer``; returns the keys and values to attend over."""
         if self.slot is not None:  # static: fixed shapes and addresses, the position a device tensor
-            self.k[layer].index_copy_(2, self.slot, k)
-            self.v[layer].index_copy_(2, self.slot, v)
+            self.k[layer].index_copy_(2, self.slot, k.to(self.k.dtype))  # autocast: RoPE's fp32 k, a bf16 cache
+            self.v[layer].index_copy_(2, self.slot, v.to(self.v.dtype))
             return self.k[layer], self.v[layer]  # (B, K, S_max, D)
         s0, T = self.length, k.shape[2]
         self.k[layer, :, :, s0 : s0 + T] = k

@@ -95,6 +95,33 @@ def test_static_cache_decode_equals_the_eager_loop(model, on_cpu, monkeypatch):
     assert not same(generate(model, PROMPTS, PARAMS), eager)
 
 
+BF16_TOL = 0.1  # bf16 autocast: the sampler's logprob vs a teacher-forced recompute (other shapes, other rounding)
+
+
+def teacher_forced_gap(model, completions, shift: int = 0) -> float:
+    """Max |sampler logprob - teacher-forced logprob| over every token (``shift``: compare with the next token's)."""
+    gap = 0.0
+    for c in completions:
+        p = PROMPTS[c.prompt_index]
+        ids = torch.tensor([p + c.token_ids[:-1]])
+        logp = model(ids)[0, len(p) - 1 :].float().log_softmax(-1)  # (len, V)
+        want = logp.gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+        got = torch.tensor(c.logprobs).roll(shift)
+        gap = max(gap, float((want - got).abs().max()))
+    return gap
+
+
+def test_static_cache_under_bf16_autocast(model, on_cpu):
+    """bf16-mixed (the trainer's autocast): the cache holds bf16 and RoPE hands it fp32 keys (written cast). bf16
+    rounds the whole-buffer attention differently from the eager loop's, so near-ties may sample other tokens: the
+    contract checked is the logprob basis, each sampled token's logprob = the teacher-forced one."""
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        static = generate(model, PROMPTS, PARAMS)
+        assert graph_decode.captured(model)[0][2:4] == (torch.bfloat16, torch.bfloat16)
+        assert teacher_forced_gap(model, static) < BF16_TOL
+        assert teacher_forced_gap(model, static, shift=1) > BF16_TOL  # control: logprobs one token off
+
+
 def test_failed_capture_decodes_eagerly_said_once(model, on_cpu, monkeypatch, caplog):
     def fails(step):
         raise RuntimeError("operation not permitted when stream is capturing\nmore")
