@@ -11,6 +11,8 @@ Key decisions
   when top-k / top-p are off, and one random number per row instead of one per vocabulary entry
   (V = 152k made the per-entry noise ~7% of a 0.5B decode step). The uniforms are drawn for every
   original row each step, so a row's tokens do not depend on which other rows have finished.
+- On CUDA the decode step runs as a CUDA graph over a static KV cache (``align.rollout.graph_decode``; no
+  compaction there, eager where a shape cannot be captured); on a CPU, the packed weights below.
 
 Logprobs (seed 003, "logprob basis"): ``Completion.logprobs`` is ``log_softmax(logits / T)`` of the
 sampled token over the full vocabulary (the training basis, recomputed teacher-forced by the loss).
