@@ -51,6 +51,12 @@ class KVCache:
 
     Rows are left-padded so every row writes at the same index; ``valid[b, s]`` is False for padding.
     The sampler owns the cache; the model only reads and writes the slots it is given.
+
+    Two ways to index it: by ``length`` (a Python int: the new tokens go at ``length``, attention reads the first
+    ``length + T`` slots), or, when ``slot`` is set, by ``slot`` (a (T,) long tensor on the cache's device: the new
+    tokens go there and attention reads every slot, ``valid`` masking the rest). The second keeps every shape and
+    address fixed from step to step, so one decode step can be captured in a CUDA graph and replayed
+    (``align.rollout.graph_decode``).
     """
 
     def __init__(self, cfg: Any, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str):
@@ -59,6 +65,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)  # (B, S)
         self.length = 0
+        self.slot: torch.Tensor | None = None  # (T,) write positions: the static (CUDA graph) indexing
 
     @property
     def max_len(self) -> int:
@@ -71,9 +78,27 @@ class KVCache:
         self.v = self.v[:, rows, :, :].contiguous() if S else self.v[:, rows]
         self.valid = self.valid[rows]
 
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store T new keys / values (B, K, T, D) of ``layer``; returns the keys and values to attend over."""
+        if self.slot is not None:  # static: fixed shapes and addresses, the position a device tensor
+            self.k[layer].index_copy_(2, self.slot, k.to(self.k.dtype))  # autocast: RoPE's fp32 k, a bf16 cache
+            self.v[layer].index_copy_(2, self.slot, v.to(self.v.dtype))
+            return self.k[layer], self.v[layer]  # (B, K, S_max, D)
+        s0, T = self.length, k.shape[2]
+        self.k[layer, :, :, s0 : s0 + T] = k
+        self.v[layer, :, :, s0 : s0 + T] = v
+        return self.k[layer, :, :, : s0 + T], self.v[layer, :, :, : s0 + T]  # (B, K, S, D)
+
 
 def cache_mask(cache: KVCache, T: int) -> torch.Tensor:
-    """The mask of T new tokens written at ``cache.length``: every valid cached slot at or before each of them."""
+    """The mask of T new tokens written at ``cache.length`` (or at ``cache.slot``): every valid cached slot at or
+    before each of them."""
+    if cache.slot is not None:  # static: every slot of the buffer; the caller marks the new ones valid first
+        mask = cache.valid[:, None, None, :]  # (B, 1, 1, S_max)
+        if T > 1:
+            key_idx = torch.arange(cache.max_len, device=mask.device)
+            mask = mask & (key_idx[None, :] <= cache.slot[:, None])[None, None]  # (B, 1, T, S_max)
+        return mask
     s0 = cache.length
     S = s0 + T
     mask = cache.valid[:, None, None, :S]  # (B, 1, 1, S): one new token (decode) sees every valid slot
@@ -174,6 +199,26 @@ class PackedLayout:
             self._built[key] = calls, order
         return self._built[key]
 
+    def sdpa_gather(self, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+        """The row positions every ``sdpa_calls`` call reads, in call order, and the piece sizes: a bucket's
+        padded sequences; a segment's prompt (its whole sequence when it has no plan), then its padded
+        completions."""
+        key = ("gather", str(device))
+        if key not in self._built:
+            calls, _ = self.sdpa_calls(device)
+            pieces: list[torch.Tensor] = []
+            for kind, *call in calls:
+                if kind == "bucket":
+                    pieces.append(call[0])
+                    continue
+                s, plan = call
+                end = s.end if plan is None else s.start + s.prompt
+                pieces.append(torch.arange(s.start, end, device=device))
+                if plan is not None:
+                    pieces.append(plan[0])
+            self._built[key] = torch.cat(pieces), [len(p) for p in pieces]
+        return self._built[key]
+
     def block_mask(self, device: torch.device) -> Any:
         """FlexAttention's block mask of this row: same segment, causal, and the key a prompt token or a token of
         the query's own completion."""
@@ -228,13 +273,12 @@ def _flex_attention() -> Any:
     return _FLEX["cuda"]
 
 
-def _pad(t: torch.Tensor, gather: torch.Tensor, g: int, Lc: int) -> torch.Tensor:
-    """A segment's completions of t (1, X, T, D), each padded to Lc tokens: (g, X, Lc, D)."""
-    return t[0].index_select(1, gather).unflatten(1, (g, Lc)).transpose(0, 1)
-
-
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
-    """Attention of one packed row: q (1, H, T, D), k / v (1, K, T, D) -> (1, H, T, D) (see the module docstring)."""
+    """Attention of one packed row: q (1, H, T, D), k / v (1, K, T, D) -> (1, H, T, D) (see the module docstring).
+
+    The sdpa backend takes every call's tokens out of q, k and v with one gather each (``sdpa_gather``), split into
+    the calls' pieces: backward is then one concatenation and one scatter per tensor and layer, not a full-size
+    zero-filled gradient per piece (a slice's or an index_select's backward) summed piece by piece."""
     gqa = q.shape[1] != k.shape[1]
     if layout.backend == "flex":
         if q.device.type == "cuda":
@@ -244,25 +288,28 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
         return flex_attention(q, k, v, block_mask=layout.block_mask(q.device), enable_gqa=gqa)
     parts = []
     calls, order = layout.sdpa_calls(q.device)
+    index, sizes = layout.sdpa_gather(q.device)
+    qs, ks, vs = (t.squeeze(0).index_select(1, index).split(sizes, dim=1) for t in (q, k, v))  # pieces (X, n, D)
+    pieces = iter(zip(qs, ks, vs))
+
+    def padded(n: int, L: int) -> tuple[torch.Tensor, ...]:  # the next piece as n sequences of L tokens each
+        return tuple(t.unflatten(1, (n, L)).transpose(0, 1) for t in next(pieces))  # (n, H or K, L, D)
+
     for kind, *call in calls:
         if kind == "bucket":  # one-sequence segments of similar length (SFT rows): one causal call
-            gather, unpad, n, L = call
-            qs, ks, vs = (_pad(t, gather, n, L) for t in (q, k, v))  # (n, H or K, L, D)
-            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)  # (n, H, L, D)
+            _, unpad, n, L = call
+            out = F.scaled_dot_product_attention(*padded(n, L), is_causal=True, enable_gqa=gqa)  # (n, H, L, D)
             parts.append(out.transpose(0, 1).flatten(1, 2).index_select(1, unpad))  # (H, sum of lengths, D)
             continue
-        s, plan = call
-        a = s.start
-        e = s.end if plan is None else a + s.prompt  # one causal sequence, or the prompt alone
-        parts.append(
-            F.scaled_dot_product_attention(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], is_causal=True, enable_gqa=gqa)[0]
-        )
+        _, plan = call
+        qp, kp, vp = (t[None] for t in next(pieces))  # (1, H or K, P, D): the prompt, or the whole sequence
+        parts.append(F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=gqa)[0])
         if plan is None:
             continue
-        gather, mask, unpad, g, Lc = plan
-        keys = torch.cat((k[:, :, a:e].expand(g, -1, -1, -1), _pad(k, gather, g, Lc)), dim=2)  # (g, K, P + Lc, D)
-        values = torch.cat((v[:, :, a:e].expand(g, -1, -1, -1), _pad(v, gather, g, Lc)), dim=2)
-        queries = _pad(q, gather, g, Lc)  # (g, H, Lc, D)
+        _, mask, unpad, g, Lc = plan
+        queries, kc, vc = padded(g, Lc)  # (g, H or K, Lc, D): the completions, each padded to Lc
+        keys = torch.cat((kp.expand(g, -1, -1, -1), kc), dim=2)  # (g, K, P + Lc, D)
+        values = torch.cat((vp.expand(g, -1, -1, -1), vc), dim=2)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=gqa)  # (g, H, Lc, D)
         parts.append(out.transpose(0, 1).flatten(1, 2).index_select(1, unpad))  # (H, sum n, D)
     out = torch.cat(parts, dim=1)  # (H, T, D) in call order

@@ -432,6 +432,40 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
+class _RMSNorm(torch.autograd.Function):
+    """fp32 RMSNorm, F.rms_norm's floats forward, a hand-written backward: F.rms_norm is composite on the CPU (pow,
+    mean, rsqrt, two muls), so autograd's backward is ~10 elementwise passes over (N, E) and as many temporaries;
+    this one is five: with xhat = x r, r = rsqrt(mean(x^2) + eps), g = dy w:
+    dx = r (g - xhat mean(g xhat)),  dw = sum over tokens of dy xhat."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+        xhat = x * r
+        ctx.save_for_backward(xhat, r, weight)
+        return xhat * weight
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        xhat, r, weight = ctx.saved_tensors
+        dw = (dy * xhat).reshape(-1, xhat.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
+        dx = None
+        if ctx.needs_input_grad[0]:
+            g = dy * weight
+            dot = (g * xhat).mean(-1, keepdim=True)  # (..., 1)
+            dx = torch.addcmul(g, xhat, dot, value=-1.0).mul_(r)
+        return dx, dw, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``F.rms_norm(x, weight.shape, weight, eps)`` for float32 x and weight (E,): the same forward floats, and under
+    autograd a fused backward (``_RMSNorm``)."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _RMSNorm.apply(x, weight, eps)
+    return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Public entry point: one place selects the backend.
 

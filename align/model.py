@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from align import kernels
 from align.atomic import COMMIT_MARKER, checkpoint_layout, commit_dir
 from align.attention import KVCache, PackedLayout, apply_rope, attend, cache_mask, sliding_window
 from align.errors import InputError, as_input_error
@@ -224,7 +225,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == self.weight.dtype == torch.float32:  # one fused kernel; the same math when nothing is cast
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            return kernels.rms_norm(x, self.weight, self.eps)  # F.rms_norm's floats, a fused backward
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -272,11 +273,7 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, K, T, D)
         if cache is not None:
-            s0 = cache.length
-            cache.k[layer, :, :, s0 : s0 + T] = k
-            cache.v[layer, :, :, s0 : s0 + T] = v
-            k = cache.k[layer, :, :, : s0 + T]  # (B, K, S, D)
-            v = cache.v[layer, :, :, : s0 + T]
+            k, v = cache.write(layer, k, v)  # (B, K, S, D)
         out = attend(q, k, v, how)  # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.H * self.D))
 

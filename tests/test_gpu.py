@@ -193,3 +193,51 @@ def test_packed_rows_match_the_padded_path_on_cuda(precision, monkeypatch):
 
     monkeypatch.setattr(packing, "build", broken)
     assert far(run(pack_sequences=True, micro_batch_tokens=64)[1])
+
+
+GRAPH_LOGPROB_TOL = 1e-4  # fp32: the graph attends over the whole static cache (masked), eager over the used slots
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_graph_decode_matches_eager_decode(precision, monkeypatch):
+    """The native sampler's CUDA-graph decode (align.rollout.graph_decode). fp32: the eager loop's tokens and
+    logprobs for a seed. bf16-mixed: bf16 rounds the two attention widths differently and near-ties may sample other
+    tokens, so the contract checked is the logprob basis (each token's logprob = the teacher-forced one, as
+    test_native_sampler_on_cuda_shares_the_weights_and_matches_the_trainer). Control: a graph whose static token
+    input is not refreshed before a replay fails both."""
+    from align.rollout import graph_decode, native
+
+    model = cuda_tiny()
+    place = Placement(torch.device("cuda"), precision)
+    prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
+    params = SamplingParams(n=4, max_tokens=40, seed=0, stop_token_ids=[11])
+
+    def run(**kw):
+        with place.autocast():
+            return native.generate(model, prompts, params, **kw)
+
+    def close(a, b) -> bool:
+        if [c.token_ids for c in a] != [c.token_ids for c in b]:
+            return False
+        return all(max(abs(x - y) for x, y in zip(p.logprobs, q.logprobs)) <= GRAPH_LOGPROB_TOL for p, q in zip(a, b))
+
+    def teacher_forced(a) -> bool:
+        inputs, targets, mask, full_lp, _ = learner.sequence_batch(prompts, a, 4, "cuda")
+        with torch.no_grad():
+            lp, _ = learner.token_logprobs(model, inputs, targets, 1.0, place=place, with_entropy=False)
+        return bool((lp - full_lp)[mask].abs().max() < SAMPLER_TOL)
+
+    ok = close if precision == "fp32" else (lambda a, _: teacher_forced(a))
+    eager = run(cuda_graphs=False)
+    assert graph_decode.captured(model) == []
+    graph = run()
+    assert len(graph_decode.captured(model)) == 1  # captured, not fallen back
+    assert ok(graph, eager)
+    assert ok(run(), eager)  # replayed again by the next call, same seed
+    step = graph_decode.StaticDecode.step  # control: the token buffer never refreshed before a replay
+
+    def stale(self, tok, pos):
+        return step(self, self.tok[:, 0].clone(), pos)  # feeds what the buffer already holds
+
+    monkeypatch.setattr(graph_decode.StaticDecode, "step", stale)
+    assert not ok(run(), eager)

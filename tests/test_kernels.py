@@ -259,3 +259,26 @@ def test_linear_backward_reuses_the_first_logits_block(monkeypatch):
     assert logits_products[5:] == [4, 4, 2]  # the kept block was consumed: everything recomputed
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+
+
+RMS_GRAD_RTOL = 1e-6  # fp32: the fused backward vs autograd through F.rms_norm's composite, max |diff| / max |grad|
+
+
+def test_rms_norm_matches_f_rms_norm_forward_and_backward():
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 50, 512, generator=g).requires_grad_()
+    w = (1 + 0.1 * torch.randn(512, generator=g)).requires_grad_()
+    dy = torch.randn(3, 50, 512, generator=g)
+    want = F.rms_norm(x, w.shape, w, 1e-6)
+    got = kernels.rms_norm(x, w, 1e-6)
+    assert torch.equal(got, want)  # the same floats forward
+    grads = [torch.autograd.grad(y, (x, w), dy) for y in (want, got)]
+    for a, b in zip(*grads):
+        assert (a - b).abs().max() <= RMS_GRAD_RTOL * a.abs().max()
+    # negative control: the backward without the normaliser's own term (d r / d x) is far off
+    r = torch.rsqrt(x.detach().pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert (dy * w.detach() * r - grads[0][0]).abs().max() > 100 * RMS_GRAD_RTOL * grads[0][0].abs().max()
+    with torch.no_grad():  # no autograd: F.rms_norm itself
+        assert torch.equal(kernels.rms_norm(x, w, 1e-6), want)

@@ -11,6 +11,8 @@ Key decisions
   when top-k / top-p are off, and one random number per row instead of one per vocabulary entry
   (V = 152k made the per-entry noise ~7% of a 0.5B decode step). The uniforms are drawn for every
   original row each step, so a row's tokens do not depend on which other rows have finished.
+- On CUDA the decode step runs as a CUDA graph over a static KV cache (``align.rollout.graph_decode``; no
+  compaction there, eager where a shape cannot be captured); on a CPU, the packed weights below.
 
 Logprobs (seed 003, "logprob basis"): ``Completion.logprobs`` is ``log_softmax(logits / T)`` of the
 sampled token over the full vocabulary (the training basis, recomputed teacher-forced by the loss).
@@ -34,7 +36,7 @@ from torch import nn
 from align import heartbeat
 from align.model import MLP, Attention, KVCache, Linear, Transformer
 from align.moe import Routing, moe_layers
-from align.rollout import cpu_kernel
+from align.rollout import cpu_kernel, graph_decode
 from align.rollout.protocol import Completion, SamplingParams
 
 COMPACT_FRACTION = 0.25  # compact the batch once this fraction of live rows has finished
@@ -273,6 +275,7 @@ def generate(
     *,
     pack_weights: bool = True,
     rows: tuple[int, int] | None = None,
+    cuda_graphs: bool = True,
 ) -> list[Completion]:
     """Sample ``params.n`` completions per prompt. Returns them ordered by (prompt_index, sample_index).
 
@@ -286,10 +289,14 @@ def generate(
     ``rows=(first, total)``: these prompts' ``len(prompts) * n`` rows are rows ``first, first + 1, ...`` of a
     larger call of ``total`` rows with the same seed (``align.dist``: one rank's share of a step); each decode step
     draws the uniforms of all ``total`` rows and keeps its own, so every row samples exactly what it samples in the
-    one large call."""
+    one large call.
+
+    On CUDA, ``cuda_graphs`` decodes through a static KV cache with the step captured once per (rows, cache length)
+    shape and replayed (``align.rollout.graph_decode``: eager where a shape cannot be captured, said once); the
+    same tokens and logprobs as the eager loop for a seed. No effect on a CPU."""
     packing = packed_weights(model, len(prompts) * params.n) if pack_weights else contextlib.nullcontext()
     with torch.inference_mode(), packing, heartbeat.working("sampler", engine="native", rows=len(prompts) * params.n):
-        return _generate(model, prompts, params, rows)
+        return _generate(model, prompts, params, rows, cuda_graphs=cuda_graphs)
 
 
 def _generate(
@@ -298,6 +305,7 @@ def _generate(
     params: SamplingParams,
     rows_of: tuple[int, int] | None = None,
     until: Until | None = None,
+    cuda_graphs: bool = True,
 ) -> list[Completion]:
     cfg = model.config
     context = cfg.max_position_embeddings
@@ -365,6 +373,10 @@ def _generate(
     if n_moe:
         out_routes = torch.full((R, max_new, n_moe, cfg.num_experts_per_tok), -1, dtype=torch.int16, device=device)
     n_done, compacted = 0, False  # Python mirrors: no device sync for what the loop already knows
+    static = graph_decode.decoder(model, R, L + max_new, dtype, device) if cuda_graphs and not n_moe else None
+    if static is not None:  # CUDA graph: the prefill moves into the static cache; rows are never compacted
+        static.load(cache)
+        cache = static.cache
     full_from = context - 1 - L  # the first step at which the longest row has no position left
 
     for t in range(max_new):
@@ -403,7 +415,7 @@ def _generate(
             break
         if t == max_new - 1 or n_done == done.numel():
             break
-        if newly and n_done >= max(1, int(COMPACT_FRACTION * done.numel())):
+        if newly and static is None and n_done >= max(1, int(COMPACT_FRACTION * done.numel())):
             keep = (~done).nonzero().squeeze(-1)
             cache.select(keep)
             tok, pos, row_id, done = tok[keep], pos[keep], row_id[keep], done[keep]
@@ -416,6 +428,8 @@ def _generate(
             out_routes[row_id if compacted else slice(None), t] = torch.stack(
                 [routing.chosen[j] for j in range(n_moe)], 1
             ).to(torch.int16)  # (R live, Lm, k)
+        elif static is not None:
+            logits = static.step(tok, pos)  # (R, V), replayed
         else:
             logits = model(tok[:, None], positions=pos[:, None], cache=cache)[:, -1]  # (R, V)
         cache.length += 1

@@ -120,12 +120,12 @@ def generate_until(
     with torch.inference_mode(), packed_weights(model, len(run)):
         if len(run) == R and all(c is None for c in carried):  # fresh groups: one shared prefill per prompt
             until = Until([r // n for r in range(R)], need)
-            new = _generate(model, prompts, params, None, until)
+            new = _generate(model, prompts, params, None, until=until)
         else:  # each running row its own prompt: the group's prompt + its ids so far
             rows = [prompts[r // n] + (carried[r].token_ids if carried[r] is not None else []) for r in run]
             budgets = [params.max_tokens - (len(carried[r].token_ids) if carried[r] is not None else 0) for r in run]
             until = Until([r // n for r in run], need - done_groups, budgets, run, R)
-            new = _generate(model, rows, dataclasses.replace(params, n=1), None, until)
+            new = _generate(model, rows, dataclasses.replace(params, n=1), None, until=until)
     out = list(carried)
     for r, c in zip(run, new):
         c = dataclasses.replace(c, weights_version=version)  # the tokens this call sampled
