@@ -203,3 +203,12 @@ def test_negative_control_file_tree_entry_is_caught():
     planted = text.replace("\nalign/\n", "\nalign/\n  no_such.py           planted\n", 1)
     assert planted != text
     assert set(missing_paths(planted, readme)) - set(missing_paths(text, readme)) == {"align/no_such.py"}
+
+
+PLACEHOLDER_RE = re.compile(r"@@[A-Z0-9_]+@@|\bTODO\b|\bTBD\b|XXX")
+
+
+def test_no_unfilled_placeholder_in_the_docs():
+    bad = {p.relative_to(ROOT).as_posix(): PLACEHOLDER_RE.findall(p.read_text()) for p in DOCS}
+    assert {k: v for k, v in bad.items() if v} == {}
+    assert PLACEHOLDER_RE.findall("figures: @@TRL_QUIET@@, and TBD") == ["@@TRL_QUIET@@", "TBD"]  # control
