@@ -84,6 +84,13 @@ def warm_start(
     log: Callable[[str], None] | None = print,
 ) -> Path:
     """Supervised warm start on the biased copy/reverse mixture; saves an HF checkpoint at ``path``."""
+    return warm_start_model(model_config(tokenizer()), path, steps=steps, batch=batch, lr=lr, seed=seed, log=log)
+
+
+def warm_start_model(
+    model_cfg: ModelConfig, path: str | Path, *, steps: int, batch: int, lr: float, seed: int, log: Callable | None
+) -> Path:
+    """``warm_start`` for a model of shape ``model_cfg`` (``align.tasks.reverse_moe``: the same task, MoE)."""
     from align.tasks.warm import supervised
 
     tok = tokenizer()
@@ -98,7 +105,7 @@ def warm_start(
             rows.append((p + c, [-100] * (len(p) - 1) + c))  # label t: the token after position t
         return rows
 
-    return supervised(path, tok, model_config(tok), examples, steps=steps, lr=lr, seed=seed, log=log)
+    return supervised(path, tok, model_cfg, examples, steps=steps, lr=lr, seed=seed, log=log)
 
 
 def check_sizes(rows: list[dict], tok: CharTokenizer, max_tokens: int, max_turns: int = 1) -> None:
