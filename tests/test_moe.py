@@ -374,10 +374,19 @@ def loop_logprobs(model, inputs, targets, routes, temperature):
     return out
 
 
-@pytest.mark.parametrize("pack", [True, False])
-def test_replay_equals_a_loop_that_gathers_the_recorded_experts(pack):
-
+@pytest.mark.parametrize(
+    "pack, adapters", [(True, False), (False, False), (True, True)], ids=["packed", "padded", "lora"]
+)
+def test_replay_equals_a_loop_that_gathers_the_recorded_experts(pack, adapters):
+    """Packed and padded rows, and LoRA (attention adapters, nudged off zero so they matter): the learner's loss and
+    gradients under replay are the hand-written gather loop's; without replay they are not."""
     model = tiny_moe(seed=3)
+    if adapters:
+        lora.apply_lora(model, lora.LoraConfig(rank=2), base_model="tiny")
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.05, generator=torch.Generator().manual_seed(7))
     b, c = sampled_batch(model, pack_sequences=pack)
     b = forged(b)
     c.moe.routing_replay = "rollout"
@@ -394,7 +403,8 @@ def test_replay_equals_a_loop_that_gathers_the_recorded_experts(pack):
     loss.backward()
     want = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
     assert st["loss"] == pytest.approx(float(loss.detach()), abs=1e-5)
-    assert got.keys() == want.keys() and any(".gate." in k for k in got)  # the router has its gradient
+    assert got.keys() == want.keys() and any(".gate." in k for k in got) != adapters  # the router's, without LoRA
+    assert all("lora_" in k for k in got) == adapters
     for k, g in want.items():
         torch.testing.assert_close(got[k], g, atol=GRAD_ATOL, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
     # negative control: without replay the learner routes afresh and misses the reference's gradients
