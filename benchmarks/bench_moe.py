@@ -195,7 +195,7 @@ def replay_stats(model, n_prompts: int, max_tokens: int) -> None:
     comps = generate(sampler, prompts, SamplingParams(n=4, temperature=1.0, max_tokens=max_tokens, seed=0))
     adv, valid = torch.randn(n_prompts, 4, generator=g), torch.ones(n_prompts, 4, dtype=torch.bool)
     c = cfg(group_size=4, max_tokens=max_tokens, prompts_per_step=n_prompts)
-    b = learner.make_batch(prompts, comps, adv, valid, c, torch.device("cpu"))
+    b = learner.make_batch(learner.StepBatch(prompts, comps, adv, valid), c, torch.device("cpu"))
     print(f"(c) bf16 sampler, fp32 learner: {n_prompts} x 4 completions of {max_tokens} tokens")
     keys = ("moe/routing_mismatch", "moe/router_mismatch", "mismatch_abs_mean", "mismatch_abs_max", "rho_max",
             "clip_low_frac", "clip_high_frac")  # fmt: skip
