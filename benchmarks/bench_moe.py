@@ -85,18 +85,24 @@ def main(argv: list[str] | None = None) -> None:
         "align_dense_experts": lambda: fwd_bwd(ours, ids, False),
     }
     times: dict[str, list[float]] = {k: [] for k in runs}
+    cpu: dict[str, list[float]] = {k: [] for k in runs}  # this process's CPU time: what other jobs do not inflate
     for _ in range(args.repeats + 1):  # the first round warms up
         for name, fn in runs.items():
             moe.expert_mix = moe.dense_expert_mix if name == "align_dense_experts" else grouped
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             fn()
             times[name].append(time.perf_counter() - t)
+            cpu[name].append(time.process_time() - c)
     moe.expert_mix = grouped
     med = {k: statistics.median(v[1:]) for k, v in times.items()}
-    print(f"(a) forward+backward, {args.batch} x {args.tokens} tokens, {SHAPE['num_experts']} experts top-"
-          f"{SHAPE['num_experts_per_tok']}, {args.threads} thread(s), median of {args.repeats}; max |logit diff| {diff:.1e}")  # fmt: skip
+    low = {k: min(v[1:]) for k, v in cpu.items()}
+    shape = f"{args.batch} x {args.tokens} tokens, {SHAPE['num_experts']} experts top-{SHAPE['num_experts_per_tok']}"
+    print(f"(a) forward+backward, {shape}, {args.threads} thread(s), median wall / least CPU time of {args.repeats}")
+    print(f"    max |logit diff| {diff:.1e}")
     for k, v in med.items():
-        print(f"  {k:<22} {v * 1e3:8.1f} ms   {v / med['transformers']:.2f}x transformers")
+        r, rc = v / med["transformers"], low[k] / low["transformers"]
+        print(f"  {k:<24} wall {v * 1e3:7.1f} ms {r:5.2f}x | CPU {low[k] * 1e3:7.1f} ms {rc:5.2f}x transformers")
+    components(ours, hf, args.batch, args.tokens, args.repeats)
 
     ours.eval(), hf.eval()
     prompts = ids[:, :16].tolist()
@@ -118,6 +124,65 @@ def main(argv: list[str] | None = None) -> None:
     replay_stats(ours, 4, args.decode_tokens)
 
 
+def cpu_ms(fn, repeats: int) -> float:
+    """Least CPU time of ``fn()`` over ``repeats`` runs (after one warm-up), in ms."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        c = time.process_time()
+        fn()
+        best = min(best, time.process_time() - c)
+    return best * 1e3
+
+
+def components(ours, hf, batch: int, tokens: int, repeats: int) -> None:
+    """Where one forward + backward goes: layer 0's attention and MoE blocks in both implementations (CPU ms), and
+    the kernels they share alone on the same shapes (flash attention; the grouped GEMMs at even expert loads)."""
+    g = torch.Generator().manual_seed(2)
+    E, X, Fd = SHAPE["hidden_size"], SHAPE["num_experts"], SHAPE["moe_intermediate_size"]
+    x0 = torch.randn(batch, tokens, E, generator=g)
+    pos = torch.arange(tokens).expand(batch, tokens)
+    a_cos, a_sin = ours.rope(pos, x0.dtype)
+    h_rope = hf.model.rotary_emb(x0, pos)
+    la, lh = ours.model.layers[0], hf.model.layers[0]
+
+    def fb(f):
+        def run():
+            x = x0.clone().requires_grad_(True)
+            y = f(x)
+            y = y[0] if isinstance(y, tuple) else y
+            y.backward(torch.ones_like(y))
+
+        return run
+
+    H, K, D = SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"], SHAPE["head_dim"]
+    q, k, v = (torch.randn(batch, h, tokens, D, generator=g).requires_grad_(True) for h in (H, K, K))
+    M = batch * tokens * SHAPE["num_experts_per_tok"]
+    xs = torch.randn(M, E, generator=g).requires_grad_(True)
+    w1, w2 = torch.randn(X, E, 2 * Fd, requires_grad=True), torch.randn(X, Fd, E, requires_grad=True)
+    offs = torch.arange(1, X + 1, dtype=torch.int32) * (M // X)
+
+    def gemms():
+        gate, up = moe.GROUPED_MM(xs, w1, offs=offs).chunk(2, dim=-1)
+        y = moe.GROUPED_MM(F.silu(gate) * up, w2, offs=offs)
+        y.backward(torch.ones_like(y))
+
+    def sdpa():
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        o.backward(torch.ones_like(o))
+
+    attention = (lambda x: la.self_attn(x, a_cos, a_sin, 0, None, None), lambda x: lh.self_attn(x, h_rope, None))
+    rows = {"attention block": attention, "MoE block": (lambda x: la.mlp(x, None), lambda x: lh.mlp(x))}
+    print(f"    layer 0, forward + backward, least CPU ms of {repeats}:")
+    for name, (fa, fh) in rows.items():
+        a, h = cpu_ms(fb(fa), repeats), cpu_ms(fb(fh), repeats)
+        print(f"  {name:<24} align {a:6.1f}  transformers {h:6.1f}  ({a / h:.2f}x)")
+    if moe.GROUPED_MM is not None:
+        print(
+            f"  {'kernels alone':<24} flash attention {cpu_ms(sdpa, repeats):6.1f}  grouped GEMMs {cpu_ms(gemms, repeats):6.1f}"
+        )
+
+
 def replay_stats(model, n_prompts: int, max_tokens: int) -> None:
     from helpers_learner import CPU, cfg
 
@@ -130,7 +195,7 @@ def replay_stats(model, n_prompts: int, max_tokens: int) -> None:
     comps = generate(sampler, prompts, SamplingParams(n=4, temperature=1.0, max_tokens=max_tokens, seed=0))
     adv, valid = torch.randn(n_prompts, 4, generator=g), torch.ones(n_prompts, 4, dtype=torch.bool)
     c = cfg(group_size=4, max_tokens=max_tokens, prompts_per_step=n_prompts)
-    b = learner.make_batch(prompts, comps, adv, valid, c, torch.device("cpu"))
+    b = learner.make_batch(learner.StepBatch(prompts, comps, adv, valid), c, torch.device("cpu"))
     print(f"(c) bf16 sampler, fp32 learner: {n_prompts} x 4 completions of {max_tokens} tokens")
     keys = ("moe/routing_mismatch", "moe/router_mismatch", "mismatch_abs_mean", "mismatch_abs_max", "rho_max",
             "clip_low_frac", "clip_high_frac")  # fmt: skip

@@ -371,10 +371,19 @@ def loop_logprobs(model, inputs, targets, routes, temperature):
     return out
 
 
-@pytest.mark.parametrize("pack", [True, False])
-def test_replay_equals_a_loop_that_gathers_the_recorded_experts(pack):
-
+@pytest.mark.parametrize(
+    "pack, adapters", [(True, False), (False, False), (True, True)], ids=["packed", "padded", "lora"]
+)
+def test_replay_equals_a_loop_that_gathers_the_recorded_experts(pack, adapters):
+    """Packed and padded rows, and LoRA (attention adapters, nudged off zero so they matter): the learner's loss and
+    gradients under replay are the hand-written gather loop's; without replay they are not."""
     model = tiny_moe(seed=3)
+    if adapters:
+        lora.apply_lora(model, lora.LoraConfig(rank=2), base_model="tiny")
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.05, generator=torch.Generator().manual_seed(7))
     b, c = sampled_batch(model, pack_sequences=pack)
     b = forged(b)
     c.moe.routing_replay = "rollout"
@@ -391,7 +400,8 @@ def test_replay_equals_a_loop_that_gathers_the_recorded_experts(pack):
     loss.backward()
     want = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
     assert st["loss"] == pytest.approx(float(loss.detach()), abs=1e-5)
-    assert got.keys() == want.keys() and any(".gate." in k for k in got)  # the router has its gradient
+    assert got.keys() == want.keys() and any(".gate." in k for k in got) != adapters  # the router's, without LoRA
+    assert all("lora_" in k for k in got) == adapters
     for k, g in want.items():
         torch.testing.assert_close(got[k], g, atol=GRAD_ATOL, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
     # negative control: without replay the learner routes afresh and misses the reference's gradients
@@ -515,6 +525,36 @@ def test_a_run_trains_a_moe_model_with_replay(tmp_path, monkeypatch):
     c.moe.routing_replay = "rollout"
     with pytest.raises(ValueError, match="--routing-replay rollout needs a mixture-of-experts model"):
         train(c, model=dense, tokenizer=TOK, prompts=PROMPTS, reward=a_reward)
+
+
+def test_the_reverse_moe_task_trains_with_replay_on_by_default(tmp_path):
+    """``--task reverse_moe``: the reverse task on a warm-started Qwen3-MoE, routing replay on from the task's
+    ``TRAIN_DEFAULTS`` (config_sources.json says ``task``), held-out pass@1 and the moe/* metrics every step.
+    Control: ``--routing-replay off`` wins over the task (``flag``), and the run still logs the routing metrics."""
+    from helpers_train import records
+
+    from align.run.presets import parse
+    from align.train import CLI_PREFIXES, TrainConfig, train
+
+    small = ["--task", "reverse_moe", "--steps", "2", "--prompts-per-step", "4", "--group-size", "4"]
+    small += ["--checkpoint-every", "0", "--eval-prompts", "8", "--warm-start-steps", "4", "--eval-interval", "2"]
+    c = parse(TrainConfig, [*small, "--out", str(tmp_path / "on")], CLI_PREFIXES, log=lambda _: None)
+    train(c)
+    base = tmp_path / "on" / "base_model"
+    assert json.loads((base / "config.json").read_text())["model_type"] == "qwen3_moe"
+    sources = json.loads((tmp_path / "on" / "config_sources.json").read_text())
+    assert sources["moe.routing_replay"] == "task" and c.moe.routing_replay == "rollout"
+    recs = records(tmp_path / "on")
+    steps = [r for r in recs if "reward_mean" in r]
+    assert len(steps) == 2 and any("eval/pass@1" in r for r in recs), recs[-1].keys()
+    for r in steps:
+        assert r["moe/routing_mismatch"] == 0.0 and r["moe/expert_load_max"] >= 1.0 and "moe/router_mismatch" in r
+    argv = [*small, "--out", str(tmp_path / "off"), "--model", str(base), "--routing-replay", "off"]
+    off = parse(TrainConfig, [*argv, "--steps", "1", "--eval-interval", "0"], CLI_PREFIXES, log=lambda _: None)
+    train(off)
+    assert json.loads((tmp_path / "off" / "config_sources.json").read_text())["moe.routing_replay"] == "flag"
+    assert off.moe.routing_replay == "off"
+    assert ["moe/routing_mismatch" in r for r in records(tmp_path / "off") if "reward_mean" in r] == [True]
 
 
 def test_mixtral_sliding_window_in_cached_decode(tmp_path):

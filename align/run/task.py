@@ -67,6 +67,11 @@ def builtin_task(cfg: TrainConfig) -> tuple[Task, str]:
             )
         return task, cfg.model
     if not is_committed(base):
+        import torch
+
+        from align.device import resolve_threads
+
+        torch.set_num_threads(resolve_threads(cfg.threads))  # --threads holds for the warm start too
         print(
             f"[align] warm start: {cfg.warm_start_steps} supervised steps of the {cfg.task!r} task's biased "
             f"mixture -> {base}",

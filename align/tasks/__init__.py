@@ -25,6 +25,7 @@ from typing import Any, Protocol
 # name -> module: the built-in tasks (--task NAME)
 TASKS: dict[str, str] = {
     "reverse": "align.tasks.reverse",  # single-turn: reverse a word (the embedded default)
+    "reverse_moe": "align.tasks.reverse_moe",  # the reverse task on a tiny Qwen3-MoE (routing replay on)
     "multiturn": "align.tasks.multiturn",  # multi-turn: the hidden letter comes back as feedback
 }
 
