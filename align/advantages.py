@@ -41,10 +41,12 @@ Basics"); Liu et al. 2025 (Dr. GRPO, "Understanding R1-Zero-Like Training"); Yu 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from align.options import flag
 
 SCALES = ("group", "batch", "none")
 BASELINES = ("mean", "rloo")
@@ -52,17 +54,13 @@ BASELINES = ("mean", "rloo")
 
 @dataclass
 class AdvantageConfig:
-    scale: str = field(default="group", metadata={"help": "'group' (GRPO) | 'batch' | 'none' (Dr. GRPO)"})
-    baseline: str = field(default="mean", metadata={"help": "'mean' (GRPO) | 'rloo' (leave-one-out)"})
-    eps: float = field(default=1e-6, metadata={"help": "added to the std (verl: 1e-6, TRL: 1e-4)"})
-    filter_zero_variance: bool = field(
-        default=False, metadata={"help": "mark completions of zero-variance groups invalid"}
-    )
-    mask_truncated: bool = field(
-        default=False, metadata={"help": "DAPO overlong filtering: truncated completions get no gradient"}
-    )
-    overlong_buffer: int = field(default=0, metadata={"help": "DAPO L_cache in tokens; 0 = no soft overlong penalty"})
-    overlong_penalty: float = field(default=1.0, metadata={"help": "scale of the soft overlong penalty (reward units)"})
+    scale: str = flag("group", "'group' (GRPO) | 'batch' | 'none' (Dr. GRPO)")
+    baseline: str = flag("mean", "'mean' (GRPO) | 'rloo' (leave-one-out)")
+    eps: float = flag(1e-6, "added to the std (verl: 1e-6, TRL: 1e-4)")
+    filter_zero_variance: bool = flag(False, "mark completions of zero-variance groups invalid")
+    mask_truncated: bool = flag(False, "DAPO overlong filtering: truncated completions get no gradient")
+    overlong_buffer: int = flag(0, "DAPO L_cache in tokens; 0 = no soft overlong penalty")
+    overlong_penalty: float = flag(1.0, "scale of the soft overlong penalty (reward units)")
 
     def __post_init__(self) -> None:
         if self.scale not in SCALES:

@@ -40,6 +40,7 @@ from align.chat import (  # noqa: F401 -- re-exported: align.data is where calle
     stop_token_ids,
 )
 from align.errors import InputError, need_extra, read_json
+from align.options import flag
 
 RESERVED_FIELDS = ("prompt", "completion")  # the reward's positional parameters: no column may use these names
 MAX_LINE_BYTES = 64 << 20  # one JSONL row; a longer line (or a file without newlines) is refused, never read whole
@@ -48,20 +49,13 @@ MAX_BYTES_PER_TOKEN = 64  # a tokenizer that does not say how many bytes its lon
 
 @dataclass
 class DataConfig:
-    train_data: str | None = field(
-        default=None,
-        metadata={
-            "help": "Training prompts: a .jsonl or .parquet file (rows with 'prompt' or 'messages'); needs --reward."
-        },
+    train_data: str | None = flag(
+        None, "Training prompts: a .jsonl or .parquet file (rows with 'prompt' or 'messages'); needs --reward."
     )
-    eval_data: str | None = field(
-        default=None, metadata={"help": "Held-out prompts for eval, same format as --train-data."}
-    )
-    prompt_key: str = field(
-        default="prompt",
-        metadata={
-            "help": "Column holding the prompt (a string, or a chat list like 'messages'); other columns reach the reward as **fields."
-        },
+    eval_data: str | None = flag(None, "Held-out prompts for eval, same format as --train-data.")
+    prompt_key: str = flag(
+        "prompt",
+        "Column holding the prompt (a string, or a chat list like 'messages'); other columns reach the reward as **fields.",
     )
     chat_template_kwargs: dict = field(
         default_factory=dict,
@@ -69,17 +63,12 @@ class DataConfig:
             "help": "JSON object of chat template variables for every render, as apply_chat_template(**kwargs): '{\"enable_thinking\": false}'."
         },
     )
-    answer_key: str = field(
-        default="answer",
-        metadata={
-            "help": "Column holding the reference answer; the built-in rewards read it as 'answer' (a 'solution' column is read when there is no 'answer'; GSM8K's '#### N' and a \\boxed{} in it are found)."
-        },
+    answer_key: str = flag(
+        "answer",
+        "Column holding the reference answer; the built-in rewards read it as 'answer' (a 'solution' column is read when there is no 'answer'; GSM8K's '#### N' and a \\boxed{} in it are found).",
     )
-    tokenizer: str | None = field(
-        default=None,
-        metadata={
-            "help": "Directory with tokenizer.json (+ tokenizer_config.json / chat_template.jinja); default: the model dir."
-        },
+    tokenizer: str | None = flag(
+        None, "Directory with tokenizer.json (+ tokenizer_config.json / chat_template.jinja); default: the model dir."
     )
 
     def __post_init__(self) -> None:
@@ -279,9 +268,9 @@ def load_task_data(
     tok = load_tokenizer(cfg.tokenizer or model_dir, model_dir, "--tokenizer" if cfg.tokenizer else "--model")
     config, template = read_json(Path(model_dir) / "config.json"), with_template_kwargs(tok, cfg.chat_template_kwargs)
     out: list[tuple[list[dict], list[list[int]]]] = []
-    for path, flag in ((cfg.train_data, "--train-data"), (cfg.eval_data, "--eval-data")):
+    for path, option in ((cfg.train_data, "--train-data"), (cfg.eval_data, "--eval-data")):
         records, ids = [], []
-        for where, row in iter_rows(path, flag) if path is not None else ():
+        for where, row in iter_rows(path, option) if path is not None else ():
             records.append(to_record(row, where, cfg.prompt_key, template, cfg.answer_key))
             ids.append(encode_prompt(tok, records[-1]["prompt"], where, config, max_tokens))
         out.append((records, ids))

@@ -93,11 +93,13 @@ Advantage statistics (adv_mean / adv_std, num_zero_variance_groups, ...) come fr
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 from torch import Tensor
+
+from align.options import flag
 
 __all__ = [
     "KL_ESTIMATORS",
@@ -260,31 +262,24 @@ RHO_MODES: dict[str, Callable[[Tensor, Tensor, LossConfig], tuple[Tensor, Tensor
 
 @dataclass
 class LossConfig:
-    name: str = field(default="token_mean", metadata={"help": f"loss variant: {', '.join(LOSSES)}"})
-    eps_low: float = field(default=0.2, metadata={"help": "clip ratio below at 1 - eps_low"})
-    eps_high: float = field(default=0.2, metadata={"help": "clip ratio above at 1 + eps_high (DAPO clip-higher: 0.28)"})
-    dual_clip_c: float | None = field(
-        default=None, metadata={"help": "dual clip for A < 0 (> 1, typically 3); None = off"}
+    name: str = flag("token_mean", f"loss variant: {', '.join(LOSSES)}")
+    eps_low: float = flag(0.2, "clip ratio below at 1 - eps_low")
+    eps_high: float = flag(0.2, "clip ratio above at 1 + eps_high (DAPO clip-higher: 0.28)")
+    dual_clip_c: float | None = flag(None, "dual clip for A < 0 (> 1, typically 3); None = off")
+    kl_coef: float = flag(0.0, "0 = no KL term and no ref_logprobs needed")
+    kl_estimator: str = flag("k3", "KL estimator: k1 (no gradient in expectation), k2, k3")
+    entropy_coef: float = flag(0.0, "entropy bonus (subtracted from the loss); needs entropy=")
+    max_len_norm: int | None = flag(None, "constant normaliser for 'constant_norm' (max completion tokens)")
+    seq_count: str = flag("nonempty", "total_seqs counts 'nonempty' sequences or 'all' (B)")
+    use_rho_correction: bool = flag(
+        False, "reweight by pi_old / mu (needs behav_logprobs=); on by default with --rollout spool"
     )
-    kl_coef: float = field(default=0.0, metadata={"help": "0 = no KL term and no ref_logprobs needed"})
-    kl_estimator: str = field(default="k3", metadata={"help": "KL estimator: k1 (no gradient in expectation), k2, k3"})
-    entropy_coef: float = field(
-        default=0.0, metadata={"help": "entropy bonus (subtracted from the loss); needs entropy="}
-    )
-    max_len_norm: int | None = field(
-        default=None, metadata={"help": "constant normaliser for 'constant_norm' (max completion tokens)"}
-    )
-    seq_count: str = field(default="nonempty", metadata={"help": "total_seqs counts 'nonempty' sequences or 'all' (B)"})
-    use_rho_correction: bool = field(
-        default=False,
-        metadata={"help": "reweight by pi_old / mu (needs behav_logprobs=); on by default with --rollout spool"},
-    )
-    rho_mode: str = field(default="token_tis", metadata={"help": f"off-policy correction mode: {', '.join(RHO_MODES)}"})
-    rho_cap: float = field(default=2.0, metadata={"help": "truncation cap for the *_tis modes"})
-    rho_low: float = field(default=0.5, metadata={"help": "lower bound kept by the *_mis modes"})
-    rho_high: float = field(default=2.0, metadata={"help": "upper bound kept by the *_mis modes"})
-    sapo_tau_pos: float = field(default=1.0, metadata={"help": "--loss sapo: gate temperature for A > 0 (TRL's 1.0)"})
-    sapo_tau_neg: float = field(default=1.05, metadata={"help": "--loss sapo: gate temperature for A < 0 (TRL's 1.05)"})
+    rho_mode: str = flag("token_tis", f"off-policy correction mode: {', '.join(RHO_MODES)}")
+    rho_cap: float = flag(2.0, "truncation cap for the *_tis modes")
+    rho_low: float = flag(0.5, "lower bound kept by the *_mis modes")
+    rho_high: float = flag(2.0, "upper bound kept by the *_mis modes")
+    sapo_tau_pos: float = flag(1.0, "--loss sapo: gate temperature for A > 0 (TRL's 1.0)")
+    sapo_tau_neg: float = flag(1.05, "--loss sapo: gate temperature for A < 0 (TRL's 1.05)")
 
     def __post_init__(self) -> None:
         for key, table in (

@@ -28,7 +28,7 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from torch import nn
 
 from align.atomic import commit_dir
 from align.model import Linear, Transformer, check_weight, rope_inv_freq, save_pretrained
-from align.options import flag_help as _h  # the one definition of a flag's help
+from align.options import flag  # the one definition of a flag's help
 
 DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ALL_LINEAR = "all-linear"  # PEFT's spelling: every linear layer of the decoder (not embeddings, not lm_head)
@@ -62,16 +62,12 @@ UNSUPPORTED = {
 class LoraConfig:
     """LoRA settings (CLI: ``--lora-rank``, ``--lora-alpha``, ``--lora-dropout``, ``--lora-targets``)."""
 
-    rank: int = field(default=0, metadata=_h("LoRA rank r (0 = full fine-tune)."))
-    alpha: float | None = field(
-        default=None, metadata=_h("LoRA alpha; the update is scaled by alpha / r (None: alpha = r).")
-    )
-    dropout: float = field(default=0.0, metadata=_h("Dropout on the adapter's input while training."))
-    targets: str = field(
-        default=ALL_LINEAR,
-        metadata=_h(
-            f"Comma-separated linear names to adapt, e.g. q_proj,v_proj ('{ALL_LINEAR}': {','.join(DECODER_LINEARS)})."
-        ),
+    rank: int = flag(0, "LoRA rank r (0 = full fine-tune).")
+    alpha: float | None = flag(None, "LoRA alpha; the update is scaled by alpha / r (None: alpha = r).")
+    dropout: float = flag(0.0, "Dropout on the adapter's input while training.")
+    targets: str = flag(
+        ALL_LINEAR,
+        f"Comma-separated linear names to adapt, e.g. q_proj,v_proj ('{ALL_LINEAR}': {','.join(DECODER_LINEARS)}).",
     )
 
     def __post_init__(self) -> None:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from align.errors import InputError
-from align.options import flag_help as _h  # the one definition of a flag's help
+from align.options import flag  # the one definition of a flag's help
 
 
 @dataclass(frozen=True)
@@ -316,17 +316,13 @@ class MoeConfig:
     """Mixture-of-experts training settings (CLI: ``--routing-replay``, ``--router-aux-loss-coef``,
     ``--freeze-router``); they apply to MoE models only."""
 
-    routing_replay: str = field(
-        default="off",
-        metadata=_h(
-            "MoE: 'rollout' replays the experts the sampler chose for each sampled token in the learner's forward "
-            "(R3; gate weights from the current router); 'off' routes afresh (the mismatch is still logged)."
-        ),
+    routing_replay: str = flag(
+        "off",
+        "MoE: 'rollout' replays the experts the sampler chose for each sampled token in the learner's forward "
+        "(R3; gate weights from the current router); 'off' routes afresh (the mismatch is still logged).",
     )
-    router_aux_loss_coef: float = field(
-        default=0.0, metadata=_h("MoE: weight of the load-balancing loss (Switch / Mixtral form); 0 = off.")
-    )
-    freeze_router: bool = field(default=False, metadata=_h("MoE: keep the routers' weights fixed."))
+    router_aux_loss_coef: float = flag(0.0, "MoE: weight of the load-balancing loss (Switch / Mixtral form); 0 = off.")
+    freeze_router: bool = flag(False, "MoE: keep the routers' weights fixed.")
 
     def __post_init__(self) -> None:
         if self.routing_replay not in REPLAY_MODES:

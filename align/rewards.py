@@ -39,6 +39,7 @@ from typing import Any
 from align import heartbeat
 from align.data import InputError
 from align.errors import Interrupted
+from align.options import flag
 from align.reward_pool import WorkerPool
 from align.specs import load_spec, spec_of
 
@@ -62,16 +63,12 @@ class RewardConfig:
             "action": "extend",
         },
     )
-    reward_weights: list[float] | None = field(
-        default=None,
-        metadata={"help": "One weight per --reward (default all 1); the step's reward is the weighted sum."},
+    reward_weights: list[float] | None = flag(
+        None, "One weight per --reward (default all 1); the step's reward is the weighted sum."
     )
-    reward_workers: int = field(
-        default=1, metadata={"help": "Reward worker processes; 1 = call the rewards in this process."}
-    )
-    reward_timeout_s: float = field(
-        default=60.0,
-        metadata={"help": "Per-call reward timeout in seconds (0 = none); a call past it is unscorable and counted."},
+    reward_workers: int = flag(1, "Reward worker processes; 1 = call the rewards in this process.")
+    reward_timeout_s: float = flag(
+        60.0, "Per-call reward timeout in seconds (0 = none); a call past it is unscorable and counted."
     )
 
     def __post_init__(self) -> None:

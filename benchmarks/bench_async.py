@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import numeric_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -93,12 +95,7 @@ def run(K: int, args: argparse.Namespace, model: Path, spool: Path, tmp: Path) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=12)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
+    numeric_flags(ap, steps=8, prompts=8, group=8, max_tokens=12, hidden=256, layers=4)
     ap.add_argument("--ks", default="0,1,2")
     args = ap.parse_args()
     cores = sorted(os.sched_getaffinity(0))

@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import numeric_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -156,11 +158,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--teacher", required=True, help="the GRPO-trained teacher (an HF dir with align_tokenizer.json)")
     ap.add_argument("--student", required=True, help="the warm start both runs train from")
-    ap.add_argument("--grpo-steps", type=int, default=80)
-    ap.add_argument("--distill-steps", type=int, default=40)
-    ap.add_argument("--eval-interval", type=int, default=5)
-    ap.add_argument("--target", type=float, default=0.85)
-    ap.add_argument("--repeats", type=int, default=10)
+    numeric_flags(ap, grpo_steps=80, distill_steps=40, eval_interval=5, target=0.85, repeats=10)
     ap.add_argument("--threads", type=int, default=0, help="torch threads of the runs and of (c) (0: auto)")
     ap.add_argument("--teacher-coef", type=float, default=1.0, help="(b): the distillation run's --teacher-coef")
     ap.add_argument("--distill-lr", type=float, default=0.0, help="(b): the distillation run's --lr (0: the default)")

@@ -21,6 +21,8 @@ import statistics
 import time
 from pathlib import Path
 
+from common import numeric_flags
+
 
 def run(out: Path, model: str | None, steps: int, interval: int, fleet: bool, args: argparse.Namespace) -> dict:
     from align.eval.config import EvalConfig
@@ -67,13 +69,8 @@ def run(out: Path, model: str | None, steps: int, interval: int, fleet: bool, ar
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="runs/eval_bench")
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--eval-interval", type=int, default=2)
-    ap.add_argument("--eval-prompts", type=int, default=200)
-    ap.add_argument("--eval-n", type=int, default=4)
-    ap.add_argument("--prompts-per-step", type=int, default=16)
-    ap.add_argument("--group-size", type=int, default=4)
-    ap.add_argument("--warm-start-steps", type=int, default=100)
+    numeric_flags(ap, steps=12, eval_interval=2, eval_prompts=200, eval_n=4)
+    numeric_flags(ap, prompts_per_step=16, group_size=4, warm_start_steps=100)
     args = ap.parse_args(argv)
     root = Path(args.out)
     a = run(root / "blocking", None, args.steps, args.eval_interval, False, args)

@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import numeric_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -98,9 +100,7 @@ def paired(plain, fleet, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--latency-requests", type=int, default=20)
+    numeric_flags(ap, rounds=5, requests=8, latency_requests=20)
     args = ap.parse_args()
     tok = reverse.tokenizer()
     cfg = dataclasses.replace(reverse.model_config(tok), max_position_embeddings=MAX_MODEL_LEN)

@@ -26,6 +26,7 @@ import threading
 import time
 
 import torch
+from common import numeric_flags
 
 from align.chat import ChatTemplate, TurnRenderer
 from align.gateway.agents import Batcher
@@ -76,12 +77,7 @@ def post(conn: http.client.HTTPConnection, key: str, body: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--episodes", type=int, default=32)
-    ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=1)
+    numeric_flags(ap, episodes=32, turns=3, max_tokens=16, layers=2, hidden=128, threads=1)
     ap.add_argument("--batch-ms", type=float, default=20.0, help="--gateway-batch-ms of the batched pass")
     args = ap.parse_args()
     if args.threads:

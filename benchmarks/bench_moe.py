@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from common import numeric_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -58,11 +59,7 @@ def fwd_bwd(model, ids, hf: bool) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--tokens", type=int, default=256)
-    p.add_argument("--decode-tokens", type=int, default=32)
+    numeric_flags(p, threads=1, repeats=5, batch=4, tokens=256, decode_tokens=32)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from hf_reference import hf_model

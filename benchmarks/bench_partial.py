@@ -33,6 +33,8 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
+from common import numeric_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -191,13 +193,7 @@ def median_run(rs: list[dict]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--group-size", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--eval-prompts", type=int, default=32)
-    ap.add_argument("--eval-n", type=int, default=4)
-    ap.add_argument("--seed", type=int, default=0)
+    numeric_flags(ap, steps=16, prompts=8, group_size=4, lr=3e-4, eval_prompts=32, eval_n=4, seed=0)
     ap.add_argument("--layers", type=int, default=1, help="decoder layers (identity at the start): decode cost")
     ap.add_argument("--hidden", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3, help="runs per setting (interleaved); the median is printed")

@@ -29,6 +29,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from common import numeric_flags
+
 
 def correct_rows(model_dir: Path, words: list[dict], source: str, samples: int, seed: int) -> list[dict]:
     """SFT rows {"prompt", "completion", "answer"} of correct completions for ``words``."""
@@ -105,10 +107,7 @@ def main() -> None:
     ap.add_argument("--source", choices=("self", "reference"), default="self")
     ap.add_argument("--rows", type=int, default=1024, help="training prompts the correct completions come from")
     ap.add_argument("--samples", type=int, default=4, help="--source self: samples per prompt")
-    ap.add_argument("--epochs", type=int, default=1)
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--threads", type=int, default=0)
+    numeric_flags(ap, epochs=1, batch_size=32, lr=1e-3, threads=0)
     ap.add_argument("--pack-sequences", action=argparse.BooleanOptionalAction, default=True,
                     help="the learner's packed rows (align.sft's default); --no-pack-sequences pads every row")  # fmt: skip
     ap.add_argument("--compare-packing", action="store_true", help="also time the loss packed vs padded (above)")

@@ -36,6 +36,8 @@ import tempfile
 import time
 import zlib
 
+from common import numeric_flags
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 MB = 2**20
@@ -203,11 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--train", action="store_true", help="run align.train for --steps steps instead")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--group", type=int, default=4)
-    p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--micro-batch-tokens", type=int, default=4096)
+    numeric_flags(p, steps=3, group=4, prompt_tokens=64, max_tokens=128, micro_batch_tokens=4096)
     p.add_argument("--linear-rows", type=int, default=0, help="override align.kernels.LINEAR_ROWS (fused path)")
     p.add_argument("--no-time", action="store_true", help="memory only")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)

@@ -36,6 +36,8 @@ import tempfile
 import time
 import zlib
 
+from common import numeric_flags
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 TRL_INSTALL = "python3 -m venv /tmp/trl-venv && /tmp/trl-venv/bin/pip install torch==2.13.0 trl transformers"
 SHAPES = {
@@ -244,10 +246,7 @@ def profile(args, argv: list[str] | None) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=[*SHAPES, "all"], default="all")
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--group", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--prompt-tokens", type=int, default=32)
+    numeric_flags(p, prompts=4, group=4, max_tokens=64, prompt_tokens=32)
     p.add_argument("--steps", type=int, default=4, help="steps per run (the first is a warm-up)")
     p.add_argument("--rounds", type=int, default=2, help="align/TRL runs per shape, alternating")
     p.add_argument("--threads", type=int, default=0, help="align --threads (0: align's default)")

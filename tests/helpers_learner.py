@@ -5,6 +5,7 @@ the fused path is compared with."""
 from __future__ import annotations
 
 import torch
+from helpers_models import SMALL
 
 from align import kernels, learner
 from align.attention import PackedLayout, Segment
@@ -18,9 +19,8 @@ CPU = Placement(torch.device("cpu"), "fp32")
 
 
 def tiny(tied: bool, seed: int = 0, vocab: int = 300, layers: int = 2) -> Transformer:
-    cfg = ModelConfig(model_type="qwen2", vocab_size=vocab, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      qkv_bias=True, max_position_embeddings=64, tie_word_embeddings=tied)  # fmt: skip
+    shape = {"vocab_size": vocab, "num_hidden_layers": layers, "max_position_embeddings": 64}
+    cfg = ModelConfig(**{**SMALL, **shape, "tie_word_embeddings": tied})
     return Transformer(cfg).init_weights(std=0.2, seed=seed)
 
 

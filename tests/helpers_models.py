@@ -29,6 +29,18 @@ TINY = {
     "eos_token_id": 2,
     "pad_token_id": 0,
 }
+# align's own ModelConfig (no transformers) of the small Qwen2 shape the learner and chat-turn tests train on CPU;
+# a test adds vocab_size and what else it needs.
+SMALL = {
+    "model_type": "qwen2",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "qkv_bias": True,
+}
 MARKER = ".complete"  # align.model's commit marker
 VLLM_TIMEOUT_S = 300.0  # a vLLM CPU engine start + first generate (inductor compile) on 2 shared cores
 

@@ -111,6 +111,8 @@ def warm_tool_model(tmp_path_factory, tools: list, name: str) -> tuple[Path, lis
     import shutil
     import types
 
+    from helpers_models import SMALL
+
     from align.chat import TurnRenderer
     from align.data import load_tokenizer
     from align.model import ModelConfig
@@ -126,20 +128,7 @@ def warm_tool_model(tmp_path_factory, tools: list, name: str) -> tuple[Path, lis
     call, answer = tok.encode(CALL) + stop, tok.encode(ANSWER) + stop
     suffix, wrong = (renderer.suffix([{"role": "tool", "name": "add", "content": r}]) for r in ("5", "6"))
     batch = [_example(first, call), _example(first + call + suffix, answer)]
-    cfg = ModelConfig(
-        model_type="qwen2",
-        vocab_size=400,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        qkv_bias=True,
-        max_position_embeddings=256,
-        eos_token_id=stop[0],
-        pad_token_id=0,
-    )
+    cfg = ModelConfig(**SMALL, vocab_size=400, max_position_embeddings=256, eos_token_id=stop[0], pad_token_id=0)
     with_tokenizer = types.SimpleNamespace(save=lambda p: shutil.copytree(tok_dir, p, dirs_exist_ok=True))
     model = tmp_path_factory.mktemp(name) / "m"
     path = supervised(model, with_tokenizer, cfg, lambda rng: batch, steps=TOOL_WARM_STEPS, lr=1e-2, seed=0, log=None)

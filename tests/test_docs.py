@@ -4,7 +4,8 @@ exists.
 Flags come from the CLIs themselves: the usage block of ``python -m align.train --help`` (the flags generated from
 ``TrainConfig`` and its nested configs, so a renamed field shows up here) plus every string literal starting with
 ``--`` passed to ``add_argument`` in the other CLIs (an ``ast`` scan of align/, extras/, scripts/, benchmarks/;
-``action=BooleanOptionalAction`` adds the ``--no-`` form). Flags of external tools are the explicit allow-list
+``action=BooleanOptionalAction`` adds the ``--no-`` form), and the keywords of the benchmarks' ``numeric_flags``
+calls (``max_tokens=`` is ``--max-tokens``). Flags of external tools are the explicit allow-list
 ``EXTERNAL_FLAGS``. Paths: a token that starts with a top-level repo directory (``align/``, ``tests/``, ...) or a
 relative markdown link target; paths under a run directory (``runs/``, ``{out}/``, ``<out>/``) never match, since
 their first component is not a repo directory. Each check has a planted-violation negative control.
@@ -76,13 +77,17 @@ def help_flags(module: str) -> frozenset[str]:
 
 
 def add_argument_flags(source: str) -> set[str]:
-    """Every ``--flag`` string literal passed to an ``add_argument`` call in ``source`` (+ ``--no-`` forms)."""
+    """Every ``--flag`` string literal passed to an ``add_argument`` call in ``source`` (+ ``--no-`` forms), and the
+    flag of every keyword of a ``numeric_flags`` call (``benchmarks/common.py``)."""
     flags = set()
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, ast.Call):
             continue
         fn = node.func
-        if (fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", None)) != "add_argument":
+        name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", None)
+        if name == "numeric_flags":
+            flags.update("--" + kw.arg.replace("_", "-") for kw in node.keywords if kw.arg)
+        if name != "add_argument":
             continue
         names = [a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--")]
         flags.update(names)
@@ -167,6 +172,7 @@ def test_negative_control_unknown_flag_is_caught():
     assert {"--rollout-gpu", "--no-spawn-worker", "--eval-max-in-flight"} <= train_flags()
     assert {"--from-verified", "--train-on", "--per-problem-k"} <= help_flags("align.sft")
     assert {"--logprobs-mode", "--no-enforce-eager", "--corrections-from"} <= source_flags()
+    assert {"--decode-tokens", "--latency-requests"} <= source_flags()  # numeric_flags keywords (benchmarks)
     readme = (ROOT / "README.md").read_text()
     planted = readme + "\nRun it with `--rollout-gpus 1` and `--no-such-flag`.\n"
     assert set(unknown_flags(planted, known)) - set(unknown_flags(readme, known)) == {

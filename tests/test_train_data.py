@@ -8,7 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers_train import PROMPTS, TOK, a_reward, records
+from helpers_train import PROMPTS, TOK, a_reward, cfg_for, records
 
 from align.train import TrainConfig, train
 
@@ -222,17 +222,8 @@ def test_adv_refill_fills_the_step_with_groups_that_have_signal(tmp_path, char_m
     ]
 
     def run(out, refill):
-        cfg = TrainConfig(
-            out=str(out),
-            steps=3,
-            prompts_per_step=2,
-            group_size=4,
-            max_tokens=4,
-            warmup_steps=0,
-            adv_refill=refill,
-            max_refill_rounds=4,
-        )
-        cfg.eval.eval_interval = 0
+        # TrainConfig's own lr, not the small runs' 1e-2: the policy barely moves, so every step has var groups to find
+        cfg = cfg_for(out, steps=3, prompts_per_step=2, lr=TrainConfig.lr, adv_refill=refill, max_refill_rounds=4)
         cfg.log.log_completions_every = 1
         train(cfg, model=char_model, tokenizer=TOK, prompts=prompts, reward=reward)
         samples = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]

@@ -5,44 +5,37 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from align.options import flag_help as _h  # the one definition of a flag's help
+from align.options import flag  # the one definition of a flag's help
+from align.options import flag_help as _h
 
 ENV_REWARDS = ("last", "sum")
 
 
 @dataclass
 class EnvConfig:
-    env: str | None = field(
-        default=None,
-        metadata=_h(
-            "Multi-turn environment class, 'path/file.py:Class' or 'module:Class' (needs --train-data), or a "
-            "built-in by name (align.tasks.ENVIRONMENTS): 'tools' = the tool environment (with --tools); 'lean' = "
-            "the Lean prover environment (Goedel prompts, the Lean verifier: --lean-repl / --lean-server); "
-            "'multiturn' = the multiturn task's environment."
-        ),
+    env: str | None = flag(
+        None,
+        "Multi-turn environment class, 'path/file.py:Class' or 'module:Class' (needs --train-data), or a "
+        "built-in by name (align.tasks.ENVIRONMENTS): 'tools' = the tool environment (with --tools); 'lean' = "
+        "the Lean prover environment (Goedel prompts, the Lean verifier: --lean-repl / --lean-server); "
+        "'multiturn' = the multiturn task's environment.",
     )
-    max_turns: int = field(default=4, metadata=_h("With --env: at most this many policy turns per episode."))
-    max_episode_tokens: int = field(
-        default=0,
-        metadata=_h(
-            "With --env: tokens per episode after the first prompt, the policy's and the environment's "
-            "(0 = only the model's context bounds it)."
-        ),
+    max_turns: int = flag(4, "With --env: at most this many policy turns per episode.")
+    max_episode_tokens: int = flag(
+        0,
+        "With --env: tokens per episode after the first prompt, the policy's and the environment's "
+        "(0 = only the model's context bounds it).",
     )
-    env_timeout_s: float = field(default=60.0, metadata=_h("Max seconds per environment call (0 = no limit)."))
-    env_workers: int = field(
-        default=0,
-        metadata=_h(
-            "0 = environments run in this process; N >= 1 = N worker processes (JSON lines, each episode "
-            "sticky to one worker; a worker past --env-timeout-s is killed and replaced)."
-        ),
+    env_timeout_s: float = flag(60.0, "Max seconds per environment call (0 = no limit).")
+    env_workers: int = flag(
+        0,
+        "0 = environments run in this process; N >= 1 = N worker processes (JSON lines, each episode "
+        "sticky to one worker; a worker past --env-timeout-s is killed and replaced).",
     )
-    env_reward: str = field(
-        default="last",
-        metadata=_h(
-            "How per-turn environment rewards combine: 'last' (the last turn's) or 'sum'; --reward "
-            "functions, if given, score the final assistant message and add."
-        ),
+    env_reward: str = flag(
+        "last",
+        "How per-turn environment rewards combine: 'last' (the last turn's) or 'sum'; --reward "
+        "functions, if given, score the final assistant message and add.",
     )
     tools: list[str] = field(
         default_factory=list,
@@ -56,36 +49,27 @@ class EnvConfig:
         },
     )
 
-    agent: str | None = field(
-        default=None,
-        metadata=_h(
-            "An agent program, 'path/file.py:fn' or 'module:fn': fn(base_url, api_key, model, **row) -> float | dict "
-            "| None, run --group-size times per --train-data row against the OpenAI-compatible gateway "
-            "(align.gateway; docs/agent.md); its return value is the reward."
-        ),
+    agent: str | None = flag(
+        None,
+        "An agent program, 'path/file.py:fn' or 'module:fn': fn(base_url, api_key, model, **row) -> float | dict "
+        "| None, run --group-size times per --train-data row against the OpenAI-compatible gateway "
+        "(align.gateway; docs/agent.md); its return value is the reward.",
     )
-    agent_workers: int = field(default=0, metadata=_h("With --agent: threads running agents (0 = one per episode)."))
-    agent_timeout_s: float = field(
-        default=600.0, metadata=_h("With --agent: seconds a step waits for its agents (0 = no limit).")
+    agent_workers: int = flag(0, "With --agent: threads running agents (0 = one per episode).")
+    agent_timeout_s: float = flag(600.0, "With --agent: seconds a step waits for its agents (0 = no limit).")
+    gateway_max_body_mb: float = flag(8.0, "With --agent: the gateway's request body cap (MB).")
+    gateway_batch_ms: float = flag(
+        0.0,
+        "With --agent: requests arriving within this many ms of each other go out as one generate, sooner once "
+        "every running agent has one waiting (0 = one generate per request, draws reproducible).",
     )
-    gateway_max_body_mb: float = field(default=8.0, metadata=_h("With --agent: the gateway's request body cap (MB)."))
-    gateway_batch_ms: float = field(
-        default=0.0,
-        metadata=_h(
-            "With --agent: requests arriving within this many ms of each other go out as one generate, sooner once "
-            "every running agent has one waiting (0 = one generate per request, draws reproducible)."
-        ),
+    gateway_max_connections: int = flag(
+        512, "With --agent: open connections the gateway serves at once; one more gets a 503 and is closed."
     )
-    gateway_max_connections: int = field(
-        default=512,
-        metadata=_h("With --agent: open connections the gateway serves at once; one more gets a 503 and is closed."),
-    )
-    gateway_read_timeout_s: float = field(
-        default=30.0,
-        metadata=_h(
-            "With --agent: seconds a request's headers and body have to arrive in full, from its first byte (a "
-            "client that drips them is cut off)."
-        ),
+    gateway_read_timeout_s: float = flag(
+        30.0,
+        "With --agent: seconds a request's headers and body have to arrive in full, from its first byte (a "
+        "client that drips them is cut off).",
     )
 
     @property

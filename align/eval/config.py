@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from align.options import flag
 from align.rollout.protocol import SamplingParams
 
 OVERFLOW_POLICIES = ("backpressure", "skip")
@@ -24,75 +25,49 @@ OVERFLOW_POLICIES = ("backpressure", "skip")
 
 @dataclass
 class EvalConfig:
-    eval_interval: int = field(
-        default=0, metadata={"help": "Evaluate every N optimizer steps and at the final step (0 = no eval)."}
+    eval_interval: int = flag(0, "Evaluate every N optimizer steps and at the final step (0 = no eval).")
+    eval_num_gpus: int = flag(
+        0,
+        "Size of the dedicated eval fleet: >0 runs eval on its own rollout workers (CPU workers on a "
+        "machine without GPUs), synced only by loading exported snapshots, never by training weight sync; with "
+        "the Ray rollout fleet, Ray actors in its placement group's appended bundles. 0 = no fleet.",
     )
-    eval_num_gpus: int = field(
-        default=0,
-        metadata={
-            "help": "Size of the dedicated eval fleet: >0 runs eval on its own rollout workers (CPU workers on a "
-            "machine without GPUs), synced only by loading exported snapshots, never by training weight sync; with "
-            "the Ray rollout fleet, Ray actors in its placement group's appended bundles. 0 = no fleet."
-        },
+    eval_num_gpus_per_engine: int = flag(1, "GPUs per eval engine (tensor-parallel size); must divide --eval-num-gpus.")
+    eval_first_gpu: int | None = flag(
+        None,
+        "First GPU of the eval fleet (engine i uses the next --eval-num-gpus-per-engine GPUs); default: "
+        "the last --eval-num-gpus GPUs, past the training GPUs. Ignored without GPUs (CPU workers).",
     )
-    eval_num_gpus_per_engine: int = field(
-        default=1, metadata={"help": "GPUs per eval engine (tensor-parallel size); must divide --eval-num-gpus."}
+    eval_hf_dir: str | None = flag(
+        None,
+        "Staging dir for per-eval HF snapshots at {eval_hf_dir}/step_{N} (tmpfs recommended). Required "
+        "for snapshot eval (--eval-num-gpus or a CheckpointEvalFn); never the --save-hf dir.",
     )
-    eval_first_gpu: int | None = field(
-        default=None,
-        metadata={
-            "help": "First GPU of the eval fleet (engine i uses the next --eval-num-gpus-per-engine GPUs); default: "
-            "the last --eval-num-gpus GPUs, past the training GPUs. Ignored without GPUs (CPU workers)."
-        },
+    eval_max_in_flight: int = flag(2, "Max concurrently pending async evals.")
+    eval_overflow_policy: str = flag(
+        "backpressure",
+        "When a point is due with --eval-max-in-flight pending: 'backpressure' waits for the oldest, "
+        "'skip' drops the point and logs eval/skipped_busy. The final step is never dropped.",
     )
-    eval_hf_dir: str | None = field(
-        default=None,
-        metadata={
-            "help": "Staging dir for per-eval HF snapshots at {eval_hf_dir}/step_{N} (tmpfs recommended). Required "
-            "for snapshot eval (--eval-num-gpus or a CheckpointEvalFn); never the --save-hf dir."
-        },
+    eval_keep_snapshots: int = flag(2, "Settled snapshot dirs kept under --eval-hf-dir; older ones are deleted.")
+    eval_function_path: str | None = flag(
+        None,
+        "A CheckpointEvalFn subclass, 'package.module:ClassName' or 'path/to/file.py:ClassName', that "
+        "evaluates each snapshot on a backend you own. Mutually exclusive with --eval-num-gpus.",
     )
-    eval_max_in_flight: int = field(default=2, metadata={"help": "Max concurrently pending async evals."})
-    eval_overflow_policy: str = field(
-        default="backpressure",
-        metadata={
-            "help": "When a point is due with --eval-max-in-flight pending: 'backpressure' waits for the oldest, "
-            "'skip' drops the point and logs eval/skipped_busy. The final step is never dropped."
-        },
+    ci_test: bool = flag(False, "CI mode: any skipped or crashed eval point fails the run.")
+    eval_n: int = flag(1, "Samples per eval prompt (the n of pass@k / avg@k; replaces the eval set's n).")
+    eval_temperature: float | None = flag(None, "Eval sampling temperature (default: the eval set's; 0 = greedy).")
+    eval_max_tokens: int | None = flag(None, "Max new tokens per eval completion (default: the eval set's).")
+    eval_pass_reward: str | None = flag(
+        None,
+        "The --reward whose value > 0 makes an eval completion correct for pass@k (avg@n stays the mean "
+        "weighted total); 'total': the weighted sum > 0. Default: the one reward; required with several.",
     )
-    eval_keep_snapshots: int = field(
-        default=2, metadata={"help": "Settled snapshot dirs kept under --eval-hf-dir; older ones are deleted."}
-    )
-    eval_function_path: str | None = field(
-        default=None,
-        metadata={
-            "help": "A CheckpointEvalFn subclass, 'package.module:ClassName' or 'path/to/file.py:ClassName', that "
-            "evaluates each snapshot on a backend you own. Mutually exclusive with --eval-num-gpus."
-        },
-    )
-    ci_test: bool = field(default=False, metadata={"help": "CI mode: any skipped or crashed eval point fails the run."})
-    eval_n: int = field(
-        default=1, metadata={"help": "Samples per eval prompt (the n of pass@k / avg@k; replaces the eval set's n)."}
-    )
-    eval_temperature: float | None = field(
-        default=None, metadata={"help": "Eval sampling temperature (default: the eval set's; 0 = greedy)."}
-    )
-    eval_max_tokens: int | None = field(
-        default=None, metadata={"help": "Max new tokens per eval completion (default: the eval set's)."}
-    )
-    eval_pass_reward: str | None = field(
-        default=None,
-        metadata={
-            "help": "The --reward whose value > 0 makes an eval completion correct for pass@k (avg@n stays the mean "
-            "weighted total); 'total': the weighted sum > 0. Default: the one reward; required with several."
-        },
-    )
-    eval_timeout_s: float = field(
-        default=600.0,
-        metadata={
-            "help": "Timeout in seconds of one fleet operation (worker start, snapshot load, generate), or of one "
-            "CheckpointEvalFn call (past it the point is eval/skipped_timeout and training goes on)."
-        },
+    eval_timeout_s: float = flag(
+        600.0,
+        "Timeout in seconds of one fleet operation (worker start, snapshot load, generate), or of one "
+        "CheckpointEvalFn call (past it the point is eval/skipped_timeout and training goes on).",
     )
 
     def __post_init__(self) -> None:

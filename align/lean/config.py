@@ -11,74 +11,52 @@ import math
 import os
 import shlex
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from align.errors import InputError
 from align.lean.goedel import HEADER
 from align.lean.guards import DEFAULT_BANNED
-from align.options import flag_help as _h  # the one definition of a flag's help
+from align.options import flag  # the one definition of a flag's help
 
 
 @dataclass
 class LeanConfig:
-    repl: str = field(
-        default="",
-        metadata=_h(
-            "Command starting a Lean REPL (leanprover-community/repl: JSON on stdin/stdout), e.g. 'lake exe repl' "
-            "run in a Mathlib project (--lean-repl-cwd); one of --lean-repl / --lean-server."
-        ),
+    repl: str = flag(
+        "",
+        "Command starting a Lean REPL (leanprover-community/repl: JSON on stdin/stdout), e.g. 'lake exe repl' "
+        "run in a Mathlib project (--lean-repl-cwd); one of --lean-repl / --lean-server.",
     )
-    repl_cwd: str = field(default="", metadata=_h("Directory the --lean-repl command starts in ('' = here)."))
-    server: str = field(
-        default="",
-        metadata=_h("kimina-lean-server base URL (POST /verify), e.g. http://localhost:12332; or --lean-repl."),
+    repl_cwd: str = flag("", "Directory the --lean-repl command starts in ('' = here).")
+    server: str = flag("", "kimina-lean-server base URL (POST /verify), e.g. http://localhost:12332; or --lean-repl.")
+    workers: int = flag(4, "REPL processes in the pool, or concurrent server requests.")
+    max_uses: int = flag(200, "Restart a REPL process after this many proofs (0 = never; bounds its memory).")
+    timeout_s: float = flag(300.0, "Seconds one proof may take; past it the REPL's process group is killed.")
+    import_timeout_s: float = flag(600.0, "Seconds a fresh REPL may take to run the import header (Mathlib loads).")
+    memory_mb: int = flag(
+        0, "Restart a REPL process whose resident memory (its process group, /proc) passes this (0 = off)."
     )
-    workers: int = field(default=4, metadata=_h("REPL processes in the pool, or concurrent server requests."))
-    max_uses: int = field(
-        default=200, metadata=_h("Restart a REPL process after this many proofs (0 = never; bounds its memory).")
+    max_proof_chars: int = flag(20000, "A proof (the assembled Lean code) longer than this is rejected as too_long.")
+    banned: tuple[str, ...] = flag(
+        DEFAULT_BANNED,
+        "Comma list of words a proof may not contain (reason 'banned'; Lean that runs programs: 'runs_code', "
+        "'metaprogram', 'io'; see docs/lean.md); '' = none.",
     )
-    timeout_s: float = field(
-        default=300.0, metadata=_h("Seconds one proof may take; past it the REPL's process group is killed.")
+    allowed_axioms: tuple[str, ...] = flag(
+        ("propext", "Classical.choice", "Quot.sound"),
+        "Comma list: '#print axioms' of the theorem may list only these (reason 'axioms').",
     )
-    import_timeout_s: float = field(
-        default=600.0, metadata=_h("Seconds a fresh REPL may take to run the import header (Mathlib loads).")
+    format_gate: bool = flag(
+        True,
+        "Require exactly one lean4 code block in the answer (the text after the last </think>; "
+        "reason 'format'); --no-lean-format-gate takes Goedel's last block as it is.",
     )
-    memory_mb: int = field(
-        default=0,
-        metadata=_h("Restart a REPL process whose resident memory (its process group, /proc) passes this (0 = off)."),
+    header: str = flag(
+        HEADER, "The import header a fresh REPL runs once; its env is reused for every proof (Goedel's)."
     )
-    max_proof_chars: int = field(
-        default=20000, metadata=_h("A proof (the assembled Lean code) longer than this is rejected as too_long.")
-    )
-    banned: tuple[str, ...] = field(
-        default=DEFAULT_BANNED,
-        metadata=_h(
-            "Comma list of words a proof may not contain (reason 'banned'; Lean that runs programs: 'runs_code', "
-            "'metaprogram', 'io'; see docs/lean.md); '' = none."
-        ),
-    )
-    allowed_axioms: tuple[str, ...] = field(
-        default=("propext", "Classical.choice", "Quot.sound"),
-        metadata=_h("Comma list: '#print axioms' of the theorem may list only these (reason 'axioms')."),
-    )
-    format_gate: bool = field(
-        default=True,
-        metadata=_h(
-            "Require exactly one lean4 code block in the answer (the text after the last </think>; "
-            "reason 'format'); --no-lean-format-gate takes Goedel's last block as it is."
-        ),
-    )
-    header: str = field(
-        default=HEADER,
-        metadata=_h("The import header a fresh REPL runs once; its env is reused for every proof (Goedel's)."),
-    )
-    server_batch: int = field(default=8, metadata=_h("With --lean-server: at most this many proofs per POST /verify."))
-    retry_backoff_s: float = field(
-        default=1.0, metadata=_h("With --lean-server: seconds before the first retry, doubling after each.")
-    )
-    retries: int = field(
-        default=1,
-        metadata=_h("Retries of one proof after a REPL crash / bad JSON or a failed server request (with backoff)."),
+    server_batch: int = flag(8, "With --lean-server: at most this many proofs per POST /verify.")
+    retry_backoff_s: float = flag(1.0, "With --lean-server: seconds before the first retry, doubling after each.")
+    retries: int = flag(
+        1, "Retries of one proof after a REPL crash / bad JSON or a failed server request (with backoff)."
     )
 
     def __post_init__(self) -> None:

@@ -25,10 +25,10 @@ checks the corrected proof against the same statement with every guard. In a ste
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from align.options import flag_help as _h  # the one definition of a flag's help
+from align.options import flag  # the one definition of a flag's help
 
 CORRECTION_KEY = "lean_correction"  # a correction row's prompt: {"messages", "round"}
 STATE_KEY = "lean_corrections"
@@ -36,20 +36,16 @@ STATE_KEY = "lean_corrections"
 
 @dataclass
 class CorrectionConfig:
-    lean_correction_fraction: float = field(
-        default=0.0,
-        metadata=_h(
-            "With --env lean: this fraction of each step's prompts are Goedel correction prompts built from "
-            "earlier failed rollouts with compiler errors (the Kimina recipe; 0 = off)."
-        ),
+    lean_correction_fraction: float = flag(
+        0.0,
+        "With --env lean: this fraction of each step's prompts are Goedel correction prompts built from "
+        "earlier failed rollouts with compiler errors (the Kimina recipe; 0 = off).",
     )
-    lean_error_tokens: int = field(
-        default=0,
-        metadata=_h("With --env lean: cut Lean's error text in a correction prompt to this many tokens (0 = whole)."),
+    lean_error_tokens: int = flag(
+        0, "With --env lean: cut Lean's error text in a correction prompt to this many tokens (0 = whole)."
     )
-    lean_correction_max_age: int = field(
-        default=4,
-        metadata=_h("With --lean-correction-fraction: a failure may be drawn this many steps after it was made."),
+    lean_correction_max_age: int = flag(
+        4, "With --lean-correction-fraction: a failure may be drawn this many steps after it was made."
     )
 
     def __post_init__(self) -> None:

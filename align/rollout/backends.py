@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from align.options import flag_help as _h  # the one definition of a flag's help
+from align.options import flag  # the one definition of a flag's help
 
 log = logging.getLogger(__name__)
 
@@ -36,112 +36,78 @@ log = logging.getLogger(__name__)
 class RolloutConfig:
     """The rollout section of ``TrainConfig`` (its fields are flat there: ``--rollout``, ``--spool``, ...)."""
 
-    rollout: str = field(
-        default="native", metadata=_h("Rollout backend: 'native' (in-process) or 'spool' (vLLM worker).")
+    rollout: str = flag("native", "Rollout backend: 'native' (in-process) or 'spool' (vLLM worker).")
+    spool: str | None = flag(None, "Spool dir for --rollout spool (default {out}/spool).")
+    spawn_worker: bool = flag(True, "With --rollout spool, start the vLLM worker (else attach to a running one).")
+    rollout_gpu: int | None = flag(None, "GPU for the spawned vLLM worker (None = CPU build).")
+    rollout_gpu_memory_utilization: float | None = flag(
+        None,
+        "Fraction of the GPU's memory the spawned vLLM worker may take (vLLM's gpu_memory_utilization; None = "
+        "vLLM's 0.9). On the trainer's own GPU (--colocate) leave the rest to the trainer: e.g. 0.3.",
     )
-    spool: str | None = field(default=None, metadata=_h("Spool dir for --rollout spool (default {out}/spool)."))
-    spawn_worker: bool = field(
-        default=True, metadata=_h("With --rollout spool, start the vLLM worker (else attach to a running one).")
+    colocate: bool = flag(
+        False,
+        "The spawned vLLM worker shares the trainer's GPU (--rollout-gpu N, the same GPU): it sleeps (vLLM sleep "
+        "mode: weights offloaded to CPU, KV cache dropped) while the trainer updates and wakes before the next "
+        "weight sync. GPU only; synchronous (--max-async-steps 0), one worker.",
     )
-    rollout_gpu: int | None = field(default=None, metadata=_h("GPU for the spawned vLLM worker (None = CPU build)."))
-    rollout_gpu_memory_utilization: float | None = field(
-        default=None,
-        metadata=_h(
-            "Fraction of the GPU's memory the spawned vLLM worker may take (vLLM's gpu_memory_utilization; None = "
-            "vLLM's 0.9). On the trainer's own GPU (--colocate) leave the rest to the trainer: e.g. 0.3."
-        ),
+    rollout_sleep_level: int = flag(
+        1,
+        "vLLM sleep level with --colocate: 1 offloads the weights to CPU memory, 2 drops them (each wake is "
+        "followed by a weight sync, so needs --sync-every 1 and no LoRA).",
     )
-    colocate: bool = field(
-        default=False,
-        metadata=_h(
-            "The spawned vLLM worker shares the trainer's GPU (--rollout-gpu N, the same GPU): it sleeps (vLLM sleep "
-            "mode: weights offloaded to CPU, KV cache dropped) while the trainer updates and wakes before the next "
-            "weight sync. GPU only; synchronous (--max-async-steps 0), one worker."
-        ),
+    rollout_logprobs_mode: str = flag(
+        "raw",
+        "vLLM worker logprobs: 'raw' (before temperature; exact at T=1) or 'processed' (after temperature/top-p/top-k).",
     )
-    rollout_sleep_level: int = field(
-        default=1,
-        metadata=_h(
-            "vLLM sleep level with --colocate: 1 offloads the weights to CPU memory, 2 drops them (each wake is "
-            "followed by a weight sync, so needs --sync-every 1 and no LoRA)."
-        ),
+    rollout_in_process: bool = flag(
+        False,
+        "Run the spawned vLLM engine in the worker's own process (faster start on CPU; the default is vLLM's multiprocess engine).",
     )
-    rollout_logprobs_mode: str = field(
-        default="raw",
-        metadata=_h(
-            "vLLM worker logprobs: 'raw' (before temperature; exact at T=1) or 'processed' (after temperature/top-p/top-k)."
-        ),
+    rollout_timeout_s: float = flag(600.0, "Max seconds to wait for a rollout answer.")
+    rollout_num_engines: int = flag(
+        1, "vLLM engines behind the spool; > 1 runs them as Ray actors (extras/vllm_rollout/fleet.py)."
     )
-    rollout_in_process: bool = field(
-        default=False,
-        metadata=_h(
-            "Run the spawned vLLM engine in the worker's own process (faster start on CPU; the default is vLLM's multiprocess engine)."
-        ),
+    rollout_engine_restarts: int = flag(1, "With --rollout-num-engines > 1: restarts of dead engines, fleet total.")
+    rollout_ray: bool = flag(
+        False,
+        "Serve the spool with the Ray fleet even for one engine (implied by --rollout-num-engines > 1 or "
+        "--ray-address). With it, --eval-num-gpus engines are Ray actors in the same placement group's appended "
+        "bundles behind their own router, instead of separate spool workers.",
     )
-    rollout_timeout_s: float = field(default=600.0, metadata=_h("Max seconds to wait for a rollout answer."))
-    rollout_num_engines: int = field(
-        default=1,
-        metadata=_h("vLLM engines behind the spool; > 1 runs them as Ray actors (extras/vllm_rollout/fleet.py)."),
+    ray_address: str | None = flag(
+        None, "Ray cluster for the rollout fleet (multi-node; the run directory must be on a shared filesystem)."
     )
-    rollout_engine_restarts: int = field(
-        default=1, metadata=_h("With --rollout-num-engines > 1: restarts of dead engines, fleet total.")
+    sync_every: int = flag(1, "Publish weights to the spool worker every N optimizer steps.")
+    max_async_steps: int = flag(
+        0,
+        "Asynchronous rollouts: generate up to K steps ahead of the trainer; step t trains on rollouts of the weights after step max(0, t-1-K). 0 = synchronous.",
     )
-    rollout_ray: bool = field(
-        default=False,
-        metadata=_h(
-            "Serve the spool with the Ray fleet even for one engine (implied by --rollout-num-engines > 1 or "
-            "--ray-address). With it, --eval-num-gpus engines are Ray actors in the same placement group's appended "
-            "bundles behind their own router, instead of separate spool workers."
-        ),
+    max_inflight_requests: int | None = flag(
+        None,
+        "Max completions outstanding at the rollout engine per request (whole groups; a group is never split). None = one request per batch.",
     )
-    ray_address: str | None = field(
-        default=None,
-        metadata=_h(
-            "Ray cluster for the rollout fleet (multi-node; the run directory must be on a shared filesystem)."
-        ),
+    partial_rollouts: bool = flag(
+        False,
+        "Partial rollouts (needs --max-async-steps >= 1): a step's generate call holds the carried groups plus "
+        "fresh prompts (2x the groups it needs), stops at a token boundary once enough groups are complete, and "
+        "carries the rows still running (cut) into the next call, on newer weights. See docs/async.md.",
     )
-    sync_every: int = field(default=1, metadata=_h("Publish weights to the spool worker every N optimizer steps."))
-    max_async_steps: int = field(
-        default=0,
-        metadata=_h(
-            "Asynchronous rollouts: generate up to K steps ahead of the trainer; step t trains on rollouts of the weights after step max(0, t-1-K). 0 = synchronous."
-        ),
+    partial_prefill: str = flag(
+        "recompute",
+        "How a cut row resumes: 'recompute' (re-prefill prompt + its ids so far under the new weights). "
+        "'keep' (the old KV cache) is not built yet and refused.",
     )
-    max_inflight_requests: int | None = field(
-        default=None,
-        metadata=_h(
-            "Max completions outstanding at the rollout engine per request (whole groups; a group is never split). None = one request per batch."
-        ),
+    max_token_staleness: int | None = flag(
+        None,
+        "With --partial-rollouts: a completion holding a token sampled more than S versions before the step it "
+        "trains in is dropped (or masked, --stale-policy). >= --max-async-steps; None = no limit (a token's lag "
+        "is K plus the calls its group was carried).",
     )
-    partial_rollouts: bool = field(
-        default=False,
-        metadata=_h(
-            "Partial rollouts (needs --max-async-steps >= 1): a step's generate call holds the carried groups plus "
-            "fresh prompts (2x the groups it needs), stops at a token boundary once enough groups are complete, and "
-            "carries the rows still running (cut) into the next call, on newer weights. See docs/async.md."
-        ),
-    )
-    partial_prefill: str = field(
-        default="recompute",
-        metadata=_h(
-            "How a cut row resumes: 'recompute' (re-prefill prompt + its ids so far under the new weights). "
-            "'keep' (the old KV cache) is not built yet and refused."
-        ),
-    )
-    max_token_staleness: int | None = field(
-        default=None,
-        metadata=_h(
-            "With --partial-rollouts: a completion holding a token sampled more than S versions before the step it "
-            "trains in is dropped (or masked, --stale-policy). >= --max-async-steps; None = no limit (a token's lag "
-            "is K plus the calls its group was carried)."
-        ),
-    )
-    stale_policy: str = field(
-        default="drop",
-        metadata=_h(
-            "A stale completion (--max-token-staleness): 'drop' (its group is dropped before the call and a fresh "
-            "prompt takes its place) or 'mask' (it trains unscorable: no advantage, no loss)."
-        ),
+    stale_policy: str = flag(
+        "drop",
+        "A stale completion (--max-token-staleness): 'drop' (its group is dropped before the call and a fresh "
+        "prompt takes its place) or 'mask' (it trains unscorable: no advantage, no loss).",
     )
 
     def check_rollout(self) -> None:
@@ -236,13 +202,13 @@ class NativeBackend:
     TRAIN_DEFAULTS: ClassVar[dict[str, Any]] = {}  # its logprobs are the trainer's own: no off-policy correction
 
     def check(self, cfg: RolloutConfig) -> None:
-        for flag, value in (
+        for name, value in (
             ("--colocate", cfg.colocate),
             ("--rollout-gpu-memory-utilization", cfg.rollout_gpu_memory_utilization),
         ):
             if value:
                 raise ValueError(
-                    f"{flag} is for the vLLM worker (--rollout spool); the native sampler runs on the policy itself"
+                    f"{name} is for the vLLM worker (--rollout spool); the native sampler runs on the policy itself"
                 )
 
     def uses_ray(self, cfg: RolloutConfig) -> bool:

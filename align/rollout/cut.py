@@ -29,7 +29,7 @@ import itertools
 import time
 from typing import Any
 
-from align.rollout.message import _ID_RE, WorkerTooOldError, worker_minor
+from align.rollout.message import _ID_RE, WorkerTooOldError, worker_minor, worker_too_old
 from align.rollout.protocol import (
     Completion,
     Message,
@@ -44,13 +44,8 @@ CUT_MINOR = 2
 
 
 def too_old(root: object, minor: object) -> WorkerTooOldError:
-    from align.rollout.protocol import PROTOCOL, PROTOCOL_VERSION
-
-    return WorkerTooOldError(
-        f"the worker on spool {root} speaks {PROTOCOL} {PROTOCOL_VERSION}.{minor}; cutting requests in flight "
-        f"(partial rollouts) needs {PROTOCOL_VERSION}.{CUT_MINOR} or newer: restart the worker from this align "
-        "checkout (extras/vllm_rollout/rollout_worker.py), or run without partial rollouts"
-    )
+    needs = "cutting requests in flight (partial rollouts) needs"
+    return worker_too_old(root, minor, needs, CUT_MINOR, "run without partial rollouts")
 
 
 def cut_problem(body: dict) -> str | None:

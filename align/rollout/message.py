@@ -62,6 +62,15 @@ class WorkerTooOldError(RuntimeError):
     """The worker speaks an older minor version of the spool protocol than the request needs."""
 
 
+def worker_too_old(root: object, minor: object, needs: str, needed: int, otherwise: str) -> WorkerTooOldError:
+    """The error for the worker on spool ``root``, at ``minor``, below the ``needed`` minor of what ``needs`` says
+    (``"the score request ... needs"``); the fix: restart the worker from this checkout, or ``otherwise``."""
+    return WorkerTooOldError(
+        f"the worker on spool {root} speaks {PROTOCOL} {PROTOCOL_VERSION}.{minor}; {needs} {PROTOCOL_VERSION}.{needed} "
+        f"or newer: restart the worker from this align checkout (extras/vllm_rollout/rollout_worker.py), or {otherwise}"
+    )
+
+
 def worker_minor(hb: dict | None) -> int:
     """The minor protocol version a heartbeat announces (0 for a worker from before minor versions)."""
     minor = (hb or {}).get("minor", 0)

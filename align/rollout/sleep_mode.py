@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from align.rollout.protocol import PROTOCOL, PROTOCOL_VERSION, Message, new_id
-from align.rollout.teacher_logprobs import WorkerTooOldError, worker_minor
+from align.rollout.message import WorkerTooOldError, worker_minor, worker_too_old
+from align.rollout.protocol import Message, new_id
 
 SLEEP_MINOR = 3
 SLEEP_LEVELS = (1, 2)
@@ -66,8 +66,4 @@ def _ask(client: Any, msg: Message, expect: str) -> dict:
 
 
 def _too_old(root: object, minor: object) -> WorkerTooOldError:
-    return WorkerTooOldError(
-        f"the worker on spool {root} speaks {PROTOCOL} {PROTOCOL_VERSION}.{minor}; sleep / wake_up (--colocate) need "
-        f"{PROTOCOL_VERSION}.{SLEEP_MINOR} or newer: restart the worker from this align checkout "
-        "(extras/vllm_rollout/rollout_worker.py), or drop --colocate"
-    )
+    return worker_too_old(root, minor, "sleep / wake_up (--colocate) need", SLEEP_MINOR, "drop --colocate")

@@ -17,18 +17,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from align.rollout.message import WorkerTooOldError, worker_minor  # defined once, for score and cut
-from align.rollout.protocol import PROTOCOL, PROTOCOL_VERSION, Message, ProtocolError, _is_int, _is_logprob, new_id
+from align.rollout.message import WorkerTooOldError, worker_minor, worker_too_old  # defined once, for score and cut
+from align.rollout.protocol import Message, ProtocolError, _is_int, _is_logprob, new_id
 
 SCORE_MINOR = 1
 
 
 def too_old(root: object, minor: object) -> WorkerTooOldError:
-    return WorkerTooOldError(
-        f"the worker on spool {root} speaks {PROTOCOL} {PROTOCOL_VERSION}.{minor}; the score request (on-policy "
-        f"distillation's teacher logprobs) needs {PROTOCOL_VERSION}.{SCORE_MINOR} or newer: restart the worker from "
-        "this align checkout (extras/vllm_rollout/rollout_worker.py), or use the in-process teacher"
-    )
+    needs = "the score request (on-policy distillation's teacher logprobs) needs"
+    return worker_too_old(root, minor, needs, SCORE_MINOR, "use the in-process teacher")
 
 
 def score_problem(body: dict, vocab_size: int | None = None, max_len: int | None = None) -> str | None:

@@ -25,7 +25,8 @@ from align.lean.config import LeanConfig
 from align.lean.corrections import CorrectionConfig
 from align.lora import LoraConfig
 from align.moe import MoeConfig
-from align.options import flag_help as _h  # the one definition of a flag's help
+from align.options import flag  # the one definition of a flag's help
+from align.options import flag_help as _h
 from align.rewards import RewardConfig
 from align.rollout.backends import RolloutConfig
 from align.run.cli import from_dict
@@ -39,20 +40,16 @@ from align.run.watchdog import WatchdogConfig
 class OptimConfig:
     """The optimizer, its schedule and the non-finite guard: the settings ``align.train`` and ``align.sft`` share."""
 
-    warmup_steps: int = field(default=3, metadata=_h("Linear LR warm-up steps."))
-    lr_schedule: str = field(
-        default="constant", metadata=_h("After warm-up: 'constant', 'linear' or 'cosine' decay to min_lr_ratio.")
-    )
-    min_lr_ratio: float = field(default=0.1, metadata=_h("Final LR as a fraction of lr for linear/cosine."))
-    weight_decay: float = field(default=0.0, metadata=_h("AdamW weight decay."))
+    warmup_steps: int = flag(3, "Linear LR warm-up steps.")
+    lr_schedule: str = flag("constant", "After warm-up: 'constant', 'linear' or 'cosine' decay to min_lr_ratio.")
+    min_lr_ratio: float = flag(0.1, "Final LR as a fraction of lr for linear/cosine.")
+    weight_decay: float = flag(0.0, "AdamW weight decay.")
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.99], metadata=_h("AdamW betas."))
-    grad_clip: float = field(default=1.0, metadata=_h("Max global grad norm (0 = off)."))
-    max_nonfinite_steps: int = field(
-        default=3,
-        metadata=_h(
-            "Optimizer steps with a NaN/inf loss or gradient norm are skipped (no weight changes) and counted "
-            "(nonfinite_steps); the run stops with an error once this many were skipped."
-        ),
+    grad_clip: float = flag(1.0, "Max global grad norm (0 = off).")
+    max_nonfinite_steps: int = flag(
+        3,
+        "Optimizer steps with a NaN/inf loss or gradient norm are skipped (no weight changes) and counted "
+        "(nonfinite_steps); the run stops with an error once this many were skipped.",
     )
 
 
@@ -60,49 +57,32 @@ class OptimConfig:
 class ComputeConfig:
     """Where and how the model computes (device, precision, micro-batches, torchrun): shared with ``align.sft``."""
 
-    micro_batch_size: int = field(
-        default=64, metadata=_h("Completions per forward/backward; never changes the result.")
+    micro_batch_size: int = flag(64, "Completions per forward/backward; never changes the result.")
+    micro_batch_tokens: int = flag(
+        0,
+        "Token budget per forward/backward (rows sorted by length, padding counted); replaces --micro-batch-size when > 0; never changes the result.",
     )
-    micro_batch_tokens: int = field(
-        default=0,
-        metadata=_h(
-            "Token budget per forward/backward (rows sorted by length, padding counted); replaces --micro-batch-size when > 0; never changes the result."
-        ),
+    pack_sequences: bool = flag(
+        True,
+        "Learner forwards on packed rows: each group's prompt once, its completions after it, no padding (the same gradients); --no-pack-sequences pads every completion to its micro-batch's longest row.",
     )
-    pack_sequences: bool = field(
-        default=True,
-        metadata=_h(
-            "Learner forwards on packed rows: each group's prompt once, its completions after it, no padding (the same gradients); --no-pack-sequences pads every completion to its micro-batch's longest row."
-        ),
+    device: str = flag("auto", "Training device: auto (CUDA when available), cpu, cuda or cuda:N.")
+    precision: str = flag(
+        "auto",
+        "fp32, bf16-mixed (fp32 master weights, bf16 autocast) or bf16 (bf16 weights, fp32 AdamW moments); auto = bf16-mixed on CUDA, fp32 on CPU.",
     )
-    device: str = field(
-        default="auto", metadata=_h("Training device: auto (CUDA when available), cpu, cuda or cuda:N.")
+    gradient_checkpointing: bool = flag(False, "Recompute layer activations in backward.")
+    dist_timeout_s: float = flag(
+        600.0, "Under torchrun: seconds a collective waits for the other ranks before failing."
     )
-    precision: str = field(
-        default="auto",
-        metadata=_h(
-            "fp32, bf16-mixed (fp32 master weights, bf16 autocast) or bf16 (bf16 weights, fp32 AdamW moments); auto = bf16-mixed on CUDA, fp32 on CPU."
-        ),
+    dp_replicate: int = flag(1, "Under torchrun: HSDP replica groups (the world is dp_replicate x dp_shard ranks).")
+    dp_shard: int = flag(0, "Under torchrun: ranks each replica shards over (0: world size / dp_replicate).")
+    threads: int = flag(
+        0,
+        "torch CPU threads; 0 = auto: OMP_NUM_THREADS when set, else the CPUs this process may use (split between torchrun's local ranks).",
     )
-    gradient_checkpointing: bool = field(default=False, metadata=_h("Recompute layer activations in backward."))
-    dist_timeout_s: float = field(
-        default=600.0, metadata=_h("Under torchrun: seconds a collective waits for the other ranks before failing.")
-    )
-    dp_replicate: int = field(
-        default=1, metadata=_h("Under torchrun: HSDP replica groups (the world is dp_replicate x dp_shard ranks).")
-    )
-    dp_shard: int = field(
-        default=0, metadata=_h("Under torchrun: ranks each replica shards over (0: world size / dp_replicate).")
-    )
-    threads: int = field(
-        default=0,
-        metadata=_h(
-            "torch CPU threads; 0 = auto: OMP_NUM_THREADS when set, else the CPUs this process may use (split between torchrun's local ranks)."
-        ),
-    )
-    logprob_backend: str = field(
-        default="auto",
-        metadata=_h("Token logprob kernel: auto (triton on CUDA, chunked torch elsewhere), torch, triton, reference."),
+    logprob_backend: str = flag(
+        "auto", "Token logprob kernel: auto (triton on CUDA, chunked torch elsewhere), torch, triton, reference."
     )
 
 
@@ -110,97 +90,66 @@ class ComputeConfig:
 class SaveConfig:
     """Nucleus / top-k sampling, checkpoints and the ``--save-hf`` export: shared with ``align.sft``."""
 
-    top_p: float = field(default=1.0, metadata=_h("Nucleus sampling mass."))
-    top_k: int = field(default=0, metadata=_h("Top-k sampling (0 = off)."))
-    checkpoint_every: int = field(
-        default=20, metadata=_h("Checkpoint every N steps (and at the end); 0 = only at the end.")
+    top_p: float = flag(1.0, "Nucleus sampling mass.")
+    top_k: int = flag(0, "Top-k sampling (0 = off).")
+    checkpoint_every: int = flag(20, "Checkpoint every N steps (and at the end); 0 = only at the end.")
+    keep_checkpoints: int = flag(2, "Keep the last K checkpoints.")
+    save_hf: str | None = flag(
+        None,
+        "Also export the final model as an HF dir here (replaced by atomic rename; refuses a non-empty dir that is not an export of this run; LoRA: the PEFT adapter dir).",
     )
-    keep_checkpoints: int = field(default=2, metadata=_h("Keep the last K checkpoints."))
-    save_hf: str | None = field(
-        default=None,
-        metadata=_h(
-            "Also export the final model as an HF dir here (replaced by atomic rename; refuses a non-empty dir that is not an export of this run; LoRA: the PEFT adapter dir)."
-        ),
+    overwrite: bool = flag(False, "Let --save-hf replace a non-empty dir that is not an earlier export of this run.")
+    resume_from: str | None = flag(
+        None, "Resume from this committed checkpoint ('step_N') instead of the latest; later ones are moved aside."
     )
-    overwrite: bool = field(
-        default=False, metadata=_h("Let --save-hf replace a non-empty dir that is not an earlier export of this run.")
-    )
-    resume_from: str | None = field(
-        default=None,
-        metadata=_h(
-            "Resume from this committed checkpoint ('step_N') instead of the latest; later ones are moved aside."
-        ),
-    )
-    merge_lora: bool = field(
-        default=False, metadata=_h("With LoRA, --save-hf writes a merged full HF checkpoint instead of the adapter.")
-    )
+    merge_lora: bool = flag(False, "With LoRA, --save-hf writes a merged full HF checkpoint instead of the adapter.")
 
 
 @dataclass
 class TrainConfig(RolloutConfig, SaveConfig, ComputeConfig, OptimConfig, WatchdogConfig):
     """Every setting of a run; the rollout section (``--rollout``, ``--spool``, ...) is ``RolloutConfig``'s, flat."""
 
-    out: str = field(default="runs/reverse", metadata=_h("Run directory: config, metrics, checkpoints, plot."))
-    model: str | None = field(
-        default=None,
-        metadata=_h("HF checkpoint dir (Llama/Qwen2/Qwen3). None: the built-in task's warm-started model."),
+    out: str = flag("runs/reverse", "Run directory: config, metrics, checkpoints, plot.")
+    model: str | None = flag(
+        None, "HF checkpoint dir (Llama/Qwen2/Qwen3). None: the built-in task's warm-started model."
     )
-    task: str = field(
-        default="reverse", metadata=_h("Built-in task used when no prompts/reward are passed ('reverse').")
+    task: str = flag("reverse", "Built-in task used when no prompts/reward are passed ('reverse').")
+    seed: int = flag(0, "Seed for data order, sampling and init.")
+    steps: int = flag(100, "Optimizer steps.")
+    epochs: float = flag(
+        0.0,
+        "Passes over the training prompts (TRL num_train_epochs); sets --steps to ceil(epochs x prompts / "
+        "--prompts-per-step) once the data is read. 0 = use --steps.",
     )
-    seed: int = field(default=0, metadata=_h("Seed for data order, sampling and init."))
-    steps: int = field(default=100, metadata=_h("Optimizer steps."))
-    epochs: float = field(
-        default=0.0,
-        metadata=_h(
-            "Passes over the training prompts (TRL num_train_epochs); sets --steps to ceil(epochs x prompts / "
-            "--prompts-per-step) once the data is read. 0 = use --steps."
-        ),
+    prompts_per_step: int = flag(32, "Prompts per step (each sampled group_size times).")
+    group_size: int = flag(8, "Completions per prompt (G).")
+    max_tokens: int = flag(256, "Max new tokens per completion (TRL's default).")
+    min_p: float = flag(0.0, "Min-p sampling: drop tokens below min_p x the top one's (0 = off).")
+    repetition_penalty: float = flag(
+        1.0, "vLLM's repetition penalty on tokens already seen (1 = off; > 1 discourages)."
     )
-    prompts_per_step: int = field(default=32, metadata=_h("Prompts per step (each sampled group_size times)."))
-    group_size: int = field(default=8, metadata=_h("Completions per prompt (G)."))
-    max_tokens: int = field(default=256, metadata=_h("Max new tokens per completion (TRL's default)."))
-    min_p: float = field(default=0.0, metadata=_h("Min-p sampling: drop tokens below min_p x the top one's (0 = off)."))
-    repetition_penalty: float = field(
-        default=1.0, metadata=_h("vLLM's repetition penalty on tokens already seen (1 = off; > 1 discourages).")
+    temperature: float = flag(1.0, "Sampling temperature (also the training logprob basis).")
+    behaviour_logprobs: str = flag(
+        "sampled",
+        "Sampler logprob used as mu for rho: 'sampled' (the truncated distribution actually sampled from) or 'full' (full-vocabulary).",
     )
-    temperature: float = field(default=1.0, metadata=_h("Sampling temperature (also the training logprob basis)."))
-    behaviour_logprobs: str = field(
-        default="sampled",
-        metadata=_h(
-            "Sampler logprob used as mu for rho: 'sampled' (the truncated distribution actually sampled from) or 'full' (full-vocabulary)."
-        ),
+    lr: float = flag(1e-6, "Peak AdamW learning rate (full fine-tuning of a 0.5B-8B model; LoRA: ~1e-5).")
+    updates_per_batch: int = flag(
+        1, "Passes over each batch (PPO epochs, TRL num_iterations); old logprobs are computed once before the first."
     )
-    lr: float = field(
-        default=1e-6, metadata=_h("Peak AdamW learning rate (full fine-tuning of a 0.5B-8B model; LoRA: ~1e-5).")
+    mini_batches: int = flag(1, "Optimizer steps per pass: the batch is split into this many mini-batches.")
+    dtype: str | None = flag(None, "Deprecated alias of --precision: float32 = fp32, bfloat16 = bf16.")
+    eval_prompts: int = flag(200, "Held-out prompts of the built-in task for eval.")
+    warm_start_steps: int = flag(800, "Supervised warm-start steps of the built-in task's model.")
+    preset: str = flag(
+        "none",
+        f"Loss + advantage options of one algorithm: {', '.join(PRESET_NAMES)}; explicit flags / --config keys win. Applied by the CLI; in Python use align.run.presets.build.",
     )
-    updates_per_batch: int = field(
-        default=1,
-        metadata=_h(
-            "Passes over each batch (PPO epochs, TRL num_iterations); old logprobs are computed once before the first."
-        ),
+    adv_refill: bool = flag(
+        False,
+        "DAPO dynamic sampling: sample more prompts until --prompts-per-step groups have non-zero reward variance (at most --max-refill-rounds extra rounds).",
     )
-    mini_batches: int = field(
-        default=1, metadata=_h("Optimizer steps per pass: the batch is split into this many mini-batches.")
-    )
-    dtype: str | None = field(
-        default=None, metadata=_h("Deprecated alias of --precision: float32 = fp32, bfloat16 = bf16.")
-    )
-    eval_prompts: int = field(default=200, metadata=_h("Held-out prompts of the built-in task for eval."))
-    warm_start_steps: int = field(default=800, metadata=_h("Supervised warm-start steps of the built-in task's model."))
-    preset: str = field(
-        default="none",
-        metadata=_h(
-            f"Loss + advantage options of one algorithm: {', '.join(PRESET_NAMES)}; explicit flags / --config keys win. Applied by the CLI; in Python use align.run.presets.build."
-        ),
-    )
-    adv_refill: bool = field(
-        default=False,
-        metadata=_h(
-            "DAPO dynamic sampling: sample more prompts until --prompts-per-step groups have non-zero reward variance (at most --max-refill-rounds extra rounds)."
-        ),
-    )
-    max_refill_rounds: int = field(default=4, metadata=_h("Max extra sampling rounds per step with --adv-refill."))
+    max_refill_rounds: int = flag(4, "Max extra sampling rounds per step with --adv-refill.")
     data: DataConfig = field(default_factory=DataConfig)
     rewards: RewardConfig = field(default_factory=RewardConfig)
     log: LogConfig = field(default_factory=LogConfig)

@@ -9,11 +9,12 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from align.atomic import atomic_write_text
+from align.options import flag
 
 LINE_KEYS = ("reward_mean", "loss", "kl", "entropy", "completion_len_mean", "tokens_per_s", "step_time")
 
@@ -102,25 +103,18 @@ class Progress:
 
 @dataclass
 class LogConfig:
-    log_completions_every: int = field(
-        default=10,
-        metadata={
-            "help": "Every N steps append a few groups (prompt, completions, rewards, advantages, lengths) to {out}/completions.jsonl; 0 = off."
-        },
+    log_completions_every: int = flag(
+        10,
+        "Every N steps append a few groups (prompt, completions, rewards, advantages, lengths) to {out}/completions.jsonl; 0 = off.",
     )
-    log_completions_groups: int = field(default=4, metadata={"help": "Groups per --log-completions-every sample."})
-    log_token_ids: bool = field(
-        default=False,
-        metadata={
-            "help": "completions.jsonl also carries each completion's token ids, their text pieces and its mask (True = "
-            "a policy token the loss trains on; False = an environment token), for python -m align.report."
-        },
+    log_completions_groups: int = flag(4, "Groups per --log-completions-every sample.")
+    log_token_ids: bool = flag(
+        False,
+        "completions.jsonl also carries each completion's token ids, their text pieces and its mask (True = "
+        "a policy token the loss trains on; False = an environment token), for python -m align.report.",
     )
-    logger: str = field(
-        default="none",
-        metadata={
-            "help": "Also send metrics to 'wandb' or 'tensorboard' (optional packages); metrics.jsonl stays the record."
-        },
+    logger: str = flag(
+        "none", "Also send metrics to 'wandb' or 'tensorboard' (optional packages); metrics.jsonl stays the record."
     )
 
     def __post_init__(self) -> None:

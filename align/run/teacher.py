@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from align.errors import InputError
-from align.options import flag_help as _h  # the one definition of a flag's help
+from align.options import flag  # the one definition of a flag's help
 
 SAMPLE_TEXTS = ("Hello, world!", " The answer is 42.", "a b\tc\n\nd", "x = f(y) + 3 * z", "ünïcødé ✓ 你好", "cabd=")
 TEACHER_SPOOL = "teacher_spool"  # under --out
@@ -37,25 +37,19 @@ TEACHER_SPOOL = "teacher_spool"  # under --out
 
 @dataclass
 class DistillConfig:
-    teacher: str | None = field(
-        default=None,
-        metadata=_h(
-            "On-policy distillation: HF checkpoint dir of a teacher with the student's tokenizer; adds "
-            "--teacher-coef * -(log mu - log pi_teacher) to each sampled token's advantage (reverse KL)."
-        ),
+    teacher: str | None = flag(
+        None,
+        "On-policy distillation: HF checkpoint dir of a teacher with the student's tokenizer; adds "
+        "--teacher-coef * -(log mu - log pi_teacher) to each sampled token's advantage (reverse KL).",
     )
-    teacher_coef: float = field(default=1.0, metadata=_h("Weight of the teacher's per-token reverse-KL signal."))
-    distill_only: bool = field(
-        default=False, metadata=_h("Train on the teacher signal alone: no reward is computed for the rollouts.")
+    teacher_coef: float = flag(1.0, "Weight of the teacher's per-token reverse-KL signal.")
+    distill_only: bool = flag(False, "Train on the teacher signal alone: no reward is computed for the rollouts.")
+    teacher_worker: bool = flag(
+        False,
+        "Score with a vLLM worker serving --teacher on {out}/teacher_spool (score requests, vLLM prompt_logprobs) "
+        "instead of a frozen copy in this process; needs --temperature 1.",
     )
-    teacher_worker: bool = field(
-        default=False,
-        metadata=_h(
-            "Score with a vLLM worker serving --teacher on {out}/teacher_spool (score requests, vLLM prompt_logprobs) "
-            "instead of a frozen copy in this process; needs --temperature 1."
-        ),
-    )
-    teacher_gpu: int | None = field(default=None, metadata=_h("GPU of the --teacher-worker (None = CPU build)."))
+    teacher_gpu: int | None = flag(None, "GPU of the --teacher-worker (None = CPU build).")
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.teacher_coef) and self.teacher_coef >= 0):

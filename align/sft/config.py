@@ -18,7 +18,8 @@ from typing import Any
 from align.data import DataConfig
 from align.eval.config import EvalConfig
 from align.lora import LoraConfig
-from align.options import flag_help as _h  # the one definition of a flag's help
+from align.options import flag  # the one definition of a flag's help
+from align.options import flag_help as _h
 from align.rewards import RewardConfig
 from align.run.cli import from_dict
 from align.run.config import ComputeConfig, OptimConfig, SaveConfig, TrainConfig
@@ -37,23 +38,17 @@ def shared(cls: type, name: str, **metadata: Any) -> Any:
 
 @dataclass
 class SFTDataConfig:
-    train_data: str | None = field(
-        default=None,
-        metadata=_h(
-            "SFT rows: a .jsonl or .parquet file, each row 'messages' (a chat; its assistant turns are the targets) "
-            "or 'prompt' + 'completion' (a string prompt or a chat list, and the assistant's text)."
-        ),
+    train_data: str | None = flag(
+        None,
+        "SFT rows: a .jsonl or .parquet file, each row 'messages' (a chat; its assistant turns are the targets) "
+        "or 'prompt' + 'completion' (a string prompt or a chat list, and the assistant's text).",
     )
-    eval_data: str | None = field(
-        default=None,
-        metadata=_h("Held-out rows, same format: eval/loss; with --reward also sampled pass@k on their prompts."),
+    eval_data: str | None = flag(
+        None, "Held-out rows, same format: eval/loss; with --reward also sampled pass@k on their prompts."
     )
     tokenizer: str | None = shared(DataConfig, "tokenizer")
-    train_on: str = field(
-        default="all",
-        metadata=_h(
-            "Which assistant turns of a 'messages' row are targets: 'all', or 'last' (earlier ones are context)."
-        ),
+    train_on: str = flag(
+        "all", "Which assistant turns of a 'messages' row are targets: 'all', or 'last' (earlier ones are context)."
     )
     from_verified: list[str] = field(
         default_factory=list,
@@ -63,9 +58,8 @@ class SFTDataConfig:
             "re-tokenized. Replaces --train-data."
         ),
     )
-    per_problem_k: int = field(
-        default=4,
-        metadata=_h("With --from-verified: at most this many verified samples per problem, distinct proofs (0 = all)."),
+    per_problem_k: int = flag(
+        4, "With --from-verified: at most this many verified samples per problem, distinct proofs (0 = all)."
     )
 
     def __post_init__(self) -> None:
@@ -87,20 +81,13 @@ class SFTConfig(SaveConfig, ComputeConfig, OptimConfig):
     """Every setting of an SFT run; the sections it shares with ``TrainConfig`` are the same dataclasses (the
     optimizer, compute and save settings as bases, flat; ``lora``, ``eval``, ``rewards``, ``log`` nested)."""
 
-    out: str = field(default="runs/sft", metadata=_h("Run directory: config, metrics, checkpoints, plot."))
-    model: str | None = field(default=None, metadata=_h("HF checkpoint dir to fine-tune (Llama/Qwen2/Qwen3)."))
-    seed: int = field(
-        default=0, metadata=_h("Seed for the data order (a shuffle per epoch), eval sampling, LoRA init.")
-    )
-    epochs: int = field(default=1, metadata=_h("Passes over the training rows (each one in its own shuffled order)."))
-    batch_size: int = field(
-        default=32,
-        metadata=_h("Rows per optimizer step, at most the training rows (the last step takes what is left)."),
-    )
-    steps: int = field(
-        default=0, metadata=_h("Optimizer steps; 0 = --epochs passes over the rows (ceil(epochs * rows / batch)).")
-    )
-    lr: float = field(default=1e-4, metadata=_h("Peak AdamW learning rate."))
+    out: str = flag("runs/sft", "Run directory: config, metrics, checkpoints, plot.")
+    model: str | None = flag(None, "HF checkpoint dir to fine-tune (Llama/Qwen2/Qwen3).")
+    seed: int = flag(0, "Seed for the data order (a shuffle per epoch), eval sampling, LoRA init.")
+    epochs: int = flag(1, "Passes over the training rows (each one in its own shuffled order).")
+    batch_size: int = flag(32, "Rows per optimizer step, at most the training rows (the last step takes what is left).")
+    steps: int = flag(0, "Optimizer steps; 0 = --epochs passes over the rows (ceil(epochs * rows / batch)).")
+    lr: float = flag(1e-4, "Peak AdamW learning rate.")
     micro_batch_size: int = shared(
         TrainConfig, "micro_batch_size", help="Rows per forward/backward; never changes the result."
     )
@@ -112,8 +99,8 @@ class SFTConfig(SaveConfig, ComputeConfig, OptimConfig):
         "target share one copy of it), no padding (the same loss and gradients); "
         "--no-pack-sequences pads every row to its micro-batch's longest.",
     )
-    max_tokens: int = field(default=10, metadata=_h("Max new tokens per eval completion (pass@k with --reward)."))
-    temperature: float = field(default=1.0, metadata=_h("Eval sampling temperature (--eval-temperature wins)."))
+    max_tokens: int = flag(10, "Max new tokens per eval completion (pass@k with --reward).")
+    temperature: float = flag(1.0, "Eval sampling temperature (--eval-temperature wins).")
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     rewards: RewardConfig = field(default_factory=RewardConfig)
     log: LogConfig = field(default_factory=LogConfig)
