@@ -24,6 +24,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from common import hf_sample
+
 from align.model import ModelConfig, Transformer, load_pretrained, save_pretrained
 from align.rollout import graph_decode
 from align.rollout.native import generate
@@ -58,20 +60,7 @@ def bench(batch: int, ours, hf, cfg: ModelConfig, plen: int, new: int, repeats: 
         assert all(len(c.token_ids) == new for c in outs)
 
     def hf_once():
-        with torch.no_grad():
-            ids = prompts.cuda()
-            out = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                top_p=1.0,
-                max_new_tokens=new,
-                min_new_tokens=new,
-                pad_token_id=0,
-            )
-        assert out.shape[1] == plen + new
+        hf_sample(hf, prompts.cuda(), new)
 
     engines = {"graph": lambda: native(True), "eager": lambda: native(False), "transformers": hf_once}
     for fn in engines.values():  # warm-up (the graph's capture happens here)

@@ -33,6 +33,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from common import hf_sample
+
 from align.model import ModelConfig, Transformer, load_pretrained, save_pretrained
 from align.rollout import cpu_kernel, native
 from align.rollout.native import generate, packed_weights
@@ -181,19 +183,7 @@ def bench_shape(name: str, repeats: int, peak: float) -> None:
         assert all(len(c.token_ids) == new for c in outs)
 
     def hf_once():
-        with torch.no_grad():
-            out = hf.generate(
-                prompts,
-                attention_mask=torch.ones_like(prompts),
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                top_p=1.0,
-                max_new_tokens=new,
-                min_new_tokens=new,
-                pad_token_id=0,
-            )
-        assert out.shape[1] == plen + new
+        hf_sample(hf, prompts, new)
 
     engines = {"native": native_once, "transformers": hf_once}
     if cpu_kernel.load() is not None:  # the same sampler on the library layouts, paired: what the kernel gains

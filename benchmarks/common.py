@@ -17,3 +17,23 @@ def numeric_flags(p: argparse.ArgumentParser, /, **defaults: float) -> None:
         if type(default) not in (int, float):
             raise TypeError(f"numeric_flags: {name}={default!r} is not an int or a float")
         p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
+
+
+def hf_sample(hf, prompts, new: int) -> None:
+    """transformers' ``generate`` as the peer of a native-sampler timing: ``prompts`` (B, P) ids on ``hf``'s device,
+    sampled at T = 1 with no truncation, exactly ``new`` tokens per row."""
+    import torch
+
+    with torch.no_grad():
+        out = hf.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            pad_token_id=0,
+        )
+    assert out.shape[1] == prompts.shape[1] + new
