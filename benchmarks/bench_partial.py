@@ -28,7 +28,7 @@ lags.
 needs a head size of 32 or more, so the length sampler is 1 x 128 there (``--hidden`` overrides). With the spool the
 cut is the worker's ``cut`` request and a carried row resumes as prompt + ids so far (prefix cache). ``--async-steps
 K`` (default 1) sets ``--max-async-steps`` for both settings; ``--pool-factor F`` the pool a partial call holds (F x
-the groups a step needs; ``align.rollout.partial.POOL_FACTOR``, 2).
+the groups a step needs: ``--partial-pool-factor``, default 2).
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def sampler_alone(client, args: argparse.Namespace) -> tuple[float, float, float
                 [encoded[(t * args.prompts + i) % 64] for i in range(args.prompts)], replace(params, seed=t)
             )
         plain.append((time.perf_counter() - t0) / args.steps)
-        carry, drawn = partial.Carry(args.group_size, None, "drop"), [0]
+        carry, drawn = partial.Carry(args.group_size, None, "drop", pool_factor=args.pool_factor), [0]
 
         def next_prompts(k: int, drawn: list[int] = drawn) -> list[int]:
             drawn[0] += k
@@ -149,7 +149,7 @@ def sampler_alone(client, args: argparse.Namespace) -> tuple[float, float, float
         part.append((time.perf_counter() - t0) / args.steps)
         t0 = time.perf_counter()
         for t in range(args.steps):
-            B2 = partial.POOL_FACTOR * args.prompts
+            B2 = args.pool_factor * args.prompts
             client.generate([encoded[(t * B2 + i) % 64] for i in range(B2)], replace(params, seed=t))
         double.append((time.perf_counter() - t0) / args.steps)
     return tuple(sorted(x)[len(x) // 2] for x in (plain, part, double))
@@ -247,7 +247,6 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="runs per setting (interleaved); the median is printed")
     args = ap.parse_args()
     args.hidden = args.hidden or (128 if args.backend == "spool" else 16)
-    partial.POOL_FACTOR = args.pool_factor  # align.rollout.partial's constant (the Carry reads it per call)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as d, contextlib.ExitStack() as stack:
         tmp = Path(d)
@@ -258,7 +257,7 @@ def main() -> None:
         gen, cut, gen2 = sampler_alone(client, args)
         print(
             f"sampler alone, s/step of {args.prompts} groups of {args.group_size}: generate {gen:.3f}, partial "
-            f"{cut:.3f} ({gen / cut:.2f}x); generate of {partial.POOL_FACTOR * args.prompts} groups to the end "
+            f"{cut:.3f} ({gen / cut:.2f}x); generate of {args.pool_factor * args.prompts} groups to the end "
             f"{gen2:.3f} ({gen2 / gen:.2f}x the rows' cost)"
         )
         lags: Counter = Counter()
@@ -267,7 +266,7 @@ def main() -> None:
         for i in range(args.repeats):  # interleaved, alternating order: a load change on the machine hits both alike
             order = ("without", "--partial-rollouts") if i % 2 == 0 else ("--partial-rollouts", "without")
             for name in order:
-                kw = {"partial_rollouts": True} if name != "without" else {}
+                kw = {"partial_rollouts": True, "partial_pool_factor": args.pool_factor} if name != "without" else {}
                 runs[name].append(run(f"{name.strip('-')}{i}", args, model, tmp, lags if kw else Counter(), **kw))
     base, part = (median_run(runs[k]) for k in runs)
     print(

@@ -152,6 +152,25 @@ def test_the_carry_drops_stale_groups_and_refills_from_fresh_prompts(versions):
     assert late.dropped == 6 and len(drawn) - before == 4  # both carried groups gone, the pool refilled fresh
 
 
+def test_the_pool_factor_sets_how_many_groups_a_call_holds(versions):
+    """--partial-pool-factor F: a call with nothing carried holds F x the groups the step needs (default 2)."""
+    for kw, want in (({}, 2), ({"pool_factor": 3}, 3)):
+        drawn: list[int] = []
+        seen: list[int] = []
+
+        def next_prompts(k, drawn=drawn):
+            drawn.extend(range(len(drawn), len(drawn) + k))
+            return drawn[-k:]
+
+        def prompt_of(i, seen=seen):
+            seen.append(i)
+            return ENCODED[i]
+
+        rows, comps = Carry(3, None, "drop", **kw).draw(1, 1, next_prompts, prompt_of, PARAMS, client(versions[0], 0))
+        assert drawn == list(range(want)) and sorted(set(seen)) == drawn  # the call held F groups
+        assert len(rows) == 1 and len(comps) == 3 and all(c.finish_reason != "cut" for c in comps)
+
+
 def test_mask_policy_makes_stale_completions_unscorable():
     old = Completion(0, 0, [3, 4], [-1.0, -1.0], "stop", token_versions=[0, 1])
     new = Completion(0, 1, [3], [-1.0], "stop", weights_version=2)
@@ -239,6 +258,7 @@ def test_resume_continues_from_the_carried_groups(tmp_path, char_model, partial_
         ({"partial_rollouts": True, "max_async_steps": 2, "max_token_staleness": 1}, "below --max-async-steps 2"),
         ({"stale_policy": "keep"}, "--stale-policy must be one of"),
         ({"partial_prefill": "nope"}, "--partial-prefill must be one of"),
+        ({"partial_pool_factor": 1}, "--partial-pool-factor must be an int >= 2"),
         ({"partial_rollouts": True, "max_async_steps": 1, "partial_prefill": "keep"}, "not built"),
         ({"partial_rollouts": True, "max_async_steps": 1, "rollout": "spool", "rollout_num_engines": 2}, "Ray fleet"),
         ({"partial_rollouts": True, "max_async_steps": 1, "max_inflight_requests": 8}, "--max-inflight-requests"),

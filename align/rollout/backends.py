@@ -117,8 +117,17 @@ class RolloutConfig:
         default=False,
         metadata=_h(
             "Partial rollouts (needs --max-async-steps >= 1): a step's generate call holds the carried groups plus "
-            "fresh prompts (2x the groups it needs), stops at a token boundary once enough groups are complete, and "
-            "carries the rows still running (cut) into the next call, on newer weights. See docs/async.md."
+            "fresh prompts (--partial-pool-factor x the groups it needs), stops at a token boundary once enough "
+            "groups are complete, and carries the rows still running (cut) into the next call, on newer weights. "
+            "See docs/async.md."
+        ),
+    )
+    partial_pool_factor: int = field(
+        default=2,
+        metadata=_h(
+            "With --partial-rollouts: a step's generate call holds this many times the groups the step needs "
+            "(carried first, then fresh prompts) and stops once enough are complete. Larger: shorter calls, more rows "
+            "and staler tokens (docs/performance.md#partial-rollouts)."
         ),
     )
     partial_prefill: str = field(
