@@ -2,7 +2,7 @@
 without them, side by side in one run, on completions with a long-tailed length distribution; and the token-lag
 histogram of the partial run.
 
-    .venv/bin/python benchmarks/bench_partial.py [--steps 12] [--prompts 8] [--group-size 4]
+    .venv/bin/python benchmarks/bench_partial.py [--steps 12] [--prompts 8] [--group-size 4] [--backend spool]
 
 The length sampler: a policy whose next-token distribution is a Markov chain on the last token (decoder layers
 whose output projections start at zero, so the residual stream is the one-hot embedding, which the final norm
@@ -18,14 +18,25 @@ The reward: 1 when the completion's last token before <eos> is ``c`` (pass@1 ~ 0
 seeds; only --partial-rollouts differs (a short warm-up run first; then --repeats runs of each, interleaved in
 alternating order; the median of each figure). Printed: steps/s over the steps after the first, the generator's idle
 fraction (its wait for the trainer / the loop time), the producer's generate + score seconds per step
-(``rollout_time``), held-out pass@1 after the last step, the ratios, and the histogram of the partial runs' token
+(``rollout_time``), the trainer's wait fraction (blocked on its batch / the loop time) and its own seconds per
+step (the loop minus that wait: the bound on steps/s once generation is faster), held-out pass@1 after the last step, the ratios, and the histogram of the partial runs' token
 lags.
+
+``--backend spool``: (b), the same comparison through the vLLM CPU worker (``--rollout spool``): one worker process
+(``.venv-rollout``, in-process engine, one OpenMP thread bound to the second core) serves every run, attached with
+``spawn_worker=False`` as in benchmarks/bench_async.py; the trainer runs on the first core. vLLM's CPU attention
+needs a head size of 32 or more, so the length sampler is 1 x 128 there (``--hidden`` overrides) and the default lr 3e-5. With the spool the
+cut is the worker's ``cut`` request and a carried row resumes as prompt + ids so far (prefix cache). ``--async-steps
+K`` (default 1) sets ``--max-async-steps`` for both settings; ``--pool-factor F`` the pool a partial call holds (F x
+the groups a step needs: ``--partial-pool-factor``, default 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import sys
 import tempfile
 import time
@@ -112,17 +123,15 @@ def shape(model: Path, rows: int = 512) -> dict:
     return {"median": lens[len(lens) // 2], "p90": lens[int(0.9 * len(lens))], "at_cap": sum(n >= CAP for n in lens) / len(lens)}  # fmt: skip
 
 
-def sampler_alone(model: Path, args: argparse.Namespace) -> tuple[float, float]:
+def sampler_alone(client, args: argparse.Namespace) -> tuple[float, float, float]:
     """Generation seconds per step of the sampler alone (no trainer, no rewards, one version): ``generate`` of B
-    groups vs the partial carry's call (2B groups, stop at B complete, the rest carried), over ``args.steps`` steps;
-    interleaved ``args.repeats`` times, the medians."""
-    from align.model import load_pretrained
-    from align.rollout.client import NativeClient
-
-    client = NativeClient(load_pretrained(model))
+    groups vs the partial carry's call (2B groups, stop at B complete, the rest carried), over ``args.steps`` steps,
+    and ``generate`` of 2B groups (the pool's rows run to the end: what holding 2x the rows costs); interleaved
+    ``args.repeats`` times (after one warm-up call), the medians. ``client``: a NativeClient or a SpoolClient."""
     params = SamplingParams(n=args.group_size, max_tokens=CAP, stop_token_ids=[TOK.eos_token_id])
     encoded = [TOK.encode(p["prompt"]) for p in prompts(64, 1)]
-    plain, part = [], []
+    plain, part, double = [], [], []
+    client.generate([encoded[0]], replace(params, seed=0))  # warm-up (the worker's first call compiles)
     for _ in range(args.repeats):
         t0 = time.perf_counter()
         for t in range(args.steps):
@@ -130,7 +139,7 @@ def sampler_alone(model: Path, args: argparse.Namespace) -> tuple[float, float]:
                 [encoded[(t * args.prompts + i) % 64] for i in range(args.prompts)], replace(params, seed=t)
             )
         plain.append((time.perf_counter() - t0) / args.steps)
-        carry, drawn = partial.Carry(args.group_size, None, "drop"), [0]
+        carry, drawn = partial.Carry(args.group_size, None, "drop", pool_factor=args.pool_factor), [0]
 
         def next_prompts(k: int, drawn: list[int] = drawn) -> list[int]:
             drawn[0] += k
@@ -140,7 +149,32 @@ def sampler_alone(model: Path, args: argparse.Namespace) -> tuple[float, float]:
         for t in range(args.steps):
             carry.draw(t + 1, args.prompts, next_prompts, encoded.__getitem__, replace(params, seed=t), client)
         part.append((time.perf_counter() - t0) / args.steps)
-    return sorted(plain)[len(plain) // 2], sorted(part)[len(part) // 2]
+        t0 = time.perf_counter()
+        for t in range(args.steps):
+            B2 = args.pool_factor * args.prompts
+            client.generate([encoded[(t * B2 + i) % 64] for i in range(B2)], replace(params, seed=t))
+        double.append((time.perf_counter() - t0) / args.steps)
+    return tuple(sorted(x)[len(x) // 2] for x in (plain, part, double))
+
+
+def sampler_client(backend: str, model: Path, tmp: Path, stack: contextlib.ExitStack):
+    """The bench's sampler: the native one on the model, or a vLLM CPU worker on ``tmp/spool`` (spawned once, on
+    the second core; this process then keeps the first) that every run attaches to."""
+    from align.model import load_pretrained
+    from align.rollout.client import NativeClient, make_rollout_client
+
+    if backend == "native":
+        return NativeClient(load_pretrained(model))
+    from bench_async import spawn  # benchmarks/: the worker on one core, one OpenMP thread
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        sys.exit("bench_partial --backend spool needs 2 cores (one for the trainer, one for the worker)")
+    TOK.save(model)
+    worker = spawn(tmp / "spool", model, cores[1], CAP + 16)
+    stack.callback(worker.shutdown, grace_s=5)
+    os.sched_setaffinity(0, {cores[0]})  # after the spawn: the worker keeps its own core
+    return make_rollout_client("spool", spool=tmp / "spool", timeout_s=600, worker=worker)
 
 
 def prompts(n: int, seed: int) -> list[dict]:
@@ -151,10 +185,12 @@ def prompts(n: int, seed: int) -> list[dict]:
 def run(name: str, args: argparse.Namespace, model: Path, tmp: Path, lags: Counter, **kw) -> dict:
     import json
 
+    if args.backend == "spool":  # attach to the bench's one worker (synced to this run's step-0 weights)
+        kw = {**kw, "rollout": "spool", "spool": str(tmp / "spool"), "spawn_worker": False, "threads": 1}
     cfg = TrainConfig(
         out=str(tmp / name), steps=args.steps, prompts_per_step=args.prompts, group_size=args.group_size,
-        max_tokens=CAP, lr=args.lr, warmup_steps=0, micro_batch_size=64, max_async_steps=1, checkpoint_every=0,
-        seed=args.seed, **kw,
+        max_tokens=CAP, lr=args.lr, warmup_steps=0, micro_batch_size=64, max_async_steps=args.async_steps,
+        checkpoint_every=0, seed=args.seed, **kw,
     )  # fmt: skip
     cfg.eval.eval_interval, cfg.eval.eval_n = args.steps, args.eval_n
     cfg.log.log_completions_every = 0
@@ -176,6 +212,7 @@ def run(name: str, args: argparse.Namespace, model: Path, tmp: Path, lags: Count
     steps = [r for r in recs if "step_time" in r and r["step"] > 1]
     loop = sum(r["step_time"] for r in steps)
     idle = sum(r.get("async/generator_idle_s", 0.0) for r in steps)
+    wait = sum(r.get("async/trainer_wait_s", 0.0) for r in steps)
     evals = [r for r in recs if "eval/pass@1" in r]
     return {
         "steps_per_s": len(steps) / loop,
@@ -183,6 +220,8 @@ def run(name: str, args: argparse.Namespace, model: Path, tmp: Path, lags: Count
         "pass@1": evals[-1]["eval/pass@1"] if evals else float("nan"),
         "len_mean": sum(r["completion_len_mean"] for r in steps) / len(steps),
         "gen_s": sum(r["rollout_time"] for r in steps) / len(steps),  # the producer's generate + score, per step
+        "wait_frac": wait / loop,  # the trainer's wait for its batch: ~0 when the trainer is the bottleneck
+        "train_s": (loop - wait) / len(steps),  # the trainer's own seconds per step (loss, backward, publish)
         "wall_s": wall,
     }
 
@@ -193,21 +232,31 @@ def median_run(rs: list[dict]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    numeric_flags(ap, steps=16, prompts=8, group_size=4, lr=3e-4, eval_prompts=32, eval_n=4, seed=0)
+    numeric_flags(ap, steps=16, prompts=8, group_size=4, eval_prompts=32, eval_n=4, seed=0)
+    ap.add_argument("--lr", type=float, default=None, help="default 3e-4 native, 3e-5 spool (1 x 128 learns faster)")
     ap.add_argument("--layers", type=int, default=1, help="decoder layers (identity at the start): decode cost")
-    ap.add_argument("--hidden", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=None, help="hidden size (default 16 native, 128 spool)")
+    ap.add_argument("--backend", choices=("native", "spool"), default="native", help="(a) native or (b) vLLM worker")
+    ap.add_argument("--async-steps", type=int, default=1, help="--max-async-steps K of both settings")
+    ap.add_argument(
+        "--pool-factor", type=int, default=partial.POOL_FACTOR, help="groups in a call / groups a step needs"
+    )
     ap.add_argument("--repeats", type=int, default=3, help="runs per setting (interleaved); the median is printed")
     args = ap.parse_args()
+    args.hidden = args.hidden or (128 if args.backend == "spool" else 16)
+    args.lr = args.lr or (3e-5 if args.backend == "spool" else 3e-4)  # spool: at 3e-4 the long tail is gone by step 16
     torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory() as d, contextlib.ExitStack() as stack:
         tmp = Path(d)
         model = length_sampler(tmp / "model", args.layers, args.hidden)
         s = shape(model)
         print(f"completion lengths: median {s['median']}, p90 {s['p90']}, cap {CAP} ({s['at_cap']:.0%} at the cap)")
-        gen, cut = sampler_alone(model, args)
+        client = sampler_client(args.backend, model, tmp, stack)
+        gen, cut, gen2 = sampler_alone(client, args)
         print(
             f"sampler alone, s/step of {args.prompts} groups of {args.group_size}: generate {gen:.3f}, partial "
-            f"{cut:.3f} ({gen / cut:.2f}x)"
+            f"{cut:.3f} ({gen / cut:.2f}x); generate of {args.pool_factor * args.prompts} groups to the end "
+            f"{gen2:.3f} ({gen2 / gen:.2f}x the rows' cost)"
         )
         lags: Counter = Counter()
         runs: dict[str, list[dict]] = {"without": [], "--partial-rollouts": []}
@@ -215,17 +264,18 @@ def main() -> None:
         for i in range(args.repeats):  # interleaved, alternating order: a load change on the machine hits both alike
             order = ("without", "--partial-rollouts") if i % 2 == 0 else ("--partial-rollouts", "without")
             for name in order:
-                kw = {"partial_rollouts": True} if name != "without" else {}
+                kw = {"partial_rollouts": True, "partial_pool_factor": args.pool_factor} if name != "without" else {}
                 runs[name].append(run(f"{name.strip('-')}{i}", args, model, tmp, lags if kw else Counter(), **kw))
     base, part = (median_run(runs[k]) for k in runs)
     print(
-        f"native, K=1, {args.steps} steps x {args.prompts} groups of {args.group_size}, median of {args.repeats} run(s):"
+        f"{args.backend}, K={args.async_steps}, pool factor {args.pool_factor}, {args.steps} steps x {args.prompts} groups of {args.group_size}, median of {args.repeats} run(s):"
     )
-    print(f"{'':<22}{'steps/s':>9}{'gen idle':>10}{'gen s/step':>12}{'pass@1':>8}{'len mean':>10}")
+    head = ("steps/s", "gen idle", "gen s/step", "train wait", "train s/step", "pass@1", "len mean")
+    print(f"{'':<20}" + "".join(f"{h:>13}" for h in head))
     for name, r in (("without", base), ("--partial-rollouts", part)):
         print(
-            f"{name:<22}{r['steps_per_s']:>9.3f}{r['idle_frac']:>10.1%}{r['gen_s']:>12.3f}{r['pass@1']:>8.3f}"
-            f"{r['len_mean']:>10.1f}"
+            f"{name:<20}{r['steps_per_s']:>13.3f}{r['idle_frac']:>13.1%}{r['gen_s']:>13.3f}{r['wait_frac']:>13.1%}"
+            f"{r['train_s']:>13.3f}{r['pass@1']:>13.3f}{r['len_mean']:>13.1f}"
         )
     print(
         f"ratio with --partial-rollouts: {part['steps_per_s'] / base['steps_per_s']:.2f}x steps/s, "

@@ -152,6 +152,25 @@ def test_the_carry_drops_stale_groups_and_refills_from_fresh_prompts(versions):
     assert late.dropped == 6 and len(drawn) - before == 4  # both carried groups gone, the pool refilled fresh
 
 
+def test_the_pool_factor_sets_how_many_groups_a_call_holds(versions):
+    """--partial-pool-factor F: a call with nothing carried holds F x the groups the step needs (default 2)."""
+    for kw, want in (({}, 2), ({"pool_factor": 3}, 3)):
+        drawn: list[int] = []
+        seen: list[int] = []
+
+        def next_prompts(k, drawn=drawn):
+            drawn.extend(range(len(drawn), len(drawn) + k))
+            return drawn[-k:]
+
+        def prompt_of(i, seen=seen):
+            seen.append(i)
+            return ENCODED[i]
+
+        rows, comps = Carry(3, None, "drop", **kw).draw(1, 1, next_prompts, prompt_of, PARAMS, client(versions[0], 0))
+        assert drawn == list(range(want)) and sorted(set(seen)) == drawn  # the call held F groups
+        assert len(rows) == 1 and len(comps) == 3 and all(c.finish_reason != "cut" for c in comps)
+
+
 def test_mask_policy_makes_stale_completions_unscorable():
     old = Completion(0, 0, [3, 4], [-1.0, -1.0], "stop", token_versions=[0, 1])
     new = Completion(0, 1, [3], [-1.0], "stop", weights_version=2)
@@ -239,6 +258,7 @@ def test_resume_continues_from_the_carried_groups(tmp_path, char_model, partial_
         ({"partial_rollouts": True, "max_async_steps": 2, "max_token_staleness": 1}, "below --max-async-steps 2"),
         ({"stale_policy": "keep"}, "--stale-policy must be one of"),
         ({"partial_prefill": "nope"}, "--partial-prefill must be one of"),
+        ({"partial_pool_factor": 1}, "--partial-pool-factor must be an int >= 2"),
         ({"partial_rollouts": True, "max_async_steps": 1, "partial_prefill": "keep"}, "not built"),
         ({"partial_rollouts": True, "max_async_steps": 1, "rollout": "spool", "rollout_num_engines": 2}, "Ray fleet"),
         ({"partial_rollouts": True, "max_async_steps": 1, "max_inflight_requests": 8}, "--max-inflight-requests"),
@@ -306,3 +326,63 @@ def test_bad_partial_flags_are_one_line_from_the_cli(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--stale-policy must be one of ('drop', 'mask'), got 'later'" in err[0]
     assert not (tmp_path / "o").exists()  # nothing written
+
+
+# ------------------------------------------------------------------------------------------------ LoRA
+
+
+@pytest.fixture(scope="module")
+def lora_versions(char_model):
+    """Two LoRA policies on the same frozen base: version 0's adapter and version 1's (the adapter moved by seeded
+    noise, as an optimizer step moves it; the base is untouched), and the bare base."""
+    from align import lora
+
+    base = load_pretrained(char_model)
+    v0 = lora.apply_lora(copy.deepcopy(base), lora.LoraConfig(rank=4), seed=0)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in v0.named_parameters():
+            if "lora_B" in name:  # B starts at zero (the adapter is a no-op): give version 0 an adapter of its own
+                p.add_(0.5 * torch.randn(p.shape, generator=g))
+    v1 = copy.deepcopy(v0)
+    with torch.no_grad():
+        for name, p in v1.named_parameters():
+            if "lora_" in name:
+                p.add_(0.5 * torch.randn(p.shape, generator=g))
+    return base, v0, v1
+
+
+def test_a_cut_row_resumes_under_the_new_adapter_token_by_token(lora_versions):
+    """--partial-rollouts with LoRA, native sampler: a row cut under adapter version 0 and resumed under version 1
+    has each token's logprob from the LoRA policy of the version it is stamped with (adapter included)."""
+    base, v0, v1 = lora_versions
+    first = client(v0, 0).generate_until(ENCODED, PARAMS, 1, None)
+    second = client(v1, 1).generate_until(ENCODED, PARAMS.__class__(**{**PARAMS.__dict__, "seed": 6}), 4, first)
+    spans = [(a, b) for a, b in zip(first, second) if a.finish_reason == "cut" and len(b.token_ids) > len(a.token_ids)]
+    assert len(spans) >= 2
+    for a, b in spans:
+        j = len(a.token_ids)
+        stamps = versions_of(b)
+        assert stamps == [0] * j + [1] * (len(b.token_ids) - j)
+        assert stamped_error(b, (v0, v1), stamps) < LOGPROB_ATOL
+        # negative controls: the bare base (no adapter) for the new segment, or version 0's adapter throughout
+        assert stamped_error(b, (v0, base), stamps) > 100 * LOGPROB_ATOL
+        assert stamped_error(b, (v0, v1), [0] * len(stamps)) > 100 * LOGPROB_ATOL
+
+
+def test_a_lora_run_with_partial_rollouts_carries_and_trains_the_adapter(tmp_path, char_model):
+    """`--lora-rank 4 --partial-rollouts --max-async-steps 1`: groups are carried across versions, the adapter
+    trains (the checkpoint holds the adapter and the carry), the base stays frozen."""
+    from align.lora import LoraConfig
+
+    recs = run(tmp_path / "l", char_model, max_async_steps=1, partial_rollouts=True, steps=4, lora=LoraConfig(rank=4))
+    assert max(r["rollout/partial_frac"] for r in recs) > 0  # some completions span two adapter versions
+    assert max(r["rollout/token_lag_max"] for r in recs) >= 2  # carried tokens
+    ckpt = tmp_path / "l" / "checkpoints" / "step_4"
+    assert (ckpt / "adapter").is_dir() and not (ckpt / "model.safetensors").exists()
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
+    assert "carry" in state
+    from safetensors.torch import load_file
+
+    b = [v for k, v in load_file(next((ckpt / "adapter").glob("*.safetensors"))).items() if "lora_B" in k]
+    assert b and max(float(t.abs().max()) for t in b) > 0  # negative of init: B starts at zero, training moved it

@@ -90,8 +90,9 @@ class RolloutConfig:
     partial_rollouts: bool = flag(
         False,
         "Partial rollouts (needs --max-async-steps >= 1): a step's generate call holds the carried groups plus "
-        "fresh prompts (2x the groups it needs), stops at a token boundary once enough groups are complete, and "
-        "carries the rows still running (cut) into the next call, on newer weights. See docs/async.md.",
+        "fresh prompts (--partial-pool-factor x the groups it needs), stops at a token boundary once enough "
+        "groups are complete, and carries the rows still running (cut) into the next call, on newer weights. "
+        "See docs/rollout.md#partial-rollouts.",
     )
     partial_prefill: str = flag(
         "recompute",
@@ -103,6 +104,12 @@ class RolloutConfig:
         "With --partial-rollouts: a completion holding a token sampled more than S versions before the step it "
         "trains in is dropped (or masked, --stale-policy). >= --max-async-steps; None = no limit (a token's lag "
         "is K plus the calls its group was carried).",
+    )
+    partial_pool_factor: int = flag(
+        2,
+        "With --partial-rollouts: a step's generate call holds this many times the groups the step needs "
+        "(carried first, then fresh prompts) and stops once enough are complete. Larger: shorter calls, more rows "
+        "and staler tokens (docs/performance.md#partial-rollouts).",
     )
     stale_policy: str = flag(
         "drop",

@@ -2,7 +2,7 @@
 long tail of a step (slime's ``--partial-rollout``, verl's ``partial_rollout``).
 
 A step needs B groups. Its generate call holds the groups carried over from earlier calls (cut, unfinished) plus
-fresh prompts, ``POOL_FACTOR * B`` groups in all, and stops at a token boundary once B groups are complete (all G
+fresh prompts, ``--partial-pool-factor`` (F, default 2) x B groups in all, and stops at a token boundary once B groups are complete (all G
 rows finished); every row still running comes back cut (``finish_reason == "cut"``, never trained) with its ids and
 logprobs so far. The B complete groups train; the rest are carried into the next call, which runs on the version the
 pipeline gives the next step (one newer), so their later tokens come from newer weights. Every token carries the
@@ -38,7 +38,7 @@ from align.rollout.protocol import Completion, SamplingParams
 
 PARTIAL_PREFILLS = ("recompute", "keep")
 STALE_POLICIES = ("drop", "mask")
-POOL_FACTOR = 2  # a call holds this many times the groups it must complete (carried first, then fresh prompts)
+POOL_FACTOR = 2  # default --partial-pool-factor: a call holds this many times the groups it must complete
 
 
 def check_config(cfg: Any, cuts: bool) -> None:
@@ -48,6 +48,12 @@ def check_config(cfg: Any, cuts: bool) -> None:
         raise ValueError(f"--partial-prefill must be one of {PARTIAL_PREFILLS}, got {cfg.partial_prefill!r}")
     if cfg.stale_policy not in STALE_POLICIES:
         raise ValueError(f"--stale-policy must be one of {STALE_POLICIES}, got {cfg.stale_policy!r}")
+    F = cfg.partial_pool_factor
+    if isinstance(F, bool) or not isinstance(F, int) or F < 2:
+        raise ValueError(
+            f"--partial-pool-factor must be an int >= 2 (a call holds F x the groups a step needs; 1 would wait for "
+            f"every group, i.e. no partial rollouts), got {F!r}"
+        )
     S = cfg.max_token_staleness
     if S is not None and (isinstance(S, bool) or not isinstance(S, int) or S < 0):
         raise ValueError(f"--max-token-staleness must be an int >= 0 (or unset = no limit), got {S!r}")
@@ -145,8 +151,15 @@ class Carry:
     """The groups a run carries between generate calls: ``[{"row": data row, "completions": [G completion dicts or
     None]}]`` in pool order (oldest first); ``state()`` is what a checkpoint stores (plain data)."""
 
-    def __init__(self, group_size: int, max_token_staleness: int | None, policy: str, state: list | None = None):
-        self.G, self.S, self.policy = group_size, max_token_staleness, policy
+    def __init__(
+        self,
+        group_size: int,
+        max_token_staleness: int | None,
+        policy: str,
+        state: list | None = None,
+        pool_factor: int = POOL_FACTOR,
+    ):
+        self.G, self.S, self.policy, self.pool_factor = group_size, max_token_staleness, policy, pool_factor
         self.groups: list[tuple[int, list[Completion]]] = [
             (int(g["row"]), [Completion.from_dict(c) for c in g["completions"]]) for g in state or []
         ]
@@ -168,14 +181,14 @@ class Carry:
         client: Any,
     ) -> tuple[list[int], list[Completion]]:
         """Step ``t``'s ``need`` complete groups: ``(rows, completions)`` with ``prompt_index`` indexing ``rows``.
-        The carried groups go first (oldest first), fresh prompts fill the pool to ``POOL_FACTOR * need``."""
+        The carried groups go first (oldest first), fresh prompts fill the pool to ``pool_factor * need``."""
         pool = self.groups
         if self.policy == "drop" and self.S is not None:
             old = [g for g in pool if any(self.too_old(c, t) for c in g[1])]
             self.dropped += sum(len(cs) for _, cs in old)
             pool = [g for g in pool if not any(self.too_old(c, t) for c in g[1])]
         if sum(group_complete(cs) for _, cs in pool) < need:
-            fresh = next_prompts(max(0, POOL_FACTOR * need - len(pool)))
+            fresh = next_prompts(max(0, self.pool_factor * need - len(pool)))
             pool = pool + [(i, [None] * self.G) for i in fresh]
             flat = [c for _, cs in pool for c in cs]
             comps = client.generate_until([prompt_of(i) for i, _ in pool], params, need, flat)

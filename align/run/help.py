@@ -65,6 +65,7 @@ TOP_SECTIONS: dict[str, tuple[str, ...]] = {
         "max_async_steps",
         "max_inflight_requests",
         "partial_rollouts",
+        "partial_pool_factor",
         "partial_prefill",
         "max_token_staleness",
         "stale_policy",

@@ -163,7 +163,9 @@ class Rollouts:
         if cfg.partial_rollouts:  # the carried groups: the sampler draws from them, the pipeline checkpoints them
             from align.rollout.partial import Carry
 
-            carry = self.sampler.carry = Carry(cfg.group_size, cfg.max_token_staleness, cfg.stale_policy, start.carried)
+            carry = self.sampler.carry = Carry(
+                cfg.group_size, cfg.max_token_staleness, cfg.stale_policy, start.carried, cfg.partial_pool_factor
+            )
         self.pipe = make_pipeline(
             cfg, self.collect, backend, start.step, self.cursor.state, start.pending, snapshots, carry
         )
