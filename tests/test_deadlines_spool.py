@@ -80,16 +80,14 @@ def test_an_unanswered_group_request_is_evicted_and_its_late_answer_dropped(tmp_
     assert summary["steps"] == 4 and held
     steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in steps if "loss" in r]
-    assert sum(r["rollout/evicted_groups"] for r in steps) == 1, [r["rollout/evicted_groups"] for r in steps]
-    hit = next(r for r in steps if r["rollout/evicted_groups"])
-    assert hit["unscorable"] == 0  # the refilled prompt's group: 4 completions scored
+    evicted = [r["rollout/evicted_groups"] for r in steps]
+    assert sum(evicted) >= 1, evicted
+    assert all(r["unscorable"] == 0 for r in steps)  # each evicted prompt refilled: every group trained in full
     logged = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
     why = [r["evicted_group"] for r in logged if "evicted_group" in r]
-    assert (
-        len(why) == 1
-        and why[0]["prompt"] == 0
-        and why[0]["why"].startswith(f"generation past --group-timeout-s {DEADLINE_S:g}")
-    )
+    assert len(why) == sum(evicted) and [w["prompt"] for w in why].count(0) == 1, why  # the held one, once
+    # under load another group may pass the deadline too: every eviction is generation's, none silent
+    assert all(w["why"].startswith(f"generation past --group-timeout-s {DEADLINE_S:g}") for w in why), why
     assert late_answer.wait(60.0)  # the worker answered the held request after all: the abandoned thread took it
 
 
