@@ -24,23 +24,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common import hf_sample
+from common import QWEN25_05B, hf_sample
 
 from align.model import ModelConfig, Transformer, load_pretrained, save_pretrained
 from align.rollout import graph_decode
 from align.rollout.native import generate
 from align.rollout.protocol import SamplingParams
 
-QWEN05 = {
-    "vocab_size": 151936,
-    "hidden_size": 896,
-    "intermediate_size": 4864,
-    "num_hidden_layers": 24,
-    "num_attention_heads": 14,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "tie_word_embeddings": True,
-}
+QWEN05 = QWEN25_05B
 
 
 def timed(fn) -> float:

@@ -33,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common import hf_sample
+from common import QWEN25_05B, hf_sample
 
 from align.model import ModelConfig, Transformer, load_pretrained, save_pretrained
 from align.rollout import cpu_kernel, native
@@ -58,16 +58,7 @@ SHAPES = {
         128,
     ),
     "qwen2.5-0.5b": (
-        {
-            "vocab_size": 151936,
-            "hidden_size": 896,
-            "intermediate_size": 4864,
-            "num_hidden_layers": 24,
-            "num_attention_heads": 14,
-            "num_key_value_heads": 2,
-            "head_dim": 64,
-            "tie_word_embeddings": True,
-        },
+        QWEN25_05B,
         8,
         32,
         32,

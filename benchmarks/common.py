@@ -10,6 +10,18 @@ from __future__ import annotations
 
 import argparse
 
+# the Qwen2.5-0.5B shape (ModelConfig / Qwen2Config keywords): what the GPU benchmarks and bench_sampler time
+QWEN25_05B = {
+    "vocab_size": 151936,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "tie_word_embeddings": True,
+}
+
 
 def numeric_flags(p: argparse.ArgumentParser, /, **defaults: float) -> None:
     """One ``--name`` flag per keyword (``max_tokens`` -> ``--max-tokens``), typed and defaulted by its value."""
