@@ -26,6 +26,7 @@ from typing import Any, Protocol
 TASKS: dict[str, str] = {
     "reverse": "align.tasks.reverse",  # single-turn: reverse a word (the embedded default)
     "multiturn": "align.tasks.multiturn",  # multi-turn: the hidden letter comes back as feedback
+    "agent": "align.tasks.agent",  # multiturn played by an agent program through the gateway (--agent's path)
 }
 
 
