@@ -15,7 +15,7 @@ import circle anywhere: ``FLOORS`` in ``tests/test_layout.py`` lists every modul
   (``open_run() -> Run``), ``parts`` (``Run``, ``Learner``, ``Checkpointer``), ``checkpoint`` (single-process and DCP), ``safety``, ``log``, ``plot``, ``task``,
   ``teacher`` (on-policy distillation's teacher), ``watchdog`` (``--stall-timeout-s``).
 - ``align.eval``: held-out evaluation (blocking, snapshot dispatch, fleets, pinned epochs) and its metrics.
-- ``align.tasks``: the built-in tasks and environments (``TASKS``, ``ENVIRONMENTS``, the ``TaskModule`` protocol; ``reverse``, ``multiturn``) and their warm
+- ``align.tasks``: the built-in tasks and environments (``TASKS``, ``ENVIRONMENTS``, the ``TaskModule`` protocol; ``reverse``, ``multiturn``, ``agent``) and their warm
   start.
 - environments: ``align.envs`` (the environment API and its hooks; ``runner``: its episodes in
   process or in worker processes; ``sampler``: a run's one sampling seam, single-turn and episodes; ``episodes``,

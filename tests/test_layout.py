@@ -46,7 +46,7 @@ FLOORS = [
         ),
     ),
     ("the gateway", "gateway gateway.capture gateway.messages gateway.server gateway.agents"),
-    ("the built-in tasks", "tasks tasks.warm tasks.reverse tasks.reverse_moe tasks.multiturn"),
+    ("the built-in tasks", "tasks tasks.warm tasks.reverse tasks.reverse_moe tasks.multiturn tasks.agent"),
     (
         "eval",
         "eval eval.config eval.metrics eval.checkpoint_eval eval.dispatcher eval.fleet eval.evaluator eval.pinned",

@@ -160,7 +160,7 @@ def test_every_built_in_task_has_the_task_module_members_and_one_signature():
     mods = [load_task(name) for name in TASKS]
     for fn in ("check_sizes", "warm_start", "prompts", "model_config", "tokenizer"):
         assert len({tuple(inspect.signature(getattr(m, fn)).parameters) for m in mods}) == 1, fn
-    assert [m.Env is not None for m in mods] == [False, False, True]
+    assert [m.Env is not None for m in mods] == [False, False, True, True]
     fake = types.ModuleType("fake_task")
     for name in MEMBERS:
         setattr(fake, name, getattr(mods[0], name))
@@ -171,7 +171,7 @@ def test_every_built_in_task_has_the_task_module_members_and_one_signature():
     del fake.check_sizes
     with pytest.raises(TypeError, match="lacks check_sizes"):
         check_task_module(fake)
-    with pytest.raises(ValueError, match="unknown built-in task 'nope'; available: reverse, reverse_moe, multiturn"):
+    with pytest.raises(ValueError, match="unknown built-in task 'nope'; available: reverse, reverse_moe, multiturn, agent"):
         load_task("nope")
 
 

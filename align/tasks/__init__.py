@@ -27,6 +27,7 @@ TASKS: dict[str, str] = {
     "reverse": "align.tasks.reverse",  # single-turn: reverse a word (the embedded default)
     "reverse_moe": "align.tasks.reverse_moe",  # the reverse task on a tiny Qwen3-MoE (routing replay on)
     "multiturn": "align.tasks.multiturn",  # multi-turn: the hidden letter comes back as feedback
+    "agent": "align.tasks.agent",  # multiturn played by an agent program through the gateway (--agent's path)
 }
 
 
