@@ -11,7 +11,9 @@ Key decisions
 - Grouped compute: the (token, slot) pairs are sorted by expert and each expert's tokens are one group of torch's
   grouped GEMM (``F.grouped_mm`` over the stacked expert weights, gate|up fused; CUDA bf16, and the CPU on
   torch >= 2.11), or, without it, one GEMM per active expert in a loop; outputs are weighted and scattered back with
-  one ``index_add``. No token ever passes an expert it was not routed to.
+  one ``index_add``. No token ever passes an expert it was not routed to. LoRA on the experts (``--lora-experts``,
+  ``align.lora``): the loop runs each expert's adapted projections; the grouped GEMM runs on ``W + s * B @ A`` per
+  expert (autograd reaches A and B; one (out, r) x (r, in) GEMM per expert and projection per forward).
 - Routing replay (R3, Ma et al. 2025, arXiv 2510.11370): a ``Routing`` passed to the forward may carry the
   rollout's expert ids per token and MoE layer (-1: the token routes itself, e.g. prompt tokens). A replayed token
   uses those experts, weighted by the *current* router's probabilities of them (renormalised as the family does),
@@ -165,7 +167,15 @@ class Expert(nn.Module):
             setattr(self, name, nn.Linear(i, o, bias=False))
 
     def weights(self) -> tuple[Tensor, Tensor, Tensor]:
-        return tuple(getattr(self, n).weight for n in self.names)  # type: ignore[return-value]
+        """(gate, up, down) weights as the expert computes with them: a LoRA projection's ``W + s * B @ A`` with
+        autograd (``align.lora.LoRALinear.effective_weight``, ``--lora-experts``), else the plain weight."""
+        mods = [getattr(self, n) for n in self.names]
+        return tuple(m.effective_weight() if hasattr(m, "effective_weight") else m.weight for m in mods)  # type: ignore[return-value]
+
+    def dropout_active(self) -> bool:
+        """A LoRA projection applies dropout now: only the per-expert loop (the layer's own forward) does that."""
+        mods = [getattr(self, n) for n in self.names]
+        return any(getattr(m, "dropout", 0) and m.training and torch.is_grad_enabled() for m in mods)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up, down = (getattr(self, n) for n in self.names)
@@ -237,6 +247,7 @@ def expert_mix(x: Tensor, idx: Tensor, w: Tensor, experts: nn.ModuleList, groupe
     counts = torch.bincount(idx.reshape(-1), minlength=len(experts))  # (X,)
     if grouped is None:  # few tokens per expert (decode): the loop reads only the active experts' weights
         grouped = _grouped_mm_usable(x) and idx.numel() >= GROUPED_MIN_PAIRS_PER_EXPERT * len(experts)
+        grouped = grouped and not experts[0].dropout_active()  # LoRA dropout: the loop applies it per expert
     if grouped:
         ys = _grouped_experts(xs, counts, experts)
     else:
