@@ -350,11 +350,12 @@ class MoeConfig:
         """Before the model loads: replay needs a MoE model (its ``config.json``) and a sampler that records routes."""
         if self.routing_replay == "off":
             return
-        if rollout != "native":
+        if rollout != "native" and not torch.cuda.is_available():
             raise InputError(
-                f"--routing-replay {self.routing_replay} with --rollout {rollout}: the spool protocol does not carry "
-                "routed experts yet (it needs a protocol minor with base64-packed routes and the vLLM worker's "
-                "enable_return_routed_experts); use --rollout native or --routing-replay off"
+                f"--routing-replay {self.routing_replay} with --rollout {rollout} on a machine without CUDA: the vLLM "
+                "worker returns routed experts (enable_return_routed_experts, protocol minor 4) only on a GPU build "
+                "(vLLM >= 0.11 with its V2 model runner); its CPU build cannot. Use --rollout native or "
+                "--routing-replay off"
             )
         path = Path(model_path) / "config.json"
         model_type = json.loads(path.read_text()).get("model_type") if path.is_file() else None
@@ -393,7 +394,7 @@ def batch_routes(prompt_ids: list[list[int]], completions: list, L: int, device:
     """The rollout's routes in the learner's padded layout (N, L, Lm, k) int16, -1 where none was recorded: input
     position p + j holds completion token j (fed back to the sampler at decode step j), for j < len - 1. None when
     no completion carries routes (a dense model, or a backend that does not record them)."""
-    have = [getattr(c, "routes", None) for c in completions]
+    have = [_as_tensor(getattr(c, "routes", None)) for c in completions]
     shape = next((r.shape[1:] for r in have if r is not None), None)
     if shape is None:
         return None
@@ -409,6 +410,14 @@ def batch_routes(prompt_ids: list[list[int]], completions: list, L: int, device:
             )
         out[i, len(p) : len(p) + r.shape[0]] = r
     return out.to(device)
+
+
+def _as_tensor(routes: Any) -> Tensor | None:
+    """A completion's routes as an int16 tensor: the native sampler's already are; the spool's arrive as
+    ``align.rollout.protocol.PackedRoutes`` (stdlib: ``shape`` and ``tolist``)."""
+    if routes is None or isinstance(routes, Tensor):
+        return routes
+    return torch.tensor(routes.tolist(), dtype=torch.int16).reshape(routes.shape)
 
 
 def add_router_terms(loss: Tensor, stats: dict, routing: Routing | None, cfg: Any, share: float) -> tuple[Tensor, dict]:
