@@ -338,6 +338,12 @@ def read_adapter_config(path: str | os.PathLike) -> LoraConfig:
         empty = (None, {}, [])
         if value != default and not (value in empty and default in empty):
             raise ValueError(f"{cfg_path}: {key}={raw[key]!r} is not supported by align's LoRA (needs {default!r})")
+    if raw.get("target_parameters"):
+        raise ValueError(
+            f"{cfg_path}: target_parameters={raw['target_parameters']!r} (PEFT's adapters on fused expert tensors, "
+            "transformers >= 5) are not read by align: its expert adapters use per-expert module names "
+            "(experts.N.gate_proj.lora_A.weight), which PEFT loads onto fused experts too; train with --lora-experts"
+        )
     targets = raw.get("target_modules")
     if isinstance(targets, str):
         targets = [targets] if targets in DECODER_LINEARS or targets == ALL_LINEAR else None

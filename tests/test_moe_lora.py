@@ -4,12 +4,19 @@ round trip, bad input."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+
 import pytest
 import test_moe as tm  # its helpers (a module object: its tests are not collected twice)
 import torch
 import torch.nn.functional as F
+from hf_reference import hf_model, save_hf
+from test_lora import REPO, peft_python
 
 from align import lora, moe
+from align.model import load_pretrained
 
 X, K = 8, 3  # experts, top-k
 
@@ -149,3 +156,46 @@ def test_lora_experts_on_a_dense_model_is_refused():
     model = tm.tiny_moe(model_type="qwen3", num_experts=0)
     with pytest.raises(ValueError, match="--lora-experts on a dense 'qwen3' model"):
         lora.apply_lora(model, lora.LoraConfig(rank=2, experts=True))
+
+
+def test_peft_loads_an_align_expert_adapter_and_its_fused_layout_is_refused(tmp_path):
+    """PEFT (on transformers' fused experts) reads align's per-expert adapter to the same logits; an adapter with
+    PEFT's ``target_parameters`` (its fused-expert layout) is refused by name. Control: alpha x2 in the file."""
+    from safetensors.torch import load_file
+
+    base = save_hf(hf_model("qwen3_moe"), tmp_path / "base")
+    model = lora.apply_lora(load_pretrained(base), lora.LoraConfig(rank=2, experts=True), base_model=base)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n and ".experts." in n:
+                p.normal_(std=0.3, generator=torch.Generator().manual_seed(2))
+    ours = lora.save_adapter(model, tmp_path / "ours")
+    scaled = tmp_path / "scaled"
+    scaled.mkdir()
+    for f in ours.iterdir():
+        (scaled / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((ours / lora.ADAPTER_CONFIG).read_text())
+    (scaled / lora.ADAPTER_CONFIG).write_text(json.dumps({**cfg, "lora_alpha": cfg["lora_alpha"] * 2}))
+    ids = torch.arange(1, 21)[None]
+    spec = {"base": base, "ids": ids.tolist(), "out": str(tmp_path / "o.safetensors"), "make": None}
+    spec["load"] = {"ours": str(ours), "scaled": str(scaled)}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "PYTHONPATH": "", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(
+        [peft_python(), str(REPO / "tests" / "peft_reference.py"), str(tmp_path / "spec.json")],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref = load_file(spec["out"])
+    with torch.no_grad():
+        mine = model(ids)
+        assert (mine - load_pretrained(base)(ids)).abs().max() > 1e-2  # the expert adapters matter
+    assert (ref["ours"] - mine).abs().max() <= 1e-5
+    assert (ref["scaled"] - mine).abs().max() > 1e-3  # control
+    (scaled / lora.ADAPTER_CONFIG).write_text(json.dumps({**cfg, "target_parameters": ["gate_up_proj"]}))
+    with pytest.raises(ValueError, match="target_parameters=.*fused expert tensors.*not read by align"):
+        lora.read_adapter_config(scaled)
