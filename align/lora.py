@@ -15,6 +15,11 @@ Key decisions
   written last (vLLM's ``LoRARequest`` and ``peft.PeftModel.from_pretrained`` read it unchanged).
 - The KL reference of a LoRA run is the policy itself inside ``adapters_disabled`` (the frozen base, PEFT's
   ``disable_adapter``): no second copy of the base weights.
+- MoE experts (``--lora-experts``): align stores each expert as its own module (``align.moe.Expert``), so an
+  expert projection is adapted like any linear, one (A, B) pair per expert and projection, under PEFT's per-module
+  names (``...mlp.experts.3.gate_proj.lora_A.weight``: PEFT on per-expert checkpoints, vLLM's MoE LoRA layout).
+  The target names are the roles gate_proj / up_proj / down_proj (Mixtral's w1 / w3 / w2 follow). Without the
+  flag experts stay frozen and unadapted; an adapter file whose tensors include experts turns it on when loaded.
 
 Shapes: E in_features, O out_features, r rank.
 """
@@ -41,6 +46,8 @@ from align.model import Linear, Transformer, check_weight, rope_inv_freq, save_p
 from align.options import flag  # the one definition of a flag's help
 
 DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+EXPERT_ROLES = ("gate_proj", "up_proj", "down_proj")  # align.moe.Expert.names order: (gate, up, down)
+EXPERT_ALIASES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Mixtral's expert names -> roles
 ALL_LINEAR = "all-linear"  # PEFT's spelling: every linear layer of the decoder (not embeddings, not lm_head)
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -60,7 +67,8 @@ UNSUPPORTED = {
 
 @dataclass
 class LoraConfig:
-    """LoRA settings (CLI: ``--lora-rank``, ``--lora-alpha``, ``--lora-dropout``, ``--lora-targets``)."""
+    """LoRA settings (CLI: ``--lora-rank``, ``--lora-alpha``, ``--lora-dropout``, ``--lora-targets``,
+    ``--lora-experts``)."""
 
     rank: int = flag(0, "LoRA rank r (0 = full fine-tune).")
     alpha: float | None = flag(None, "LoRA alpha; the update is scaled by alpha / r (None: alpha = r).")
@@ -68,6 +76,11 @@ class LoraConfig:
     targets: str = flag(
         ALL_LINEAR,
         f"Comma-separated linear names to adapt, e.g. q_proj,v_proj ('{ALL_LINEAR}': {','.join(DECODER_LINEARS)}).",
+    )
+    experts: bool = flag(
+        False,
+        "MoE: adapt the experts' projections too (one A/B pair per expert; the targets among gate_proj, up_proj, "
+        "down_proj name them, Mixtral's w1/w3/w2 included); off: attention and dense MLPs only.",
     )
 
     def __post_init__(self) -> None:
@@ -77,8 +90,10 @@ class LoraConfig:
             given = {k: v for k, v in (("alpha", self.alpha), ("dropout", self.dropout or None)) if v is not None}
             if self.targets != ALL_LINEAR:
                 given["targets"] = self.targets
+            if self.experts:
+                given["experts"] = ""
             if given:
-                flags = ", ".join(f"--lora-{k} {v}" for k, v in given.items())
+                flags = ", ".join(f"--lora-{k} {v}".rstrip() for k, v in given.items())
                 raise ValueError(f"{flags} given but --lora-rank is 0 (LoRA off): set --lora-rank > 0 or drop them")
             return
         if self.alpha is not None and not (0 < self.alpha < math.inf):
@@ -93,6 +108,11 @@ class LoraConfig:
             raise ValueError(
                 f"--lora-targets {','.join(bad)} matches no linear layer of the decoder; choose from "
                 f"{','.join(DECODER_LINEARS)} (or {ALL_LINEAR}); embeddings and lm_head are not adapted"
+            )
+        if self.experts and not set(names) & set(EXPERT_ROLES):
+            raise ValueError(
+                f"--lora-experts with --lora-targets {self.targets!r}: no expert projection is a target; add one of "
+                f"{','.join(EXPERT_ROLES)} or drop --lora-experts"
             )
 
     @property
@@ -138,6 +158,15 @@ class LoRALinear(Linear):
         h = F.dropout(x, self.dropout) if self.dropout and self.training and torch.is_grad_enabled() else x
         return y + self.lora_B(self.lora_A(h)) * self.scaling
 
+    def effective_weight(self) -> torch.Tensor:
+        """``W + scaling * B @ A`` with autograd (A and B get their gradients through it): the weight a grouped
+        expert GEMM runs with (``align.moe``). Refused while dropout is active (only the per-expert loop applies it)."""
+        if not self.adapter_enabled:
+            return self.weight
+        if self.dropout and self.training and torch.is_grad_enabled():
+            raise RuntimeError("a LoRA expert with active dropout runs in the per-expert loop, not the grouped GEMM")
+        return self.weight + (self.lora_B.weight @ self.lora_A.weight) * self.scaling
+
     def delta_weight(self) -> torch.Tensor:
         """scaling * B @ A (O, E), detached."""
         with torch.no_grad():
@@ -169,16 +198,31 @@ def apply_lora(
         p.requires_grad_(False)
     wrapped = 0
     for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
+        for parent in (layer.self_attn, getattr(layer, "mlp", None) or nn.Module()):  # Mixtral: block_sparse_moe
             for name, child in list(parent.named_children()):
                 if name in names and isinstance(child, nn.Linear):
                     setattr(parent, name, LoRALinear(child, cfg.rank, cfg.scaling, cfg.dropout, generator=g))
                     wrapped += 1
+        for expert in expert_modules(layer) if cfg.experts else ():
+            for role, name in zip(EXPERT_ROLES, expert.names):
+                if role in names:
+                    child = getattr(expert, name)
+                    setattr(expert, name, LoRALinear(child, cfg.rank, cfg.scaling, cfg.dropout, generator=g))
+                    wrapped += 1
     if not wrapped:
         raise ValueError(f"--lora-targets {cfg.targets!r} matches no linear layer of this model")
+    if cfg.experts and not any(expert_modules(layer) for layer in model.model.layers):
+        raise ValueError(
+            f"--lora-experts on a dense {model.config.model_type!r} model: it has no experts; drop the flag"
+        )
     model.lora_config = cfg
     model.lora_base = None if base_model is None else str(base_model)
     return model
+
+
+def expert_modules(layer: nn.Module) -> list[nn.Module]:
+    """A decoder layer's MoE experts (``align.moe.Expert``: an ``experts`` list under the layer's sparse block)."""
+    return [e for n, m in layer.named_modules() if n.endswith("experts") for e in m if hasattr(e, "names")]
 
 
 def is_lora(model: nn.Module) -> bool:
@@ -294,9 +338,17 @@ def read_adapter_config(path: str | os.PathLike) -> LoraConfig:
         empty = (None, {}, [])
         if value != default and not (value in empty and default in empty):
             raise ValueError(f"{cfg_path}: {key}={raw[key]!r} is not supported by align's LoRA (needs {default!r})")
+    if raw.get("target_parameters"):
+        raise ValueError(
+            f"{cfg_path}: target_parameters={raw['target_parameters']!r} (PEFT's adapters on fused expert tensors, "
+            "transformers >= 5) are not read by align: its expert adapters use per-expert module names "
+            "(experts.N.gate_proj.lora_A.weight), which PEFT loads onto fused experts too; train with --lora-experts"
+        )
     targets = raw.get("target_modules")
     if isinstance(targets, str):
         targets = [targets] if targets in DECODER_LINEARS or targets == ALL_LINEAR else None
+    experts = any(t in EXPERT_ALIASES for t in targets or ()) or _has_expert_tensors(path / ADAPTER_WEIGHTS)
+    targets = sorted({EXPERT_ALIASES.get(t, t) for t in targets}) if targets else targets
     if not targets:
         raise ValueError(f"{cfg_path}: target_modules {raw.get('target_modules')!r} must be a list of linear names")
     values = {"r": raw.get("r"), "lora_alpha": raw.get("lora_alpha"), "lora_dropout": raw.get("lora_dropout", 0.0)}
@@ -308,7 +360,20 @@ def read_adapter_config(path: str | os.PathLike) -> LoraConfig:
         alpha=float(values["lora_alpha"]),
         dropout=float(values["lora_dropout"]),
         targets=",".join(sorted(targets)),
+        experts=experts,
     )
+
+
+def _has_expert_tensors(weights: Path) -> bool:
+    """Whether an adapter file holds MoE expert adapters (read from its header: no tensor is loaded)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            names = f.keys()  # the header's tensor names
+        return any(".experts." in k for k in names)
+    except SafetensorError as e:
+        raise ValueError(f"{weights} is not a readable safetensors file ({e})") from None
 
 
 def adapter_base(path: str | os.PathLike) -> str | None:
@@ -344,10 +409,14 @@ def load_adapter(
         )
     if is_lora(model):
         have: LoraConfig = model.lora_config
-        if (have.rank, sorted(have.target_names())) != (cfg.rank, sorted(cfg.target_names())):
+        if (have.rank, sorted(have.target_names()), have.experts) != (
+            cfg.rank,
+            sorted(cfg.target_names()),
+            cfg.experts,
+        ):
             raise ValueError(
-                f"adapter {path} has rank {cfg.rank} on {cfg.targets}, the model's adapters have rank {have.rank} "
-                f"on {have.targets}: load it into the base model instead"
+                f"adapter {path} has rank {cfg.rank} on {cfg.targets} (experts: {cfg.experts}), the model's adapters "
+                f"have rank {have.rank} on {have.targets} (experts: {have.experts}): load it into the base model instead"
             )
         for m in lora_modules(model).values():
             m.scaling = cfg.scaling

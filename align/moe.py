@@ -11,7 +11,9 @@ Key decisions
 - Grouped compute: the (token, slot) pairs are sorted by expert and each expert's tokens are one group of torch's
   grouped GEMM (``F.grouped_mm`` over the stacked expert weights, gate|up fused; CUDA bf16, and the CPU on
   torch >= 2.11), or, without it, one GEMM per active expert in a loop; outputs are weighted and scattered back with
-  one ``index_add``. No token ever passes an expert it was not routed to.
+  one ``index_add``. No token ever passes an expert it was not routed to. LoRA on the experts (``--lora-experts``,
+  ``align.lora``): the loop runs each expert's adapted projections; the grouped GEMM runs on ``W + s * B @ A`` per
+  expert (autograd reaches A and B; one (out, r) x (r, in) GEMM per expert and projection per forward).
 - Routing replay (R3, Ma et al. 2025, arXiv 2510.11370): a ``Routing`` passed to the forward may carry the
   rollout's expert ids per token and MoE layer (-1: the token routes itself, e.g. prompt tokens). A replayed token
   uses those experts, weighted by the *current* router's probabilities of them (renormalised as the family does),
@@ -165,7 +167,15 @@ class Expert(nn.Module):
             setattr(self, name, nn.Linear(i, o, bias=False))
 
     def weights(self) -> tuple[Tensor, Tensor, Tensor]:
-        return tuple(getattr(self, n).weight for n in self.names)  # type: ignore[return-value]
+        """(gate, up, down) weights as the expert computes with them: a LoRA projection's ``W + s * B @ A`` with
+        autograd (``align.lora.LoRALinear.effective_weight``, ``--lora-experts``), else the plain weight."""
+        mods = [getattr(self, n) for n in self.names]
+        return tuple(m.effective_weight() if hasattr(m, "effective_weight") else m.weight for m in mods)  # type: ignore[return-value]
+
+    def dropout_active(self) -> bool:
+        """A LoRA projection applies dropout now: only the per-expert loop (the layer's own forward) does that."""
+        mods = [getattr(self, n) for n in self.names]
+        return any(getattr(m, "dropout", 0) and m.training and torch.is_grad_enabled() for m in mods)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up, down = (getattr(self, n) for n in self.names)
@@ -237,6 +247,7 @@ def expert_mix(x: Tensor, idx: Tensor, w: Tensor, experts: nn.ModuleList, groupe
     counts = torch.bincount(idx.reshape(-1), minlength=len(experts))  # (X,)
     if grouped is None:  # few tokens per expert (decode): the loop reads only the active experts' weights
         grouped = _grouped_mm_usable(x) and idx.numel() >= GROUPED_MIN_PAIRS_PER_EXPERT * len(experts)
+        grouped = grouped and not experts[0].dropout_active()  # LoRA dropout: the loop applies it per expert
     if grouped:
         ys = _grouped_experts(xs, counts, experts)
     else:
@@ -339,11 +350,12 @@ class MoeConfig:
         """Before the model loads: replay needs a MoE model (its ``config.json``) and a sampler that records routes."""
         if self.routing_replay == "off":
             return
-        if rollout != "native":
+        if rollout != "native" and not torch.cuda.is_available():
             raise InputError(
-                f"--routing-replay {self.routing_replay} with --rollout {rollout}: the spool protocol does not carry "
-                "routed experts yet (it needs a protocol minor with base64-packed routes and the vLLM worker's "
-                "enable_return_routed_experts); use --rollout native or --routing-replay off"
+                f"--routing-replay {self.routing_replay} with --rollout {rollout} on a machine without CUDA: the vLLM "
+                "worker returns routed experts (enable_return_routed_experts, protocol minor 4) only on a GPU build "
+                "(vLLM >= 0.11 with its V2 model runner); its CPU build cannot. Use --rollout native or "
+                "--routing-replay off"
             )
         path = Path(model_path) / "config.json"
         model_type = json.loads(path.read_text()).get("model_type") if path.is_file() else None
@@ -382,7 +394,7 @@ def batch_routes(prompt_ids: list[list[int]], completions: list, L: int, device:
     """The rollout's routes in the learner's padded layout (N, L, Lm, k) int16, -1 where none was recorded: input
     position p + j holds completion token j (fed back to the sampler at decode step j), for j < len - 1. None when
     no completion carries routes (a dense model, or a backend that does not record them)."""
-    have = [getattr(c, "routes", None) for c in completions]
+    have = [_as_tensor(getattr(c, "routes", None)) for c in completions]
     shape = next((r.shape[1:] for r in have if r is not None), None)
     if shape is None:
         return None
@@ -398,6 +410,14 @@ def batch_routes(prompt_ids: list[list[int]], completions: list, L: int, device:
             )
         out[i, len(p) : len(p) + r.shape[0]] = r
     return out.to(device)
+
+
+def _as_tensor(routes: Any) -> Tensor | None:
+    """A completion's routes as an int16 tensor: the native sampler's already are; the spool's arrive as
+    ``align.rollout.protocol.PackedRoutes`` (stdlib: ``shape`` and ``tolist``)."""
+    if routes is None or isinstance(routes, Tensor):
+        return routes
+    return torch.tensor(routes.tolist(), dtype=torch.int16).reshape(routes.shape)
 
 
 def add_router_terms(loss: Tensor, stats: dict, routing: Routing | None, cfg: Any, share: float) -> tuple[Tensor, dict]:

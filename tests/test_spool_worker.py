@@ -440,3 +440,22 @@ def test_worker_exits_when_its_launcher_is_killed_and_a_rerun_gets_the_spool(mod
         if worker_pid is not None:
             for pid in _group_members(worker_pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_return_routes_is_refused_on_the_cpu_build(models, tmp_path):
+    """--return-routes (protocol minor 4, --routing-replay rollout over the spool): vLLM captures routed experts in
+    its GPU model runner only, so the CPU build's worker refuses it before its engine loads, naming why."""
+    log = tmp_path / "routes.log"
+    with pytest.raises(
+        RuntimeError, match="--return-routes: this vLLM build cannot return routed experts without a GPU"
+    ):
+        spawn_worker(
+            tmp_path / "spool",
+            model=models["v1"],
+            log_path=log,
+            in_process=True,
+            extra_args=["--return-routes"],
+            max_model_len=MAX_MODEL_LEN,
+            ready_timeout_s=READY_TIMEOUT_S,
+        )
+    assert "engine up" not in log.read_text()

@@ -331,6 +331,9 @@ class SpoolBackend:
             client = client_mod.make_rollout_client(
                 "spool", spool=spool, timeout_s=cfg.rollout_timeout_s, worker=opened.worker
             )
+            client.needs_routes = replays_routes(
+                cfg
+            )  # a worker below minor 4 or without routes: refused before sending
             opened.client = client_mod.ShardedSpoolClient(client) if dist.active() else client
             if not cfg.spawn_worker or target.lora:  # an attached worker holds whatever it loaded last; LoRA: adapter
                 opened.client.sync_weights(init_snapshot, target.step)
@@ -341,12 +344,19 @@ class SpoolBackend:
 
 
 def worker_gpu_args(cfg: Any) -> list[str]:
-    """The spawned worker's GPU memory flags: ``--gpu-memory-utilization F``, ``--enable-sleep-mode`` (--colocate)."""
+    """The spawned worker's GPU-only flags: ``--gpu-memory-utilization F``, ``--enable-sleep-mode`` (--colocate),
+    ``--return-routes`` (``--routing-replay rollout``: vLLM's enable_return_routed_experts, protocol minor 4)."""
     frac = cfg.rollout_gpu_memory_utilization
     return [
         *(["--gpu-memory-utilization", str(frac)] if frac is not None else []),
         *(["--enable-sleep-mode"] if cfg.colocate else []),
+        *(["--return-routes"] if replays_routes(cfg) else []),
     ]
+
+
+def replays_routes(cfg: Any) -> bool:
+    """``--routing-replay rollout``: the learner needs each completion's MoE routes from the sampler."""
+    return getattr(getattr(cfg, "moe", None), "routing_replay", "off") == "rollout"
 
 
 BACKENDS: dict[str, Any] = {

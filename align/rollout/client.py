@@ -38,6 +38,7 @@ from align.rollout.protocol import (
     SamplingParams,
     check_completions,
     check_hf_dir,
+    check_routes_minor,
     generate_request,
     shutdown_request,
     snapshot_marker,
@@ -139,6 +140,7 @@ class SpoolClient(SpoolCuts):
         self.weights_version: int | None = None
         self.last_timings: dict = {}
         self._basis: str | None = None
+        self.needs_routes = False  # --routing-replay rollout: a worker below minor 4 / without routes is refused
 
     @property
     def logprob_basis(self) -> str:
@@ -157,16 +159,14 @@ class SpoolClient(SpoolCuts):
         request_id: str | None = None,
         first_prompt_index: int = 0,
     ) -> list[Completion]:
-        """Sample ``params.n`` completions per prompt; ordered by (prompt_index, sample_index).
-
-        With ``request_id`` of an earlier request (e.g. ``WorkerDiedError.request_id``) nothing is resubmitted:
-        the call waits for that request's answer. ``first_prompt_index``: see ``protocol.generate_request``.
-
-        The answer is checked against the request (``protocol.check_completions``: one completion per prompt and
-        sample index, token ids in the worker's vocabulary, one logprob per token); a bad one raises
-        ``ProtocolError`` naming the response file (kept in the spool's rejected/).
-        """
+        """Sample ``params.n`` completions per prompt; ordered by (prompt_index, sample_index). With ``request_id``
+        of an earlier request (e.g. ``WorkerDiedError.request_id``) nothing is resubmitted: the call waits for that
+        request's answer. ``first_prompt_index``: see ``protocol.generate_request``. The answer is checked against
+        the request (``protocol.check_completions``: one completion per prompt and sample index, token ids in the
+        worker's vocabulary, one logprob per token, routes when ``needs_routes``); a bad one raises
+        ``ProtocolError`` naming the response file (kept in the spool's rejected/)."""
         msg = generate_request(prompts, params, id=request_id, first_prompt_index=first_prompt_index)
+        check_routes_minor(self.spool, self.needs_routes)  # before anything is sent
         self._submit_once(msg)
         checked: list[Completion] = []
 
@@ -175,7 +175,7 @@ class SpoolClient(SpoolCuts):
                 return  # wait() raises on the unexpected kind
             hb = self.spool.read_heartbeat() or {}
             vocab = hb.get("vocab_size") if isinstance(hb.get("vocab_size"), int) else None
-            checked[:] = check_completions(resp.body, msg.body["prompts"], params, source, vocab_size=vocab)
+            checked[:] = check_completions(resp.body, msg.body["prompts"], params, source, vocab, self.needs_routes)
 
         with heartbeat.working("sampler", request=msg.id, engine=self.spool.root):
             body = self.wait(msg.id, expect="completions", check=check)

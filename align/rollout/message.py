@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 PROTOCOL = "align-spool"
 PROTOCOL_VERSION = 1
 # minor versions only add request kinds (1: ``score``, align/rollout/teacher_logprobs.py; 2: ``cut``,
-# align/rollout/cut.py; 3: ``sleep`` / ``wake_up``, align/rollout/sleep_mode.py); a worker announces its minor in its
+# align/rollout/cut.py; 3: ``sleep`` / ``wake_up``, align/rollout/sleep_mode.py; 4: MoE routes on completions,
+# ``Completion.routes`` base64-packed, align/rollout/protocol.py ``ROUTES_MINOR``); a worker announces its minor in its
 # heartbeat ("minor"), and a minor includes every one below it
-PROTOCOL_MINOR = 3
+PROTOCOL_MINOR = 4
 
 REQUEST_KINDS = ("generate", "sync_weights", "shutdown", "score", "cut")
 RESPONSE_KINDS = ("completions", "synced", "error", "stopped", "scores", "cut_done")

@@ -26,9 +26,13 @@ from here too, so the worker needs this one import (the floors: ``message`` unde
 
 from __future__ import annotations
 
+import array
+import base64
+import binascii
 import dataclasses
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +58,8 @@ from align.rollout.message import (  # noqa: F401
     _is_int,
     message_mac,
     new_id,
+    worker_minor,
+    worker_too_old,
 )
 from align.rollout.process import TORCHRUN_VARS, exit_with_parent, pid_alive, watch_parent, worker_env  # noqa: F401
 from align.rollout.spool import (  # noqa: F401 -- the transport's public names: the worker's one import is this module
@@ -93,18 +99,99 @@ class Completion:
     # partial rollouts (--partial-rollouts): the weights version that sampled each token (len(token_ids) entries),
     # non-decreasing; None when every token came from weights_version (the only case without partial rollouts)
     token_versions: list[int] | None = None
-    # MoE, native sampler only (not on the wire): (len(token_ids) - 1, MoE layers, top-k) int16 expert ids of each
-    # token fed back to the model (align.moe.batch_routes); None otherwise
+    # MoE: (len(token_ids) - 1, MoE layers, top-k) int16 expert ids of each token fed back to the model
+    # (align.moe.batch_routes): a torch tensor from the native sampler, ``PackedRoutes`` off the wire; None otherwise
     routes: Any = None
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(dataclasses.replace(self, routes=None))
-        del d["routes"]  # routes stay in process (the spool does not carry them yet)
+        d["routes"] = None if self.routes is None else encode_routes(self.routes)
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> Completion:
-        return cls(**d)
+        routes = d.get("routes")
+        return cls(**{**d, "routes": None if routes is None else decode_routes(routes)})
+
+
+# ----------------------------------------------------------------------------------------------- MoE routes (minor 4)
+
+ROUTES_MINOR = 4  # the spool minor whose completions may carry routes; a worker below it is refused before sending
+ROUTES_DTYPE = "int16"  # little-endian, C order (rows, MoE layers, top-k)
+
+
+@dataclass(frozen=True)
+class PackedRoutes:
+    """Routes decoded off the wire, stdlib only: ``shape`` (rows, MoE layers, top-k) and the int16 values in C
+    order (``array('h')``). ``align.moe.batch_routes`` turns it into a tensor."""
+
+    shape: tuple[int, int, int]
+    data: array.array
+
+    def tolist(self) -> list:
+        rows, layers, k = self.shape
+        flat = self.data.tolist()
+        return [[flat[(r * layers + j) * k : (r * layers + j + 1) * k] for j in range(layers)] for r in range(rows)]
+
+
+def encode_routes(routes: Any) -> dict:
+    """``{"shape": [rows, layers, k], "dtype": "int16", "data": base64}`` of a (rows, layers, k) integer array: a
+    ``PackedRoutes``, a torch tensor or a numpy array (read through ``tolist``: no import of either here)."""
+    if isinstance(routes, PackedRoutes):
+        shape, data = list(routes.shape), routes.data
+    else:
+        shape = [int(n) for n in routes.shape]
+        if len(shape) != 3:
+            raise ValueError(f"routes must be (rows, MoE layers, top-k), got shape {tuple(shape)}")
+        data = array.array("h", [e for row in routes.tolist() for layer in row for e in layer])
+    if sys.byteorder == "big":
+        data = array.array("h", data)
+        data.byteswap()
+    return {"shape": shape, "dtype": ROUTES_DTYPE, "data": base64.b64encode(data.tobytes()).decode("ascii")}
+
+
+def decode_routes(d: object) -> PackedRoutes:
+    """The ``PackedRoutes`` of ``encode_routes``'s dict; ValueError naming the defect (shape, dtype, length)."""
+    if not isinstance(d, dict) or set(d) != {"shape", "dtype", "data"}:
+        raise ValueError(f"routes must be an object with shape, dtype, data, got {str(d)[:80]}")
+    shape, dtype, blob = d["shape"], d["dtype"], d["data"]
+    if not isinstance(shape, list) or len(shape) != 3 or not all(_is_int(n) and n >= 0 for n in shape):
+        raise ValueError(f"routes shape {shape!r} is not [rows, MoE layers, top-k] of ints >= 0")
+    if dtype != ROUTES_DTYPE or not isinstance(blob, str):
+        raise ValueError(f"routes dtype {dtype!r} / data {type(blob).__name__}: expected {ROUTES_DTYPE!r} and base64")
+    try:
+        raw = base64.b64decode(blob.encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError) as e:
+        raise ValueError(f"routes data is not base64 ({e})") from None
+    want = shape[0] * shape[1] * shape[2]
+    if len(raw) != 2 * want:
+        raise ValueError(f"routes data holds {len(raw)} bytes, shape {shape} needs {2 * want} (int16): truncated")
+    data = array.array("h", raw)
+    if sys.byteorder == "big":
+        data.byteswap()
+    if want and min(data) < 0:
+        raise ValueError(f"routes hold a negative expert id ({min(data)})")
+    return PackedRoutes(tuple(shape), data)  # type: ignore[arg-type]
+
+
+def check_routes_minor(spool: Spool, needed: bool = True) -> None:
+    """Before a generate request that needs routes (``--routing-replay rollout`` over a spool; nothing when not
+    ``needed``): ``WorkerTooOldError`` for the spool's worker below ``ROUTES_MINOR`` (its heartbeat), and a
+    ``ProtocolError`` for one not started to return routes or not announced yet."""
+    if not needed:
+        return
+    hb, root = spool.read_heartbeat(), spool.root
+    if hb is None:
+        raise ProtocolError(f"no worker has announced itself on spool {root} yet (no heartbeat.json): routes unknown")
+    if worker_minor(hb) < ROUTES_MINOR:
+        raise worker_too_old(
+            root, (hb or {}).get("minor", 0), "--routing-replay rollout needs", ROUTES_MINOR, "use --rollout native"
+        )
+    if not (hb or {}).get("routes"):
+        raise ProtocolError(
+            f"the worker on spool {root} does not return MoE routes: start it with --return-routes (vLLM's "
+            "enable_return_routed_experts, GPU builds only) or use --rollout native / --routing-replay off"
+        )
 
 
 def logprob_basis_warning(basis: str, params: SamplingParams) -> str | None:
@@ -136,14 +223,21 @@ def _is_logprob(x: object) -> bool:
 
 
 def check_completions(
-    body: dict, prompts: list[list[int]], params: SamplingParams, source: str, vocab_size: int | None = None
+    body: dict,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    source: str,
+    vocab_size: int | None = None,
+    need_routes: bool = False,
 ) -> list[Completion]:
     """The completions of a ``completions`` response, checked against the request that asked for them.
 
     Exactly one completion per (prompt_index in [0, len(prompts)), sample_index in [0, params.n)); token ids
     are ints (not bool / float / str) in [0, vocab_size) when ``vocab_size`` is known; 1 <= len <= max_tokens (0 too for
     a row a ``cut`` request stopped); ``logprobs`` (and ``sampled_logprobs`` unless None) are one number <= 0 per
-    token; finish_reason is 'stop' | 'length' | 'cut'. Any defect raises ProtocolError naming ``source``. Returns them in (prompt, sample) order.
+    token; finish_reason is 'stop' | 'length' | 'cut'; ``routes`` (minor 4), when present, decode to
+    len(token_ids) - 1 rows, and every completion with tokens has them when ``need_routes``. Any defect raises
+    ProtocolError naming ``source``. Returns them in (prompt, sample) order.
     """
     items = body["completions"]
     if body.get("logprob_basis") not in LOGPROB_BASES:
@@ -157,6 +251,8 @@ def check_completions(
     out = []
     for k, c in enumerate(items):
         problem = _completion_problem(c, len(prompts), params, vocab_size)
+        if problem is None and need_routes and c.get("routes") is None and c["token_ids"]:
+            problem = "carries no routes, and --routing-replay rollout needs them (a worker without --return-routes?)"
         if problem is None and (c["prompt_index"], c["sample_index"]) in seen:
             problem = (
                 f"duplicates (prompt_index, sample_index) of completion {seen[c['prompt_index'], c['sample_index']]}"
@@ -174,6 +270,7 @@ def check_completions(
                 c["finish_reason"],
                 None if sampled is None else [float(x) for x in sampled],
                 c["weights_version"],
+                routes=None if c.get("routes") is None else decode_routes(c["routes"]),
             )
         )
     return sorted(out, key=lambda c: (c.prompt_index, c.sample_index))
@@ -205,6 +302,15 @@ def _completion_problem(c: object, n_prompts: int, params: SamplingParams, vocab
         return f"finish_reason {c.get('finish_reason')!r} is not one of {FINISH_REASONS}"
     if not _is_int(c.get("weights_version")):
         return f"weights_version {c.get('weights_version')!r} is not an int"
+    if c.get("routes") is not None:  # minor 4: one (MoE layers, top-k) row per token fed back to the model
+        try:
+            rows = decode_routes(c["routes"]).shape[0]
+        except ValueError as e:
+            return str(e)
+        if rows != max(len(ids) - 1, 0):
+            return (
+                f"routes have {rows} rows for {len(ids)} tokens: expected {max(len(ids) - 1, 0)} (len(token_ids) - 1)"
+            )
     return None
 
 

@@ -86,6 +86,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--seed", type=int, default=0, help="engine seed (requests carry their own sampling seeds)")
     ap.add_argument("--max-lora-rank", type=int, default=0, help="serve LoRA adapters up to this rank (0 = off)")
+    ap.add_argument(
+        "--return-routes",
+        action="store_true",
+        help="MoE routing replay: vLLM's enable_return_routed_experts; completions carry routes (minor 4; GPU only)",
+    )
     ap.add_argument("--max-batch-requests", type=int, default=64, help="generate requests in flight at once")
     ap.add_argument("--heartbeat-s", type=float, default=1.0)
     ap.add_argument("--poll-s", type=float, default=0.02)
@@ -147,6 +152,7 @@ class Worker(Commands):
         info.update(
             vocab_size=self.vocab_size, asleep=self.asleep
         )  # clients check answered token ids against it (0: unknown)
+        info.update(routes=self.args.return_routes)  # completions carry MoE routes (protocol minor 4)
         info.update(untrusted_rejected=self.spool.untrusted)  # requests refused: another uid's, or no valid MAC
         self.spool.write_heartbeat(self.state, **info)
 
@@ -189,6 +195,14 @@ class Worker(Commands):
             kw["enable_sleep_mode"] = True
         if a.enable_prefix_caching is not None:
             kw["enable_prefix_caching"] = a.enable_prefix_caching
+        if a.return_routes:
+            if not torch.cuda.is_available():
+                raise ValueError(
+                    "--return-routes: this vLLM build cannot return routed experts without a GPU (its "
+                    "enable_return_routed_experts capture runs in the V2 model runner, which needs CUDA and Triton); "
+                    "use the trainer's --rollout native for --routing-replay rollout"
+                )
+            kw["enable_return_routed_experts"] = True
         if a.max_lora_rank:
             rank = next((r for r in LORA_RANKS if r >= a.max_lora_rank), None)
             if rank is None:
@@ -332,8 +346,18 @@ class Worker(Commands):
             raise RuntimeError(f"vLLM finished a sequence with reason {o.finish_reason!r}")
         return P.Completion(
             prompt_index, sample_index, ids, lps, reason,
-            sampled_logprobs=lps if exact else None, weights_version=self.version,
+            sampled_logprobs=lps if exact else None, weights_version=self.version, routes=self.routes_of(out, ids),
         )  # fmt: skip
+
+    def routes_of(self, out, ids: list[int]):
+        """--return-routes: the experts of each completion token fed back to the model, (len(ids) - 1, MoE layers,
+        top-k): vLLM's ``routed_experts`` covers the prompt then the generated tokens, so the prompt's rows are
+        skipped. A short array goes on the wire as it is; the client's validation rejects it, naming the request."""
+        got = getattr(out.outputs[0], "routed_experts", None) if self.args.return_routes else None
+        if got is None:
+            return None
+        start = len(out.prompt_token_ids or [])
+        return got[start : start + max(len(ids) - 1, 0)].astype("int16")
 
     def answer(self, msg: P.Message) -> None:
         """Publish ``msg`` on the writer's thread (the loop goes on stepping the engine)."""
