@@ -171,7 +171,9 @@ def test_every_built_in_task_has_the_task_module_members_and_one_signature():
     del fake.check_sizes
     with pytest.raises(TypeError, match="lacks check_sizes"):
         check_task_module(fake)
-    with pytest.raises(ValueError, match="unknown built-in task 'nope'; available: reverse, reverse_moe, multiturn, agent"):
+    with pytest.raises(
+        ValueError, match="unknown built-in task 'nope'; available: reverse, reverse_moe, multiturn, agent"
+    ):
         load_task("nope")
 
 
