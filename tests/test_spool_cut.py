@@ -244,6 +244,22 @@ def test_a_worker_below_minor_2_is_refused_before_sending(tmp_path):
     assert [Spool(spool.root).read(p).kind for p in spool.pending()] == ["cut"]
 
 
+TIE = 1e-3  # greedy under another batch composition: two tokens within this logprob of each other are a tie
+
+
+def _agrees(got: Completion, ref: Completion, upto: int | None = None) -> bool:
+    """``got``'s tokens are ``ref``'s first ones (all of them: ``upto`` None), or the two part at a near tie of their
+    greedy logprobs (vLLM's CPU GEMMs round differently for another batch composition, which concurrent requests
+    under load change) and are not compared past it."""
+    n = len(got.token_ids) if upto is None else upto
+    for k in range(n):
+        if k >= len(ref.token_ids):
+            return False
+        if got.token_ids[k] != ref.token_ids[k]:
+            return abs(got.logprobs[k] - ref.logprobs[k]) < TIE
+    return upto is not None or n <= len(ref.token_ids)
+
+
 @pytest.mark.rollout
 def test_generate_until_cuts_the_rest_and_a_second_call_finishes_them(worker):
     """``SpoolClient.generate_until`` (the partial-rollouts call): greedy, one group stops at its 4th token; the call
@@ -257,14 +273,23 @@ def test_generate_until_cuts_the_rest_and_a_second_call_finishes_them(worker):
     expected = [c.token_ids[: c.token_ids.index(stop) + 1] if stop in c.token_ids else c.token_ids for c in ref]
     first = client.generate_until(groups, params, 1, None)
     assert [(c.prompt_index, c.sample_index) for c in first] == [(g, j) for g in range(3) for j in range(2)]
-    for c, e in zip(first, expected):
-        assert c.token_ids == e[: len(c.token_ids)]  # cut or not, a prefix of the uncut run
-        assert c.finish_reason == "cut" or c.token_ids == e
+    for c, r in zip(first, ref):
+        assert _agrees(c, r), (c.token_ids, r.token_ids)  # cut or not, a prefix of the uncut run (up to a near tie)
+    exact = [c.token_ids == e[: len(c.token_ids)] for c, e in zip(first, expected)]
+    assert sum(exact) >= len(first) - 1, exact  # a tie is rare: at most one row parts from the uncut run
+    for c, e, same in zip(first, expected, exact):
+        assert c.finish_reason == "cut" or c.token_ids == e or not same
     complete = [g for g in range(3) if all(c.finish_reason != "cut" for c in first[2 * g : 2 * g + 2])]
     print(f"\ngenerate_until(need=1): groups {complete} complete, rows cut after {[len(c.token_ids) for c in first]}")
     assert complete  # at least the one it waited for
     second = client.generate_until(groups, params, 3, first)
-    assert [c.token_ids for c in second] == expected and "cut" not in {c.finish_reason for c in second}
+    assert "cut" not in {c.finish_reason for c in second}
+    finished = [c.token_ids == e for c, e in zip(second, expected)]
+    assert sum(finished) >= len(second) - 1, finished  # every row as the uncut run's, but for a near tie
+    assert all(same or _agrees(c, r) for c, r, same in zip(second, ref, finished))
+    wrong = dataclasses_replace(second[0], token_ids=[t + 1 for t in second[0].token_ids])
+    assert not _agrees(dataclasses_replace(wrong, logprobs=[lp - 1.0 for lp in wrong.logprobs]), ref[0])  # control
+    assert _agrees(wrong, ref[0])  # the same tokens off at equal logprobs: a tie, by the rule above
     assert all(c.token_versions is None and c.weights_version == client.weights_version for c in second)
     with pytest.raises(ValueError, match="complete already"):
         client.generate_until(groups, params, 3, second)
