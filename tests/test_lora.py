@@ -201,6 +201,25 @@ def peft_python() -> str:
     )
 
 
+def peft_reference(tmp_path: Path, spec: dict) -> dict:
+    """Run ``tests/peft_reference.py`` on ``spec`` (written to ``tmp_path/spec.json``) under ``peft_python()``, one
+    thread, and return the tensors it wrote to ``spec["out"]``."""
+    from safetensors.torch import load_file
+
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "PYTHONPATH": "", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(
+        [peft_python(), str(REPO / "tests" / "peft_reference.py"), str(tmp_path / "spec.json")],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return load_file(spec["out"])
+
+
 def with_alpha(src: Path, dst: Path, factor: float) -> Path:
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "adapter_config.json").read_text())
@@ -209,7 +228,6 @@ def with_alpha(src: Path, dst: Path, factor: float) -> Path:
 
 
 def test_parity_with_peft_both_ways(base_dir, tmp_path):
-    from safetensors.torch import load_file
 
     model = lora_model(base_dir, rank=4, alpha=8.0)
     randomise_b(model)
@@ -222,18 +240,7 @@ def test_parity_with_peft_both_ways(base_dir, tmp_path):
         "load": {"ours": str(ours), "ours_scaled": str(scaled)},
         "make": str(tmp_path / "theirs"),
     }
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, "PYTHONPATH": "", "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(
-        [peft_python(), str(REPO / "tests" / "peft_reference.py"), str(tmp_path / "spec.json")],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    ref = load_file(spec["out"])
+    ref = peft_reference(tmp_path, spec)
     with torch.no_grad():
         # align-written adapter in peft
         mine = model(IDS)

@@ -5,15 +5,13 @@ round trip, bad input."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 
 import pytest
 import test_moe as tm  # its helpers (a module object: its tests are not collected twice)
 import torch
 import torch.nn.functional as F
 from hf_reference import hf_model, save_hf
-from test_lora import REPO, peft_python
+from test_lora import peft_reference
 
 from align import lora, moe
 from align.model import load_pretrained
@@ -161,7 +159,6 @@ def test_lora_experts_on_a_dense_model_is_refused():
 def test_peft_loads_an_align_expert_adapter_and_its_fused_layout_is_refused(tmp_path):
     """PEFT (on transformers' fused experts) reads align's per-expert adapter to the same logits; an adapter with
     PEFT's ``target_parameters`` (its fused-expert layout) is refused by name. Control: alpha x2 in the file."""
-    from safetensors.torch import load_file
 
     base = save_hf(hf_model("qwen3_moe"), tmp_path / "base")
     model = lora.apply_lora(load_pretrained(base), lora.LoraConfig(rank=2, experts=True), base_model=base)
@@ -179,18 +176,7 @@ def test_peft_loads_an_align_expert_adapter_and_its_fused_layout_is_refused(tmp_
     ids = torch.arange(1, 21)[None]
     spec = {"base": base, "ids": ids.tolist(), "out": str(tmp_path / "o.safetensors"), "make": None}
     spec["load"] = {"ours": str(ours), "scaled": str(scaled)}
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, "PYTHONPATH": "", "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(
-        [peft_python(), str(REPO / "tests" / "peft_reference.py"), str(tmp_path / "spec.json")],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    ref = load_file(spec["out"])
+    ref = peft_reference(tmp_path, spec)
     with torch.no_grad():
         mine = model(ids)
         assert (mine - load_pretrained(base)(ids)).abs().max() > 1e-2  # the expert adapters matter
