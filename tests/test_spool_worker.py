@@ -111,6 +111,22 @@ def _max_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b))
 
 
+def refused_before_the_engine(tmp_path, models, flag: str, why: str) -> None:
+    """A worker started with ``flag`` on this CPU build fails naming the flag and ``why``, before its engine loads."""
+    log = tmp_path / f"refused{flag}.log"
+    with pytest.raises(RuntimeError, match=f"{flag}: {why}"):
+        spawn_worker(
+            tmp_path / "spool",
+            model=models["v1"],
+            log_path=log,
+            in_process=True,
+            extra_args=[flag],
+            max_model_len=MAX_MODEL_LEN,
+            ready_timeout_s=READY_TIMEOUT_S,
+        )
+    assert "engine up" not in log.read_text()  # refused before the engine loaded
+
+
 def test_generate_matches_transformers(fleet, models):
     from helpers_models import greedy_ids, teacher_forced_logprobs
 
@@ -340,18 +356,7 @@ def test_sleep_is_unsupported_on_the_cpu_build_and_the_worker_serves_on(processe
     engine.collected()
     assert capsys.readouterr().out.count("the rollout worker cannot sleep") == 1
     assert engine.sleep_level == 0 and engine.wake() == 0.0  # never asleep: nothing to wake
-    log = tmp_path / "refused.log"
-    with pytest.raises(RuntimeError, match="--enable-sleep-mode: vLLM has no sleep mode on cpu"):
-        spawn_worker(
-            tmp_path / "spool",
-            model=models["v1"],
-            log_path=log,
-            in_process=True,
-            extra_args=["--enable-sleep-mode"],
-            max_model_len=MAX_MODEL_LEN,
-            ready_timeout_s=READY_TIMEOUT_S,
-        )
-    assert "engine up" not in log.read_text()  # refused before the engine loaded
+    refused_before_the_engine(tmp_path, models, "--enable-sleep-mode", "vLLM has no sleep mode on cpu")
 
 
 def test_invalid_model_fails_cleanly(models, tmp_path):
@@ -445,17 +450,6 @@ def test_worker_exits_when_its_launcher_is_killed_and_a_rerun_gets_the_spool(mod
 def test_return_routes_is_refused_on_the_cpu_build(models, tmp_path):
     """--return-routes (protocol minor 4, --routing-replay rollout over the spool): vLLM captures routed experts in
     its GPU model runner only, so the CPU build's worker refuses it before its engine loads, naming why."""
-    log = tmp_path / "routes.log"
-    with pytest.raises(
-        RuntimeError, match="--return-routes: this vLLM build cannot return routed experts without a GPU"
-    ):
-        spawn_worker(
-            tmp_path / "spool",
-            model=models["v1"],
-            log_path=log,
-            in_process=True,
-            extra_args=["--return-routes"],
-            max_model_len=MAX_MODEL_LEN,
-            ready_timeout_s=READY_TIMEOUT_S,
-        )
-    assert "engine up" not in log.read_text()
+    refused_before_the_engine(
+        tmp_path, models, "--return-routes", "this vLLM build cannot return routed experts without a GPU"
+    )
