@@ -78,11 +78,8 @@ from align.rollout.spool import (  # noqa: F401 -- the transport's public names:
 #                (vLLM logprobs_mode=processed_logprobs); equals "training" when no truncation is active
 LOGPROB_BASES = ("training", "raw", "processed")
 
-FINISH_REASONS = (
-    "stop",
-    "length",
-    "cut",
-)  # "cut": --partial-rollouts stopped it mid-way; a cut request (align/rollout/cut.py)
+# "cut": stopped mid-way by partial rollouts (a cut request, align/rollout/cut.py); resumed later, never trained
+FINISH_REASONS = ("stop", "length", "cut")
 
 
 @dataclass
@@ -185,9 +182,9 @@ def check_routes_minor(spool: Spool, needed: bool = True) -> None:
         raise ProtocolError(f"no worker has announced itself on spool {root} yet (no heartbeat.json): routes unknown")
     if worker_minor(hb) < ROUTES_MINOR:
         raise worker_too_old(
-            root, (hb or {}).get("minor", 0), "--routing-replay rollout needs", ROUTES_MINOR, "use --rollout native"
+            root, hb.get("minor", 0), "--routing-replay rollout needs", ROUTES_MINOR, "use --rollout native"
         )
-    if not (hb or {}).get("routes"):
+    if not hb.get("routes"):
         raise ProtocolError(
             f"the worker on spool {root} does not return MoE routes: start it with --return-routes (vLLM's "
             "enable_return_routed_experts, GPU builds only) or use --rollout native / --routing-replay off"
