@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 from helpers_learner import CPU, batch_for, cfg
+from helpers_moe import ids_of, moe_cfg, sparse_blocks, tiny_moe
 from helpers_train import char_moe_model
 from hf_reference import MOE_FEATURES, assert_greedy_matches, feature_pair, hf_model, save_hf
 
@@ -26,14 +27,6 @@ GRAD_ATOL = 1e-5  # fp32 gradients of a small loss
 @pytest.fixture(scope="module", params=sorted(MOE_FEATURES))
 def pair(request, tmp_path_factory):
     return feature_pair(MOE_FEATURES, request.param, tmp_path_factory)
-
-
-def ids_of(seed: int, shape=(3, 40)) -> torch.Tensor:
-    return torch.randint(0, 97, shape, generator=torch.Generator().manual_seed(seed))
-
-
-def sparse_blocks(model: Transformer) -> list[moe.SparseMoE]:
-    return [m for m in model.modules() if isinstance(m, moe.SparseMoE)]
 
 
 def test_fp32_logits_match_transformers(pair):
@@ -77,11 +70,6 @@ def test_mixtral_sliding_window_matters(tmp_path):
         ours.config.sliding_window = None  # negative control: full causal attention over 40 > 24 tokens
         assert (ours(ids) - ref).abs().max() > 1e-3
         torch.testing.assert_close(ours(ids[:, :24]), ref[:, :24], atol=LOGIT_ATOL, rtol=0)  # within the window
-
-
-def moe_cfg(model_type: str, **kw) -> ModelConfig:
-    hf = hf_model(model_type, **kw).config.to_dict()
-    return ModelConfig.from_hf_config(hf)
 
 
 def test_greedy_generation_matches_transformers_and_cached_equals_full(pair):
@@ -258,28 +246,6 @@ def test_missing_expert_tensor_is_named(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ learner, LoRA
-
-
-def tiny_moe(seed: int = 0, **kw) -> Transformer:
-    fields = {
-        "model_type": "qwen3_moe",
-        "vocab_size": 96,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "max_position_embeddings": 128,
-        "qk_norm": True,
-        "num_experts": 6,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 16,
-        "norm_topk_prob": True,
-        "mlp_only_layers": [1],
-        **kw,
-    }
-    return Transformer(ModelConfig(**fields)).init_weights(std=0.2, seed=seed)
 
 
 def grads_of(model, b, **kw):

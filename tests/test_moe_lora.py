@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 
+import helpers_moe as tm
 import pytest
-import test_moe as tm  # its helpers (a module object: its tests are not collected twice)
 import torch
 import torch.nn.functional as F
+from helpers_peft import peft_reference
 from hf_reference import hf_model, save_hf
-from test_lora import peft_reference
 
 from align import lora, moe
 from align.model import load_pretrained

@@ -8,8 +8,8 @@ from __future__ import annotations
 import array
 import json
 
+import helpers_moe as tm
 import pytest
-import test_moe as tm  # its helpers (a module object: its tests are not collected twice)
 import torch
 from helpers_learner import CPU, cfg
 
