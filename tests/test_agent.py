@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -308,3 +310,104 @@ def test_every_trajectory_of_an_editing_agent_reaches_the_learner(tmp_path, agen
     recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "loss" in r]
     assert all(r["agent/branches_mean"] == 2 and r["agent/branch_tokens"] > 0 for r in steps), steps
+
+
+# ------------------------------------------------------------------------------------------------ --agent-processes
+
+
+def _steps(run: Path) -> list[dict]:
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def test_agents_in_processes_give_the_threads_episodes(tmp_path, agent_model, monkeypatch):
+    """The example agent (deterministic; each request draws with its own seed) run in worker processes gives the
+    episodes it gives on threads: ids, masks, logprobs, rewards (control: another episode's are other ids)."""
+    from align.envs.sampler import Episodes
+    from align.train import train
+
+    seen: dict[str, list] = {"threads": [], "processes": []}
+    real = Episodes.episodes
+    mode = ["threads"]
+    monkeypatch.setattr(Episodes, "episodes", lambda self, *a: seen[mode[0]].extend(eps := real(self, *a)) or eps)
+    rows = [{"question": QUESTION, "answer": "5"}] * 4
+    for m in seen:
+        mode[0] = m
+        c = _config(tmp_path / m, agent_processes=m == "processes")
+        c.steps = 1
+        train(c, model=str(agent_model[0]), prompts=rows, agent=load_agent(AGENT))
+    threads, procs = seen["threads"], seen["processes"]
+    assert len(threads) == len(procs) == 4 and all(e.error is None for e in threads + procs)
+    for a, b in zip(threads, procs):
+        assert (a.prompt_ids, a.token_ids, a.mask, a.logprobs) == (b.prompt_ids, b.token_ids, b.mask, b.logprobs)
+        assert a.env_reward == b.env_reward and len(a.turns) == len(b.turns)
+    assert any(a.token_ids != b.token_ids for a, b in zip(threads, procs[1:] + procs[:1]))  # control
+    want, got = (_steps(tmp_path / m / "run")[0] for m in seen)
+    assert want["agent/requests_mean"] == got["agent/requests_mean"] and want["agent/errors"] == got["agent/errors"]
+
+
+def test_agents_in_processes_that_crash_hang_or_raise_are_unscorable_and_the_step_goes_on(
+    tmp_path, agent_model, monkeypatch
+):
+    """One step, two runs per row, in worker processes: an agent that exits (os._exit(3)), one that raises, one that
+    returns text and one that hangs (killed with its process group past --agent-timeout-s: the agent's process and
+    the one it started are gone) are unscorable and counted; the ok rows train. Then every agent failing stops the
+    run with the child's traceback."""
+    from helpers_agents import by_mode, fails
+
+    from align.envs.sampler import Episodes
+    from align.rollout.process import pid_alive
+    from align.train import train
+
+    seen: list = []
+    real = Episodes.episodes
+    monkeypatch.setattr(Episodes, "episodes", lambda self, *a: seen.extend(eps := real(self, *a)) or eps)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    modes = ["ok", "crash", "raise", "text", "hang"]
+    rows = [{"question": QUESTION, "mode": m, "pids": str(pids)} for m in modes]
+    c = _config(tmp_path, agent_processes=True, agent_timeout_s=8.0)  # the others end within it even under load
+    c.steps, c.prompts_per_step = 1, len(modes)
+    train(c, model=str(agent_model[0]), prompts=rows, agent=by_mode)
+    (rec,) = _steps(tmp_path / "run")
+    assert rec["agent/timeouts"] == 2 and rec["agent/errors"] == 6 and rec["unscorable"] == 8, rec
+    said = {  # each failure named as it happened in its process
+        "ok": lambda w: w is None,
+        "crash": lambda w: "worker process exited (exit code 3)" in w,
+        "raise": lambda w: "in its worker process" in w and "RuntimeError: the agent's own bug" in w,
+        "text": lambda w: "returned 'five'" in w,
+        "hang": lambda w: "past --agent-timeout-s" in w and "process group" in w,
+    }
+    errors = [e.error for e in seen]
+    assert all(sum(1 for w in errors if (w is None) == (m == "ok") and ok(w)) == 2 for m, ok in said.items()), errors
+    hung = [json.loads(p.read_text()) for p in pids.iterdir()]
+    assert len(hung) == 2 and pid_alive(os.getpid())  # control: pid_alive sees a live pid
+    deadline = time.monotonic() + 30
+    while any(pid_alive(p) for pair in hung for p in pair) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for pair in hung for p in pair if pid_alive(p)]  # the agent and its sleeper: killed with the group
+    with pytest.raises(RuntimeError, match="(?s)in its worker process.*every agent fails here"):
+        train(_config(tmp_path / "b", agent_processes=True), model=str(agent_model[0]), prompts=rows, agent=fails)
+
+
+def test_agent_processes_refuse_an_agent_not_importable_by_name_before_the_model_loads(
+    tmp_path, agent_model, monkeypatch
+):
+    from helpers_agents import by_mode
+
+    import align.model
+    from align.gateway.workers import agent_spec
+    from align.train import train
+
+    def no_load(*a, **k):
+        raise AssertionError("the model loaded before --agent-processes was checked")
+
+    def nested(base_url, api_key, model, **row):
+        return 1.0
+
+    monkeypatch.setattr(align.model, "load_pretrained", no_load)
+    rows = [{"question": QUESTION, "answer": "5"}] * 4
+    for fn in (nested, lambda base_url, api_key, model, **row: 1.0):
+        with pytest.raises(InputError, match="--agent-processes .*cannot be imported"):
+            train(_config(tmp_path, agent_processes=True), model=str(agent_model[0]), prompts=rows, agent=fn)
+    assert agent_spec(None, by_mode) == "helpers_agents:by_mode"  # control: a top-level function is loaded by name
+    assert agent_spec(AGENT, failing) == AGENT  # --agent's own spec is the workers'

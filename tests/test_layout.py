@@ -45,7 +45,7 @@ FLOORS = [
             "lean.config lean.server lean.repl lean.verify lean.env lean.corrections"
         ),
     ),
-    ("the gateway", "gateway gateway.capture gateway.messages gateway.server gateway.agents"),
+    ("the gateway", "gateway gateway.capture gateway.messages gateway.server gateway.agents gateway.workers"),
     ("the built-in tasks", "tasks tasks.warm tasks.reverse tasks.reverse_moe tasks.multiturn tasks.agent"),
     (
         "eval",

@@ -9,9 +9,10 @@ makes as many calls as it likes and returns its reward: a float, None (unscorabl
 Wiring: ``--env agent`` (``--agent`` alone picks it) is a row of ``align.tasks.ENVIRONMENTS``; ``AgentEnv.open``
 loads and checks the function before the model loads and returns a class whose ``run_episodes`` hook replaces the
 environment turn loop in the sampling seam (``align.envs.sampler.Episodes``). Agents run on a thread pool
-(``--agent-workers``; 0 = one per episode of the step); an agent that raises, runs past ``--agent-timeout-s`` (its
-key is revoked, its thread abandoned: a Python thread cannot be killed) or returns a non-number makes its episode
-unscorable (``agent/errors``, ``agent/timeouts``); the step goes on (``Episodes.sample`` stops the run when every
+(``--agent-workers``; 0 = one per episode of the step), or with ``--agent-processes`` each run in a worker process
+of its own (``align.gateway.workers``: loaded by spec, JSON over pipes, killed with its process group at the
+deadline); an agent that raises, runs past ``--agent-timeout-s`` (its key is revoked, its thread abandoned: a Python
+thread cannot be killed; its process killed) or returns a non-number makes its episode unscorable (``agent/errors``, ``agent/timeouts``); the step goes on (``Episodes.sample`` stops the run when every
 episode failed, with the first traceback).
 
 An episode that the agent branched (edited history, a return to an earlier turn) trains every trajectory: the last
@@ -206,7 +207,12 @@ class AgentEnv:
                 "processes) it is not supported yet: run it without torchrun"
             )
         fn = cls.fn if cls.fn is not None else load_agent(cfg.envs.agent)
-        return type("Agent", (_Agents,), {"fn": staticmethod(fn), "cfg": cfg.envs, "state": {}})
+        spec = None
+        if cfg.envs.agent_processes:  # checked here, before the model loads: the workers load the agent by spec
+            from align.gateway.workers import agent_spec
+
+            spec = agent_spec(cfg.envs.agent if cls.fn is None else None, fn)
+        return type("Agent", (_Agents,), {"fn": staticmethod(fn), "spec": spec, "cfg": cfg.envs, "state": {}})
 
     def __init__(self, **row: Any) -> None:
         raise RuntimeError("AgentEnv is opened, never run")
@@ -225,6 +231,7 @@ def bind(fn: Callable[..., Any]) -> type:
 
 class _Agents(AgentEnv):
     fn: Callable[..., Any]
+    spec: str | None  # --agent-processes: the spec each worker process loads the agent from
     cfg: Any
     state: dict
 
@@ -291,11 +298,24 @@ class _Agents(AgentEnv):
         keys = [gw.open_episode() for _ in jobs]
         for i, k in enumerate(keys):
             gw.episodes[k].index = i
-        calls = [
-            functools.partial(counted, functools.partial(cls.fn, gw.base_url, k, MODEL_NAME, **rows[p]))
-            for (p, _), k in zip(jobs, keys)
-        ]
-        futs = run_pool(calls, workers, cls.cfg.agent_timeout_s or None)
+        timeout_s = cls.cfg.agent_timeout_s or None
+        if cls.spec is not None:  # --agent-processes: each run in a worker process, the row and result as JSON
+            from align.gateway.workers import run_processes
+
+            def pool(calls: list[Callable[[], Any]], n: int, t: float | None) -> list[cf.Future]:
+                return run_pool([functools.partial(counted, c) for c in calls], n, t)
+
+            runs = [
+                {"base_url": gw.base_url, "api_key": k, "model": MODEL_NAME, "row": rows[p]}
+                for (p, _), k in zip(jobs, keys)
+            ]
+            futs = run_processes(cls.spec, runs, workers, timeout_s, pool)
+        else:
+            calls = [
+                functools.partial(counted, functools.partial(cls.fn, gw.base_url, k, MODEL_NAME, **rows[p]))
+                for (p, _), k in zip(jobs, keys)
+            ]
+            futs = run_pool(calls, workers, timeout_s)
         # an agent past its time is abandoned: its key is revoked here, so its next request gets a 401
         eps = [
             cls.episode(gw.close_episode(k), f, f.done() and not f.cancelled(), p, g)
@@ -311,11 +331,16 @@ class _Agents(AgentEnv):
 
         ep = Episode(p, g, [], [], "stop", [], 0, prompt_ids=[0])
         metrics: dict = {}
-        if not finished:
+        from align.gateway.workers import AgentFailed, AgentTimeout
+
+        e = fut.exception() if finished else None
+        if not finished or isinstance(e, AgentTimeout):
             ep.error = f"the agent ran past {FLAG}-timeout-s {cls.cfg.agent_timeout_s} s"
+            ep.error += " (its worker process killed with its process group)" if cls.spec is not None else ""
             ep.timed_out = True
-        elif fut.exception() is not None:
-            e = fut.exception()
+        elif isinstance(e, AgentFailed):  # the child's traceback, or how its process ended
+            ep.error = e.text
+        elif e is not None:
             ep.error = "the agent raised:\n" + "".join(traceback.format_exception(type(e), e, e.__traceback__))
         else:
             reward, metrics, why = reward_of(fut.result())
