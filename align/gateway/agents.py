@@ -11,9 +11,10 @@ loads and checks the function before the model loads and returns a class whose `
 environment turn loop in the sampling seam (``align.envs.sampler.Episodes``). Agents run on a thread pool
 (``--agent-workers``; 0 = one per episode of the step), or with ``--agent-processes`` each run in a worker process
 of its own (``align.gateway.workers``: loaded by spec, JSON over pipes, killed with its process group at the
-deadline); an agent that raises, runs past ``--agent-timeout-s`` (its key is revoked, its thread abandoned: a Python
-thread cannot be killed; its process killed) or returns a non-number makes its episode unscorable (``agent/errors``, ``agent/timeouts``); the step goes on (``Episodes.sample`` stops the run when every
-episode failed, with the first traceback).
+deadline); an agent that raises, runs past ``--agent-timeout-s`` (its key is revoked; its thread abandoned, as a
+Python thread cannot be killed, or its process killed), dies or returns a non-number makes its episode unscorable
+(``agent/errors``, ``agent/timeouts``); the step goes on (``Episodes.sample`` stops the run when every episode
+failed, with the first traceback).
 
 An episode that the agent branched (edited history, a return to an earlier turn) trains every trajectory: the last
 request's is the episode (what ``--reward`` scores, what the log shows first), the others ride in ``Episode.branches``

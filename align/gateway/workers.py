@@ -5,7 +5,7 @@ takes the trainer with it.
 - **By spec, nothing pickled**: the worker loads the agent from its spec (``path/file.py:fn`` / ``module:fn``; a
   Python-API ``agent=fn`` must be importable by module and qualname, ``align.specs.spec_of``). One JSON line goes in
   (the spec, ``base_url``, the episode's ``api_key``, ``model``, the row), one comes back: ``{"ok": value}`` (the
-  agent's float / dict / None, or ``{"not_json": repr}`` for a value JSON cannot carry) or ``{"error": traceback}``.
+  agent's float / dict / None) or ``{"error": text}`` (its traceback, or a value JSON cannot carry, named).
   The agent talks to the gateway over HTTP as a thread's does; its prints go to the worker's stderr.
 - **The same pool and deadline as the threads** (``agents.run_pool``): at most ``--agent-workers`` processes at
   once, one per run; the step waits ``--agent-timeout-s`` for them all. A run still going then is killed with its
@@ -143,11 +143,15 @@ def _worker_main() -> None:
     try:
         fn = load_spec(job["spec"], "--agent")
         value = fn(job["base_url"], job["api_key"], job["model"], **job["row"])
-        reply = {"ok": value}
         try:
-            text = json.dumps(reply)
-        except (TypeError, ValueError):
-            text = json.dumps({"ok": {"not_json": repr(value)[:2000]}})
+            text = json.dumps({"ok": value})
+        except (TypeError, ValueError) as e:  # a numpy scalar, an object: no number the trainer could read
+            text = json.dumps(
+                {
+                    "error": f"the agent returned {value!r:.200}, which is not JSON ({e}): expected a finite number, "
+                    "a dict with 'reward' or None (with --agent-processes it comes back as JSON)"
+                }
+            )
     except BaseException:  # noqa: BLE001 -- the agent's failure (SystemExit included): reported, the episode fails
         text = json.dumps({"error": "the agent raised (in its worker process):\n" + traceback.format_exc()})
     out.write(text + "\n")
