@@ -365,7 +365,7 @@ def test_agents_in_processes_that_crash_hang_or_raise_are_unscorable_and_the_ste
     pids.mkdir()
     modes = ["ok", "crash", "raise", "text", "hang"]
     rows = [{"question": QUESTION, "mode": m, "pids": str(pids)} for m in modes]
-    c = _config(tmp_path, agent_processes=True, agent_timeout_s=8.0)  # the others end within it even under load
+    c = _config(tmp_path, agent_processes=True, agent_timeout_s=10.0)  # the others end in it under load (as above)
     c.steps, c.prompts_per_step = 1, len(modes)
     train(c, model=str(agent_model[0]), prompts=rows, agent=by_mode)
     (rec,) = _steps(tmp_path / "run")
