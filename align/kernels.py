@@ -483,7 +483,15 @@ def _resolve_backend(logits: torch.Tensor, backend: str) -> str:
     return backend
 
 
-def _check_common(targets: torch.Tensor, V: int, temperature: float, chunk_size: int | None) -> None:
+def _check_common(
+    targets: torch.Tensor, lead: torch.Size, where: str, V: int, temperature: float, chunk_size: int | None
+) -> None:
+    """The checks both entry points make: targets int64 of shape ``lead`` (the input's leading dims, ``where`` says
+    which), then the temperature, the chunk size and the target ids against the vocabulary size V."""
+    if targets.dtype != torch.long or targets.shape != lead:
+        raise ValueError(
+            f"targets must be int64 with shape {tuple(lead)} ({where}), got {targets.dtype} {tuple(targets.shape)}"
+        )
     if not temperature > 0.0 or temperature == float("inf"):
         raise ValueError(f"temperature must be a positive finite float, got {temperature!r}")
     if chunk_size is not None and chunk_size < 1:
@@ -512,13 +520,8 @@ def token_logprobs(
     """
     if not logits.is_floating_point():
         raise ValueError(f"logits must be a float tensor, got dtype {logits.dtype}")
-    if targets.dtype != torch.long or targets.shape != logits.shape[:-1]:
-        raise ValueError(
-            f"targets must be int64 with shape {tuple(logits.shape[:-1])} (logits without the vocabulary dim), "
-            f"got {targets.dtype} {tuple(targets.shape)}"
-        )
     V = logits.shape[-1]
-    _check_common(targets, V, temperature, chunk_size)
+    _check_common(targets, logits.shape[:-1], "logits without the vocabulary dim", V, temperature, chunk_size)
     batch_shape = targets.shape
     logits2d = logits.reshape(-1, V)  # (N, V); a view unless the leading dims are not collapsible
     targets1d = targets.reshape(-1)  # (N,)
@@ -558,12 +561,7 @@ def linear_token_logprobs(
             f"weight must be (V, D) with D = hidden.shape[-1], got {tuple(weight.shape)} for hidden "
             f"{tuple(hidden.shape)}"
         )
-    if targets.dtype != torch.long or targets.shape != hidden.shape[:-1]:
-        raise ValueError(
-            f"targets must be int64 with shape {tuple(hidden.shape[:-1])} (hidden without its last dim), "
-            f"got {targets.dtype} {tuple(targets.shape)}"
-        )
-    _check_common(targets, weight.shape[0], temperature, chunk_size)
+    _check_common(targets, hidden.shape[:-1], "hidden without its last dim", weight.shape[0], temperature, chunk_size)
     hidden2d, targets1d = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)  # (N, D), (N,)
     impl = _resolve_backend(hidden, backend)
     if impl == "reference":

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import numeric_flags
+from common import best_time, numeric_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -123,13 +123,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def cpu_ms(fn, repeats: int) -> float:
     """Least CPU time of ``fn()`` over ``repeats`` runs (after one warm-up), in ms."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        c = time.process_time()
-        fn()
-        best = min(best, time.process_time() - c)
-    return best * 1e3
+    return best_time(fn, repeats, time.process_time) * 1e3
 
 
 def components(ours, hf, batch: int, tokens: int, repeats: int) -> None:

@@ -33,6 +33,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import best_time
+
 from align.rollout import cpu_kernel, native
 from align.rollout.native import PackedLinear
 
@@ -48,16 +50,6 @@ CASES = [  # (rows, out_features, in_features): 31M shape at 16 rows, Qwen2.5-0.
     (8, 896, 4864),
     (8, 151936, 896),
 ]
-
-
-def best_of(fn, reps: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 STEPS = {  # name: (rows, per-layer (out, in) of q|k|v, o, gate|up, down; layers; vocabulary head)
@@ -153,9 +145,10 @@ def layout_case(m: int, n: int, k: int) -> None:
     t_dnn = t_mkl = float("inf")
     for _ in range(3):
         t_dnn = min(
-            t_dnn, best_of(lambda: [torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "") for w in onednn])
+            t_dnn,
+            best_time(lambda: [torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "") for w in onednn], 5),
         )
-        t_mkl = min(t_mkl, best_of(lambda: [torch.ops.mkl._mkl_linear(x, w, sizes, bias, m) for w in mkl]))
+        t_mkl = min(t_mkl, best_time(lambda: [torch.ops.mkl._mkl_linear(x, w, sizes, bias, m) for w in mkl], 5))
     gb = n * k * 4 * copies / 1e9
     print(
         f"{m:>4} {f'{n}x{k}':>12} {n * k * 4 / 1e6:>7.1f} {gb / t_dnn:>12.1f} {gb / t_mkl:>9.1f} {t_mkl / t_dnn:>16.2f}",

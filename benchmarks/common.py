@@ -1,4 +1,5 @@
-"""What the benchmarks share: their numeric flags declared as one call, each benchmark with its own defaults.
+"""What the benchmarks share: their numeric flags declared as one call, each benchmark with its own defaults; the
+best-of-N timer ``best_time``.
 
 ``numeric_flags(p, steps=8, max_tokens=12)`` is ``p.add_argument("--steps", type=int, default=8)`` and
 ``p.add_argument("--max-tokens", type=int, default=12)``: the flag is the keyword with dashes, its type the
@@ -9,6 +10,7 @@ default's. A flag with a help line, a choice or an action is written out with ``
 from __future__ import annotations
 
 import argparse
+import time
 
 # the Qwen2.5-0.5B shape (ModelConfig / Qwen2Config keywords): what the GPU benchmarks and bench_sampler time
 QWEN25_05B = {
@@ -29,6 +31,18 @@ def numeric_flags(p: argparse.ArgumentParser, /, **defaults: float) -> None:
         if type(default) not in (int, float):
             raise TypeError(f"numeric_flags: {name}={default!r} is not an int or a float")
         p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
+
+
+def best_time(fn, repeats: int, clock=time.perf_counter) -> float:
+    """Least time of ``fn()`` over ``repeats`` runs after one warm-up, in seconds of ``clock`` (wall time;
+    ``time.process_time``: CPU time)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = clock()
+        fn()
+        best = min(best, clock() - t)
+    return best
 
 
 def hf_sample(hf, prompts, new: int) -> None:

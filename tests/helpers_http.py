@@ -3,9 +3,10 @@ from a daemon thread, and a quiet request handler that answers JSON."""
 
 from __future__ import annotations
 
-import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from align.gateway.server import send_json
 
 
 class LocalServer(ThreadingHTTPServer):
@@ -26,9 +27,4 @@ class QuietHandler(BaseHTTPRequestHandler):
         pass
 
     def send_json(self, status: int, obj: dict) -> None:
-        data = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, status, obj)

@@ -95,6 +95,19 @@ def feature_pair(features: dict, name: str, tmp_path_factory) -> tuple:
     return name, hf, save_hf(hf, tmp_path_factory.mktemp(name))
 
 
+def logits_vs_hf(path, hf, ids: torch.Tensor, atol: float) -> tuple:
+    """align's model of the checkpoint at ``path`` gives ``hf``'s fp32 logits on ``ids`` within ``atol`` (and they are
+    not near zero, so the comparison has teeth); returns (align's model, the reference logits) for a control."""
+    from align.model import load_pretrained
+
+    ours = load_pretrained(path)
+    with torch.no_grad():
+        ref, got = hf(ids).logits, ours(ids)
+    assert ref.abs().max() > 1.0  # the comparison is not between near-zero tensors
+    torch.testing.assert_close(got, ref, atol=atol, rtol=0)
+    return ours, ref
+
+
 def assert_greedy_matches(ours, hf, prompts: list[list[int]], max_tokens: int = 12) -> list:
     """align's greedy sampler (cached decode) equals transformers.generate token for token; returns align's."""
     import torch

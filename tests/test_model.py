@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from hf_reference import FEATURES, assert_greedy_matches, feature_pair, hf_model, save_hf
+from hf_reference import FEATURES, assert_greedy_matches, feature_pair, hf_model, logits_vs_hf, save_hf
 
 from align.atomic import COMMIT_MARKER
 from align.model import ModelConfig, Transformer, load_pretrained, save_pretrained
@@ -25,12 +25,8 @@ def pair(request, tmp_path_factory):
 
 def test_fp32_logits_match_transformers(pair):
     _name, hf, path = pair
-    ours = load_pretrained(path)
     ids = torch.randint(0, 97, (3, 40), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref, got = hf(ids).logits, ours(ids)
-    assert ref.abs().max() > 1.0  # the comparison is not between near-zero tensors
-    torch.testing.assert_close(got, ref, atol=LOGIT_ATOL, rtol=0)
+    ours, ref = logits_vs_hf(path, hf, ids, LOGIT_ATOL)
     # Negative control: one weight perturbed by 1e-2 must break the match.
     with torch.no_grad():
         ours.model.layers[0].mlp.up_proj.weight[0, 0] += 1e-2

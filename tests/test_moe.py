@@ -11,7 +11,7 @@ import torch
 from helpers_learner import CPU, batch_for, cfg
 from helpers_moe import ids_of, moe_cfg, sparse_blocks, tiny_moe
 from helpers_train import char_moe_model
-from hf_reference import MOE_FEATURES, assert_greedy_matches, feature_pair, hf_model, save_hf
+from hf_reference import MOE_FEATURES, assert_greedy_matches, feature_pair, hf_model, logits_vs_hf, save_hf
 
 from align import learner, lora, moe
 from align.errors import InputError
@@ -31,13 +31,8 @@ def pair(request, tmp_path_factory):
 
 def test_fp32_logits_match_transformers(pair):
     _name, hf, path = pair
-    ours = load_pretrained(path)
+    ours, _ref = logits_vs_hf(path, hf, ids_of(1), LOGIT_ATOL)
     assert sparse_blocks(ours) and len(sparse_blocks(ours)) == len(moe.moe_layers(ours.config))
-    ids = ids_of(1)
-    with torch.no_grad():
-        ref, got = hf(ids).logits, ours(ids)
-    assert ref.abs().max() > 1.0
-    torch.testing.assert_close(got, ref, atol=LOGIT_ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("flip", ["top_k", "norm_topk_prob", "expert_weight"])

@@ -44,6 +44,16 @@ IDLE_TIMEOUT_S = 60.0  # a kept-alive connection's wait for its next request's f
 BUSY = "the gateway serves {} connections at once (--gateway-max-connections); retry when one closes"
 
 
+def send_json(handler: BaseHTTPRequestHandler, status: int, body: dict) -> None:
+    """Answer ``handler``'s request: ``status`` and ``body`` as JSON, its length set (tests' stand-in servers too)."""
+    data = json.dumps(body).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None):
         super().__init__(message)
@@ -469,16 +479,8 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # keys travel in headers, never logged
         log.debug("gateway: %s %s", self.command, self.path.split("?")[0])
 
-    def _send(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
     def _error(self, e: ApiError) -> None:
-        self._send(e.status, APIS.get(self.path.rstrip("/"), APIS["/v1/chat/completions"]).error(e))
+        send_json(self, e.status, APIS.get(self.path.rstrip("/"), APIS["/v1/chat/completions"]).error(e))
 
     def _auth(self) -> Capture:
         gw = self.gateway
@@ -506,7 +508,7 @@ class _Handler(BaseHTTPRequestHandler):
             if self.path.rstrip("/") != "/v1/models":
                 raise ApiError(404, f"no route {self.path}", code="not_found")
             m = {"id": self.gateway.model, "object": "model", "created": 0, "owned_by": "align"}
-            self._send(200, {"object": "list", "data": [m]})
+            send_json(self, 200, {"object": "list", "data": [m]})
         except ApiError as e:
             self._error(e)
 
@@ -561,7 +563,7 @@ class _Handler(BaseHTTPRequestHandler):
             log.exception("gateway: the request failed")
             return self._error(ApiError(500, f"the sampler failed: {type(e).__name__}: {e}", "server_error"))
         if not body.get("stream"):
-            return self._send(200, api.response(resp))
+            return send_json(self, 200, api.response(resp))
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")

@@ -29,7 +29,7 @@ import itertools
 import time
 from typing import Any
 
-from align.rollout.message import _ID_RE, WorkerTooOldError, worker_minor, worker_too_old
+from align.rollout.message import _ID_RE, WorkerTooOldError, require_minor, worker_minor, worker_too_old
 from align.rollout.protocol import (
     Completion,
     Message,
@@ -76,11 +76,7 @@ def check_cut_done(body: dict, request: dict, source: str) -> dict[str, str]:
 
 def check_worker(client: Any) -> None:
     """``WorkerTooOldError`` when the worker behind ``client`` announces a minor below ``CUT_MINOR``."""
-    hb = client.spool.read_heartbeat()
-    if hb is None:
-        raise RuntimeError(f"no worker has announced itself on spool {client.spool.root} yet (no heartbeat.json)")
-    if worker_minor(hb) < CUT_MINOR:
-        raise too_old(client.spool.root, worker_minor(hb))
+    require_minor(client.spool.root, client.spool.read_heartbeat(), CUT_MINOR, too_old)
 
 
 def cut_requests(client: Any, request_ids: list[str]) -> dict[str, str]:

@@ -17,6 +17,7 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 PROTOCOL = "align-spool"
@@ -70,6 +71,25 @@ def worker_too_old(root: object, minor: object, needs: str, needed: int, otherwi
         f"the worker on spool {root} speaks {PROTOCOL} {PROTOCOL_VERSION}.{minor}; {needs} {PROTOCOL_VERSION}.{needed} "
         f"or newer: restart the worker from this align checkout (extras/vllm_rollout/rollout_worker.py), or {otherwise}"
     )
+
+
+def require_minor(
+    root: object,
+    hb: dict | None,
+    needed: int,
+    too_old: Callable[[object, int], WorkerTooOldError],
+    *,
+    no_worker: type[Exception] = RuntimeError,
+    unknown: str = "",
+) -> dict:
+    """The heartbeat ``hb`` (``spool.read_heartbeat()``) of the worker on spool ``root``, checked before a request
+    that needs minor version ``needed`` is sent: none yet is ``no_worker`` ("no worker has announced itself ...", then
+    ``unknown``), a lower minor is ``too_old(root, its minor)`` (the feature's ``worker_too_old``). Returns ``hb``."""
+    if hb is None:
+        raise no_worker(f"no worker has announced itself on spool {root} yet (no heartbeat.json){unknown}")
+    if worker_minor(hb) < needed:
+        raise too_old(root, worker_minor(hb))
+    return hb
 
 
 def worker_minor(hb: dict | None) -> int:

@@ -54,10 +54,12 @@ from align.rollout.message import (  # noqa: F401
     ProtocolError,
     SamplingParams,
     UntrustedMessageError,
+    WorkerTooOldError,
     _check_generate,
     _is_int,
     message_mac,
     new_id,
+    require_minor,
     worker_minor,
     worker_too_old,
 )
@@ -171,22 +173,27 @@ def decode_routes(d: object) -> PackedRoutes:
     return PackedRoutes(tuple(shape), data)  # type: ignore[arg-type]
 
 
+def routes_too_old(root: object, minor: object) -> WorkerTooOldError:
+    return worker_too_old(root, minor, "--routing-replay rollout needs", ROUTES_MINOR, "use --rollout native")
+
+
 def check_routes_minor(spool: Spool, needed: bool = True) -> None:
     """Before a generate request that needs routes (``--routing-replay rollout`` over a spool; nothing when not
     ``needed``): ``WorkerTooOldError`` for the spool's worker below ``ROUTES_MINOR`` (its heartbeat), and a
     ``ProtocolError`` for one not started to return routes or not announced yet."""
     if not needed:
         return
-    hb, root = spool.read_heartbeat(), spool.root
-    if hb is None:
-        raise ProtocolError(f"no worker has announced itself on spool {root} yet (no heartbeat.json): routes unknown")
-    if worker_minor(hb) < ROUTES_MINOR:
-        raise worker_too_old(
-            root, hb.get("minor", 0), "--routing-replay rollout needs", ROUTES_MINOR, "use --rollout native"
-        )
+    hb = require_minor(
+        spool.root,
+        spool.read_heartbeat(),
+        ROUTES_MINOR,
+        routes_too_old,
+        no_worker=ProtocolError,
+        unknown=": routes unknown",
+    )
     if not hb.get("routes"):
         raise ProtocolError(
-            f"the worker on spool {root} does not return MoE routes: start it with --return-routes (vLLM's "
+            f"the worker on spool {spool.root} does not return MoE routes: start it with --return-routes (vLLM's "
             "enable_return_routed_experts, GPU builds only) or use --rollout native / --routing-replay off"
         )
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from align.rollout.message import WorkerTooOldError, worker_minor, worker_too_old
+from align.rollout.message import WorkerTooOldError, require_minor, worker_minor, worker_too_old
 from align.rollout.protocol import Message, new_id
 
 SLEEP_MINOR = 3
@@ -49,11 +49,7 @@ def wake_up(client: Any) -> dict:
 def _ask(client: Any, msg: Message, expect: str) -> dict:
     from align.rollout.client import RolloutError
 
-    hb = client.spool.read_heartbeat()
-    if hb is None:
-        raise RuntimeError(f"no worker has announced itself on spool {client.spool.root} yet (no heartbeat.json)")
-    if worker_minor(hb) < SLEEP_MINOR:
-        raise _too_old(client.spool.root, worker_minor(hb))
+    require_minor(client.spool.root, client.spool.read_heartbeat(), SLEEP_MINOR, _too_old)
     client.spool.submit(msg)
     try:
         return client.wait(msg.id, expect=expect)

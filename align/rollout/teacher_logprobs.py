@@ -17,7 +17,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from align.rollout.message import WorkerTooOldError, worker_minor, worker_too_old  # defined once, for score and cut
+from align.rollout.message import (
+    WorkerTooOldError,
+    require_minor,
+    worker_minor,
+    worker_too_old,
+)  # defined once, for score and cut
 from align.rollout.protocol import Message, ProtocolError, _is_int, _is_logprob, new_id
 
 SCORE_MINOR = 1
@@ -72,11 +77,7 @@ def score(client: Any, sequences: list[list[int]], starts: list[int]) -> list[li
     ``sequences[k][starts[k]:]``; ``WorkerTooOldError`` for a worker below minor version ``SCORE_MINOR``."""
     from align.rollout.client import RolloutError
 
-    hb = client.spool.read_heartbeat()
-    if hb is None:
-        raise RuntimeError(f"no worker has announced itself on spool {client.spool.root} yet (no heartbeat.json)")
-    if worker_minor(hb) < SCORE_MINOR:
-        raise too_old(client.spool.root, worker_minor(hb))
+    require_minor(client.spool.root, client.spool.read_heartbeat(), SCORE_MINOR, too_old)
     msg = score_request(sequences, starts)
     client.spool.submit(msg)
     out: list[list[float]] = []

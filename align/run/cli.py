@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import signal
 import sys
@@ -68,6 +69,21 @@ def build_parser(cls: type, prefixes: dict[str, str], description: str = "") -> 
         else:
             group.add_argument(f"--{flag}", type=tp, **kw)
     return parser
+
+
+def read_sections(config: Any) -> None:
+    """Turn each nested section of the config dataclass ``config`` (``loss``, ``eval``, ...: a field typed with a
+    dataclass) that holds a dict (``loss={"eps_high": 0.2}``, a ``--config`` file's) into that dataclass, by
+    ``from_dict``: unknown keys and mistyped values refused by name ('loss.')."""
+    for name, cls in _sections(type(config)).items():
+        if isinstance(getattr(config, name), dict):
+            setattr(config, name, from_dict(cls, getattr(config, name), f"{name}."))
+
+
+@functools.cache
+def _sections(cls: type) -> dict[str, type]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])}
 
 
 def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:

@@ -29,7 +29,7 @@ from align.options import flag  # the one definition of a flag's help
 from align.options import flag_help as _h
 from align.rewards import RewardConfig
 from align.rollout.backends import RolloutConfig
-from align.run.cli import from_dict
+from align.run.cli import read_sections
 from align.run.log import LogConfig
 from align.run.presets import PRESET_NAMES
 from align.run.teacher import DistillConfig
@@ -172,22 +172,7 @@ class TrainConfig(RolloutConfig, SaveConfig, ComputeConfig, OptimConfig, Watchdo
         return default_layers(data)
 
     def __post_init__(self) -> None:
-        for name, cls in (
-            ("loss", LossConfig),
-            ("adv", AdvantageConfig),
-            ("eval", EvalConfig),
-            ("data", DataConfig),
-            ("rewards", RewardConfig),
-            ("log", LogConfig),
-            ("lora", LoraConfig),
-            ("envs", EnvConfig),
-            ("lean", LeanConfig),
-            ("lean_corrections", CorrectionConfig),
-            ("distill", DistillConfig),
-            ("moe", MoeConfig),
-        ):
-            if isinstance(getattr(self, name), dict):
-                setattr(self, name, from_dict(cls, getattr(self, name), f"{name}."))
+        read_sections(self)  # each section given as a dict (a --config file's) becomes its dataclass
         positive = (
             "steps",
             "prompts_per_step",

@@ -21,7 +21,7 @@ from align.lora import LoraConfig
 from align.options import flag  # the one definition of a flag's help
 from align.options import flag_help as _h
 from align.rewards import RewardConfig
-from align.run.cli import from_dict
+from align.run.cli import read_sections
 from align.run.config import ComputeConfig, OptimConfig, SaveConfig, TrainConfig
 from align.run.log import LogConfig
 
@@ -108,16 +108,7 @@ class SFTConfig(SaveConfig, ComputeConfig, OptimConfig):
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
-        sections = {
-            "data": SFTDataConfig,
-            "rewards": RewardConfig,
-            "log": LogConfig,
-            "eval": EvalConfig,
-            "lora": LoraConfig,
-        }
-        for name, cls in sections.items():
-            if isinstance(getattr(self, name), dict):
-                setattr(self, name, from_dict(cls, getattr(self, name), f"{name}."))
+        read_sections(self)  # each section given as a dict (a --config file's) becomes its dataclass
         for k in ("epochs", "batch_size", "micro_batch_size", "max_tokens", "max_nonfinite_steps"):
             if getattr(self, k) < 1:
                 raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(self, k)}")

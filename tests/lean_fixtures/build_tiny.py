@@ -10,6 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the tiny model's shape
+
+from helpers_models import TINY
 
 VOCAB = 512
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -64,20 +70,15 @@ def build(model_dir: str, adapter_dir: str | None, corpus: str | None) -> None:
     n = len(tok)
     assert n <= VOCAB, n
     torch.manual_seed(0)
+    ids = tok.convert_tokens_to_ids
+    specials = {
+        "bos_token_id": ids("<|endoftext|>"),
+        "eos_token_id": ids("<|im_end|>"),
+        "pad_token_id": ids("<|endoftext|>"),
+    }
+    # the tests' tiny Qwen2 shape, at transformers' default init scale, a longer context and this tokenizer's ids
     cfg = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
-        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+        **{**TINY, "vocab_size": VOCAB, "initializer_range": 0.02, "max_position_embeddings": 2048, **specials}
     )
     model = Qwen2ForCausalLM(cfg).to(torch.float32)
     model.save_pretrained(model_dir)
