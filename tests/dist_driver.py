@@ -1,9 +1,11 @@
 """Driver of tests/test_dist.py (not a test): ``train()`` on a tiny model, run as one process or under torchrun.
 
 argv[1]: JSON {"cfg": TrainConfig fields, "model": dir, "calls": path, "per_rank_normaliser": bool, "hang": {rank,
-after_calls}, "kill_in_save": {rank, call}, "eval": bool (held-out prompts, cfg["eval"] kept)}. Rank 0 writes
-the (prompt, completion) pairs the reward saw, in call order, to "calls"; with a --teacher (cfg["distill"]) each rank
-writes the teacher's parameter count it holds and the whole count to "calls" + ".teacher{rank}.json". With "runs"
+after_calls}, "kill_in_save": {rank, call}, "eval": bool (held-out prompts, cfg["eval"] kept), "agent": "global" |
+"rank_local" (the episodes are ``drive`` runs through the gateway; "rank_local": seeded by rank-local index)}. Rank 0
+writes the (prompt, completion) pairs the reward saw, in call order, to "calls"; with a --teacher (cfg["distill"])
+each rank writes the teacher's parameter count it holds and the whole count to "calls" + ".teacher{rank}.json"; with
+"agent" each rank writes the gateway URL of each agent run it ran to "calls" + ".agents{rank}.json". With "runs"
 (a list of such specs): each in turn in this one launch (``batch``), which saves a torchrun and a torch import per
 run. With "sft": tests/test_sft.py's runs (``sft``)."""
 
@@ -14,6 +16,7 @@ import os
 import signal
 import sys
 import time
+import urllib.request
 
 import torch
 from helpers_train import PROMPTS, TOK
@@ -21,7 +24,9 @@ from helpers_train import PROMPTS, TOK
 from align import dist
 from align.envs import Step
 from align.eval import CheckpointEvalFn
+from align.gateway import agents
 from align.lean.env import LeanEnv
+from align.tasks.agent import ChatCharTokenizer
 from align.train import TrainConfig, train
 
 EVAL_PROMPTS = [{"prompt": w + "="} for w in ("ca", "dba", "a")]
@@ -69,6 +74,27 @@ class Retry(LeanEnv):
     def step(self, completion: str) -> Step:
         st = super().step(PROOFS[completion.count("a") < 2])
         return st if st.observation is None else st._replace(observation="=")
+
+
+CHAT_TOK = ChatCharTokenizer(TOK.alphabet)  # TOK's ids, with the agent task's tiny chat template (gateway requests)
+AGENT_RUNS: list[str] = []  # the gateway URL of each agent run of this rank
+
+
+def drive(base_url: str, api_key: str, model: str, prompt: str, **_) -> float:
+    """The agent of the agent runs, stdlib only (urllib, as align/tasks/agent.py's): the prompt, then '=' after each
+    reply, two requests (the second extends the first: one trajectory); its reward the replies' share of 'a's."""
+    AGENT_RUNS.append(base_url)
+    messages, replies = [{"role": "user", "content": prompt}], []
+    for _ in range(2):
+        req = urllib.request.Request(
+            base_url + "/chat/completions",
+            data=json.dumps({"model": model, "messages": messages}).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"},
+        )
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            replies.append(json.loads(resp.read())["choices"][0]["message"]["content"])
+        messages += [{"role": "assistant", "content": replies[-1]}, {"role": "user", "content": "="}]
+    return "".join(replies).count("a") / 8
 
 
 def reward(prompt: str, completion: str, **_) -> float:
@@ -120,9 +146,13 @@ def run(spec: dict, owns_group: bool) -> None:
     process group (one run per launch); else it runs in the group ``batch`` made and must leave it."""
     from align.run import policy
 
-    stock_counts, stock_teacher = dist.reduce_counts, policy.open_teacher
+    stock_counts, stock_teacher, stock_seed = dist.reduce_counts, policy.open_teacher, agents.request_seed
     CALLS.clear()
     HANG.clear()
+    AGENT_RUNS.clear()
+    if spec.get("agent") == "rank_local":  # the negative control: a request seeded by its episode's rank-local index
+        jobs = spec["cfg"]["prompts_per_step"] * spec["cfg"]["group_size"]
+        agents.request_seed = lambda seed, i, requests: stock_seed(seed, i - dist.share(jobs)[0], requests)
     if spec.get("per_rank_normaliser"):  # the negative control: each rank divides by its own counts
         dist.reduce_counts = lambda counts: counts
     HANG.update(spec.get("hang", {}))
@@ -146,11 +176,23 @@ def run(spec: dict, owns_group: bool) -> None:
     if not spec.get("eval"):
         cfg.eval.eval_interval = 0
     cfg.log.log_completions_every = 0
+    agent = drive if spec.get("agent") else None
     try:
-        train(cfg, model=spec["model"], tokenizer=TOK, prompts=PROMPTS, reward=reward,
-              eval_prompts=EVAL_PROMPTS if spec.get("eval") else None, env=Retry if spec.get("env") else None)  # fmt: skip
+        train(
+            cfg,
+            model=spec["model"],
+            tokenizer=CHAT_TOK if agent else TOK,
+            prompts=PROMPTS,
+            reward=reward,
+            eval_prompts=EVAL_PROMPTS if spec.get("eval") else None,
+            env=Retry if spec.get("env") else None,
+            agent=agent,
+        )
     finally:
-        dist.reduce_counts, policy.open_teacher = stock_counts, stock_teacher
+        dist.reduce_counts, policy.open_teacher, agents.request_seed = stock_counts, stock_teacher, stock_seed
+    if agent:
+        with open(f"{spec['calls']}.agents{dist.rank()}.json", "w") as fh:
+            json.dump(AGENT_RUNS, fh)
     # tests/test_dist.py: every torchrun run checks train() ended the group it created and left the caller's
     if owns_group and torch.distributed.is_initialized():
         sys.exit("train() returned with its process group still initialised")

@@ -43,7 +43,8 @@ def test_generate_rows_samples_what_the_whole_call_samples(char_model_2l):
 
 
 def _spec(tmp_path: Path, name: str, model: str, per_rank_normaliser: bool = False, hang: dict | None = None,
-          kill_in_save: dict | None = None, with_eval: bool = False, with_env: bool = False, **extra) -> dict:  # fmt: skip
+          kill_in_save: dict | None = None, with_eval: bool = False, with_env: bool = False, agent: str | None = None,
+          **extra) -> dict:  # fmt: skip
     """tests/dist_driver.py's spec of one run: out dir ``tmp_path/name``, its HF export ``tmp_path/name.hf``."""
     cfg = {
         "out": str(tmp_path / name),
@@ -64,6 +65,7 @@ def _spec(tmp_path: Path, name: str, model: str, per_rank_normaliser: bool = Fal
         "kill_in_save": kill_in_save or {},
         "eval": with_eval,
         "env": with_env,
+        "agent": agent,
     }
 
 
@@ -135,6 +137,8 @@ CONFIGS = {
 
 
 EVAL = {"eval_interval": 1, "eval_max_tokens": 4}
+AGENT_STEPS = 2
+AGENT_ENVS = {"agent_timeout_s": 120}  # under torchrun below --dist-timeout-s (a rank waits for the others' agents)
 DISTILL_KEYS = ("distill/reverse_kl_mean", "distill/teacher_logprob_mean", "distill/student_logprob_mean")
 
 
@@ -147,6 +151,7 @@ def _compared_runs(d: Path, nproc: int, teacher: str) -> dict[str, dict]:
         **CONFIGS,
         "plain": {"checkpoint_every": 2},  # checkpoints at steps 2 and 3: resumed with the other world size below
         "env": {"with_env": True, "envs": {"max_turns": 3}},
+        "agent": {"agent": "global", "with_eval": True, "steps": AGENT_STEPS, "eval": EVAL, "envs": AGENT_ENVS},
         "teacher": {"distill": {"teacher": teacher}},
         "bf16": {"precision": "bf16"},
         "eval_blocking": {"with_eval": True, "steps": 2, "eval": EVAL},
@@ -165,6 +170,7 @@ def batches(tmp_path_factory, char_model_2l) -> dict[int, dict[str, dict]]:
     TOK.save(teacher)  # the teacher's tokenizer is checked against the student's
     bad = {"per_rank_normaliser": True}
     controls = {"plain_bad": bad, "bf16_bad": {**bad, "precision": "bf16"}, "hsdp": {"dp_replicate": 2}}
+    controls["agent_local"] = {"agent": "rank_local", "steps": 1, "envs": AGENT_ENVS}  # seeds by rank-local index
     controls |= {f"{name}_bad": {**bad, **kw} for name, kw in CONFIGS.items() if kw}
     out = {}
     for n in (1, 2):
@@ -253,6 +259,40 @@ def test_two_ranks_with_an_environment_give_the_single_process_result(batches):
         for k in ("loss", "grad_norm"):
             assert abs(a[k] - b[k]) <= LOSS_TOL, (a["step"], k, a[k], b[k])
     assert _max_param_diff(one["params"], two["params"]) <= PARAM_TOL
+
+
+def _agent_urls(run: dict, ranks: int) -> list[list[str]]:
+    """Per rank, the gateway URL of each agent run it ran (tests/dist_driver.py's ``drive``)."""
+    files = (run["dir"] / f"{run['name']}.calls.json.agents{k}.json" for k in range(ranks))
+    return [json.loads(f.read_text()) for f in files]
+
+
+@pytest.mark.slow
+def test_two_ranks_with_agents_give_the_single_process_result(batches):
+    """Agent programs through the gateway (tests/dist_driver.py's ``drive``: stdlib urllib, two requests a run): each
+    rank runs its share of the step's agent runs against its own gateway (its own loopback port) on the full
+    weights, each request seeded by its run's global index; every rank trains on all of them. The run, its held-out
+    agent runs in the in-loop eval included, equals one process; seeding by the rank-local index does not."""
+    one, two = batches[1]["agent"], batches[2]["agent"]
+    evals = AGENT_STEPS + 1  # eval points 0..AGENT_STEPS, 3 held-out rows each, scored with the training rows
+    assert one["calls"] == two["calls"] and len(one["calls"]) == AGENT_STEPS * 16 + evals * 3  # the same replies
+    assert [r["step"] for r in one["recs"]] == [r["step"] for r in two["recs"]] == list(range(1, AGENT_STEPS + 1))
+    for a, b in zip(one["recs"], two["recs"], strict=True):
+        assert a["agent/requests_mean"] == b["agent/requests_mean"] == 2 and a["agent/errors"] == b["agent/errors"] == 0
+        assert a["reward_mean"] == b["reward_mean"] and a["num_tokens"] == b["num_tokens"]
+        for k in ("loss", "grad_norm"):
+            assert abs(a[k] - b[k]) <= LOSS_TOL, (a["step"], k, a[k], b[k])
+    assert _max_param_diff(one["params"], two["params"]) <= PARAM_TOL
+    one_eval, two_eval = ([(r["step"], r["eval/avg@1"]) for r in x["all"] if "eval/avg@1" in r] for x in (one, two))
+    assert one_eval == two_eval and [s for s, _ in one_eval] == list(range(evals))
+    # each rank ran its contiguous share (8 of 16 a step; 2 and 1 of the 3 held-out rows) on a gateway of its own
+    urls = {n: _agent_urls(r, n) for n, r in ((1, one), (2, two))}
+    assert [len(u) for u in urls[1]] == [AGENT_STEPS * 16 + evals * 3]
+    assert [len(u) for u in urls[2]] == [AGENT_STEPS * 8 + evals * 2, AGENT_STEPS * 8 + evals * 1]
+    assert all(len(set(u)) == 1 for u in urls[1] + urls[2]) and urls[2][0][0] != urls[2][1][0]
+    # negative control: seeded by its rank-local index, rank 1's share draws rank 0's seeds (step 1: after eval 0)
+    local, step1 = batches[2]["agent_local"]["calls"], one["calls"][3 : 3 + 16]
+    assert local[:8] == step1[:8] and local[8:] != step1[8:]
 
 
 NODE_TIMEOUT_S = 150.0  # each launcher of the two-node run (both start, rendezvous and train 3 steps on 2 cores)
@@ -476,6 +516,24 @@ def test_unsupported_settings_are_refused_before_any_collective(monkeypatch):
     with pytest.raises(ValueError, match="every rank would use the same GPU"):
         setup(cfg(device="cuda:0"))
     assert not torch.distributed.is_initialized()
+
+
+def test_agents_under_torchrun_need_a_timeout_within_the_collectives_timeout(monkeypatch):
+    """--agent under torchrun: a rank waits at the step's gather for the others' agents, so --agent-timeout-s must
+    bound them below --dist-timeout-s (the defaults, 600 and 600, do not): refused before the model loads."""
+    from align.errors import InputError
+    from align.gateway.agents import bind
+    from align.train import TrainConfig
+
+    env, c = bind(lambda base_url, api_key, model, **row: 0.0), TrainConfig()
+    env.open(c, None)  # control: one process, any timeout
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for wait in (600.0, 0.0):
+        c.envs.agent_timeout_s = wait
+        with pytest.raises(InputError, match=f"--agent-timeout-s {wait:g} under torchrun.*--dist-timeout-s 600"):
+            env.open(c, None)
+    c.envs.agent_timeout_s = 120
+    assert env.open(c, None).fn is not None
 
 
 def test_teardown_ends_only_the_group_setup_created(tmp_path, monkeypatch):

@@ -14,7 +14,9 @@ of its own (``align.gateway.workers``: loaded by spec, JSON over pipes, killed w
 deadline); an agent that raises, runs past ``--agent-timeout-s`` (its key is revoked; its thread abandoned, as a
 Python thread cannot be killed, or its process killed), dies or returns a non-number makes its episode unscorable
 (``agent/errors``, ``agent/timeouts``); the step goes on (``Episodes.sample`` stops the run when every episode
-failed, with the first traceback).
+failed, with the first traceback). Under torchrun (``on_ranks``) each rank runs its contiguous share of the
+episodes against a gateway of its own (its own loopback port), each request seeded by its episode's global index
+(``request_seed``), and the ranks' episodes are gathered: 2 ranks sample what 1 process samples.
 
 An episode that the agent branched (edited history, a return to an earlier turn) trains every trajectory: the last
 request's is the episode (what ``--reward`` scores, what the log shows first), the others ride in ``Episode.branches``
@@ -133,6 +135,43 @@ def top_logprobs(model: Any, temperature: float, prompt_ids: list[int], token_id
     return [list(zip(i, v)) for i, v in zip(idx.tolist(), values.tolist())]
 
 
+def request_seed(seed: int | None, index: int, requests: int) -> int | None:
+    """The seed of an episode's request number ``requests``: by the episode's place in its step (``index``, global
+    under torchrun) and the call's seed, never by what ran before or beside it."""
+    return None if seed is None else seed + 7919 * index + 104_729 * requests
+
+
+def on_ranks(run: Callable[[Any, range], list], client: Any, n: int) -> list:
+    """torchrun: ``run(rank_client, share)`` on this rank's contiguous share of the ``n`` episodes (``dist.share``),
+    then every rank's episodes gathered in order. The rank's gateway (its own loopback port) samples alone, so no
+    request is a collective: on the full weights (``dist.full_model``, gathered once here) for the native sampler,
+    on the vLLM worker behind ``ShardedSpoolClient`` directly. A rank that fails says so to the others (no rank
+    waits at the gather for one that raised)."""
+    from align import dist
+    from align.envs.episodes import _native_model
+    from align.rollout.client import NativeClient, ShardedSpoolClient
+
+    model, _ = _native_model(client)
+    own = client.client if isinstance(client, ShardedSpoolClient) else client
+    if model is not None:  # the train step's ShardedNativeClient or the eval's NativeClient on the sharded policy
+        own = NativeClient(dist.full_model(model))
+        own.weights_version = getattr(client, "weights_version", 0)
+    lo, hi = dist.share(n)
+    mine, failed = [], None
+    try:
+        mine = run(own, range(lo, hi)) if hi > lo else []
+    except Exception as e:  # noqa: BLE001 -- raised below on every rank, after the gather
+        failed = e
+    finally:
+        del own
+    parts = dist.gather((mine, None if failed is None else f"rank {dist.rank()}: {failed!r}"))
+    if failed is not None:
+        raise failed
+    if errors := [e for _, e in parts if e]:
+        raise RuntimeError(f"the agents of another rank failed: {errors[0]}")
+    return [ep for part, _ in parts for ep in part]
+
+
 class Batcher:
     """``--gateway-batch-ms``: requests arriving within that many ms of the first go out as one generate (sampled to
     the largest budget among them, each cut at its own: the kept tokens are exactly the sampled ones, the cut one
@@ -202,10 +241,12 @@ class AgentEnv:
     def open(cls, cfg: Any, tokenizer: Any) -> type:
         from align import dist
 
-        if dist.env_world_size() > 1:
+        limit, wait = getattr(cfg, "dist_timeout_s", 600.0), cfg.envs.agent_timeout_s
+        if dist.env_world_size() > 1 and not 0 < wait < limit:  # torchrun: each rank's share, then a gather
             raise InputError(
-                f"{FLAG} runs its agents and the gateway in one process; under torchrun ({dist.env_world_size()} "
-                "processes) it is not supported yet: run it without torchrun"
+                f"--agent-timeout-s {wait:g} under torchrun: a rank waits at the step's gather for the other ranks' "
+                f"agents, and --dist-timeout-s {limit:g} bounds that wait; pass --agent-timeout-s below it (0 < t < "
+                f"{limit:g}) or raise --dist-timeout-s"
             )
         fn = cls.fn if cls.fn is not None else load_agent(cfg.envs.agent)
         spec = None
@@ -260,7 +301,17 @@ class _Agents(AgentEnv):
 
     @classmethod
     def run_episodes(cls, sampler: Any, client: Any, rows: list[dict], G: int, params: Any) -> list:
-        """G runs of the agent per row, as ``Episode``s in (row, sample) order."""
+        """G runs of the agent per row, as ``Episode``s in (row, sample) order. torchrun: each rank runs its
+        share against its own gateway (``on_ranks``); every rank gets every episode."""
+        from align import dist
+
+        if dist.active():
+            return on_ranks(lambda c, share: cls.run_share(sampler, c, rows, G, params, share), client, len(rows) * G)
+        return cls.run_share(sampler, client, rows, G, params)
+
+    @classmethod
+    def run_share(cls, sampler: Any, client: Any, rows: list[dict], G: int, params: Any, share: Any = None) -> list:
+        """The episodes ``share`` (a range of the (row, sample) indices; default all) on this process's gateway."""
         gw = cls.gateway(sampler)
         lock = cls.state["gen_lock"]
 
@@ -270,6 +321,8 @@ class _Agents(AgentEnv):
                 return client.generate(prompts, p)
 
         jobs = [(p, g) for p in range(len(rows)) for g in range(G)]
+        share = share if share is not None else range(len(jobs))
+        jobs = jobs[share.start : share.stop]
         workers = cls.cfg.agent_workers or len(jobs)
         left = [len(jobs)]  # agents not returned yet: min(workers, left) of them run or are about to
         count = threading.Lock()
@@ -285,7 +338,7 @@ class _Agents(AgentEnv):
         batcher = Batcher(generate, batch_ms, lambda: min(workers, left[0])) if batch_ms else None
 
         def sample(ids: list[int], max_tokens: int, cap: Any) -> Any:
-            seed = None if params.seed is None else params.seed + 7919 * cap.index + 104_729 * cap.requests
+            seed = request_seed(params.seed, cap.index, cap.requests)
             return batcher(ids, max_tokens, seed) if batcher else generate([ids], max_tokens, seed)[0]
 
         cls.state["sample"] = sample
@@ -297,7 +350,7 @@ class _Agents(AgentEnv):
 
         gw.top = top if model is not None else None
         keys = [gw.open_episode() for _ in jobs]
-        for i, k in enumerate(keys):
+        for i, k in zip(share, keys):  # the episode's global index: its draws do not depend on the rank split
             gw.episodes[k].index = i
         timeout_s = cls.cfg.agent_timeout_s or None
         if cls.spec is not None:  # --agent-processes: each run in a worker process, the row and result as JSON
@@ -324,6 +377,8 @@ class _Agents(AgentEnv):
         ]
         if batcher:
             batcher.close()
+        gw.top = None  # the step's client is not kept past it (torchrun: a full copy of the weights)
+        cls.state.pop("sample", None)
         return eps
 
     @classmethod
