@@ -216,3 +216,6 @@ def test_partial_episodes_are_refused_where_they_are_not_carried():
         cfg = TrainConfig(max_async_steps=1, partial_rollouts=True, **kw)
         with pytest.raises(InputError, match=match):
             open_sampler(cfg, env)
+    own = SimpleNamespace(env=type("Agent", (turn_envs.Rounds,), {"run_episodes": lambda *a: []}), env_spec=None)
+    with pytest.raises(InputError, match="runs its own episodes"):
+        open_sampler(TrainConfig(max_async_steps=1, partial_rollouts=True), own)

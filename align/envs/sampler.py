@@ -184,6 +184,8 @@ class Episodes(Turns):
             why = f"--rollout {cfg.rollout} (episodes run one thread each there)" if cfg.rollout != "native" else None
             why = why or ("torchrun" if dist.active() else None)
             why = why or (f"--group-timeout-s {cfg.group_timeout_s:g}" if cfg.group_timeout_s > 0 else None)
+            own = getattr(task.env, "run_episodes", None) is not None  # --agent: the gateway runs the turns
+            why = why or ("an environment that runs its own episodes (--agent, --task agent)" if own else None)
             if why:
                 raise InputError(
                     f"--partial-rollouts carries an environment's episodes on the native sampler in one process, "
