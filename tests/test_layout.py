@@ -41,7 +41,7 @@ FLOORS = [
     (
         "environments",
         (
-            "envs envs.config envs.launcher envs.sandbox envs.runner envs.tools envs.episodes envs.sampler lean lean.goedel lean.guards "
+            "envs envs.config envs.launcher envs.sandbox envs.runner envs.tools envs.episodes envs.partial envs.sampler lean lean.goedel lean.guards "
             "lean.config lean.server lean.repl lean.verify lean.env lean.corrections"
         ),
     ),

@@ -449,3 +449,29 @@ def test_episode_steps_wait_on_the_pool_at_once_not_one_after_another():
     assert [s.reward for s in steps(LeanEnv.bind(PairVerifier(30.0)))] == [1.0, 1.0]
     serial = type("Serial", (LeanEnv.bind(PairVerifier(0.5)),), {"concurrent": False})
     assert [s.info for s in steps(serial)] == [{"lean/rejected_verifier_error": 1}] * 2
+
+
+def test_partial_rollouts_carry_a_correction_turn_as_one_more_segment(prover, tmp_path):
+    """--partial-rollouts with --env lean --max-turns 2 (align.envs.partial): an episode whose first proof failed is
+    carried at the turn boundary with Goedel's correction feedback, and its correction turn is sampled under the next
+    version, so it trains as one more segment (with two turns at most, an episode spanning versions is exactly one
+    whose correction turn came from newer weights than its first try). Seeded: the native sampler is deterministic."""
+    from align.train import train
+
+    c = lean_cfg(tmp_path / "run", steps=5, prompts_per_step=1, group_size=2, seed=0)
+    c.max_async_steps, c.partial_rollouts, c.envs.max_turns = 1, True, 2
+    train(c, model=prover, prompts=lean_rows(16))
+    steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "loss" in r]
+    assert len(steps) == 5 and all(r["lean/verifier_errors"] == 0 for r in steps)
+    spans = [r for r in steps if r["rollout/partial_frac"] > 0]  # a correction turn from the next version
+    assert spans and all(r["env/turns_mean"] > 1 and r["env/env_tokens_mean"] > 0 for r in spans)
+    assert max(r["rollout/token_lag_max"] for r in steps) >= 2
+    # the correction queue draws its own rows each step (no data index to carry): refused before any sampling
+    from align.data import InputError
+
+    c = lean_cfg(tmp_path / "q", lean_corrections={"lean_correction_fraction": 0.5}, max_async_steps=1)
+    c.partial_rollouts = True
+    with pytest.raises(InputError, match="draws its own rows each step"):
+        train(c, model=prover, prompts=lean_rows(4))
+    assert not (tmp_path / "q" / "metrics.jsonl").exists()

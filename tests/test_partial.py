@@ -280,14 +280,14 @@ def test_the_pipeline_refuses_cut_or_future_tokens():
         check_versions(3, 2, [Completion(0, 0, [3], [-1.0], "cut", weights_version=2)])
 
 
-def test_an_environment_task_is_refused_before_the_model_loads():
+def test_an_environment_task_off_the_native_sampler_is_refused_before_the_model_loads():
     from types import SimpleNamespace
 
     from align.data import InputError
     from align.envs.sampler import open_sampler
 
-    cfg = TrainConfig(max_async_steps=1, partial_rollouts=True)
-    with pytest.raises(InputError, match="episodes .* are not cut yet"):
+    cfg = TrainConfig(max_async_steps=1, partial_rollouts=True, rollout="spool")
+    with pytest.raises(InputError, match="episodes on the native sampler .* not with --rollout spool"):
         open_sampler(cfg, SimpleNamespace(env=object()))  # the sampling seam refuses before opening anything
     open_sampler(cfg, SimpleNamespace(env=None))  # negative control: a single-turn task is fine
 

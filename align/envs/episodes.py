@@ -118,11 +118,11 @@ class _Live:
     def add_turn(self, ids: list[int], lps: list[float], slps: list[float], finish: str, version: int) -> str:
         """Record a sampled turn; returns its text (the stop token dropped)."""
         ep = self.ep
+        stamp(ep, len(ids), version)
         ep.token_ids += ids
         ep.logprobs += lps
         ep.sampled_logprobs += slps
         ep.mask += [True] * len(ids)
-        ep.weights_version = version
         ep.turns.append(
             {
                 "policy_tokens": len(ids),
@@ -168,6 +168,7 @@ class _Live:
         if room < 1:  # the observation and at least one policy token do not fit: ends as length, never cut
             ep.finish_reason, ep.truncated, self.done = "length", True, True
             return None
+        stamp(ep, len(suffix), ep.turns[-1]["weights_version"])  # context, never trained: its turn's version
         ep.token_ids += suffix
         ep.logprobs += [0.0] * len(suffix)
         ep.sampled_logprobs += [0.0] * len(suffix)
@@ -265,10 +266,18 @@ class EpisodeRunner:
     # ---------------------------------------------------------------------- the native sampler: turn waves
 
     def _run_native(
-        self, model: Any, client: Any, live: list[_Live], params: SamplingParams, share: range | None = None
+        self,
+        model: Any,
+        client: Any,
+        live: list[_Live],
+        params: SamplingParams,
+        share: range | None = None,
+        need: int | None = None,
     ) -> None:
         """Turn waves on one ``Session``; a row's id is its episode's index in ``live`` (its draws depend only on it),
-        so a rank's ``share`` of the episodes samples what one process samples for them."""
+        so a rank's ``share`` of the episodes samples what one process samples for them. An episode carried from an
+        earlier call (``--partial-rollouts``) starts from its ids so far, re-prefilled under the current weights;
+        ``need``: stop at the first turn boundary where that many groups (by ``prompt_index``) are complete."""
         from align.rollout.sessions import Session
 
         rows = [i for i in (share if share is not None else range(len(live))) if not live[i].done]
@@ -276,7 +285,8 @@ class EpisodeRunner:
             return
         version = getattr(client, "weights_version", 0)
         sess = Session(model, dataclasses.replace(params, n=1), total_rows=len(live))
-        turns = sess.start([live[i].ep.prompt_ids for i in rows], 1, [max(1, live[i].budget()) for i in rows], rows)
+        starts = [live[i].ep.prompt_ids + live[i].ep.token_ids for i in rows]
+        turns = sess.start(starts, 1, [max(1, live[i].budget()) for i in rows], rows)
         while True:
             stepping = []
             for i, t in zip(rows, turns):
@@ -294,7 +304,7 @@ class EpisodeRunner:
                 if suffix is not None:
                     nxt.append(i)
                     suffixes.append(suffix)
-            if not nxt:
+            if not nxt or (need is not None and complete_groups(live) >= need):
                 return
             turns = sess.next(nxt, suffixes, [live[i].budget() for i in nxt])
             rows = nxt
@@ -364,9 +374,25 @@ class EpisodeRunner:
             raise errors[0]
 
 
+def stamp(ep: Episode, n: int, version: int) -> None:
+    """Before ``n`` tokens of ``version`` are appended to ``ep``: its first token's version is ``weights_version``;
+    ``token_versions`` holds each token's once two differ (``--partial-rollouts``: a carried episode's later turns
+    come from newer weights, ``align.envs.partial``), else None (every token from ``weights_version``)."""
+    if not ep.token_ids:
+        ep.weights_version = version
+    elif ep.token_versions is not None or version != ep.weights_version:
+        ep.token_versions = (ep.token_versions or [ep.weights_version] * len(ep.token_ids)) + [version] * n
+
+
 def _fits_float32(v: float | None) -> bool:
     """None / NaN (no reward, an abstention) or a value a float32 tensor holds."""
     return v is None or math.isnan(v) or abs(v) <= FLOAT32_MAX
+
+
+def complete_groups(live: list[_Live]) -> int:
+    """How many groups (episodes sharing a ``prompt_index``) have every episode done."""
+    running = {e.ep.prompt_index for e in live if not e.done}
+    return len({e.ep.prompt_index for e in live} - running)
 
 
 def _failed(e: _Live, result: Any) -> bool:

@@ -73,6 +73,18 @@ class Turns:
     def open_rows(self, rows: list[dict], cursor: Any) -> Any:
         return Rows(rows, cursor)
 
+    def open_carry(self, carried: list | None) -> Any:
+        """``--partial-rollouts``: the run's carried groups (``carried``: a checkpoint's), drawn from in ``collect``."""
+        from align.rollout.partial import Carry
+
+        cfg = self.cfg
+        self.carry = Carry(cfg.group_size, cfg.max_token_staleness, cfg.stale_policy, carried, cfg.partial_pool_factor)
+        return self.carry
+
+    def carried_prompt(self, i: int) -> Any:
+        """What ``Carry.draw`` reads of row ``i``: its prompt ids (an episode's: the row itself)."""
+        return self.encoded[i]
+
     def prompt_ids(self, idx: list[int]) -> list[list[int]]:
         """The prompt ids of a step's groups, for the learner."""
         return [self.encoded[i] for i in idx]
@@ -124,7 +136,7 @@ class Turns:
             def draw(need: int, round_: int) -> tuple[list[int], list]:
                 params = replace(self.params, seed=step_seed(cfg.seed, t, round_))
                 with self.autocast():
-                    return carry.draw(t, need, rows.next_prompts, self.encoded.__getitem__, params, client)
+                    return carry.draw(t, need, rows.next_prompts, self.carried_prompt, params, client)
 
         groups = collect_groups(
             cfg.prompts_per_step,
@@ -167,10 +179,18 @@ class Episodes(Turns):
 
         super().__init__(cfg, task)
         if cfg.partial_rollouts:
-            raise InputError(
-                "--partial-rollouts cuts single-turn generations; an environment's episodes (--env, --task "
-                "multiturn, --tools) are not cut yet: drop --partial-rollouts"
-            )
+            from align import dist
+
+            why = f"--rollout {cfg.rollout} (episodes run one thread each there)" if cfg.rollout != "native" else None
+            why = why or ("torchrun" if dist.active() else None)
+            why = why or (f"--group-timeout-s {cfg.group_timeout_s:g}" if cfg.group_timeout_s > 0 else None)
+            own = getattr(task.env, "run_episodes", None) is not None  # --agent: the gateway runs the turns
+            why = why or ("an environment that runs its own episodes (--agent, --task agent)" if own else None)
+            if why:
+                raise InputError(
+                    f"--partial-rollouts carries an environment's episodes on the native sampler in one process, "
+                    f"without --group-timeout-s (align.envs.partial); not with {why}: drop one of the two"
+                )
         if cfg.eval.eval_function_path:  # the function owns generation on its own backend; the turn loop is here
             raise InputError(
                 f"--eval-function-path {cfg.eval.eval_function_path!r} evaluates a snapshot on your own "
@@ -200,7 +220,30 @@ class Episodes(Turns):
 
     def open_rows(self, rows: list[dict], cursor: Any) -> Any:
         draws = getattr(self.envs.cls, "draws", None)
-        return (draws(rows, cursor) if draws is not None else None) or Rows(rows, cursor)
+        own = draws(rows, cursor) if draws is not None else None
+        if own is not None and self.cfg.partial_rollouts:  # its row indices are a step's own (a correction queue)
+            raise InputError(
+                f"--partial-rollouts carries episodes across steps by row, but {self.envs.cls.__name__} draws its own "
+                "rows each step (e.g. --lean-correction-fraction): drop one of the two"
+            )
+        return own or Rows(rows, cursor)
+
+    def open_carry(self, carried: list | None) -> Any:
+        from align.envs.partial import EpisodeCarry
+
+        cfg = self.cfg
+        self.carry = EpisodeCarry(
+            lambda: self.runner,
+            cfg.group_size,
+            cfg.max_token_staleness,
+            cfg.stale_policy,
+            carried,
+            cfg.partial_pool_factor,
+        )
+        return self.carry
+
+    def carried_prompt(self, i: int) -> Any:
+        return self.rows.row(i)
 
     def start(self, **kw: Any) -> None:
         from align.envs.episodes import EpisodeRunner
@@ -291,6 +334,8 @@ class Episodes(Turns):
 
     def close(self) -> None:
         try:
+            if self.carry is not None and self.envs is not None:
+                self.carry.close()
             if self.envs is not None:
                 self.envs.close()
         finally:

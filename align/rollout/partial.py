@@ -230,9 +230,15 @@ def check_versions(t: int, v: int, completions: list[Completion]) -> None:
 
 
 def lag_metrics(completions: list[Completion], t: int) -> dict:
-    """Per-token staleness of step ``t``'s completions: the lag of a token sampled with version u is ``(t-1) - u``."""
-    lags = [(t - 1) - v for c in completions for v in versions_of(c)]
-    spans = sum(len(set(versions_of(c))) > 1 for c in completions)
+    """Per-token staleness of step ``t``'s completions: the lag of a token sampled with version u is ``(t-1) - u``
+    (an episode's policy tokens only)."""
+
+    def policy(c: Completion) -> list[int]:  # an episode's environment tokens (mask False) are not sampled
+        mask = getattr(c, "mask", None)
+        return [v for j, v in enumerate(versions_of(c)) if mask is None or mask[j]]
+
+    lags = [(t - 1) - v for c in completions for v in policy(c)]
+    spans = sum(len(set(policy(c))) > 1 for c in completions)
     return {
         "rollout/partial_frac": spans / max(1, len(completions)),
         "rollout/token_lag_mean": sum(lags) / max(1, len(lags)),

@@ -161,11 +161,7 @@ class Rollouts:
         snapshots = task.out / "rollout_snapshots"
         carry = None
         if cfg.partial_rollouts:  # the carried groups: the sampler draws from them, the pipeline checkpoints them
-            from align.rollout.partial import Carry
-
-            carry = self.sampler.carry = Carry(
-                cfg.group_size, cfg.max_token_staleness, cfg.stale_policy, start.carried, cfg.partial_pool_factor
-            )
+            carry = self.sampler.open_carry(start.carried)
         self.pipe = make_pipeline(
             cfg, self.collect, backend, start.step, self.cursor.state, start.pending, snapshots, carry
         )

@@ -1,0 +1,201 @@
+"""Partial rollouts on environment tasks (``--partial-rollouts`` with ``--env``, ``--task multiturn``, ``--tools``,
+``--env lean``): episodes are carried across weight versions at turn boundaries.
+
+The single-turn design (``align.rollout.partial``) with an episode for a completion: a step's call holds the carried
+groups plus fresh rows, ``--partial-pool-factor`` x B groups in all, and runs turn waves (``EpisodeRunner``'s native
+sampler path) until B groups are complete (every episode done); then it stops at that turn boundary. Every episode
+still running is carried, its environment kept open, into the next call, which runs on the next version: its next
+turn is sampled under the newer weights after its ids so far (the first prompt, its turns, the environment's
+replies) are re-prefilled under them (``--partial-prefill recompute``). A turn is never cut mid-way: the cut is at
+the turn boundary, so the turns done so far keep the version and the behaviour logprobs that sampled them, and a
+correction turn (the Lean environment's feedback, then the policy's next try) is one more segment.
+``Episode.token_versions`` stamps every token (an environment token: its turn's version; it stays masked, logprob
+0), so ``--max-token-staleness`` / ``--stale-policy``, the lag metrics and the rho correction work per token as for
+single-turn completions.
+
+Checkpoints: ``state()`` is plain data (each carried episode as sampled: ids, logprobs, mask, turns, messages,
+versions). A resumed run has no live environment for them: each is replayed (a new instance, ``reset()``, then
+``step()`` with each recorded assistant turn, no sampling) and kept only if the replay renders the recorded
+environment tokens exactly; an environment whose replay differs (not deterministic) has that group dropped
+(counted in ``rollout/dropped_stale``, logged) and a fresh row takes its place.
+
+Not here: cutting inside a turn (a long turn still waits for its wave), a spool worker or fleet (episodes run one
+thread each there), torchrun, ``--group-timeout-s`` and an environment that draws its own rows (``draws``: the Lean
+correction queue, ``--lean-correction-fraction``): each refused with ``--partial-rollouts`` before any sampling.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from align.envs.episodes import EpisodeRunner, _failed, _Live
+from align.rollout.groups import Episode
+from align.rollout.partial import POOL_FACTOR, Carry
+from align.rollout.protocol import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EpisodeCarry(Carry):
+    """The groups of episodes a run carries between steps: ``[(row index, [G _Live])]`` in pool order (oldest
+    first), each episode's environment open. ``runner()``: the run's ``EpisodeRunner`` (it exists once the sampler
+    started)."""
+
+    def __init__(
+        self,
+        runner: Callable[[], EpisodeRunner],
+        group_size: int,
+        max_token_staleness: int | None,
+        policy: str,
+        state: list | None = None,
+        pool_factor: int = POOL_FACTOR,
+    ):
+        super().__init__(group_size, max_token_staleness, policy, None, pool_factor)
+        self.runner = runner
+        # restored from a checkpoint: (row, [(Episode, done)]) until replayed in the first draw
+        self.restored: list[tuple[int, list[tuple[Episode, bool]]]] = [
+            (int(g["row"]), [(Episode(**{**c, "routes": None}), bool(d)) for c, d in zip(g["episodes"], g["done"])])
+            for g in state or []
+        ]
+        self.groups: list[tuple[int, list[_Live]]] = []  # type: ignore[assignment]
+
+    def state(self) -> list[dict]:
+        """Plain data: per group its row, its episodes as sampled so far and whether each is done."""
+        held = [(i, [(e.ep, e.done) for e in lives]) for i, lives in self.groups] + self.restored
+        return [{"row": i, "episodes": [ep.to_dict() for ep, _ in eps], "done": [d for _, d in eps]} for i, eps in held]
+
+    def draw(
+        self,
+        t: int,
+        need: int,
+        next_prompts: Callable[[int], list[int]],
+        prompt_of: Callable[[int], dict],
+        params: SamplingParams,
+        client: Any,
+    ) -> tuple[list[int], list[Episode]]:
+        """Step ``t``'s ``need`` complete groups of episodes: ``(rows, episodes)`` with ``prompt_index`` indexing
+        ``rows``. ``prompt_of(i)``: row ``i`` of the data."""
+        from align.envs.episodes import _native_model
+
+        runner = self.runner()
+        model, sharded = _native_model(client)
+        if model is None or sharded:
+            raise RuntimeError("--partial-rollouts on an environment task runs on the native sampler in one process")
+        if self.restored:  # a resumed run: replay each carried episode's environment
+            restored, self.restored = self.restored, []
+            for i, eps in restored:
+                lives = [finished(runner, ep) if done else replay(runner, ep, prompt_of(i)) for ep, done in eps]
+                if all(e is not None for e in lives):
+                    self.groups.append((i, lives))
+                    continue
+                log.warning("a carried group of row %d does not replay in its environment: dropped", i)
+                self.dropped += len(eps)
+                close(runner, [e for e in lives if e is not None])
+        pool = self.groups
+        if self.policy == "drop" and self.S is not None:
+            old = [g for g in pool if any(self.too_old(e.ep, t) for e in g[1])]
+            self.dropped += sum(len(lives) for _, lives in old)
+            close(runner, [e for _, lives in old for e in lives])
+            pool = [g for g in pool if not any(self.too_old(e.ep, t) for e in g[1])]
+        if sum(all(e.done for e in lives) for _, lives in pool) < need:
+            fresh = next_prompts(max(0, self.pool_factor * need - len(pool)))
+            pool = pool + [(i, start(runner, prompt_of(i), self.G)) for i in fresh]
+            flat = [e for _, lives in pool for e in lives]
+            for k, (_, lives) in enumerate(pool):  # this call's layout: the row id of each episode, its group
+                for g, e in enumerate(lives):
+                    e.index, e.ep.prompt_index, e.ep.sample_index = k * self.G + g, k, g
+            try:
+                runner._run_native(model, client, flat, params, need=need)
+            except BaseException:
+                close(runner, flat)
+                self.groups = []
+                raise
+        take = [k for k, (_, lives) in enumerate(pool) if all(e.done for e in lives)][:need]
+        chosen = set(take)
+        self.groups = [g for k, g in enumerate(pool) if k not in chosen]
+        rows, out = [], []
+        for p, k in enumerate(take):
+            i, lives = pool[k]
+            rows.append(i)
+            close(runner, lives)
+            for e in lives:
+                e.ep.prompt_index = p
+                out.append(e.finish())
+        return rows, out
+
+    def close(self) -> None:
+        """End the carried episodes' environments (the run ends)."""
+        runner = self.runner()
+        if runner is not None:
+            close(runner, [e for _, lives in self.groups for e in lives])
+        self.groups = []
+
+
+def _new_live(runner: EpisodeRunner, sample: int) -> _Live:
+    with runner._lock:
+        key = runner._next_key
+        runner._next_key += 1
+    return _Live(key, 0, 0, sample, runner)
+
+
+def start(runner: EpisodeRunner, row: dict, G: int) -> list[_Live]:
+    """G fresh episodes of ``row``: opened and reset (a failure is that episode's error, as ``EpisodeRunner.run``)."""
+    lives = [_new_live(runner, g) for g in range(G)]
+    opened = runner._calls([(e, "open", (row,)) for e in lives])
+    todo = [e for e, res in zip(lives, opened) if not _failed(e, res)]
+    for e, obs in zip(todo, runner._calls([(e, "reset", ()) for e in todo])):
+        if not _failed(e, obs):
+            e.begin(obs)
+    return lives
+
+
+def finished(runner: EpisodeRunner, ep: Episode) -> _Live:
+    """A carried episode that is done: as recorded (its environment needs no replay)."""
+    e = _new_live(runner, ep.sample_index)
+    e.ep, e.rewards, e.done = ep, [t["reward"] for t in ep.turns], True
+    return e
+
+
+def replay(runner: EpisodeRunner, ep: Episode, row: dict) -> _Live | None:
+    """A carried episode's environment rebuilt after a resume: ``reset()``, then ``step()`` with each recorded turn's
+    text; the episode as recorded when the environment answers as it did, else None (closed)."""
+    e = _new_live(runner, ep.sample_index)
+    e.ep.prompt_index = ep.prompt_index
+    try:
+        runner.envs.open(e.key, row)
+        e.begin(runner.envs.reset(e.key))
+        at = 0
+        for turn in ep.turns:
+            n, m = turn["policy_tokens"], turn["env_tokens"]
+            sl = slice(at, at + n)
+            text = e.add_turn(
+                ep.token_ids[sl],
+                ep.logprobs[sl],
+                ep.sampled_logprobs[sl],
+                turn["finish_reason"],
+                turn["weights_version"],
+            )
+            if e.done or e.add_step(runner.envs.step(e.key, text)) is None:
+                break
+            at += n + m
+    except Exception as err:  # noqa: BLE001 -- an environment that fails on replay: the group is dropped
+        log.warning("replaying a carried episode failed: %s", err)
+        e.done = True
+    same = (e.ep.prompt_ids, e.ep.token_ids, e.ep.mask, e.ep.token_versions, e.ep.weights_version) == (
+        ep.prompt_ids,
+        ep.token_ids,
+        ep.mask,
+        ep.token_versions,
+        ep.weights_version,
+    )
+    if e.done or not same:
+        runner.envs.close_episode(e.key)
+        return None
+    return e
+
+
+def close(runner: EpisodeRunner, lives: list[_Live]) -> None:
+    for e in lives:
+        runner.envs.close_episode(e.key)
