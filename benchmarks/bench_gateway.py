@@ -166,6 +166,7 @@ def lone_agent(tok: ByteTokenizer, turns: int, n: int = 40) -> tuple[float, floa
 def spool_part(args: argparse.Namespace, model: Transformer, tok: ByteTokenizer, params: SamplingParams) -> None:
     """(b): the environment path (``EpisodeRunner``: each episode's next turn submitted as its step returns) vs the
     agents through the gateway (each request submitted as it arrives), on one vLLM CPU worker, interleaved."""
+    import shutil
     import statistics
     import tempfile
     from pathlib import Path
@@ -220,6 +221,7 @@ def spool_part(args: argparse.Namespace, model: Transformer, tok: ByteTokenizer,
                   f"s ({a_tok} tokens, trainer CPU {a_cpu:.2f} s), ratio {e / a:.2f}x | load {os.getloadavg()[0]:.1f}")  # fmt: skip
     finally:
         worker.shutdown(grace_s=5)
+        shutil.rmtree(tmp, ignore_errors=True)
     E, med = args.episodes, statistics.median
     print(f"{'(b) vLLM CPU worker, medians':38s} {'ep/s wall':>9s} {'tokens/s':>9s}")
     print(f"{'environment (EpisodeRunner)':38s} {E / med(env_s):9.2f} {med(env_tps):9.1f}")
