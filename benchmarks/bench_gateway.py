@@ -1,22 +1,32 @@
-"""The gateway's cost per request (issue 38, "Measured" (a), in part): concurrent multi-turn tool-style agents (each
-on a kept-alive connection, as the ``openai`` client keeps one) through the gateway (HTTP + JSON + capture +
-rendering, ``align.gateway``) vs the same turns as bare ``client.generate`` calls on the captured prompt ids, on the
-native sampler with a random-weight model, side by side in one run: one generate per request vs bare calls one per
-request, and ``--gateway-batch-ms`` vs bare calls one per turn wave (the environment path's batching, without its
-kept KV cache). Episodes/s by wall clock and by the process's CPU time (on a shared machine the wall clock mostly
-measures the wait for a core), and per request the CPU spent in generation and around it.
+"""The gateway's cost per request (issue 38, "Measured" (a), (b), (c)), side by side in one run.
+
+(a) Concurrent multi-turn tool-style agents (each on a kept-alive connection, as the ``openai`` client keeps one)
+through the gateway (HTTP + JSON + capture + rendering, ``align.gateway``) vs the same turns as bare
+``client.generate`` calls on the captured prompt ids, on the native sampler with a random-weight model: one generate
+per request vs bare calls one per request, and ``--gateway-batch-ms`` vs bare calls one per turn wave (the
+environment path's batching, without its kept KV cache). Episodes/s by wall clock and by the process's CPU time (on a
+shared machine the wall clock mostly measures the wait for a core), and per request the CPU spent in generation and
+around it.
+(b) With ``--spool``: the same task on one vLLM CPU worker (``.venv-rollout``), as an environment (``ToolEnv`` on
+``EpisodeRunner``: each episode's next turn submitted as its step returns) vs as agents through the gateway (each
+request submitted to the worker as it arrives), interleaved ``--repeats`` times: episodes/s and tokens/s, medians.
+The model's ``<|im_end|>`` logit is raised (``--stop-logit``) so turns end by the stop (~10 tokens, max_tokens 2x
+``--max-tokens``): the environment path ends an episode at a turn cut by max_tokens, the agents go on.
+(c) A history-editing agent (its history replaced by a summary before turn ``--edit-at``): branches per episode, the
+context re-rendered from scratch for the new branch vs the sampled (trained) tokens and the masked context.
 
 Needs ``jinja2`` (the ``hf`` extra: a ChatML template renders the messages). The tokenizer is bytes (one id per
 byte + ``<|im_end|>``), so ids are exact without a trained vocabulary. On a shared machine use ``--threads 1``.
 
     .venv/bin/python benchmarks/bench_gateway.py [--episodes 32 --turns 3 --max-tokens 16 --layers 2 --hidden 128
-        --threads 1 --batch-ms 500]
+        --threads 1 --batch-ms 500 --edit-at 2] [--spool --repeats 5 --stop-logit 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import copy
 import dataclasses
 import http.client
 import json
@@ -24,16 +34,18 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 from common import numeric_flags
 
 from align.chat import ChatTemplate, TurnRenderer
+from align.envs import Step
 from align.gateway.agents import Batcher
 from align.gateway.server import Gateway
 from align.model import ModelConfig, Transformer
 from align.rollout.client import NativeClient
-from align.rollout.protocol import SamplingParams
+from align.rollout.protocol import Completion, SamplingParams
 
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
@@ -75,10 +87,182 @@ def post(conn: http.client.HTTPConnection, key: str, body: dict) -> dict:
     return json.loads(out)
 
 
+FIRST = "Use the tool, then answer."
+
+
+def tool_result(t: int) -> str:
+    return f"result {t}: 42"
+
+
+def run_agent(host: str, port: int, key: str, turns: int, edit_at: int = 0) -> None:
+    """A multi-turn tool-style agent on one kept-alive connection: each reply, then the tool's result, is appended to
+    the history. ``edit_at`` k > 0: before turn k the agent replaces its history by the first message and a summary
+    (as agents that compact their context do), so the gateway starts a branch rendered from scratch."""
+    msgs = [{"role": "user", "content": FIRST}]
+    conn = http.client.HTTPConnection(host, port, timeout=600)
+    for t in range(turns):
+        if edit_at and t == edit_at:
+            msgs = [msgs[0], {"role": "user", "content": f"Summary: the tool was called {t} times; it said 42."}]
+        r = post(conn, key, {"model": "m", "messages": msgs})
+        msgs += [r["choices"][0]["message"], {"role": "tool", "content": tool_result(t)}]
+    conn.close()
+
+
+class ToolEnv:
+    """The agent's task as an align environment: the same first message, the same tool result after each turn."""
+
+    concurrent = True  # its instances share nothing: each episode steps on its own thread (as the agents run)
+
+    def __init__(self, **_: object) -> None:
+        self.t = 0
+
+    def reset(self) -> list[dict]:
+        return [{"role": "user", "content": FIRST}]
+
+    def step(self, completion: str) -> Step:
+        self.t += 1
+        return Step([{"role": "tool", "content": tool_result(self.t - 1)}], 0.0, False)
+
+
+def through(gw: Gateway, episodes: int, turns: int, edit_at: int = 0, done: Callable[[], None] = lambda: None):
+    """(wall s, process CPU s, captures) of ``episodes`` concurrent agents through ``gw`` (closed after)."""
+    host, port = gw.httpd.server_address[:2]
+    keys = [gw.open_episode() for _ in range(episodes)]
+    for i, k in enumerate(keys):
+        gw.episodes[k].index = i
+
+    def agent(key: str) -> None:
+        run_agent(host, port, key, turns, edit_at)
+        done()
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    with cf.ThreadPoolExecutor(episodes) as pool:
+        list(pool.map(agent, keys))
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    caps = [gw.close_episode(k) for k in keys]
+    gw.close()
+    return wall, cpu, caps
+
+
+def lone_agent(tok: ByteTokenizer, turns: int, n: int = 40) -> tuple[float, float]:
+    """(ms wall, ms CPU) per request of one agent at a time through the gateway with an instant sampler (a canned
+    reply): the gateway's own round trip (HTTP both ways, JSON, capture, rendering), nothing to hide it behind."""
+    reply = tok.encode("hello there")
+
+    def sample(ids: list[int], max_tokens: int, cap: object) -> Completion:
+        return Completion(0, 0, reply[:max_tokens], [-1.0] * len(reply[:max_tokens]), "length")
+
+    gw = Gateway(sample, lambda tools: TurnRenderer(tok, tools=tools), tok.decode, "m", 16, 4096)
+    host, port = gw.httpd.server_address[:2]
+    keys = [gw.open_episode() for _ in range(n)]
+    t0, c0 = time.perf_counter(), time.process_time()
+    for k in keys:
+        run_agent(host, port, k, turns)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    gw.close()
+    return 1000 * wall / (n * turns), 1000 * cpu / (n * turns)
+
+
+def spool_part(args: argparse.Namespace, model: Transformer, tok: ByteTokenizer, params: SamplingParams) -> None:
+    """(b): the environment path (``EpisodeRunner``: each episode's next turn submitted as its step returns) vs the
+    agents through the gateway (each request submitted as it arrives), on one vLLM CPU worker, interleaved."""
+    import shutil
+    import statistics
+    import tempfile
+    from pathlib import Path
+
+    from align.envs.config import EnvConfig
+    from align.envs.episodes import EpisodeRunner
+    from align.envs.runner import EnvRunner
+    from align.model import save_pretrained
+    from align.rollout.client import make_rollout_client, spawn_worker
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_gateway_"))
+    model = copy.deepcopy(model)
+    with torch.no_grad():  # <|im_end|>'s logit from one hidden unit: turns end by the stop, not by max_tokens (the
+        model.lm_head.weight[2].zero_()  # environment path ends an episode at a cut turn; the agents would go on)
+        model.lm_head.weight[2, 0] = args.stop_logit
+    path = save_pretrained(model, tmp / "model")
+    params = dataclasses.replace(params, max_tokens=2 * args.max_tokens, seed=None)
+    t0 = time.perf_counter()
+    worker = spawn_worker(tmp / "spool", model=path, log_path=tmp / "worker.log", in_process=True,
+                          max_model_len=1024, dtype="float32")  # fmt: skip
+    client = make_rollout_client("spool", spool=tmp / "spool", timeout_s=600, worker=worker)
+    client.generate([tok.encode("warm up")], params)  # the engine's start and first compile, outside the timings
+    print(f"(b) vLLM CPU worker up in {time.perf_counter() - t0:.0f} s")
+    renderer = TurnRenderer(tok)
+    envs = EnvRunner(f"{Path(__file__).resolve()}:ToolEnv", ToolEnv, 0, 0.0)
+    runner = EpisodeRunner(envs, renderer, tok.decode, EnvConfig(max_turns=args.turns), params.max_tokens, 1024)
+    rows = [{}] * args.episodes
+
+    def env_path() -> tuple[float, float, int]:
+        t0, c0 = time.perf_counter(), time.process_time()
+        eps = runner.run(client, rows, 1, params)
+        assert all(e.error is None for e in eps), [e.error for e in eps if e.error]
+        return time.perf_counter() - t0, time.process_time() - c0, sum(e.policy_tokens for e in eps)
+
+    def agent_path() -> tuple[float, float, int]:
+        def sample(ids: list[int], max_tokens: int, cap: object) -> object:
+            return client.generate([ids], dataclasses.replace(params, max_tokens=max_tokens))[0]
+
+        gw = Gateway(sample, lambda tools: TurnRenderer(tok, tools=tools), tok.decode, "m", params.max_tokens, 1024)
+        wall, cpu, caps = through(gw, args.episodes, args.turns)
+        return wall, cpu, sum(t["policy_tokens"] for c in caps for t in c.log)
+
+    env_s, agent_s, ratios, env_tps, agent_tps = [], [], [], [], []
+    try:
+        for r in range(args.repeats):
+            order = (env_path, agent_path) if r % 2 == 0 else (agent_path, env_path)
+            got = {f: f() for f in order}
+            (e, e_cpu, e_tok), (a, a_cpu, a_tok) = got[env_path], got[agent_path]
+            env_s.append(e), agent_s.append(a), ratios.append(e / a)
+            env_tps.append(e_tok / e), agent_tps.append(a_tok / a)
+            print(f"  repeat {r}: environment {e:.2f} s ({e_tok} tokens, trainer CPU {e_cpu:.2f} s), agents {a:.2f} "
+                  f"s ({a_tok} tokens, trainer CPU {a_cpu:.2f} s), ratio {e / a:.2f}x | load {os.getloadavg()[0]:.1f}")  # fmt: skip
+    finally:
+        worker.shutdown(grace_s=5)
+        shutil.rmtree(tmp, ignore_errors=True)
+    E, med = args.episodes, statistics.median
+    print(f"{'(b) vLLM CPU worker, medians':38s} {'ep/s wall':>9s} {'tokens/s':>9s}")
+    print(f"{'environment (EpisodeRunner)':38s} {E / med(env_s):9.2f} {med(env_tps):9.1f}")
+    print(f"{'agents through the gateway':38s} {E / med(agent_s):9.2f} {med(agent_tps):9.1f}   ratio "
+          f"{med(ratios):.2f}x episodes/s, {med(agent_tps) / med(env_tps):.2f}x tokens/s (each repeat: "
+          f"{', '.join(f'{x:.2f}' for x in ratios)})")  # fmt: skip
+
+
+def editing_part(args: argparse.Namespace, generate: Callable, tok: ByteTokenizer) -> None:
+    """(c): agents that replace their history by a summary before turn ``--edit-at``: branches per episode, the
+    context tokens rendered from scratch for a new branch vs the sampled (trained) tokens and the masked context."""
+    gw = Gateway(
+        lambda ids, n, cap: generate([ids], n, 7919 * cap.index + 104_729 * cap.requests)[0],
+        lambda tools: TurnRenderer(tok, tools=tools),
+        tok.decode,
+        "m",
+        args.max_tokens,
+        4096,
+    )
+    _, _, caps = through(gw, args.episodes, args.turns + 1, edit_at=args.edit_at)
+    log = [t for c in caps for t in c.log]
+    branches = sum(len(c.branches) for c in caps) / len(caps)
+    rerendered = sum(t["context_tokens"] for t in log if t["parent"] is None and t["branch"])
+    trained = sum(t["policy_tokens"] for t in log)
+    first = sum(t["context_tokens"] for t in log if t["parent"] is None and not t["branch"])
+    suffixes = sum(t["context_tokens"] for t in log if t["parent"] is not None)
+    print(
+        f"(c) {args.episodes} agents x {args.turns + 1} turns, history replaced by a summary before turn "
+        f"{args.edit_at}: {branches:.2f} branches per episode; tokens per episode: trained (sampled) "
+        f"{trained / len(caps):.1f}, re-rendered for a new branch {rerendered / len(caps):.1f} (masked), first "
+        f"prompt {first / len(caps):.1f}, suffixes {suffixes / len(caps):.1f} (masked); every sampled token trained "
+        f"once, in the branch that sampled it: {all(sum(b.mask) == sum(t['policy_tokens'] for t in c.log if t['branch'] == i) for c in caps for i, b in enumerate(c.branches))}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    numeric_flags(ap, episodes=32, turns=3, max_tokens=16, layers=2, hidden=128, threads=1)
+    numeric_flags(ap, episodes=32, turns=3, max_tokens=16, layers=2, hidden=128, threads=1, repeats=5, edit_at=2)
     ap.add_argument("--batch-ms", type=float, default=20.0, help="--gateway-batch-ms of the batched pass")
+    ap.add_argument("--spool", action="store_true", help="also (b): the same on the vLLM CPU worker (.venv-rollout)")
+    ap.add_argument("--stop-logit", type=float, default=5.0, help="(b): <|im_end|>'s logit scale (~10-token turns)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -86,7 +270,7 @@ def main() -> None:
     cfg = ModelConfig(
         model_type="qwen2", vocab_size=259, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
         num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2, head_dim=args.hidden // 4,
-        max_position_embeddings=4096, eos_token_id=2, pad_token_id=0,
+        max_position_embeddings=4096, eos_token_id=2, pad_token_id=0, qkv_bias=True,  # Qwen2 has them (vLLM reads them)
     )  # fmt: skip
     model = Transformer(cfg).eval()
     client = NativeClient(model)
@@ -115,26 +299,13 @@ def main() -> None:
             return batcher(ids, max_tokens, 0) if batcher else generate([ids], max_tokens, 0)[0]
 
         gw = Gateway(sample, lambda tools: TurnRenderer(tok, tools=tools), tok.decode, "m", args.max_tokens, 4096)
-        host, port = gw.httpd.server_address[:2]
+        gen_s[0] = gen_cpu[0] = 0.0
 
-        def agent(key: str) -> None:
-            msgs = [{"role": "user", "content": "Use the tool, then answer."}]
-            conn = http.client.HTTPConnection(host, port, timeout=600)
-            for t in range(args.turns):
-                r = post(conn, key, {"model": "m", "messages": msgs})
-                msgs += [r["choices"][0]["message"], {"role": "tool", "content": f"result {t}: 42"}]
-            conn.close()
+        def done() -> None:
             with count:
                 left[0] -= 1
 
-        keys = [gw.open_episode() for _ in range(args.episodes)]
-        gen_s[0] = gen_cpu[0] = 0.0
-        t0, c0 = time.perf_counter(), time.process_time()
-        with cf.ThreadPoolExecutor(args.episodes) as pool:
-            list(pool.map(agent, keys))
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        caps = [gw.close_episode(k) for k in keys]
-        gw.close()
+        wall, cpu, caps = through(gw, args.episodes, args.turns, done=done)
         if batcher:
             batcher.close()
             sizes.append(sum(batcher.batches) / len(batcher.batches))
@@ -187,6 +358,11 @@ def main() -> None:
             f"{'  vs ' + ref_label:38s} {E / ref:9.2f} {E / ref_cpu:9.2f}   ratio {ref / wall:.2f}x wall, {ref_cpu / cpu:.2f}x CPU"
         )
     print(f"batched pass: {sizes[0]:.1f} requests per generate on average (a turn wave is {args.episodes})")
+    wall, cpu = min(lone_agent(tok, args.turns) for _ in range(3))
+    print(f"one agent at a time, instant sampler: {wall:.2f} ms wall, {cpu:.2f} ms CPU per request (best of 3)")
+    editing_part(args, generate, tok)
+    if args.spool:
+        spool_part(args, model, tok, params)
 
 
 if __name__ == "__main__":

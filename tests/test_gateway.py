@@ -404,6 +404,36 @@ def test_a_request_without_a_key_is_refused_before_its_body_is_read(tok):
         gw.close()
 
 
+def test_a_response_arrives_whole_and_100_continue_is_not_held_back(tok):
+    """A response leaves in one send: on a kept-alive connection the first read after each request holds its headers
+    and its whole body (sent as two writes, the body waited for the client's delayed ACK, ~40 ms a request). The
+    buffered writer still answers ``Expect: 100-continue`` before the body is sent (curl asks it for bodies > 1 kB)."""
+    import re
+
+    gw, _, key = _gateway(tok, ["hi"])
+    host, port = gw.httpd.server_address[:2]
+    try:
+        with socket.create_connection((host, port), timeout=30) as s:
+            for _ in range(5):
+                s.sendall(_models(key))
+                got = s.recv(65536)
+                head, _, body = got.partition(b"\r\n\r\n")
+                size = int(re.search(rb"Content-Length: (\d+)", head).group(1))
+                assert head.startswith(b"HTTP/1.1 200") and len(body) == size, got
+            body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}).encode()
+            s.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nAuthorization: Bearer "
+                + key.encode()
+                + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+            )
+            assert s.recv(65536).startswith(b"HTTP/1.1 100 Continue")  # the body is not sent yet
+            s.sendall(body)
+            got = s.recv(65536)
+            assert got.startswith(b"HTTP/1.1 200") and b'"content": "hi"' in got, got
+    finally:
+        gw.close()
+
+
 def _wait_until(cond, what: str, limit_s: float = 20.0) -> None:
     import time
 

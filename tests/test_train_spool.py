@@ -8,7 +8,7 @@ import json
 
 import pytest
 from helpers_models import require_rollout_venv
-from helpers_train import spool_cfg
+from helpers_train import records, spool_cfg
 
 from align.tasks import reverse
 from align.train import TrainConfig, train
@@ -144,32 +144,43 @@ def test_lean_episodes_on_the_spool_worker_train_on_what_vllm_sampled(prover, tm
     assert len({c["pid"] for c in sent}) >= 2  # the pool's --lean-workers 2 processes
 
 
+@pytest.fixture(scope="module")
+def reverse_worker(reverse_model, tmp_path_factory):
+    """A vLLM worker (in process) on ``reverse_model``, shared by the runs that attach to it (``--no-spawn-worker``:
+    each run syncs its own first snapshot to it, so the order of the tests does not matter). Yields its spool dir."""
+    require_rollout_venv()
+    from align.rollout.client import spawn_worker
+
+    where = tmp_path_factory.mktemp("worker")
+    worker = spawn_worker(
+        where / "spool",
+        model=reverse_model,
+        weights_version=0,
+        log_path=where / "worker.log",
+        in_process=True,
+        max_model_len=reverse.model_config(reverse.tokenizer()).max_position_embeddings,
+        dtype="float32",
+    )
+    try:
+        yield where / "spool"
+    finally:
+        worker.shutdown(grace_s=5)
+
+
 @pytest.mark.slow
-def test_resume_attached_to_a_running_worker_samples_the_resumed_weights(tmp_path, reverse_model):
+def test_resume_attached_to_a_running_worker_samples_the_resumed_weights(tmp_path, reverse_model, reverse_worker):
     """--no-spawn-worker: the worker keeps whatever it loaded last (here: the base model again, as after a
     restart or another user's sync). The resumed run must sync its checkpoint before step 1 of the rerun,
     or the rollouts come from the wrong policy and the sampler/trainer logprobs disagree."""
-    require_rollout_venv()
     import torch
 
     from align.model import load_pretrained
-    from align.rollout.client import make_rollout_client, spawn_worker
+    from align.rollout.client import make_rollout_client
     from align.rollout.native import generate
     from align.rollout.protocol import SamplingParams
 
     tok = reverse.tokenizer()
-    mcfg = reverse.model_config(tok)
-    base = reverse_model
-    spool = tmp_path / "spool"
-    worker = spawn_worker(
-        spool,
-        model=base,
-        weights_version=0,
-        log_path=tmp_path / "worker.log",
-        in_process=True,
-        max_model_len=mcfg.max_position_embeddings,
-        dtype="float32",
-    )
+    base, spool = reverse_model, reverse_worker
     prompts = reverse.prompts(16, "train")
 
     def run(steps: int) -> None:
@@ -195,12 +206,9 @@ def test_resume_attached_to_a_running_worker_samples_the_resumed_weights(tmp_pat
             reward=lambda prompt, completion, **_: completion.count("a") / 6,
         )
 
-    try:
-        run(1)
-        make_rollout_client("spool", spool=spool, timeout_s=600, worker=worker).sync_weights(base, 0)  # stale
-        run(2)
-    finally:
-        worker.shutdown(grace_s=5)
+    run(1)
+    make_rollout_client("spool", spool=spool, timeout_s=600).sync_weights(base, 0)  # stale
+    run(2)
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2]
     assert recs[1]["mismatch_abs_max"] < MISMATCH_TOL, recs[1]["mismatch_abs_max"]
@@ -218,6 +226,82 @@ def test_resume_attached_to_a_running_worker_samples_the_resumed_weights(tmp_pat
             )
         diffs.append(float((a - b)[-len(c.token_ids) :].abs().max()))
     assert max(diffs) > 10 * MISMATCH_TOL, diffs
+
+
+def two_turns(base_url: str, api_key: str, model: str, prompt: str, **row) -> float:
+    """An agent written only against the ``openai`` client: the prompt, the reply, a user's "=" and a second reply."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": prompt}]
+    for _ in range(2):
+        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=6).choices[0].message
+        messages += [{"role": "assistant", "content": reply.content or ""}, {"role": "user", "content": "="}]
+    return (reply.content or "").count("a") / 6
+
+
+def test_an_agent_through_the_worker_trains_what_vllm_sampled(tmp_path, reverse_model, reverse_worker, monkeypatch):
+    """`--agent` with `--rollout spool` (attached to the module's worker): the gateway sends each request to the real
+    vLLM worker as it arrives (its own request, several in flight at once: no lock, no batching window), token ids in
+    and out. What the learner gets: each sampled segment is exactly a completion the worker returned for exactly that
+    prefix (ids and logprobs; every returned completion trained once), the user's "=" between the turns is masked
+    context (the chat template's render, logprob 0), and the trainer's recompute matches vLLM's logprobs (rho ~1)."""
+    pytest.importorskip("openai", reason="the test extra: pip install -e '.[test]'")
+    import threading
+    from collections import Counter
+
+    from align.chat import TurnRenderer
+    from align.rollout.client import SpoolClient
+    from align.run.parts import Learner
+    from align.tasks.agent import ChatCharTokenizer
+
+    returned: Counter = Counter()  # (prompt ids, completion ids, logprobs) of every completion the worker returned
+    trained: list[list] = []
+    in_flight, most, lock = [0], [0], threading.Lock()
+    real_generate, real_update = SpoolClient.generate, Learner.update
+
+    def generate(self, prompts, params, **kw):
+        with lock:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+        try:
+            out = real_generate(self, prompts, params, **kw)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+        returned.update((tuple(prompts[c.prompt_index]), tuple(c.token_ids), tuple(c.logprobs)) for c in out)
+        return out
+
+    def update(self, batch):
+        trained.append(list(batch.completions))
+        return real_update(self, batch)
+
+    monkeypatch.setattr(SpoolClient, "generate", generate)
+    monkeypatch.setattr(Learner, "update", update)
+    tok = ChatCharTokenizer(reverse.ALPHABET)  # the reverse task's ids, with a chat template the gateway renders
+    cfg = spool_cfg(tmp_path / "run", steps=2, prompts_per_step=2, spool=str(reverse_worker), spawn_worker=False)
+    cfg.envs.gateway_batch_ms = 500.0  # the native sampler's window: not applied to the worker's requests
+    train(cfg, model=str(reverse_model), tokenizer=tok, prompts=reverse.prompts(8, "train"), agent=two_turns)
+
+    assert [len(eps) for eps in trained] == [8, 8] and most[0] > 1  # requests in flight at once, each on its own
+    feedback = TurnRenderer(tok).suffix([{"role": "user", "content": "="}])
+    got: Counter = Counter()
+    for e in (e for eps in trained for e in eps):
+        # a first turn cut by max_tokens has no <eos>: the template's closing is masked context before the "="
+        context = ([] if e.turns[0]["finish_reason"] == "stop" else [tok.eos_token_id]) + feedback
+        assert e.error is None and [t["env_tokens"] for t in e.turns] == [0, len(context)], e.turns
+        n = e.turns[0]["policy_tokens"]
+        env = slice(n, n + len(context))
+        assert e.token_ids[env] == context and not any(e.mask[env]) and all(lp == 0.0 for lp in e.logprobs[env])
+        assert all(e.mask[: env.start]) and all(e.mask[env.stop :])
+        second = (tuple(e.token_ids[env.stop :]), tuple(e.logprobs[env.stop :]))
+        got[(tuple(e.prompt_ids), tuple(e.token_ids[:n]), tuple(e.logprobs[:n]))] += 1
+        got[(tuple(e.prompt_ids + e.token_ids[: env.stop]), *second)] += 1
+        # negative control: the second turn without the masked feedback in its prefix is no request the worker answered
+        assert (tuple(e.prompt_ids + e.token_ids[:n]), *second) not in returned
+    assert got == returned  # the trained policy ids are the sampled ones, each once, and nothing else was sampled
+    for r in records(tmp_path / "run"):
+        assert r["mismatch_abs_max"] < MISMATCH_TOL and r["agent/requests_mean"] == 2 and r["agent/errors"] == 0, r
 
 
 def test_readme_worker_command_runs_on_make_tiny(tmp_path):

@@ -69,7 +69,8 @@ class EnvConfig:
     gateway_batch_ms: float = flag(
         0.0,
         "With --agent: requests arriving within this many ms of each other go out as one generate, sooner once "
-        "every running agent has one waiting (0 = one generate per request, draws reproducible).",
+        "every running agent has one waiting (0 = one generate per request, draws reproducible). The native "
+        "sampler only: with --rollout spool each request goes to the worker as it arrives (it batches them).",
     )
     gateway_max_connections: int = flag(
         512, "With --agent: open connections the gateway serves at once; one more gets a 503 and is closed."

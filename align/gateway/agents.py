@@ -16,7 +16,9 @@ Python thread cannot be killed, or its process killed), dies or returns a non-nu
 (``agent/errors``, ``agent/timeouts``); the step goes on (``Episodes.sample`` stops the run when every episode
 failed, with the first traceback). Under torchrun (``on_ranks``) each rank runs its contiguous share of the
 episodes against a gateway of its own (its own loopback port), each request seeded by its episode's global index
-(``request_seed``), and the ranks' episodes are gathered: 2 ranks sample what 1 process samples.
+(``request_seed``), and the ranks' episodes are gathered: 2 ranks sample what 1 process samples. On the in-process sampler one generate runs at a time
+(``--gateway-batch-ms`` batches concurrent requests); a vLLM worker (``--rollout spool``) gets each request as it
+arrives, token ids in and out, and batches those in flight itself.
 
 An episode that the agent branched (edited history, a return to an earlier turn) trains every trajectory: the last
 request's is the episode (what ``--reward`` scores, what the log shows first), the others ride in ``Episode.branches``
@@ -27,6 +29,7 @@ trajectories``): the episode counts once in its group's normalisation, each samp
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -313,7 +316,9 @@ class _Agents(AgentEnv):
     def run_share(cls, sampler: Any, client: Any, rows: list[dict], G: int, params: Any, share: Any = None) -> list:
         """The episodes ``share`` (a range of the (row, sample) indices; default all) on this process's gateway."""
         gw = cls.gateway(sampler)
-        lock = cls.state["gen_lock"]
+        # the in-process sampler's model (a vLLM worker's is out of reach: its requests go out as they arrive)
+        model = getattr(client, "model", None)
+        lock = cls.state["gen_lock"] if model is not None else contextlib.nullcontext()
 
         def generate(prompts: list[list[int]], max_tokens: int, seed: int | None) -> list:
             p = dataclasses.replace(params, n=1, max_tokens=max_tokens, seed=seed)
@@ -334,7 +339,8 @@ class _Agents(AgentEnv):
                 with count:
                     left[0] -= 1
 
-        batch_ms = cls.cfg.gateway_batch_ms
+        # a worker batches the requests in flight itself (continuous batching, its prefix cache reusing each turn's)
+        batch_ms = cls.cfg.gateway_batch_ms if model is not None else 0.0
         batcher = Batcher(generate, batch_ms, lambda: min(workers, left[0])) if batch_ms else None
 
         def sample(ids: list[int], max_tokens: int, cap: Any) -> Any:
@@ -342,7 +348,6 @@ class _Agents(AgentEnv):
             return batcher(ids, max_tokens, seed) if batcher else generate([ids], max_tokens, seed)[0]
 
         cls.state["sample"] = sample
-        model = getattr(client, "model", None)  # the in-process sampler's (a vLLM worker's are out of reach)
 
         def top(prompt_ids: list[int], token_ids: list[int], k: int) -> list:
             with lock, sampler.autocast():

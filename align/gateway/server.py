@@ -465,12 +465,21 @@ class _Handler(BaseHTTPRequestHandler):
     gateway: Gateway
     protocol_version = "HTTP/1.1"
     timeout = IDLE_TIMEOUT_S
+    # a response leaves in one send (headers and body buffered, flushed by handle_one_request), with Nagle off: as
+    # two sends on a kept-alive connection the body waited for the client's delayed ACK, ~40 ms a request
+    wbufsize = 1 << 16
 
     def setup(self) -> None:
         super().setup()
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.rfile.close()  # the socket's own reader: ours replaces it (closed, so the socket's close is real)
         self.reader = _DeadlineReader(self.connection, self.gateway.read_timeout_s)
         self.rfile = io.BufferedReader(self.reader)
+
+    def handle_expect_100(self) -> bool:
+        ok = super().handle_expect_100()
+        self.wfile.flush()  # the client waits for its "100 Continue" before it sends the body
+        return ok
 
     def handle_one_request(self) -> None:
         self.reader.done()  # the next request's first byte arms its deadline
