@@ -10,8 +10,9 @@ Key decisions
   over the k when ``norm_topk_prob`` (Mixtral always), cast back to the activations' dtype.
 - Grouped compute: the (token, slot) pairs are sorted by expert and each expert's tokens are one group of torch's
   grouped GEMM (``F.grouped_mm`` over the stacked expert weights, gate|up fused; CUDA bf16, and the CPU on
-  torch >= 2.11), or, without it, one GEMM per active expert in a loop; outputs are weighted and scattered back with
-  one ``index_add``. No token ever passes an expert it was not routed to. LoRA on the experts (``--lora-experts``,
+  torch >= 2.11) inside one autograd Function (``GroupedExperts``: its backward keeps the sorted inputs and the
+  gate|up output only, half of what autograd kept), or, without it, one GEMM per active expert in a loop; outputs
+  are weighted and scattered back with one ``index_add``. No token ever passes an expert it was not routed to. LoRA on the experts (``--lora-experts``,
   ``align.lora``): the loop runs each expert's adapted projections; the grouped GEMM runs on ``W + s * B @ A`` per
   expert (autograd reaches A and B; one (out, r) x (r, in) GEMM per expert and projection per forward).
 - Routing replay (R3, Ma et al. 2025, arXiv 2510.11370): a ``Routing`` passed to the forward may carry the
@@ -238,35 +239,74 @@ GROUPED_MIN_PAIRS_PER_EXPERT = 4  # below 4 (token, slot) pairs per expert on av
 
 def expert_mix(x: Tensor, idx: Tensor, w: Tensor, experts: nn.ModuleList, grouped: bool | None = None) -> Tensor:
     """sum_j w[n, j] * expert_{idx[n, j]}(x[n]) for x (N, E), idx / w (N, k): (token, slot) pairs sorted by expert,
-    then torch's grouped GEMM over the experts' token groups (``grouped`` None: where it runs, ``_grouped_mm_usable``)
-    or, without it, one GEMM per active expert; scattered back with one index_add."""
-    k = idx.shape[1]
-    order = idx.reshape(-1).argsort(stable=True)  # (N*k,) pairs grouped by expert
-    token = order // k  # (N*k,) the token of each sorted pair
-    xs = x.index_select(0, token)  # (N*k, E)
-    counts = torch.bincount(idx.reshape(-1), minlength=len(experts))  # (X,)
+    then torch's grouped GEMM over the experts' token groups (``grouped`` None: where it runs, ``_grouped_mm_usable``;
+    ``GroupedExperts``) or, without it, one GEMM per active expert, scattered back with one index_add."""
     if grouped is None:  # few tokens per expert (decode): the loop reads only the active experts' weights
         grouped = _grouped_mm_usable(x) and idx.numel() >= GROUPED_MIN_PAIRS_PER_EXPERT * len(experts)
         grouped = grouped and not experts[0].dropout_active()  # LoRA dropout: the loop applies it per expert
     if grouped:
-        ys = _grouped_experts(xs, counts, experts)
-    else:
-        parts = xs.split(counts.tolist())  # views: the backward concatenates, never a zero-filled copy per expert
-        ys = torch.cat([experts[e](p) for e, p in enumerate(parts) if p.shape[0]])  # (N*k, E)
+        ws = [e.weights() for e in experts]
+        X, E = len(experts), x.shape[1]
+        gate_up = torch.stack([t for g, u, _ in ws for t in (g, u)]).view(X, -1, E)  # (X, 2F, E), one copy
+        down = torch.stack([d for _, _, d in ws])  # (X, E, F)
+        # autocast (fp32 weights, bf16 activations): the GEMMs run in the activations' dtype
+        return GroupedExperts.apply(x, idx, w, gate_up.to(x.dtype), down.to(x.dtype))
+    k = idx.shape[1]
+    order = idx.reshape(-1).argsort(stable=True)  # (N*k,) pairs grouped by expert
+    token = order // k  # (N*k,) the token of each sorted pair
+    counts = torch.bincount(idx.reshape(-1), minlength=len(experts))  # (X,)
+    parts = x.index_select(0, token).split(counts.tolist())  # views: the backward concatenates them
+    ys = torch.cat([experts[e](p) for e, p in enumerate(parts) if p.shape[0]])  # (N*k, E)
     ys = ys * w.reshape(-1)[order, None].to(ys.dtype)
     return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
 
 
-def _grouped_experts(xs: Tensor, counts: Tensor, experts: nn.ModuleList) -> Tensor:
-    """The experts over sorted tokens xs (M, E) as two grouped GEMMs: gate|up fused, then down."""
-    X = len(experts)
-    offs = counts.cumsum(0).to(torch.int32)  # (X,) end of each expert's rows
-    ws = [e.weights() for e in experts]
-    gate_up = torch.stack([t for g, u, _ in ws for t in (g, u)]).view(X, -1, xs.shape[1])  # (X, 2F, E), one copy
-    down = torch.stack([d for _, _, d in ws])  # (X, E, F)
-    gate_up, down = gate_up.to(xs.dtype), down.to(xs.dtype)  # autocast (fp32 weights, bf16 activations)
-    gate, up = GROUPED_MM(xs, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # (M, F) each
-    return GROUPED_MM(F.silu(gate) * up, down.transpose(1, 2), offs=offs)  # (M, E)
+class GroupedExperts(torch.autograd.Function):
+    """The experts over (token, slot) pairs sorted by expert as two grouped GEMMs (gate|up fused, then down), each
+    pair's routing weight applied to the F-wide activation before the down projection (half the width of its E-wide
+    output), with a hand-written backward that keeps the sorted inputs and the gate|up output only (no expert output,
+    no activation copies) and takes the routing weights' gradient at width F too: d out / d w = <dy, down(a)> =
+    <dy @ down, a>. The rows go back with one ``index_add`` each way."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, idx: Tensor, w: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+        k, X = idx.shape[1], gate_up.shape[0]
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)  # (M,) pairs grouped by expert, M = N*k
+        token = order // k  # (M,) the token of each sorted pair
+        offs = torch.bincount(flat, minlength=X).cumsum(0).to(torch.int32)  # (X,) end of each expert's rows
+        xs = x.index_select(0, token)  # (M, E)
+        h = GROUPED_MM(xs, gate_up.transpose(1, 2), offs=offs)  # (M, 2F)
+        gate, up = h.chunk(2, dim=-1)
+        ws = w.reshape(-1)[order, None].to(h.dtype)  # (M, 1) each sorted pair's weight
+        y = GROUPED_MM(F.silu(gate).mul_(up).mul_(ws), down.transpose(1, 2), offs=offs)  # (M, E), weighted
+        ctx.save_for_backward(xs, h, ws, order, offs, gate_up, down)
+        ctx.k, ctx.w_dtype = k, w.dtype
+        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        xs, h, ws, order, offs, gate_up, down = ctx.saved_tensors
+        N, token = grad.shape[0], order // ctx.k
+        gs = grad.to(h.dtype).index_select(0, token)  # (M, E) each sorted pair's output gradient
+        gate, up = h.chunk(2, dim=-1)
+        act = F.silu(gate)
+        a = act * up  # (M, F) the unweighted activation
+        ga = GROUPED_MM(gs, down, offs=offs)  # (M, F) gradient of the weighted activation / ws
+        gw = None
+        if ctx.needs_input_grad[2]:
+            gw = torch.empty_like(ws[:, 0]).index_copy_(0, order, (ga * a).sum(-1)).view(N, -1).to(ctx.w_dtype)
+        g_down = GROUPED_MM(gs.t(), a.mul_(ws), offs=offs) if ctx.needs_input_grad[4] else None  # (X, E, F)
+        ga.mul_(ws)
+        gh = torch.empty_like(h)  # (M, 2F): d gate | d up, written in place (no cat)
+        d_gate, d_up = gh.chunk(2, dim=-1)
+        torch.ops.aten.silu_backward.grad_input(ga * up, gate, grad_input=d_gate)
+        torch.mul(ga, act, out=d_up)
+        g_gate_up = GROUPED_MM(gh.t(), xs, offs=offs) if ctx.needs_input_grad[3] else None  # (X, 2F, E)
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx = torch.zeros_like(grad).index_add_(0, token, GROUPED_MM(gh, gate_up, offs=offs).to(grad.dtype))
+        return gx, None, gw, g_gate_up, g_down
 
 
 def dense_expert_mix(x: Tensor, idx: Tensor, w: Tensor, experts: nn.ModuleList) -> Tensor:

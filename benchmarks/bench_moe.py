@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/bench_moe.py --threads 1            # needs transformers (the test venv has it)
 
 (a) One forward + backward (cross-entropy over the full logits) of a Qwen3-MoE-shaped model, side by side in one
-run on the same weights and batch: align (``align.moe.expert_mix``: tokens sorted by expert, one GEMM per active
-expert), transformers' ``Qwen3MoeForCausalLM`` (its default experts implementation: torch's ``grouped_mm``, and
+run on the same weights and batch: align (``align.moe.expert_mix``: tokens sorted by expert, torch's grouped GEMM in
+``align.moe.GroupedExperts`` with its hand-written backward), transformers' ``Qwen3MoeForCausalLM`` (its default experts implementation: torch's ``grouped_mm``, and
 ``experts_implementation="eager"``: its loop over the hit experts), and align with the dense reference
 ``align.moe.dense_expert_mix`` (every token through every expert, weights zero where not routed) to show the grouped
 path is the one running. (b) Greedy decode tokens/s of the native sampler vs ``transformers.generate``. (c) A bf16
@@ -168,10 +168,26 @@ def components(ours, hf, batch: int, tokens: int, repeats: int) -> None:
     for name, (fa, fh) in rows.items():
         a, h = cpu_ms(fb(fa), repeats), cpu_ms(fb(fh), repeats)
         print(f"  {name:<24} align {a:6.1f}  transformers {h:6.1f}  ({a / h:.2f}x)")
+    x = x0.clone().requires_grad_(True)
+    mib = {name: saved_mib(lambda f=f: f(x)) for name, f in zip(("align", "transformers"), rows["MoE block"])}
+    print(f"  {'MoE block saved for bwd':<24} align {mib['align']:6.1f}  transformers {mib['transformers']:6.1f} MiB")
     if moe.GROUPED_MM is not None:
         print(
             f"  {'kernels alone':<24} flash attention {cpu_ms(sdpa, repeats):6.1f}  grouped GEMMs {cpu_ms(gemms, repeats):6.1f}"
         )
+
+
+def saved_mib(fn) -> float:
+    """MiB of the distinct storages autograd keeps for the backward of ``fn()`` (the stacked weights included)."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values()) / 2**20
 
 
 def replay_stats(model, n_prompts: int, max_tokens: int) -> None:
