@@ -164,7 +164,12 @@ class Rollouts:
             from align.rollout.partial import Carry
 
             carry = self.sampler.carry = Carry(
-                cfg.group_size, cfg.max_token_staleness, cfg.stale_policy, start.carried, cfg.partial_pool_factor
+                cfg.group_size,
+                cfg.max_token_staleness,
+                cfg.stale_policy,
+                start.carried,
+                cfg.partial_pool_factor,
+                cfg.partial_prefill,
             )
         self.pipe = make_pipeline(
             cfg, self.collect, backend, start.step, self.cursor.state, start.pending, snapshots, carry
