@@ -11,9 +11,12 @@ correction (TIS / MIS, token / sequence / geometric: ``align.grpo``) corrects a 
 by token.
 
 - ``generate_until``: the one operation, "generate until ``need`` groups are complete, return the rest cut", for the
-  native sampler (``NativeClient.generate_until``). A resumed row is re-prefilled (``--partial-prefill recompute``:
-  prompt + its ids so far under the new weights) and continues with the rest of its ``max_tokens``. A spool worker
-  can implement the same method (the worker's ``cut`` request) and slot in.
+  native sampler (``NativeClient.generate_until``). A resumed row continues with the rest of its ``max_tokens``:
+  re-prefilled (``--partial-prefill recompute``: prompt + its ids so far under the new weights, exact) or on the KV
+  cache it had at the cut (``keep``: the cache of every token fed before the cut, computed by the old weights; the
+  last sampled token is fed under the new ones; the approximation peers make, which the learner's teacher-forced
+  recompute and the rho correction see as off-policyness). A spool worker implements the same method (the worker's
+  ``cut`` request; recompute only: a resumed row is a new request).
 - ``Carry``: the carried groups of a run, as plain data for the checkpoint (``state``), and ``draw``: the step's
   groups from the carry plus fresh prompts (``align.rollout.groups.collect_groups``'s ``draw``).
 - Staleness per token (``--max-token-staleness S``): a completion trained at step t holding a token sampled with
