@@ -15,8 +15,9 @@ compute-bound CPU shape (``--layers 4 --hidden 64``) pays per row, so the extra 
 p90 ~140, ~8% at the 160-token cap (seed 003's Goedel-Prover-V2-8B shape, 3.2k : 14k : 16k, scaled down 100x).
 The reward: 1 when the completion's last token before <eos> is ``c`` (pass@1 ~ 0.2 at the start). Native sampler,
 --max-async-steps 1, one torch thread; each run trains a fresh copy of the same model with the same prompts and
-seeds; only --partial-rollouts differs (a short warm-up run first; then --repeats runs of each, interleaved in
-alternating order; the median of each figure). Printed: steps/s over the steps after the first, the generator's idle
+seeds; only --partial-rollouts differs, and on the native sampler its two --partial-prefill modes run side by side
+(recompute: a cut row re-prefilled under the new weights; keep: it continues on its KV cache) (a short warm-up run
+first; then --repeats runs of each, interleaved in rotating order; the median of each figure). Printed: steps/s over the steps after the first, the generator's idle
 fraction (its wait for the trainer / the loop time), the producer's generate + score seconds per step
 (``rollout_time``), the trainer's wait fraction (blocked on its batch / the loop time) and its own seconds per
 step (the loop minus that wait: the bound on steps/s once generation is faster), held-out pass@1 after the last step, the ratios, and the histogram of the partial runs' token
@@ -62,6 +63,7 @@ TOK = CharTokenizer("=abcdwxyz")
 CAP = 160
 SHORT, LONG = "abcd", "wxyz"
 P_SHORT, HAZARD_SHORT, HAZARD_LONG = 0.7, 0.03, 0.008
+PREFILLS = {"native": ("recompute", "keep"), "spool": ("recompute",)}  # --partial-prefill modes each backend has
 
 
 def transitions() -> torch.Tensor:
@@ -123,14 +125,16 @@ def shape(model: Path, rows: int = 512) -> dict:
     return {"median": lens[len(lens) // 2], "p90": lens[int(0.9 * len(lens))], "at_cap": sum(n >= CAP for n in lens) / len(lens)}  # fmt: skip
 
 
-def sampler_alone(client, args: argparse.Namespace) -> tuple[float, float, float]:
+def sampler_alone(client, args: argparse.Namespace) -> tuple[float, ...]:
     """Generation seconds per step of the sampler alone (no trainer, no rewards, one version): ``generate`` of B
-    groups vs the partial carry's call (2B groups, stop at B complete, the rest carried), over ``args.steps`` steps,
-    and ``generate`` of 2B groups (the pool's rows run to the end: what holding 2x the rows costs); interleaved
-    ``args.repeats`` times (after one warm-up call), the medians. ``client``: a NativeClient or a SpoolClient."""
+    groups vs the partial carry's call (2B groups, stop at B complete, the rest carried; each ``--partial-prefill``
+    the backend has: recompute, and keep on the native sampler), over ``args.steps`` steps, and ``generate`` of 2B
+    groups (the pool's rows run to the end: what holding 2x the rows costs); interleaved ``args.repeats`` times
+    (after one warm-up call), the medians: (plain, recompute, double[, keep]). ``client``: a NativeClient or a
+    SpoolClient."""
     params = SamplingParams(n=args.group_size, max_tokens=CAP, stop_token_ids=[TOK.eos_token_id])
     encoded = [TOK.encode(p["prompt"]) for p in prompts(64, 1)]
-    plain, part, double = [], [], []
+    plain, part, double, keep = [], [], [], []
     client.generate([encoded[0]], replace(params, seed=0))  # warm-up (the worker's first call compiles)
     for _ in range(args.repeats):
         t0 = time.perf_counter()
@@ -139,22 +143,24 @@ def sampler_alone(client, args: argparse.Namespace) -> tuple[float, float, float
                 [encoded[(t * args.prompts + i) % 64] for i in range(args.prompts)], replace(params, seed=t)
             )
         plain.append((time.perf_counter() - t0) / args.steps)
-        carry, drawn = partial.Carry(args.group_size, None, "drop", pool_factor=args.pool_factor), [0]
+        for mode, times in (("recompute", part), ("keep", keep))[: len(PREFILLS[args.backend])]:
+            carry = partial.Carry(args.group_size, None, "drop", pool_factor=args.pool_factor, prefill=mode)
+            drawn = [0]
 
-        def next_prompts(k: int, drawn: list[int] = drawn) -> list[int]:
-            drawn[0] += k
-            return [(drawn[0] - k + i) % 64 for i in range(k)]
+            def next_prompts(k: int, drawn: list[int] = drawn) -> list[int]:
+                drawn[0] += k
+                return [(drawn[0] - k + i) % 64 for i in range(k)]
 
-        t0 = time.perf_counter()
-        for t in range(args.steps):
-            carry.draw(t + 1, args.prompts, next_prompts, encoded.__getitem__, replace(params, seed=t), client)
-        part.append((time.perf_counter() - t0) / args.steps)
+            t0 = time.perf_counter()
+            for t in range(args.steps):
+                carry.draw(t + 1, args.prompts, next_prompts, encoded.__getitem__, replace(params, seed=t), client)
+            times.append((time.perf_counter() - t0) / args.steps)
         t0 = time.perf_counter()
         for t in range(args.steps):
             B2 = args.pool_factor * args.prompts
             client.generate([encoded[(t * B2 + i) % 64] for i in range(B2)], replace(params, seed=t))
         double.append((time.perf_counter() - t0) / args.steps)
-    return tuple(sorted(x)[len(x) // 2] for x in (plain, part, double))
+    return tuple(sorted(x)[len(x) // 2] for x in (plain, part, double, keep) if x)
 
 
 def sampler_client(backend: str, model: Path, tmp: Path, stack: contextlib.ExitStack):
@@ -252,37 +258,48 @@ def main() -> None:
         s = shape(model)
         print(f"completion lengths: median {s['median']}, p90 {s['p90']}, cap {CAP} ({s['at_cap']:.0%} at the cap)")
         client = sampler_client(args.backend, model, tmp, stack)
-        gen, cut, gen2 = sampler_alone(client, args)
+        gen, cut, gen2, *kept = sampler_alone(client, args)
         print(
             f"sampler alone, s/step of {args.prompts} groups of {args.group_size}: generate {gen:.3f}, partial "
-            f"{cut:.3f} ({gen / cut:.2f}x); generate of {args.pool_factor * args.prompts} groups to the end "
-            f"{gen2:.3f} ({gen2 / gen:.2f}x the rows' cost)"
+            f"(recompute) {cut:.3f} ({gen / cut:.2f}x)"
+            + "".join(f", partial (keep) {k:.3f} ({gen / k:.2f}x)" for k in kept)
+            + f"; generate of {args.pool_factor * args.prompts} groups to the end {gen2:.3f} ({gen2 / gen:.2f}x the "
+            "rows' cost)"
         )
         lags: Counter = Counter()
-        runs: dict[str, list[dict]] = {"without": [], "--partial-rollouts": []}
+        names = ["without"] + [f"partial, {m}" for m in PREFILLS[args.backend]]  # the --partial-prefill modes
+        runs: dict[str, list[dict]] = {name: [] for name in names}
         run("warmup", argparse.Namespace(**{**vars(args), "steps": 3}), model, tmp, Counter(), partial_rollouts=True)
-        for i in range(args.repeats):  # interleaved, alternating order: a load change on the machine hits both alike
-            order = ("without", "--partial-rollouts") if i % 2 == 0 else ("--partial-rollouts", "without")
-            for name in order:
-                kw = {"partial_rollouts": True, "partial_pool_factor": args.pool_factor} if name != "without" else {}
-                runs[name].append(run(f"{name.strip('-')}{i}", args, model, tmp, lags if kw else Counter(), **kw))
-    base, part = (median_run(runs[k]) for k in runs)
+        for i in range(args.repeats):  # interleaved, rotating order: a load change on the machine hits each alike
+            for name in names[i % len(names) :] + names[: i % len(names)]:
+                kw = {}
+                if name != "without":
+                    mode = name.split(", ")[1]
+                    kw = {"partial_rollouts": True, "partial_pool_factor": args.pool_factor, "partial_prefill": mode}
+                tag = name.replace(", ", "_").replace(" ", "")
+                runs[name].append(run(f"{tag}{i}", args, model, tmp, lags if kw else Counter(), **kw))
+    medians = {name: median_run(rs) for name, rs in runs.items()}
+    base = medians["without"]
     print(
         f"{args.backend}, K={args.async_steps}, pool factor {args.pool_factor}, {args.steps} steps x {args.prompts} groups of {args.group_size}, median of {args.repeats} run(s):"
     )
     head = ("steps/s", "gen idle", "gen s/step", "train wait", "train s/step", "pass@1", "len mean")
     print(f"{'':<20}" + "".join(f"{h:>13}" for h in head))
-    for name, r in (("without", base), ("--partial-rollouts", part)):
+    for name, r in medians.items():
         print(
             f"{name:<20}{r['steps_per_s']:>13.3f}{r['idle_frac']:>13.1%}{r['gen_s']:>13.3f}{r['wait_frac']:>13.1%}"
             f"{r['train_s']:>13.3f}{r['pass@1']:>13.3f}{r['len_mean']:>13.1f}"
         )
-    print(
-        f"ratio with --partial-rollouts: {part['steps_per_s'] / base['steps_per_s']:.2f}x steps/s, "
-        f"{base['gen_s'] / part['gen_s']:.2f}x less generation time per step"
-    )
+    for name, r in list(medians.items())[1:]:
+        print(
+            f"ratio {name} / without: {r['steps_per_s'] / base['steps_per_s']:.2f}x steps/s, "
+            f"{base['gen_s'] / r['gen_s']:.2f}x less generation time per step"
+        )
+    if "partial, keep" in medians:
+        k, rc = medians["partial, keep"], medians["partial, recompute"]
+        print(f"ratio keep / recompute: {k['steps_per_s'] / rc['steps_per_s']:.2f}x steps/s")
     total = sum(lags.values())
-    print("token lag (versions behind the step's trainer weights), share of trained tokens:")
+    print("token lag (versions behind the step's trainer weights), share of trained tokens (every partial run):")
     for lag in sorted(lags):
         print(f"  {lag:>3}: {lags[lag] / total:6.1%} {'#' * round(50 * lags[lag] / total)}")
 

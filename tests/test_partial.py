@@ -127,6 +127,112 @@ def test_the_loss_corrects_a_spanning_completion_token_by_token(versions, resume
         assert log_rho[:j].abs().max() > 100 * LOGPROB_ATOL  # negative control: the old segment is off-policy
 
 
+# ------------------------------------------------------------------------------------------------ keep
+
+
+@torch.no_grad()
+def hand_keep(old, new, prompt, ids, j, seed, draw, total, budget, forced=None):
+    """The plain-loop reference of --partial-prefill keep: a row cut at token j (its ids[:j] sampled) has its cache
+    built by ``old`` over prompt + ids[:j-1] (every token fed before the cut), then ``new`` feeds ids[j-1] on that
+    cache and decodes tokens >= j on it (inverse-CDF sampling with the call's uniforms: ``total`` per step, the row's
+    at ``draw``; stop at <eos> or ``budget`` tokens; ``forced``: take these tokens instead, teacher-forced). Returns
+    (tokens, logprobs) of tokens >= j."""
+    from align.attention import KVCache
+
+    seq = prompt + ids[: j - 1]
+    cache = KVCache(old.config, 1, len(prompt) + len(ids) + budget + 1, torch.float32, "cpu")
+    cache.valid[:, : len(seq)] = True
+    old(torch.tensor([seq]), positions=torch.arange(len(seq))[None], cache=cache)
+    cache.length = len(seq)
+    g = torch.Generator().manual_seed(seed)
+    tok, toks, lps = ids[j - 1], [], []
+    while len(toks) < (budget if forced is None else len(forced)):
+        cache.valid[:, cache.length] = True
+        logits = new(torch.tensor([[tok]]), positions=torch.tensor([[cache.length]]), cache=cache)[0, -1]
+        cache.length += 1
+        logp = logits.log_softmax(-1)
+        u = torch.rand(total, generator=g)[draw]
+        cdf = logp.exp().cumsum(-1)
+        tok = int(torch.searchsorted(cdf, (u * cdf[-1])[None], right=True).clamp(max=len(cdf) - 1))
+        tok = forced[len(toks)] if forced is not None else tok
+        toks.append(tok)
+        lps.append(float(logp[tok]))
+        if tok == TOK.eos_token_id:
+            break
+    return toks, torch.tensor(lps)
+
+
+@pytest.fixture(scope="module")
+def kept(versions):
+    """One client on one model: a call on version 0 (1 group complete, the rest cut), the trainer publishes version
+    1 (the weights change in place), the next call resumes with --partial-prefill keep; and the same with recompute."""
+    v0, v1 = versions
+    again = PARAMS.__class__(**{**PARAMS.__dict__, "seed": 6})
+    out = {}
+    for mode in ("keep", "recompute"):
+        c = client(copy.deepcopy(v0), 0)
+        first = c.generate_until(ENCODED, PARAMS, 1, None, prefill=mode)
+        c.model.load_state_dict(v1.state_dict())
+        c.sync_weights(None, 1)
+        out[mode] = (first, c.generate_until(ENCODED, again, 4, first, prefill=mode), c)
+    return out
+
+
+def test_keep_continues_on_the_old_cache_like_a_plain_loop(versions, kept):
+    v0, v1 = versions
+    first, second, c = kept["keep"]
+    assert first == kept["recompute"][0]  # the cut call itself is the same in both modes, bit for bit
+    assert c.kept == {}  # every kept cache was taken by the resume (nothing was cut again)
+    R, checked = len(first), 0
+    for r, (a, b) in enumerate(zip(first, second)):
+        if a.finish_reason != "cut":
+            assert b == a
+            continue
+        j, prompt = len(a.token_ids), ENCODED[a.prompt_index]
+        assert b.token_ids[:j] == a.token_ids and b.logprobs[:j] == a.logprobs
+        assert versions_of(b) == [0] * j + [1] * (len(b.token_ids) - j)
+        toks, lps = hand_keep(v0, v1, prompt, b.token_ids, j, 6, r, R, PARAMS.max_tokens - j)
+        assert toks == b.token_ids[j:]
+        assert (torch.tensor(b.logprobs[j:]) - lps).abs().max() < LOGPROB_ATOL
+        # negative controls: the cut boundary one token late (old weights' cache over ids[:j]), a cache built by the
+        # new weights (recompute), or every token stamped with the new version (teacher-forced under v1) all differ
+        if len(b.token_ids) > j + 1:
+            late = hand_keep(v0, v1, prompt, b.token_ids, j + 1, 6, r, R, 0, forced=b.token_ids[j + 1 :])[1]
+            assert (torch.tensor(b.logprobs[j + 1 :]) - late).abs().max() > 100 * LOGPROB_ATOL
+        fresh = teacher_forced(v1, prompt, b.token_ids)[j:]
+        assert (torch.tensor(b.logprobs[j:]) - fresh).abs().max() > 100 * LOGPROB_ATOL
+        assert stamped_error(b, (v0, v1), versions_of(b)) > 100 * LOGPROB_ATOL  # the approximation, measured
+        checked += 1
+    assert checked >= 2
+
+
+def test_recompute_differs_from_keep_after_the_cut(kept):
+    """The same cut rows resumed with recompute: the first resumed token's logprob differs where both drew the
+    same token (same uniforms, another cache); and recompute is exact under the stamped versions."""
+    (_, keep, _), (_, rec, _) = kept["keep"], kept["recompute"]
+    first = kept["keep"][0]
+    same = [(a, k, q) for a, k, q in zip(first, keep, rec) if a.finish_reason == "cut"]
+    compared = 0
+    for a, k, q in same:
+        j = len(a.token_ids)
+        if len(k.token_ids) > j and len(q.token_ids) > j and k.token_ids[j] == q.token_ids[j]:
+            assert abs(k.logprobs[j] - q.logprobs[j]) > 100 * LOGPROB_ATOL
+            compared += 1
+    assert compared >= 1
+
+
+def test_keep_without_a_cut_or_a_cache_is_recompute_bit_for_bit(versions, kept):
+    """No cut (every group in one call): keep == recompute == generate. A cut row whose cache is not in the store
+    (a new client, as after a restart) resumes by recompute, bit for bit."""
+    v0, v1 = versions
+    want = generate(v0, ENCODED, PARAMS)
+    assert client(v0, 0).generate_until(ENCODED, PARAMS, 4, None, prefill="keep") == want
+    first, rec, _ = kept["recompute"]
+    again = PARAMS.__class__(**{**PARAMS.__dict__, "seed": 6})
+    assert client(v1, 1).generate_until(ENCODED, again, 4, first, prefill="keep") == rec
+    assert kept["keep"][1] != rec  # negative control: with the caches kept, the resumed rows differ
+
+
 def test_the_carry_drops_stale_groups_and_refills_from_fresh_prompts(versions):
     v0, v1 = versions
     carry = Carry(3, 1, "drop")
@@ -259,7 +365,10 @@ def test_resume_continues_from_the_carried_groups(tmp_path, char_model, partial_
         ({"stale_policy": "keep"}, "--stale-policy must be one of"),
         ({"partial_prefill": "nope"}, "--partial-prefill must be one of"),
         ({"partial_pool_factor": 1}, "--partial-pool-factor must be an int >= 2"),
-        ({"partial_rollouts": True, "max_async_steps": 1, "partial_prefill": "keep"}, "not built"),
+        (
+            {"partial_rollouts": True, "max_async_steps": 1, "rollout": "spool", "partial_prefill": "keep"},
+            "resumes a cut row only by recompute",
+        ),
         ({"partial_rollouts": True, "max_async_steps": 1, "rollout": "spool", "rollout_num_engines": 2}, "Ray fleet"),
         ({"partial_rollouts": True, "max_async_steps": 1, "max_inflight_requests": 8}, "--max-inflight-requests"),
     ],
@@ -294,22 +403,25 @@ def test_an_environment_task_off_the_native_sampler_is_refused_before_the_model_
 
 def test_pinned_eval_is_never_cut(tmp_path, char_model, monkeypatch):
     """Eval epochs on the rollout engine (pinned to one version) go through generate, never generate_until: only the
-    producer thread calls it."""
+    producer thread calls it. The run uses --partial-prefill keep (the carry passes it; the client holds the caches)."""
     import threading
 
-    callers = []
+    callers, modes, held = [], [], []
     real = NativeClient.generate_until
 
     def spy(self, *a, **kw):
         callers.append(threading.current_thread().name)
+        modes.append(kw.get("prefill"))
+        held.append(sum(len(v) for v in getattr(self, "kept", {}).values()))  # caches kept from the last call
         return real(self, *a, **kw)
 
     monkeypatch.setattr(NativeClient, "generate_until", spy)
     kw = {"steps": 4, "checkpoint_every": 0, "max_tokens": 12, "group_size": 2, "max_async_steps": 1}
-    cfg = cfg_for(tmp_path / "e", partial_rollouts=True, **kw)
+    cfg = cfg_for(tmp_path / "e", partial_rollouts=True, partial_prefill="keep", **kw)  # keep, wired through a run
     cfg.eval.eval_interval = 2
     train(cfg, model=char_model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward, eval_prompts=PROMPTS[:3])
     assert callers and set(callers) == {"align-rollout-producer"}
+    assert set(modes) == {"keep"} and max(held) > 0  # the carry asked for keep; cut rows' caches were held
     evals = [r for r in records(tmp_path / "e") if "eval/weight_version" in r]
     assert [r["eval/weight_version"] for r in evals] == [0, 2, 4]
     assert all(r["eval/mixed_version_ratio"] == 0 for r in evals)

@@ -78,7 +78,14 @@ class Turns:
         from align.rollout.partial import Carry
 
         cfg = self.cfg
-        self.carry = Carry(cfg.group_size, cfg.max_token_staleness, cfg.stale_policy, carried, cfg.partial_pool_factor)
+        self.carry = Carry(
+            cfg.group_size,
+            cfg.max_token_staleness,
+            cfg.stale_policy,
+            carried,
+            cfg.partial_pool_factor,
+            cfg.partial_prefill,
+        )
         return self.carry
 
     def carried_prompt(self, i: int) -> Any:
@@ -181,8 +188,13 @@ class Episodes(Turns):
         if cfg.partial_rollouts:
             from align import dist
 
-            why = f"--rollout {cfg.rollout} (episodes run one thread each there)" if cfg.rollout != "native" else None
+            from align.rollout.backends import BACKENDS
+
+            carries = getattr(BACKENDS[cfg.rollout], "carries_episodes", False)
+            why = None if carries else f"--rollout {cfg.rollout} (episodes run one thread each there)"
             why = why or ("torchrun" if dist.active() else None)
+            keep = cfg.partial_prefill == "keep"  # an episode resumes at a turn boundary: its next turn is prefilled
+            why = why or ("--partial-prefill keep (a carried episode's next turn is prefilled anew)" if keep else None)
             why = why or (f"--group-timeout-s {cfg.group_timeout_s:g}" if cfg.group_timeout_s > 0 else None)
             own = getattr(task.env, "run_episodes", None) is not None  # --agent: the gateway runs the turns
             why = why or ("an environment that runs its own episodes (--agent, --task agent)" if own else None)

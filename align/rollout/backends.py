@@ -96,8 +96,9 @@ class RolloutConfig:
     )
     partial_prefill: str = flag(
         "recompute",
-        "How a cut row resumes: 'recompute' (re-prefill prompt + its ids so far under the new weights). "
-        "'keep' (the old KV cache) is not built yet and refused.",
+        "How a cut row resumes: 'recompute' (re-prefill prompt + its ids so far under the new weights: exact) or "
+        "'keep' (native sampler only: continue on the KV cache computed under the old weights, no re-prefill; the "
+        "approximation peers make). docs/rollout.md#partial-rollouts.",
     )
     max_token_staleness: int | None = flag(
         None,
@@ -143,7 +144,8 @@ class RolloutConfig:
         BACKENDS[self.rollout].check(self)
         from align.rollout.partial import check_config as check_partial
 
-        check_partial(self, getattr(BACKENDS[self.rollout], "cuts", False))  # --partial-rollouts and its flags
+        row = BACKENDS[self.rollout]
+        check_partial(self, getattr(row, "cuts", False), getattr(row, "prefills", ("recompute",)))  # its flags
 
     @property
     def uses_ray(self) -> bool:
@@ -206,6 +208,8 @@ class NativeBackend:
     """The native sampler in this process, on the policy itself (torchrun: each rank samples its share)."""
 
     cuts = True  # --partial-rollouts: NativeClient.generate_until (align.rollout.partial)
+    prefills = ("recompute", "keep")  # --partial-prefill: keep continues a cut row on the KV cache it had
+    carries_episodes = True  # --partial-rollouts on an environment task: episodes carried at turn boundaries
     TRAIN_DEFAULTS: ClassVar[dict[str, Any]] = {}  # its logprobs are the trainer's own: no off-policy correction
 
     def check(self, cfg: RolloutConfig) -> None:
@@ -251,6 +255,8 @@ class SpoolBackend:
     """A vLLM worker (or Ray fleet) in ``.venv-rollout`` behind a spool directory, spawned or attached to."""
 
     cuts = True  # --partial-rollouts: SpoolClient.generate_until (align.rollout.cut: the worker's cut request)
+    prefills = ("recompute",)  # a cut request is resubmitted as prompt + ids so far: no cache survives a sync
+    carries_episodes = False  # episodes run one thread each (align.envs.partial carries the native turn waves)
     # vLLM's logprobs (mu) are not the trainer's recompute (pi_old): another engine, kernels, and weights a version
     # behind with --max-async-steps; rho = pi_old / mu corrects for it (TRL turns its IS correction on with vLLM too)
     TRAIN_DEFAULTS: ClassVar[dict[str, Any]] = {"loss.use_rho_correction": True}

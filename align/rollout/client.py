@@ -93,14 +93,13 @@ class NativeClient:
             c.weights_version = self.weights_version
         return completions
 
-    def generate_until(
-        self, prompts: list[list[int]], params: SamplingParams, need: int, carried: list[Completion | None]
-    ) -> list[Completion]:
-        """``--partial-rollouts``: generate until ``need`` groups are complete, the rows still running come back cut;
-        a cut row of ``carried`` resumes (re-prefilled under these weights). ``align.rollout.partial.generate_until``."""
+    def generate_until(self, prompts: list, params: SamplingParams, need: int, carried: list, prefill="recompute"):
+        """``--partial-rollouts``: generate until ``need`` groups are complete, the rest cut; a cut row of ``carried``
+        resumes by ``prefill`` (``partial.generate_until``; ``kept``: the cut rows' KV caches for ``keep``)."""
         from align.rollout.partial import generate_until
 
-        return generate_until(self.model, prompts, params, need, carried, self.weights_version)
+        kept = self.__dict__.setdefault("kept", {})
+        return generate_until(self.model, prompts, params, need, carried, self.weights_version, prefill, kept)
 
     def sync_weights(self, snapshot_dir: str | os.PathLike | None, version: int) -> float:
         """No copy: the sampler shares the live model. Records ``version`` for the completions' stamp."""

@@ -26,7 +26,7 @@ Shapes: P prompts, R live rows (P * n at most), S cache length, V vocab.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -259,13 +259,18 @@ class Until(NamedTuple):
     ``align.rollout.partial``); every row still running comes back cut (``finish_reason == "cut"``).
 
     ``groups``: the group of each row; ``budgets``: each row's token budget (None: ``max_tokens``); ``draw``: each
-    row's index in the uniforms of a step, of ``total`` (None: the rows in order)."""
+    row's index in the uniforms of a step, of ``total`` (None: the rows in order). ``start`` (``--partial-prefill
+    keep``, ``align.rollout.partial``): ``start(cache_len, dtype) -> (cache, logits)`` replaces the prefill (one
+    row per prompt, each right-aligned at the longest prompt's length, the next token's logits (R, V)); ``kept``:
+    a dict the call fills with each cut row's cache, {row: (k, v)} (L, K, S_row, D), every token fed so far."""
 
     groups: list[int]
     need: int
     budgets: list[int] | None = None
     draw: list[int] | None = None
     total: int | None = None
+    start: Callable[[int, torch.dtype], tuple[KVCache, torch.Tensor]] | None = None
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 def generate(
@@ -299,6 +304,27 @@ def generate(
         return _generate(model, prompts, params, rows, cuda_graphs=cuda_graphs)
 
 
+def prefill(
+    model: Transformer, prompts: list[list[int]], max_len: int, dtype: torch.dtype
+) -> tuple[KVCache, torch.Tensor]:
+    """The P prompts prefilled once, left-padded (each right-aligned at the longest, L): a cache of ``max_len``
+    slots with ``length`` L, and the logits (P, V) of each prompt's next token."""
+    device = model.lm_head.weight.device
+    P, L = len(prompts), max(len(p) for p in prompts)
+    lens = torch.tensor([len(p) for p in prompts], device=device)
+    cache = KVCache(model.config, P, max_len, dtype, device)
+    ids = torch.zeros(P, L, dtype=torch.long, device=device)  # (P, L)
+    for i, p in enumerate(prompts):
+        ids[i, L - len(p) :] = torch.tensor(p, device=device)
+    pad = L - lens  # (P,)
+    cache.valid[:, :L] = torch.arange(L, device=device)[None] >= pad[:, None]
+    positions = (torch.arange(L, device=device)[None] - pad[:, None]).clamp(min=0)  # (P, L)
+    hidden = model(ids, positions=positions, cache=cache, return_hidden=True)[:, -1:]  # (P, 1, E)
+    logits = model.lm_head(hidden)[:, 0]  # (P, V): the head runs on the last position only
+    cache.length = L
+    return cache, logits
+
+
 def _generate(
     model: Transformer,
     prompts: list[list[int]],
@@ -323,17 +349,10 @@ def _generate(
     if params.seed is not None:
         generator = torch.Generator(device=device).manual_seed(params.seed)
 
-    # Prefill the P prompts once, left-padded.
-    cache = KVCache(cfg, P, L + max_new, dtype, device)
-    ids = torch.zeros(P, L, dtype=torch.long, device=device)  # (P, L)
-    for i, p in enumerate(prompts):
-        ids[i, L - len(p) :] = torch.tensor(p, device=device)
-    pad = L - lens  # (P,)
-    cache.valid[:, :L] = torch.arange(L, device=device)[None] >= pad[:, None]
-    positions = (torch.arange(L, device=device)[None] - pad[:, None]).clamp(min=0)  # (P, L)
-    hidden = model(ids, positions=positions, cache=cache, return_hidden=True)[:, -1:]  # (P, 1, E)
-    logits = model.lm_head(hidden)[:, 0]  # (P, V): the head runs on the last position only
-    cache.length = L
+    if until is not None and until.start is not None:  # --partial-prefill keep: the caller's cache (n == 1)
+        cache, logits = until.start(L + max_new, dtype)
+    else:
+        cache, logits = prefill(model, prompts, L + max_new, dtype)
 
     # Expand to P * n rows sharing the prefill.
     rows = torch.arange(P, device=device).repeat_interleave(n)  # (R,)
@@ -412,6 +431,10 @@ def _generate(
         if until is not None and complete >= until.need and n_done < done.numel():  # cut the rows still running
             length[row_id[~done]] = t + 1
             cut[row_id[~done]] = True
+            if until.kept is not None:  # --partial-prefill keep: each cut row's cache, the slots it has written
+                for i in (~done).nonzero().squeeze(-1).tolist():
+                    slots = cache.valid[i, : cache.length].nonzero().squeeze(-1)
+                    until.kept[int(row_id[i])] = (cache.k[:, i, :, slots].clone(), cache.v[:, i, :, slots].clone())
             break
         if t == max_new - 1 or n_done == done.numel():
             break

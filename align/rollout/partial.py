@@ -11,9 +11,12 @@ correction (TIS / MIS, token / sequence / geometric: ``align.grpo``) corrects a 
 by token.
 
 - ``generate_until``: the one operation, "generate until ``need`` groups are complete, return the rest cut", for the
-  native sampler (``NativeClient.generate_until``). A resumed row is re-prefilled (``--partial-prefill recompute``:
-  prompt + its ids so far under the new weights) and continues with the rest of its ``max_tokens``. A spool worker
-  can implement the same method (the worker's ``cut`` request) and slot in.
+  native sampler (``NativeClient.generate_until``). A resumed row continues with the rest of its ``max_tokens``:
+  re-prefilled (``--partial-prefill recompute``: prompt + its ids so far under the new weights, exact) or on the KV
+  cache it had at the cut (``keep``: the cache of every token fed before the cut, computed by the old weights; the
+  last sampled token is fed under the new ones; the approximation peers make, which the learner's teacher-forced
+  recompute and the rho correction see as off-policyness). A spool worker implements the same method (the worker's
+  ``cut`` request; recompute only: a resumed row is a new request).
 - ``Carry``: the carried groups of a run, as plain data for the checkpoint (``state``), and ``draw``: the step's
   groups from the carry plus fresh prompts (``align.rollout.groups.collect_groups``'s ``draw``).
 - Staleness per token (``--max-token-staleness S``): a completion trained at step t holding a token sampled with
@@ -31,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from align.rollout.cut import stitch, versions_of
@@ -41,9 +45,10 @@ STALE_POLICIES = ("drop", "mask")
 POOL_FACTOR = 2  # default --partial-pool-factor: a call holds this many times the groups it must complete
 
 
-def check_config(cfg: Any, cuts: bool) -> None:
+def check_config(cfg: Any, cuts: bool, prefills: tuple[str, ...] = ("recompute",)) -> None:
     """Value checks of the partial-rollout flags, before the model loads (``RolloutConfig.check_rollout``);
-    ``cuts``: the backend can cut a generation at a token boundary (a row of ``BACKENDS``)."""
+    ``cuts``: the backend can cut a generation at a token boundary, ``prefills``: the ``--partial-prefill`` modes it
+    resumes a cut row by (its row of ``BACKENDS``)."""
     if cfg.partial_prefill not in PARTIAL_PREFILLS:
         raise ValueError(f"--partial-prefill must be one of {PARTIAL_PREFILLS}, got {cfg.partial_prefill!r}")
     if cfg.stale_policy not in STALE_POLICIES:
@@ -70,15 +75,17 @@ def check_config(cfg: Any, cuts: bool) -> None:
             f"{cfg.max_async_steps} version(s) old when it trains, so every completion would be stale; use "
             f"--max-token-staleness >= {cfg.max_async_steps}"
         )
-    if cfg.partial_prefill == "keep":
-        raise ValueError(
-            "--partial-prefill keep (a cut row keeps its KV cache from the old weights) is not built for the native "
-            "sampler yet; use --partial-prefill recompute (the default: re-prefill prompt + ids so far)"
-        )
     if not cuts:
         raise ValueError(
             f"--partial-rollouts with --rollout {cfg.rollout}: that backend cannot cut a generation at a token "
             "boundary (its BACKENDS row has cuts = False); use --rollout native or spool, or drop --partial-rollouts"
+        )
+    if cfg.partial_prefill not in prefills:
+        raise ValueError(
+            f"--partial-prefill {cfg.partial_prefill} with --rollout {cfg.rollout}: that backend resumes a cut row "
+            f"only by {' or '.join(prefills)} (the vLLM worker's cut resubmits prompt + ids so far, and its prefix "
+            "cache is reset at every weight sync, so the old KV cache is gone); use --partial-prefill recompute, or "
+            "--rollout native to keep the cache"
         )
     if getattr(getattr(cfg, "moe", None), "routing_replay", "off") != "off":
         raise ValueError(
@@ -102,16 +109,23 @@ def generate_until(
     need: int,
     carried: list[Completion | None] | None,
     version: int,
+    prefill: str = "recompute",
+    kept: dict | None = None,
 ) -> list[Completion]:
     """The native sampler's "generate until ``need`` groups are complete, return the rest cut".
 
     ``prompts``: one per group, ``params.n`` rows each; ``carried``: per row (``len(prompts) * n``, prompt-major) the
-    completion so far (a cut one resumes: its prompt + ids re-prefilled under the current weights, the rest of
-    ``max_tokens`` to go; a finished one comes back unchanged) or None (fresh). Returns one completion per row,
-    finished or cut, with per-token versions (new tokens: ``version``). With nothing carried and ``need`` = every
-    group, the call is exactly ``native.generate``'s."""
+    completion so far (a cut one resumes with the rest of ``max_tokens`` to go; a finished one comes back
+    unchanged) or None (fresh). Returns one completion per row, finished or cut, with per-token versions (new
+    tokens: ``version``). With nothing carried and ``need`` = every group, the call is exactly ``native.generate``'s.
+
+    A cut row resumes by ``prefill``: ``"recompute"`` re-prefills its prompt + ids under the current weights;
+    ``"keep"`` continues on the KV cache it had at the cut (``kept``: the client's store, which the call replaces
+    with this call's cut rows; a row not in it, e.g. after a restart, recomputes)."""
     from align.rollout.native import Until, _generate, packed_weights
 
+    if prefill not in PARTIAL_PREFILLS:
+        raise ValueError(f"prefill must be one of {PARTIAL_PREFILLS}, got {prefill!r}")
     n = params.n
     R = len(prompts) * n
     carried = list(carried) if carried is not None else [None] * R
@@ -125,19 +139,78 @@ def generate_until(
 
     with torch.inference_mode(), packed_weights(model, len(run)):
         if len(run) == R and all(c is None for c in carried):  # fresh groups: one shared prefill per prompt
-            until = Until([r // n for r in range(R)], need)
+            until = Until([r // n for r in range(R)], need, kept={} if prefill == "keep" else None)
             new = _generate(model, prompts, params, None, until=until)
         else:  # each running row its own prompt: the group's prompt + its ids so far
             rows = [prompts[r // n] + (carried[r].token_ids if carried[r] is not None else []) for r in run]
             budgets = [params.max_tokens - (len(carried[r].token_ids) if carried[r] is not None else 0) for r in run]
-            until = Until([r // n for r in run], need - done_groups, budgets, run, R)
+            keep = prefill == "keep"
+            caches = [_take(kept, prompts[r // n], carried[r]) if keep else None for r in run]
+            start = None if all(c is None for c in caches) else partial(_start, model, rows, caches)
+            until = Until([r // n for r in run], need - done_groups, budgets, run, R, start, {} if keep else None)
             new = _generate(model, rows, dataclasses.replace(params, n=1), None, until=until)
     out = list(carried)
     for r, c in zip(run, new):
         c = dataclasses.replace(c, weights_version=version)  # the tokens this call sampled
         joined = c if carried[r] is None else stitch(carried[r], c)  # the cut row's tokens keep their versions
         out[r] = dataclasses.replace(joined, prompt_index=r // n, sample_index=r % n)
+    if kept is not None:  # only this call's cut rows resume next: the store holds nothing older
+        kept.clear()
+        for i, cache in (until.kept or {}).items():
+            kept.setdefault(_key(prompts[run[i] // n], out[run[i]]), []).append(cache)
     return out
+
+
+# ------------------------------------------------------------------------------------------------ keep
+
+
+def _key(prompt: list[int], c: Completion) -> tuple:
+    """A cut row's identity in the store: its prompt, ids and their versions (what its cache was computed from)."""
+    return tuple(prompt), tuple(c.token_ids), tuple(versions_of(c))
+
+
+def _take(kept: dict | None, prompt: list[int], c: Completion | None) -> tuple | None:
+    """The cache ``kept`` holds for the cut row ``c`` (removed from the store), or None (a fresh row, or not kept)."""
+    caches = None if kept is None or c is None else kept.get(_key(prompt, c))
+    return caches.pop() if caches else None
+
+
+def _start(model: Any, rows: list[list[int]], caches: list, max_len: int, dtype: Any) -> tuple:
+    """``--partial-prefill keep``: the call's first cache and logits (``native.Until.start``). A row with a kept
+    cache (every token of ``rows[i]`` but the last, computed by older weights) gets its last token fed under the
+    current weights on it; the others are prefilled (prompt + ids). Each right-aligned at the longest row, L."""
+    import torch
+
+    from align.attention import KVCache
+    from align.rollout.native import prefill
+
+    L = max(len(r) for r in rows)
+    kept = [i for i, c in enumerate(caches) if c is not None]
+    fresh = [i for i, c in enumerate(caches) if c is None]
+    device = model.lm_head.weight.device
+    cache = KVCache(model.config, len(rows), max_len, dtype, device)
+    logits = torch.empty(len(rows), model.config.vocab_size, device=device)
+    parts = [(fresh, prefill(model, [rows[i] for i in fresh], L, dtype))] if fresh else []
+    if kept:
+        sub = KVCache(model.config, len(kept), L, dtype, device)
+        for b, i in enumerate(kept):
+            k, v = caches[i]
+            sub.k[:, b, :, L - 1 - k.shape[2] : L - 1], sub.v[:, b, :, L - 1 - k.shape[2] : L - 1] = k, v
+            sub.valid[b, L - 1 - k.shape[2] :] = True
+        sub.length = L - 1
+        last = torch.tensor([[rows[i][-1]] for i in kept], device=device)
+        pos = torch.tensor([[len(rows[i]) - 1] for i in kept], device=device)
+        hidden = model(last, positions=pos, cache=sub, return_hidden=True)  # (B, 1, E)
+        sub.length = L
+        parts.append((kept, (sub, model.lm_head(hidden)[:, 0])))
+    for idx, (sub, lg) in parts:
+        at = torch.tensor(idx, device=device)
+        S = sub.length
+        cache.k[:, at, :, L - S : L], cache.v[:, at, :, L - S : L] = sub.k[:, :, :, :S], sub.v[:, :, :, :S]
+        cache.valid[at, L - S : L] = sub.valid[:, :S]
+        logits[at] = lg.to(logits.dtype)
+    cache.length = L
+    return cache, logits
 
 
 # ------------------------------------------------------------------------------------------------ the carry
@@ -158,8 +231,10 @@ class Carry:
         policy: str,
         state: list | None = None,
         pool_factor: int = POOL_FACTOR,
+        prefill: str = "recompute",
     ):
         self.G, self.S, self.policy, self.pool_factor = group_size, max_token_staleness, policy, pool_factor
+        self.prefill = prefill  # --partial-prefill: how the client resumes a cut row
         self.groups: list[tuple[int, list[Completion]]] = [
             (int(g["row"]), [Completion.from_dict(c) for c in g["completions"]]) for g in state or []
         ]
@@ -191,7 +266,8 @@ class Carry:
             fresh = next_prompts(max(0, self.pool_factor * need - len(pool)))
             pool = pool + [(i, [None] * self.G) for i in fresh]
             flat = [c for _, cs in pool for c in cs]
-            comps = client.generate_until([prompt_of(i) for i, _ in pool], params, need, flat)
+            kw = {"prefill": self.prefill} if self.prefill != "recompute" else {}  # a spool client has only recompute
+            comps = client.generate_until([prompt_of(i) for i, _ in pool], params, need, flat, **kw)
             pool = [(i, comps[k * self.G : (k + 1) * self.G]) for k, (i, _) in enumerate(pool)]
         take = [k for k, (_, cs) in enumerate(pool) if group_complete(cs)][:need]
         chosen = set(take)
