@@ -187,7 +187,6 @@ class Episodes(Turns):
         super().__init__(cfg, task)
         if cfg.partial_rollouts:
             from align import dist
-
             from align.rollout.backends import BACKENDS
 
             carries = getattr(BACKENDS[cfg.rollout], "carries_episodes", False)
