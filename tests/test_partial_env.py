@@ -212,7 +212,11 @@ def test_partial_episodes_are_refused_where_they_are_not_carried():
     from align.train import TrainConfig
 
     env = SimpleNamespace(env=turn_envs.Rounds, env_spec=None)
-    for kw, match in (({"rollout": "spool"}, "not with --rollout spool"), ({"group_timeout_s": 5.0}, "not with --gr")):
+    for kw, match in (
+        ({"rollout": "spool"}, "not with --rollout spool"),
+        ({"group_timeout_s": 5.0}, "not with --gr"),
+        ({"partial_prefill": "keep"}, "not with --partial-prefill keep"),
+    ):
         cfg = TrainConfig(max_async_steps=1, partial_rollouts=True, **kw)
         with pytest.raises(InputError, match=match):
             open_sampler(cfg, env)
