@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from typing import Any
 
 _last: dict[str, float] = {}  # part -> time.monotonic() of its last progress
-_inflight: dict[int, tuple[str, float, dict, int]] = {}  # call id -> (part, started, info, thread id)
+_inflight: dict[int, tuple[str, float, dict, int | None]] = {}  # call id -> (part, started, info, thread id)
 _ids = itertools.count()
 _lock = threading.Lock()
 
@@ -28,11 +28,15 @@ def beat(part: str) -> None:
 
 
 @contextmanager
-def working(part: str, **info: Any) -> Iterator[None]:
-    """``part`` is in one call for the duration (beats on entry and exit); ``info`` describes it in ``stall.txt``."""
+def working(part: str, *, safe_point: bool = False, **info: Any) -> Iterator[None]:
+    """``part`` is in one call for the duration (beats on entry and exit); ``info`` describes it in ``stall.txt``.
+
+    ``safe_point``: the calling thread only waits on ``part`` (another thread does the work) and gives the wait up
+    once the run is stopped (the trainer behind a full eval queue): listed with thread None, so a stall there
+    stops the run at that safe point instead of exiting at once (``align.run.watchdog``)."""
     key = next(_ids)
     with _lock:
-        _inflight[key] = (part, time.monotonic(), info, threading.get_ident())
+        _inflight[key] = (part, time.monotonic(), info, None if safe_point else threading.get_ident())
     beat(part)
     try:
         yield
@@ -47,8 +51,9 @@ def last_progress() -> float | None:
     return max(_last.values(), default=None)
 
 
-def snapshot() -> tuple[dict[str, float], list[tuple[str, float, dict, int]]]:
-    """(each part's last beat, the calls in flight as (part, started, info, thread id), oldest first)."""
+def snapshot() -> tuple[dict[str, float], list[tuple[str, float, dict, int | None]]]:
+    """(each part's last beat, the calls in flight as (part, started, info, thread id or None: a safe-point wait),
+    oldest first)."""
     with _lock:
         return dict(_last), sorted(_inflight.values(), key=lambda c: c[1])
 

@@ -3,8 +3,9 @@ align.model.save_pretrained exports while a training loop keeps stepping.
 
 One fleet of 2 in-process CPU engines serves the whole sequence (engine start is the expensive part on 2 cores):
 real pins and evals of changing weights, then a pin violation (one engine misses the load: its spool client is
-wrapped so the load message is never sent; the stale version is read back from the real engine), then an
-unhealthy fleet (one worker process killed). Without .venv-rollout these tests skip, or fail under
+wrapped so the load message is never sent; the stale version is read back from the real engine), then one engine
+SIGSTOPped while the trainer waits behind a full queue (the watchdog's line names the eval fleet), then stopped past
+its heartbeat staleness (unhealthy at once), then an unhealthy fleet (one worker process killed). Without .venv-rollout these tests skip, or fail under
 ALIGN_REQUIRE_ROLLOUT=1.
 """
 
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.rollout
 PROMPTS = [[5, 17, 99, 123], [7, 8], [300, 2, 44, 45, 46, 47], [11, 12, 13]]
 MAX_TOKENS = 8
 NOISE = 0.05  # per-"optimizer step" weight change: enough to change greedy continuations
+STALL_S = 4.0  # the watchdog's timeout while an eval engine is stopped (its client's staleness is 30 s)
 
 
 def fake_optimizer_step(model: torch.nn.Module, step: int) -> None:
@@ -71,7 +73,7 @@ class StaleClient:
         return self.inner.generate(prompts, params)
 
 
-@pytest.mark.slow  # two vLLM engines start side by side, then 5 eval points: ~60 s on 2 loaded cores
+@pytest.mark.slow  # two vLLM engines start side by side, then 9 eval points: ~75 s on 2 loaded cores
 def test_fleet_evaluates_exact_snapshots_while_training_continues(base, tmp_path):
     require_rollout_venv()
     from align.model import load_pretrained, save_pretrained
@@ -123,16 +125,68 @@ def test_fleet_evaluates_exact_snapshots_while_training_continues(base, tmp_path
         e1.client = real_client
         assert [(r["step"], r.get("eval/skipped_pin_violation")) for r in records] == [(4, 1)], records
 
+        # one engine is stopped (SIGSTOP) while the trainer waits behind a full queue: the watchdog names the eval
+        # fleet (not "the training loop stopped between parts"), the wait gives up as at a safe point, and after
+        # SIGCONT the queued points land pinned (control: the fleet itself was fine)
+        records = stopped_engine_stalls_the_wait_on_the_fleet(ev, model, e1, tmp_path / "run")
+        by_step = {r["step"]: r for r in records}
+        assert sorted(by_step) == [5, 6, 7] and by_step[7].get("eval/skipped_interrupted") == 1, records
+        assert [by_step[s].get("eval/weight_version") for s in (5, 6)] == [5, 6], records
+
+        # an engine stopped for longer than its client's heartbeat staleness: the point is unhealthy at once (it was
+        # pin_violation after two loads that each waited for the staleness)
+        e1.client.stale_s = 2.0
+        os.killpg(e1.handle.pid, signal.SIGSTOP)
+        try:
+            fake_optimizer_step(model, 8)
+            records = ev.step(8) + ev.dispatcher.drain()
+        finally:
+            os.killpg(e1.handle.pid, signal.SIGCONT)
+        assert [(r["step"], r.get("eval/skipped_unhealthy")) for r in records] == [(8, 1)], records
+
         # one worker process dies: the next point (the final step, never dropped) is skipped as unhealthy
         os.killpg(e1.handle.pid, signal.SIGKILL)
         e1.handle.proc.wait(timeout=30)
-        fake_optimizer_step(model, 5)
-        records = ev.step(5, is_final=True) + ev.drain()
-        assert [(r["step"], r.get("eval/skipped_unhealthy")) for r in records] == [(5, 1)], records
+        fake_optimizer_step(model, 9)
+        records = ev.step(9, is_final=True) + ev.drain()
+        assert [(r["step"], r.get("eval/skipped_unhealthy")) for r in records] == [(9, 1)], records
         assert ev.drain() == []
     finally:
         ev.drain()
     assert not any(e.handle.group_alive() for e in fleet.engines), "an eval worker survived drain()"
+
+
+def stopped_engine_stalls_the_wait_on_the_fleet(ev, model, engine, out: Path) -> list[dict]:
+    """Steps 5, 6 fill the queue (--eval-max-in-flight 2) while ``engine`` is stopped; step 7 waits behind them with a
+    watchdog of STALL_S on: its line must name the eval fleet within STALL_S plus polls. Returns the records."""
+    from align.run.watchdog import Watchdog
+
+    stop_flag: dict = {"prog": "align.train"}
+    ev.dispatcher.should_stop = lambda: bool(stop_flag.get("stall"))  # as align.train's (a stall stops the run)
+    out.mkdir()
+    watchdog = Watchdog(out, STALL_S, stop_flag)
+    os.killpg(engine.handle.pid, signal.SIGSTOP)
+    try:
+        watchdog.start()
+        records = []
+        for step in (5, 6):
+            fake_optimizer_step(model, step)
+            records += ev.step(step)
+        fake_optimizer_step(model, 7)
+        t0 = time.monotonic()
+        records += ev.step(7)  # waits for the oldest point (pinning on the stopped engine) until the stall
+        waited = time.monotonic() - t0
+    finally:
+        watchdog.close()
+        os.killpg(engine.handle.pid, signal.SIGCONT)
+        ev.dispatcher.should_stop = lambda: False
+    line = stop_flag.get("stall") or ""
+    assert line.startswith("stalled:") and "the eval fleet stopped" in line, line
+    assert waited < STALL_S + 10, waited  # the line came within the timeout (+ the watchdog's and the wait's polls)
+    stall = (out / "stall.txt").read_text()
+    assert "eval fleet: for" in stall and "engine_1" in stall and "load 5" in stall, stall[:2000]
+    assert "the trainer waits here at a safe point" in stall, stall[:2000]
+    return records + ev.dispatcher.drain()
 
 
 def test_training_run_evaluates_on_a_real_fleet_while_it_trains(tmp_path, builtin_model_30):

@@ -153,6 +153,7 @@ def test_negative_control_the_same_run_without_a_hang_finishes(tmp_path, builtin
         (["--stall-timeout-s", "30"], "below --reward-timeout-s (60.0 s)"),
         (["--stall-timeout-s", "70", "--reward-timeout-s", "5", "--env-timeout-s", "80"], "below --env-timeout-s"),
         (["--stall-timeout-s", "100", "--rollout", "spool"], "below --rollout-timeout-s (600.0 s)"),
+        (["--stall-timeout-s", "100", "--eval-num-gpus", "1", "--eval-hf-dir", "/tmp/e"], "below --eval-timeout-s"),
     ],
 )
 def test_bad_stall_timeout_is_one_clear_error_before_anything_loads(tmp_path, capsys, extra, message):

@@ -49,6 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from align import heartbeat
 from align.atomic import COMMIT_MARKER, export_owner, fsync_dir, write_export_marker
 from align.eval.checkpoint_eval import CheckpointEvalFn, EvalInput, EvalSkip, adapter_base_model
 from align.eval.config import EvalConfig, EvalSet
@@ -221,6 +222,7 @@ class EvalRunner:
         if (eval_fn is None) == (fleet is None):
             raise ValueError("EvalRunner needs exactly one backend: a CheckpointEvalFn or an eval fleet")
         self.cfg, self.eval_set, self.eval_fn, self.fleet = cfg, eval_set, eval_fn, fleet
+        self.part = "eval function" if fleet is None else "eval fleet"  # what a stall waiting on it names
         self.latest_step = 0  # the training loop's newest step, for eval/lag_steps
         self._lock: asyncio.Lock | None = None
         self._abandoned: asyncio.Future | None = None  # an eval function call that timed out and still runs
@@ -334,6 +336,7 @@ class EvalDispatcher:
         if not cfg.eval_hf_dir:
             raise ValueError("EvalDispatcher needs --eval-hf-dir, the staging dir for eval snapshots")
         self.cfg, self.runner, self.export_fn = cfg, runner, export_fn
+        self.part = getattr(runner, "part", "eval backend")  # what a stall of the trainer waiting on it names
         self.should_stop = should_stop or (lambda: False)
         self.run_id = run_id or uuid.uuid4().hex
         clean_leftovers(cfg.eval_hf_dir, self.run_id)
@@ -361,8 +364,9 @@ class EvalDispatcher:
         self._raise_ci()
         t_enter = time.perf_counter()
         self.runner.latest_step = max(self.runner.latest_step, step)
-        try:
-            admitted = self._call(self._admit(force), interruptible=True)
+        try:  # behind a full queue the trainer waits on the eval backend: a stall there names it (safe point)
+            with heartbeat.working(self.part, safe_point=True, step=step, wait="--eval-max-in-flight"):
+                admitted = self._call(self._admit(force), interruptible=True)
         except _Interrupted:
             self._report_skip(step, "interrupted")
             return
@@ -428,6 +432,10 @@ class EvalDispatcher:
 
     def _wait_drain(self) -> None:
         """Settle every pending point; after a stop request, give them ``STOP_GRACE_S`` and abandon the rest."""
+        with heartbeat.working(self.part, safe_point=True, wait="drain", pending=len(self.pending)):
+            self._wait_drain_loop()
+
+    def _wait_drain_loop(self) -> None:
         fut = asyncio.run_coroutine_threadsafe(self._drain(), self._loop)
         deadline = None
         while True:

@@ -47,6 +47,7 @@ PIN_ATTEMPTS = 2
 PROBE = SamplingParams(n=1, temperature=0.0, max_tokens=1)
 PROBE_PROMPT = [1, 2, 3]
 MAX_MODEL_LEN = 4096
+FLEET_PART = "eval fleet"  # the watchdog's name for the fleet's calls (align.heartbeat; EvalRunner.part)
 
 
 def parallel_map(fn: Callable[[Any], Any], items: Sequence[Any], max_workers: int | None = None) -> list[Any]:
@@ -166,6 +167,7 @@ class EvalFleet:
             from align.rollout.client import make_rollout_client
 
             client = make_rollout_client("spool", spool=eval_spool, timeout_s=cfg.eval_timeout_s, worker=worker)
+            client.part = FLEET_PART
             wait_router_ready(client.spool, cfg.eval_timeout_s, worker)
             return [FleetEngine(RouterClient(client), name="ray-eval-router")]
 
@@ -192,11 +194,13 @@ class EvalFleet:
             return self._state
 
     def _check_alive(self) -> None:
-        dead = [e for e in self.engines if e.handle is not None and not e.handle.alive()]
+        """Every engine's process runs and heart-beats, else ``EvalSkip("unhealthy")`` naming the stopped ones (a
+        SIGSTOPped or hung worker: its heartbeat goes stale) at once, not a wait on each of its calls."""
+        dead = [(e, why) for e in self.engines if (why := _stopped(e))]
         if dead:
-            tails = "; ".join(f"{e.name}: {_tail(e)}" for e in dead)
-            logger.error("Eval fleet unhealthy: %d dead engine(s): %s", len(dead), tails)
-            raise EvalSkip("unhealthy", f"{len(dead)} dead engine(s)")
+            tails = "; ".join(f"{e.name} ({why}): {_tail(e)}" for e, why in dead)
+            logger.error("Eval fleet unhealthy: %d dead or stopped engine(s): %s", len(dead), tails)
+            raise EvalSkip("unhealthy", ", ".join(f"{e.name}: {why}" for e, why in dead))
 
     def _load_and_verify(self, checkpoint_dir: str, version: int, loaded: bool = False) -> None:
         """``loaded``: the engines just started on ``checkpoint_dir`` as ``version``; the first attempt only verifies
@@ -209,6 +213,7 @@ class EvalFleet:
                 versions = self._each(read_version)
             except Exception as e:  # noqa: BLE001 - a failed load is a failed attempt (then pin_violation)
                 logger.warning("Weight pin to %s failed (attempt %d/%d): %s", checkpoint_dir, attempt, self.attempts, e)
+                self._check_alive()  # an engine that died or stopped is unhealthy, not a pin violation
                 continue
             if all(v == version for v in versions):
                 return
@@ -302,6 +307,18 @@ def read_version(engine: FleetEngine) -> Any:
     return c.weights_version
 
 
+def _stopped(e: FleetEngine) -> str | None:
+    """Why engine ``e`` cannot answer (its process exited, or its spool heartbeat is stale), or None."""
+    if e.handle is not None and not e.handle.alive():
+        return "its process exited"
+    spool, stale_s = getattr(e.client, "spool", None), getattr(e.client, "stale_s", None)
+    if spool is None or stale_s is None:
+        return None
+    from align.rollout.spool import heartbeat_problem
+
+    return heartbeat_problem(spool.read_heartbeat(), stale_s)
+
+
 def _tail(e: FleetEngine) -> str:
     try:
         return e.handle.log_tail(5)
@@ -349,6 +366,7 @@ def spawn_workers(
                 wait_ready=False,
             )
             client = make_rollout_client("spool", spool=spool, timeout_s=cfg.eval_timeout_s, worker=handle)
+            client.part = FLEET_PART  # its calls are the eval fleet's in stall.txt, not the sampler's
             engines.append(FleetEngine(client=client, handle=handle, name=f"eval_engine_{i}"))
         for e in engines:
             e.handle.wait_ready(cfg.eval_timeout_s)

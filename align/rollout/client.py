@@ -61,11 +61,8 @@ class RolloutError(RuntimeError):
 
 
 class WorkerDiedError(RuntimeError):
-    """The worker died or stopped heart-beating while a request was pending.
-
-    ``request_id`` stays in the spool: a restarted worker serves it, and ``client.wait(request_id)``
-    (or ``generate(..., request_id=...)``) picks up the answer.
-    """
+    """The worker died or stopped heart-beating while a request was pending. ``request_id`` stays in the spool: a
+    restarted worker serves it, and ``client.wait(request_id)`` (or ``generate(..., request_id=...)``) picks it up."""
 
     def __init__(self, message: str, request_id: str | None = None) -> None:
         super().__init__(message)
@@ -123,6 +120,8 @@ class SpoolClient(SpoolCuts):
     No heartbeat at all is tolerated for the whole ``timeout_s`` (the worker may still be starting).
     """
 
+    part = "sampler"  # what its calls count as for the watchdog (align.heartbeat); the eval fleet's: "eval fleet"
+
     def __init__(
         self,
         spool: str | os.PathLike,
@@ -176,7 +175,7 @@ class SpoolClient(SpoolCuts):
             vocab = hb.get("vocab_size") if isinstance(hb.get("vocab_size"), int) else None
             checked[:] = check_completions(resp.body, msg.body["prompts"], params, source, vocab, self.needs_routes)
 
-        with heartbeat.working("sampler", request=msg.id, engine=self.spool.root):
+        with heartbeat.working(self.part, request=msg.id, engine=self.spool.root):
             body = self.wait(msg.id, expect="completions", check=check)
         self._basis = body["logprob_basis"]
         self.weights_version = body["weights_version"]
@@ -195,7 +194,8 @@ class SpoolClient(SpoolCuts):
             raise ValueError(f"snapshot {path} is not committed (no .complete / STABLE marker): publish it first")
         msg = sync_request(path, version)
         self.spool.submit(msg)
-        body = self.wait(msg.id, expect="synced")
+        with heartbeat.working(self.part, request=msg.id, engine=self.spool.root, load=version):
+            body = self.wait(msg.id, expect="synced")
         self.weights_version = body["version"]
         self.last_timings = {"sync_s": body["seconds"], "sync_method": body["method"]}
         return float(body["seconds"])

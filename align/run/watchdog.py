@@ -48,8 +48,8 @@ class WatchdogConfig:
             "seconds, write stall.txt in the run dir (thread stacks, calls in flight), checkpoint what is committed "
             f"and exit {STALL_EXIT} naming the part that stopped. None (default) = {DEFAULT_STALL_S:.0f} s, or the "
             f"largest per-call timeout if that is longer; 0 = off; else at least {MIN_STALL_S:.0f} s and at least "
-            "every per-call timeout that is on (--reward-timeout-s, --env-timeout-s, and --rollout-timeout-s with a "
-            "spool worker)."
+            "every per-call timeout that is on (--reward-timeout-s, --env-timeout-s, --rollout-timeout-s with a "
+            "spool worker, --eval-timeout-s with snapshot eval)."
         },
     )
 
@@ -96,6 +96,8 @@ class WatchdogConfig:
         floors["--env-timeout-s"] = self.envs.env_timeout_s
         if self.rollout != "native":  # one answer of a worker may take this long
             floors["--rollout-timeout-s"] = self.rollout_timeout_s
+        if self.eval.uses_snapshots and self.eval.eval_interval > 0:  # the trainer may wait on one eval call (drain)
+            floors["--eval-timeout-s"] = self.eval.eval_timeout_s
         return max(floors.items(), key=lambda kv: kv[1])
 
     @property
@@ -213,7 +215,7 @@ class Watchdog:
         out = [line, "", "last progress per part (seconds ago):"]
         out += [f"  {p}: {now - t:.1f}" for p, t in sorted(last.items(), key=lambda kv: kv[1])]
         out += ["", f"calls in flight ({len(calls)}):"]
-        out += [f"  {p}: for {now - t:.1f} s{_info(i)} (thread {ident})" for p, t, i, ident in calls]
+        out += [f"  {p}: for {now - t:.1f} s{_info(i)} ({_thread(ident)})" for p, t, i, ident in calls]
         for title, fn in self.reports:
             try:
                 got = fn()
@@ -224,6 +226,10 @@ class Watchdog:
         for ident, frame in sys._current_frames().items():
             out += ["", f"thread {names.get(ident, '?')} ({ident}):", "".join(traceback.format_stack(frame)).rstrip()]
         return "\n".join(out) + "\n"
+
+
+def _thread(ident: int | None) -> str:
+    return "the trainer waits here at a safe point" if ident is None else f"thread {ident}"
 
 
 def _info(info: dict) -> str:
