@@ -11,7 +11,10 @@ Each side runs in its own subprocess, align with the core venv and its DEFAULT `
 TRL with torch's default thread count; the sides alternate for --rounds rounds so they share the machine's drift.
 Time per step: align's ``step_time`` from metrics.jsonl; TRL's from a TrainerCallback (``on_step_begin`` to
 ``on_step_end``: TRL generates inside its training step). The first step of each run is a warm-up and not counted;
-a figure is the median of the other steps over all rounds.
+a figure is the median of the other steps over all rounds. Each round's pair is also printed as a ratio, in wall time
+and in process CPU time (all threads: on a shared machine the robust one), with the median of the rounds. The align
+child imports ``align`` before torch, as ``python -m align.train`` does (OpenMP's wait policy, docs/performance.md);
+TRL runs in the caller's environment.
 
 TRL is a benchmark-only dependency, never a test or core one. Install it in a throwaway venv, with the CPU build of
 the core venv's torch (the local wheel; the pin keeps pip from pulling a CUDA build)::
