@@ -1,7 +1,8 @@
 """align: a minimal, dependency-firewalled GRPO library.
 
-Nothing is imported here on purpose: ``import align`` is stdlib-only and cheap, so the
-vLLM rollout venv can import ``align.rollout.protocol`` without torch. Import the module
+Nothing but ``os`` and ``sys`` is imported here on purpose: ``import align`` is stdlib-only and cheap, so the
+vLLM rollout venv can import ``align.rollout.protocol`` without torch; it sets one default, OpenMP's wait
+policy (below). Import the module
 you need (``align.model``, ``align.grpo``, ``align.train``, ...).
 
 Where things live, by floor, top first (a module imports modules of its own floor or lower, never higher, and no
@@ -35,4 +36,16 @@ import circle anywhere: ``FLOORS`` in ``tests/test_layout.py`` lists every modul
   for the watchdog).
 """
 
+import os as _os
+import sys as _sys
+
 __version__ = "0.2.0"
+
+# OpenMP worker threads that sleep when idle (``OMP_WAIT_POLICY=PASSIVE``) instead of spinning ~300k iterations
+# between parallel regions (libgomp's default). A decode step is ~40 small parallel regions: on a machine whose cores
+# other processes share, spinning workers keep a core busy and each region waits for a descheduled sibling; the
+# native sampler's 31M call went from 39-150 s to 2.1-6.4 s on 2 threads at load 7-24 (docs/performance.md). libgomp
+# reads it once, when torch loads it: set here, before align imports torch; a value of your own (OMP_WAIT_POLICY or
+# GOMP_SPINCOUNT) wins, and a process that imported torch first keeps libgomp's default.
+if "torch" not in _sys.modules and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & _os.environ.keys():
+    _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"

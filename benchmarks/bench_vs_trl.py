@@ -11,7 +11,10 @@ Each side runs in its own subprocess, align with the core venv and its DEFAULT `
 TRL with torch's default thread count; the sides alternate for --rounds rounds so they share the machine's drift.
 Time per step: align's ``step_time`` from metrics.jsonl; TRL's from a TrainerCallback (``on_step_begin`` to
 ``on_step_end``: TRL generates inside its training step). The first step of each run is a warm-up and not counted;
-a figure is the median of the other steps over all rounds.
+a figure is the median of the other steps over all rounds. Each round's pair is also printed as a ratio, in wall time
+and in process CPU time (all threads: on a shared machine the robust one), with the median of the rounds. The align
+child imports ``align`` before torch, as ``python -m align.train`` does (OpenMP's wait policy, docs/performance.md);
+TRL runs in the caller's environment.
 
 TRL is a benchmark-only dependency, never a test or core one. Install it in a throwaway venv, with the CPU build of
 the core venv's torch (the local wheel; the pin keeps pip from pulling a CUDA build)::
@@ -39,6 +42,7 @@ import zlib
 from common import numeric_flags
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ENV = dict(os.environ)  # the caller's environment, for TRL: ``import align`` (below) sets OpenMP's wait policy
 TRL_INSTALL = "python3 -m venv /tmp/trl-venv && /tmp/trl-venv/bin/pip install torch==2.13.0 trl transformers"
 SHAPES = {
     # ~0.1M parameters: where per-step overheads (Python, small kernels, thread wake-ups) dominate
@@ -106,13 +110,39 @@ def timed_parts() -> dict[str, list[float]]:
     return spent
 
 
+def cpu_per_step() -> list[float]:
+    """Process CPU seconds (all threads; ``time.process_time``) of each align step, from the sampler's call to the
+    end of the optimizer step, appended per step: robust to a shared machine's load, where wall time is not."""
+    import importlib
+
+    steps: list[float] = []
+    native, optim = importlib.import_module("align.rollout.native"), importlib.import_module("torch.optim")
+    gen, step = native.generate, optim.AdamW.step
+    t0 = [0.0]
+
+    def generate(*a, **k):
+        t0[0] = time.process_time()
+        return gen(*a, **k)
+
+    def adamw_step(*a, **k):
+        try:
+            return step(*a, **k)
+        finally:
+            steps.append(time.process_time() - t0[0])
+
+    native.generate, optim.AdamW.step = generate, adamw_step
+    return steps
+
+
 def align_child(args) -> dict:
     sys.path.insert(0, ROOT)
+    __import__("align")  # first, as ``python -m align.train`` does: its OpenMP default precedes torch's load
     import torch
 
     from align.train import TrainConfig, train
 
     spent = timed_parts() if args.profile else {}
+    cpu = cpu_per_step()
 
     out = tempfile.mkdtemp(prefix="align-vs-trl-")
     c = TrainConfig(out=out, steps=args.steps, prompts_per_step=args.prompts, group_size=args.group,
@@ -137,8 +167,9 @@ def align_child(args) -> dict:
     return {
         "parts": parts,
         "step_s": [r["step_time"] for r in recs],
+        "cpu_s": cpu,
         "threads": torch.get_num_threads(),
-        "kernel": cpu_kernel.describe(),
+        "kernel": cpu_kernel.describe() + f"; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}",
     }
 
 
@@ -188,18 +219,21 @@ def trl_child(args) -> dict:
     data = Dataset.from_list([{"prompt": t} for t in texts] * (args.steps + 1))
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=cfg, train_dataset=data, processing_class=tok)
     times: list[float] = []
+    cpu: list[float] = []
 
     class Timer(TrainerCallback):
         def on_step_begin(self, *a, **k):
-            self.t0 = time.perf_counter()
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
 
         def on_step_end(self, *a, **k):
             times.append(time.perf_counter() - self.t0)
+            cpu.append(time.process_time() - self.c0)
 
     trainer.add_callback(Timer())
     trainer.train()
     assert set(lengths) == {args.max_tokens}, f"completions were not all {args.max_tokens} tokens: {set(lengths)}"
-    return {"step_s": times, "threads": torch.get_num_threads()}
+    policy = os.environ.get("OMP_WAIT_POLICY", "unset")
+    return {"step_s": times, "cpu_s": cpu, "threads": torch.get_num_threads(), "omp": policy}
 
 
 # ------------------------------------------------------------------------------------------------ driver
@@ -243,6 +277,11 @@ def profile(args, argv: list[str] | None) -> None:
         )
 
 
+def paired(align_steps: list[float], trl_steps: list[float]) -> float:
+    """One round's align/TRL ratio: the medians of its timed steps (the first of each run is a warm-up)."""
+    return statistics.median(align_steps[1:]) / statistics.median(trl_steps[1:])
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=[*SHAPES, "all"], default="all")
@@ -271,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
         py = sys.executable if side == "align" else args.trl_python
         own = ["--child", side, "--model", model]
         cmd = [py, os.path.abspath(__file__), *own, *(argv if argv is not None else sys.argv[1:])]
-        env = {**os.environ, "PYTHONPATH": ROOT} if side == "align" else dict(os.environ)
+        env = {**ENV, "PYTHONPATH": ROOT} if side == "align" else dict(ENV)
         r = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, cwd=ROOT)
         line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
         if r.returncode or not line:
@@ -291,9 +330,13 @@ def main(argv: list[str] | None = None) -> None:
                 for side, runs in res.items():
                     runs.append(run(side, tmp))
         med = {side: statistics.median(t for r in rs for t in r["step_s"][1:]) for side, rs in res.items()}
-        print(f"{shape:>6} align's {res['align'][0]['kernel']}")
+        print(f"{shape:>6} align's {res['align'][0]['kernel']}; TRL's OMP_WAIT_POLICY={res['trl'][0]['omp']}")
         print(f"{shape:>6} {n / 1e6:>6.2f}M {res['align'][0]['threads']:>9} {res['trl'][0]['threads']:>7} "
               f"{med['align']:>12.3f} {med['trl']:>10.3f} {med['align'] / med['trl']:>8.2f}x", flush=True)  # fmt: skip
+        for key, what in (("step_s", "wall"), ("cpu_s", "process CPU")):  # each round's pair, then their median
+            pairs = [paired(a[key], t[key]) for a, t in zip(res["align"], res["trl"])]
+            print(f"{shape:>6} align/TRL per round ({what} s/step, median of the round's steps): "
+                  + ", ".join(f"{r:.2f}x" for r in pairs) + f"; median {statistics.median(pairs):.2f}x")  # fmt: skip
         if args.verbose:
             for side, rs in res.items():
                 print(

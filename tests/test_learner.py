@@ -449,6 +449,28 @@ def test_auto_threads_from_omp_num_threads_or_the_cpus(monkeypatch):
     assert device_mod.resolve_threads(7) == 7  # an explicit --threads N is kept as given
 
 
+def test_import_align_makes_openmp_threads_sleep_when_idle():
+    """``import align`` before torch sets OMP_WAIT_POLICY=PASSIVE (libgomp reads it when torch loads it); a policy or
+    spin count of the user's wins, and a process that loaded torch first is left alone (too late for libgomp)."""
+    import os
+    import subprocess
+    import sys
+
+    def policy(code: str, **env: str) -> str:
+        clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+        code += "; import os; print(os.environ.get('OMP_WAIT_POLICY', 'unset'))"
+        out = subprocess.run(
+            [sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, check=False, timeout=60
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.strip()
+
+    assert policy("import align") == "PASSIVE"
+    assert policy("import align", OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"  # the user's choice
+    assert policy("import align", GOMP_SPINCOUNT="100000") == "unset"  # a spin count of the user's: theirs
+    assert policy("import sys; sys.modules['torch'] = None; import align") == "unset"  # torch loaded first
+
+
 @pytest.mark.parametrize("threads", [0, 3])
 def test_training_sets_the_threads_from_the_model_or_the_flag(tmp_path, monkeypatch, threads):
     """The loop applies --threads: 0 picks ``auto_threads`` (here every one of 4 CPUs), N is N.
