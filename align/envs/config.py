@@ -55,7 +55,9 @@ class EnvConfig:
         "| None, run --group-size times per --train-data row against the OpenAI-compatible gateway "
         "(align.gateway; docs/agent.md); its return value is the reward.",
     )
-    agent_workers: int = flag(0, "With --agent: threads running agents (0 = one per episode).")
+    agent_workers: int = flag(
+        0, "With --agent: threads running agents (0 = one per episode; at most --gateway-max-connections)."
+    )
     agent_timeout_s: float = flag(600.0, "With --agent: seconds a step waits for its agents (0 = no limit).")
     gateway_max_body_mb: float = flag(8.0, "With --agent: the gateway's request body cap (MB).")
     gateway_batch_ms: float = flag(
