@@ -23,8 +23,16 @@ def warm_model(tmp_path_factory) -> Path:
 
 def _config(out: Path, task: str, model: Path) -> TrainConfig:
     c = TrainConfig(out=str(out), task=task, model=str(model), steps=1, prompts_per_step=4, group_size=2, seed=5)
-    c.eval.eval_interval = 0
+    c.eval_prompts, c.eval.eval_n, c.eval.eval_interval = 8, 2, 1  # 16 held-out episodes at steps 0 and 1
+    c.envs.gateway_max_connections = 4  # fewer than the held-out episodes (agents beyond it once got 503s)
     return c
+
+
+def _evals(out: Path) -> list[dict]:
+    """The eval points of a run's metrics.jsonl (their pass@k, avg@n, first-turn pass@1)."""
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    keys = ("eval/pass@", "eval/avg@", "eval/first_turn")
+    return [{k: v for k, v in r.items() if k.startswith(keys)} for r in recs if "eval/step" in r]
 
 
 def test_the_template_renders_the_environments_token_sequence():
@@ -43,11 +51,13 @@ def test_the_template_renders_the_environments_token_sequence():
 
 
 def test_the_gateway_captures_what_the_multiturn_environment_trains(tmp_path, warm_model, monkeypatch):
-    """One step of --task multiturn and one of --task agent from the same model and seed: every episode's ids, mask,
-    logprobs and reward are equal. The environment path runs per episode (its spool-client path, on the same native
-    sampler: each turn one generate seeded by the episode's place and turn, as the gateway seeds each request) and
-    the gateway one generate per request (--gateway-batch-ms 0), so both draw the same tokens (their logprobs equal
-    up to float summation order)."""
+    """One step of --task multiturn and one of --task agent from the same model and seed, each with its held-out eval
+    before and after: every episode's ids, mask, logprobs and reward are equal, trained and held out, and so are the
+    eval metrics. The environment path runs per episode (its spool-client path, on the same native sampler: each
+    turn one generate seeded by the episode's place and turn, as the gateway seeds each request) and the gateway one
+    generate per request (--gateway-batch-ms 0), so both draw the same tokens (their logprobs equal up to float
+    summation order). The held-out set (16 episodes) runs more agents than the gateway serves connections (4): the
+    agents beyond them once got 503s and their episodes scored 0 (a 200 x 4 eval against 512 connections)."""
     import align.envs.episodes
     from align.envs.sampler import Episodes
     from align.train import train
@@ -66,7 +76,14 @@ def test_the_gateway_captures_what_the_multiturn_environment_trains(tmp_path, wa
     train(_config(tmp_path / "agent", "agent", warm_model))
 
     env, gw = seen["multiturn"], seen["agent"]
-    assert len(env) == len(gw) == 8 and all(e.error is None for e in env + gw)
+    assert len(env) == len(gw) == 16 + 8 + 16 and all(e.error is None for e in env + gw)  # eval, train, eval
+    evals = {task: _evals(tmp_path / name) for task, name in (("multiturn", "env"), ("agent", "agent"))}
+    assert (
+        len(evals["agent"]) == 2
+        and [{k: v for k, v in m.items() if "first_turn" not in k} for m in evals["multiturn"]] == evals["agent"]
+    ), evals
+    # the environment's turns carry rewards; an agent's requests do not: no first-turn figure (it read a false 0)
+    assert all("eval/first_turn_pass@1" in m for m in evals["multiturn"]), evals
     two = [e for e in gw if len(e.turns) == 2]
     assert two, "no episode reached the feedback"
     for a, b in zip(env, gw):

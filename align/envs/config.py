@@ -56,7 +56,9 @@ class EnvConfig:
         "(align.gateway; docs/agent.md); its return value is the reward.",
     )
     agent_workers: int = flag(
-        0, "With --agent: threads (with --agent-processes: processes) running agents (0 = one per episode)."
+        0,
+        "With --agent: threads (with --agent-processes: processes) running agents (0 = one per episode; at most "
+        "--gateway-max-connections).",
     )
     agent_timeout_s: float = flag(600.0, "With --agent: seconds a step waits for its agents (0 = no limit).")
     agent_processes: bool = flag(

@@ -110,11 +110,13 @@ def score_completions(
 def score_episodes(episodes: list, scores: object, rows: int, n: int, pass_reward: str) -> dict[str, float]:
     """pass@k of held-out episodes (``n`` per row of ``rows``, ``align.envs.episodes.Episode``) from their ``Scores``
     (``pass_reward`` decides a pass), and ``eval/first_turn_pass@1``: the share whose first turn already earned a
-    positive reward."""
+    positive reward, where turns carry rewards (an agent's episodes, ``align.gateway``, have only the agent's final
+    reward: no first-turn figure, rather than a false 0)."""
     results = iter([scored(*scores.item(j), pass_reward) for j in range(len(episodes))])
     metrics = score_completions([[0]] * rows, episodes, lambda i, ids: next(results), n)
-    first = [bool(e.turns) and (e.turns[0].get("reward") or 0) > 0 for e in episodes]
-    metrics["eval/first_turn_pass@1"] = sum(first) / len(first) if first else math.nan
+    if any(t.get("reward") is not None for e in episodes for t in e.turns):
+        first = [bool(e.turns) and (e.turns[0].get("reward") or 0) > 0 for e in episodes]
+        metrics["eval/first_turn_pass@1"] = sum(first) / len(first)
     return metrics
 
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+import urllib.error
 import urllib.request
 from functools import partial
 from typing import Any
@@ -37,6 +39,7 @@ FIRST_TURN_CEILING = multiturn.FIRST_TURN_CEILING
 TRAIN_DEFAULTS = {**multiturn.TRAIN_DEFAULTS, "envs.gateway_batch_ms": 50.0}
 reward = None  # the agent's return value is the reward
 REQUEST_TIMEOUT_S = 300.0  # one request to the gateway (a step's batch of generates included)
+BUSY_RETRIES, BUSY_WAIT_S = 4, 0.05  # a refused connection (503, all open) is retried, as the openai client does
 
 prompts = multiturn.prompts
 model_config = multiturn.model_config
@@ -95,8 +98,17 @@ def _chat(base_url: str, api_key: str, model: str, messages: list[dict]) -> dict
         data=body,
         headers={"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"},
     )
-    with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
-        return json.loads(resp.read())["choices"][0]
+    for attempt in range(BUSY_RETRIES + 1):
+        try:
+            with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
+                return json.loads(resp.read())["choices"][0]
+        except urllib.error.URLError as e:
+            # every connection busy (one still closing as this one opened): a 503, or the pipe closed on the body
+            busy = e.code == 503 if isinstance(e, urllib.error.HTTPError) else isinstance(e.reason, ConnectionError)
+            if not busy or attempt == BUSY_RETRIES:
+                raise
+            time.sleep(BUSY_WAIT_S * 2**attempt)
+    raise AssertionError("unreachable")
 
 
 def play(base_url: str, api_key: str, model: str, prompt: str, answer: str, **row: Any) -> float:
