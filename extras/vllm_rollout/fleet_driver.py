@@ -12,6 +12,9 @@ Design:
 - Routing: each prompt of a generate request, with its n samples (prefix caching pays), goes to the healthy
   engine with the least outstanding work (n x (prompt + max_tokens) tokens). A prompt's sampling seed is derived
   from (request seed, prompt index), so a seeded request gives the same samples whichever engine serves it.
+- Cuts (protocol minor 2, ``--partial-rollouts``): each engine actor cuts its own prompts of the named requests
+  between two engine steps with the single worker's ``serve_cut`` (``fleet_cut.py``); a cut queued behind a weight
+  sync is served while the sync waits for the engines to drain.
 - Weight sync: the driver lets in-flight requests finish, reloads the snapshot on every engine, reads each
   engine's version back, and answers only when all agree. Completions carry the producing engine's version.
 - Faults: a dead engine (failed call or health ping) is reported in the heartbeat, its prompts go to healthy
