@@ -5,11 +5,15 @@ One fleet serves the module (engine starts are the cost on 2 shared cores): a GR
 to it, one engine actor is SIGKILLed before step 2's rollouts and the run completes (every completion stamped
 with the synced version, the heartbeat reports the death and the restart); then, with the restart budget spent,
 both engines are killed while a request is in flight and the trainer's client raises WorkerDiedError with the
-log tail, well within its timeout.
+log tail, well within its timeout. Before the kills, the same fleet serves ``cut`` (protocol minor 2, each engine
+cutting its own prompts, checked against the uncut run) and a short ``--partial-rollouts`` run that trains a carried
+row.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
 import os
 import signal
@@ -22,7 +26,7 @@ from helpers_models import require_rollout_venv
 
 from align.rollout import client as client_mod
 from align.rollout.client import WorkerDiedError, make_rollout_client, spawn_worker
-from align.rollout.protocol import SamplingParams, pid_alive
+from align.rollout.protocol import SamplingParams, generate_request, pid_alive
 
 pytestmark = [pytest.mark.rollout, pytest.mark.slow]
 
@@ -174,6 +178,108 @@ def test_eval_router_runs_on_its_runner_actor_and_never_blocks_rollout(fleet):
     assert len(body["completions"]) == 384 * 4
     assert {e["version"] for e in roll.spool.read_heartbeat()["engines"]} == {9}
     assert {e["version"] for e in eval_client.spool.read_heartbeat()["engines"]} == eval_versions  # not synced
+
+
+CUT_LONG = 28  # max_tokens of the request that is cut (max_model_len is 32, the prompt 3 tokens)
+LOGPROB_TOL = 1e-4  # the same engine and seed: the cut rows' logprobs are the uncut run's (~0 measured)
+
+
+def _cut_across_the_engines(client, prompts: list[list[int]], params: SamplingParams) -> list:
+    """A short request S, then (S claimed) the long one L, more rows than an engine runs at once (vLLM queues the
+    rest); L is cut once S is answered, so L has run some steps on the other engine. A machine too slow or too fast for
+    a row to be caught mid-flight: again, three times at most."""
+    short, seen = SamplingParams(max_tokens=2, seed=2), []
+    for attempt in range(3):
+        s, long = generate_request([[5, 6]], short), generate_request(prompts, params)
+        client.spool.submit(s)
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        while client.spool.request_state(s.id) == "pending" and time.monotonic() < deadline:
+            time.sleep(0.01)  # S claimed alone: an engine call of its own, answered as soon as S is done
+        client.spool.submit(long)
+        client.generate([[5, 6]], short, request_id=s.id)
+        got = client.cut({long.id: (prompts, params)})[long.id]
+        if any(c.finish_reason == "cut" and c.token_ids for c in got):
+            print(f"\ncut on attempt {attempt + 1}")
+            return got
+        seen.append(sorted({(c.finish_reason, len(c.token_ids)) for c in got}))
+    pytest.fail(f"no row of the long request was caught mid-flight, three times: {seen}")
+
+
+def test_a_cut_on_the_fleet_returns_each_rows_tokens_so_far(fleet):
+    """Protocol minor 2 on the fleet (extras/vllm_rollout/fleet_cut.py): each engine cuts its own prompts of the
+    request; reference: the uncut run of a cut prompt alone (a prompt's seed is the request's and its global index,
+    ``first_prompt_index``: the same samples on any engine and in any request)."""
+    client = make_rollout_client("spool", spool=fleet["spool"], timeout_s=CALL_TIMEOUT_S, worker=fleet["handle"])
+    assert client.spool.read_heartbeat()["minor"] == 2  # score and cut; not sleep (3) nor routes (4)
+    n = 16  # L: 128 prompts x 16 rows of 28 tokens, 1024 rows per engine, seconds of work: a cut arrives mid-flight
+    prompts, params = [[5, 6, 7], [7, 6, 5]] * 64, SamplingParams(n=n, max_tokens=CUT_LONG, seed=21)
+    t0 = time.perf_counter()
+    got = _cut_across_the_engines(client, prompts, params)
+    ks = [len(c.token_ids) for c in got]
+    print(
+        f"cut after {sorted(collections.Counter(ks).items())} (tokens, rows) of {CUT_LONG}; engines "
+        f"{client.last_timings['engines']}; {time.perf_counter() - t0:.1f} s"
+    )
+    assert all((c.finish_reason, len(c.token_ids) < CUT_LONG) in (("cut", True), ("length", False)) for c in got)
+    assert set(client.last_timings["engines"]) == {"0", "1"}  # the request spread over both engines
+    caught = sorted({c.prompt_index for c in got if c.finish_reason == "cut" and c.token_ids})
+    mine = [caught[0], *[i for i in caught if i % 2 != caught[0] % 2][:1]]  # one of each engine's where it has one
+    worst = 0.0
+    for i in mine:
+        ref = client.generate([prompts[i]], params, first_prompt_index=i)
+        rows = got[i * n : (i + 1) * n]
+        for c, u in zip(rows, ref):
+            k = len(c.token_ids)
+            assert (c.prompt_index, c.sample_index) == (i, u.sample_index) and c.token_ids == u.token_ids[:k]
+            worst = max([worst, *(abs(a - b) for a, b in zip(c.logprobs, u.logprobs))])
+            assert c.sampled_logprobs == c.logprobs
+    print(f"cut rows of prompts {mine} vs their uncut run's first k logprobs: max |diff| = {worst:.2e}")
+    assert worst < LOGPROB_TOL
+    other = client.generate([prompts[mine[0]]], dataclasses.replace(params, seed=22), first_prompt_index=mine[0])
+    rows = got[mine[0] * n : (mine[0] + 1) * n]
+    assert any(c.token_ids and c.token_ids != o.token_ids[: len(c.token_ids)] for c, o in zip(rows, other))  # seed 22
+
+
+def test_partial_rollouts_on_the_fleet_train_a_carried_row(fleet, monkeypatch):
+    """`--partial-rollouts --max-async-steps 1` on the fleet: each step's call stops once its groups are complete,
+    the engines cut the other rows, and a carried row finishes under newer weights on whichever engine."""
+    from align.rollout import cut as cut_lib
+    from align.tasks import reverse
+    from align.train import TrainConfig, train
+
+    cuts: list[int] = []
+    real = cut_lib.cut_requests
+    monkeypatch.setattr(cut_lib, "cut_requests", lambda client, ids: cuts.append(len(ids)) or real(client, ids))
+    run = fleet["root"] / "partial_run"
+    cfg = TrainConfig(
+        out=str(run),
+        steps=5,
+        prompts_per_step=4,
+        group_size=4,
+        max_tokens=24,
+        lr=1e-2,
+        rollout="spool",
+        spawn_worker=False,
+        spool=str(fleet["spool"]),
+        rollout_num_engines=2,
+        rollout_timeout_s=CALL_TIMEOUT_S,
+        checkpoint_every=0,
+        max_async_steps=1,
+        partial_rollouts=True,
+    )
+    cfg.eval.eval_interval = 0
+    summary = train(
+        cfg,
+        model=str(fleet["base"]),
+        tokenizer=fleet["tok"],
+        prompts=reverse.prompts(32, "train"),
+        reward=lambda prompt, completion, **_: completion.count("a") / 6,
+    )
+    assert summary["steps"] == 5
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert sum(cuts) > 0  # the fleet was asked to cut rows still running
+    assert max(r["rollout/partial_frac"] for r in recs) > 0, recs  # a carried row trained, finished on newer weights
+    assert max(r["rollout/token_lag_max"] for r in recs) >= 2
 
 
 def test_grpo_on_two_engines_survives_an_engine_kill(fleet, monkeypatch):

@@ -369,13 +369,20 @@ def test_resume_continues_from_the_carried_groups(tmp_path, char_model, partial_
             {"partial_rollouts": True, "max_async_steps": 1, "rollout": "spool", "partial_prefill": "keep"},
             "resumes a cut row only by recompute",
         ),
-        ({"partial_rollouts": True, "max_async_steps": 1, "rollout": "spool", "rollout_num_engines": 2}, "Ray fleet"),
         ({"partial_rollouts": True, "max_async_steps": 1, "max_inflight_requests": 8}, "--max-inflight-requests"),
     ],
 )
 def test_bad_partial_settings_fail_before_the_model_loads(kw, match):
     with pytest.raises(ValueError, match=match):
         TrainConfig(**kw)
+
+
+def test_the_ray_fleet_is_accepted_with_partial_rollouts():
+    """Each engine of the fleet cuts its own requests (tests/test_fleet.py runs it); control: one refusal row above."""
+    cfg = TrainConfig(partial_rollouts=True, max_async_steps=1, rollout="spool", rollout_num_engines=2)
+    assert cfg.partial_rollouts and cfg.rollout_num_engines == 2
+    with pytest.raises(ValueError, match="add --max-async-steps 1"):
+        TrainConfig(partial_rollouts=True, rollout="spool", rollout_num_engines=2)
 
 
 def test_the_pipeline_refuses_cut_or_future_tokens():

@@ -262,13 +262,8 @@ class SpoolBackend:
     TRAIN_DEFAULTS: ClassVar[dict[str, Any]] = {"loss.use_rho_correction": True}
 
     def check(self, cfg: RolloutConfig) -> None:
-        """``--colocate``: a spawned GPU worker, one engine, synchronous; ``--partial-rollouts``: one worker (the Ray
-        fleet does not cut requests yet); refused here, before anything loads."""
-        if cfg.partial_rollouts and self.uses_ray(cfg):
-            raise ValueError(
-                "--partial-rollouts cuts requests on one vLLM worker; the Ray fleet (--rollout-num-engines > 1, "
-                "--rollout-ray, --ray-address) does not cut them yet: use one engine, or drop --partial-rollouts"
-            )
+        """``--colocate``: a spawned GPU worker, one engine, synchronous; refused here, before anything loads.
+        ``--partial-rollouts`` works on one worker and on the Ray fleet (each engine cuts its own requests)."""
         if cfg.rollout_gpu_memory_utilization is not None and cfg.rollout_gpu is None and not self.uses_ray(cfg):
             raise ValueError(  # a Ray fleet places its engines on GPUs itself and passes the fraction to each
                 "--rollout-gpu-memory-utilization applies to a GPU worker: pass --rollout-gpu N"

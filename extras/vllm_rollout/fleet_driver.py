@@ -12,6 +12,9 @@ Design:
 - Routing: each prompt of a generate request, with its n samples (prefix caching pays), goes to the healthy
   engine with the least outstanding work (n x (prompt + max_tokens) tokens). A prompt's sampling seed is derived
   from (request seed, prompt index), so a seeded request gives the same samples whichever engine serves it.
+- Cuts (protocol minor 2, ``--partial-rollouts``): each engine actor cuts its own prompts of the named requests
+  between two engine steps with the single worker's ``serve_cut`` (``fleet_cut.py``); a cut queued behind a weight
+  sync is served while the sync waits for the engines to drain.
 - Weight sync: the driver lets in-flight requests finish, reloads the snapshot on every engine, reads each
   engine's version back, and answers only when all agree. Completions carry the producing engine's version.
 - Faults: a dead engine (failed call or health ping) is reported in the heartbeat, its prompts go to healthy
@@ -46,6 +49,7 @@ import traceback
 from pathlib import Path
 
 import rollout_worker as rw  # stdlib only at import; puts the repo root on sys.path
+from fleet_cut import FleetCuts, sub_id, sub_index
 from fleet_engine import Call, EngineSlot, Job, engine_actor_class
 from placement import Plan, pg_strategy, plan_from_args
 from worker_commands import snapshot_problem
@@ -64,7 +68,9 @@ _ENV_PREFIXES = ("VLLM_", "TORCHINDUCTOR_", "TRITON_", "HF_", "OMP_", "PYTHONUNB
 NICENESS_VAR = "RAY_worker_niceness"
 
 
-FLEET_MINOR = 1  # the protocol minor the fleet serves: score, not cut (align/rollout/cut.py)
+# the protocol minor the fleet serves (a minor includes every one below it): score (1) and cut (2, fleet_cut.py); not
+# sleep mode (3) nor MoE routes (4), so a client needing those refuses the fleet before sending anything
+FLEET_MINOR = 2
 
 
 class FleetSpool(P.Spool):
@@ -75,11 +81,10 @@ class FleetSpool(P.Spool):
         self.report = report
 
     def write_heartbeat(self, state: str, **info: object) -> None:
-        # minor 1: the fleet does not cut requests (``cut``, minor 2) yet, so a client refuses it before sending one
         super().write_heartbeat(state, **info, **self.report(), minor=FLEET_MINOR)
 
 
-class FleetWorker(rw.Worker):
+class FleetWorker(FleetCuts, rw.Worker):
     """``rollout_worker.Worker``'s main loop (claiming, recovery, heartbeat, shutdown) over a fleet of engines."""
 
     def __init__(
@@ -101,6 +106,7 @@ class FleetWorker(rw.Worker):
         self.jobs: dict[str, Job] = {}
         self.inflight: dict[object, Call] = {}
         self.backlog: list[tuple[Job, int]] = []
+        self.calls = 0  # generate calls made to engines (their number names their prompts: fleet_cut.sub_id)
         self.deaths: list[dict] = []
         self.restarts_left = fargs.rollout_engine_restarts  # rollout only: eval engines restart per eval point
         self.eval_argv: list[str] | None = None  # the eval router's worker flags (--eval-spool): run by EvalRunner
@@ -285,9 +291,9 @@ class FleetWorker(rw.Worker):
             e.outstanding += job.work(i)
             chosen.setdefault(e.index, []).append((job, i))
         for k, its in chosen.items():
-            e = self.engines[k]
-            ref = e.actor.generate.remote([job.sub_message(i, f"p{n}") for n, (job, i) in enumerate(its)])
-            self.inflight[ref] = Call("generate", e, e.actor, its)
+            e, self.calls = self.engines[k], self.calls + 1
+            ref = e.actor.generate.remote([job.sub_message(i, sub_id(self.calls, n)) for n, (job, i) in enumerate(its)])
+            self.inflight[ref] = Call("generate", e, e.actor, its, self.calls)
 
     def next_batch(self):
         if self.stopping:
@@ -401,7 +407,7 @@ class FleetWorker(rw.Worker):
     def _collect(self, call: Call, answers: list[P.Message]) -> None:
         k = call.engine.index
         for ans in answers:
-            job, i = call.items[int(ans.id[1:])]
+            job, i = call.items[sub_index(ans.id)]
             if job.msg.id not in self.jobs:  # already answered (an error in another part)
                 continue
             if ans.kind == "error":
@@ -427,13 +433,6 @@ class FleetWorker(rw.Worker):
         }  # fmt: skip
         body = {"completions": comps, "weights_version": min(c["weights_version"] for c in comps)}
         self.answer(P.Message("completions", job.msg.id, {**body, "logprob_basis": self.basis, "timings": timings}))
-
-    def serve_cut(self, msg: P.Message) -> None:
-        """Not served yet (the heartbeat announces minor ``FLEET_MINOR``): each engine would cut its own requests."""
-        self.answer(P.error_response(msg.id, "unsupported", "the rollout fleet does not cut requests yet"))
-
-    def cut_ahead(self) -> None:
-        pass
 
     # -- weight sync ----------------------------------------------------------------------------
     def serve_sync(self, msg: P.Message) -> None:
@@ -499,6 +498,7 @@ class FleetWorker(rw.Worker):
                     return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"fleet not idle within --call-timeout-s {self.fargs.call_timeout_s}")
+            self.cut_ahead()  # a cut queued behind this sync is served now (the single worker's way)
             time.sleep(self.args.poll_s)
 
 

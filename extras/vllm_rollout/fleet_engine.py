@@ -13,6 +13,7 @@ import os
 import time
 
 import rollout_worker as rw  # stdlib only at import; puts the repo root on sys.path
+from fleet_cut import EngineCuts
 
 from align.rollout import protocol as P
 
@@ -24,7 +25,7 @@ def engine_actor_class():
     """The Ray actor class (built here so that importing this module never imports ray)."""
     import ray
 
-    @ray.remote(concurrency_groups={"health": 1})
+    @ray.remote(concurrency_groups={"health": 1, "cut": 1})
     class EngineActor:
         """One vLLM engine: ``rollout_worker.Worker`` serving message lists handed over by the driver."""
 
@@ -46,6 +47,7 @@ def engine_actor_class():
             self.w.answers = []
             self.w.llm = self.w.build_engine(self.w.model_dir)
             self.w.state = "ready"
+            self.cuts = EngineCuts(self.w)
 
         def info(self) -> dict:
             return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
@@ -62,8 +64,13 @@ def engine_actor_class():
             return self._serve(self._generate, [(P.Message.from_json(m), now) for m in messages])
 
         def _generate(self, batch: list[tuple[P.Message, float]]) -> None:
-            self.w.serve_generate(batch)  # adds them to the engine
-            self.w.drain()  # serves them to the end: the driver routes a call's answers back together
+            self.w.serve_generate(self.cuts.admit(batch))  # adds them to the engine
+            while self.cuts.between_steps():  # serves them to the end, and a cut between two steps
+                self.w.step()
+
+        @ray.method(concurrency_group="cut")
+        def cut(self, sub_ids: list[str], timeout_s: float) -> dict:
+            return self.cuts.cut(sub_ids, timeout_s)  # fleet_cut.py
 
         def sync(self, message: str) -> list[str]:
             return self._serve(self.w.serve_sync, P.Message.from_json(message))
@@ -137,6 +144,7 @@ class Call:
     engine: EngineSlot
     actor: object = None
     items: list[tuple[Job, int]] = dataclasses.field(default_factory=list)  # (request, prompt index), in call order
+    seq: int = 0  # a generate call's number (fleet_cut.sub_id)
 
     def work(self) -> int:
         return sum(job.work(i) for job, i in self.items)
