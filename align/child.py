@@ -26,6 +26,7 @@ import os
 import select
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from typing import IO, Any
@@ -211,3 +212,18 @@ def close_all(children: Sequence[Child], grace_s: float = 5.0) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         c.kill()
+
+
+def child_stdio() -> tuple[IO[str], IO[str]]:
+    """The child's side of ``Child`` (a worker's first call): ``(inp, out)``, the protocol's pipes on the original
+    stdin and stdout. What the child's code prints goes to stderr, its reads of stdin see an empty file, and Ctrl-C
+    (sent to the whole terminal's group) is ignored: the parent, which gets it too, closes the child."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    inp = os.fdopen(os.dup(0), "r")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return inp, out

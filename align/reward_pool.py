@@ -12,14 +12,13 @@ import json
 import math
 import os
 import selectors
-import signal
 import sys
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-from align.child import Child, ChildError, close_all
+from align.child import Child, ChildError, child_stdio, close_all
 from align.data import InputError
 from align.reward_calls import settle
 from align.specs import load_spec
@@ -176,14 +175,11 @@ class WorkerPool:
 
 def _worker_main() -> None:
     """A pool worker: JSON lines in on stdin, results out on the original stdout (the reward's prints go to stderr)."""
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which closes the pool
-    init = json.loads(sys.stdin.readline())
+    inp, out = child_stdio()
+    init = json.loads(inp.readline())
     fns = [load_spec(s) for s in init["specs"]]
     out.write(json.dumps({"ready": True}) + "\n")
-    for line in sys.stdin:
+    for line in inp:
         msg = json.loads(line)
         call = msg["call"]
         try:

@@ -37,7 +37,6 @@ import contextlib
 import json
 import math
 import os
-import signal
 import sys
 import threading
 import time
@@ -45,7 +44,7 @@ import traceback
 from typing import Any
 
 from align import heartbeat
-from align.child import Child, ChildError, close_all
+from align.child import Child, ChildError, child_stdio, close_all
 from align.data import InputError
 from align.envs import EnvError, Step, check_env_class, check_observation, check_step
 from align.rewards import CallTimeout, call_in_process, load_spec, spec_of
@@ -459,14 +458,7 @@ def _worker_main() -> None:
     and its reads of stdin see an empty file)."""
     from align.rollout.process import exit_with_parent
 
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-    inp = os.fdopen(os.dup(0), "r")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which closes the runner
+    inp, out = child_stdio()
     exit_with_parent(os.getppid(), grace_s=0)  # a trainer gone (even by SIGKILL) takes a hung worker's group with it
     spec = json.loads(inp.readline())["spec"]
     try:

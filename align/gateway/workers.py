@@ -23,7 +23,6 @@ import contextlib
 import json
 import math
 import os
-import signal
 import sys
 import threading
 import time
@@ -31,7 +30,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from align.child import Child, ChildError
+from align.child import Child, ChildError, child_stdio
 from align.errors import InputError
 from align.specs import load_spec, spec_of
 
@@ -130,14 +129,7 @@ def _worker_main() -> None:
     the agent's prints go to stderr, its reads of stdin see an empty file."""
     from align.rollout.process import exit_with_parent
 
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-    inp = os.fdopen(os.dup(0), "r")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which kills the run
+    inp, out = child_stdio()
     exit_with_parent(os.getppid(), grace_s=0)  # a trainer gone (even by SIGKILL) takes the agent's group with it
     job = json.loads(inp.readline())
     try:
