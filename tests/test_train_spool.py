@@ -13,6 +13,43 @@ from helpers_train import records, spool_cfg
 from align.tasks import reverse
 from align.train import TrainConfig, train
 
+
+def record_worker_and_learner(monkeypatch) -> tuple:
+    """Patches ``SpoolClient.generate`` and ``Learner.update``; returns ``(returned, trained, most)``: a Counter of
+    (prompt ids, completion ids, logprobs) of every completion the worker returned, the completions the learner got
+    per step, and ``most[0]``: the most generate calls in flight at once."""
+    import threading
+    from collections import Counter
+
+    from align.rollout.client import SpoolClient
+    from align.run.parts import Learner
+
+    returned: Counter = Counter()
+    trained: list[list] = []
+    in_flight, most, lock = [0], [0], threading.Lock()
+    real_generate, real_update = SpoolClient.generate, Learner.update
+
+    def generate(self, prompts, params, **kw):
+        with lock:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+        try:
+            out = real_generate(self, prompts, params, **kw)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+        returned.update((tuple(prompts[c.prompt_index]), tuple(c.token_ids), tuple(c.logprobs)) for c in out)
+        return out
+
+    def update(self, batch):
+        trained.append(list(batch.completions))
+        return real_update(self, batch)
+
+    monkeypatch.setattr(SpoolClient, "generate", generate)
+    monkeypatch.setattr(Learner, "update", update)
+    return returned, trained, most
+
+
 pytestmark = pytest.mark.rollout
 
 MISMATCH_TOL = 1e-3  # |log pi_old - log mu| per token, fp32 vLLM CPU vs align (measured ~1e-5)
@@ -61,26 +98,9 @@ def test_lean_episodes_on_the_spool_worker_train_on_what_vllm_sampled(prover, tm
     from align.chat import TurnRenderer
     from align.data import load_tokenizer
     from align.lean import goedel
-    from align.rollout.client import SpoolClient
     from align.train import main
 
-    returned: Counter = Counter()  # (prompt ids, completion ids, logprobs) of every completion the worker returned
-    from align.run.parts import Learner
-
-    real_generate, real_update = SpoolClient.generate, Learner.update
-    trained: list[list] = []  # per step: the episodes the learner got
-
-    def generate(self, prompts, params, **kw):
-        out = real_generate(self, prompts, params, **kw)
-        returned.update((tuple(prompts[c.prompt_index]), tuple(c.token_ids), tuple(c.logprobs)) for c in out)
-        return out
-
-    def update(self, batch):
-        trained.append(list(batch.completions))
-        return real_update(self, batch)
-
-    monkeypatch.setattr(SpoolClient, "generate", generate)
-    monkeypatch.setattr(Learner, "update", update)
+    returned, trained, _ = record_worker_and_learner(monkeypatch)
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in lean_rows(4)))
     calls = tmp_path / "repl_calls.jsonl"
@@ -247,37 +267,12 @@ def test_an_agent_through_the_worker_trains_what_vllm_sampled(tmp_path, reverse_
     prefix (ids and logprobs; every returned completion trained once), the user's "=" between the turns is masked
     context (the chat template's render, logprob 0), and the trainer's recompute matches vLLM's logprobs (rho ~1)."""
     pytest.importorskip("openai", reason="the test extra: pip install -e '.[test]'")
-    import threading
     from collections import Counter
 
     from align.chat import TurnRenderer
-    from align.rollout.client import SpoolClient
-    from align.run.parts import Learner
     from align.tasks.agent import ChatCharTokenizer
 
-    returned: Counter = Counter()  # (prompt ids, completion ids, logprobs) of every completion the worker returned
-    trained: list[list] = []
-    in_flight, most, lock = [0], [0], threading.Lock()
-    real_generate, real_update = SpoolClient.generate, Learner.update
-
-    def generate(self, prompts, params, **kw):
-        with lock:
-            in_flight[0] += 1
-            most[0] = max(most[0], in_flight[0])
-        try:
-            out = real_generate(self, prompts, params, **kw)
-        finally:
-            with lock:
-                in_flight[0] -= 1
-        returned.update((tuple(prompts[c.prompt_index]), tuple(c.token_ids), tuple(c.logprobs)) for c in out)
-        return out
-
-    def update(self, batch):
-        trained.append(list(batch.completions))
-        return real_update(self, batch)
-
-    monkeypatch.setattr(SpoolClient, "generate", generate)
-    monkeypatch.setattr(Learner, "update", update)
+    returned, trained, most = record_worker_and_learner(monkeypatch)
     tok = ChatCharTokenizer(reverse.ALPHABET)  # the reverse task's ids, with a chat template the gateway renders
     cfg = spool_cfg(tmp_path / "run", steps=2, prompts_per_step=2, spool=str(reverse_worker), spawn_worker=False)
     cfg.envs.gateway_batch_ms = 500.0  # the native sampler's window: not applied to the worker's requests
