@@ -411,3 +411,32 @@ def test_agent_processes_refuse_an_agent_not_importable_by_name_before_the_model
             train(_config(tmp_path, agent_processes=True), model=str(agent_model[0]), prompts=rows, agent=fn)
     assert agent_spec(None, by_mode) == "helpers_agents:by_mode"  # control: a top-level function is loaded by name
     assert agent_spec(AGENT, failing) == AGENT  # --agent's own spec is the workers'
+
+
+def test_failed_held_out_episodes_are_counted_not_silently_zero(caplog):
+    """``eval/errors``: held-out episodes that failed (here: an agent refused with a 503) are counted and the first
+    one's last line logged; a clean set reports no such key (control)."""
+    from align.eval.metrics import score_episodes
+    from align.rollout.groups import Episode
+
+    class Scores:  # (total, terms) per episode, as align.rewards' Scores.item gives them
+        def __init__(self, rewards):
+            self.rewards = rewards
+
+        def item(self, j):
+            return self.rewards[j], {}
+
+    def eps(errors):
+        out = []
+        for j, err in enumerate(errors):
+            e = Episode(j // 2, j % 2, [], [], "stop", [], 0, prompt_ids=[0])
+            e.error = err
+            out.append(e)
+        return out
+
+    failed = eps([None, "Traceback ...\nurllib.error.HTTPError: HTTP Error 503", None, None])
+    with caplog.at_level("WARNING", logger="align.eval.metrics"):
+        m = score_episodes(failed, Scores([1.0, 0.0, 0.0, 1.0]), 2, 2, "total")
+    assert m["eval/errors"] == 1 and m["eval/avg@2"] == 0.5
+    assert "1 of 4 held-out episodes failed" in caplog.text and "HTTP Error 503" in caplog.text
+    assert "eval/errors" not in score_episodes(eps([None] * 4), Scores([1.0, 0.0, 0.0, 1.0]), 2, 2, "total")

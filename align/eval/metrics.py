@@ -13,12 +13,15 @@ incorrect.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 from align.data import InputError
 from align.rollout.protocol import Completion, SamplingParams
+
+log = logging.getLogger(__name__)
 
 TOTAL = "total"  # --eval-pass-reward total: correct when the weighted sum of the rewards is > 0
 
@@ -111,9 +114,17 @@ def score_episodes(episodes: list, scores: object, rows: int, n: int, pass_rewar
     """pass@k of held-out episodes (``n`` per row of ``rows``, ``align.envs.episodes.Episode``) from their ``Scores``
     (``pass_reward`` decides a pass), and ``eval/first_turn_pass@1``: the share whose first turn already earned a
     positive reward, where turns carry rewards (an agent's episodes, ``align.gateway``, have only the agent's final
-    reward: no first-turn figure, rather than a false 0)."""
+    reward: no first-turn figure, rather than a false 0). ``eval/errors``: the episodes that failed (an agent that
+    raised, timed out or was refused; an environment error), counted as not passing; only when there are any."""
     results = iter([scored(*scores.item(j), pass_reward) for j in range(len(episodes))])
     metrics = score_completions([[0]] * rows, episodes, lambda i, ids: next(results), n)
+    errors = [e.error for e in episodes if getattr(e, "error", None)]
+    if errors:
+        metrics["eval/errors"] = len(errors)
+        last = (errors[0].strip().splitlines() or [""])[-1]
+        log.warning(
+            "%d of %d held-out episodes failed (scored as not passing); the first: %s", len(errors), len(episodes), last
+        )
     if any(t.get("reward") is not None for e in episodes for t in e.turns):
         first = [bool(e.turns) and (e.turns[0].get("reward") or 0) > 0 for e in episodes]
         metrics["eval/first_turn_pass@1"] = sum(first) / len(first)
