@@ -141,3 +141,22 @@ def require_rollout_venv() -> Path:
     if os.environ.get("ALIGN_REQUIRE_ROLLOUT") == "1":
         pytest.fail(msg)
     pytest.skip(msg)
+
+
+def record_midflight_cuts(monkeypatch) -> list[int]:
+    """Patches ``Carry.draw``: the steps whose draw left a row carried that was cut with tokens (cut mid-generation,
+    so it spans two versions once it finishes). On a real worker whether a cut lands mid-generation is timing: a
+    starved trainer may see every row finished first, and a test asserts the carrying only where one did."""
+    from align.rollout.partial import Carry
+
+    steps: list[int] = []
+    real = Carry.draw
+
+    def draw(self, t, *args, **kw):
+        out = real(self, t, *args, **kw)
+        if any(c is not None and c.finish_reason == "cut" and c.token_ids for _, cs in self.groups for c in cs):
+            steps.append(t)
+        return out
+
+    monkeypatch.setattr(Carry, "draw", draw)
+    return steps

@@ -109,16 +109,17 @@ def worker(tmp_path_factory):
 def _cut_mid_flight(client, params: SamplingParams) -> tuple[P.Message, list[Completion]]:
     """A long request cut while it generates: submitted with a short one behind it, cut once the short one is
     answered (so the long one has run some steps). A loaded machine may finish the long one before the cut
-    arrives: then again, three times at most."""
+    arrives (the trainer's process starved while the worker steps on): then again, with a shorter trigger each time,
+    six times at most."""
     sp = client.spool
-    for _ in range(3):
+    for trigger in (8, 4, 2, 2, 1, 1):
         long = P.generate_request(PROMPTS, params)
         sp.submit(long)
-        client.generate([[7, 8]], SamplingParams(max_tokens=8, seed=2))  # answered after ~8 engine steps
+        client.generate([[7, 8]], SamplingParams(max_tokens=trigger, seed=2))  # answered after ~trigger steps
         got = client.cut({long.id: (PROMPTS, params)})
-        if all(c.finish_reason == "cut" for c in got[long.id]):
+        if all(c.finish_reason == "cut" and c.token_ids for c in got[long.id]):
             return long, got[long.id]
-    pytest.fail("the long request finished before its cut arrived, three times: the machine is too slow")
+    pytest.fail("the long request finished before its cut arrived, six times: the machine is too slow")
 
 
 @pytest.mark.rollout

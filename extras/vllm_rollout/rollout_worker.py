@@ -458,7 +458,9 @@ class Worker(Commands):
         self.writer.close(timeout_s=30.0)  # the answers of a worker that stops are published first
         self._stop.set()
         self._wake.set()
-        if error or self.state != "failed":  # keep a startup failure's record
+        if self.state == "failed" and self.error:  # a startup failure's record is kept; a later signal appended
+            self.error = f"{self.error} (then {error})" if error else self.error
+        else:
             self.state, self.error = ("failed", error) if error else ("stopped", None)
         with contextlib.suppress(OSError):
             self.heartbeat()
