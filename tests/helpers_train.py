@@ -227,3 +227,15 @@ def char_moe_model(path) -> str:
     d.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=2)
     d.pop("hf_config"), d.pop("generation_config")
     return str(save_pretrained(Transformer(ModelConfig(**d)).init_weights(seed=0), path))
+
+
+def two_turns(base_url: str, api_key: str, model: str, prompt: str, **row) -> float:
+    """An agent written only against the ``openai`` client: the prompt, the reply, a user's "=" and a second reply."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": prompt}]
+    for _ in range(2):
+        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=6).choices[0].message
+        messages += [{"role": "assistant", "content": reply.content or ""}, {"role": "user", "content": "="}]
+    return (reply.content or "").count("a") / 6

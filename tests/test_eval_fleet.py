@@ -297,6 +297,56 @@ def test_held_out_episodes_are_evaluated_on_the_fleet_at_each_snapshot(tmp_path,
     assert abs(sum(one) - sum(ref)) > 1e-3, (one, ref)
 
 
+def reverse_agent(base_url: str, api_key: str, model: str, prompt: str, answer: str, **row) -> float:
+    """An agent written only against the ``openai`` client: asks, then asks again after a user's "=", and scores
+    both replies against the reversed word (``partial_credit``)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages, score = [{"role": "user", "content": prompt}], 0.0
+    for _ in range(2):
+        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=6).choices[0].message
+        score += partial_credit(prompt, reply.content or "", answer=answer) / 2
+        messages += [{"role": "assistant", "content": reply.content or ""}, {"role": "user", "content": "="}]
+    return score
+
+
+@pytest.mark.slow  # one vLLM eval engine start + 2 GRPO steps of agent runs, then the same run evaluated in the loop
+def test_held_out_agent_runs_are_evaluated_on_the_fleet_at_each_snapshot(tmp_path, builtin_model):
+    """``--agent`` with ``--eval-num-gpus 1``: each eval point runs the held-out rows' agents (an agent written only
+    against the ``openai`` client) through a gateway over the eval worker pinned to the snapshot of its step, while
+    training goes on. Reference: the same run evaluated in the loop on align's native sampler (greedy, the live
+    policy at steps 0 and 2): every point equal. Control: the two points measured different weights."""
+    require_rollout_venv()
+    pytest.importorskip("openai", reason="the test extra: pip install -e '.[test]'")
+    import json
+
+    from align.tasks import reverse
+    from align.tasks.agent import ChatCharTokenizer
+    from align.train import TrainConfig, train
+
+    tok = ChatCharTokenizer(reverse.ALPHABET)  # the reverse task's ids, with a chat template the gateway renders
+    evals = {}
+    for posture in ("fleet", "loop"):
+        out = tmp_path / posture
+        if posture == "fleet":
+            eval_cfg = fleet_eval_config(out, keep=0)
+        else:
+            eval_cfg = EvalConfig(eval_interval=2, eval_temperature=0.0)
+        cfg = TrainConfig(out=str(out / "run"), steps=2, prompts_per_step=2, group_size=2, max_tokens=6, lr=1e-2,
+                          checkpoint_every=0, eval=eval_cfg)  # fmt: skip
+        train(cfg, model=builtin_model, tokenizer=tok, prompts=reverse.prompts(8, "train", 0),
+              eval_prompts=reverse.prompts(6, "eval", 0), agent=reverse_agent)  # fmt: skip
+        records = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+        evals[posture] = {r["step"]: r for r in records if "eval/step" in r}
+    fleet, loop = evals["fleet"], evals["loop"]
+    assert sorted(fleet) == sorted(loop) == [0, 2], evals
+    for s, r in fleet.items():  # each point measured its own snapshot, read back from the engine
+        assert r["eval/weight_version"] == s and r["eval/mixed_version_ratio"] == 0.0 and "eval/errors" not in r, r
+        assert r["eval/avg@1"] == pytest.approx(loop[s]["eval/avg@1"], abs=1e-9), (s, r, loop[s])
+    assert abs(fleet[0]["eval/avg@1"] - fleet[2]["eval/avg@1"]) > 1e-3, fleet  # control: other weights, other score
+
+
 @pytest.mark.slow  # one vLLM eval engine start + 2 GRPO steps of proof episodes + 2 eval points: ~60 s on 2 loaded cores
 def test_lean_minif2f_held_out_is_evaluated_on_its_own_engine_with_the_verifier(tmp_path, prover):
     """``--env lean --eval-data miniF2F --eval-num-gpus 1`` (docs/lean.md's posture): each eval point runs the held-out

@@ -8,7 +8,7 @@ import json
 
 import pytest
 from helpers_models import record_midflight_cuts, require_rollout_venv
-from helpers_train import records, spool_cfg
+from helpers_train import records, spool_cfg, two_turns
 
 from align.tasks import reverse
 from align.train import TrainConfig, train
@@ -246,18 +246,6 @@ def test_resume_attached_to_a_running_worker_samples_the_resumed_weights(tmp_pat
             )
         diffs.append(float((a - b)[-len(c.token_ids) :].abs().max()))
     assert max(diffs) > 10 * MISMATCH_TOL, diffs
-
-
-def two_turns(base_url: str, api_key: str, model: str, prompt: str, **row) -> float:
-    """An agent written only against the ``openai`` client: the prompt, the reply, a user's "=" and a second reply."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    messages = [{"role": "user", "content": prompt}]
-    for _ in range(2):
-        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=6).choices[0].message
-        messages += [{"role": "assistant", "content": reply.content or ""}, {"role": "user", "content": "="}]
-    return (reply.content or "").count("a") / 6
 
 
 def test_an_agent_through_the_worker_trains_what_vllm_sampled(tmp_path, reverse_model, reverse_worker, monkeypatch):
