@@ -660,3 +660,59 @@ def test_a_batch_goes_out_once_every_running_agent_has_a_request_in_it():
             assert took < 30 and b.batches == [3]  # one generate, long before the window
         else:
             assert took >= 0.5 and sum(b.batches) == 3
+
+
+def test_a_training_step_and_an_eval_point_share_the_gateway_each_on_its_own_backend(tok):
+    """An eval point on the eval fleet runs its agents (on the dispatcher's thread) while a training step runs its own
+    on the same gateway: each request must go to its own episode's backend. Both calls' agents send a first
+    request, wait until every agent of both calls has, then send a second: every reply an episode trained holds
+    only its own backend's tokens (the gateway used to keep one sampler, the last call's, for every episode)."""
+    import contextlib
+    import threading
+    import types
+
+    from align.envs.config import EnvConfig
+    from align.rollout.protocol import SamplingParams
+
+    stop = TurnRenderer(tok).stop_id()
+    both_started = threading.Barrier(4, timeout=30)
+
+    class Backend:
+        model = None  # a worker's client: its requests go out as they arrive
+
+        def __init__(self, text: str) -> None:
+            self.ids = [i for ch in text for i in tok.encode(ch)] + [stop]
+
+        def generate(self, prompts: list, params: SamplingParams) -> list[Completion]:
+            return [Completion(0, 0, list(self.ids), [-0.5] * len(self.ids), "stop", [-0.5] * len(self.ids), 0)]
+
+    def agent(base_url: str, api_key: str, model: str, prompt: str) -> float:
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        messages = [{"role": "user", "content": prompt}]
+        for turn in range(2):
+            reply = client.chat.completions.create(model=model, messages=messages).choices[0].message.content
+            messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "again"}]
+            if turn == 0:
+                both_started.wait()
+        return 0.0
+
+    sampler = types.SimpleNamespace(
+        renderer=types.SimpleNamespace(tok=tok), decode=tok.decode, cfg=types.SimpleNamespace(max_tokens=20),
+        context=4096, autocast=contextlib.nullcontext,
+    )  # fmt: skip
+    agents = type("Agent", (_Agents,), {"fn": staticmethod(agent), "spec": None, "cfg": EnvConfig(), "state": {}})
+    train, held_out = Backend("train"), Backend("eval")
+    try:
+        with cf.ThreadPoolExecutor(2) as pool:
+            calls = [
+                pool.submit(agents.run_share, sampler, b, [{"prompt": "hi"}], 2, SamplingParams(max_tokens=20, seed=0))
+                for b in (train, held_out)
+            ]
+            eps = [c.result(timeout=60) for c in calls]
+    finally:
+        agents.close()
+    for backend, episodes in zip((train, held_out), eps):
+        assert [e.error for e in episodes] == [None, None]
+        for e in episodes:
+            sampled = [t for t, m in zip(e.token_ids, e.mask) if m]
+            assert sampled == backend.ids * 2, (tok.decode(sampled), tok.decode(backend.ids))

@@ -288,7 +288,7 @@ class _Agents(AgentEnv):
 
             tok = sampler.renderer.tok
             cls.state["gw"] = Gateway(
-                lambda ids, n, cap: cls.state["sample"](ids, n, cap),
+                None,  # each episode carries its step's or eval point's sampler (``run_share``)
                 lambda tools: TurnRenderer(tok, tools=tools),
                 sampler.decode,
                 MODEL_NAME,
@@ -349,16 +349,16 @@ class _Agents(AgentEnv):
             seed = request_seed(params.seed, cap.index, cap.requests)
             return batcher(ids, max_tokens, seed) if batcher else generate([ids], max_tokens, seed)[0]
 
-        cls.state["sample"] = sample
-
         def top(prompt_ids: list[int], token_ids: list[int], k: int) -> list:
             with lock, sampler.autocast():
                 return top_logprobs(model, params.temperature, prompt_ids, token_ids, k)
 
-        gw.top = top if model is not None else None
         keys = [gw.open_episode() for _ in jobs]
         for i, k in zip(share, keys):  # the episode's global index: its draws do not depend on the rank split
-            gw.episodes[k].index = i
+            cap = gw.episodes[k]
+            # this call's backend travels with its episodes: an eval point (the fleet's thread) and a training step
+            # run agents on the one gateway at once, each request served by its own episode's sampler
+            cap.index, cap.sample, cap.top = i, sample, (top if model is not None else None)
         timeout_s = cls.cfg.agent_timeout_s or None
         if cls.spec is not None:  # --agent-processes: each run in a worker process, the row and result as JSON
             from align.gateway.workers import run_processes
@@ -384,8 +384,6 @@ class _Agents(AgentEnv):
         ]
         if batcher:
             batcher.close()
-        gw.top = None  # the step's client is not kept past it (torchrun: a full copy of the weights)
-        cls.state.pop("sample", None)
         return eps
 
     @classmethod

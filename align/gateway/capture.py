@@ -169,6 +169,8 @@ class Capture:
         self.last = -1  # the branch the last request sampled into
         self.final: list[dict] = []  # the last request's messages + its reply
         self.index = 0  # the episode's place in its step (its draws depend on it)
+        self.sample: Any = None  # the backend of the step or eval point that opened it (None: the gateway's own)
+        self.top: Any = None
         self.log: list[dict] = []  # each request in order: its branch, new messages, reply, finish, token counts
 
     def plan(self, messages: list[dict], tools: list[dict] | None) -> Plan:

@@ -224,12 +224,14 @@ class _Server6(_Server):
 
 class Gateway:
     """The gateway's state: episodes by key, the sampler. ``sample(prompt_ids, max_tokens, capture) -> Completion``
-    (the run's sampling params); ``renderer(tools) -> TurnRenderer``; ``decode(ids) -> text`` without the stop token;
+    (the run's sampling params; an episode's capture may carry its own ``sample`` / ``top``, which win: a training
+    step's agents and an eval point's run side by side on one gateway, each on its own backend);
+    ``renderer(tools) -> TurnRenderer``; ``decode(ids) -> text`` without the stop token;
     ``context``: the model's; ``max_tokens``: the run's per-turn cap."""
 
     def __init__(
         self,
-        sample: Callable[..., Any],
+        sample: Callable[..., Any] | None,
         renderer: Callable[[Any], Any],
         decode: Callable[[list[int]], str],
         model: str,
@@ -302,7 +304,7 @@ class Gateway:
 
     # ------------------------------------------------------------------ a chat completion
 
-    def _top_k(self, body: dict) -> int:
+    def _top_k(self, body: dict, top: Any) -> int:
         k = body.get("top_logprobs")
         if k is None:
             return 0
@@ -310,16 +312,16 @@ class Gateway:
             raise ApiError(400, f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {k!r}")
         if k and not body.get("logprobs"):
             raise ApiError(400, "top_logprobs needs logprobs: true")
-        if k and self.top is None:
+        if k and top is None:
             raise ApiError(400, "top_logprobs: this gateway's sampler returns only the sampled token's logprob")
         return k
 
-    def _logprobs(self, body: dict, c: Any, prompt_ids: list[int], k: int) -> dict | None:
+    def _logprobs(self, body: dict, c: Any, prompt_ids: list[int], k: int, top: Any) -> dict | None:
         if not body.get("logprobs"):
             return None
         tok = getattr(self.renderer(None), "tok", None)
         decode = (lambda ids: tok.decode(ids, skip_special_tokens=False)) if tok is not None else self.decode
-        return _token_logprobs(decode, c, self.top(prompt_ids, c.token_ids, k) if k else None)
+        return _token_logprobs(decode, c, top(prompt_ids, c.token_ids, k) if k else None)
 
     def chat(self, cap: Capture, body: dict) -> dict:
         """One request of an episode -> the OpenAI response (a dict; the handler streams it when asked)."""
@@ -337,7 +339,8 @@ class Gateway:
         if tools is not None and not isinstance(tools, list):
             raise ApiError(400, "tools must be a list of function schemas")
         parse, opening = tool_choice(body, tools, self.renderer(tools)) if "tool_choice" in body else (True, "")
-        k_top = self._top_k(body)
+        top = cap.top or self.top
+        k_top = self._top_k(body, top)
         cap_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if cap_tokens is not None and (not isinstance(cap_tokens, int) or cap_tokens < 1):
             raise ApiError(400, f"max_tokens must be a positive integer, got {cap_tokens!r}")
@@ -363,7 +366,7 @@ class Gateway:
                         code="context_length_exceeded",
                     )
                 budget = min(self.max_tokens, room, cap_tokens or self.max_tokens)
-                c = self.sample(plan.prompt_ids, budget, cap)
+                c = (cap.sample or self.sample)(plan.prompt_ids, budget, cap)
                 cap.requests += 1
                 finish = c.finish_reason
                 ended = finish == "stop"
@@ -393,7 +396,7 @@ class Gateway:
                     "index": 0,
                     "message": msg,
                     "finish_reason": reason,
-                    "logprobs": self._logprobs(body, c, plan.prompt_ids, k_top),
+                    "logprobs": self._logprobs(body, c, plan.prompt_ids, k_top, top),
                 }
             ],
             "usage": {"prompt_tokens": prompt_n, "completion_tokens": out_n, "total_tokens": prompt_n + out_n},
