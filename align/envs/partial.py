@@ -93,13 +93,9 @@ class EpisodeCarry(Carry):
                 log.warning("a carried group of row %d does not replay in its environment: dropped", i)
                 self.dropped += len(eps)
                 close(runner, [e for e in lives if e is not None])
-        pool = self.groups
-        if self.policy == "drop" and self.S is not None:
-            old = [g for g in pool if any(self.too_old(e.ep, t) for e in g[1])]
-            self.dropped += sum(len(lives) for _, lives in old)
-            close(runner, [e for _, lives in old for e in lives])
-            pool = [g for g in pool if not any(self.too_old(e.ep, t) for e in g[1])]
-        if sum(all(e.done for e in lives) for _, lives in pool) < need:
+        pool, old = self._drop_stale(self.groups, t, lambda e: e.ep)
+        close(runner, [e for _, lives in old for e in lives])
+        if sum(group_done(lives) for _, lives in pool) < need:
             fresh = next_prompts(max(0, self.pool_factor * need - len(pool)))
             pool = pool + [(i, start(runner, prompt_of(i), self.G)) for i in fresh]
             flat = [e for _, lives in pool for e in lives]
@@ -112,12 +108,8 @@ class EpisodeCarry(Carry):
                 close(runner, flat)
                 self.groups = []
                 raise
-        take = [k for k, (_, lives) in enumerate(pool) if all(e.done for e in lives)][:need]
-        chosen = set(take)
-        self.groups = [g for k, g in enumerate(pool) if k not in chosen]
         rows, out = [], []
-        for p, k in enumerate(take):
-            i, lives = pool[k]
+        for p, (i, lives) in enumerate(self._take(pool, need, group_done)):
             rows.append(i)
             close(runner, lives)
             for e in lives:
@@ -131,6 +123,11 @@ class EpisodeCarry(Carry):
         if runner is not None:
             close(runner, [e for _, lives in self.groups for e in lives])
         self.groups = []
+
+
+def group_done(lives: list[_Live]) -> bool:
+    """A complete group: every episode done."""
+    return all(e.done for e in lives)
 
 
 def _new_live(runner: EpisodeRunner, sample: int) -> _Live:

@@ -246,6 +246,23 @@ class Carry:
     def too_old(self, c: Completion, t: int) -> bool:
         return self.S is not None and bool(c.token_ids) and (t - 1) - min(versions_of(c)) > self.S
 
+    def _drop_stale(self, pool: list, t: int, row: Callable[[Any], Any] = lambda c: c) -> tuple[list, list]:
+        """``--stale-policy drop``: ``(kept, dropped)``, the groups of ``pool`` without and with a row (``row(x)``: a
+        member's Completion or Episode) holding a token older than S; the dropped ones are counted in ``dropped``."""
+        if self.policy != "drop" or self.S is None:
+            return pool, []
+        stale = [any(self.too_old(row(x), t) for x in xs) for _, xs in pool]
+        old = [g for g, s in zip(pool, stale) if s]
+        self.dropped += sum(len(xs) for _, xs in old)
+        return [g for g, s in zip(pool, stale) if not s], old
+
+    def _take(self, pool: list, need: int, complete: Callable[[list], bool]) -> list:
+        """The first ``need`` groups of ``pool`` that are ``complete`` (pool order); the others stay carried."""
+        take = [k for k, (_, xs) in enumerate(pool) if complete(xs)][:need]
+        chosen = set(take)
+        self.groups = [g for k, g in enumerate(pool) if k not in chosen]
+        return [pool[k] for k in take]
+
     def draw(
         self,
         t: int,
@@ -257,11 +274,7 @@ class Carry:
     ) -> tuple[list[int], list[Completion]]:
         """Step ``t``'s ``need`` complete groups: ``(rows, completions)`` with ``prompt_index`` indexing ``rows``.
         The carried groups go first (oldest first), fresh prompts fill the pool to ``pool_factor * need``."""
-        pool = self.groups
-        if self.policy == "drop" and self.S is not None:
-            old = [g for g in pool if any(self.too_old(c, t) for c in g[1])]
-            self.dropped += sum(len(cs) for _, cs in old)
-            pool = [g for g in pool if not any(self.too_old(c, t) for c in g[1])]
+        pool, _ = self._drop_stale(self.groups, t)
         if sum(group_complete(cs) for _, cs in pool) < need:
             fresh = next_prompts(max(0, self.pool_factor * need - len(pool)))
             pool = pool + [(i, [None] * self.G) for i in fresh]
@@ -269,15 +282,9 @@ class Carry:
             kw = {"prefill": self.prefill} if self.prefill != "recompute" else {}  # a spool client has only recompute
             comps = client.generate_until([prompt_of(i) for i, _ in pool], params, need, flat, **kw)
             pool = [(i, comps[k * self.G : (k + 1) * self.G]) for k, (i, _) in enumerate(pool)]
-        take = [k for k, (_, cs) in enumerate(pool) if group_complete(cs)][:need]
-        chosen = set(take)
-        self.groups = [g for k, g in enumerate(pool) if k not in chosen]
-        rows, out = [], []
-        for p, k in enumerate(take):
-            i, cs = pool[k]
-            rows.append(i)
-            out += [dataclasses.replace(c, prompt_index=p) for c in cs]
-        return rows, out
+        taken = self._take(pool, need, group_complete)
+        out = [dataclasses.replace(c, prompt_index=p) for p, (_, cs) in enumerate(taken) for c in cs]
+        return [i for i, _ in taken], out
 
     def mask_stale(self, t: int, groups: Any) -> None:
         """``--stale-policy mask``: the completions of ``groups`` (step ``t``) holding a token older than S become
