@@ -47,10 +47,9 @@ def versions():
     return v0, v1
 
 
-@pytest.fixture(scope="module")
-def spanned(versions):
-    """Two draws of an ``EpisodeCarry`` (G = 2, need 1 of a pool of 2 x 1 groups at a time): the first on version 0,
-    the second on version 1; what the second trains and the carry's state after the first."""
+def episode_carry(max_token_staleness):
+    """An in-process ``EnvRunner`` of ``turn_envs.Rounds`` and an ``EpisodeCarry`` on it (G = 2, ``--stale-policy
+    drop``), and a ``next_prompts`` that hands out a short row (1 turn), then long ones (3 and 4 turns)."""
     from align.chat import TurnRenderer
     from align.envs.episodes import EpisodeRunner
     from align.envs.partial import EpisodeCarry
@@ -60,18 +59,45 @@ def spanned(versions):
     envs = EnvRunner(None, turn_envs.Rounds, 0, 5.0)
     decode = lambda ids: tok.decode(ids[:-1] if ids and ids[-1] == tok.eos_token_id else ids)
     runner = EpisodeRunner(envs, TurnRenderer(tok), decode, EnvConfig(max_turns=4), max_tokens=6, context=64)
-    carry = EpisodeCarry(lambda: runner, 2, None, "drop")
-    order = [0, 3, 1, 5, 2, 4]  # a short row (1 turn), then long ones (3 and 4 turns)
+    order = [0, 3, 1, 5, 2, 4]
 
     def next_prompts(k):
         got, order[:] = order[:k], order[k:]
         return got
 
+    return envs, EpisodeCarry(lambda: runner, 2, max_token_staleness, "drop"), next_prompts
+
+
+@pytest.fixture(scope="module")
+def spanned(versions):
+    """Two draws of an ``EpisodeCarry`` (G = 2, need 1 of a pool of 2 x 1 groups at a time): the first on version 0,
+    the second on version 1; what the second trains and the carry's state after the first."""
+    envs, carry, next_prompts = episode_carry(None)
     with envs:
         first = carry.draw(1, 1, next_prompts, ROWS.__getitem__, PARAMS, client(versions[0], 0))
         held = carry.state()
         second = carry.draw(2, 1, next_prompts, ROWS.__getitem__, PARAMS, client(versions[1], 1))
     return first, held, second
+
+
+def test_a_too_old_carried_group_is_dropped_and_its_environments_closed(versions):
+    """``--max-token-staleness 0``: the group of row 3 carried (its environments open) from version 0 holds a token of
+    lag 1 at step 2, so the second draw drops it (both episodes counted) and closes its environments; control: with
+    no bound it is trained or carried on, nothing dropped."""
+    for bound in (0, None):
+        envs, carry, next_prompts = episode_carry(bound)
+        with envs:
+            assert carry.draw(1, 1, next_prompts, ROWS.__getitem__, PARAMS, client(versions[0], 0))[0] == [0]
+            ((row, lives),) = carry.groups
+            assert row == 3 and all(e.key in envs._envs for e in lives)
+            rows, _ = carry.draw(2, 1, next_prompts, ROWS.__getitem__, PARAMS, client(versions[1], 1))
+            kept = rows + [i for i, _ in carry.groups]
+            if bound == 0:
+                assert carry.dropped == 2 and 3 not in kept, (rows, carry.groups)
+                assert not any(e.key in envs._envs for e in lives)
+            else:
+                assert carry.dropped == 0 and 3 in kept, (rows, carry.groups)
+            carry.close()
 
 
 def turn_error(ep, models, stamps) -> float:
