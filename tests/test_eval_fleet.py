@@ -201,6 +201,7 @@ def test_training_run_evaluates_on_a_real_fleet_while_it_trains(tmp_path, builti
 
     from align.model import load_pretrained
     from align.run.checkpoint import committed
+    from align.run.sources import apply_task_defaults
     from align.tasks import reverse
     from align.train import TrainConfig, train
 
@@ -215,10 +216,8 @@ def test_training_run_evaluates_on_a_real_fleet_while_it_trains(tmp_path, builti
         group_size=4,
         checkpoint_every=0,
         eval=eval_cfg,
-        max_tokens=10,
-        lr=5e-4,
-        loss={"eps_high": 0.2},  # the reverse task's TRAIN_DEFAULTS (its model's context)
     )
+    apply_task_defaults(cfg, reverse.TRAIN_DEFAULTS)  # max_tokens (its model's context), lr, eps_high
     summary = train(
         cfg,
         model=str(base),
