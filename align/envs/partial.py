@@ -16,8 +16,9 @@ environment's feedback, then the policy's next try) is one more segment. ``Episo
 token (an environment token: the version its turn ended on; it stays masked, logprob 0), so
 ``--max-token-staleness`` / ``--stale-policy``, the lag metrics and the rho correction work per token as for
 single-turn completions. The decode waits on those environment steps inside the wave, so where a call stops depends
-on the tokens and the environment's answers only (a seeded run reproduces), at the cost of the steps no longer
-overlapping the rest of the wave's decode.
+on the tokens and the environment's answers only (a seeded run reproduces); the cost: a wave's steps run in smaller
+batches (a group's, as it ends) while the decode waits, where without ``--partial-rollouts`` they are one batch at the
+wave's end.
 
 Checkpoints: ``state()`` is plain data (each carried episode as sampled: ids, logprobs, mask, turns, messages,
 versions; a cut turn is its last turn, ``finish_reason == "cut"``). A resumed run has no live environment for them:
