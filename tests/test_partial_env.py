@@ -147,14 +147,17 @@ def test_an_episode_spanning_a_publish_keeps_each_turns_version_and_logprobs(ver
     assert spans >= 1
 
 
-def test_the_learner_corrects_a_spanning_episode_token_by_token(versions, spanned):
+@pytest.mark.parametrize("where", ["spanned", "cut_inside"])
+def test_the_learner_corrects_a_spanning_episode_token_by_token(request, versions, where):
     """The learner's behaviour logprobs and mask are the episode's: trained on version 1's weights, rho = pi / mu is
-    1 on the turns version 1 sampled, off on version 0's; the environment's tokens are out of the loss."""
+    1 on the tokens version 1 sampled, off on version 0's (a turn cut inside: within the turn); the environment's
+    tokens are out of the loss."""
     from align.learner import sequence_batch
 
     _, v1 = versions
-    _, _, (_, eps) = spanned
+    eps = request.getfixturevalue(where)[-2 if where == "cut_inside" else -1][1]
     ep = next(e for e in eps if len(set(versions_of(e))) > 1)
+    assert where == "spanned" or len(ep.turns) == 1  # both versions inside one turn
     inputs, targets, mask, full, _ = sequence_batch([[]], [ep], 1, "cpu")
     n0, k = len(ep.prompt_ids), len(ep.token_ids)
     assert mask[0][n0 - 1 :].tolist() == ep.mask and not mask[0][: n0 - 1].any()  # environment tokens: context
