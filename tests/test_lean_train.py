@@ -453,9 +453,10 @@ def test_episode_steps_wait_on_the_pool_at_once_not_one_after_another():
 
 def test_partial_rollouts_carry_a_correction_turn_as_one_more_segment(prover, tmp_path):
     """--partial-rollouts with --env lean --max-turns 2 (align.envs.partial): an episode whose first proof failed is
-    carried at the turn boundary with Goedel's correction feedback, and its correction turn is sampled under the next
-    version, so it trains as one more segment (with two turns at most, an episode spanning versions is exactly one
-    whose correction turn came from newer weights than its first try). Seeded: the native sampler is deterministic."""
+    carried with Goedel's correction feedback and its correction turn is sampled under the next version, one more
+    segment; a proof still being written when the call stops is cut inside its turn and finished under the next
+    version, so a one-turn episode spans versions too (the stand-in's proofs run to ~21 of 24 tokens: the long
+    turn). Seeded: the native sampler is deterministic."""
     from align.train import train
 
     c = lean_cfg(tmp_path / "run", steps=5, prompts_per_step=1, group_size=2, seed=0)
@@ -464,8 +465,11 @@ def test_partial_rollouts_carry_a_correction_turn_as_one_more_segment(prover, tm
     steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in steps if "loss" in r]
     assert len(steps) == 5 and all(r["lean/verifier_errors"] == 0 for r in steps)
-    spans = [r for r in steps if r["rollout/partial_frac"] > 0]  # a correction turn from the next version
-    assert spans and all(r["env/turns_mean"] > 1 and r["env/env_tokens_mean"] > 0 for r in spans)
+    spans = [r for r in steps if r["rollout/partial_frac"] > 0]
+    assert spans and any(r["env/turns_mean"] > 1 and r["env/env_tokens_mean"] > 0 for r in spans)  # corrections
+    # two turns at most: (turns_mean - 1) of a step's episodes have two, so a larger share spanning versions holds a
+    # one-turn episode that does, a proof cut inside its turn (carrying at turn boundaries alone: never)
+    assert any(r["rollout/partial_frac"] > r["env/turns_mean"] - 1 for r in spans)
     assert max(r["rollout/token_lag_max"] for r in steps) >= 2
     # the correction queue draws its own rows each step (no data index to carry): refused before any sampling
     from align.data import InputError

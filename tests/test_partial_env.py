@@ -1,11 +1,14 @@
 """Partial rollouts on environment tasks (--partial-rollouts with an environment, align.envs.partial): an episode
-carried across a publish at a turn boundary keeps each turn's version and logprobs (a loop reference: each policy
-token teacher-forced under the weights of the version stamped on it, environment tokens masked, with negative
-controls that stamp the wrong version); a short run reports partial episodes; the carry survives a checkpoint
-(kill -9 resume replays the environments); bad combinations are refused by name."""
+carried across a publish keeps each turn's version and logprobs, and a turn cut inside goes on under the next
+version, tokens < j from version v and >= j from v + 1 (a loop reference: each policy token teacher-forced under the
+weights of the version stamped on it, environment tokens masked, with negative controls that stamp the wrong version
+or move the boundary); short runs report partial episodes, single-turn ones included; the carry survives a
+checkpoint, a turn cut inside included (kill -9 resume replays the environments); bad combinations are refused by
+name."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sys
@@ -47,19 +50,25 @@ def versions():
     return v0, v1
 
 
-def episode_carry(max_token_staleness):
-    """An in-process ``EnvRunner`` of ``turn_envs.Rounds`` and an ``EpisodeCarry`` on it (G = 2, ``--stale-policy
-    drop``), and a ``next_prompts`` that hands out a short row (1 turn), then long ones (3 and 4 turns)."""
+def decode(ids: list[int]) -> str:
+    tok = reverse.tokenizer()
+    return tok.decode(ids[:-1] if ids and ids[-1] == tok.eos_token_id else ids)
+
+
+def episode_carry(max_token_staleness, env=turn_envs.Rounds, max_turns=4, max_tokens=6, order=None):
+    """An in-process ``EnvRunner`` of ``env`` and an ``EpisodeCarry`` on it (G = 2, ``--stale-policy drop``), and a
+    ``next_prompts`` that hands out ``order``'s rows (default: a short row (1 turn of Rounds), then long ones (3 and
+    4 turns))."""
     from align.chat import TurnRenderer
     from align.envs.episodes import EpisodeRunner
     from align.envs.partial import EpisodeCarry
     from align.envs.runner import EnvRunner
 
     tok = reverse.tokenizer()
-    envs = EnvRunner(None, turn_envs.Rounds, 0, 5.0)
-    decode = lambda ids: tok.decode(ids[:-1] if ids and ids[-1] == tok.eos_token_id else ids)
-    runner = EpisodeRunner(envs, TurnRenderer(tok), decode, EnvConfig(max_turns=4), max_tokens=6, context=64)
-    order = [0, 3, 1, 5, 2, 4]
+    envs = EnvRunner(None, env, 0, 5.0)
+    cfg = EnvConfig(max_turns=max_turns)
+    runner = EpisodeRunner(envs, TurnRenderer(tok), decode, cfg, max_tokens=max_tokens, context=64)
+    order = list(order or [0, 3, 1, 5, 2, 4])
 
     def next_prompts(k):
         got, order[:] = order[:k], order[k:]
@@ -100,6 +109,22 @@ def test_a_too_old_carried_group_is_dropped_and_its_environments_closed(versions
             carry.close()
 
 
+CUT_PARAMS = dataclasses.replace(PARAMS, max_tokens=10, seed=4)  # single turns of 1-10 tokens: one is cut inside
+
+
+@pytest.fixture(scope="module")
+def cut_inside(versions):
+    """One-turn episodes (``Feedback``, --max-turns 1), G = 2, need 1 of a pool of 2 x 1 groups: the first draw on
+    version 0 stops when one group is complete, inside the other group's turns; the second, on version 1, finishes
+    them. The carry's state between the two, and what the second trains."""
+    envs, carry, next_prompts = episode_carry(None, turn_envs.Feedback, 1, 10, [0, 3, 1, 5])
+    with envs:
+        carry.draw(1, 1, next_prompts, ROWS.__getitem__, CUT_PARAMS, client(versions[0], 0))
+        held = carry.state()
+        second = carry.draw(2, 1, next_prompts, ROWS.__getitem__, CUT_PARAMS, client(versions[1], 1))
+    return held, second, decode
+
+
 def turn_error(ep, models, stamps) -> float:
     """Largest |logprob - teacher-forced logprob| of the policy's tokens, each under the model of its stamp."""
     full = torch.tensor([ep.prompt_ids + ep.token_ids])
@@ -123,9 +148,9 @@ def test_an_episode_spanning_a_publish_keeps_each_turns_version_and_logprobs(ver
         assert stamps == sorted(stamps) and set(stamps) <= {0, 1}
         assert len(ep.mask) == len(ep.token_ids) == len(ep.logprobs) == len(stamps)
         at = 0
-        for turn in ep.turns:  # a turn's tokens share its version; the environment's reply is masked, logprob 0
+        for turn in ep.turns:  # a turn ends on its version (a cut one began on an older one); the reply: masked, 0
             n, m = turn["policy_tokens"], turn["env_tokens"]
-            assert stamps[at : at + n + m] == [turn["weights_version"]] * (n + m)
+            assert stamps[at + n - 1 : at + n + m] == [turn["weights_version"]] * (m + 1)
             assert ep.mask[at : at + n] == [True] * n and ep.mask[at + n : at + n + m] == [False] * m
             assert all(lp == 0.0 for lp in ep.logprobs[at + n : at + n + m])
             at += n + m
@@ -139,14 +164,17 @@ def test_an_episode_spanning_a_publish_keeps_each_turns_version_and_logprobs(ver
     assert spans >= 1
 
 
-def test_the_learner_corrects_a_spanning_episode_token_by_token(versions, spanned):
+@pytest.mark.parametrize("where", ["spanned", "cut_inside"])
+def test_the_learner_corrects_a_spanning_episode_token_by_token(request, versions, where):
     """The learner's behaviour logprobs and mask are the episode's: trained on version 1's weights, rho = pi / mu is
-    1 on the turns version 1 sampled, off on version 0's; the environment's tokens are out of the loss."""
+    1 on the tokens version 1 sampled, off on version 0's (a turn cut inside: within the turn); the environment's
+    tokens are out of the loss."""
     from align.learner import sequence_batch
 
     _, v1 = versions
-    _, _, (_, eps) = spanned
+    eps = request.getfixturevalue(where)[-2 if where == "cut_inside" else -1][1]
     ep = next(e for e in eps if len(set(versions_of(e))) > 1)
+    assert where == "spanned" or len(ep.turns) == 1  # both versions inside one turn
     inputs, targets, mask, full, _ = sequence_batch([[]], [ep], 1, "cpu")
     n0, k = len(ep.prompt_ids), len(ep.token_ids)
     assert mask[0][n0 - 1 :].tolist() == ep.mask and not mask[0][: n0 - 1].any()  # environment tokens: context
@@ -161,18 +189,46 @@ def test_the_learner_corrects_a_spanning_episode_token_by_token(versions, spanne
     assert log_rho[m & (stamps == 0)].abs().max() > 100 * TOL  # negative control: the old turns are off-policy
 
 
+def test_a_turn_cut_inside_goes_on_under_the_next_version_token_by_token(versions, cut_inside):
+    """The first call stops at the token where one group completed: the other group's turns are cut there (kept on
+    the carried episodes: ids, logprobs, version 0); the next call re-prefills them under version 1 and samples the
+    rest of each turn, which the environment then steps as one answer. Tokens < j are version 0's, >= j version 1's
+    (each teacher-forced under its stamp); controls: one version throughout, or the boundary one token late."""
+    held, (rows, eps), decode = cut_inside
+    assert len(held) == 1 and rows == [held[0]["row"]]
+    full = 0
+    for so_far, ep in zip(held[0]["episodes"], eps):
+        (cut,) = so_far["turns"]  # carried inside its only turn
+        j = cut["policy_tokens"]
+        assert cut["finish_reason"] == "cut" and 0 < j < CUT_PARAMS.max_tokens and len(so_far["token_ids"]) == j
+        assert len(ep.turns) == 1 and ep.turns[0]["finish_reason"] in ("stop", "length")
+        stamps = versions_of(ep)
+        k = len(ep.token_ids) - j
+        assert k > 0 and stamps == [0] * j + [1] * k and all(ep.mask) and ep.turns[0]["policy_tokens"] == j + k
+        assert j + k <= CUT_PARAMS.max_tokens  # the rest of the turn's budget, not a new one
+        full += ep.turns[0]["finish_reason"] == "length"
+        assert ep.token_ids[:j] == so_far["token_ids"] and ep.logprobs[:j] == so_far["logprobs"]  # kept as sampled
+        said = [m["content"] for m in ep.messages if m["role"] == "assistant"]
+        assert said == [decode(ep.token_ids)] and ep.text == said[0]  # stepped as one answer
+        assert turn_error(ep, versions, stamps) < TOL
+        assert turn_error(ep, versions, [0] * (j + k)) > 100 * TOL  # negative controls
+        assert turn_error(ep, versions, [1] * (j + k)) > 100 * TOL
+        assert turn_error(ep, versions, [0] * (j + 1) + [1] * (k - 1)) > 100 * TOL or k == 1
+    assert full  # a cut turn that ran to its budget
+
+
 # ------------------------------------------------------------------------------------------------ runs
 
 
-def run(out: Path, model_dir: str, **kw) -> list[dict]:
+def run(out: Path, model_dir: str, env=turn_envs.Rounds, max_turns: int = 4, **kw) -> list[dict]:
     from align.run.config import TrainConfig
     from align.train import train
 
     base = {"steps": 4, "prompts_per_step": 2, "group_size": 2, "max_tokens": 10, "checkpoint_every": 1}
     c = TrainConfig(out=str(out), **{**base, "keep_checkpoints": 10, "max_async_steps": 1, **kw})
-    c.envs = EnvConfig(max_turns=4)
+    c.envs = EnvConfig(max_turns=max_turns)
     c.eval.eval_interval = 0
-    train(c, model=model_dir, tokenizer=reverse.tokenizer(), prompts=ROWS, env=turn_envs.Rounds)
+    train(c, model=model_dir, tokenizer=reverse.tokenizer(), prompts=ROWS, env=env)
     keep = ("step", "loss", "reward_mean", "env/turns_mean", "env/env_tokens_mean")
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     return [{k: r[k] for k in r if k in keep or k.startswith("rollout/")} for r in recs if "loss" in r]
@@ -195,6 +251,16 @@ def test_a_partial_episode_run_trains_episodes_spanning_versions(partial_run):
     assert any(r["env/env_tokens_mean"] > 0 for r in recs)
 
 
+def test_a_run_of_single_turn_episodes_trains_turns_spanning_versions(partial_run):
+    """--max-turns 1: every episode is one turn, so carrying at turn boundaries alone never spans two versions
+    (``partial_frac`` 0 by construction); cut inside the turn, a long turn's tail comes from the next version."""
+    tmp, model_dir, _ = partial_run
+    recs = run(tmp / "one_turn", model_dir, turn_envs.Feedback, 1, steps=3, checkpoint_every=0, partial_rollouts=True)
+    assert len(recs) == 3 and all(r["env/turns_mean"] == 1.0 and r["env/env_tokens_mean"] == 0 for r in recs)
+    assert max(r["rollout/partial_frac"] for r in recs) > 0
+    assert max(r["rollout/token_lag_max"] for r in recs) >= 2
+
+
 def test_a_resumed_partial_episode_run_replays_the_carried_environments(tmp_path, partial_run):
     """kill -9 after checkpoint 1 (the disk as it was): the rerun replays the carried episodes' environments and logs
     exactly the uninterrupted run; a carried episode whose environment answers otherwise is dropped (controls)."""
@@ -202,14 +268,14 @@ def test_a_resumed_partial_episode_run_replays_the_carried_environments(tmp_path
     state = torch.load(full / "run" / "checkpoints" / "step_1" / "trainer_state.pt", weights_only=True)
     assert state["carry"] and all(len(ep["turns"]) >= 1 for g in state["carry"] for ep in g["episodes"])
 
-    def rerun(name, edit=None):
+    def rerun(name, edit=None, at="step_1"):
         out = tmp_path / name
         shutil.copytree(full / "run", out)
         for p in (out / "checkpoints").iterdir():
-            if p.name != "step_1":
+            if p.name != at:
                 shutil.rmtree(p)
         if edit is not None:
-            path = out / "checkpoints" / "step_1" / "trainer_state.pt"
+            path = out / "checkpoints" / at / "trainer_state.pt"
             s = torch.load(path, weights_only=True)
             edit(s)
             torch.save(s, path)
@@ -228,6 +294,25 @@ def test_a_resumed_partial_episode_run_replays_the_carried_environments(tmp_path
     changed = rerun("changed", other_env_tokens)
     assert sum(r["rollout/dropped_stale"] for r in changed[1:]) >= 2 > sum(r["rollout/dropped_stale"] for r in recs)
     assert changed[1:] != recs[1:]
+
+    # a checkpoint holding turns cut inside: the resumed run goes on from each one's ids so far
+    inside = torch.load(full / "run" / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=True)
+    assert any(ep["turns"][-1]["finish_reason"] == "cut" for g in inside["carry"] for ep in g["episodes"])
+    assert rerun("resumed_inside", at="step_2") == recs
+
+    def forget_the_cut_turns(s):  # control: each cut turn's tokens dropped, so the turn is sampled anew
+        for ep in (ep for g in s["carry"] for ep in g["episodes"] if ep["turns"][-1]["finish_reason"] == "cut"):
+            j = len(ep["token_ids"]) - ep["turns"].pop()["policy_tokens"]
+            for k in ("token_ids", "logprobs", "sampled_logprobs", "mask"):
+                ep[k] = ep[k][:j]
+            kept = (ep["token_versions"] or [])[:j]
+            ep["token_versions"] = kept if len(set(kept)) > 1 else None  # as an episode of these tokens holds it
+            ep["weights_version"] = ep["weights_version"] if j else 0
+
+    forgot = rerun("forgot_inside", forget_the_cut_turns, "step_2")
+    assert forgot[2:] != recs[2:] and [r["rollout/dropped_stale"] for r in forgot] == [
+        r["rollout/dropped_stale"] for r in recs
+    ]  # replayed and kept: only the cut turns' tokens differ
 
 
 def test_partial_episodes_are_refused_where_they_are_not_carried():

@@ -110,29 +110,42 @@ class _Live:
         ``turn_cap``) at most --max-tokens; without it, whether an observation fits before that turn."""
         r = self.runner
         used = len(self.ep.token_ids)
-        left = r.max_tokens if turn_cap else r.context
+        left = r.max_tokens - self.cut_tokens() if turn_cap else r.context
         if r.cfg.max_episode_tokens:
             left = min(left, r.cfg.max_episode_tokens - used)
         return min(left, r.context - len(self.ep.prompt_ids) - used)
 
+    def cut_tokens(self) -> int:
+        """The tokens sampled so far of a turn cut inside (``--partial-rollouts``: its last turn ends ``"cut"``)."""
+        turns = self.ep.turns
+        return turns[-1]["policy_tokens"] if turns and turns[-1]["finish_reason"] == "cut" else 0
+
     def add_turn(self, ids: list[int], lps: list[float], slps: list[float], finish: str, version: int) -> str:
-        """Record a sampled turn; returns its text (the stop token dropped)."""
-        ep = self.ep
+        """Record a sampled turn, or a segment of one: ``finish == "cut"`` (``--partial-rollouts``: the call stopped
+        inside the turn) keeps the tokens so far, and the next segment (another call, newer weights) extends the same
+        turn; its ``weights_version`` is then its last segment's. Returns the turn's text once it ended (the stop
+        token dropped), else ""."""
+        ep, before = self.ep, self.cut_tokens()
         stamp(ep, len(ids), version)
         ep.token_ids += ids
         ep.logprobs += lps
         ep.sampled_logprobs += slps
         ep.mask += [True] * len(ids)
-        ep.turns.append(
-            {
-                "policy_tokens": len(ids),
-                "env_tokens": 0,
-                "finish_reason": finish,
-                "reward": None,
-                "weights_version": version,
-            }
-        )
-        text = self.runner.decode(ids)
+        if before:  # the rest of a cut turn
+            ep.turns[-1].update(policy_tokens=before + len(ids), finish_reason=finish, weights_version=version)
+        else:
+            ep.turns.append(
+                {
+                    "policy_tokens": len(ids),
+                    "env_tokens": 0,
+                    "finish_reason": finish,
+                    "reward": None,
+                    "weights_version": version,
+                }
+            )
+        if finish == "cut":
+            return ""
+        text = self.runner.decode(ep.token_ids[len(ep.token_ids) - before - len(ids) :])
         ep.messages.append({"role": "assistant", "content": text})
         ep.text = text
         if finish == "length":  # cut by its budget: the environment still scores it, then the episode ends
@@ -276,8 +289,15 @@ class EpisodeRunner:
     ) -> None:
         """Turn waves on one ``Session``; a row's id is its episode's index in ``live`` (its draws depend only on it),
         so a rank's ``share`` of the episodes samples what one process samples for them. An episode carried from an
-        earlier call (``--partial-rollouts``) starts from its ids so far, re-prefilled under the current weights;
-        ``need``: stop at the first turn boundary where that many groups (by ``prompt_index``) are complete."""
+        earlier call (``--partial-rollouts``) starts from its ids so far, re-prefilled under the current weights (a
+        cut turn goes on where it was cut, with the rest of its budget).
+
+        ``need`` (``align.envs.partial``): stop once that many groups (by ``prompt_index``) are complete, at the token
+        boundary where the last of them ended; every turn still being sampled then is cut there (kept on its
+        episode, to go on in the next call). Each group's ended turns are stepped in their environments as soon as
+        every episode of the group is done or has ended its turn (the decode waits on those steps, so where the call
+        stops depends on the tokens and the environment's answers only, never on timing); without ``need`` the
+        wave's steps are one batch at its end."""
         from align.rollout.sessions import Session
 
         rows = [i for i in (share if share is not None else range(len(live))) if not live[i].done]
@@ -285,28 +305,49 @@ class EpisodeRunner:
             return
         version = getattr(client, "weights_version", 0)
         sess = Session(model, dataclasses.replace(params, n=1), total_rows=len(live))
+        pending: dict[int, str] = {}  # rows whose turn ended, not stepped yet: its text
+        suffixes: dict[int, list[int]] = {}  # rows stepped that go on: the environment's tokens to prefill
+        recorded: set[int] = set()  # rows whose turn of this wave ``ended`` recorded
+        members: dict[int, list[int]] = {}
+        for i, e in enumerate(live):
+            members.setdefault(e.ep.prompt_index, []).append(i)
+
+        def record(i: int, t: Any) -> None:
+            e = live[i]
+            text = e.add_turn(t.token_ids, t.logprobs, t.sampled_logprobs, t.finish_reason, version)
+            if not e.done and t.finish_reason != "cut":
+                pending[i] = text
+
+        def step(ids: list[int]) -> None:
+            results = self._calls([(live[i], "step", (pending.pop(i),)) for i in ids])
+            for i, st in zip(ids, results):
+                if not _failed(live[i], st) and (suffix := live[i].add_step(st)) is not None:
+                    suffixes[i] = suffix
+
+        def ended(turns: list) -> bool:  # Session's ``stop``: rows ended their turn at this token
+            for i, t in turns:
+                recorded.add(i)
+                record(i, t)
+            groups = {live[i].ep.prompt_index for i, _ in turns}
+            ready = [g for g in groups if all(live[j].done or j in pending for j in members[g])]
+            step([j for g in ready for j in members[g] if j in pending])
+            return complete_groups(live) >= need
+
+        stop = ended if need is not None else None
         starts = [live[i].ep.prompt_ids + live[i].ep.token_ids for i in rows]
-        turns = sess.start(starts, 1, [max(1, live[i].budget()) for i in rows], rows)
+        turns = sess.start(starts, 1, [max(1, live[i].budget()) for i in rows], rows, stop)
         while True:
-            stepping = []
             for i, t in zip(rows, turns):
-                e = live[i]
-                text = e.add_turn(t.token_ids, t.logprobs, t.sampled_logprobs, t.finish_reason, version)
-                if not e.done:
-                    stepping.append((i, text))
-            results = self._calls([(live[i], "step", (text,)) for i, text in stepping])
-            nxt, suffixes = [], []
-            for (i, _), st in zip(stepping, results):
-                e = live[i]
-                if _failed(e, st):
-                    continue
-                suffix = e.add_step(st)
-                if suffix is not None:
-                    nxt.append(i)
-                    suffixes.append(suffix)
+                if i not in recorded:
+                    record(i, t)
+            step([i for i in rows if i in pending])
+            nxt = [i for i in rows if i in suffixes]
             if not nxt or (need is not None and complete_groups(live) >= need):
                 return
-            turns = sess.next(nxt, suffixes, [live[i].budget() for i in nxt])
+            budgets = [live[i].budget() for i in nxt]
+            new_ids = [suffixes.pop(i) for i in nxt]
+            recorded.clear()
+            turns = sess.next(nxt, new_ids, budgets, stop)
             rows = nxt
 
     # ---------------------------------------------------------------------- a spool client: one thread per episode
@@ -376,8 +417,9 @@ class EpisodeRunner:
 
 def stamp(ep: Episode, n: int, version: int) -> None:
     """Before ``n`` tokens of ``version`` are appended to ``ep``: its first token's version is ``weights_version``;
-    ``token_versions`` holds each token's once two differ (``--partial-rollouts``: a carried episode's later turns
-    come from newer weights, ``align.envs.partial``), else None (every token from ``weights_version``)."""
+    ``token_versions`` holds each token's once two differ (``--partial-rollouts``: a carried episode's later tokens,
+    the rest of a turn cut inside too, come from newer weights, ``align.envs.partial``), else None (every token from
+    ``weights_version``)."""
     if not ep.token_ids:
         ep.weights_version = version
     elif ep.token_versions is not None or version != ep.weights_version:

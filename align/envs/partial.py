@@ -1,27 +1,37 @@
 """Partial rollouts on environment tasks (``--partial-rollouts`` with ``--env``, ``--task multiturn``, ``--tools``,
-``--env lean``): episodes are carried across weight versions at turn boundaries.
+``--env lean``): episodes are carried across weight versions, cut at a token boundary, inside a turn if need be.
 
 The single-turn design (``align.rollout.partial``) with an episode for a completion: a step's call holds the carried
 groups plus fresh rows, ``--partial-pool-factor`` x B groups in all, and runs turn waves (``EpisodeRunner``'s native
-sampler path) until B groups are complete (every episode done); then it stops at that turn boundary. Every episode
-still running is carried, its environment kept open, into the next call, which runs on the next version: its next
-turn is sampled under the newer weights after its ids so far (the first prompt, its turns, the environment's
-replies) are re-prefilled under them (``--partial-prefill recompute``). A turn is never cut mid-way: the cut is at
-the turn boundary, so the turns done so far keep the version and the behaviour logprobs that sampled them, and a
-correction turn (the Lean environment's feedback, then the policy's next try) is one more segment.
-``Episode.token_versions`` stamps every token (an environment token: its turn's version; it stays masked, logprob
-0), so ``--max-token-staleness`` / ``--stale-policy``, the lag metrics and the rho correction work per token as for
-single-turn completions.
+sampler path) until B groups are complete (every episode done). Inside a wave a group's ended turns are stepped in
+their environments as soon as each episode of the group is done or has ended its turn, so the call stops at the
+token where the B-th group completed: every turn still being sampled then is cut there (``Session``'s ``stop``), its
+ids, logprobs and version so far kept on the episode as a turn ending ``"cut"``. Every episode still running is
+carried, its environment kept open, into the next call, which runs on the next version: its ids so far (the first
+prompt, its turns, the environment's replies, a cut turn's tokens) are re-prefilled under the newer weights
+(``--partial-prefill recompute``) and a cut turn goes on with the rest of its budget; the environment steps it when
+it ends, as one answer. So a long turn (a prover's first proof) never holds a call to its end: tokens < j of a turn
+cut at j keep version v and its behaviour logprobs, tokens >= j are v + 1's; a correction turn (the Lean
+environment's feedback, then the policy's next try) is one more segment. ``Episode.token_versions`` stamps every
+token (an environment token: the version its turn ended on; it stays masked, logprob 0), so
+``--max-token-staleness`` / ``--stale-policy``, the lag metrics and the rho correction work per token as for
+single-turn completions. The decode waits on those environment steps inside the wave, so where a call stops depends
+on the tokens and the environment's answers only (a seeded run reproduces); the cost: a wave's steps run in smaller
+batches (a group's, as it ends) while the decode waits, where without ``--partial-rollouts`` they are one batch at the
+wave's end.
 
 Checkpoints: ``state()`` is plain data (each carried episode as sampled: ids, logprobs, mask, turns, messages,
-versions). A resumed run has no live environment for them: each is replayed (a new instance, ``reset()``, then
-``step()`` with each recorded assistant turn, no sampling) and kept only if the replay renders the recorded
-environment tokens exactly; an environment whose replay differs (not deterministic) has that group dropped
-(counted in ``rollout/dropped_stale``, logged) and a fresh row takes its place.
+versions; a cut turn is its last turn, ``finish_reason == "cut"``). A resumed run has no live environment for them:
+each is replayed (a new instance, ``reset()``, then ``step()`` with each recorded assistant turn, no sampling; a cut
+turn's tokens are re-added, segment by segment, and not stepped) and kept only if the replay renders the recorded
+environment tokens exactly; an environment whose replay differs (not deterministic) has that group dropped (counted
+in ``rollout/dropped_stale``, logged) and a fresh row takes its place. The next call continues a cut turn from its
+recorded ids.
 
-Not here: cutting inside a turn (a long turn still waits for its wave), a spool worker or fleet (episodes run one
-thread each there), torchrun, ``--group-timeout-s`` and an environment that draws its own rows (``draws``: the Lean
-correction queue, ``--lean-correction-fraction``): each refused with ``--partial-rollouts`` before any sampling.
+Not here: a spool worker or fleet (episodes run one thread each there), torchrun, ``--partial-prefill keep`` (a
+carried episode is re-prefilled), ``--group-timeout-s`` and an environment that draws its own rows (``draws``: the
+Lean correction queue, ``--lean-correction-fraction``): each refused with ``--partial-rollouts`` before any
+sampling.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from align.envs.episodes import EpisodeRunner, _failed, _Live
+from align.rollout.cut import versions_of
 from align.rollout.groups import Episode
 from align.rollout.partial import POOL_FACTOR, Carry
 from align.rollout.protocol import SamplingParams
@@ -161,21 +172,17 @@ def replay(runner: EpisodeRunner, ep: Episode, row: dict) -> _Live | None:
     e = _new_live(runner, ep.sample_index)
     e.ep.prompt_index = ep.prompt_index
     try:
+        stamps = versions_of(ep)
         runner.envs.open(e.key, row)
         e.begin(runner.envs.reset(e.key))
         at = 0
         for turn in ep.turns:
             n, m = turn["policy_tokens"], turn["env_tokens"]
-            sl = slice(at, at + n)
-            text = e.add_turn(
-                ep.token_ids[sl],
-                ep.logprobs[sl],
-                ep.sampled_logprobs[sl],
-                turn["finish_reason"],
-                turn["weights_version"],
-            )
-            if e.done or e.add_step(runner.envs.step(e.key, text)) is None:
-                break
+            for a, b in segments(stamps, at, at + n):  # a turn cut inside: one segment per version, as sampled
+                finish = turn["finish_reason"] if b == at + n else "cut"
+                text = e.add_turn(ep.token_ids[a:b], ep.logprobs[a:b], ep.sampled_logprobs[a:b], finish, stamps[a])
+            if turn["finish_reason"] == "cut" or e.done or e.add_step(runner.envs.step(e.key, text)) is None:
+                break  # a cut turn is the last one recorded: it goes on in the next call
             at += n + m
     except Exception as err:  # noqa: BLE001 -- an environment that fails on replay: the group is dropped
         log.warning("replaying a carried episode failed: %s", err)
@@ -191,6 +198,12 @@ def replay(runner: EpisodeRunner, ep: Episode, row: dict) -> _Live | None:
         runner.envs.close_episode(e.key)
         return None
     return e
+
+
+def segments(stamps: list[int], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The runs of one version in ``stamps[lo:hi]`` (a turn's tokens): ``[(start, end)]``."""
+    cuts = [j for j in range(lo + 1, hi) if stamps[j] != stamps[j - 1]]
+    return list(zip([lo, *cuts], [*cuts, hi]))
 
 
 def close(runner: EpisodeRunner, lives: list[_Live]) -> None:

@@ -192,8 +192,10 @@ class Episodes(Turns):
             carries = getattr(BACKENDS[cfg.rollout], "carries_episodes", False)
             why = None if carries else f"--rollout {cfg.rollout} (episodes run one thread each there)"
             why = why or ("torchrun" if dist.active() else None)
-            keep = cfg.partial_prefill == "keep"  # an episode resumes at a turn boundary: its next turn is prefilled
-            why = why or ("--partial-prefill keep (a carried episode's next turn is prefilled anew)" if keep else None)
+            keep = cfg.partial_prefill == "keep"  # a carried episode (a turn cut inside too) is re-prefilled
+            why = why or (
+                "--partial-prefill keep (a carried episode is re-prefilled under the new weights)" if keep else None
+            )
             why = why or (f"--group-timeout-s {cfg.group_timeout_s:g}" if cfg.group_timeout_s > 0 else None)
             own = getattr(task.env, "run_episodes", None) is not None  # --agent: the gateway runs the turns
             why = why or ("an environment that runs its own episodes (--agent, --task agent)" if own else None)

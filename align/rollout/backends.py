@@ -209,7 +209,7 @@ class NativeBackend:
 
     cuts = True  # --partial-rollouts: NativeClient.generate_until (align.rollout.partial)
     prefills = ("recompute", "keep")  # --partial-prefill: keep continues a cut row on the KV cache it had
-    carries_episodes = True  # --partial-rollouts on an environment task: episodes carried at turn boundaries
+    carries_episodes = True  # --partial-rollouts on an environment task: episodes carried, cut inside a turn too
     TRAIN_DEFAULTS: ClassVar[dict[str, Any]] = {}  # its logprobs are the trainer's own: no off-policy correction
 
     def check(self, cfg: RolloutConfig) -> None:

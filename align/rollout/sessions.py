@@ -12,6 +12,9 @@ Key decisions
   ``native.sample_next`` does), and each turn has its own generator (seeded by the seed and the turn), so a row
   samples the same tokens whichever other rows are live or how long their earlier turns ran; ``total_rows`` and
   ``row_ids`` make these rows a part of a larger session (``align.dist``: one rank's share of a step's episodes).
+- ``stop`` (``--partial-rollouts``, ``align.envs.partial``): called at each token step where rows ended their turn,
+  with those rows' turns; when it answers True the rows still sampling are cut at that token boundary (their turn
+  so far, ``finish_reason == "cut"``), so a call stops inside a turn as the single-turn sampler does.
 
 Shapes: R live rows, S cache slots, V vocabulary.
 """
@@ -19,6 +22,7 @@ Shapes: R live rows, S cache slots, V vocabulary.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Generator
 from typing import NamedTuple
 
 import torch
@@ -35,7 +39,10 @@ class Turn(NamedTuple):
     token_ids: list[int]
     logprobs: list[float]
     sampled_logprobs: list[float]
-    finish_reason: str  # "stop" (ends with a stop token) | "length" (its budget or the context ran out)
+    finish_reason: str  # "stop" (ends with a stop token) | "length" (its budget or the context ran out) | "cut"
+
+
+Stop = Callable[[list[tuple[int, Turn]]], bool]  # the turns that just ended (row id, turn) -> cut the rest now
 
 
 class Session:
@@ -63,10 +70,16 @@ class Session:
         return packed_weights(self.model, rows) if self.pack_weights else contextlib.nullcontext()
 
     def start(
-        self, prompts: list[list[int]], n: int, max_new: list[int], row_ids: list[int] | None = None
+        self,
+        prompts: list[list[int]],
+        n: int,
+        max_new: list[int],
+        row_ids: list[int] | None = None,
+        stop: Stop | None = None,
     ) -> list[Turn]:
         """The first turn: ``n`` rows per prompt; ``max_new`` per row (``len(prompts) * n``, each >= 1). ``row_ids``
-        names the rows (default 0, 1, ...; each < ``total_rows``): a row's draws depend only on its id."""
+        names the rows (default 0, 1, ...; each < ``total_rows``): a row's draws depend only on its id. ``stop``: see
+        the module docstring."""
         if len(max_new) != len(prompts) * n or min(max_new) < 1:
             raise ValueError(f"max_new needs one budget >= 1 per row ({len(prompts) * n} rows), got {max_new}")
         cfg = self.model.config
@@ -93,9 +106,11 @@ class Session:
                 raise ValueError(f"row_ids must name the {P * n} rows uniquely in [0, {self.total}), got {row_ids}")
             self.cache = cache
             self.rows, self.pos = ids, lens[rows].clone()
-            return self._decode(logits[rows], max_new)
+            return self._decode(logits[rows], max_new, stop)
 
-    def next(self, rows: list[int], new_ids: list[list[int]], max_new: list[int]) -> list[Turn]:
+    def next(
+        self, rows: list[int], new_ids: list[list[int]], max_new: list[int], stop: Stop | None = None
+    ) -> list[Turn]:
         """Keep only ``rows`` (original row ids, in this order), prefill each one's ``new_ids`` after its last sampled
         token, and sample its next turn (``max_new`` tokens at most per row)."""
         if self.cache is None:
@@ -132,7 +147,7 @@ class Session:
             logits = self.model.lm_head(hidden)[:, 0]  # (R, V)
             cache.length = s0 + T
             self.pos = self.pos + torch.tensor([len(b) for b in blocks], device=dev)
-            return self._decode(logits, max_new)
+            return self._decode(logits, max_new, stop)
 
     def _grow(self, extra: int) -> None:
         c = self.cache
@@ -145,12 +160,21 @@ class Session:
         c.v = torch.nn.functional.pad(c.v, pad)
         c.valid = torch.nn.functional.pad(c.valid, (0, grow))
 
-    def _decode(self, logits: torch.Tensor, max_new: list[int]) -> list[Turn]:
-        with heartbeat.working("sampler", engine="native session", rows=len(self.rows)):  # for the watchdog
-            return self._decode_rows(logits, max_new)
+    def _decode(self, logits: torch.Tensor, max_new: list[int], stop: Stop | None) -> list[Turn]:
+        rows = self._decode_rows(logits, max_new, stop is not None)
+        answer = None
+        while True:
+            with heartbeat.working("sampler", engine="native session", rows=len(self.rows)):  # for the watchdog
+                try:
+                    ended = rows.send(answer)
+                except StopIteration as finished:
+                    return finished.value
+            answer = stop(ended)  # outside the sampler's call: a stuck environment step is named as the environment
 
-    def _decode_rows(self, logits: torch.Tensor, max_new: list[int]) -> list[Turn]:
-        """Sample until every row stopped or used its budget; the slots a row wrote after its end become invalid."""
+    def _decode_rows(self, logits: torch.Tensor, max_new: list[int], asks: bool) -> Generator:
+        """Sample until every row stopped or used its budget; the slots a row wrote after its end become invalid.
+        ``asks``: at each token step where rows ended their turn, yield those turns ``[(row id, Turn)]`` and, sent
+        True, cut the rows still sampling. Returns every row's turn."""
         params, cache, dev = self.params, self.cache, self.device
         R = len(self.rows)
         generator = None
@@ -167,6 +191,7 @@ class Session:
         out_slp = torch.zeros(R, steps, device=dev)
         length = budget.clone()
         stopped = torch.zeros(R, dtype=torch.bool, device=dev)
+        cut = torch.zeros(R, dtype=torch.bool, device=dev)
         done = budget <= 0
         stop_ids = torch.tensor(params.stop_token_ids, device=dev) if params.stop_token_ids else None
         start = cache.length
@@ -182,6 +207,12 @@ class Session:
             length = torch.where(finished, torch.full_like(length, t + 1), length)
             stopped |= hit
             done |= finished
+            if asks and bool(finished.any()):
+                ended = [(i, self._turn(out_tok, out_lp, out_slp, i, t + 1, bool(hit[i]))) for i in _where(finished)]
+                if (yield [(self.rows[i], turn) for i, turn in ended]) and not bool(done.all()):
+                    cut = ~done  # the rows still sampling: cut after this token
+                    length = torch.where(cut, torch.full_like(length, t + 1), length)
+                    break
             if bool(done.all()) or t == steps - 1:
                 break
             cache.valid[:, cache.length] = True
@@ -191,9 +222,19 @@ class Session:
         # a row's cache holds its tokens up to (not including) its last one; later slots are another row's steps
         for i, k in enumerate(lengths):
             cache.valid[i, start + max(k - 1, 0) : cache.length] = False
-        toks, lps, slps, st = out_tok.tolist(), out_lp.tolist(), out_slp.tolist(), stopped.tolist()
+        toks, lps, slps, st, ct = out_tok.tolist(), out_lp.tolist(), out_slp.tolist(), stopped.tolist(), cut.tolist()
         self.last = [toks[i][k - 1] if k else 0 for i, k in enumerate(lengths)]
         self.pos = self.pos + length - 1  # the last token is not cached yet: ``next`` prefills it first
         return [
-            Turn(toks[i][:k], lps[i][:k], slps[i][:k], "stop" if st[i] else "length") for i, k in enumerate(lengths)
+            Turn(toks[i][:k], lps[i][:k], slps[i][:k], "cut" if ct[i] else "stop" if st[i] else "length")
+            for i, k in enumerate(lengths)
         ]
+
+    @staticmethod
+    def _turn(tok: torch.Tensor, lp: torch.Tensor, slp: torch.Tensor, i: int, k: int, hit: bool) -> Turn:
+        """Row ``i``'s turn of ``k`` tokens from the (R, steps) outputs."""
+        return Turn(tok[i, :k].tolist(), lp[i, :k].tolist(), slp[i, :k].tolist(), "stop" if hit else "length")
+
+
+def _where(mask: torch.Tensor) -> list[int]:
+    return mask.nonzero().squeeze(-1).tolist()
