@@ -41,7 +41,7 @@ from common import numeric_flags
 
 from align.chat import ChatTemplate, TurnRenderer
 from align.envs import Step
-from align.gateway.agents import Batcher
+from align.gateway.agents import DRAWS, Batcher, batch_draw, sample_rows
 from align.gateway.server import Gateway
 from align.model import ModelConfig, Transformer
 from align.rollout.client import NativeClient
@@ -288,15 +288,27 @@ def main() -> None:
             gen_cpu[0] += time.thread_time() - c0
             return out
 
+    def generate_rows(prompts: list[list[int]], budgets: list[int], seed: int | None, draws: list[int]) -> list:
+        """The batched pass's generate, as the trainer's gateway sends a batch (``align.gateway.agents``)."""
+        with lock:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            p = dataclasses.replace(params, max_tokens=max(budgets), seed=seed)
+            out = sample_rows(model, prompts, p, budgets, draws, args.episodes * DRAWS)
+            gen_s[0] += time.perf_counter() - t0
+            gen_cpu[0] += time.thread_time() - c0
+            return out
+
     def through_gateway(batch_ms: float) -> tuple[float, float, float, float, list]:
         """(wall s, process CPU s, generation wall s, generation CPU s, captures) of the agents through a fresh
         gateway (the CPU of every thread: the agents' HTTP clients, the server, the capture, the sampler)."""
         left = [args.episodes]  # agents not done (the batcher sends a batch once each has a request in it)
         count = threading.Lock()
-        batcher = Batcher(generate, batch_ms, lambda: left[0]) if batch_ms else None
+        batcher = Batcher(generate_rows, batch_ms, lambda: left[0]) if batch_ms else None
 
         def sample(ids: list[int], max_tokens: int, cap: object) -> object:
-            return batcher(ids, max_tokens, 0) if batcher else generate([ids], max_tokens, 0)[0]
+            if batcher:
+                return batcher(ids, max_tokens, *batch_draw(0, cap.index, cap.requests))  # type: ignore[attr-defined]
+            return generate([ids], max_tokens, 0)[0]
 
         gw = Gateway(sample, lambda tools: TurnRenderer(tok, tools=tools), tok.decode, "m", args.max_tokens, 4096)
         gen_s[0] = gen_cpu[0] = 0.0

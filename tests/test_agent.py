@@ -94,16 +94,18 @@ COUNT_LOCK = threading.Lock()
 
 def test_concurrent_requests_batch_into_one_generate_and_stay_token_exact(tmp_path, agent_model, monkeypatch):
     from align.envs.sampler import Episodes
+    from align.gateway import agents
     from align.rollout.client import NativeClient
     from align.train import train
 
     model_dir, first, _, _ = agent_model
     sizes: list[int] = []
     seen: list = []
-    real_gen, real_eps = NativeClient.generate, Episodes.episodes
+    real_gen, real_rows, real_eps = NativeClient.generate, agents.sample_rows, Episodes.episodes
     monkeypatch.setattr(
         NativeClient, "generate", lambda self, p, params: sizes.append(len(p)) or real_gen(self, p, params)
     )
+    monkeypatch.setattr(agents, "sample_rows", lambda m, p, *a: sizes.append(len(p)) or real_rows(m, p, *a))
     monkeypatch.setattr(Episodes, "episodes", lambda self, *a: seen.extend(eps := real_eps(self, *a)) or eps)
     rows = [{"question": QUESTION, "answer": "5"}] * 4
     train(_config(tmp_path, gateway_batch_ms=300.0), model=str(model_dir), prompts=rows, agent=load_agent(AGENT))

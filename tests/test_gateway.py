@@ -642,8 +642,8 @@ def test_a_batch_goes_out_once_every_running_agent_has_a_request_in_it():
 
     from align.gateway.agents import Batcher
 
-    def generate(prompts, max_tokens, seed):
-        return [Completion(0, 0, [1] * max_tokens, [0.0] * max_tokens, "length", None, 0) for _ in prompts]
+    def generate(prompts, budgets, seed, draws):
+        return [Completion(0, 0, [1] * k, [0.0] * k, "length", None, 0) for k in budgets]
 
     for running, window_ms in ((3, 60_000), (4, 500)):
         b = Batcher(generate, window_ms, lambda r=running: r)
@@ -716,3 +716,48 @@ def test_a_training_step_and_an_eval_point_share_the_gateway_each_on_its_own_bac
         for e in episodes:
             sampled = [t for t, m in zip(e.token_ids, e.mask) if m]
             assert sampled == backend.ids * 2, (tok.decode(sampled), tok.decode(backend.ids))
+
+
+def test_a_batched_request_samples_the_same_tokens_whatever_shares_its_batch():
+    """``--gateway-batch-ms`` is deterministic: a request's tokens depend on its seed and draw row
+    (``batch_draw``: the step's seed, its episode, its request number), not on the batch it went out in. Five
+    requests of different lengths and budgets on a real model: alone (five generates), all together, and in
+    another order give the same tokens (logprobs within float summation order), each cut at its own budget;
+    control: drawing by batch position (the old first-request seed) changes the tokens with the batch."""
+    import torch
+    from helpers_learner import tiny
+
+    from align.gateway.agents import DRAWS, batch_draw, sample_rows
+    from align.rollout.protocol import SamplingParams
+
+    model = tiny(False, vocab=40).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 40, (n,), generator=g).tolist() for n in (3, 7, 5, 2, 6)]
+    budgets = [12, 4, 12, 9, 12]
+    reqs = [batch_draw(7, i, r) for i, r in ((0, 0), (0, 1), (3, 0), (2, 1), (4, 9))]
+    total = 5 * DRAWS
+
+    def run(order, draws=None):
+        out = {}
+        for seed in dict.fromkeys(reqs[i][0] for i in order):  # one generate per seed, as the Batcher sends them
+            part = [i for i in order if reqs[i][0] == seed]
+            p = SamplingParams(max_tokens=max(budgets[i] for i in part), seed=seed)
+            rows = [reqs[i][1] for i in part] if draws is None else [draws[i] for i in part]
+            for i, c in zip(
+                part, sample_rows(model, [prompts[i] for i in part], p, [budgets[i] for i in part], rows, total)
+            ):
+                out[i] = c
+        return out
+
+    alone = {i: run([i])[i] for i in range(5)}
+    for other in (run([0, 1, 2, 3, 4]), run([4, 2, 0, 3, 1])):
+        for i in range(5):
+            assert other[i].token_ids == alone[i].token_ids
+            assert max(abs(a - b) for a, b in zip(other[i].logprobs, alone[i].logprobs)) < 1e-5
+    assert [len(alone[i].token_ids) for i in range(5)] == budgets  # no stop token given: each ends at its budget
+    assert all(alone[i].finish_reason == "length" for i in range(5))
+    assert reqs[4][0] != reqs[0][0]  # request 9 draws under the next seed block
+    # control: rows by position in the batch (what a seed per batch gives) make a request's tokens its batch's
+    together = run([0, 1, 2, 3, 4], draws=[0, 1, 2, 3, 0])
+    shuffled = run([4, 2, 0, 3, 1], draws=[2, 4, 1, 3, 0])
+    assert any(together[i].token_ids != shuffled[i].token_ids for i in range(4))

@@ -71,7 +71,8 @@ class EnvConfig:
     gateway_batch_ms: float = flag(
         0.0,
         "With --agent: requests arriving within this many ms of each other go out as one generate, sooner once "
-        "every running agent has one waiting (0 = one generate per request, draws reproducible). The native "
+        "every running agent has one waiting; a request's draws do not depend on its batch (0 = one generate per "
+        "request). The native "
         "sampler only: with --rollout spool each request goes to the worker as it arrives (it batches them).",
     )
     gateway_max_connections: int = flag(

@@ -175,16 +175,43 @@ def on_ranks(run: Callable[[Any, range], list], client: Any, n: int) -> list:
     return [ep for part, _ in parts for ep in part]
 
 
+def batch_draw(seed: int | None, index: int, requests: int) -> tuple[int | None, int]:
+    """``--gateway-batch-ms``: the generator seed and the draw row of an episode's request number ``requests``. Each
+    decode step of a generate draws one uniform per row of all ``DRAWS`` x episodes rows (``native.Until.draw``) and
+    a request keeps its own row's, so its tokens depend on the call's seed, its episode's place in the step
+    (``index``, global under torchrun) and its request number, never on which requests shared its batch. Requests
+    ``DRAWS`` apart share a row under another seed (a batch goes out as one generate per seed)."""
+    block, r = divmod(requests, DRAWS)
+    return (None if seed is None else seed + 104_729 * block), index * DRAWS + r
+
+
+DRAWS = 8  # an episode's requests drawing from one seed's rows (the built-in agent task makes at most 2)
+
+
+def sample_rows(model: Any, prompts: list[list[int]], params: Any, budgets: list[int], draws: list[int], total: int):
+    """One generate of ``prompts`` on the in-process sampler, each row to its own token budget (cut there, finish
+    ``length``) and drawing from its own row ``draws[i]`` of ``total`` uniforms per decode step (``native.Until``)."""
+    import torch
+
+    from align import heartbeat
+    from align.rollout.native import Until, _generate, packed_weights
+
+    until = Until(list(range(len(prompts))), len(prompts) + 1, budgets, draws, total)  # no row is ever cut early
+    rows = len(prompts)
+    with torch.inference_mode(), packed_weights(model, rows), heartbeat.working("sampler", engine="native", rows=rows):
+        return _generate(model, prompts, params, None, until=until)
+
+
 class Batcher:
-    """``--gateway-batch-ms``: requests arriving within that many ms of the first go out as one generate (sampled to
-    the largest budget among them, each cut at its own: the kept tokens are exactly the sampled ones, the cut one
-    ``length``). The batch draws with its first request's seed, so draws depend on which requests shared a batch.
+    """``--gateway-batch-ms``: requests arriving within that many ms of the first go out as one generate per seed
+    (``generate(prompts, budgets, seed, draws)``, each row sampled to its own budget). A request's ``seed`` and
+    ``draw`` (``batch_draw``) fix its tokens whatever shared its batch: the run is deterministic in one process.
     ``running() -> int``: the agents running now; once each of them has a request waiting, the batch goes out
     without waiting out the window (no agent can add to it)."""
 
     def __init__(
         self,
-        generate: Callable[[list[list[int]], int, int | None], list],
+        generate: Callable[[list[list[int]], list[int], int | None, list[int]], list],
         batch_ms: float,
         running: Callable[[], int] | None = None,
     ) -> None:
@@ -194,8 +221,8 @@ class Batcher:
         self.thread = threading.Thread(target=self._loop, name="align-gateway-batch", daemon=True)
         self.thread.start()
 
-    def __call__(self, ids: list[int], max_tokens: int, seed: int | None) -> Any:
-        slot: dict[str, Any] = {"ids": ids, "max": max_tokens, "seed": seed, "done": threading.Event()}
+    def __call__(self, ids: list[int], max_tokens: int, seed: int | None, draw: int = 0) -> Any:
+        slot: dict[str, Any] = {"ids": ids, "max": max_tokens, "seed": seed, "draw": draw, "done": threading.Event()}
         self.q.put(slot)
         slot["done"].wait()
         if "error" in slot:
@@ -215,19 +242,21 @@ class Batcher:
                     break
                 batch.append(item)
             self.batches.append(len(batch))
-            try:
-                outs = self.generate([s["ids"] for s in batch], max(s["max"] for s in batch), first["seed"])
-                for s, c in zip(batch, outs):
-                    if len(c.token_ids) > s["max"]:
-                        k = s["max"]
-                        c.token_ids, c.logprobs, c.finish_reason = c.token_ids[:k], c.logprobs[:k], "length"
-                        c.sampled_logprobs = c.sampled_logprobs[:k] if c.sampled_logprobs else None
-                    s["out"] = c
-            except BaseException as e:  # noqa: BLE001 -- each waiting request raises it (the gateway answers 500)
-                for s in batch:
-                    s["error"] = e
+            by_seed: dict[int | None, list[dict]] = {}
             for s in batch:
-                s["done"].set()
+                by_seed.setdefault(s["seed"], []).append(s)
+            for seed, part in by_seed.items():
+                try:
+                    outs = self.generate(
+                        [s["ids"] for s in part], [s["max"] for s in part], seed, [s["draw"] for s in part]
+                    )
+                    for s, c in zip(part, outs):
+                        s["out"] = c
+                except BaseException as e:  # noqa: BLE001 -- each waiting request raises it (the gateway answers 500)
+                    for s in part:
+                        s["error"] = e
+                for s in part:
+                    s["done"].set()
 
     def close(self) -> None:
         self.q.put(None)
@@ -343,11 +372,22 @@ class _Agents(AgentEnv):
 
         # a worker batches the requests in flight itself (continuous batching, its prefix cache reusing each turn's)
         batch_ms = cls.cfg.gateway_batch_ms if model is not None else 0.0
-        batcher = Batcher(generate, batch_ms, lambda: min(workers, left[0])) if batch_ms else None
+        total = len(rows) * G * DRAWS  # every episode of the step (all ranks'): each its DRAWS rows of uniforms
+
+        def generate_rows(prompts: list[list[int]], budgets: list[int], seed: int | None, draws: list[int]) -> list:
+            p = dataclasses.replace(params, n=1, max_tokens=max(budgets), seed=seed)
+            with lock, sampler.autocast():
+                outs = sample_rows(model, prompts, p, budgets, draws, total)
+            for c in outs:
+                c.weights_version = client.weights_version
+            return outs
+
+        batcher = Batcher(generate_rows, batch_ms, lambda: min(workers, left[0])) if batch_ms else None
 
         def sample(ids: list[int], max_tokens: int, cap: Any) -> Any:
-            seed = request_seed(params.seed, cap.index, cap.requests)
-            return batcher(ids, max_tokens, seed) if batcher else generate([ids], max_tokens, seed)[0]
+            if batcher:
+                return batcher(ids, max_tokens, *batch_draw(params.seed, cap.index, cap.requests))
+            return generate([ids], max_tokens, request_seed(params.seed, cap.index, cap.requests))[0]
 
         def top(prompt_ids: list[int], token_ids: list[int], k: int) -> list:
             with lock, sampler.autocast():

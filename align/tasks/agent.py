@@ -35,8 +35,10 @@ from align.gateway.agents import bind
 from align.tasks import multiturn, warm
 
 FIRST_TURN_CEILING = multiturn.FIRST_TURN_CEILING
-# multiturn's settings; the gateway batches the agents' concurrent requests into one generate (else one per request)
-TRAIN_DEFAULTS = {**multiturn.TRAIN_DEFAULTS, "envs.gateway_batch_ms": 50.0}
+# multiturn's settings; the gateway batches the agents' concurrent requests into one generate (else one per request):
+# a batch goes out once every running agent has a request in it, the window only bounds the wait for a slow one (a
+# request's draws do not depend on its batch: the run is deterministic whatever the window, align.gateway.agents)
+TRAIN_DEFAULTS = {**multiturn.TRAIN_DEFAULTS, "envs.gateway_batch_ms": 500.0}
 reward = None  # the agent's return value is the reward
 REQUEST_TIMEOUT_S = 300.0  # one request to the gateway (a step's batch of generates included)
 BUSY_RETRIES, BUSY_WAIT_S = 4, 0.05  # a refused connection (503, all open) is retried, as the openai client does
