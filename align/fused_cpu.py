@@ -17,11 +17,12 @@ memory-bound elementwise kernels (``benchmarks/bench_moe.py``, docs/performance.
 
 The sigmoid's exp is Cephes' expf (a degree-6 polynomial after reduction by ln 2, ~1 ulp) written so the compiler
 vectorises it without fast-math (which would link crtfastmath and flush denormals for the whole process). So the
-floats differ from torch's in the last bits; tests/test_fused_cpu.py holds them to the torch composites.
+SwiGLU's floats (and every backward's, by their order of operations) differ from torch's in the last bits;
+tests/test_fused_cpu.py holds each kernel to its torch composite.
 
 Optional by construction: ``load()`` returns None and the callers keep their torch composites (said once in the log)
 when there is no C++ compiler, the build fails (a warning says why), the platform is not Linux, or
-``ALIGN_FUSED_CPU=0``. Built once per source and torch version into ``$XDG_CACHE_HOME/align`` under an exclusive
+``ALIGN_FUSED_CPU=0``. Built once per source, torch version and CPU (``-march=native``) into ``$XDG_CACHE_HOME/align`` under an exclusive
 ``flock``, renamed into place only when complete. Only stdlib and torch are imported (the firewall).
 """
 
