@@ -33,6 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from align import fused_cpu
+
 PACKED_BACKENDS = ("sdpa", "flex")
 LENGTH_SLACK = 1.25  # sdpa: one-sequence segments share a causal call when the longest is <= 1.25x the shortest
 
@@ -40,7 +42,10 @@ LENGTH_SLACK = 1.25  # sdpa: one-sequence segments share a causal call when the 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (B, H, T, D); cos/sin (B, 1, T, D) in x's dtype, ``sin`` with its first half negated (``Transformer.rope``).
     Rotate-half convention (HF): ``x * cos + cat(-x2, x1) * sin`` = ``x * cos + cat(x2, x1) * sin_signed``, the
-    same floats (a negation is exact) without a negated copy of x."""
+    same floats (a negation is exact) without a negated copy of x. fp32 on the CPU: one fused pass each way
+    (``align.fused_cpu``) where it builds."""
+    if (fused := fused_cpu.rope(x, cos, sin)) is not None:
+        return fused
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
     return x * cos + swapped * sin

@@ -37,6 +37,8 @@ import functools
 
 import torch
 
+from align import fused_cpu
+
 TORCH_CHUNK = 8192  # vocabulary columns per step of the torch path
 TORCH_ROWS = 256  # rows per step of the torch path: (256, 8192) float32 work buffers, 8 MiB each, whatever N and V
 TRITON_BLOCK = 4096  # vocabulary tile of one Triton program iteration
@@ -459,8 +461,11 @@ class _RMSNorm(torch.autograd.Function):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``F.rms_norm(x, weight.shape, weight, eps)`` for float32 x and weight (E,): the same forward floats, and under
+    """``F.rms_norm(x, weight.shape, weight, eps)`` for float32 x and weight (E,): on the CPU one fused pass each way
+    (``align.fused_cpu``, last-bit floats of its own) where it builds, else F.rms_norm's floats forward and under
     autograd a fused backward (``_RMSNorm``)."""
+    if fused_cpu.usable(x, weight):
+        return fused_cpu.rms_norm(x, weight, eps)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _RMSNorm.apply(x, weight, eps)
     return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from align import fused_cpu
 from align.errors import InputError
 from align.options import flag  # the one definition of a flag's help
 
@@ -277,9 +278,13 @@ class GroupedExperts(torch.autograd.Function):
         offs = torch.bincount(flat, minlength=X).cumsum(0).to(torch.int32)  # (X,) end of each expert's rows
         xs = x.index_select(0, token)  # (M, E)
         h = GROUPED_MM(xs, gate_up.transpose(1, 2), offs=offs)  # (M, 2F)
-        gate, up = h.chunk(2, dim=-1)
         ws = w.reshape(-1)[order, None].to(h.dtype)  # (M, 1) each sorted pair's weight
-        y = GROUPED_MM(F.silu(gate).mul_(up).mul_(ws), down.transpose(1, 2), offs=offs)  # (M, E), weighted
+        if fused_cpu.usable(h):  # one pass (align.fused_cpu)
+            a = fused_cpu.load().swiglu_fwd(h, ws[:, 0])
+        else:
+            gate, up = h.chunk(2, dim=-1)
+            a = F.silu(gate).mul_(up).mul_(ws)
+        y = GROUPED_MM(a, down.transpose(1, 2), offs=offs)  # (M, E), weighted
         ctx.save_for_backward(xs, h, ws, order, offs, gate_up, down)
         ctx.k, ctx.w_dtype = k, w.dtype
         return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
@@ -289,24 +294,35 @@ class GroupedExperts(torch.autograd.Function):
         xs, h, ws, order, offs, gate_up, down = ctx.saved_tensors
         N, token = grad.shape[0], order // ctx.k
         gs = grad.to(h.dtype).index_select(0, token)  # (M, E) each sorted pair's output gradient
-        gate, up = h.chunk(2, dim=-1)
-        act = F.silu(gate)
-        a = act * up  # (M, F) the unweighted activation
         ga = GROUPED_MM(gs, down, offs=offs)  # (M, F) gradient of the weighted activation / ws
+        if fused_cpu.usable(h):  # one pass: the weighted activation, d ws, d gate | d up (align.fused_cpu)
+            aw, gw_sorted, gh = fused_cpu.load().swiglu_bwd(h, ws[:, 0], ga.contiguous())
+        else:
+            aw, gw_sorted, gh = _swiglu_backward(h, ws, ga)
         gw = None
         if ctx.needs_input_grad[2]:
-            gw = torch.empty_like(ws[:, 0]).index_copy_(0, order, (ga * a).sum(-1)).view(N, -1).to(ctx.w_dtype)
-        g_down = GROUPED_MM(gs.t(), a.mul_(ws), offs=offs) if ctx.needs_input_grad[4] else None  # (X, E, F)
-        ga.mul_(ws)
-        gh = torch.empty_like(h)  # (M, 2F): d gate | d up, written in place (no cat)
-        d_gate, d_up = gh.chunk(2, dim=-1)
-        torch.ops.aten.silu_backward.grad_input(ga * up, gate, grad_input=d_gate)
-        torch.mul(ga, act, out=d_up)
+            gw = torch.empty_like(ws[:, 0]).index_copy_(0, order, gw_sorted).view(N, -1).to(ctx.w_dtype)
+        g_down = GROUPED_MM(gs.t(), aw, offs=offs) if ctx.needs_input_grad[4] else None  # (X, E, F)
         g_gate_up = GROUPED_MM(gh.t(), xs, offs=offs) if ctx.needs_input_grad[3] else None  # (X, 2F, E)
         gx = None
         if ctx.needs_input_grad[0]:
             gx = torch.zeros_like(grad).index_add_(0, token, GROUPED_MM(gh, gate_up, offs=offs).to(grad.dtype))
         return gx, None, gw, g_gate_up, g_down
+
+
+def _swiglu_backward(h: Tensor, ws: Tensor, ga: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """torch composite of ``fused_cpu``'s ``swiglu_bwd``: from h (M, 2F), ws (M, 1), ga (M, F) the weighted
+    activation (M, F), d ws (M,) and d h (M, 2F); ``ga`` is overwritten."""
+    gate, up = h.chunk(2, dim=-1)
+    act = F.silu(gate)
+    a = act * up  # (M, F) the unweighted activation
+    gw = (ga * a).sum(-1)
+    ga.mul_(ws)
+    gh = torch.empty_like(h)  # (M, 2F): d gate | d up, written in place (no cat)
+    d_gate, d_up = gh.chunk(2, dim=-1)
+    torch.ops.aten.silu_backward.grad_input(ga * up, gate, grad_input=d_gate)
+    torch.mul(ga, act, out=d_up)
+    return a.mul_(ws), gw, gh
 
 
 def dense_expert_mix(x: Tensor, idx: Tensor, w: Tensor, experts: nn.ModuleList) -> Tensor:

@@ -7,7 +7,8 @@ run on the same weights and batch: align (``align.moe.expert_mix``: tokens sorte
 ``align.moe.GroupedExperts`` with its hand-written backward), transformers' ``Qwen3MoeForCausalLM`` (its default experts implementation: torch's ``grouped_mm``, and
 ``experts_implementation="eager"``: its loop over the hit experts), and align with the dense reference
 ``align.moe.dense_expert_mix`` (every token through every expert, weights zero where not routed) to show the grouped
-path is the one running. (b) Greedy decode tokens/s of the native sampler vs ``transformers.generate``. (c) A bf16
+path is the one running, and align with its fused CPU kernels off (``align.fused_cpu``: RMSNorm, RoPE, SwiGLU; the
+torch composites ``ALIGN_FUSED_CPU=0`` runs). (b) Greedy decode tokens/s of the native sampler vs ``transformers.generate``. (c) A bf16
 native sampler and an fp32 learner on the same weights: the sampler-trainer mismatch (|log pi - log mu|, rho) and
 the routing mismatch of one GRPO batch, without and with ``--routing-replay rollout``.
 Medians over interleaved repeats; ratios are what to read (absolute times on a shared CPU are noise).
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from align import moe
+from align import fused_cpu, moe
 from align.model import load_pretrained
 from align.rollout.native import generate
 from align.rollout.protocol import SamplingParams
@@ -80,25 +81,33 @@ def main(argv: list[str] | None = None) -> None:
         "transformers": lambda: fwd_bwd(hf, ids, True),
         "transformers_eager_loop": lambda: fwd_bwd(eager, ids, True),
         "align_dense_experts": lambda: fwd_bwd(ours, ids, False),
+        "align_fused_cpu_off": lambda: fwd_bwd(ours, ids, False),  # the torch composites (ALIGN_FUSED_CPU=0)
     }
+    usable = fused_cpu.usable
     times: dict[str, list[float]] = {k: [] for k in runs}
     cpu: dict[str, list[float]] = {k: [] for k in runs}  # this process's CPU time: what other jobs do not inflate
     for _ in range(args.repeats + 1):  # the first round warms up
         for name, fn in runs.items():
             moe.expert_mix = moe.dense_expert_mix if name == "align_dense_experts" else grouped
+            fused_cpu.usable = (lambda *t: False) if name == "align_fused_cpu_off" else usable
             t, c = time.perf_counter(), time.process_time()
             fn()
             times[name].append(time.perf_counter() - t)
             cpu[name].append(time.process_time() - c)
-    moe.expert_mix = grouped
+    moe.expert_mix, fused_cpu.usable = grouped, usable
     med = {k: statistics.median(v[1:]) for k, v in times.items()}
     low = {k: min(v[1:]) for k, v in cpu.items()}
+    # each round's CPU time over the same round's transformers run: paired, so the machine's load cancels
+    paired = {k: statistics.median(a / b for a, b in zip(v[1:], cpu["transformers"][1:])) for k, v in cpu.items()}
     shape = f"{args.batch} x {args.tokens} tokens, {SHAPE['num_experts']} experts top-{SHAPE['num_experts_per_tok']}"
     print(f"(a) forward+backward, {shape}, {args.threads} thread(s), median wall / least CPU time of {args.repeats}")
-    print(f"    max |logit diff| {diff:.1e}")
+    print(f"    max |logit diff| {diff:.1e}; fused CPU kernels: {'on' if usable(ids.float()) else 'off'}")
     for k, v in med.items():
         r, rc = v / med["transformers"], low[k] / low["transformers"]
-        print(f"  {k:<24} wall {v * 1e3:7.1f} ms {r:5.2f}x | CPU {low[k] * 1e3:7.1f} ms {rc:5.2f}x transformers")
+        print(
+            f"  {k:<24} wall {v * 1e3:7.1f} ms {r:5.2f}x | CPU {low[k] * 1e3:7.1f} ms {rc:5.2f}x | "
+            f"median paired CPU ratio {paired[k]:5.3f}x transformers"
+        )
     components(ours, hf, args.batch, args.tokens, args.repeats)
 
     ours.eval(), hf.eval()

@@ -264,8 +264,13 @@ def test_linear_backward_reuses_the_first_logits_block(monkeypatch):
 RMS_GRAD_RTOL = 1e-6  # fp32: the fused backward vs autograd through F.rms_norm's composite, max |diff| / max |grad|
 
 
-def test_rms_norm_matches_f_rms_norm_forward_and_backward():
+def test_rms_norm_matches_f_rms_norm_forward_and_backward(monkeypatch):
+    """The torch path (no fused CPU kernel: ``align.fused_cpu`` off; tests/test_fused_cpu.py tests that one)."""
     import torch.nn.functional as F
+
+    from align import fused_cpu
+
+    monkeypatch.setattr(fused_cpu, "usable", lambda *t: False)
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 50, 512, generator=g).requires_grad_()
