@@ -20,8 +20,11 @@ seeds; only --partial-rollouts differs, and on the native sampler its two --part
 first; then --repeats runs of each, interleaved in rotating order; the median of each figure). Printed: steps/s over the steps after the first, the generator's idle
 fraction (its wait for the trainer / the loop time), the producer's generate + score seconds per step
 (``rollout_time``), the trainer's wait fraction (blocked on its batch / the loop time) and its own seconds per
-step (the loop minus that wait: the bound on steps/s once generation is faster), held-out pass@1 after the last step, the ratios, and the histogram of the partial runs' token
-lags.
+step (the loop minus that wait: the bound on steps/s once generation is faster), the producer thread's CPU
+seconds per step (less moved by the machine's load than wall time), held-out pass@1 after the last step, the
+ratios, and the histogram of the partial runs' token lags. The sampler-alone line also gives a call's length in
+decode steps (the most tokens a row got in it) and the wall time per decode step, plain vs partial: partial
+rollouts shorten the call in steps, and what a step costs decides how much of that reaches the clock.
 
 ``--backend spool``: (b), the same comparison through the vLLM CPU worker (``--rollout spool``): one worker process
 (``.venv-rollout``, in-process engine, one OpenMP thread bound to the second core) serves every run, attached with
@@ -56,6 +59,7 @@ from align.char_tokenizer import CharTokenizer
 from align.model import ModelConfig, Transformer, save_pretrained
 from align.rollout import partial
 from align.rollout.native import generate
+from align.rollout.pipeline import RolloutPipeline
 from align.rollout.protocol import SamplingParams
 from align.train import TrainConfig, train
 
@@ -125,24 +129,54 @@ def shape(model: Path, rows: int = 512) -> dict:
     return {"median": lens[len(lens) // 2], "p90": lens[int(0.9 * len(lens))], "at_cap": sum(n >= CAP for n in lens) / len(lens)}  # fmt: skip
 
 
-def sampler_alone(client, args: argparse.Namespace) -> tuple[float, ...]:
+class Counted:
+    """The bench's view of a sampler client's calls: each call's length in decode steps (the most tokens a row
+    got in it) and its CPU seconds (this thread's: far less moved by the machine's load than wall time)."""
+
+    def __init__(self, client) -> None:
+        self.client, self.calls = client, []  # (decode steps, cpu s)
+
+    def generate(self, prompts, params):
+        c0 = time.thread_time()
+        out = self.client.generate(prompts, params)
+        self.calls.append((max(len(c.token_ids) for c in out), time.thread_time() - c0))
+        return out
+
+    def generate_until(self, prompts, params, need, carried, **kw):
+        c0 = time.thread_time()
+        out = self.client.generate_until(prompts, params, need, carried, **kw)
+        new = [len(o.token_ids) - (len(c.token_ids) if c is not None else 0) for o, c in zip(out, carried)]
+        self.calls.append((max(new), time.thread_time() - c0))
+        return out
+
+    def take(self) -> tuple[float, float]:
+        """(decode steps, CPU s) per call since the last take."""
+        calls, self.calls = self.calls or [(0, 0.0)], []
+        return sum(n for n, _ in calls) / len(calls), sum(s for _, s in calls) / len(calls)
+
+
+def sampler_alone(client, args: argparse.Namespace) -> tuple[tuple[float, ...], dict]:
     """Generation seconds per step of the sampler alone (no trainer, no rewards, one version): ``generate`` of B
     groups vs the partial carry's call (2B groups, stop at B complete, the rest carried; each ``--partial-prefill``
     the backend has: recompute, and keep on the native sampler), over ``args.steps`` steps, and ``generate`` of 2B
     groups (the pool's rows run to the end: what holding 2x the rows costs); interleaved ``args.repeats`` times
-    (after one warm-up call), the medians: (plain, recompute, double[, keep]). ``client``: a NativeClient or a
-    SpoolClient."""
+    (after one warm-up call), the medians: (plain, recompute, double[, keep]); and, for plain and recompute, the
+    medians of a call's length in decode steps and its CPU seconds (native only: a spool call's CPU is the
+    worker's). ``client``: a NativeClient or a SpoolClient."""
     params = SamplingParams(n=args.group_size, max_tokens=CAP, stop_token_ids=[TOK.eos_token_id])
     encoded = [TOK.encode(p["prompt"]) for p in prompts(64, 1)]
     plain, part, double, keep = [], [], [], []
+    counted = Counted(client)
+    steps: dict[str, list[tuple[float, float]]] = {"generate": [], "partial": []}
     client.generate([encoded[0]], replace(params, seed=0))  # warm-up (the worker's first call compiles)
     for _ in range(args.repeats):
         t0 = time.perf_counter()
         for t in range(args.steps):
-            client.generate(
+            counted.generate(
                 [encoded[(t * args.prompts + i) % 64] for i in range(args.prompts)], replace(params, seed=t)
             )
         plain.append((time.perf_counter() - t0) / args.steps)
+        steps["generate"].append(counted.take())
         for mode, times in (("recompute", part), ("keep", keep))[: len(PREFILLS[args.backend])]:
             carry = partial.Carry(args.group_size, None, "drop", pool_factor=args.pool_factor, prefill=mode)
             drawn = [0]
@@ -153,14 +187,18 @@ def sampler_alone(client, args: argparse.Namespace) -> tuple[float, ...]:
 
             t0 = time.perf_counter()
             for t in range(args.steps):
-                carry.draw(t + 1, args.prompts, next_prompts, encoded.__getitem__, replace(params, seed=t), client)
+                carry.draw(t + 1, args.prompts, next_prompts, encoded.__getitem__, replace(params, seed=t), counted)
             times.append((time.perf_counter() - t0) / args.steps)
+            calls = counted.take()
+            if mode == "recompute":
+                steps["partial"].append(calls)
         t0 = time.perf_counter()
         for t in range(args.steps):
             B2 = args.pool_factor * args.prompts
             client.generate([encoded[(t * B2 + i) % 64] for i in range(B2)], replace(params, seed=t))
         double.append((time.perf_counter() - t0) / args.steps)
-    return tuple(sorted(x)[len(x) // 2] for x in (plain, part, double, keep) if x)
+    med = {k: tuple(sorted(x[j] for x in v)[len(v) // 2] for j in range(2)) for k, v in steps.items()}
+    return tuple(sorted(x)[len(x) // 2] for x in (plain, part, double, keep) if x), med
 
 
 def sampler_client(backend: str, model: Path, tmp: Path, stack: contextlib.ExitStack):
@@ -207,13 +245,23 @@ def run(name: str, args: argparse.Namespace, model: Path, tmp: Path, lags: Count
         return real(completions, t)
 
     partial.lag_metrics = counting
+    produce, cpu = RolloutPipeline._produce, [0.0]
+
+    def timed(pipe) -> None:  # the producer thread's CPU seconds (generate + score): load moves it less than wall
+        c0 = time.thread_time()
+        try:
+            produce(pipe)
+        finally:
+            cpu[0] += time.thread_time() - c0
+
+    RolloutPipeline._produce = timed
     try:
         t0 = time.perf_counter()
         train(cfg, model=str(model), tokenizer=TOK, prompts=prompts(64, 1), reward=ends_in_c,
               eval_prompts=prompts(args.eval_prompts, 2))  # fmt: skip
         wall = time.perf_counter() - t0
     finally:
-        partial.lag_metrics = real
+        partial.lag_metrics, RolloutPipeline._produce = real, produce
     recs = [json.loads(line) for line in (tmp / name / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "step_time" in r and r["step"] > 1]
     loop = sum(r["step_time"] for r in steps)
@@ -229,6 +277,7 @@ def run(name: str, args: argparse.Namespace, model: Path, tmp: Path, lags: Count
         "wait_frac": wait / loop,  # the trainer's wait for its batch: ~0 when the trainer is the bottleneck
         "train_s": (loop - wait) / len(steps),  # the trainer's own seconds per step (loss, backward, publish)
         "wall_s": wall,
+        "gen_cpu": cpu[0] / args.steps,  # the producer's CPU seconds per step (every step, the first included)
     }
 
 
@@ -252,19 +301,26 @@ def main() -> None:
     args.hidden = args.hidden or (128 if args.backend == "spool" else 16)
     args.lr = args.lr or (3e-5 if args.backend == "spool" else 3e-4)  # spool: at 3e-4 the long tail is gone by step 16
     torch.set_num_threads(1)
+    print(f"load average at the start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     with tempfile.TemporaryDirectory() as d, contextlib.ExitStack() as stack:
         tmp = Path(d)
         model = length_sampler(tmp / "model", args.layers, args.hidden)
         s = shape(model)
         print(f"completion lengths: median {s['median']}, p90 {s['p90']}, cap {CAP} ({s['at_cap']:.0%} at the cap)")
         client = sampler_client(args.backend, model, tmp, stack)
-        gen, cut, gen2, *kept = sampler_alone(client, args)
+        (gen, cut, gen2, *kept), calls = sampler_alone(client, args)
         print(
             f"sampler alone, s/step of {args.prompts} groups of {args.group_size}: generate {gen:.3f}, partial "
             f"(recompute) {cut:.3f} ({gen / cut:.2f}x)"
             + "".join(f", partial (keep) {k:.3f} ({gen / k:.2f}x)" for k in kept)
             + f"; generate of {args.pool_factor * args.prompts} groups to the end {gen2:.3f} ({gen2 / gen:.2f}x the "
             "rows' cost)"
+        )
+        (n0, c0), (n1, c1) = calls["generate"], calls["partial"]
+        print(
+            f"a call's length: generate {n0:.1f} decode steps, partial (recompute) {n1:.1f} ({n0 / n1:.2f}x fewer); "
+            f"wall s per decode step {gen / n0 * 1e3:.2f} vs {cut / n1 * 1e3:.2f} ms ({cut / n1 / (gen / n0):.2f}x)"
+            + (f"; CPU s per call {c0:.3f} vs {c1:.3f} ({c0 / c1:.2f}x)" if args.backend == "native" else "")
         )
         lags: Counter = Counter()
         names = ["without"] + [f"partial, {m}" for m in PREFILLS[args.backend]]  # the --partial-prefill modes
@@ -283,21 +339,24 @@ def main() -> None:
     print(
         f"{args.backend}, K={args.async_steps}, pool factor {args.pool_factor}, {args.steps} steps x {args.prompts} groups of {args.group_size}, median of {args.repeats} run(s):"
     )
-    head = ("steps/s", "gen idle", "gen s/step", "train wait", "train s/step", "pass@1", "len mean")
+    head = ("steps/s", "gen idle", "gen s/step", "gen cpu/step", "train wait", "train s/step", "pass@1", "len mean")
     print(f"{'':<20}" + "".join(f"{h:>13}" for h in head))
     for name, r in medians.items():
         print(
-            f"{name:<20}{r['steps_per_s']:>13.3f}{r['idle_frac']:>13.1%}{r['gen_s']:>13.3f}{r['wait_frac']:>13.1%}"
+            f"{name:<20}{r['steps_per_s']:>13.3f}{r['idle_frac']:>13.1%}{r['gen_s']:>13.3f}{r['gen_cpu']:>13.3f}"
+            f"{r['wait_frac']:>13.1%}"
             f"{r['train_s']:>13.3f}{r['pass@1']:>13.3f}{r['len_mean']:>13.1f}"
         )
     for name, r in list(medians.items())[1:]:
         print(
             f"ratio {name} / without: {r['steps_per_s'] / base['steps_per_s']:.2f}x steps/s, "
-            f"{base['gen_s'] / r['gen_s']:.2f}x less generation time per step"
+            f"{base['gen_s'] / r['gen_s']:.2f}x less generation time per step, "
+            f"{base['gen_cpu'] / r['gen_cpu']:.2f}x less producer CPU per step"
         )
     if "partial, keep" in medians:
         k, rc = medians["partial, keep"], medians["partial, recompute"]
         print(f"ratio keep / recompute: {k['steps_per_s'] / rc['steps_per_s']:.2f}x steps/s")
+    print(f"load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     total = sum(lags.values())
     print("token lag (versions behind the step's trainer weights), share of trained tokens (every partial run):")
     for lag in sorted(lags):

@@ -109,6 +109,41 @@ def test_a_cut_row_resumes_under_the_new_version_token_by_token(versions, resume
     assert resumed >= 2
 
 
+def test_a_resumed_call_prefills_rows_of_like_length_together(versions, resumed, monkeypatch):
+    """A resumed call holding carried rows (prompt + ids) and fresh prompts prefills them in buckets of like length:
+    each row padded to less than twice its own length, not to the longest carried row's; every token it samples
+    is still exact under the new version (teacher-forced), and not under the old one (the control)."""
+    from align.rollout import native
+
+    v0, v1 = versions
+    first, _ = resumed
+    calls: list[list[int]] = []
+    real = native.prefill
+
+    def recording(model, prompts, max_len, dtype):
+        calls.append([len(p) for p in prompts])
+        return real(model, prompts, max_len, dtype)
+
+    monkeypatch.setattr(native, "prefill", recording)
+    prompts = ENCODED + ENCODED[:2]  # the 4 carried groups and 2 fresh ones
+    again = PARAMS.__class__(**{**PARAMS.__dict__, "seed": 6})
+    got = client(v1, 1).generate_until(prompts, again, len(prompts), [*first, *[None] * (2 * PARAMS.n)])
+    rows = [n for c in calls for n in c]
+    assert len(rows) == sum(a.finish_reason == "cut" for a in first) + 2 * PARAMS.n  # each running row once
+    assert len(calls) >= 2 and all(max(c) < 2 * n for c in calls for n in c)  # padded to < 2x its own length
+    assert len(rows) * max(rows) > sum(len(c) * max(c) for c in calls)  # one prefill at the longest pads more
+    checked = 0
+    for r, c in enumerate(got):
+        j = len(first[r].token_ids) if r < len(first) else 0
+        if len(c.token_ids) == j:
+            continue
+        lps = torch.tensor(c.logprobs[j:])
+        assert (lps - teacher_forced(v1, prompts[c.prompt_index], c.token_ids)[j:]).abs().max() < LOGPROB_ATOL
+        assert (lps - teacher_forced(v0, prompts[c.prompt_index], c.token_ids)[j:]).abs().max() > 100 * LOGPROB_ATOL
+        checked += 1
+    assert checked >= 2 * PARAMS.n
+
+
 def test_the_loss_corrects_a_spanning_completion_token_by_token(versions, resumed):
     """The learner's behaviour logprobs are the stitched per-token ones: trained on version 1's weights, rho =
     pi / mu is 1 on the tokens version 1 sampled and differs from 1 on those version 0 sampled."""

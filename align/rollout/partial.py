@@ -146,7 +146,7 @@ def generate_until(
             budgets = [params.max_tokens - (len(carried[r].token_ids) if carried[r] is not None else 0) for r in run]
             keep = prefill == "keep"
             caches = [_take(kept, prompts[r // n], carried[r]) if keep else None for r in run]
-            start = None if all(c is None for c in caches) else partial(_start, model, rows, caches)
+            start = partial(_start, model, rows, caches)  # rows of like length prefilled together
             until = Until([r // n for r in run], need - done_groups, budgets, run, R, start, {} if keep else None)
             new = _generate(model, rows, dataclasses.replace(params, n=1), None, until=until)
     out = list(carried)
@@ -175,10 +175,21 @@ def _take(kept: dict | None, prompt: list[int], c: Completion | None) -> tuple |
     return caches.pop() if caches else None
 
 
+def _buckets(rows: list[list[int]], idx: list[int]) -> list[list[int]]:
+    """``idx`` grouped by the power of two their row's length falls in: a prefill pads each row to its bucket's
+    longest (less than 2x its own length), not to the call's longest; a few prefills instead of one."""
+    out: dict[int, list[int]] = {}
+    for i in idx:
+        out.setdefault(len(rows[i]).bit_length(), []).append(i)
+    return [out[k] for k in sorted(out)]
+
+
 def _start(model: Any, rows: list[list[int]], caches: list, max_len: int, dtype: Any) -> tuple:
-    """``--partial-prefill keep``: the call's first cache and logits (``native.Until.start``). A row with a kept
-    cache (every token of ``rows[i]`` but the last, computed by older weights) gets its last token fed under the
-    current weights on it; the others are prefilled (prompt + ids). Each right-aligned at the longest row, L."""
+    """A resumed call's first cache and logits (``native.Until.start``). A row with a kept cache (``--partial-prefill
+    keep``: every token of ``rows[i]`` but the last, computed by older weights) gets its last token fed under the
+    current weights on it; the others are prefilled (prompt + ids), rows of like length together (``_buckets``:
+    a fresh prompt is not padded to the longest carried row, whose prefix can be the whole ``max_tokens``). Each
+    right-aligned at the longest row, L."""
     import torch
 
     from align.attention import KVCache
@@ -190,7 +201,9 @@ def _start(model: Any, rows: list[list[int]], caches: list, max_len: int, dtype:
     device = model.lm_head.weight.device
     cache = KVCache(model.config, len(rows), max_len, dtype, device)
     logits = torch.empty(len(rows), model.config.vocab_size, device=device)
-    parts = [(fresh, prefill(model, [rows[i] for i in fresh], L, dtype))] if fresh else []
+    parts = [
+        (b, prefill(model, [rows[i] for i in b], max(len(rows[i]) for i in b), dtype)) for b in _buckets(rows, fresh)
+    ]
     if kept:
         sub = KVCache(model.config, len(kept), L, dtype, device)
         for b, i in enumerate(kept):
@@ -242,6 +255,15 @@ class Carry:
 
     def state(self) -> list[dict]:
         return [{"row": i, "completions": [c.to_dict() for c in cs]} for i, cs in self.groups]
+
+    def snapshot(self) -> list:
+        """What ``state()`` gives now, made plain data only when read (``plain``): the pipeline takes two per step
+        and a checkpoint reads few (``to_dict`` of every carried completion cost ~5% of a producer's step). The
+        carried completions are never changed in place, so holding them is enough. A subclass's own ``state``
+        (episodes: ``align.envs.partial``) is taken at once."""
+        if type(self).state is not Carry.state:
+            return self.state()
+        return [(i, list(cs)) for i, cs in self.groups]
 
     def too_old(self, c: Completion, t: int) -> bool:
         return self.S is not None and bool(c.token_ids) and (t - 1) - min(versions_of(c)) > self.S
@@ -297,6 +319,11 @@ class Carry:
                 for v in groups.scores.terms.values():
                     v[j] = math.nan
                 self.dropped += 1
+
+
+def plain(carry: list) -> list[dict]:
+    """A ``Carry.snapshot`` (or ``Carry.state``, as a checkpoint stores it) as ``state``'s plain data."""
+    return [g if isinstance(g, dict) else {"row": g[0], "completions": [c.to_dict() for c in g[1]]} for g in carry]
 
 
 def check_versions(t: int, v: int, completions: list[Completion]) -> None:

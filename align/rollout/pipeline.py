@@ -54,6 +54,7 @@ from align.rollout.engines import (
     split_requests,
 )
 from align.rollout.groups import Episode, Groups
+from align.rollout.partial import plain
 from align.rollout.protocol import Completion, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ class Produced:
             "seconds": self.seconds,
             "batch": dataclasses.asdict(self.groups),  # the checkpoint key stays "batch" (old runs resume)
         }
-        return d if self.carry is None else {**d, "carry": self.carry}
+        return d if self.carry is None else {**d, "carry": plain(self.carry)}
 
     @classmethod
     def from_state(cls, d: dict) -> Produced:
@@ -212,7 +213,7 @@ class RolloutPipeline:
                 self._check_versions(t, v, batch.completions)
                 with self._cond:
                     cur = None if self.cursor is None else dict(self.cursor)
-                    carry = None if self.carry is None else self.carry.state()
+                    carry = None if self.carry is None else self.carry.snapshot()
                     self.ready[t] = Produced(t, v, batch, cur, seconds, carry)
                     self.producing, self.next_t = None, t + 1
                     self._cond.notify_all()
@@ -259,7 +260,7 @@ class RolloutPipeline:
                 if self._stop:
                     return False
                 self.claim_cursor = None if self.cursor is None else dict(self.cursor)
-                self.claim_carry = None if self.carry is None else self.carry.state()
+                self.claim_carry = None if self.carry is None else self.carry.snapshot()
                 if v == self.engine.version:  # same weights: no lock needed (a refill during a pinned eval tail)
                     self.producing = t
                     self.idle_s += time.monotonic() - t0
@@ -520,12 +521,12 @@ class RolloutPipeline:
             if not complete and not pending and self.producing == missing:  # the resumed run redraws it
                 return self._with_carry({"cursor": dict(self.claim_cursor), "pending_batches": []}, self.claim_carry)
         cur = pending[-1].cursor if pending else self._cursor_before(step + 1)
-        carry = pending[-1].carry if pending else None if self.carry is None else self.carry.state()
+        carry = pending[-1].carry if pending else None if self.carry is None else self.carry.snapshot()
         return self._with_carry({"cursor": dict(cur), "pending_batches": [p.to_state() for p in pending]}, carry)
 
     def _with_carry(self, state: dict, carry: list | None) -> dict:
         """--partial-rollouts: the carried groups after the last stored batch (plain data) ride in the state."""
-        return state if self.carry is None else {**state, "carry": carry or []}
+        return state if self.carry is None else {**state, "carry": plain(carry or [])}
 
     def _cursor_before(self, t: int) -> dict:
         # no pending batch (the last steps): the cursor after the last batch drawn, i.e. that of step t-1's batch,
