@@ -260,6 +260,8 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
 
     def forward(self, x, cos, sin, layer: int, cache: KVCache | None, how: torch.Tensor | PackedLayout | None):
+        if "decode" in self.__dict__ and (out := self.decode(x, cos, sin, layer, cache)) is not None:
+            return out  # one new token per row, fused for CPU sampling (align.rollout.cpu_decode)
         B, T, _ = x.shape
         if "qkv" in self.__dict__:  # fused and packed for CPU sampling (native.packed_weights)
             q, k, v = self.qkv(x).split([self.H * self.D, self.K * self.D, self.K * self.D], dim=-1)

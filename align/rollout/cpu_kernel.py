@@ -9,7 +9,8 @@ rows' partial sums in registers (``benchmarks/bench_packing.py --step`` measures
 One packed-weight contract, two GEMMs (``KERNELS``, best first; ``choose()`` is the one place that picks, from
 torch's CPU capability probe, and the choice is logged once per process): ``avx512`` keeps 1-16 rows x 16 or 32
 columns in its 32 zmm registers; ``avx2`` has 16 ymm registers, so it walks a 16-column block in passes of at most
-6 rows (12 accumulators), the first streaming the block from memory, the others re-reading it from L2.
+6 rows (12 accumulators), the first streaming the block from memory, the others re-reading it from L2. Each
+library also carries the fused decode attention of ``align.rollout.cpu_decode`` (plain C++, built under its flags).
 
 Optional by construction: ``load()`` returns None, and the sampler keeps the MKL/oneDNN layouts (said once in the
 log), when the CPU has neither AVX-512 nor AVX2 + FMA, there is no C++ compiler, the build fails (a warning says
@@ -35,12 +36,16 @@ from pathlib import Path
 
 import torch
 
+from align.rollout import cpu_decode
+
 HEADER = r"""
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -261,6 +266,7 @@ REGISTER = r"""
 TORCH_LIBRARY(@NS@, m) {
   m.def("pack(Tensor[] ws) -> Tensor", &pack);
   m.def("linear(Tensor x, Tensor wp, int n, Tensor? bias) -> Tensor", &linear);
+  m.def("@DECODE@", &decode_attention);
 }
 """
 
@@ -276,7 +282,8 @@ class Kernel:
     gemm: str
 
     def source(self, name: str) -> str:
-        return HEADER + self.gemm + PACK_AND_LINEAR + REGISTER.replace("@NS@", f"align_cpu_{name}")
+        register = REGISTER.replace("@NS@", f"align_cpu_{name}").replace("@DECODE@", cpu_decode.SCHEMA)
+        return HEADER + self.gemm + cpu_decode.SOURCE + PACK_AND_LINEAR + register
 
 
 # The decode GEMMs, best first; ``choose()`` takes the first this CPU runs. Both read the same packed weights.

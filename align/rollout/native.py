@@ -36,7 +36,7 @@ from torch import nn
 from align import heartbeat
 from align.model import MLP, Attention, KVCache, Linear, Transformer
 from align.moe import Routing, moe_layers
-from align.rollout import cpu_kernel, graph_decode
+from align.rollout import cpu_decode, cpu_kernel, graph_decode
 from align.rollout.protocol import Completion, SamplingParams
 
 COMPACT_FRACTION = 0.25  # compact the batch once this fraction of live rows has finished
@@ -150,6 +150,8 @@ def packed_weights(model: nn.Module, rows: int) -> Iterator[bool]:
             if isinstance(m, Attention):
                 m.qkv = PackedLinear([m.q_proj, m.k_proj, m.v_proj], rows)
                 m.o_proj.packed = PackedLinear([m.o_proj], rows)
+                if m.qkv.kind in cpu_kernel.KERNELS and cpu_decode.fusable(m, model.config):  # the kernel's library
+                    m.decode = cpu_decode.FusedAttention(m, _kernel_ops())
             elif isinstance(m, MLP):
                 m.gate_up = PackedLinear([m.gate_proj, m.up_proj], rows)
                 m.down_proj.packed = PackedLinear([m.down_proj], rows)
@@ -161,7 +163,7 @@ def packed_weights(model: nn.Module, rows: int) -> Iterator[bool]:
         yield True
     finally:
         for m in touched:
-            for attr in ("qkv", "gate_up"):
+            for attr in ("qkv", "gate_up", "decode"):
                 m.__dict__.pop(attr, None)
             for sub in m.children():
                 if isinstance(sub, Linear):
