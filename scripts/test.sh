@@ -18,6 +18,10 @@ if ! command -v rsvg-convert >/dev/null; then   # renders plot.svg in tests/test
         exit 1
     fi
 fi
+# build the native CPU kernels (the decode GEMMs, align.fused_cpu) once, before any test's time bound runs: minutes on
+# a loaded machine, cached under ~/.cache/align; a kernel that cannot build here only warns (the torch path runs)
+.venv/bin/python -c "from align import fused_cpu; from align.rollout import cpu_kernel as k
+fused_cpu.load(); [k.load(n) for n in ('avx512', 'avx2') if k.cpu_missing(n) is None]"
 export TRITON_INTERPRET=${TRITON_INTERPRET:-1}   # run Triton kernels for real on the CPU
 export ALIGN_FAIL_ON_SKIP=1   # a skip is a failure unless the test is marked gpu
 exec .venv/bin/python -m pytest -q --durations=30 "$@"   # the 30 slowest: where the suite's time goes
