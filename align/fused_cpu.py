@@ -22,24 +22,24 @@ tests/test_fused_cpu.py holds each kernel to its torch composite.
 
 Optional by construction: ``load()`` returns None and the callers keep their torch composites (said once in the log)
 when there is no C++ compiler, the build fails (a warning says why), the platform is not Linux, or
-``ALIGN_FUSED_CPU=0``. Built once per source, torch version and CPU (``-march=native``) into ``$XDG_CACHE_HOME/align`` under an exclusive
+``ALIGN_FUSED_CPU=0``. Built by ``align.cxx`` once per source, torch version and CPU (``-march=native``) into ``$XDG_CACHE_HOME/align`` under an exclusive
 ``flock``, renamed into place only when complete. Only stdlib and torch are imported (the firewall).
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import logging
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import warnings
 from pathlib import Path
 
 import torch
+
+from align.cxx import build as cxx_build
+from align.cxx import compiler
 
 SOURCE = r"""
 #include <torch/library.h>
@@ -221,44 +221,10 @@ _state: dict[str, object] = {}  # "ops" once loaded, "error" once failed: one tr
 log = logging.getLogger(__name__)
 
 
-def _build(cxx: str) -> tuple[Path, str]:
-    torch_dir = Path(torch.__file__).resolve().parent
-    flags = [
-        *FLAGS,
-        "-std=c++20",
-        "-shared",
-        "-fPIC",
-        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-        f"-I{torch_dir / 'include'}",
-        f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
-    ]
-    libs = [f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_dir / 'lib'}"]
-    cpu = platform.processor() + _cpu_model()  # -march=native: a cache shared across machines keys on the CPU
-    key = hashlib.sha256("\0".join([SOURCE, torch.__version__, str(torch_dir), cpu, *flags]).encode()).hexdigest()[:16]
-    ns = f"align_fused_{key}"
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "align"
-    cache.mkdir(parents=True, exist_ok=True)
-    lib = cache / f"{ns}.so"
-    if lib.exists():
-        return lib, ns
-    with open(cache / f"{ns}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same key
-        if lib.exists():
-            return lib, ns
-        src, tmp = cache / f"{ns}.{os.getpid()}.cpp", cache / f"{ns}.{os.getpid()}.so.tmp"
-        try:
-            src.write_text(SOURCE.replace("@NS@", ns))
-            proc = subprocess.run(
-                [cxx, *flags, str(src), "-o", str(tmp), *libs], capture_output=True, text=True, timeout=600, check=False
-            )
-            if proc.returncode != 0:
-                tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
-                raise RuntimeError(f"{cxx} exited with {proc.returncode}" + (f": {tail}" if tail else ""))
-            os.replace(tmp, lib)
-        finally:
-            src.unlink(missing_ok=True)
-            tmp.unlink(missing_ok=True)
-    return lib, ns
+def _build(cxx: str) -> Path:
+    # -march=native: a cache shared across machines keys on the CPU
+    flags = [*FLAGS, "-std=c++20", "-shared", "-fPIC"]
+    return cxx_build(cxx, "align_fused", SOURCE, flags, key=[SOURCE, platform.processor() + _cpu_model()])
 
 
 def _cpu_model() -> str:
@@ -275,14 +241,13 @@ def _try() -> tuple[object | None, str]:
         return None, "disabled by ALIGN_FUSED_CPU=0"
     if sys.platform != "linux":
         return None, f"built on Linux only (this is {sys.platform})"
-    cxx = next((p for n in (os.environ.get("CXX"), "c++", "g++") if n and (p := shutil.which(n))), None)
-    if cxx is None:
+    if (cxx := compiler()) is None:
         return None, "no C++ compiler found (set CXX, or install g++)"
     lib = None
     try:
-        lib, ns = _build(cxx)
+        lib = _build(cxx)
         torch.ops.load_library(str(lib))
-        return getattr(torch.ops, ns), "built with " + cxx
+        return getattr(torch.ops, lib.stem), "built with " + cxx
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:  # costs speed, never correctness
         why = f"build failed: {e}"
         if lib is not None and lib.exists():  # built but unloadable (e.g. damaged): the next process rebuilds

@@ -22,12 +22,9 @@ next) and renamed into place only when complete. Only stdlib and torch are impor
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import logging
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import warnings
@@ -36,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from align.cxx import build as cxx_build
+from align.cxx import compiler
 from align.rollout import cpu_decode
 
 HEADER = r"""
@@ -330,62 +329,15 @@ def choose() -> tuple[str | None, str]:
     return None, reasons[-1]
 
 
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "c++", "g++"):
-        if name and (path := shutil.which(name)):
-            return path
-    return None
-
-
 def _build(cxx: str, name: str) -> Path:
-    torch_dir = Path(torch.__file__).resolve().parent
-    flags = [
-        "-O3",
-        "-std=c++20",
-        "-shared",
-        "-fPIC",
-        *KERNELS[name].flags,
-        "-fopenmp",
-        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-        f"-I{torch_dir / 'include'}",
-        f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
-    ]
-    libs = [f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_dir / 'lib'}"]
+    flags = ["-O3", "-std=c++20", "-shared", "-fPIC", *KERNELS[name].flags, "-fopenmp"]
     source = KERNELS[name].source(name)
-    key = hashlib.sha256("\0".join([source, torch.__version__, str(torch_dir), *flags]).encode()).hexdigest()[:16]
-    stem = f"align_cpu_{name}_{key}"
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "align"
-    cache.mkdir(parents=True, exist_ok=True)
-    lib = cache / f"{stem}.so"
-    if lib.exists():
-        return lib
-    with open(cache / f"{stem}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same key
-        if lib.exists():
-            return lib
-        for stale in cache.glob(f"{stem}.*.*"):  # left by a builder that was killed (we hold the lock)
-            if stale.suffix in (".cpp", ".tmp"):
-                stale.unlink(missing_ok=True)
-        src = cache / f"{stem}.{os.getpid()}.cpp"
-        tmp = cache / f"{stem}.{os.getpid()}.so.tmp"
-        try:
-            src.write_text(source)
-            proc = subprocess.run(
-                [cxx, *flags, str(src), "-o", str(tmp), *libs], capture_output=True, text=True, timeout=600, check=False
-            )
-            if proc.returncode != 0:
-                tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
-                raise RuntimeError(f"{cxx} exited with {proc.returncode}" + (f": {tail}" if tail else ""))
-            os.replace(tmp, lib)
-        finally:
-            src.unlink(missing_ok=True)
-            tmp.unlink(missing_ok=True)
-    return lib
+    return cxx_build(cxx, f"align_cpu_{name}", source, flags, key=[source])
 
 
 def _try(name: str) -> tuple[object | None, str | None]:
     """Build and load kernel ``name`` (the CPU runs it): (its ops, None) or (None, why not)."""
-    if (cxx := _compiler()) is None:
+    if (cxx := compiler()) is None:
         return None, "no C++ compiler found (set CXX, or install g++)"
     lib = None
     try:
