@@ -1,6 +1,7 @@
 """Building align's C++ CPU kernels (``align.fused_cpu``, ``align.rollout.cpu_kernel``) against the installed torch.
 
-``compiler()``: ``$CXX``, ``c++`` or ``g++``, else None (the callers then keep their torch paths). ``build()``: the
+``load()``: build and load a library's ops, or say why not (the callers then keep their torch paths: a kernel costs
+speed, never correctness). ``compiler()``: ``$CXX``, ``c++`` or ``g++``, else None. ``build()``: the
 shared library of ``source`` with ``flags`` (plus torch's include and ABI flags), cached under
 ``$XDG_CACHE_HOME/align`` (default ``~/.cache/align``) by a hash of ``key`` and the flags, so each source, torch
 build and flag set is compiled once; concurrent processes wait on an exclusive ``flock`` and build it once; the
@@ -14,6 +15,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import warnings
 from pathlib import Path
 
 import torch
@@ -66,3 +68,25 @@ def build(cxx: str, prefix: str, source: str, flags: list[str] | tuple[str, ...]
             src.unlink(missing_ok=True)
             tmp.unlink(missing_ok=True)
     return lib
+
+
+def load(
+    prefix: str, source: str, flags: list[str], key: list[str], namespace: str | None, what: str, fallback: str
+) -> tuple[object | None, str]:
+    """``(torch.ops.<namespace>, "built with <cxx>")`` (``namespace`` None: the library's stem, ``@NS@`` in the
+    source), or ``(None, why not)``: no compiler, a failed build (a warning: ``what`` is unavailable, why, and the ``fallback``), a library that does not
+    load (removed, so the next process rebuilds it)."""
+    if (cxx := compiler()) is None:
+        return None, "no C++ compiler found (set CXX, or install g++)"
+    lib = None
+    try:
+        lib = build(cxx, prefix, source, flags, key)
+        torch.ops.load_library(str(lib))
+        return getattr(torch.ops, namespace or lib.stem), f"built with {cxx}"
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        why = f"build failed: {e}"
+        if lib is not None and lib.exists():  # built but unloadable (e.g. damaged): the next process rebuilds
+            lib.unlink(missing_ok=True)
+            why = f"{lib} did not load ({e}); removed it, the next run rebuilds"
+        warnings.warn(f"align: {what} unavailable ({why}); {fallback}", stacklevel=4)
+        return None, why

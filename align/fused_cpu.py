@@ -31,15 +31,11 @@ from __future__ import annotations
 import logging
 import os
 import platform
-import subprocess
 import sys
-import warnings
-from pathlib import Path
 
 import torch
 
-from align.cxx import build as cxx_build
-from align.cxx import compiler
+from align import cxx
 
 SOURCE = r"""
 #include <torch/library.h>
@@ -221,12 +217,6 @@ _state: dict[str, object] = {}  # "ops" once loaded, "error" once failed: one tr
 log = logging.getLogger(__name__)
 
 
-def _build(cxx: str) -> Path:
-    # -march=native: a cache shared across machines keys on the CPU
-    flags = [*FLAGS, "-std=c++20", "-shared", "-fPIC"]
-    return cxx_build(cxx, "align_fused", SOURCE, flags, key=[SOURCE, platform.processor() + _cpu_model()])
-
-
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -241,20 +231,10 @@ def _try() -> tuple[object | None, str]:
         return None, "disabled by ALIGN_FUSED_CPU=0"
     if sys.platform != "linux":
         return None, f"built on Linux only (this is {sys.platform})"
-    if (cxx := compiler()) is None:
-        return None, "no C++ compiler found (set CXX, or install g++)"
-    lib = None
-    try:
-        lib = _build(cxx)
-        torch.ops.load_library(str(lib))
-        return getattr(torch.ops, lib.stem), "built with " + cxx
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:  # costs speed, never correctness
-        why = f"build failed: {e}"
-        if lib is not None and lib.exists():  # built but unloadable (e.g. damaged): the next process rebuilds
-            lib.unlink(missing_ok=True)
-            why = f"{lib} did not load ({e}); removed it, the next run rebuilds"
-        warnings.warn(f"align: the fused CPU kernels are unavailable ({why}); using torch composites", stacklevel=3)
-        return None, why
+    flags = [*FLAGS, "-std=c++20", "-shared", "-fPIC"]
+    # -march=native: a cache shared across machines keys on the CPU
+    key = [SOURCE, platform.processor() + _cpu_model()]
+    return cxx.load("align_fused", SOURCE, flags, key, None, "the fused CPU kernels are", "using torch composites")
 
 
 def load():

@@ -25,16 +25,12 @@ from __future__ import annotations
 import logging
 import os
 import platform
-import subprocess
 import sys
-import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from align.cxx import build as cxx_build
-from align.cxx import compiler
+from align import cxx
 from align.rollout import cpu_decode
 
 HEADER = r"""
@@ -329,28 +325,12 @@ def choose() -> tuple[str | None, str]:
     return None, reasons[-1]
 
 
-def _build(cxx: str, name: str) -> Path:
+def _try(name: str) -> tuple[object | None, str]:
+    """Build and load kernel ``name`` (the CPU runs it): (its ops, how) or (None, why not)."""
     flags = ["-O3", "-std=c++20", "-shared", "-fPIC", *KERNELS[name].flags, "-fopenmp"]
     source = KERNELS[name].source(name)
-    return cxx_build(cxx, f"align_cpu_{name}", source, flags, key=[source])
-
-
-def _try(name: str) -> tuple[object | None, str | None]:
-    """Build and load kernel ``name`` (the CPU runs it): (its ops, None) or (None, why not)."""
-    if (cxx := compiler()) is None:
-        return None, "no C++ compiler found (set CXX, or install g++)"
-    lib = None
-    try:
-        lib = _build(cxx, name)
-        torch.ops.load_library(str(lib))
-        return getattr(torch.ops, f"align_cpu_{name}"), None
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:  # costs speed, never correctness
-        why = f"build failed: {e}"
-        if lib is not None and lib.exists():  # built but unloadable (e.g. damaged): the next process rebuilds
-            lib.unlink(missing_ok=True)
-            why = f"{lib} did not load ({e}); removed it, the next run rebuilds"
-        warnings.warn(f"align: the {name} decode GEMM is unavailable ({why}); sampling uses MKL/oneDNN", stacklevel=3)
-        return None, why
+    what, fallback = f"the {name} decode GEMM is", "sampling uses MKL/oneDNN"
+    return cxx.load(f"align_cpu_{name}", source, flags, [source], f"align_cpu_{name}", what, fallback)
 
 
 def load(name: str | None = None):
