@@ -260,6 +260,34 @@ def test_cpu_kernel_packs_a_list_as_its_concatenation(kind):
 @pytest.mark.avx512
 @pytest.mark.avx2
 @torch.no_grad()
+def test_packed_weights_are_shared_by_threads_until_the_last_leaves(model):
+    """An eval point and the producer sample one snapshot from two threads: the first context to close must not
+    unpack the layers under the other's generation (it did: the other's later tokens ran other kernels, which round
+    differently, and a resumed run stopped matching the straight one)."""
+    import threading
+
+    entered, leave = threading.Event(), threading.Event()
+    seen = {}
+
+    def other():
+        with torch.no_grad(), native.packed_weights(model, 4):  # grad mode is per thread
+            entered.set()
+            leave.wait(30)
+            seen["packed"] = model.lm_head.packed is not None and "qkv" in model.model.layers[0].self_attn.__dict__
+
+    worker = threading.Thread(target=other)
+    with native.packed_weights(model, 4) as on:
+        assert on
+        worker.start()
+        assert entered.wait(30)
+    attn = model.model.layers[0].self_attn
+    assert model.lm_head.packed is not None and "qkv" in attn.__dict__  # the other thread's context is still open
+    leave.set()
+    worker.join(30)
+    assert seen["packed"] and model.lm_head.packed is None and "qkv" not in attn.__dict__
+
+
+@torch.no_grad()
 def test_cpu_kernels_share_the_packed_weights():
     """The packed-weight contract is one: a weight packed by the AVX-512 build runs in the AVX2 GEMM and the reverse,
     equal to F.linear (on an AVX-512 machine, which runs both)."""

@@ -26,6 +26,8 @@ Shapes: P prompts, R live rows (P * n at most), S cache length, V vocab.
 from __future__ import annotations
 
 import contextlib
+import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -40,6 +42,8 @@ from align.rollout import cpu_decode, cpu_kernel, graph_decode
 from align.rollout.protocol import Completion, SamplingParams
 
 COMPACT_FRACTION = 0.25  # compact the batch once this fraction of live rows has finished
+_PACKING = threading.Lock()  # guards _USERS: the packed_weights contexts open on each model, in any thread
+_USERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 MKL_MAX_BYTES = 8 * 2**20  # fp32 weights below this use MKL's packed sgemm, larger ones oneDNN (PackedLinear)
 
 
@@ -125,7 +129,9 @@ def packed_weights(model: nn.Module, rows: int) -> Iterator[bool]:
     Costs one extra copy of the linear weights while active, made from the current weights on entry (so
     a sampler sharing the training model always sees the latest step). Re-entrant: inside an active
     context (same model) it reuses the copy, so wrapping several ``generate`` calls over unchanged weights
-    packs once (packing the 0.5B shape takes ~1 s here). Do not update the weights inside the context.
+    packs once (packing the 0.5B shape takes ~1 s here). Shared across threads: contexts on one model (an eval
+    point's and the producer's, on one snapshot) hold one copy, and the last to leave removes it, so no thread's
+    generation switches layers mid-way (a race that changed its numerics). Do not update the weights inside it.
     No-op (yields False) off the CPU (CUDA runs the model's own layers), under autograd or CPU autocast (bf16-mixed
     samples in bf16 like the trainer computes), without oneDNN, or for bf16 weights on a CPU without oneDNN's bf16
     support (no AVX-512: its packed bf16 GEMM raises there)."""
@@ -141,10 +147,22 @@ def packed_weights(model: nn.Module, rows: int) -> Iterator[bool]:
     if not usable:
         yield False
         return
-    if model.lm_head.packed is not None:  # an enclosing packed_weights() owns the copy
+    with _PACKING:
+        if _USERS.get(model, 0) == 0:
+            _pack(model, rows)
+        _USERS[model] = _USERS.get(model, 0) + 1
+    try:
         yield True
-        return
-    touched: list[nn.Module] = []
+    finally:
+        with _PACKING:
+            _USERS[model] -= 1
+            if _USERS[model] == 0:
+                del _USERS[model]
+                _unpack(model)
+
+
+def _pack(model: nn.Module, rows: int) -> None:
+    """Sets the packed copies ``packed_weights`` runs on (all or none: a failure undoes the rest)."""
     try:
         for m in model.modules():
             if isinstance(m, Attention):
@@ -155,20 +173,19 @@ def packed_weights(model: nn.Module, rows: int) -> Iterator[bool]:
             elif isinstance(m, MLP):
                 m.gate_up = PackedLinear([m.gate_proj, m.up_proj], rows)
                 m.down_proj.packed = PackedLinear([m.down_proj], rows)
-            else:
-                continue
-            touched.append(m)
         model.lm_head.packed = PackedLinear([model.lm_head], rows)
-        touched.append(model.lm_head)
-        yield True
-    finally:
-        for m in touched:
+    except BaseException:
+        _unpack(model)
+        raise
+
+
+def _unpack(model: nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, (Attention, MLP)):
             for attr in ("qkv", "gate_up", "decode"):
                 m.__dict__.pop(attr, None)
-            for sub in m.children():
-                if isinstance(sub, Linear):
-                    sub.packed = None
-        model.lm_head.packed = None
+        if isinstance(m, Linear):
+            m.packed = None
 
 
 def validate_prompts(prompts: list[list[int]], vocab_size: int, context: int) -> None:
