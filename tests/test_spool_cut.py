@@ -19,12 +19,14 @@ from align.rollout.protocol import Completion, SamplingParams
 from align.rollout.spool import Spool
 
 LOGPROB_TOL = 1e-4  # fp32 vLLM CPU vs fp32 transformers (measured ~1e-5 on the tiny model)
-MAX_MODEL_LEN = 256
+MAX_MODEL_LEN = 2048
 READY_TIMEOUT_S = 300.0
 CALL_TIMEOUT_S = 180.0
-LONG = 100  # max_tokens of the request that is cut
+LONG = 100  # max_tokens of the uncut reference and of a cut row resumed
+ROWS_LEN = 256  # the greedy rows of test_generate_until_...: long enough for the cut to find them running
 BLOCK = 128  # vLLM's KV block on CPU: the prefix cache holds full blocks only
 PROMPTS = [[(7 * i) % 500 + 3 for i in range(BLOCK + 12)], [300, 2, 44, 45, 46, 47]]  # the first fills a block
+BIG = MAX_MODEL_LEN - len(PROMPTS[0])  # max_tokens of a request that is cut: ~10 s of engine steps here, never outrun
 
 
 def _loop_stitch(done: Completion, rest: Completion) -> dict:
@@ -96,7 +98,8 @@ def worker(tmp_path_factory):
 
     require_rollout_venv()
     root = tmp_path_factory.mktemp("cut")
-    m1, m2 = make_tiny_qwen2(root / "v1", seed=0), make_tiny_qwen2(root / "v2", seed=1)
+    tiny = {"max_position_embeddings": MAX_MODEL_LEN}
+    m1, m2 = make_tiny_qwen2(root / "v1", seed=0, **tiny), make_tiny_qwen2(root / "v2", seed=1, **tiny)
     h = spawn_worker(root / "spool", model=m1, log_path=root / "worker.log", max_model_len=MAX_MODEL_LEN,
                      dtype="float32", weights_version=1, ready_timeout_s=READY_TIMEOUT_S)  # fmt: skip
     try:
@@ -108,18 +111,16 @@ def worker(tmp_path_factory):
 
 def _cut_mid_flight(client, params: SamplingParams) -> tuple[P.Message, list[Completion]]:
     """A long request cut while it generates: submitted with a short one behind it, cut once the short one is
-    answered (so the long one has run some steps). A loaded machine may finish the long one before the cut
-    arrives (the trainer's process starved while the worker steps on): then again, with a shorter trigger each time,
-    six times at most."""
-    sp = client.spool
-    for trigger in (8, 4, 2, 2, 1, 1):
-        long = P.generate_request(PROMPTS, params)
-        sp.submit(long)
-        client.generate([[7, 8]], SamplingParams(max_tokens=trigger, seed=2))  # answered after ~trigger steps
-        got = client.cut({long.id: (PROMPTS, params)})
-        if all(c.finish_reason == "cut" and c.token_ids for c in got[long.id]):
-            return long, got[long.id]
-    pytest.fail("the long request finished before its cut arrived, six times: the machine is too slow")
+    answered (so the long one has run some steps). Its ``max_tokens`` (BIG) is seconds of engine steps, so a test
+    process starved on a loaded machine still cuts it mid-flight (at 100 tokens it was outrun six times in a row)."""
+    long = P.generate_request(PROMPTS, params)
+    client.spool.submit(long)
+    client.generate([[7, 8]], SamplingParams(max_tokens=8, seed=2))  # answered after ~8 engine steps
+    got = client.cut({long.id: (PROMPTS, params)})[long.id]
+    assert all(c.finish_reason == "cut" and c.token_ids for c in got), [
+        (c.finish_reason, len(c.token_ids)) for c in got
+    ]
+    return long, got
 
 
 @pytest.mark.rollout
@@ -128,19 +129,20 @@ def test_cut_returns_the_rows_so_far_and_the_continuation_runs_on_the_new_weight
 
     client = worker["client"]
     assert client.weights_version in (None, 1)
-    params = SamplingParams(n=2, max_tokens=LONG, seed=21)
-    uncut = client.generate(PROMPTS, params)
+    params = SamplingParams(n=2, max_tokens=BIG, seed=21)
+    uncut = client.generate(PROMPTS, dataclasses_replace(params, max_tokens=LONG))  # seeded: the same first tokens
     other = client.generate(PROMPTS, SamplingParams(n=2, max_tokens=LONG, seed=22))
     long, rows = _cut_mid_flight(client, params)
     ks = [len(c.token_ids) for c in rows]
-    print(f"\ncut after {ks} of {LONG} tokens; timings {client.last_timings}")
-    assert all(0 < k < LONG for k in ks)
+    print(f"\ncut after {ks} of {BIG} tokens; timings {client.last_timings}")
+    assert all(0 < k < BIG for k in ks)
+    resume = dataclasses_replace(params, max_tokens=max(LONG, max(ks) + 10))  # each row resumed to this length
     worst = 0.0
     for c, u, o in zip(rows, uncut, other):
-        k = len(c.token_ids)
+        k = min(len(c.token_ids), LONG)  # compared with the uncut reference's first k tokens
         assert (c.prompt_index, c.sample_index, c.weights_version) == (u.prompt_index, u.sample_index, 1)
-        assert c.token_ids == u.token_ids[:k]  # the uncut run's first k tokens (same seed)
-        assert c.token_ids != o.token_ids[:k]  # control: another seed samples others
+        assert c.token_ids[:k] == u.token_ids[:k]  # the uncut run's first k tokens (same seed)
+        assert c.token_ids[:k] != o.token_ids[:k]  # control: another seed samples others
         worst = max(worst, max(abs(a - b) for a, b in zip(c.logprobs, u.logprobs)))
         assert c.sampled_logprobs == c.logprobs  # T = 1, no truncation: the same basis as a finished answer
     print(f"cut rows vs the uncut run's first k logprobs: max |diff| = {worst:.2e}")
@@ -149,7 +151,7 @@ def test_cut_returns_the_rows_so_far_and_the_continuation_runs_on_the_new_weight
 
     # the continuation, first under the same weights: its prefix comes from the cache
     assert rows[0].prompt_index == 0
-    prompt, left = C.continuation_prompt(PROMPTS[0], rows[0], params)
+    prompt, left = C.continuation_prompt(PROMPTS[0], rows[0], resume)
     client.generate([prompt], SamplingParams(max_tokens=left, seed=5))
     cached_same = client.last_timings["cached_prompt_tokens"]
 
@@ -157,7 +159,7 @@ def test_cut_returns_the_rows_so_far_and_the_continuation_runs_on_the_new_weight
     assert client.sync_weights(worker["v2"], 2) > 0
     prompts, rests, cached_new = [], [], []
     for c in rows:
-        p, left = C.continuation_prompt(PROMPTS[c.prompt_index], c, params)
+        p, left = C.continuation_prompt(PROMPTS[c.prompt_index], c, resume)
         prompts.append(p)
         (rest,) = client.generate([p], SamplingParams(max_tokens=left, seed=6 + len(rests)))
         rests.append(rest)
@@ -171,7 +173,7 @@ def test_cut_returns_the_rows_so_far_and_the_continuation_runs_on_the_new_weight
         s = C.stitch(c, rest)
         k = len(c.token_ids)
         assert s.token_versions == [1] * k + [2] * len(rest.token_ids) and s.finish_reason == "length"
-        assert len(s.token_ids) == LONG
+        assert len(s.token_ids) == resume.max_tokens
         ref_new = teacher_forced_logprobs(worker["hf2"], p, rest.token_ids)
         ref_old = teacher_forced_logprobs(worker["hf1"], p, rest.token_ids)
         ref_first = teacher_forced_logprobs(worker["hf1"], PROMPTS[c.prompt_index], c.token_ids)
@@ -205,26 +207,22 @@ def test_cutting_an_answered_request_is_harmless(worker):
 @pytest.mark.rollout
 def test_a_queued_request_is_cut_before_it_starts_behind_a_pending_sync(worker):
     """A cut is served between two engine steps, even while a sync waits for the drain: a generate queued behind
-    that sync is answered with every row cut before its first token. (Only while the long request runs: a loaded
-    machine may finish it before the cut arrives, and the sync and the queued request run; then again.)"""
+    that sync is answered with every row cut before its first token. (The long request asks for BIG tokens, seconds of
+    engine steps: the cut arrives while it runs, however loaded the machine.)"""
     client = worker["client"]
     sp = client.spool
-    long_params, queued_params = SamplingParams(n=2, max_tokens=LONG, seed=4), SamplingParams(n=2, max_tokens=8)
-    for attempt in range(3):
-        long = P.generate_request(PROMPTS, long_params)
-        sync = P.sync_request(worker["v1"], 4 + attempt)
-        queued = P.generate_request(PROMPTS, queued_params)
-        for msg in (long, sync, queued):
-            sp.submit(msg)
-        got = client.cut({long.id: (PROMPTS, long_params), queued.id: (PROMPTS, queued_params)})
-        assert client.wait(sync.id, expect="synced")["version"] == 4 + attempt
-        if {c.finish_reason for c in got[long.id]} == {"cut"}:
-            break
-    else:
-        pytest.fail("the long request finished before its cut arrived, three times: the machine is too slow")
+    long_params, queued_params = SamplingParams(n=2, max_tokens=BIG, seed=4), SamplingParams(n=2, max_tokens=8)
+    long = P.generate_request(PROMPTS, long_params)
+    sync = P.sync_request(worker["v1"], 4)
+    queued = P.generate_request(PROMPTS, queued_params)
+    for msg in (long, sync, queued):
+        sp.submit(msg)
+    got = client.cut({long.id: (PROMPTS, long_params), queued.id: (PROMPTS, queued_params)})
+    assert client.wait(sync.id, expect="synced")["version"] == 4
+    assert {c.finish_reason for c in got[long.id]} == {"cut"}
     assert [c.token_ids for c in got[queued.id]] == [[]] * 4 and {c.finish_reason for c in got[queued.id]} == {"cut"}
     before = got[long.id][0].weights_version  # stamped with the weights before the sync, as the long one
-    assert all(c.logprobs == [] and c.weights_version == before != 4 + attempt for c in got[queued.id])
+    assert all(c.logprobs == [] and c.weights_version == before != 4 for c in got[queued.id])
 
 
 def test_a_worker_below_minor_2_is_refused_before_sending(tmp_path):
@@ -268,7 +266,7 @@ def test_generate_until_cuts_the_rest_and_a_second_call_finishes_them(worker):
     them carried finishes every row exactly as the uncut run (same weights: one version, ``token_versions`` None)."""
     client = worker["client"]
     groups = [PROMPTS[1], [5, 17, 99, 123], [7, 8, 9]]
-    longest = MAX_MODEL_LEN - max(len(g) for g in groups) - 1  # rows long enough for the cut to find them running
+    longest = ROWS_LEN - max(len(g) for g in groups) - 1  # rows long enough for the cut to find them running
     ref = client.generate(groups, SamplingParams(n=2, temperature=0.0, max_tokens=longest))
     stop = ref[0].token_ids[3]
     params = SamplingParams(n=2, temperature=0.0, max_tokens=longest, stop_token_ids=[stop])
