@@ -143,20 +143,42 @@ def require_rollout_venv() -> Path:
     pytest.skip(msg)
 
 
-def record_midflight_cuts(monkeypatch) -> list[int]:
-    """Patches ``Carry.draw``: the steps whose draw left a row carried that was cut with tokens (cut mid-generation,
-    so it spans two versions once it finishes). On a real worker whether a cut lands mid-generation is timing: a
-    starved trainer may see every row finished first, and a test asserts the carrying only where one did."""
+class CarryLog:
+    """What ``record_carries`` saw: ``resumed``, per row cut with tokens and continued by a later call, ``(kept,
+    newer)``: its tokens and their versions came back unchanged as the continuation's first ones, and the
+    continuation sampled under newer weights; ``spans``, per step, the fraction of its completions holding tokens of
+    more than one version (what ``rollout/partial_frac`` must report)."""
+
+    def __init__(self):
+        self.resumed: list[tuple[bool, bool]] = []
+        self.spans: dict[int, float] = {}
+
+
+def record_carries(monkeypatch) -> CarryLog:
+    """Patches ``Carry.draw`` and ``Carry._take`` to log each carried row's continuation (``CarryLog``). On a real
+    worker whether a cut lands mid-generation, and whether a carried row finishes before the run ends, is timing;
+    what is asserted regardless: every continuation keeps its row's tokens, and the metric counts what was trained."""
+    from align.rollout.cut import versions_of
     from align.rollout.partial import Carry
 
-    steps: list[int] = []
-    real = Carry.draw
+    log = CarryLog()
+    real_draw, real_take = Carry.draw, Carry._take
+
+    def take(self, pool, need, complete):
+        for (i, old), (j, new) in zip(self.__dict__.pop("before", []), pool):  # carried groups lead the pool
+            for a, b in zip(old, new):
+                if a is not None and b is not a and a.finish_reason == "cut" and a.token_ids:
+                    k = len(a.token_ids)
+                    kept = i == j and b.token_ids[:k] == a.token_ids and versions_of(b)[:k] == versions_of(a)
+                    log.resumed.append((kept, max(versions_of(b)) > max(versions_of(a))))
+        return real_take(self, pool, need, complete)
 
     def draw(self, t, *args, **kw):
-        out = real(self, t, *args, **kw)
-        if any(c is not None and c.finish_reason == "cut" and c.token_ids for _, cs in self.groups for c in cs):
-            steps.append(t)
-        return out
+        self.before = list(self.groups)
+        rows, out = real_draw(self, t, *args, **kw)
+        log.spans[t] = sum(len(set(versions_of(c))) > 1 for c in out) / max(1, len(out))
+        return rows, out
 
+    monkeypatch.setattr(Carry, "_take", take)
     monkeypatch.setattr(Carry, "draw", draw)
-    return steps
+    return log

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers_models import record_midflight_cuts, require_rollout_venv
+from helpers_models import record_carries, require_rollout_venv
 
 from align.rollout import client as client_mod
 from align.rollout.client import WorkerDiedError, make_rollout_client, spawn_worker
@@ -44,13 +44,28 @@ def fleet(tmp_path_factory, reverse_model):
     root = tmp_path_factory.mktemp("fleet")
     tok = reverse.tokenizer()
     base = reverse_model
-    handle = spawn_worker(root / "spool", model=base, engines=2, engine_restarts=1, in_process=True,
-                          eval_engines=1, eval_spool=root / "eval_spool",
-                          dtype="float32", max_model_len=reverse.model_config(tok).max_position_embeddings,
-                          ready_timeout_s=READY_TIMEOUT_S, log_path=root / "fleet.log")  # fmt: skip
+    handle = spawn_worker(
+        root / "spool",
+        model=base,
+        engines=2,
+        engine_restarts=1,
+        in_process=True,
+        eval_engines=1,
+        eval_spool=root / "eval_spool",
+        dtype="float32",
+        max_model_len=reverse.model_config(tok).max_position_embeddings,
+        ready_timeout_s=READY_TIMEOUT_S,
+        log_path=root / "fleet.log",
+    )
     try:
-        yield {"root": root, "handle": handle, "base": base, "tok": tok, "spool": root / "spool",
-               "eval_spool": root / "eval_spool"}  # fmt: skip
+        yield {
+            "root": root,
+            "handle": handle,
+            "base": base,
+            "tok": tok,
+            "spool": root / "spool",
+            "eval_spool": root / "eval_spool",
+        }
     finally:
         handle.shutdown(grace_s=30)
         assert not handle.group_alive(), "a fleet process survived teardown"
@@ -172,8 +187,10 @@ def test_eval_router_runs_on_its_runner_actor_and_never_blocks_rollout(fleet):
     eval_state = eval_client.spool.request_state(big.id)
     body = eval_client.wait(big.id, expect="completions")
     eval_s = time.monotonic() - t_claimed
-    print(f"\nrollout sync + generate: {idle_s:.2f} s with the eval engine idle, {busy_s:.2f} s while it served an "
-          f"eval request of {eval_s:.2f} s")  # fmt: skip
+    print(
+        f"\nrollout sync + generate: {idle_s:.2f} s with the eval engine idle, {busy_s:.2f} s while it served an "
+        f"eval request of {eval_s:.2f} s"
+    )
     assert eval_state == "claimed", f"the eval ({eval_s:.1f} s) was answered before the rollout calls ({busy_s:.1f} s)"
     assert len(body["completions"]) == 384 * 4
     assert {e["version"] for e in roll.spool.read_heartbeat()["engines"]} == {9}
@@ -250,7 +267,7 @@ def test_partial_rollouts_on_the_fleet_train_a_carried_row(fleet, monkeypatch):
     cuts: list[int] = []
     real = cut_lib.cut_requests
     monkeypatch.setattr(cut_lib, "cut_requests", lambda client, ids: cuts.append(len(ids)) or real(client, ids))
-    midflight = record_midflight_cuts(monkeypatch)
+    carries = record_carries(monkeypatch)
     run = fleet["root"] / "partial_run"
     cfg = TrainConfig(
         out=str(run),
@@ -281,9 +298,13 @@ def test_partial_rollouts_on_the_fleet_train_a_carried_row(fleet, monkeypatch):
     assert sum(cuts) > 0  # the fleet was asked to cut rows still running
     lags = [r["rollout/token_lag_max"] for r in recs]
     assert lags[0] == 0 and all(1 <= lag <= 1 + 24 for lag in lags[1:]), lags
-    print(f"rows cut mid-generation in the draws of steps {midflight}")
-    if any(t <= 3 for t in midflight):  # cut early enough to finish and train by step 5
-        assert max(r["rollout/partial_frac"] for r in recs) > 0, recs  # a carried row finished on newer weights
+    assert all(kept for kept, _ in carries.resumed), carries.resumed  # a cut row continues from its own tokens
+    assert [r["rollout/partial_frac"] for r in recs] == [carries.spans[t] for t in range(1, 6)]
+    print(
+        f"rows cut mid-generation and continued: {len(carries.resumed)}, under newer weights: "
+        f"{sum(newer for _, newer in carries.resumed)}; trained spanning versions: {carries.spans}"
+    )
+    if any(carries.spans.values()):  # a carried row finished on newer weights (timing: a starved trainer sees none)
         assert max(lags) >= 2, lags
 
 
@@ -311,13 +332,29 @@ def test_grpo_on_two_engines_survives_an_engine_kill(fleet, monkeypatch):
     monkeypatch.setattr(client_mod.SpoolClient, "generate", spy_generate)
     beats = HeartbeatLog(fleet["spool"])
     run = fleet["root"] / "run"
-    cfg = TrainConfig(out=str(run), steps=4, prompts_per_step=4, group_size=4, max_tokens=6, lr=1e-2,
-                      rollout="spool", spawn_worker=False, spool=str(fleet["spool"]), rollout_num_engines=2,
-                      rollout_timeout_s=CALL_TIMEOUT_S, checkpoint_every=0)  # fmt: skip
+    cfg = TrainConfig(
+        out=str(run),
+        steps=4,
+        prompts_per_step=4,
+        group_size=4,
+        max_tokens=6,
+        lr=1e-2,
+        rollout="spool",
+        spawn_worker=False,
+        spool=str(fleet["spool"]),
+        rollout_num_engines=2,
+        rollout_timeout_s=CALL_TIMEOUT_S,
+        checkpoint_every=0,
+    )
     cfg.eval.eval_interval = 0
     try:
-        summary = train(cfg, model=str(fleet["base"]), tokenizer=fleet["tok"], prompts=reverse.prompts(16, "train"),
-                        reward=lambda prompt, completion, **_: completion.count("a") / 6)  # fmt: skip
+        summary = train(
+            cfg,
+            model=str(fleet["base"]),
+            tokenizer=fleet["tok"],
+            prompts=reverse.prompts(16, "train"),
+            reward=lambda prompt, completion, **_: completion.count("a") / 6,
+        )
     finally:
         seen = beats.stop()
     assert summary["steps"] == 4

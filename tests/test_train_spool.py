@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers_models import record_midflight_cuts, require_rollout_venv
+from helpers_models import record_carries, require_rollout_venv
 from helpers_train import records, spool_cfg, two_turns
 
 from align.tasks import reverse
@@ -104,11 +104,49 @@ def test_lean_episodes_on_the_spool_worker_train_on_what_vllm_sampled(prover, tm
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in lean_rows(4)))
     calls = tmp_path / "repl_calls.jsonl"
-    argv = ["--out", str(tmp_path / "run"), "--model", prover, "--train-data", str(data), "--env", "lean",
-            "--lean-repl", standin(calls), "--lean-workers", "2", "--max-turns", "2", "--lean-correction-fraction",
-            "0.5", "--rollout", "spool", "--rollout-in-process", "--rollout-timeout-s", "600", "--steps", "2",
-            "--prompts-per-step", "2", "--group-size", "4", "--max-tokens", "24", "--lr", "1e-3", "--warmup-steps",
-            "0", "--threads", "1", "--checkpoint-every", "0", "--eval-interval", "0", "--preset", "dr_grpo"]  # fmt: skip
+    argv = [
+        "--out",
+        str(tmp_path / "run"),
+        "--model",
+        prover,
+        "--train-data",
+        str(data),
+        "--env",
+        "lean",
+        "--lean-repl",
+        standin(calls),
+        "--lean-workers",
+        "2",
+        "--max-turns",
+        "2",
+        "--lean-correction-fraction",
+        "0.5",
+        "--rollout",
+        "spool",
+        "--rollout-in-process",
+        "--rollout-timeout-s",
+        "600",
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--max-tokens",
+        "24",
+        "--lr",
+        "1e-3",
+        "--warmup-steps",
+        "0",
+        "--threads",
+        "1",
+        "--checkpoint-every",
+        "0",
+        "--eval-interval",
+        "0",
+        "--preset",
+        "dr_grpo",
+    ]
     assert main(argv) == 0
     recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2] and [len(eps) for eps in trained] == [8, 8]
@@ -324,7 +362,7 @@ def test_partial_rollouts_on_the_spool_worker_cut_carry_and_train(tmp_path, reve
     cuts: list[int] = []
     real = cut_lib.cut_requests
     monkeypatch.setattr(cut_lib, "cut_requests", lambda client, ids: cuts.append(len(ids)) or real(client, ids))
-    midflight = record_midflight_cuts(monkeypatch)
+    carries = record_carries(monkeypatch)
     cfg = spool_cfg(tmp_path / "run", steps=4, max_async_steps=1, partial_rollouts=True, max_tokens=24)
     summary = train(
         cfg,
@@ -339,7 +377,11 @@ def test_partial_rollouts_on_the_spool_worker_cut_carry_and_train(tmp_path, reve
     assert sum(cuts) > 0  # the worker was asked to cut rows still running
     lags = [r["rollout/token_lag_max"] for r in recs]  # (t-1) - version: K = 1 for a fresh token, more if carried
     assert lags[0] == 0 and all(1 <= lag <= 1 + 24 for lag in lags[1:]), lags
-    print(f"rows cut mid-generation in the draws of steps {midflight}")
-    if any(t <= 2 for t in midflight):  # cut early enough to finish and train by step 4
-        assert max(r["rollout/partial_frac"] for r in recs) > 0  # a carried row finished under newer weights
+    assert all(kept for kept, _ in carries.resumed), carries.resumed  # a cut row continues from its own tokens
+    assert [r["rollout/partial_frac"] for r in recs] == [carries.spans[t] for t in range(1, 5)]
+    print(
+        f"rows cut mid-generation and continued: {len(carries.resumed)}, under newer weights: "
+        f"{sum(newer for _, newer in carries.resumed)}; trained spanning versions: {carries.spans}"
+    )
+    if any(carries.spans.values()):  # a carried row finished under newer weights (timing: a starved trainer sees none)
         assert max(lags) >= 2, lags
