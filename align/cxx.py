@@ -15,6 +15,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import threading
 import warnings
 from pathlib import Path
 
@@ -70,12 +71,25 @@ def build(cxx: str, prefix: str, source: str, flags: list[str] | tuple[str, ...]
     return lib
 
 
+_LOADED: dict[tuple, tuple[object | None, str]] = {}  # one outcome per library and process
+_LOADING = threading.Lock()  # threads asking at once wait for one build, one load, one warning
+
+
 def load(
     prefix: str, source: str, flags: list[str], key: list[str], namespace: str | None, what: str, fallback: str
 ) -> tuple[object | None, str]:
     """``(torch.ops.<namespace>, "built with <cxx>")`` (``namespace`` None: the library's stem, ``@NS@`` in the
-    source), or ``(None, why not)``: no compiler, a failed build (a warning: ``what`` is unavailable, why, and the ``fallback``), a library that does not
-    load (removed, so the next process rebuilds it)."""
+    source), or ``(None, why not)``: no compiler, a failed build (a warning: ``what`` is unavailable, why, and the
+    ``fallback``), a library that does not load (removed, so the next process rebuilds it). Tried once per process
+    for each library (the same outcome after), under a lock."""
+    memo = (prefix, source, tuple(flags), tuple(key), namespace)
+    with _LOADING:
+        if memo not in _LOADED:
+            _LOADED[memo] = _load(prefix, source, flags, key, namespace, what, fallback)
+        return _LOADED[memo]
+
+
+def _load(prefix, source, flags, key, namespace, what, fallback) -> tuple[object | None, str]:
     if (cxx := compiler()) is None:
         return None, "no C++ compiler found (set CXX, or install g++)"
     lib = None
@@ -88,5 +102,5 @@ def load(
         if lib is not None and lib.exists():  # built but unloadable (e.g. damaged): the next process rebuilds
             lib.unlink(missing_ok=True)
             why = f"{lib} did not load ({e}); removed it, the next run rebuilds"
-        warnings.warn(f"align: {what} unavailable ({why}); {fallback}", stacklevel=4)
+        warnings.warn(f"align: {what} unavailable ({why}); {fallback}", stacklevel=5)
         return None, why

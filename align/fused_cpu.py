@@ -212,7 +212,7 @@ TORCH_LIBRARY(@NS@, m) {
 }
 """
 
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off")
 _state: dict[str, object] = {}  # "ops" once loaded, "error" once failed: one try per process
 log = logging.getLogger(__name__)
 

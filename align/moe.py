@@ -277,7 +277,7 @@ class GroupedExperts(torch.autograd.Function):
         token = order // k  # (M,) the token of each sorted pair
         offs = torch.bincount(flat, minlength=X).cumsum(0).to(torch.int32)  # (X,) end of each expert's rows
         xs = x.index_select(0, token)  # (M, E)
-        h = GROUPED_MM(xs, gate_up.transpose(1, 2), offs=offs)  # (M, 2F)
+        h = GROUPED_MM(xs, gate_up.transpose(1, 2), offs=offs).contiguous()  # (M, 2F), as the fused kernels read it
         ws = w.reshape(-1)[order, None].to(h.dtype)  # (M, 1) each sorted pair's weight
         if fused_cpu.usable(h):  # one pass (align.fused_cpu)
             a = fused_cpu.load().swiglu_fwd(h, ws[:, 0])

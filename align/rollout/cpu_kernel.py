@@ -327,7 +327,7 @@ def choose() -> tuple[str | None, str]:
 
 def _try(name: str) -> tuple[object | None, str]:
     """Build and load kernel ``name`` (the CPU runs it): (its ops, how) or (None, why not)."""
-    flags = ["-O3", "-std=c++20", "-shared", "-fPIC", *KERNELS[name].flags, "-fopenmp"]
+    flags = ["-O3", "-std=c++20", "-shared", "-fPIC", *KERNELS[name].flags, "-fopenmp", "-ffp-contract=off"]
     source = KERNELS[name].source(name)
     what, fallback = f"the {name} decode GEMM is", "sampling uses MKL/oneDNN"
     return cxx.load(f"align_cpu_{name}", source, flags, [source], f"align_cpu_{name}", what, fallback)

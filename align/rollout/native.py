@@ -42,8 +42,8 @@ from align.rollout import cpu_decode, cpu_kernel, graph_decode
 from align.rollout.protocol import Completion, SamplingParams
 
 COMPACT_FRACTION = 0.25  # compact the batch once this fraction of live rows has finished
-_PACKING = threading.Lock()  # guards _USERS: the packed_weights contexts open on each model, in any thread
-_USERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()  # guards _LOCKS
+_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the RLock its packed_weights contexts hold
 MKL_MAX_BYTES = 8 * 2**20  # fp32 weights below this use MKL's packed sgemm, larger ones oneDNN (PackedLinear)
 
 
@@ -129,9 +129,10 @@ def packed_weights(model: nn.Module, rows: int) -> Iterator[bool]:
     Costs one extra copy of the linear weights while active, made from the current weights on entry (so
     a sampler sharing the training model always sees the latest step). Re-entrant: inside an active
     context (same model) it reuses the copy, so wrapping several ``generate`` calls over unchanged weights
-    packs once (packing the 0.5B shape takes ~1 s here). Shared across threads: contexts on one model (an eval
-    point's and the producer's, on one snapshot) hold one copy, and the last to leave removes it, so no thread's
-    generation switches layers mid-way (a race that changed its numerics). Do not update the weights inside it.
+    packs once (packing the 0.5B shape takes ~1 s here). One thread at a time per model: a context holds the
+    model's lock until it leaves, so two threads sampling one snapshot (an eval point and the producer) take turns,
+    each on a copy packed for its own rows, and no thread's generation switches layers mid-way (the race that
+    changed its numerics). Do not update the weights inside it.
     No-op (yields False) off the CPU (CUDA runs the model's own layers), under autograd or CPU autocast (bf16-mixed
     samples in bf16 like the trainer computes), without oneDNN, or for bf16 weights on a CPU without oneDNN's bf16
     support (no AVX-512: its packed bf16 GEMM raises there)."""
@@ -147,18 +148,17 @@ def packed_weights(model: nn.Module, rows: int) -> Iterator[bool]:
     if not usable:
         yield False
         return
-    with _PACKING:
-        if _USERS.get(model, 0) == 0:
-            _pack(model, rows)
-        _USERS[model] = _USERS.get(model, 0) + 1
-    try:
-        yield True
-    finally:
-        with _PACKING:
-            _USERS[model] -= 1
-            if _USERS[model] == 0:
-                del _USERS[model]
-                _unpack(model)
+    with _LOCKS_GUARD:
+        lock = _LOCKS.setdefault(model, threading.RLock())
+    with lock:
+        if getattr(model.lm_head, "packed", None) is not None:  # this thread's own context is open: reuse its copy
+            yield True
+            return
+        _pack(model, rows)
+        try:
+            yield True
+        finally:
+            _unpack(model)
 
 
 def _pack(model: nn.Module, rows: int) -> None:
