@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_packing.py                 # the layout table
     .venv-rollout/bin/python benchmarks/bench_packing.py --step  # one decode step's GEMMs, with vLLM's kernel
+    .venv/bin/python benchmarks/bench_packing.py --whole         # the 0.5B shape's whole decode step vs memory
 
 Layout table: for the weight shapes of the two ``bench_sampler.py`` models at their decode row counts, each
 layout runs a chain of distinct copies of the weight (~400 MB in all, so every call streams its weight from
@@ -16,6 +17,11 @@ side on an AVX-512 machine) and as it runs them without that kernel, with oneDNN
 ``.venv-rollout``), and a plain streaming read of the same bytes (``sum``: the memory ceiling no kernel
 beats). A second, identical copy of align's weights shows how much the placement of the weights in memory
 alone moves the figure on this VM. Medians over interleaved repeats in a shuffled order.
+
+``--whole``: the native sampler's whole decode step on the Qwen2.5-0.5B shape (8 rows, 32-token prompts: GEMMs,
+attention, norms, sampling, Python), as ``generate`` runs it on packed weights: the time of 33 new tokens minus
+the time of 1 (the prefill and the first token), per token, against a streaming read of every weight a step reads
+(all layers and the tied vocabulary head), paired per repeat.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import best_time
+from common import QWEN25_05B, best_time
 
 from align.rollout import cpu_kernel, native
 from align.rollout.native import PackedLinear
@@ -156,12 +162,52 @@ def layout_case(m: int, n: int, k: int) -> None:
     )
 
 
+def whole_step(repeats: int) -> None:
+    from align.model import ModelConfig, Transformer
+    from align.rollout.protocol import SamplingParams
+
+    cfg = ModelConfig(model_type="qwen2", qkv_bias=True, max_position_embeddings=1024, **QWEN25_05B)
+    model = Transformer(cfg).init_weights(seed=0).eval()
+    rows, plen, new = 8, 32, 33
+    prompts = torch.randint(3, cfg.vocab_size, (rows, plen), generator=torch.Generator().manual_seed(0)).tolist()
+    params = [p for n, p in model.named_parameters() if "embed_tokens" not in n or cfg.tie_word_embeddings]
+    read = [p.detach().reshape(-1).clone() for p in params]  # the vocabulary head once, tied or not
+    nbytes = sum(r.numel() * 4 for r in read)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n{cpu_kernel.describe()}")
+    print(f"\n## qwen2.5-0.5b shape, {rows} rows, whole decode step: {nbytes / 1e6:.0f} MB of fp32 weights per step")
+    ratios, steps, ceilings = [], [], []
+    with torch.inference_mode(), native.packed_weights(model, rows):
+        run = [
+            lambda n=n: native.generate(model, prompts, SamplingParams(temperature=1.0, max_tokens=n, seed=0))
+            for n in (1, new)
+        ]
+        run[0](), run[1]()
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run[0]()
+            t1 = time.perf_counter()
+            run[1]()
+            t2 = time.perf_counter()
+            [r.sum() for r in read]
+            t3 = time.perf_counter()
+            step = ((t2 - t1) - (t1 - t0)) / (new - 1)
+            steps.append(step), ceilings.append(t3 - t2), ratios.append((t3 - t2) / step)
+    print(f"{'':<28}{'ms/step':>9}{'GB/s':>7}")
+    for name, ts in (("streaming read (sum)", ceilings), ("native decode step (whole)", steps)):
+        med = statistics.median(ts)
+        print(f"{name:<28}{med * 1e3:>9.2f}{nbytes / med / 1e9:>7.1f}")
+    print(f"whole step of ceiling: {statistics.median(ratios):.0%} (median of {repeats} paired repeats)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--step", action="store_true", help="one decode step's GEMMs per shape, vs vLLM's kernel")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--shape", choices=["small", "qwen2.5-0.5b", "all"], default="all", help="--step: which step")
+    ap.add_argument("--whole", action="store_true", help="the 0.5B shape's whole decode step vs a streaming read")
     args = ap.parse_args()
+    if args.whole:
+        return whole_step(args.repeats)
     if args.step:
         return step_chain(args.repeats, args.shape)
     if not torch.backends.mkl.is_available():
