@@ -163,13 +163,14 @@ class Session:
     def _decode(self, logits: torch.Tensor, max_new: list[int], stop: Stop | None) -> list[Turn]:
         rows = self._decode_rows(logits, max_new, stop is not None)
         answer = None
-        while True:
-            with heartbeat.working("sampler", engine="native session", rows=len(self.rows)):  # for the watchdog
-                try:
-                    ended = rows.send(answer)
-                except StopIteration as finished:
-                    return finished.value
-            answer = stop(ended)  # outside the sampler's call: a stuck environment step is named as the environment
+        with contextlib.closing(rows):  # an environment's stop that raises closes the decode loop at once
+            while True:
+                with heartbeat.working("sampler", engine="native session", rows=len(self.rows)):  # for the watchdog
+                    try:
+                        ended = rows.send(answer)
+                    except StopIteration as finished:
+                        return finished.value
+                answer = stop(ended)  # outside the sampler's call: a stuck environment step is named as the environment
 
     def _decode_rows(self, logits: torch.Tensor, max_new: list[int], asks: bool) -> Generator:
         """Sample until every row stopped or used its budget; the slots a row wrote after its end become invalid.
