@@ -19,14 +19,14 @@ from align.rollout.protocol import Completion, SamplingParams
 from align.rollout.spool import Spool
 
 LOGPROB_TOL = 1e-4  # fp32 vLLM CPU vs fp32 transformers (measured ~1e-5 on the tiny model)
-MAX_MODEL_LEN = 2048
+MAX_MODEL_LEN = 16384  # the tiny model's context, raised so a request can run long
 READY_TIMEOUT_S = 300.0
 CALL_TIMEOUT_S = 180.0
 LONG = 100  # max_tokens of the uncut reference and of a cut row resumed
 ROWS_LEN = 256  # the greedy rows of test_generate_until_...: long enough for the cut to find them running
 BLOCK = 128  # vLLM's KV block on CPU: the prefix cache holds full blocks only
 PROMPTS = [[(7 * i) % 500 + 3 for i in range(BLOCK + 12)], [300, 2, 44, 45, 46, 47]]  # the first fills a block
-BIG = MAX_MODEL_LEN - len(PROMPTS[0])  # max_tokens of a request that is cut: ~10 s of engine steps here, never outrun
+BIG = MAX_MODEL_LEN - len(PROMPTS[0])  # max_tokens of a request that is cut: ~50 s of engine steps, never outrun
 
 
 def _loop_stitch(done: Completion, rest: Completion) -> dict:
@@ -111,7 +111,7 @@ def worker(tmp_path_factory):
 
 def _cut_mid_flight(client, params: SamplingParams) -> tuple[P.Message, list[Completion]]:
     """A long request cut while it generates: submitted with a short one behind it, cut once the short one is
-    answered (so the long one has run some steps). Its ``max_tokens`` (BIG) is seconds of engine steps, so a test
+    answered (so the long one has run some steps). Its ``max_tokens`` (BIG) is ~50 s of engine steps, so a test
     process starved on a loaded machine still cuts it mid-flight (at 100 tokens it was outrun six times in a row)."""
     long = P.generate_request(PROMPTS, params)
     client.spool.submit(long)
@@ -207,7 +207,7 @@ def test_cutting_an_answered_request_is_harmless(worker):
 @pytest.mark.rollout
 def test_a_queued_request_is_cut_before_it_starts_behind_a_pending_sync(worker):
     """A cut is served between two engine steps, even while a sync waits for the drain: a generate queued behind
-    that sync is answered with every row cut before its first token. (The long request asks for BIG tokens, seconds of
+    that sync is answered with every row cut before its first token. (The long request asks for BIG tokens, ~50 s of
     engine steps: the cut arrives while it runs, however loaded the machine.)"""
     client = worker["client"]
     sp = client.spool
