@@ -196,7 +196,7 @@ def sample_rows(model: Any, prompts: list[list[int]], params: Any, budgets: list
     from align import heartbeat
     from align.rollout.native import Until, _generate, packed_weights
 
-    until = Until(list(range(len(prompts))), None, budgets, draws, total)  # per-row budgets and draws, no cut
+    until = Until(list(range(len(prompts))), len(prompts), budgets, draws, total)  # every row a group: none is cut
     rows = len(prompts)
     with torch.inference_mode(), packed_weights(model, rows), heartbeat.working("sampler", engine="native", rows=rows):
         return _generate(model, prompts, params, None, until=until)

@@ -275,8 +275,8 @@ def sample_next(
 
 class Until(NamedTuple):
     """Stop a ``_generate`` call at a token boundary once ``need`` groups are complete (``--partial-rollouts``,
-    ``align.rollout.partial``); every row still running comes back cut (``finish_reason == "cut"``). ``need`` None:
-    no row is cut (a call that only wants the per-row options below: the gateway's batches).
+    ``align.rollout.partial``); every row still running comes back cut (``finish_reason == "cut"``). ``need``
+    = every group: no row is cut (a call that only wants the per-row options below: the gateway's batches).
 
     ``groups``: the group of each row; ``budgets``: each row's token budget (None: ``max_tokens``); ``draw``: each
     row's index in the uniforms of a step, of ``total`` (None: the rows in order). ``start`` (``--partial-prefill
@@ -285,7 +285,7 @@ class Until(NamedTuple):
     a dict the call fills with each cut row's cache, {row: (k, v)} (L, K, S_row, D), every token fed so far."""
 
     groups: list[int]
-    need: int | None
+    need: int
     budgets: list[int] | None = None
     draw: list[int] | None = None
     total: int | None = None
@@ -448,9 +448,7 @@ def _generate(
                     for r in row_id[finished].tolist():
                         left[until.groups[r]] -= 1
                         complete += left[until.groups[r]] == 0
-        if (
-            until is not None and until.need is not None and complete >= until.need and n_done < done.numel()
-        ):  # cut the rows still running
+        if until is not None and complete >= until.need and n_done < done.numel():  # cut the rows still running
             length[row_id[~done]] = t + 1
             cut[row_id[~done]] = True
             if until.kept is not None:  # --partial-prefill keep: each cut row's cache, the slots it has written
