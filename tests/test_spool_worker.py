@@ -250,21 +250,25 @@ def test_a_request_written_mid_flight_joins_the_running_engine(fleet):
     for _ in range(3):  # a loaded machine may not look again before the long request is answered: a new one then
         long = P.generate_request([[i + 3, i + 4, i + 5] for i in range(8)], SamplingParams(max_tokens=200, seed=1))
         sp.submit(long)
-        if _past_pending(sp, long.id, "the long request") == "claimed":  # in the engine (added as it is claimed)
+        if _past_pending(sp, long.id, "the long request") != "claimed":  # answered before this process looked
+            fleet.client.wait(long.id, expect="completions")
+            continue
+        t0 = time.time()  # the short request is created now (its own clock: this process may lose the CPU later)
+        short = fleet.client.generate([[7, 8]], SamplingParams(max_tokens=2, seed=2))
+        st = fleet.client.last_timings
+        body = fleet.client.wait(long.id, expect="completions")
+        # when each was claimed and done, by the worker's own figures (how late this process looks cannot change them)
+        short_claimed, short_done = t0 + st["queue_s"], t0 + st["queue_s"] + st["generate_s"]
+        long_done = long.created + body["timings"]["queue_s"] + body["timings"]["generate_s"]
+        if long_done > short_claimed:  # the long one was still in flight when the worker took the short one
             break
-        fleet.client.wait(long.id, expect="completions")
     else:
-        pytest.fail("the long request was answered before this process looked, three times: the machine is too slow")
-    t0 = time.time()  # the short request is created now (its own clock: this process may lose the CPU later)
-    short = fleet.client.generate([[7, 8]], SamplingParams(max_tokens=2, seed=2))
+        pytest.fail(
+            "the long request was answered before the short one was claimed, three times: a barrier worker, or a machine too slow"
+        )
     assert len(short[0].token_ids) == 2
-    st = fleet.client.last_timings
     assert st["batch_requests"] == 2  # it shared the engine with the long one
-    body = fleet.client.wait(long.id, expect="completions")
     assert [len(c["token_ids"]) for c in body["completions"]] == [200] * 8 and body["timings"]["batch_requests"] == 2
-    # when each was done, by the worker's own figures (how late this process looks cannot change them)
-    short_done = t0 + st["queue_s"] + st["generate_s"]
-    long_done = long.created + body["timings"]["queue_s"] + body["timings"]["generate_s"]
     assert short_done < long_done, "the short request was answered only after the long one"
 
 
