@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
             f"  {k:<24} wall {v * 1e3:7.1f} ms {r:5.2f}x | CPU {low[k] * 1e3:7.1f} ms {rc:5.2f}x | "
             f"median paired CPU ratio {paired[k]:5.3f}x transformers"
         )
+    floor(ours, hf, ids, args.repeats)
     components(ours, hf, args.batch, args.tokens, args.repeats)
 
     ours.eval(), hf.eval()
@@ -128,6 +129,41 @@ def main(argv: list[str] | None = None) -> None:
         tps = len(prompts) * n / statistics.median(v)
         print(f"  {k:<22} {tps:8.1f} tokens/s")
     replay_stats(ours, 4, args.decode_tokens)
+
+
+SHARED_KERNELS = ("aten.mm", "aten.addmm", "aten.bmm", "grouped_mm", "flash_attention", "log_softmax")
+
+
+def floor(ours, hf, ids, repeats: int) -> None:
+    """The CPU time of the kernels both sides run alike (GEMMs, grouped GEMMs, flash attention, the loss's
+    log-softmax), timed per call inside each one's forward + backward, over the same round's whole transformers run:
+    how far below transformers' time no change outside those kernels can take align."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Timed(TorchDispatchMode):
+        shared = 0.0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            c = time.process_time()
+            out = func(*args, **(kwargs or {}))
+            if any(k in str(func) for k in SHARED_KERNELS):
+                self.shared += time.process_time() - c
+            return out
+
+    rows: dict[str, list[float]] = {"align": [], "transformers": [], "whole": []}
+    for _ in range(repeats):
+        for name, model, is_hf in (("align", ours, False), ("transformers", hf, True)):
+            with Timed() as t:
+                fwd_bwd(model, ids, is_hf)
+            rows[name].append(t.shared)
+        c = time.process_time()
+        fwd_bwd(hf, ids, True)
+        rows["whole"].append(time.process_time() - c)
+    r = {k: statistics.median(a / b for a, b in zip(rows[k], rows["whole"])) for k in ("align", "transformers")}
+    print(
+        f"    shared kernels alone (GEMMs, flash attention, log-softmax), median paired over transformers' whole run: "
+        f"inside align {r['align']:.3f}x, inside transformers {r['transformers']:.3f}x"
+    )
 
 
 def cpu_ms(fn, repeats: int) -> float:
