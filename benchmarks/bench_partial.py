@@ -52,6 +52,7 @@ from common import numeric_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+__import__("align")  # before torch, as a run imports it: OpenMP threads sleep when idle (align/__init__.py)
 
 import torch
 
