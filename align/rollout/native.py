@@ -192,6 +192,22 @@ def _unpack(model: nn.Module) -> None:
             m.packed = None
 
 
+@contextlib.contextmanager
+def intra_op_threads(n: int | None) -> Iterator[None]:
+    """The calling thread's torch intra-op threads (OpenMP, MKL) set to ``n`` for the duration, then put back (None,
+    or the count it has: nothing changes). A thread that already ran a parallel op keeps its own count: the
+    trainer's thread beside an async generation thread is not changed by it (``engines.NativeEngine``)."""
+    old = torch.get_num_threads()
+    if n is None or n == old:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
 def validate_prompts(prompts: list[list[int]], vocab_size: int, context: int) -> None:
     if not prompts:
         raise ValueError("generate() needs at least one prompt; got an empty list")
