@@ -199,14 +199,15 @@ class _Watchdog:
     """One daemon thread for the in-process timeouts off the main thread (``_call_on_thread``): a heap of deadlines,
     where each call used to start a ``threading.Timer`` (a thread per reward call: under a busy trainer thread each
     start waited for the GIL, ~2 ms a call, 32 calls a step on the producer's critical path). An entry that finishes
-    in time is only marked done (popped when the thread next wakes); the thread is woken only for a deadline earlier
-    than every pending one."""
+    in time is only marked done (popped by the next ``arm`` or wake-up); the thread is woken only for a deadline
+    earlier than the one it sleeps until."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.heap: list[tuple[float, int, dict]] = []  # (deadline, seq, entry)
         self.seq = 0
         self.thread: threading.Thread | None = None
+        self.wakeup: float | None = None  # when the thread wakes next (None: only when notified)
 
     def arm(self, timeout_s: float) -> dict:
         import heapq
@@ -218,10 +219,12 @@ class _Watchdog:
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(target=self._loop, name="align-reward-timeouts", daemon=True)
                 self.thread.start()
-            wake = not self.heap or deadline < self.heap[0][0]
+            while self.heap and self.heap[0][2]["done"]:  # finished calls: the heap holds the pending few
+                heapq.heappop(self.heap)
             self.seq += 1
             heapq.heappush(self.heap, (deadline, self.seq, entry))
-            if wake:
+            if self.wakeup is None or deadline < self.wakeup:
+                self.wakeup = deadline
                 self.cond.notify()
         return entry
 
@@ -245,7 +248,8 @@ class _Watchdog:
                     if not entry["done"]:
                         entry["fired"] = True
                         set_exc(ctypes.c_ulong(entry["tid"]), ctypes.py_object(CallTimeout))
-                self.cond.wait(self.heap[0][0] - now if self.heap else None)
+                self.wakeup = self.heap[0][0] if self.heap else None
+                self.cond.wait(self.wakeup - now if self.heap else None)
 
 
 _WATCHDOG = _Watchdog()
