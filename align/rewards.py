@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import os
 import signal
 import threading
 import traceback
@@ -194,34 +195,82 @@ def _checked(kind: str, v: Any, name: str) -> tuple[str, Any]:
     return kind, v
 
 
+class _Watchdog:
+    """One daemon thread for the in-process timeouts off the main thread (``_call_on_thread``): a heap of deadlines,
+    where each call used to start a ``threading.Timer`` (a thread per reward call: under a busy trainer thread each
+    start waited for the GIL, ~2 ms a call, 32 calls a step on the producer's critical path). An entry that finishes
+    in time is only marked done (popped by the next ``arm`` or wake-up); the thread is woken only for a deadline
+    earlier than the one it sleeps until."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.heap: list[tuple[float, int, dict]] = []  # (deadline, seq, entry)
+        self.seq = 0
+        self.thread: threading.Thread | None = None
+        self.wakeup: float | None = None  # when the thread wakes next (None: only when notified)
+
+    def arm(self, timeout_s: float) -> dict:
+        import heapq
+        import time
+
+        entry = {"tid": threading.get_ident(), "done": False, "fired": False}
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._loop, name="align-reward-timeouts", daemon=True)
+                self.thread.start()
+            while self.heap and self.heap[0][2]["done"]:  # finished calls: the heap holds the pending few
+                heapq.heappop(self.heap)
+            self.seq += 1
+            heapq.heappush(self.heap, (deadline, self.seq, entry))
+            if self.wakeup is None or deadline < self.wakeup:
+                self.wakeup = deadline
+                self.cond.notify()
+        return entry
+
+    def disarm(self, entry: dict) -> bool:
+        """Marks the call finished; True when its timeout fired first (the exception may still be pending)."""
+        with self.cond:
+            entry["done"] = True
+            return entry["fired"]
+
+    def _loop(self) -> None:
+        import ctypes
+        import heapq
+        import time
+
+        set_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
+        with self.cond:
+            while True:
+                now = time.monotonic()
+                while self.heap and (self.heap[0][2]["done"] or self.heap[0][0] <= now):
+                    entry = heapq.heappop(self.heap)[2]
+                    if not entry["done"]:
+                        entry["fired"] = True
+                        set_exc(ctypes.c_ulong(entry["tid"]), ctypes.py_object(CallTimeout))
+                self.wakeup = self.heap[0][0] if self.heap else None
+                self.cond.wait(self.wakeup - now if self.heap else None)
+
+
+_WATCHDOG = _Watchdog()
+if hasattr(os, "register_at_fork"):  # a forked child has no watchdog thread (and maybe a held lock): a fresh one
+    os.register_at_fork(after_in_child=lambda: _WATCHDOG.__init__())
+
+
 def _call_on_thread(fn: Callable, args: tuple, kwargs: dict, timeout_s: float) -> Any:
-    """The timeout off the main thread (e.g. the ``--max-async-steps`` producer), where SIGALRM cannot reach: a
-    watchdog timer raises ``CallTimeout`` in the calling thread (``PyThreadState_SetAsyncExc``). Like the alarm it
-    interrupts Python code; unlike it, a blocking call (``time.sleep``, I/O, C code) runs to its end first, then the
-    exception lands. Use ``--reward-workers`` >= 2 for rewards that block."""
+    """The timeout off the main thread (e.g. the ``--max-async-steps`` producer), where SIGALRM cannot reach: the
+    watchdog (``_Watchdog``) raises ``CallTimeout`` in the calling thread (``PyThreadState_SetAsyncExc``). Like the
+    alarm it interrupts Python code; unlike it, a blocking call (``time.sleep``, I/O, C code) runs to its end first,
+    then the exception lands. Use ``--reward-workers`` >= 2 for rewards that block."""
     import ctypes
 
-    tid, lock, state = threading.get_ident(), threading.Lock(), {"done": False, "fired": False}
-    set_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
-
-    def fire() -> None:
-        with lock:
-            if not state["done"]:
-                state["fired"] = True
-                set_exc(ctypes.c_ulong(tid), ctypes.py_object(CallTimeout))
-
-    timer = threading.Timer(timeout_s, fire)
-    timer.daemon = True
-    timer.start()
+    entry = _WATCHDOG.arm(timeout_s)
     try:
         return fn(*args, **kwargs)
     finally:
-        timer.cancel()
-        with lock:
-            state["done"] = True
-            if state["fired"]:  # fired but not delivered yet: clear it, then report the timeout here
-                set_exc(ctypes.c_ulong(tid), None)
-                raise CallTimeout
+        if _WATCHDOG.disarm(entry):  # fired but maybe not delivered yet: clear it, then report the timeout here
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(entry["tid"]), None)
+            raise CallTimeout
 
 
 @contextlib.contextmanager

@@ -14,8 +14,9 @@ compute-bound CPU shape (``--layers 4 --hidden 64``) pays per row, so the extra 
 (tokens a-d, <eos> hazard 3% per token) with probability 0.7 or a "long" mode (w-z, hazard 0.8%): median ~32,
 p90 ~140, ~8% at the 160-token cap (seed 003's Goedel-Prover-V2-8B shape, 3.2k : 14k : 16k, scaled down 100x).
 The reward: 1 when the completion's last token before <eos> is ``c`` (pass@1 ~ 0.2 at the start). Native sampler,
---max-async-steps 1, one torch thread; each run trains a fresh copy of the same model with the same prompts and
-seeds; only --partial-rollouts differs, and on the native sampler its two --partial-prefill modes run side by side
+--max-async-steps 1, the sampler-alone loops on one torch thread, the runs on the run default (every CPU; the
+generation thread on half of them: ``engines.generation_threads``); each run trains a fresh copy of the same model
+with the same prompts and seeds; only --partial-rollouts differs, and on the native sampler its two --partial-prefill modes run side by side
 (recompute: a cut row re-prefilled under the new weights; keep: it continues on its KV cache) (a short warm-up run
 first; then --repeats runs of each, interleaved in rotating order; the median of each figure). Printed: steps/s over the steps after the first, the generator's idle
 fraction (its wait for the trainer / the loop time), the producer's generate + score seconds per step
@@ -52,6 +53,7 @@ from common import numeric_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+__import__("align")  # before torch, as a run imports it: OpenMP threads sleep when idle (align/__init__.py)
 
 import torch
 

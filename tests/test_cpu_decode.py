@@ -128,3 +128,38 @@ def test_the_sampler_decodes_through_the_fused_attention(tmp_path, monkeypatch, 
         fused = decode()
     assert calls == list(range(model.config.num_hidden_layers)) * 5
     torch.testing.assert_close(fused, plain, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", KERNEL_PARAMS)
+@torch.inference_mode()
+def test_rows_past_the_gemm_kernel_still_decode_fused(tmp_path, monkeypatch, kind):
+    """More rows than the kernel's GEMM takes (its GEMMs then run on MKL / oneDNN): the attention is still the fused
+    op, each row over its own valid slots, rows left-padded to lengths 1-20 (a partial call's resumed rows beside
+    fresh ones), and the sampler draws what the unpacked model draws. Failed before (the op only with the kernel's
+    GEMM: <= 16 rows)."""
+    model = load_pretrained(save_hf(hf_model("qwen2"), tmp_path))
+    calls = []
+    real = _ops(kind)
+
+    class Spy:
+        name = f"align_cpu_{kind}"
+
+        def __getattr__(self, attr):
+            return getattr(real, attr)
+
+        def decode_attention(self, *args):
+            calls.append(args[0].shape[0])
+            return real.decode_attention(*args)
+
+    monkeypatch.setattr(native, "_kernel_ops", lambda: Spy())
+    rows = cpu_kernel.MAX_ROWS + 4
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 64, (1 + (7 * i) % 20,), generator=g).tolist() for i in range(rows)]
+    params = native.SamplingParams(n=1, max_tokens=6, seed=3)
+    want = native.generate(model, prompts, params, pack_weights=False)
+    assert calls == []
+    got = native.generate(model, prompts, params)
+    assert calls and calls[0] == rows  # every decode step of every layer, the first with all the rows
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)

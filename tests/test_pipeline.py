@@ -96,6 +96,31 @@ def test_permits_split_a_batch_into_whole_groups(char_model):
     assert client.requests == [15] and len(whole) == 15
 
 
+def test_the_generation_thread_samples_on_half_the_threads(char_model, monkeypatch):
+    """K >= 1 on a CPU: the engine's calls run with half the run's torch threads (the trainer's thread keeps its
+    own), put back after each call, the tokens unchanged. Control: a plain NativeClient calls with the run's."""
+    from align.model import load_pretrained
+    from align.rollout import native
+
+    seen, real = [], native.generate
+    monkeypatch.setattr(native, "generate", lambda *a, **k: (seen.append(torch.get_num_threads()), real(*a, **k))[1])
+    prompts, params = [TOK.encode(p["prompt"]) for p in PROMPTS[:2]], SamplingParams(n=2, max_tokens=4, seed=1)
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine = engines.NativeEngine(load_pretrained(char_model), 0)
+        got, want = {}, NativeClient(engine.model).generate(prompts, params)
+        th = threading.Thread(
+            target=lambda: got.update(c=engine.client.generate(prompts, params), n=torch.get_num_threads())
+        )
+        th.start()
+        th.join(60)
+        assert seen == [2, 1] and got["n"] == 2 and torch.get_num_threads() == 2
+        assert [c.token_ids for c in got["c"]] == [c.token_ids for c in want]
+    finally:
+        torch.set_num_threads(old)
+
+
 # ------------------------------------------------------------------------------------------------ plumbing
 
 

@@ -243,6 +243,27 @@ def test_in_process_timeout_holds_off_the_main_thread():
     assert got["dt"] < SPIN_S / 2  # cut off, not run to its end
 
 
+def test_in_process_timeouts_off_the_main_thread_start_no_thread_per_call(monkeypatch):
+    """The producer's reward calls share one watchdog thread: 40 calls start at most one thread (each call started a
+    ``threading.Timer`` before, a GIL hand-off per call on the producer's path), and a hanging call is still cut."""
+    (fn,) = load_rewards(fns=_spin_reward)
+    scorer = RewardScorer([fn], workers=1, timeout_s=THREAD_TIMEOUT_S)
+    started, real = [], threading.Thread.start
+    got = {}
+
+    def run():
+        monkeypatch.setattr(threading.Thread, "start", lambda th: (started.append(th.name), real(th))[1])
+        got["many"] = scorer.score([({"prompt": "p"}, f"x{i}") for i in range(40)])
+        got["hang"] = scorer.score([({"prompt": "p"}, "hang"), ({"prompt": "p"}, "y")])
+
+    th = threading.Thread(target=run)
+    th.start()
+    th.join(SPIN_S * 2)
+    assert got["many"].totals == [1.0] * 40 and got["many"].timeouts == 0
+    assert got["hang"].timeouts == 1 and math.isnan(got["hang"].totals[0]) and got["hang"].totals[1] == 1.0
+    assert len(started) <= 1, started
+
+
 HARD_FILE = textwrap.dedent("""
     import os, subprocess, sys, time
 

@@ -71,10 +71,12 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
       rope(row + (H + g) * D, c, s, D, kp + ((b * K + g) * S + length) * D);
       std::copy(row + (H + K + g) * D, row + (H + K + g + 1) * D, vp + ((b * K + g) * S + length) * D);
       const bool* okb = ok + b * lv;
+      int64_t first = 0;  // the row's first valid slot: its left padding (a longer row's length) is never read
+      while (first < length && !okb[first]) ++first;
       for (int64_t h = g * G; h < (g + 1) * G; ++h) {
         rope(row + h * D, c, s, D, q.data());
         float top = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t <= length; ++t) {
+        for (int64_t t = first; t <= length; ++t) {
           if (!okb[t]) continue;
           const float* kt = kb + t * D;
           float dot = 0.0f;
@@ -84,14 +86,14 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
           top = std::max(top, p[t]);
         }
         float total = 0.0f;
-        for (int64_t t = 0; t <= length; ++t) {
+        for (int64_t t = first; t <= length; ++t) {
           p[t] = okb[t] ? std::exp(p[t] - top) : 0.0f;
           total += p[t];
         }
         float* o = op + b * H * D + h * D;
         std::fill(o, o + D, 0.0f);
         const float inv = 1.0f / total;
-        for (int64_t t = 0; t <= length; ++t) {
+        for (int64_t t = first; t <= length; ++t) {
           if (!okb[t]) continue;
           const float w = p[t] * inv;
           const float* vt = vb + t * D;

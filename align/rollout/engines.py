@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from align.rollout.client import NativeClient
 from align.rollout.protocol import SamplingParams
 from align.rollout.watcher import WeightWatcher, remove_snapshots_before
 
@@ -124,16 +125,48 @@ class PermitClient:
         return getattr(self.client, name)
 
 
+class GenerationClient(NativeClient):
+    """The native sampler on the generation thread (``NativeEngine``): each call with ``threads`` torch intra-op
+    threads (None: the run's). On a CPU the trainer's thread and this one each ran the run's ``--threads``, so a
+    2-core machine held two OpenMP pools of 2 for its 2 cores, and a decode step's small parallel ops waited for a
+    core the trainer held (``docs/performance.md``, partial rollouts)."""
+
+    def __init__(self, model: Any, threads: int | None) -> None:
+        super().__init__(model)
+        self.threads = threads
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list:
+        from align.rollout.native import intra_op_threads
+
+        with intra_op_threads(self.threads):
+            return super().generate(prompts, params)
+
+    def generate_until(self, *args: Any, **kw: Any) -> list:
+        from align.rollout.native import intra_op_threads
+
+        with intra_op_threads(self.threads):
+            return super().generate_until(*args, **kw)
+
+
+def generation_threads(model: Any) -> int | None:
+    """The generation thread's torch threads beside the trainer's: half the run's on a CPU (at least 1), as is
+    elsewhere (CUDA: the trainer's and the sampler's work is on the device)."""
+    import torch
+
+    if model.lm_head.weight.device.type != "cpu":
+        return None
+    return max(1, torch.get_num_threads() // 2)
+
+
 class NativeEngine:
-    """The native sampler on its own copy of the policy (the generation thread never reads the live weights)."""
+    """The native sampler on its own copy of the policy (the generation thread never reads the live weights), run
+    with ``generation_threads`` torch threads per call (``GenerationClient``)."""
 
     reports_version = True
 
     def __init__(self, policy: Any, version: int) -> None:
-        from align.rollout.client import NativeClient
-
         self.model = copy.deepcopy(policy).requires_grad_(False).eval()
-        self.client = NativeClient(self.model)
+        self.client = GenerationClient(self.model, generation_threads(self.model))
         self.client.weights_version = self.version = int(version)
         self._states: dict[int, dict] = {}
         self._lock = threading.Lock()

@@ -162,14 +162,18 @@ def packed_weights(model: nn.Module, rows: int) -> Iterator[bool]:
 
 
 def _pack(model: nn.Module, rows: int) -> None:
-    """Sets the packed copies ``packed_weights`` runs on (all or none: a failure undoes the rest)."""
+    """Sets the packed copies ``packed_weights`` runs on (all or none: a failure undoes the rest). The fused decode
+    attention (``cpu_decode``) wherever the kernel's library loads and the weights are fp32, whatever layout the GEMMs
+    take: it attends each row over its own valid slots (the padding of a longer row costs a branch per slot, where the
+    torch path's SDPA computes every padded slot), which a partial call's resumed rows next to fresh ones pay for."""
+    fused = _kernel_ops() if model.lm_head.weight.dtype == torch.float32 else None
     try:
         for m in model.modules():
             if isinstance(m, Attention):
                 m.qkv = PackedLinear([m.q_proj, m.k_proj, m.v_proj], rows)
                 m.o_proj.packed = PackedLinear([m.o_proj], rows)
-                if m.qkv.kind in cpu_kernel.KERNELS and cpu_decode.fusable(m, model.config):  # the kernel's library
-                    m.decode = cpu_decode.FusedAttention(m, _kernel_ops())
+                if fused is not None and cpu_decode.fusable(m, model.config):  # any row count: per row, valid slots
+                    m.decode = cpu_decode.FusedAttention(m, fused)
             elif isinstance(m, MLP):
                 m.gate_up = PackedLinear([m.gate_proj, m.up_proj], rows)
                 m.down_proj.packed = PackedLinear([m.down_proj], rows)
@@ -186,6 +190,22 @@ def _unpack(model: nn.Module) -> None:
                 m.__dict__.pop(attr, None)
         if isinstance(m, Linear):
             m.packed = None
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int | None) -> Iterator[None]:
+    """The calling thread's torch intra-op threads (OpenMP, MKL) set to ``n`` for the duration, then put back (None,
+    or the count it has: nothing changes). A thread that already ran a parallel op keeps its own count: the
+    trainer's thread beside an async generation thread is not changed by it (``engines.NativeEngine``)."""
+    old = torch.get_num_threads()
+    if n is None or n == old:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 def validate_prompts(prompts: list[list[int]], vocab_size: int, context: int) -> None:

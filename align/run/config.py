@@ -79,7 +79,7 @@ class ComputeConfig:
     dp_shard: int = flag(0, "Under torchrun: ranks each replica shards over (0: world size / dp_replicate).")
     threads: int = flag(
         0,
-        "torch CPU threads; 0 = auto: OMP_NUM_THREADS when set, else the CPUs this process may use (split between torchrun's local ranks).",
+        "torch CPU threads; 0 = auto: OMP_NUM_THREADS when set, else the CPUs this process may use (split between torchrun's local ranks). With --max-async-steps >= 1 the native sampler's generation thread runs on half of them.",
     )
     logprob_backend: str = flag(
         "auto", "Token logprob kernel: auto (triton on CUDA, chunked torch elsewhere), torch, triton, reference."
