@@ -102,8 +102,15 @@ def test_the_generation_thread_samples_on_half_the_threads(char_model, monkeypat
     from align.model import load_pretrained
     from align.rollout import native
 
-    seen, real = [], native.generate
-    monkeypatch.setattr(native, "generate", lambda *a, **k: (seen.append(torch.get_num_threads()), real(*a, **k))[1])
+    seen, fresh, real = [], [], native.generate
+
+    def counts(*a, **k):  # this thread's count, and the one a thread started now begins with (the run's, not 1)
+        seen.append(torch.get_num_threads())
+        t = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+        t.start(), t.join()
+        return real(*a, **k)
+
+    monkeypatch.setattr(native, "generate", counts)
     prompts, params = [TOK.encode(p["prompt"]) for p in PROMPTS[:2]], SamplingParams(n=2, max_tokens=4, seed=1)
     old = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -115,7 +122,7 @@ def test_the_generation_thread_samples_on_half_the_threads(char_model, monkeypat
         )
         th.start()
         th.join(60)
-        assert seen == [2, 1] and got["n"] == 2 and torch.get_num_threads() == 2
+        assert seen == [2, 1] and fresh == [2, 2] and got["n"] == 2 and torch.get_num_threads() == 2
         assert [c.token_ids for c in got["c"]] == [c.token_ids for c in want]
     finally:
         torch.set_num_threads(old)

@@ -196,16 +196,27 @@ def _unpack(model: nn.Module) -> None:
 def intra_op_threads(n: int | None) -> Iterator[None]:
     """The calling thread's torch intra-op threads (OpenMP, MKL) set to ``n`` for the duration, then put back (None,
     or the count it has: nothing changes). A thread that already ran a parallel op keeps its own count: the
-    trainer's thread beside an async generation thread is not changed by it (``engines.NativeEngine``)."""
-    old = torch.get_num_threads()
+    trainer's thread beside an async generation thread is not changed by it (``engines.NativeEngine``).
+    ``torch.set_num_threads`` also sets the process-wide count a thread's first parallel op starts from; it is put
+    back at once from a throwaway thread, so a thread started during the call (an eval point) starts from the run's
+    count, not from whether a generation was running (that would make its floats depend on timing)."""
+    old = torch.get_num_threads()  # also this thread's first-use setup, which would read the process-wide count
     if n is None or n == old:
         yield
         return
     torch.set_num_threads(n)
+    _set_process_threads(old)
     try:
         yield
     finally:
         torch.set_num_threads(old)
+
+
+def _set_process_threads(n: int) -> None:
+    """torch's process-wide intra-op count (the one a new thread starts from) set to ``n``, the caller's unchanged."""
+    t = threading.Thread(target=torch.set_num_threads, args=(n,), name="align-threads")
+    t.start()
+    t.join()
 
 
 def validate_prompts(prompts: list[list[int]], vocab_size: int, context: int) -> None:
