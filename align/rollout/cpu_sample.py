@@ -6,7 +6,9 @@ Why: ``native.sample_next`` without top-k / top-p / min-p / a repetition penalty
 region: on the 31M shape (16 rows, V 8192) ~1.4 ms of a ~21 ms decode step on one thread and 3-4 ms on two
 under load (every region wakes the sleeping sibling thread). ``sample_rows`` does it in one op, serially for up to
 2^17 logits (rows in parallel above), in three vectorised passes per row: the maximum, the exps (stored) with
-their sums per 64-token block, then a walk over the blocks and within the one that holds the draw.
+their sums per 64-token block (on ``cpu_decode``'s 16-float vectors where the compiler has them; a partial last
+block and the scalar build use the same polynomial, the same floats), then a walk over the blocks and within the one
+that holds the draw: 180 us against 420 us for the torch ops on one thread (16 x 8192 logits).
 
 Numerics: the same inverse-CDF draw as ``sample_next``: with ``s = logits / T``, ``m = max(s)`` and
 ``e = exp(s - m)``, the token is the first whose running sum of ``e`` exceeds ``u * sum(e)`` (zero-mass tokens are
@@ -61,14 +63,33 @@ std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits, const a
     for (int64_t r = r0; r < r1; ++r) {
       const float* x = xp + r * V;
       float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-      for (int64_t j = 0; j < V; ++j) m = std::max(m, x[j] / T);
+      int64_t j0 = 0;  // the first logit the scalar loops below take (the vector ones do whole blocks)
+#ifdef ALIGN_VEC16
+      V16 vm = vsplat(m);
+      for (; j0 + 16 <= V; j0 += 16) {
+        const V16 v = vload(x + j0) / T;
+        vm = v > vm ? v : vm;
+      }
+      for (int l = 0; l < 16; ++l) m = std::max(m, vm[l]);
+#endif
+      for (int64_t j = j0; j < V; ++j) m = std::max(m, x[j] / T);
       float total = 0.0f;
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t j1 = std::min(V, (b + 1) * kBlock);
         float bs = 0.0f;
-#pragma omp simd reduction(+ : bs)
-        for (int64_t j = b * kBlock; j < j1; ++j) {
+        int64_t j = b * kBlock;
+#ifdef ALIGN_VEC16
+        if (j1 - j == kBlock) {  // a whole block: four vectors, the same floats as exp_neg's
+          V16 acc{};
+          for (; j < j1; j += 16) {
+            const V16 v = vexp_neg(vload(x + j) / T - m);
+            vstore(e.data() + j, v);
+            acc += v;
+          }
+          bs = hsum(acc);
+        }
+#endif
+        for (; j < j1; ++j) {
           e[j] = exp_neg(x[j] / T - m);
           bs += e[j];
         }
