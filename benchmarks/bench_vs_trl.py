@@ -25,6 +25,7 @@ then, from the repository root::
 
     .venv/bin/python benchmarks/bench_vs_trl.py                      # both shapes, 4 prompts x G 4 x 64 tokens
     .venv/bin/python benchmarks/bench_vs_trl.py --shape small --threads 2 --trl-python /tmp/trl-venv/bin/python
+    .venv/bin/python benchmarks/bench_vs_trl.py --shape small --also /tmp/base   # + another tree's align, paired
 """
 
 from __future__ import annotations
@@ -293,6 +294,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--trl-python", default="/tmp/trl-venv/bin/python", help="a python with trl installed")
     p.add_argument("--verbose", action="store_true", help="print every step's time")
     p.add_argument("--profile", action="store_true", help="align only: where its step goes (generation, loss ...)")
+    p.add_argument("--also", default="", help="another checkout's root (e.g. main's, `git worktree add`): its align "
+                   "runs as a third side in every round, its step paired with this tree's and TRL's")  # fmt: skip
     p.add_argument("--child", choices=["align", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -306,12 +309,17 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"no {args.trl_python}: TRL is a benchmark-only dependency; install it with\n  {TRL_INSTALL}\n"
                  "or pass --trl-python PATH")  # fmt: skip
 
+    given = argv if argv is not None else sys.argv[1:]
+    given = [a for i, a in enumerate(given) if a != "--also" and (i == 0 or given[i - 1] != "--also")]
+    given = [a for a in given if not a.startswith("--also=")]
+
     def run(side: str, model: str) -> dict:
-        py = sys.executable if side == "align" else args.trl_python
-        own = ["--child", side, "--model", model]
-        cmd = [py, os.path.abspath(__file__), *own, *(argv if argv is not None else sys.argv[1:])]
-        env = {**ENV, "PYTHONPATH": ROOT} if side == "align" else dict(ENV)
-        r = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, cwd=ROOT)
+        root = os.path.abspath(args.also) if side == "also" else ROOT
+        py = args.trl_python if side == "trl" else sys.executable
+        own = ["--child", "trl" if side == "trl" else "align", "--model", model]
+        cmd = [py, os.path.join(root, "benchmarks", "bench_vs_trl.py"), *own, *given]
+        env = dict(ENV) if side == "trl" else {**ENV, "PYTHONPATH": root}
+        r = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, cwd=root)
         line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
         if r.returncode or not line:
             sys.exit(f"{side} run failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
@@ -325,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
     for shape in SHAPES if args.shape == "all" else [args.shape]:
         with tempfile.TemporaryDirectory(prefix="align-vs-trl-model-") as tmp:
             n = save_model(shape, tmp)
-            res: dict[str, list[dict]] = {"align": [], "trl": []}
+            res: dict[str, list[dict]] = {"align": [], "trl": [], **({"also": []} if args.also else {})}
             for _ in range(args.rounds):
                 for side, runs in res.items():
                     runs.append(run(side, tmp))
@@ -333,10 +341,16 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{shape:>6} align's {res['align'][0]['kernel']}; TRL's OMP_WAIT_POLICY={res['trl'][0]['omp']}")
         print(f"{shape:>6} {n / 1e6:>6.2f}M {res['align'][0]['threads']:>9} {res['trl'][0]['threads']:>7} "
               f"{med['align']:>12.3f} {med['trl']:>10.3f} {med['align'] / med['trl']:>8.2f}x", flush=True)  # fmt: skip
+        duos = [("align", "trl", "align/TRL")] + ([("also", "trl", "--also/TRL"), ("align", "also", "align/--also")]
+                                                   if args.also else [])  # fmt: skip
         for key, what in (("step_s", "wall"), ("cpu_s", "process CPU")):  # each round's pair, then their median
-            pairs = [paired(a[key], t[key]) for a, t in zip(res["align"], res["trl"])]
-            print(f"{shape:>6} align/TRL per round ({what} s/step, median of the round's steps): "
-                  + ", ".join(f"{r:.2f}x" for r in pairs) + f"; median {statistics.median(pairs):.2f}x")  # fmt: skip
+            for a_side, b_side, name in duos:
+                pairs = [paired(a[key], t[key]) for a, t in zip(res[a_side], res[b_side])]
+                print(f"{shape:>6} {name} per round ({what} s/step, median of the round's steps): "
+                      + ", ".join(f"{r:.2f}x" for r in pairs) + f"; median {statistics.median(pairs):.2f}x")  # fmt: skip
+        if args.also:
+            also = statistics.median(t for r in res["also"] for t in r["step_s"][1:])
+            print(f"{shape:>6} --also {args.also}: {also:.3f} s/step (median)")
         if args.verbose:
             for side, rs in res.items():
                 print(

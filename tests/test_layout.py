@@ -33,7 +33,7 @@ FLOORS = [
     (
         "the rollout wing",
         (
-            "rollout rollout.process rollout.message rollout.spool rollout.protocol rollout.cpu_decode rollout.cpu_kernel rollout.graph_decode rollout.native "
+            "rollout rollout.process rollout.message rollout.spool rollout.protocol rollout.cpu_decode rollout.cpu_sample rollout.cpu_kernel rollout.graph_decode rollout.native "
             "rollout.sessions rollout.client rollout.watcher rollout.teacher_logprobs rollout.cut rollout.sleep_mode rollout.deadlines rollout.groups rollout.partial rollout.engines rollout.backends "
             "rollout.pipeline"
         ),

@@ -241,6 +241,21 @@ def test_cpu_kernel_matches_f_linear(kind, rows, n, k):
 
 @pytest.mark.parametrize("kind", KERNEL_PARAMS)
 @torch.no_grad()
+def test_cpu_kernel_reads_strided_input(kind):
+    """The op transposes its input itself (a plain loop over any strides): a transposed view and a column slice give
+    F.linear's result, as their contiguous copies do. Control: the views are not contiguous."""
+    ops = _require_kernel(kind)
+    g = torch.Generator().manual_seed(5)
+    w, b = torch.randn(40, 33, generator=g), torch.randn(40, generator=g)
+    wp = ops.pack([w])
+    for x in (torch.randn(33, 7, generator=g).t(), torch.randn(16, 66, generator=g)[:, ::2]):
+        assert not x.is_contiguous()
+        torch.testing.assert_close(ops.linear(x, wp, 40, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+        assert torch.equal(ops.linear(x, wp, 40, b), ops.linear(x.contiguous(), wp, 40, b))
+
+
+@pytest.mark.parametrize("kind", KERNEL_PARAMS)
+@torch.no_grad()
 def test_cpu_kernel_packs_a_list_as_its_concatenation(kind):
     """pack([q, k, v]) is pack([cat([q, k, v])]) bit for bit, with parts that straddle 16-row blocks and a zero-padded
     last block; the fused GEMM then equals the three F.linear outputs side by side. Control: the parts reordered."""

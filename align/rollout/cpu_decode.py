@@ -9,8 +9,11 @@ the (row, kv head) pairs.
 
 Numerics: the HF reference's (``align.attention``): rotate-half RoPE from the model's cos / sign-folded sin tables,
 scale ``1/sqrt(D)``, a softmax over the valid slots (max-subtracted, fp32); the float order differs from SDPA's, so
-results agree to fp32 rounding (``tests/test_cpu_decode.py`` holds it to the torch path). Plain C++ that the compiler
-vectorises (``omp simd``), built under each kernel's flags: the AVX-512 and the AVX2 library each carry it.
+results agree to fp32 rounding (``tests/test_cpu_decode.py`` holds it to the torch path). Plain C++ built under each
+kernel's flags (the AVX-512 and the AVX2 library each carry it): for D = 16, 32, 64 or 128 on 16-float generic
+vectors (one zmm, or two ymm), the G query heads of a kv head together (each key row read once for all G), the exp
+a Cephes polynomial (within 2 ulp; 0 below -87); any other D a scalar loop (``omp simd``) with ``std::exp``. On the
+31M shape's step (16 rows, 64 slots) the vector path is ~2x faster than the scalar one, ~6% of the sampler's time.
 
 Used by ``align.rollout.native.packed_weights`` where the kernel loads, for fp32 models without q/k norms or a
 sliding window; anything else (a prefill, the CUDA graph's static cache, bf16) returns None and the model runs its
@@ -32,6 +35,124 @@ inline void rope(const float* x, const float* c, const float* s, int64_t D, floa
   for (int64_t d = 0; d < half; ++d) out[d] = x[d] * c[d] + x[d + half] * s[d];
 #pragma omp simd
   for (int64_t d = half; d < D; ++d) out[d] = x[d] * c[d] + x[d - half] * s[d];
+}
+
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector) && __has_builtin(__builtin_convertvector)
+#define ALIGN_VEC16 1
+#endif
+#endif
+
+#ifdef ALIGN_VEC16
+// 16 floats as one generic vector: one zmm under AVX-512, two ymm under AVX2 (the compiler lowers it).
+typedef float V16 __attribute__((vector_size(64)));
+typedef int32_t I16 __attribute__((vector_size(64)));
+inline V16 vload(const float* p) { V16 v; __builtin_memcpy(&v, p, sizeof v); return v; }
+inline void vstore(float* p, V16 v) { __builtin_memcpy(p, &v, sizeof v); }
+inline V16 vsplat(float x) { return V16{} + x; }
+inline float hsum(V16 v) {  // a pairwise tree over the 16 lanes
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
+}
+// exp for x <= 0 (scores minus their maximum), Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial
+// of r, scaled by 2^n through the exponent bits; within 2 ulp of std::exp down to -87 (below: 0, as expf's
+// denormals are below any fp32 sum's rounding of the 1 the maximum contributes).
+inline V16 vexp_neg(V16 x) {
+  const V16 lo = vsplat(-87.0f);
+  const I16 under = x < lo;
+  x = x < lo ? lo : x;
+  V16 fx = x * 1.44269504088896341f + 0.5f;
+  const I16 ti = __builtin_convertvector(fx, I16);  // toward zero; floor for the negatives below
+  V16 n = __builtin_convertvector(ti, V16);
+  n = n > fx ? n - 1.0f : n;
+  x = x - n * 0.693359375f - n * -2.12194440e-4f;
+  const V16 z = x * x;
+  V16 y = ((((1.9875691500e-4f * x + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x + 4.1665795894e-2f) * x
+           + 1.6666665459e-1f) * x + 5.0000001201e-1f;
+  y = y * z + x + 1.0f;
+  const I16 e = (__builtin_convertvector(n, I16) + 127) << 23;
+  V16 scale;
+  __builtin_memcpy(&scale, &e, sizeof scale);
+  y = y * scale;
+  return under ? V16{} : y;
+}
+
+// The G query heads of one kv head over its n valid slots idx[0..n), D = 16 C: scores (a dot per head and slot,
+// each key row read once for the G heads), a softmax per head, then the weighted values (each head's D outputs
+// in C vector accumulators, normalised once at the end). qs (G, D) roped queries; p a (G, n16) scratch.
+template <int C>
+void attend_heads(const float* qs, int64_t G, const float* kb, const float* vb, const int32_t* idx, int64_t n,
+                  float scale, float* p, int64_t n16, float* out) {
+  constexpr int64_t D = 16 * C;
+  for (int64_t j = 0; j < n; ++j) {
+    V16 k[C];
+    for (int c = 0; c < C; ++c) k[c] = vload(kb + idx[j] * D + 16 * c);
+    for (int64_t h = 0; h < G; ++h) {
+      V16 acc = vload(qs + h * D) * k[0];
+      for (int c = 1; c < C; ++c) acc += vload(qs + h * D + 16 * c) * k[c];
+      p[h * n16 + j] = hsum(acc) * scale;
+    }
+  }
+  for (int64_t h = 0; h < G; ++h) {
+    float* ph = p + h * n16;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n; ++j) top = std::max(top, ph[j]);
+    for (int64_t j = n; j < n16; ++j) ph[j] = top;  // the tail block's lanes, zeroed after the exp
+    V16 total{};
+    for (int64_t j = 0; j < n16; j += 16) {
+      V16 e = vexp_neg(vload(ph + j) - top);
+      if (j + 16 > n) {
+        for (int64_t l = n - j; l < 16; ++l) e[l] = 0.0f;
+      }
+      vstore(ph + j, e);
+      total += e;
+    }
+    const float inv = 1.0f / hsum(total);
+    V16 o[C] = {};
+    for (int64_t j = 0; j < n; ++j) {
+      const V16 w = vsplat(ph[j]);
+      const float* vt = vb + idx[j] * D;
+      for (int c = 0; c < C; ++c) o[c] += w * vload(vt + 16 * c);
+    }
+    for (int c = 0; c < C; ++c) vstore(out + h * D + 16 * c, o[c] * inv);
+  }
+}
+#endif
+
+// The scalar path (any D): one query head at a time, over the slots first..length.
+void attend_scalar(const float* qs, int64_t G, const float* kb, const float* vb, const bool* okb, int64_t first,
+                   int64_t length, int64_t D, float scale, float* p, float* out) {
+  for (int64_t h = 0; h < G; ++h) {
+    const float* q = qs + h * D;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t t = first; t <= length; ++t) {
+      if (!okb[t]) continue;
+      const float* kt = kb + t * D;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += q[d] * kt[d];
+      p[t] = dot * scale;
+      top = std::max(top, p[t]);
+    }
+    float total = 0.0f;
+    for (int64_t t = first; t <= length; ++t) {
+      p[t] = okb[t] ? std::exp(p[t] - top) : 0.0f;
+      total += p[t];
+    }
+    float* o = out + h * D;
+    std::fill(o, o + D, 0.0f);
+    const float inv = 1.0f / total;
+    for (int64_t t = first; t <= length; ++t) {
+      if (!okb[t]) continue;
+      const float w = p[t] * inv;
+      const float* vt = vb + t * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) o[d] += w * vt[d];
+    }
+  }
 }
 
 at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor kc,
@@ -59,8 +180,10 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
   float* kp = kc.data_ptr<float>() + layer * B * K * S * D;
   float* vp = vc.data_ptr<float>() + layer * B * K * S * D;
   float* op = out.data_ptr<float>();
+  const int64_t n16 = (length + 16) / 16 * 16;  // the slots 0..length, rounded up to whole vectors
   at::parallel_for(0, B * K, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> q(D), p(length + 1);
+    std::vector<float> qs(G * D), p(G * n16);
+    std::vector<int32_t> idx(length + 1);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / K, g = i % K;
       const float* row = qp + b * ld;
@@ -70,37 +193,25 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
       const float* vb = vp + (b * K + g) * S * D;
       rope(row + (H + g) * D, c, s, D, kp + ((b * K + g) * S + length) * D);
       std::copy(row + (H + K + g) * D, row + (H + K + g + 1) * D, vp + ((b * K + g) * S + length) * D);
+      for (int64_t h = 0; h < G; ++h) rope(row + (g * G + h) * D, c, s, D, qs.data() + h * D);
       const bool* okb = ok + b * lv;
       int64_t first = 0;  // the row's first valid slot: its left padding (a longer row's length) is never read
       while (first < length && !okb[first]) ++first;
-      for (int64_t h = g * G; h < (g + 1) * G; ++h) {
-        rope(row + h * D, c, s, D, q.data());
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t t = first; t <= length; ++t) {
-          if (!okb[t]) continue;
-          const float* kt = kb + t * D;
-          float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += q[d] * kt[d];
-          p[t] = dot * scale;
-          top = std::max(top, p[t]);
-        }
-        float total = 0.0f;
-        for (int64_t t = first; t <= length; ++t) {
-          p[t] = okb[t] ? std::exp(p[t] - top) : 0.0f;
-          total += p[t];
-        }
-        float* o = op + b * H * D + h * D;
-        std::fill(o, o + D, 0.0f);
-        const float inv = 1.0f / total;
-        for (int64_t t = first; t <= length; ++t) {
-          if (!okb[t]) continue;
-          const float w = p[t] * inv;
-          const float* vt = vb + t * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) o[d] += w * vt[d];
-        }
+      float* o = op + b * H * D + g * G * D;
+#ifdef ALIGN_VEC16
+      int64_t n = 0;
+      for (int64_t t = first; t <= length; ++t) {
+        if (okb[t]) idx[n++] = int32_t(t);
       }
+      switch (D) {
+        case 16: attend_heads<1>(qs.data(), G, kb, vb, idx.data(), n, scale, p.data(), n16, o); continue;
+        case 32: attend_heads<2>(qs.data(), G, kb, vb, idx.data(), n, scale, p.data(), n16, o); continue;
+        case 64: attend_heads<4>(qs.data(), G, kb, vb, idx.data(), n, scale, p.data(), n16, o); continue;
+        case 128: attend_heads<8>(qs.data(), G, kb, vb, idx.data(), n, scale, p.data(), n16, o); continue;
+        default: break;
+      }
+#endif
+      attend_scalar(qs.data(), G, kb, vb, okb, first, length, D, scale, p.data(), o);
     }
   });
   return out;

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from align import cxx
-from align.rollout import cpu_decode
+from align.rollout import cpu_decode, cpu_sample
 
 HEADER = r"""
 #include <torch/library.h>
@@ -39,8 +39,11 @@ HEADER = r"""
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -89,7 +92,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, int64_t N, const c1
   TORCH_CHECK(N > (wp.size(0) - 1) * 16 && N <= wp.size(0) * 16, "align_cpu::linear: N does not match the weight");
   const int64_t M = x.size(0), K = x.size(1), NB = wp.size(0);
   TORCH_CHECK(M >= 1 && M <= 16, "align_cpu::linear handles 1 to 16 rows, got ", M);
-  at::Tensor xt = x.t().contiguous();
+  at::Tensor xt = at::empty({K, M}, x.options());  // x transposed by a plain loop: no torch op (and no thread wake)
+  {
+    const float* src = x.data_ptr<float>();
+    float* dst = xt.data_ptr<float>();
+    const int64_t s0 = x.stride(0), s1 = x.stride(1);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) dst[k * M + m] = src[m * s0 + k * s1];
+  }
   at::Tensor y = at::empty({M, N}, x.options());
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
@@ -262,6 +272,7 @@ TORCH_LIBRARY(@NS@, m) {
   m.def("pack(Tensor[] ws) -> Tensor", &pack);
   m.def("linear(Tensor x, Tensor wp, int n, Tensor? bias) -> Tensor", &linear);
   m.def("@DECODE@", &decode_attention);
+  m.def("@SAMPLE@", &sample_rows);
 }
 """
 
@@ -278,7 +289,8 @@ class Kernel:
 
     def source(self, name: str) -> str:
         register = REGISTER.replace("@NS@", f"align_cpu_{name}").replace("@DECODE@", cpu_decode.SCHEMA)
-        return HEADER + self.gemm + cpu_decode.SOURCE + PACK_AND_LINEAR + register
+        register = register.replace("@SAMPLE@", cpu_sample.SCHEMA)
+        return HEADER + self.gemm + cpu_decode.SOURCE + cpu_sample.SOURCE + PACK_AND_LINEAR + register
 
 
 # The decode GEMMs, best first; ``choose()`` takes the first this CPU runs. Both read the same packed weights.

@@ -38,7 +38,7 @@ from torch import nn
 from align import heartbeat
 from align.model import MLP, Attention, KVCache, Linear, Transformer
 from align.moe import Routing, moe_layers
-from align.rollout import cpu_decode, cpu_kernel, graph_decode
+from align.rollout import cpu_decode, cpu_kernel, cpu_sample, graph_decode
 from align.rollout.protocol import Completion, SamplingParams
 
 COMPACT_FRACTION = 0.25  # compact the batch once this fraction of live rows has finished
@@ -282,26 +282,40 @@ def sample_next(
         tok = penalised.argmax(-1)
         lp = logits.log_softmax(-1).gather(-1, tok[:, None]).squeeze(-1)
         return tok, lp, torch.zeros_like(lp)
+    truncated = params.processed
+    if not truncated and penalised is logits and cpu_sample.usable(logits) and (ops := _kernel_ops()) is not None:
+        # on a CPU with the decode kernel's library: the same draw in one op (align.rollout.cpu_sample)
+        u = _uniforms(logits, generator, row_id, total_rows)
+        tok, lp = ops.sample_rows(logits.contiguous(), u, float(params.temperature))
+        return tok, lp, lp
     scaled = logits / params.temperature if params.temperature != 1.0 else logits
     logp = scaled.log_softmax(-1)  # (R, V) training basis
-    truncated = params.processed
     if truncated:
         scaled_q = penalised / params.temperature if penalised is not logits else scaled
         logq = truncate_logits(scaled_q, params.top_k, params.top_p, params.min_p).log_softmax(-1)  # (R, V)
     else:
         logq = logp
-    R, V = logq.shape
-    u = torch.rand(total_rows or R, device=logq.device, generator=generator)  # one uniform per original row
-    if row_id is not None:
-        u = u[row_id]
-    elif u.shape[0] != R:
-        raise ValueError(f"{R} rows of logits but {u.shape[0]} uniforms: pass row_id")
+    V = logq.shape[-1]
+    u = _uniforms(logq, generator, row_id, total_rows)
     cdf = logq.exp().cumsum(-1)  # (R, V)
     # inverse CDF: the first token whose cumulative mass exceeds u; zero-mass tokens are never chosen
     tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1).clamp(max=V - 1)
     lp = logp.gather(-1, tok[:, None]).squeeze(-1)
     slp = logq.gather(-1, tok[:, None]).squeeze(-1) if truncated else lp
     return tok, lp, slp
+
+
+def _uniforms(
+    logits: torch.Tensor, generator: torch.Generator | None, row_id: torch.Tensor | None, total_rows: int | None
+) -> torch.Tensor:
+    """(R,) uniforms of a step, one per live row: drawn for every original row (``total_rows``), indexed by row."""
+    R = logits.shape[0]
+    u = torch.rand(total_rows or R, device=logits.device, generator=generator)  # one uniform per original row
+    if row_id is not None:
+        return u[row_id]
+    if u.shape[0] != R:
+        raise ValueError(f"{R} rows of logits but {u.shape[0]} uniforms: pass row_id")
+    return u
 
 
 class Until(NamedTuple):
