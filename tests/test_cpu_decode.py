@@ -21,13 +21,13 @@ def _ops(kind: str):
     return ops
 
 
-def _setup(B=5, H=6, K=2, D=16, S=12, length=9, L=3, seed=0, qscale=1.0):
+def _setup(B=5, H=6, K=2, D=16, S=12, length=9, L=3, seed=0, qscale=1.0, holes=0.3):
     cfg = ModelConfig("qwen2", 64, H * D, 32, L, H, K, D)
     g = torch.Generator().manual_seed(seed)
     cache = KVCache(cfg, B, S, torch.float32, "cpu")
     cache.k.normal_(generator=g)
     cache.v.normal_(generator=g)
-    cache.valid[:, : length + 1] = torch.rand(B, length + 1, generator=g) > 0.3  # left padding and holes
+    cache.valid[:, : length + 1] = torch.rand(B, length + 1, generator=g) > holes  # left padding and holes
     cache.valid[:, length] = True  # the caller marks the new slot
     cache.length = length
     qkv = torch.randn(B, (H + 2 * K) * D, generator=g) * qscale
@@ -58,6 +58,7 @@ def _torch_path(cfg, cache, qkv, cos, sin, layer):
         {"B": 2, "H": 8, "K": 1, "D": 32, "S": 20, "length": 16},
         {"B": 2, "D": 48, "S": 20, "length": 17},  # D 48: no vector path, the scalar one
         {"B": 4, "D": 64, "S": 30, "length": 20, "qscale": 40.0},  # near one-hot softmax: most exps underflow
+        {"B": 8, "H": 2, "K": 1, "D": 32, "S": 334, "length": 310, "holes": 0.7},  # whole blocks past a row's slots
     ],
 )
 def test_decode_attention_matches_the_torch_path(kind, shape):

@@ -96,13 +96,14 @@ void attend_heads(const float* qs, int64_t G, const float* kb, const float* vb, 
       p[h * n16 + j] = hsum(acc) * scale;
     }
   }
+  const int64_t nv = (n + 15) / 16 * 16;  // this row's valid slots in whole vectors (n16: the longest row's)
   for (int64_t h = 0; h < G; ++h) {
     float* ph = p + h * n16;
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < n; ++j) top = std::max(top, ph[j]);
-    for (int64_t j = n; j < n16; ++j) ph[j] = top;  // the tail block's lanes, zeroed after the exp
+    for (int64_t j = n; j < nv; ++j) ph[j] = top;  // the tail block's lanes, zeroed after the exp
     V16 total{};
-    for (int64_t j = 0; j < n16; j += 16) {
+    for (int64_t j = 0; j < nv; j += 16) {
       V16 e = vexp_neg(vload(ph + j) - top);
       if (j + 16 > n) {
         for (int64_t l = n - j; l < 16; ++l) e[l] = 0.0f;
