@@ -117,3 +117,16 @@ def test_the_sampler_draws_through_the_fused_op(tmp_path, monkeypatch, kind):
     monkeypatch.setattr(native, "_kernel_ops", lambda: Spy())
     native.generate(model, prompts, SamplingParams(n=3, max_tokens=6, temperature=0.9, seed=7, top_k=5))
     assert len(calls) == 6  # top-k: the torch path
+
+
+@pytest.mark.parametrize("kind", KERNEL_PARAMS)
+def test_rows_without_a_finite_logit_give_an_in_range_token_and_a_nan_logprob(kind):
+    """A row of NaN or -inf logits (a model gone non-finite): a token inside the vocabulary and a NaN logprob, so the
+    run's non-finite checks see it downstream; a finite row beside it gets the torch path's draw (control)."""
+    ops = _ops(kind)
+    logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(0))
+    logits[0], logits[1] = float("nan"), float("-inf")
+    u = torch.tensor([0.5, 0.5, 0.5])
+    tok, lp = ops.sample_rows(logits, u, 1.0)
+    assert all(0 <= t < 100 for t in tok.tolist()) and lp[:2].isnan().all() and lp[2].isfinite()
+    assert tok[2].item() == _torch_draw(logits[2:], u[2:], 1.0)[0].item()

@@ -114,6 +114,7 @@ std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits, const a
       for (int64_t j = b * kBlock - 1; pick < 0 && j >= 0; --j) {
         if (e[j] > 0.0f) pick = j;  // a zero-mass last block: the last token with mass before it
       }
+      if (pick < 0) pick = V - 1;  // no token with mass at all: never an index outside the row
       tp[r] = pick;
       lpp[r] = (x[pick] / T - m) - std::log(total);
     }
