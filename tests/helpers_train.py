@@ -91,8 +91,10 @@ def spool_cfg(out, **kw):
 
 
 def records(out) -> list[dict]:
-    """The run's metrics.jsonl, one dict per line."""
-    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    """The run's metrics.jsonl, one dict per finished line: a live run may be mid-write of the last one (a reader
+    polling it can see the line's first bytes before the rest land)."""
+    text = (Path(out) / "metrics.jsonl").read_text()
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
 
 
 def train_steps(out) -> int:
