@@ -272,7 +272,8 @@ def cli(out: Path, model: str, *extra: str) -> subprocess.Popen:
 def logged(out: Path) -> tuple[list[dict], list[dict]]:
     def load(name):
         p = out / name
-        rows = [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
+        text = p.read_text() if p.exists() else ""  # polled while the run writes: up to the last finished line
+        rows = [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
         return [{k: v for k, v in r.items() if k not in TIMING_KEYS and k not in TIMED_ASYNC} for r in rows]
 
     return load("metrics.jsonl"), load("completions.jsonl")
