@@ -99,3 +99,17 @@ def test_tools_file_failure_is_one_line(tmp_path):
     path.write_text("def add(a: int, b: int) -> int:\n    return a +\n")
     with pytest.raises(InputError, match=rf"--tools .*{path.name}:2: SyntaxError"):
         load_tools([f"{path}:add"])
+
+
+@pytest.mark.parametrize(("module", "argv", "first"), [("align.sft", ["--bogus"], "align.sft: error: unknown flag --bogus"),
+                                                       ("align.train", ["--help"], "usage: python -m align.train ")])  # fmt: skip
+def test_the_cli_names_the_module_it_runs_as(module, argv, first):
+    """``python -m align.sft`` errors name ``align.sft`` (argparse's default is the file: ``__main__.py: error``), as
+    the run's own error lines do; the usage line is the command to type."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, cwd=root, timeout=120)
+    assert (p.stdout + p.stderr).startswith(first), p.stdout[:300] + p.stderr[-300:]

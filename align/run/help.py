@@ -90,6 +90,9 @@ class Parser(argparse.ArgumentParser):
     """``argparse`` with one-line errors: ``prog: error: MESSAGE (--help lists the flags)``, exit status 2."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        if spec is not None and spec.name.startswith("align."):  # python -m align.sft: not "__main__.py: error"
+            kwargs.setdefault("prog", spec.name.removesuffix(".__main__"))
         super().__init__(*args, allow_abbrev=False, add_help=False, **kwargs)
         self.add_argument(
             "-h", "--help", action=_ShortHelp, nargs=0, default=argparse.SUPPRESS, help="Flags by section, names only."
@@ -117,7 +120,8 @@ class Parser(argparse.ArgumentParser):
 
     def format_short_help(self) -> str:
         """The usage line, the description, then each group's flag names wrapped (booleans as ``--x/--no-x``)."""
-        out = [f"usage: {self.prog} [--help] [--help-all] [--config FILE] [--FLAG VALUE ...]", ""]
+        run = f"python -m {self.prog}" if self.prog.startswith("align.") else self.prog
+        out = [f"usage: {run} [--help] [--help-all] [--config FILE] [--FLAG VALUE ...]", ""]
         if self.description:
             out += [self.description, ""]
         out.append("--help-all shows every flag with its help and default; --config FILE reads flags from a file.")
