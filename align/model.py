@@ -241,8 +241,7 @@ class Linear(nn.Linear):
         return self.packed(x) if self.packed is not None else self.unpacked(x)
 
     def unpacked(self, x: torch.Tensor) -> torch.Tensor:
-        """The layer on its own weights (``align.lora.LoRALinear`` adds its low-rank path here); fp32 on an AMD CPU
-        through oneDNN (``align.cpu_linear``)."""
+        """The layer on its own weights (``align.cpu_linear``; ``align.lora.LoRALinear`` adds its low-rank path)."""
         return cpu_linear.linear(x, self.weight, self.bias)
 
 
