@@ -37,7 +37,7 @@ import functools
 
 import torch
 
-from align import fused_cpu
+from align import cpu_linear, fused_cpu
 
 TORCH_CHUNK = 8192  # vocabulary columns per step of the torch path
 TORCH_ROWS = 256  # rows per step of the torch path: (256, 8192) float32 work buffers, 8 MiB each, whatever N and V
@@ -368,15 +368,24 @@ class _TokenLogprobs(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
-def _logits_buffer(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """One (R, V) block reused by every block of a call (a fresh one per block costs page faults on CPU)."""
+def _logits_buffer(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """One (R, V) block reused by every block of a call (a fresh one per block costs page faults on CPU); None where
+    the GEMM makes its own (oneDNN, ``align.cpu_linear``)."""
+    if cpu_linear.usable(hidden, weight):
+        return None
     rows = min(LINEAR_ROWS, hidden.shape[0])
     return torch.empty(rows, weight.shape[0], dtype=torch.result_type(hidden, weight), device=hidden.device)
 
 
+def _logits(h: torch.Tensor, weight: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
+    """The (R, V) logits block h @ weight.T, in the model's dtype as its lm_head makes them, into ``buf`` if any."""
+    return cpu_linear.matmul_t(h, weight, None if buf is None else buf[: h.shape[0]])
+
+
 class _LinearTokenLogprobs(torch.autograd.Function):
     """Logits = hidden @ weight.T made LINEAR_ROWS rows at a time, in forward and again in backward, into one
-    reused (R, V) buffer; backward writes the logits' gradient over the recomputed logits (one block in memory).
+    reused (R, V) buffer (oneDNN, ``align.cpu_linear``: a block each, the last dropped first); backward writes the
+    logits' gradient over the recomputed logits (one block in memory).
 
     Forward makes the blocks last to first, so the buffer ends up holding the first block's logits; when a gradient
     will be needed the buffer is kept for backward, which starts with that block and does not recompute it (the
@@ -388,7 +397,8 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         buf = _logits_buffer(hidden, weight)
         for r in reversed(range(0, hidden.shape[0], LINEAR_ROWS)):
             h = hidden[r : r + LINEAR_ROWS]
-            logits = torch.matmul(h, weight.T, out=buf[: h.shape[0]])  # (R, V) in the model's dtype, as its lm_head
+            logits = None  # the last block's, dropped before the next is made
+            logits = _logits(h, weight, buf)  # (R, V)
             *out, state = _IMPLS[impl][0](logits, targets[r : r + LINEAR_ROWS], temperature, with_entropy, chunk)
             parts.append(out)
             states.append(state)
@@ -400,7 +410,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             logprobs, entropy, lse = (torch.zeros(0, device=hidden.device) for _ in range(3))
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.args = temperature, with_entropy, chunk, impl, states
-        ctx.first_block = buf if parts and any(ctx.needs_input_grad[:2]) else None  # block 0's logits, for backward
+        ctx.first_block = logits if parts and any(ctx.needs_input_grad[:2]) else None  # block 0's, for backward
         return logprobs, entropy
 
     @staticmethod
@@ -410,27 +420,29 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         temperature, with_entropy, chunk, impl, states = ctx.args
         need_hidden, need_weight = ctx.needs_input_grad[:2]  # a frozen lm_head needs no (V, D) gradient
         grad_hidden = torch.empty_like(hidden) if need_hidden else None  # (N, D)
-        grad_weight = torch.zeros(weight.shape, device=weight.device) if need_weight else None  # (V, D), fp32 sum
+        grad_weight = None  # (V, D), the blocks' fp32 sum (cpu_linear.add_matmul_t)
         kept, ctx.first_block = ctx.first_block, None  # backward overwrites it: a second backward recomputes
-        buf = kept if kept is not None else _logits_buffer(hidden, weight)
+        buf = kept if kept is not None and not cpu_linear.usable(hidden, weight) else _logits_buffer(hidden, weight)
         for i, r in enumerate(range(0, hidden.shape[0], LINEAR_ROWS)):
             rows = slice(r, r + LINEAR_ROWS)
             h = hidden[rows]
             if i == 0 and kept is not None:
-                logits = buf[: h.shape[0]]  # block 0 as forward left it
+                logits = kept  # block 0 as forward left it
             else:
-                logits = torch.matmul(h, weight.T, out=buf[: h.shape[0]])  # (R, V), recomputed
+                logits = grad_logits = None  # the last block's, dropped before the next is made
+                logits = _logits(h, weight, buf)  # (R, V), recomputed
             g_ent = grad_entropy[rows] if with_entropy else None
             args = logits, targets[rows], lse[rows], entropy[rows], grad_logprobs[rows], g_ent, temperature, chunk
             grad_logits = _IMPLS[impl][1](*args, states[i], out=logits)  # (R, V), written over the logits
             if need_hidden:
-                torch.matmul(grad_logits, weight, out=grad_hidden[rows])
+                grad_hidden[rows] = cpu_linear.matmul_t(grad_logits, weight.T, grad_hidden[rows])
             if need_weight and grad_logits.dtype == torch.float32:
-                grad_weight.addmm_(grad_logits.T, hidden[rows])
+                grad_weight = cpu_linear.add_matmul_t(grad_weight, grad_logits.T, hidden[rows].T, weight.shape)
             elif need_weight:  # one rounding per block in the matmul's dtype, summed over blocks in float32
-                grad_weight.add_(grad_logits.T @ hidden[rows])
+                part = (grad_logits.T @ hidden[rows]).float()
+                grad_weight = part if grad_weight is None else grad_weight.add_(part)
         if need_weight:
-            grad_weight = grad_weight.to(weight.dtype)
+            grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else torch.zeros_like(weight)
         return grad_hidden, grad_weight, None, None, None, None, None
 
 

@@ -152,7 +152,7 @@ class LoRALinear(Linear):
         self.rank, self.scaling, self.dropout = rank, scaling, dropout
 
     def unpacked(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = super().unpacked(x)  # the frozen layer exactly as the base model runs it (align.cpu_linear)
         if not self.adapter_enabled:
             return y
         h = F.dropout(x, self.dropout) if self.dropout and self.training and torch.is_grad_enabled() else x

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from align import kernels
+from align import cpu_linear, kernels
 from align.atomic import COMMIT_MARKER, checkpoint_layout, commit_dir
 from align.attention import KVCache, PackedLayout, apply_rope, attend, cache_mask, sliding_window
 from align.errors import InputError, as_input_error
@@ -241,8 +241,8 @@ class Linear(nn.Linear):
         return self.packed(x) if self.packed is not None else self.unpacked(x)
 
     def unpacked(self, x: torch.Tensor) -> torch.Tensor:
-        """The layer on its own weights (``align.lora.LoRALinear`` adds its low-rank path here)."""
-        return F.linear(x, self.weight, self.bias)
+        """The layer on its own weights (``align.cpu_linear``; ``align.lora.LoRALinear`` adds its low-rank path)."""
+        return cpu_linear.linear(x, self.weight, self.bias)
 
 
 class Attention(nn.Module):

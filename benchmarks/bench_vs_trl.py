@@ -163,6 +163,12 @@ def align_child(args) -> dict:
     shutil.rmtree(out)
     from align.rollout import cpu_kernel
 
+    try:  # the learner's fp32 GEMMs (align.cpu_linear; a tree without it: MKL)
+        from align.cpu_linear import backend
+
+        gemm = backend()
+    except ImportError:
+        gemm = "mkl"
     # every step makes the same calls: drop the first step's share (the warm-up), the rest per step
     parts = {k: sum(v[len(v) // args.steps :]) / (args.steps - 1) for k, v in spent.items()}
     return {
@@ -170,7 +176,8 @@ def align_child(args) -> dict:
         "step_s": [r["step_time"] for r in recs],
         "cpu_s": cpu,
         "threads": torch.get_num_threads(),
-        "kernel": cpu_kernel.describe() + f"; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}",
+        "kernel": cpu_kernel.describe() + f"; learner GEMM: {gemm}"
+        f"; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}",
     }
 
 

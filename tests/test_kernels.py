@@ -231,10 +231,16 @@ def test_linear_frozen_weight():
     torch.testing.assert_close(h.grad, h_ref.grad, **FP32_TOL)
 
 
-def test_linear_backward_reuses_the_first_logits_block(monkeypatch):
+GEMMS = ["mkl", *(["onednn"] if torch.backends.mkldnn.is_available() else [])]  # align.cpu_linear's backends
+
+
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_linear_backward_reuses_the_first_logits_block(monkeypatch, gemm):
     """Forward leaves block 0's logits in its buffer and backward starts from them: one (R, V) product fewer in
     backward, the same gradients bit for bit as a backward that recomputes every block (a second backward with
-    retain_graph recomputes, since the first wrote its gradient over the kept block). Control: the product count."""
+    retain_graph recomputes, since the first wrote its gradient over the kept block). Control: the product count.
+    On either GEMM backend (``align.cpu_linear``: oneDNN makes each block anew, MKL writes one buffer)."""
+    monkeypatch.setenv("ALIGN_CPU_GEMM", gemm)
     monkeypatch.setattr(kernels, "LINEAR_ROWS", 4)
     n, d, v = 10, 8, 40  # blocks of 4, 4, 2 rows
     g = torch.Generator().manual_seed(5)
@@ -242,14 +248,13 @@ def test_linear_backward_reuses_the_first_logits_block(monkeypatch):
     weight = torch.randn(v, d, generator=g).requires_grad_()
     targets = torch.randint(0, v, (n,), generator=g)
     logits_products = []
-    real_matmul = torch.matmul
+    real_logits = kernels._logits
 
-    def counting(a, b, *, out=None):
-        if out is not None and out.shape[-1] == v:  # a logits block (grad_hidden's products are (R, d))
-            logits_products.append(a.shape[0])
-        return real_matmul(a, b, out=out)
+    def counting(h, w, buf):
+        logits_products.append(h.shape[0])
+        return real_logits(h, w, buf)
 
-    monkeypatch.setattr(torch, "matmul", counting)
+    monkeypatch.setattr(kernels, "_logits", counting)
     lp, ent = kernels.linear_token_logprobs(hidden, weight, targets, backend="torch", chunk_size=16)
     assert logits_products == [2, 4, 4]  # forward: last block first, block 0 last
     loss = (lp * torch.linspace(0.5, 1.5, n)).sum() + 0.3 * ent.sum()
@@ -259,6 +264,12 @@ def test_linear_backward_reuses_the_first_logits_block(monkeypatch):
     assert logits_products[5:] == [4, 4, 2]  # the kept block was consumed: everything recomputed
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+    h_ref = hidden.detach().clone().requires_grad_()
+    w_ref = weight.detach().clone().requires_grad_()
+    lp_ref, ent_ref = token_logprobs_reference(h_ref @ w_ref.T, targets)
+    ref = torch.autograd.grad((lp_ref * torch.linspace(0.5, 1.5, n)).sum() + 0.3 * ent_ref.sum(), (h_ref, w_ref))
+    for a, b in zip(first, ref):
+        torch.testing.assert_close(a, b, **FP32_TOL)
 
 
 RMS_GRAD_RTOL = 1e-6  # fp32: the fused backward vs autograd through F.rms_norm's composite, max |diff| / max |grad|

@@ -1,0 +1,133 @@
+"""fp32 linear layers on an AMD CPU through oneDNN instead of torch's BLAS (MKL): the forward GEMM and both of the
+backward's (d input, d weight), with the same autograd contract as ``F.linear``.
+
+Why: torch runs every fp32 ``F.linear`` / ``mm`` on the CPU through MKL's sgemm, and MKL does not give AMD CPUs its
+best code. On the AMD EPYC (Zen 5, AVX-512) of docs/performance.md "Against TRL", one core at the 31M learner's
+shapes (1136 tokens x 512 x 1408 and back) ran MKL's sgemm at ~90-95 GFLOP/s and oneDNN's matmul at ~180-220
+(its AVX-512 kernels; d weight, read through transposed views, ~150): the learner's forward + backward GEMMs (~2/3
+of their time) in about half the time. oneDNN is torch's own CPU library (``torch.ops.mkldnn``, the op the
+native sampler's oneDNN layout already runs), read here on the tensors' own memory (no reorder, any strides).
+
+oneDNN builds a kernel per new shape (a few ms): with a new token count every step the learner's forward + backward
+still took 0.60x of MKL's CPU time (0.58x at a fixed count).
+
+Numerics: the same products summed in another order (fp32 rounding, ~1e-7 relative; tests/test_cpu_linear.py holds
+values and gradients to ``F.linear``'s). Deterministic for a given thread count, like MKL.
+
+Where: ``linear(x, w, b)`` takes this path for float32 CPU tensors (plain ones: no tensor subclass such as FSDP's
+DTensor) outside CPU autocast (bf16-mixed keeps ``F.linear``, which autocast casts) when ``backend()`` is
+``"onednn"``; everything else is ``F.linear``. ``backend()``: ``ALIGN_CPU_GEMM=onednn|mkl`` when set, else
+``"onednn"`` on an AMD (or Hygon) x86 CPU with oneDNN in torch, else ``"mkl"`` (torch's own path, unchanged: Intel
+CPUs, where MKL runs its best code, were not measured against oneDNN here). Only stdlib and torch are imported.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+BACKENDS = ("onednn", "mkl")
+AMD_VENDORS = ("AuthenticAMD", "HygonGenuine")
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor string (``vendor_id`` of /proc/cpuinfo: GenuineIntel, AuthenticAMD, ...), or ""."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+@functools.cache
+def _auto() -> str:
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    ok = x86 and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    return "onednn" if ok and cpu_vendor() in AMD_VENDORS else "mkl"
+
+
+def backend() -> str:
+    """``"onednn"`` or ``"mkl"``: ``ALIGN_CPU_GEMM`` when set (read on every call), else the CPU's default."""
+    chosen = os.environ.get("ALIGN_CPU_GEMM", "").strip().lower()
+    if chosen and chosen not in BACKENDS:
+        raise ValueError(f"ALIGN_CPU_GEMM={chosen!r}: expected one of {BACKENDS}")
+    return chosen or _auto()
+
+
+def _plain(t: Tensor | None) -> bool:
+    return t is None or (
+        type(t) in (Tensor, torch.nn.Parameter) and t.dtype == torch.float32 and t.device.type == "cpu"
+    )
+
+
+def usable(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
+    """Whether ``linear(x, weight, bias)`` runs on oneDNN."""
+    return (
+        x.dim() >= 2
+        and weight.dim() == 2
+        and _plain(x)
+        and _plain(weight)
+        and _plain(bias)
+        and not torch.is_autocast_enabled("cpu")
+        and backend() == "onednn"
+    )
+
+
+def _gemm(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x (..., K) @ weight.T (weight (N, K), any strides) + bias, on oneDNN."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _gemm(x, weight, bias)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        dy = dy.contiguous()  # an expanded gradient (a sum's) has stride 0
+        dy2 = dy.reshape(-1, dy.shape[-1])  # (M, N)
+        dx = _gemm(dy, weight.t()) if ctx.needs_input_grad[0] else None  # (..., K) = dy @ W
+        dw = _gemm(dy2.t(), x.reshape(-1, x.shape[-1]).t()) if ctx.needs_input_grad[1] else None  # (N, K) = dy.T @ x
+        db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)``, on oneDNN where ``usable`` (then differentiable in x, weight and bias once:
+    no double backward), else ``F.linear`` itself."""
+    if not usable(x, weight, bias):
+        return F.linear(x, weight, bias)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        return _Linear.apply(x, weight, bias)
+    return _gemm(x, weight, bias)
+
+
+def matmul_t(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
+    """a @ b.T for a (M, K), b (N, K), any strides: on oneDNN where ``usable`` (a new tensor; ``out`` unused), else
+    ``torch.matmul(a, b.T, out=out)`` (``out``: None, or a (M, N) tensor to write)."""
+    if usable(a, b):
+        return _gemm(a, b)
+    return torch.matmul(a, b.T) if out is None else torch.matmul(a, b.T, out=out)
+
+
+def add_matmul_t(acc: Tensor | None, a: Tensor, b: Tensor, shape: tuple[int, int]) -> Tensor:
+    """acc + a @ b.T, a sum over blocks (a (M, K), b (N, K), acc (M, N) or None for a zero one of ``shape``): on
+    oneDNN where ``usable`` (the first block's product itself, then each block added by the GEMM's own post-op: a new
+    tensor each time), else ``acc.addmm_(a, b.T)`` in place (torch's path, unchanged)."""
+    if usable(a, b):
+        return _gemm(a, b) if acc is None else torch.ops.mkldnn._linear_pointwise.binary(a, acc, b, None, "add")
+    acc = torch.zeros(shape, dtype=a.dtype, device=a.device) if acc is None else acc
+    return acc.addmm_(a, b.T)
