@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from align import kernels
+from align import fused_cpu, kernels
 from align.atomic import COMMIT_MARKER, checkpoint_layout, commit_dir
 from align.attention import KVCache, PackedLayout, apply_rope, attend, cache_mask, sliding_window
 from align.errors import InputError, as_input_error
@@ -242,7 +242,7 @@ class Linear(nn.Linear):
 
     def unpacked(self, x: torch.Tensor) -> torch.Tensor:
         """The layer on its own weights (``align.lora.LoRALinear`` adds its low-rank path here)."""
-        return F.linear(x, self.weight, self.bias)
+        return fused_cpu.linear(x, self.weight, self.bias)  # F.linear; fp32 CPU: its backward by oneDNN
 
 
 class Attention(nn.Module):

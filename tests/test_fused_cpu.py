@@ -129,3 +129,76 @@ def test_rope_forward_and_backward_match_torch(monkeypatch):
     # negative control: the backward as the forward (swap(dy) s instead of swap(dy s)) is far off
     wrong = fused_cpu.load().rope(dy.transpose(1, 2).reshape(B * T, H, D), *fused_cpu._tables(cos, sin), False)
     assert rel(wrong.view(B, T, H, D), wx) > 100 * TOL
+
+
+GEMM_TOL = 1e-5  # oneDNN's GEMM sums in its own order: max |diff| / max |reference|
+
+
+def test_mm_matches_torch_on_odd_shapes_and_strides():
+    ops, g = fused_cpu.load(), torch.Generator().manual_seed(5)
+    for M, K, N in [(1, 5, 3), (15, 17, 33), (16, 16, 16), (700, 256, 40), (1300, 100, 7), (0, 4, 4), (5, 0, 3)]:
+        a, b = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g)
+        at = torch.randn(K, M, generator=g).t()  # a weight gradient's transposed operand
+        for x, y in ((a, b), (at, b), (a, torch.randn(N, K, generator=g).t()), (a[:, ::2], b[::2])):
+            got, want = ops.mm(x, y), x @ y
+            assert got.shape == want.shape and (not want.any() and torch.equal(got, want) or rel(got, want) <= GEMM_TOL)
+    a, b = torch.randn(40, 64, generator=g), torch.randn(64, 48, generator=g)
+    assert rel(ops.mm(a, b), a @ b.flip(0)) > 0.1  # negative control: the operands' order matters
+
+
+def test_grouped_gemms_match_per_group_products():
+    ops, g = fused_cpu.load(), torch.Generator().manual_seed(6)
+    a, c = torch.randn(1001, 37, generator=g), torch.randn(1001, 19, generator=g)
+    for ends in ([13, 13, 600, 1001], [0, 0, 1, 1001], [1001, 1001, 1001, 1001], [5, 300, 301, 990]):
+        offs, starts = torch.tensor(ends, dtype=torch.int32), [0, *ends[:-1]]
+        b = torch.randn(4, 19, 37, generator=g).transpose(1, 2)  # (X, K, N) transposed, as the forward reads it
+        rows = ops.gmm_rows(a, b, offs)
+        want = torch.zeros(1001, 19)
+        for i, (s, e) in enumerate(zip(starts, ends)):
+            want[s:e] = a[s:e] @ b[i]
+        assert rel(rows, want) <= GEMM_TOL, ends  # rows after the last group (990: 11 of them) are zero
+        wgrad = ops.gmm_wgrad(a, c, offs)
+        want = torch.stack([a[s:e].t() @ c[s:e] for s, e in zip(starts, ends)])
+        assert rel(wgrad, want) <= GEMM_TOL, ends  # an empty group's gradient is zero
+    b = torch.randn(4, 37, 19, generator=g)
+    offs = torch.tensor([300, 600, 900, 1001], dtype=torch.int32)
+    shifted = torch.cat([a[:1] @ b[0], ops.gmm_rows(a, b, offs)[:-1]])  # negative control: off by one row
+    assert rel(shifted, ops.gmm_rows(a, b, offs)) > 0.1
+    for bad in ([13, 12, 600, 1001], [13, 600, 1001, 1002], [-1, 5, 6, 7]):  # falling, past M, negative: refused
+        try:
+            ops.gmm_rows(a, b, torch.tensor(bad, dtype=torch.int32))
+        except RuntimeError as e:
+            assert "group ends" in str(e)
+        else:
+            raise AssertionError(f"offs {bad} accepted")
+
+
+def test_linear_backward_matches_torch(monkeypatch):
+    g = torch.Generator().manual_seed(7)
+    for shape, bias in (((3, 50, 72), True), ((1, 1, 72), False), ((2, 17, 72), False)):
+        x = torch.randn(*shape, generator=g).requires_grad_()
+        w = torch.randn(40, 72, generator=g).requires_grad_()
+        b = torch.randn(40, generator=g).requires_grad_() if bias else None
+        dy = torch.randn(*shape[:-1], 40, generator=g)
+        got = fused_cpu.linear(x, w, b)
+        assert type(got.grad_fn).__name__ == "LinearBackward"
+        want = F.linear(x, w, b)
+        assert torch.equal(got, want)  # the forward is torch's GEMM: the same floats
+        ins = (x, w) if b is None else (x, w, b)
+        mine = torch.autograd.grad(got, ins, dy)
+        for u, v in zip(mine, torch.autograd.grad(want, ins, dy)):
+            assert rel(u, v) <= GEMM_TOL
+        assert rel(mine[0], dy @ w.detach().flip(0)) > 0.1  # negative control: a permuted weight
+    frozen = torch.randn(40, 72)  # a frozen weight (LoRA's base): only dx
+    x = torch.randn(5, 72, generator=g).requires_grad_()
+    (dx,) = torch.autograd.grad(fused_cpu.linear(x, frozen, None).sum(), x)
+    assert rel(dx, frozen.sum(0).expand(5, -1)) <= GEMM_TOL
+    monkeypatch.setattr(fused_cpu, "usable", lambda *t: False)  # off: torch's own autograd
+    assert type(fused_cpu.linear(x, frozen, None).grad_fn).__name__ != "LinearBackward"
+    x = torch.randn(5, 72, generator=g).requires_grad_()
+    monkeypatch.undo()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16-mixed: torch's autograd (its GEMMs run in bf16)
+        y = fused_cpu.linear(x, w, None)
+    assert y.dtype == torch.bfloat16 and type(y.grad_fn).__name__ != "LinearBackward"
+    y.float().sum().backward()
+    assert x.grad is not None and x.grad.dtype == torch.float32
