@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from align import fused_cpu
+from align import cpu_linear, fused_cpu
 from align.errors import InputError
 from align.options import flag  # the one definition of a flag's help
 
@@ -277,14 +277,14 @@ class GroupedExperts(torch.autograd.Function):
         token = order // k  # (M,) the token of each sorted pair
         offs = torch.bincount(flat, minlength=X).cumsum(0).to(torch.int32)  # (X,) end of each expert's rows
         xs = x.index_select(0, token)  # (M, E)
-        h = GROUPED_MM(xs, gate_up.transpose(1, 2), offs=offs).contiguous()  # (M, 2F), as the fused kernels read it
+        h = _gmm(xs, gate_up.transpose(1, 2), offs).contiguous()  # (M, 2F), as the fused kernels read it
         ws = w.reshape(-1)[order, None].to(h.dtype)  # (M, 1) each sorted pair's weight
         if fused_cpu.usable(h):  # one pass (align.fused_cpu)
             a = fused_cpu.load().swiglu_fwd(h, ws[:, 0])
         else:
             gate, up = h.chunk(2, dim=-1)
             a = F.silu(gate).mul_(up).mul_(ws)
-        y = GROUPED_MM(a, down.transpose(1, 2), offs=offs)  # (M, E), weighted
+        y = _gmm(a, down.transpose(1, 2), offs)  # (M, E), weighted
         ctx.save_for_backward(xs, h, ws, order, offs, gate_up, down)
         ctx.k, ctx.w_dtype = k, w.dtype
         return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
@@ -294,7 +294,7 @@ class GroupedExperts(torch.autograd.Function):
         xs, h, ws, order, offs, gate_up, down = ctx.saved_tensors
         N, token = grad.shape[0], order // ctx.k
         gs = grad.to(h.dtype).index_select(0, token)  # (M, E) each sorted pair's output gradient
-        ga = GROUPED_MM(gs, down, offs=offs)  # (M, F) gradient of the weighted activation / ws
+        ga = _gmm(gs, down, offs)  # (M, F) gradient of the weighted activation / ws
         if fused_cpu.usable(h):  # one pass: the weighted activation, d ws, d gate | d up (align.fused_cpu)
             aw, gw_sorted, gh = fused_cpu.load().swiglu_bwd(h, ws[:, 0], ga.contiguous())
         else:
@@ -302,12 +302,28 @@ class GroupedExperts(torch.autograd.Function):
         gw = None
         if ctx.needs_input_grad[2]:
             gw = torch.empty_like(ws[:, 0]).index_copy_(0, order, gw_sorted).view(N, -1).to(ctx.w_dtype)
-        g_down = GROUPED_MM(gs.t(), aw, offs=offs) if ctx.needs_input_grad[4] else None  # (X, E, F)
-        g_gate_up = GROUPED_MM(gh.t(), xs, offs=offs) if ctx.needs_input_grad[3] else None  # (X, 2F, E)
+        g_down = _gmm_wgrad(gs, aw, offs) if ctx.needs_input_grad[4] else None  # (X, E, F)
+        g_gate_up = _gmm_wgrad(gh, xs, offs) if ctx.needs_input_grad[3] else None  # (X, 2F, E)
         gx = None
         if ctx.needs_input_grad[0]:
-            gx = torch.zeros_like(grad).index_add_(0, token, GROUPED_MM(gh, gate_up, offs=offs).to(grad.dtype))
+            gx = torch.zeros_like(grad).index_add_(0, token, _gmm(gh, gate_up, offs).to(grad.dtype))
         return gx, None, gw, g_gate_up, g_down
+
+
+def _onednn(a: Tensor, b: Tensor) -> bool:
+    """fp32 CPU grouped GEMMs by oneDNN (``align.fused_cpu``) where the dense layers run on it (``align.cpu_linear``:
+    AMD CPUs, ~2x MKL's AVX2 path); elsewhere torch's grouped GEMM."""
+    return cpu_linear.backend() == "onednn" and fused_cpu.usable(a, b)
+
+
+def _gmm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """Each group's rows of a (M, K) times its b (X, K, N)."""
+    return fused_cpu.load().gmm_rows(a, b, offs) if _onednn(a, b) else GROUPED_MM(a, b, offs=offs)
+
+
+def _gmm_wgrad(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """Per group, its rows of a (M, P) transposed times its rows of b (M, Q): (X, P, Q)."""
+    return fused_cpu.load().gmm_wgrad(a, b, offs) if _onednn(a, b) else GROUPED_MM(a.t(), b, offs=offs)
 
 
 def _swiglu_backward(h: Tensor, ws: Tensor, ga: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -129,3 +129,33 @@ def test_rope_forward_and_backward_match_torch(monkeypatch):
     # negative control: the backward as the forward (swap(dy) s instead of swap(dy s)) is far off
     wrong = fused_cpu.load().rope(dy.transpose(1, 2).reshape(B * T, H, D), *fused_cpu._tables(cos, sin), False)
     assert rel(wrong.view(B, T, H, D), wx) > 100 * TOL
+
+
+GEMM_TOL = 1e-5  # oneDNN's GEMM sums in its own order: max |diff| / max |reference|
+
+
+def test_grouped_gemms_match_per_group_products():
+    ops, g = fused_cpu.load(), torch.Generator().manual_seed(6)
+    a, c = torch.randn(1001, 37, generator=g), torch.randn(1001, 19, generator=g)
+    for ends in ([13, 13, 600, 1001], [0, 0, 1, 1001], [1001, 1001, 1001, 1001], [5, 300, 301, 990]):
+        offs, starts = torch.tensor(ends, dtype=torch.int32), [0, *ends[:-1]]
+        b = torch.randn(4, 19, 37, generator=g).transpose(1, 2)  # (X, K, N) transposed, as the forward reads it
+        rows = ops.gmm_rows(a, b, offs)
+        want = torch.zeros(1001, 19)
+        for i, (s, e) in enumerate(zip(starts, ends)):
+            want[s:e] = a[s:e] @ b[i]
+        assert rel(rows, want) <= GEMM_TOL, ends  # rows after the last group (990: 11 of them) are zero
+        wgrad = ops.gmm_wgrad(a, c, offs)
+        want = torch.stack([a[s:e].t() @ c[s:e] for s, e in zip(starts, ends)])
+        assert rel(wgrad, want) <= GEMM_TOL, ends  # an empty group's gradient is zero
+    b = torch.randn(4, 37, 19, generator=g)
+    offs = torch.tensor([300, 600, 900, 1001], dtype=torch.int32)
+    shifted = torch.cat([a[:1] @ b[0], ops.gmm_rows(a, b, offs)[:-1]])  # negative control: off by one row
+    assert rel(shifted, ops.gmm_rows(a, b, offs)) > 0.1
+    for bad in ([13, 12, 600, 1001], [13, 600, 1001, 1002], [-1, 5, 6, 7]):  # falling, past M, negative: refused
+        try:
+            ops.gmm_rows(a, b, torch.tensor(bad, dtype=torch.int32))
+        except RuntimeError as e:
+            assert "group ends" in str(e)
+        else:
+            raise AssertionError(f"offs {bad} accepted")

@@ -28,7 +28,10 @@ FMT_SKIP_ALLOWED: dict[str, str] = {}
 # import modules of its own floor or of a lower one, never of a higher one; a module on no floor fails the test.
 FLOORS = [
     ("stdlib base", " atomic child errors heartbeat options"),
-    ("the algorithm", "cxx fused_cpu cpu_linear attention moe model packing kernels lora grpo advantages device dist learner"),
+    (
+        "the algorithm",
+        "cxx fused_cpu cpu_linear attention moe model packing kernels lora grpo advantages device dist learner",
+    ),
     ("what goes in", "char_tokenizer hub chat data specs verifiers reward_calls reward_pool rewards"),
     (
         "the rollout wing",
