@@ -24,6 +24,7 @@ CPUs, where MKL runs its best code, were not measured against oneDNN here). Only
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import platform
 
@@ -33,6 +34,7 @@ from torch import Tensor
 
 BACKENDS = ("onednn", "mkl")
 AMD_VENDORS = ("AuthenticAMD", "HygonGenuine")
+log = logging.getLogger(__name__)
 
 
 def cpu_vendor() -> str:
@@ -51,7 +53,10 @@ def cpu_vendor() -> str:
 def _auto() -> str:
     x86 = platform.machine().lower() in ("x86_64", "amd64")
     ok = x86 and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    return "onednn" if ok and cpu_vendor() in AMD_VENDORS else "mkl"
+    chosen = "onednn" if ok and cpu_vendor() in AMD_VENDORS else "mkl"
+    if chosen == "onednn":  # said once per process: the floats differ from MKL's in the last bits
+        log.info("fp32 CPU GEMMs on oneDNN (an AMD CPU, where MKL takes its AVX2 path); ALIGN_CPU_GEMM=mkl keeps MKL")
+    return chosen
 
 
 def backend() -> str:

@@ -348,7 +348,7 @@ def _try() -> tuple[object | None, str]:
 
 
 def load():
-    """``torch.ops.align_fused_<key>`` (``rms_apply``, ``rms_bwd``, ``swiglu_fwd``, ``swiglu_bwd``, ``rope``, ``mm``,
+    """``torch.ops.align_fused_<key>`` (``rms_apply``, ``rms_bwd``, ``swiglu_fwd``, ``swiglu_bwd``, ``rope``,
     ``gmm_rows``, ``gmm_wgrad``), or None where
     they cannot be built here; tried once per process, the outcome logged once."""
     if "tried" not in _state:
