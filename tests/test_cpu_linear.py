@@ -51,6 +51,8 @@ def test_linear_matches_f_linear(gemm_calls, bias, shape):
     for a, r in zip(grads, ref_grads):
         torch.testing.assert_close(a, r, **TOL)
     assert len(gemm_calls) == 3  # forward, d input, d weight: all three on oneDNN
+    wrong, wrong_grads = _grads(F.linear, x, w.flip(0), *args[2:])  # negative control: the weight's rows permuted
+    assert not torch.allclose(out, wrong, **TOL) and not torch.allclose(grads[0], wrong_grads[0], **TOL)
 
 
 def test_strided_input_and_frozen_weight(gemm_calls):
@@ -122,3 +124,7 @@ def test_model_step_on_onednn_matches_mkl(gemm_calls, monkeypatch):
     torch.testing.assert_close(loss_dnn, loss_mkl, **TOL)
     for n, g in grads_mkl.items():
         torch.testing.assert_close(grads_dnn[n], g, rtol=1e-4, atol=1e-5, msg=n)
+    with torch.no_grad():  # negative control: one weight moved by 1e-3 moves the gradients past the tolerance
+        model.model.layers[0].mlp.up_proj.weight[0, 0] += 1e-3
+    _, moved = run("onednn")
+    assert any(not torch.allclose(moved[n], g, rtol=1e-4, atol=1e-5) for n, g in grads_mkl.items())
