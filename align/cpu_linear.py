@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from align import cxx
+
 BACKENDS = ("onednn", "mkl")
 AMD_VENDORS = ("AuthenticAMD", "HygonGenuine")
 log = logging.getLogger(__name__)
@@ -39,14 +41,7 @@ log = logging.getLogger(__name__)
 
 def cpu_vendor() -> str:
     """The CPU's vendor string (``vendor_id`` of /proc/cpuinfo: GenuineIntel, AuthenticAMD, ...), or ""."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return next((line.split(":", 1)[1].strip() for line in cxx.cpu_lines() if line.startswith("vendor_id")), "")
 
 
 @functools.cache

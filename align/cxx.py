@@ -22,6 +22,16 @@ from pathlib import Path
 import torch
 
 
+def cpu_lines() -> list[str]:
+    """The first processor's block of /proc/cpuinfo, as lines (``vendor_id\t: AuthenticAMD``, ``flags\t\t: ...``):
+    what the kernels' cache keys and the backend choices read; [] where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read().split("\n\n", 1)[0].splitlines()
+    except OSError:
+        return []
+
+
 def compiler() -> str | None:
     """The C++ compiler to build with: ``$CXX``, ``c++`` or ``g++`` on the PATH, else None."""
     for name in (os.environ.get("CXX"), "c++", "g++"):

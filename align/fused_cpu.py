@@ -322,12 +322,7 @@ log = logging.getLogger(__name__)
 
 
 def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            first = f.read().split("\n\n", 1)[0].splitlines()  # the first processor's block
-        return "".join(line for line in first if line.startswith(("model name", "flags")))
-    except OSError:
-        return ""
+    return "".join(line for line in cxx.cpu_lines() if line.startswith(("model name", "flags")))
 
 
 def _try() -> tuple[object | None, str]:

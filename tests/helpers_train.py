@@ -90,11 +90,16 @@ def spool_cfg(out, **kw):
     return c
 
 
-def records(out) -> list[dict]:
-    """The run's metrics.jsonl, one dict per finished line: a live run may be mid-write of the last one (a reader
-    polling it can see the line's first bytes before the rest land)."""
-    text = (Path(out) / "metrics.jsonl").read_text()
+def jsonl_rows(path) -> list[dict]:
+    """A run's .jsonl log, one dict per finished line: a live run may be mid-write of the last one (a reader polling
+    it can see the line's first bytes before the rest land)."""
+    text = Path(path).read_text()
     return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
+
+
+def records(out) -> list[dict]:
+    """The run's metrics.jsonl (``jsonl_rows``)."""
+    return jsonl_rows(Path(out) / "metrics.jsonl")
 
 
 def train_steps(out) -> int:

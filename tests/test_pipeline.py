@@ -4,7 +4,6 @@ the real vLLM worker runs in tests/test_pipeline_spool.py."""
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import threading
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_train import PROMPTS, TIMING_KEYS, TOK, a_reward, cfg_for, records, run_cli, wait_for
+from helpers_train import PROMPTS, TIMING_KEYS, TOK, a_reward, cfg_for, jsonl_rows, records, run_cli, wait_for
 
 from align.rewards import Scores
 from align.rollout import engines, pipeline
@@ -272,8 +271,7 @@ def cli(out: Path, model: str, *extra: str) -> subprocess.Popen:
 def logged(out: Path) -> tuple[list[dict], list[dict]]:
     def load(name):
         p = out / name
-        text = p.read_text() if p.exists() else ""  # polled while the run writes: up to the last finished line
-        rows = [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
+        rows = jsonl_rows(p) if p.exists() else []  # polled while the run writes: up to the last finished line
         return [{k: v for k, v in r.items() if k not in TIMING_KEYS and k not in TIMED_ASYNC} for r in rows]
 
     return load("metrics.jsonl"), load("completions.jsonl")

@@ -376,11 +376,7 @@ def unavailable_reason(name: str | None = None) -> str | None:
 
 def describe() -> str:
     """One line for benchmarks and logs: the CPU's features and the decode GEMM this process runs."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        flags = []
+    flags = next((line.split(":", 1)[1].split() for line in cxx.cpu_lines() if line.startswith("flags")), [])
     have = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "amx_tile") if f in flags]
     ops = load()
     kernel = ops.name.removeprefix("align_cpu_") if ops is not None else f"none, MKL/oneDNN ({unavailable_reason()})"
