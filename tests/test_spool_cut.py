@@ -298,3 +298,14 @@ def test_generate_until_cuts_the_rest_and_a_second_call_finishes_them(worker):
     assert all(c.token_versions is None and c.weights_version == client.weights_version for c in second)
     with pytest.raises(ValueError, match="complete already"):
         client.generate_until(groups, params, 3, second)
+
+
+@pytest.mark.rollout
+def test_a_seeded_prompt_longer_than_a_steps_token_budget_is_served(worker):
+    """A resumed row is prompt + every id so far: thousands of tokens, over vLLM's per-step budget (2048). Under
+    chunked prefill vLLM's CPU runner rewound the seeded request's generator by a CUDA-only offset and the engine
+    core died ("CPU Generator does not use offset"); the worker turns chunked prefill off on a CPU. Run last: on the
+    old worker it kills the module's engine."""
+    long = [(7 * i) % 500 + 3 for i in range(5000)]
+    (c,) = worker["client"].generate([long], SamplingParams(max_tokens=3, seed=11))
+    assert len(c.token_ids) == 3 and len(c.logprobs) == 3

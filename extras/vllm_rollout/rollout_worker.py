@@ -179,6 +179,10 @@ class Worker(Commands):
 
     # -- engine ------------------------------------------------------------------------------------
     def build_engine(self, model_dir: Path):
+        """The ``vllm.LLM`` of the flags. On a CPU, chunked prefill is off: after a partial prefill vLLM rewinds a
+        seeded request's generator by CUDA's Philox offset, and a CPU generator has none, so the engine core died
+        ("CPU Generator does not use offset", EngineDeadError) on the first seeded prompt longer than a step's
+        token budget (a cut request resumed as prompt + thousands of ids)."""
         import torch
         from vllm import LLM
 
@@ -189,6 +193,8 @@ class Worker(Commands):
             "max_num_seqs": a.max_num_seqs, "tensor_parallel_size": a.tensor_parallel_size, "seed": a.seed,
             "enforce_eager": eager, "logprobs_mode": VLLM_LOGPROBS_MODES[a.logprobs_mode],
         }  # fmt: skip
+        if not torch.cuda.is_available():  # vLLM's CPU runner: a prompt is never split across steps (see below)
+            kw.update(enable_chunked_prefill=False, max_num_batched_tokens=max(a.max_model_len, 2048))
         if a.gpu_memory_utilization is not None:
             kw["gpu_memory_utilization"] = a.gpu_memory_utilization
         if a.enable_sleep_mode:
