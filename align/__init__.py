@@ -30,7 +30,8 @@ import circle anywhere: ``FLOORS`` in ``tests/test_layout.py`` lists every modul
   ``module:name`` / ``file.py:name``), ``rewards`` (+ ``reward_pool``: the worker processes;
   ``reward_calls``: TRL-shaped batch and ``async`` calls), ``verifiers``.
 - the algorithm, no run state: ``model`` (+ ``attention``, ``moe``: experts, routing, replay), ``packing``, ``kernels``, ``lora``, ``grpo``,
-  ``advantages``, ``learner``, ``device``, ``dist``.
+  ``advantages``, ``learner``, ``device``, ``dist``; beneath them the CPU paths: ``cpu_linear`` (fp32 GEMMs on oneDNN
+  on AMD CPUs), ``fused_cpu`` (C++ RMSNorm, RoPE, SwiGLU, grouped GEMMs), ``cxx`` (building them).
 - stdlib base: ``atomic`` (atomic files and the commit marker), ``child`` (one child process in its own group, JSON
   over pipes, deadlines, bounded reads), ``errors`` (``InputError``, ``Interrupted``), ``heartbeat`` (progress beats
   for the watchdog).
