@@ -9,14 +9,17 @@ of their time) in about half the time. oneDNN is torch's own CPU library (``torc
 native sampler's oneDNN layout already runs), read here on the tensors' own memory (no reorder, any strides).
 
 oneDNN builds a kernel per new shape (a few ms): with a new token count every step the learner's forward + backward
-still took 0.60x of MKL's CPU time (0.58x at a fixed count).
+still took 0.60x of MKL's CPU time (0.58x at a fixed count). Below ``MIN_MACS`` multiply-adds a GEMM stays on MKL
+by default: there the build (~0.4 ms on this CPU) costs more than oneDNN saves (a 1800 x 16 x 48 GEMM of a new
+shape: MKL 0.32 ms, oneDNN 0.59; 1800 x 64 x 256: 1.55 vs 1.27).
 
 Numerics: the same products summed in another order (fp32 rounding, ~1e-7 relative; tests/test_cpu_linear.py holds
 values and gradients to ``F.linear``'s). Deterministic for a given thread count, like MKL.
 
 Where: ``linear(x, w, b)`` takes this path for float32 CPU tensors (plain ones: no tensor subclass such as FSDP's
 DTensor) outside CPU autocast (bf16-mixed keeps ``F.linear``, which autocast casts) when ``backend()`` is
-``"onednn"``; everything else is ``F.linear``. ``backend()``: ``ALIGN_CPU_GEMM=onednn|mkl`` when set, else
+``"onednn"`` and the GEMM has ``MIN_MACS`` multiply-adds or more (any size when ``ALIGN_CPU_GEMM=onednn`` is set);
+everything else is ``F.linear``. ``backend()``: ``ALIGN_CPU_GEMM=onednn|mkl`` when set, else
 ``"onednn"`` on an AMD (or Hygon) x86 CPU with oneDNN in torch, else ``"mkl"`` (torch's own path, unchanged: Intel
 CPUs, where MKL runs its best code, were not measured against oneDNN here). Only stdlib and torch are imported.
 """
@@ -36,6 +39,7 @@ from align import cxx
 
 BACKENDS = ("onednn", "mkl")
 AMD_VENDORS = ("AuthenticAMD", "HygonGenuine")
+MIN_MACS = 1 << 23  # the default backend's smallest oneDNN GEMM (M x N x K); smaller ones stay on MKL (see above)
 log = logging.getLogger(__name__)
 
 
@@ -54,12 +58,16 @@ def _auto() -> str:
     return chosen
 
 
-def backend() -> str:
-    """``"onednn"`` or ``"mkl"``: ``ALIGN_CPU_GEMM`` when set (read on every call), else the CPU's default."""
+def _env() -> str:
     chosen = os.environ.get("ALIGN_CPU_GEMM", "").strip().lower()
     if chosen and chosen not in BACKENDS:
         raise ValueError(f"ALIGN_CPU_GEMM={chosen!r}: expected one of {BACKENDS}")
-    return chosen or _auto()
+    return chosen
+
+
+def backend() -> str:
+    """``"onednn"`` or ``"mkl"``: ``ALIGN_CPU_GEMM`` when set (read on every call), else the CPU's default."""
+    return _env() or _auto()
 
 
 def _plain(t: Tensor | None) -> bool:
@@ -78,6 +86,7 @@ def usable(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
         and _plain(bias)
         and not torch.is_autocast_enabled("cpu")
         and backend() == "onednn"
+        and (x.numel() * weight.shape[0] >= MIN_MACS or _env() == "onednn")
     )
 
 

@@ -99,6 +99,21 @@ def test_default_is_onednn_on_amd_only(monkeypatch):
         assert auto() == (expected if cpu_linear.platform.machine().lower() in ("x86_64", "amd64") else "mkl")
 
 
+def test_the_default_backend_keeps_gemms_below_min_macs_on_mkl(gemm_calls, monkeypatch):
+    """Unforced (no ALIGN_CPU_GEMM) on oneDNN's CPUs: a GEMM of MIN_MACS multiply-adds or more runs oneDNN, one of
+    fewer stays on F.linear itself (bit for bit), where oneDNN's per-shape build costs more than it saves."""
+    monkeypatch.delenv("ALIGN_CPU_GEMM")
+    monkeypatch.setattr(cpu_linear, "_auto", lambda: "onednn")
+    w = torch.randn(64, 64)
+    small, large = torch.randn(cpu_linear.MIN_MACS // 64**2 - 1, 64), torch.randn(cpu_linear.MIN_MACS // 64**2, 64)
+    assert torch.equal(cpu_linear.linear(small, w), F.linear(small, w)) and gemm_calls == []
+    torch.testing.assert_close(cpu_linear.linear(large, w), F.linear(large, w), **TOL)
+    assert gemm_calls == [tuple(large.shape)]
+    monkeypatch.setenv("ALIGN_CPU_GEMM", "onednn")  # forced: any size
+    cpu_linear.linear(small, w)
+    assert gemm_calls[-1] == tuple(small.shape)
+
+
 def test_model_step_on_onednn_matches_mkl(gemm_calls, monkeypatch):
     """The model's linear layers (and the fused head, ``align.kernels``) take the oneDNN path: one training forward +
     backward gives MKL's loss and gradients to fp32 rounding."""
