@@ -17,7 +17,9 @@ The reward: 1 when the completion's last token before <eos> is ``c`` (pass@1 ~ 0
 --max-async-steps 1, the sampler-alone loops on one torch thread, the runs on the run default (every CPU; the
 generation thread on half of them: ``engines.generation_threads``); each run trains a fresh copy of the same model
 with the same prompts and seeds; only --partial-rollouts differs, and on the native sampler its two --partial-prefill modes run side by side
-(recompute: a cut row re-prefilled under the new weights; keep: it continues on its KV cache) (a short warm-up run
+(recompute: a cut row re-prefilled under the new weights; keep: it continues on its KV cache), and each again with
+``--partial-cut publish`` (the carried rows decode while the producer waits for the trainer's publish; "fill tok/step":
+the tokens they got so) (a short warm-up run
 first; then --repeats runs of each, interleaved in rotating order; the median of each figure). Printed: steps/s over the steps after the first, the generator's idle
 fraction (its wait for the trainer / the loop time), the producer's generate + score seconds per step
 (``rollout_time``), the trainer's wait fraction (blocked on its batch / the loop time) and its own seconds per
@@ -280,6 +282,7 @@ def run(name: str, args: argparse.Namespace, model: Path, tmp: Path, lags: Count
         "train_s": (loop - wait) / len(steps),  # the trainer's own seconds per step (loss, backward, publish)
         "wall_s": wall,
         "gen_cpu": cpu[0] / args.steps,  # the producer's CPU seconds per step (every step, the first included)
+        "fill": sum(r.get("rollout/fill_tokens", 0) for r in steps) / len(steps),  # --partial-cut publish
     }
 
 
@@ -325,15 +328,17 @@ def main() -> None:
             + (f"; CPU s per call {c0:.3f} vs {c1:.3f} ({c0 / c1:.2f}x)" if args.backend == "native" else "")
         )
         lags: Counter = Counter()
-        names = ["without"] + [f"partial, {m}" for m in PREFILLS[args.backend]]  # the --partial-prefill modes
+        modes = PREFILLS[args.backend]  # the --partial-prefill modes; then each with --partial-cut publish
+        names = ["without"] + [f"partial, {m}" for m in modes] + [f"partial, {m}, publish" for m in modes]
         runs: dict[str, list[dict]] = {name: [] for name in names}
         run("warmup", argparse.Namespace(**{**vars(args), "steps": 3}), model, tmp, Counter(), partial_rollouts=True)
         for i in range(args.repeats):  # interleaved, rotating order: a load change on the machine hits each alike
             for name in names[i % len(names) :] + names[: i % len(names)]:
                 kw = {}
                 if name != "without":
-                    mode = name.split(", ")[1]
+                    mode, cut = name.split(", ")[1], "publish" if name.endswith("publish") else "groups"
                     kw = {"partial_rollouts": True, "partial_pool_factor": args.pool_factor, "partial_prefill": mode}
+                    kw["partial_cut"] = cut
                 tag = name.replace(", ", "_").replace(" ", "")
                 runs[name].append(run(f"{tag}{i}", args, model, tmp, lags if kw else Counter(), **kw))
     medians = {name: median_run(rs) for name, rs in runs.items()}
@@ -342,12 +347,12 @@ def main() -> None:
         f"{args.backend}, K={args.async_steps}, pool factor {args.pool_factor}, {args.steps} steps x {args.prompts} groups of {args.group_size}, median of {args.repeats} run(s):"
     )
     head = ("steps/s", "gen idle", "gen s/step", "gen cpu/step", "train wait", "train s/step", "pass@1", "len mean")
-    print(f"{'':<20}" + "".join(f"{h:>13}" for h in head))
+    print(f"{'':<28}" + "".join(f"{h:>13}" for h in head) + f"{'fill tok/step':>14}")
     for name, r in medians.items():
         print(
-            f"{name:<20}{r['steps_per_s']:>13.3f}{r['idle_frac']:>13.1%}{r['gen_s']:>13.3f}{r['gen_cpu']:>13.3f}"
+            f"{name:<28}{r['steps_per_s']:>13.3f}{r['idle_frac']:>13.1%}{r['gen_s']:>13.3f}{r['gen_cpu']:>13.3f}"
             f"{r['wait_frac']:>13.1%}"
-            f"{r['train_s']:>13.3f}{r['pass@1']:>13.3f}{r['len_mean']:>13.1f}"
+            f"{r['train_s']:>13.3f}{r['pass@1']:>13.3f}{r['len_mean']:>13.1f}{r['fill']:>14.1f}"
         )
     for name, r in list(medians.items())[1:]:
         print(

@@ -55,7 +55,10 @@ def teacher_forced(model, prompt, ids, T=1.0):
 
 def stamped_error(c, models, stamps):
     """Largest |logprob - teacher-forced logprob under the model each token is stamped with|."""
-    prompt = ENCODED[c.prompt_index]
+    return span_error(ENCODED[c.prompt_index], c, models, stamps)
+
+
+def span_error(prompt, c, models, stamps):
     ref = torch.stack([teacher_forced(models[v], prompt, c.token_ids)[i] for i, v in enumerate(stamps)])
     return float((torch.tensor(c.logprobs) - ref).abs().max())
 
@@ -293,6 +296,62 @@ def test_the_carry_drops_stale_groups_and_refills_from_fresh_prompts(versions):
     assert late.dropped == 6 and len(drawn) - before == 4  # both carried groups gone, the pool refilled fresh
 
 
+def test_a_stop_cuts_the_running_rows_where_it_says(versions):
+    """``stop`` (--partial-cut publish) is asked after every token; once it says so every row still running is cut
+    there though no group is complete, each row a prefix of the uncut call's (same weights, same seed)."""
+    v0, _ = versions
+    want = generate(v0, ENCODED, PARAMS)
+    asked: list[int] = []
+    got = client(v0, 0).generate_until(
+        ENCODED, PARAMS, len(ENCODED), None, stop=lambda: asked.append(1) or len(asked) >= 4
+    )
+    cut = [c for c in got if c.finish_reason == "cut"]
+    assert len(asked) == 4 and cut and all(len(c.token_ids) == 4 for c in cut)
+    for c, w in zip(got, want):
+        assert c == w or (c.token_ids, c.logprobs) == (w.token_ids[:4], w.logprobs[:4]) and c.finish_reason == "cut"
+    assert client(v0, 0).generate_until(ENCODED, PARAMS, len(ENCODED), None, stop=lambda: False) == want  # control
+
+
+def test_a_fill_decodes_the_carried_rows_on_the_version_held_until_the_stop(versions):
+    """``Carry.fill`` (what the producer does while it waits for a publish): the carried rows still running go on
+    under the last call's weights, stamped with its version, until ``stop()``; the next call resumes them under the
+    new weights, and each token's logprob is its own version's teacher-forced one (negative control: one model)."""
+    v0, v1 = versions
+    carry = Carry(3, None, "drop", cut="publish")
+    assert carry.fill(lambda: False) == 0  # nothing drawn yet: nothing to decode
+    drawn: list[int] = []
+
+    def next_prompts(k):
+        drawn.extend(range(len(drawn), len(drawn) + k))
+        return drawn[-k:] if k else []
+
+    carry.draw(1, 1, next_prompts, ENCODED.__getitem__, PARAMS, client(v0, 0))
+    before = {(i, c.sample_index): c for i, cs in carry.groups for c in cs}
+    asked: list[int] = []
+    n = carry.fill(lambda: asked.append(1) or len(asked) >= 3)  # asked once before the call, then per token
+    after = {(i, c.sample_index): c for i, cs in carry.groups for c in cs}
+    grew = {k: len(after[k].token_ids) - len(c.token_ids) for k, c in before.items()}
+    assert n == sum(grew.values()) > 0 and len(drawn) == 2  # no fresh prompt: the cursor did not move
+    for k, c in before.items():
+        assert after[k].token_ids[: len(c.token_ids)] == c.token_ids
+        if c.finish_reason != "cut":
+            assert grew[k] == 0 and after[k] == c
+        else:
+            assert 1 <= grew[k] <= 2 and (grew[k] == 2 or after[k].finish_reason != "cut")
+            assert versions_of(after[k]) == [0] * len(after[k].token_ids)
+    rows, comps = carry.draw(2, 1, next_prompts, ENCODED.__getitem__, PARAMS, client(v1, 1))
+    held = [(ENCODED[i], c) for i, cs in carry.groups for c in cs] + [(ENCODED[rows[c.prompt_index]], c) for c in comps]
+    spans = 0
+    for prompt, c in held:
+        stamps = versions_of(c)
+        if len(set(stamps)) < 2:
+            continue
+        spans += 1
+        assert span_error(prompt, c, (v0, v1), stamps) < LOGPROB_ATOL
+        assert span_error(prompt, c, (v0, v1), [1] * len(stamps)) > 100 * LOGPROB_ATOL
+    assert spans >= 1
+
+
 def test_the_pool_factor_sets_how_many_groups_a_call_holds(versions):
     """--partial-pool-factor F: a call with nothing carried holds F x the groups the step needs (default 2)."""
     for kw, want in (({}, 2), ({"pool_factor": 3}, 3)):
@@ -388,6 +447,23 @@ def test_resume_continues_from_the_carried_groups(tmp_path, char_model, partial_
     assert rerun("lost", lambda s: s.update(carry=[]))[2:] != recs[2:]  # negative control
 
 
+def test_publish_cut_decodes_the_carried_rows_while_the_trainer_steps(tmp_path, char_model, monkeypatch):
+    """--partial-cut publish in a run whose optimizer step takes 0.3 s longer: the producer, done with the next
+    batch, decodes its carried rows instead of waiting (rollout/fill_tokens); every trained token is from the step's
+    version or older (the pipeline's check) and the run trains to the end. Control: the groups cut logs no fill."""
+    import time
+
+    from align.run.policy import Learner
+
+    update = Learner.update
+    monkeypatch.setattr(Learner, "update", lambda self, batch: time.sleep(0.3) or update(self, batch))
+    recs = run(tmp_path / "p", char_model, max_async_steps=1, partial_rollouts=True, partial_cut="publish", steps=4)
+    assert len(recs) == 4 and sum(r["rollout/fill_tokens"] for r in recs) > 0
+    assert max(r["rollout/token_lag_max"] for r in recs) >= 2  # carried (and filled) tokens are older than K = 1
+    control = run(tmp_path / "g", char_model, max_async_steps=1, partial_rollouts=True, steps=1)
+    assert "rollout/fill_tokens" not in control[0]
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 
 
@@ -400,6 +476,8 @@ def test_resume_continues_from_the_carried_groups(tmp_path, char_model, partial_
         ({"stale_policy": "keep"}, "--stale-policy must be one of"),
         ({"partial_prefill": "nope"}, "--partial-prefill must be one of"),
         ({"partial_pool_factor": 1}, "--partial-pool-factor must be an int >= 2"),
+        ({"partial_cut": "publish", "max_async_steps": 1}, "add --partial-rollouts"),
+        ({"partial_cut": "now"}, "--partial-cut must be one of"),
         (
             {"partial_rollouts": True, "max_async_steps": 1, "rollout": "spool", "partial_prefill": "keep"},
             "resumes a cut row only by recompute",
@@ -441,6 +519,9 @@ def test_an_environment_task_off_the_native_sampler_is_refused_before_the_model_
     with pytest.raises(InputError, match="episodes on the native sampler .* not with --rollout spool"):
         open_sampler(cfg, SimpleNamespace(env=object()))  # the sampling seam refuses before opening anything
     open_sampler(cfg, SimpleNamespace(env=None))  # negative control: a single-turn task is fine
+    cfg = TrainConfig(max_async_steps=1, partial_rollouts=True, partial_cut="publish")
+    with pytest.raises(InputError, match="not with --partial-cut publish"):
+        open_sampler(cfg, SimpleNamespace(env=object()))
 
 
 def test_pinned_eval_is_never_cut(tmp_path, char_model, monkeypatch):

@@ -16,7 +16,7 @@ import torch
 from helpers_train import PROMPTS, TOK, a_reward, cfg_for, records
 
 from align.data import InputError
-from align.rollout.pipeline import check_weights_version
+from align.rollout.engines import check_weights_version
 from align.run import checkpoint as ckpt
 from align.run.cli import from_dict, parse
 from align.run.safety import EXPORT_MARKER, RUN_ID_FILE

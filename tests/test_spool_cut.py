@@ -301,6 +301,23 @@ def test_generate_until_cuts_the_rest_and_a_second_call_finishes_them(worker):
 
 
 @pytest.mark.rollout
+def test_generate_until_cuts_every_request_still_out_once_stop_says_so(worker):
+    """``stop`` (--partial-cut publish), asked between polls: once true the requests still out are cut though no
+    group is complete; every row a prefix of the uncut run. Control: a stop that never says so waits for the rows."""
+    client = worker["client"]
+    groups = [[5, 17, 99, 123], [7, 8, 9]]
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=ROWS_LEN - 5)
+    ref = client.generate(groups, params)
+    asked: list[int] = []
+    got = client.generate_until(groups, params, 2, None, stop=lambda: asked.append(1) or True)
+    print(f"\nstop at once: rows cut after {[len(c.token_ids) for c in got]} of {[len(c.token_ids) for c in ref]}")
+    assert asked and all(_agrees(c, r) for c, r in zip(got, ref))
+    assert all(c.finish_reason == "cut" or len(c.token_ids) == len(r.token_ids) for c, r in zip(got, ref))
+    full = client.generate_until(groups, params, 2, None, stop=lambda: False)
+    assert [c.finish_reason for c in full] == [r.finish_reason for r in ref]  # nothing cut
+
+
+@pytest.mark.rollout
 def test_a_seeded_prompt_longer_than_a_steps_token_budget_is_served(worker):
     """A resumed row is prompt + every id so far: thousands of tokens, over vLLM's per-step budget (2048). Under
     chunked prefill vLLM's CPU runner rewound the seeded request's generator by a CUDA-only offset and the engine

@@ -85,6 +85,7 @@ class Turns:
             carried,
             cfg.partial_pool_factor,
             cfg.partial_prefill,
+            cfg.partial_cut,
         )
         return self.carry
 
@@ -197,6 +198,7 @@ class Episodes(Turns):
                 "--partial-prefill keep (a carried episode is re-prefilled under the new weights)" if keep else None
             )
             why = why or (f"--group-timeout-s {cfg.group_timeout_s:g}" if cfg.group_timeout_s > 0 else None)
+            why = why or ("--partial-cut publish" if cfg.partial_cut == "publish" else None)
             own = getattr(task.env, "run_episodes", None) is not None  # --agent: the gateway runs the turns
             why = why or ("an environment that runs its own episodes (--agent, --task agent)" if own else None)
             if why:

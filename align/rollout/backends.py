@@ -100,6 +100,13 @@ class RolloutConfig:
         "'keep' (native sampler only: continue on the KV cache computed under the old weights, no re-prefill; the "
         "approximation peers make). docs/rollout.md#partial-rollouts.",
     )
+    partial_cut: str = flag(
+        "groups",
+        "With --partial-rollouts, when a call's rows still running are cut: 'groups' (once the step's groups are "
+        "complete: deterministic, a resumed run matches) or 'publish' (the rows go on decoding on the weights held "
+        "until the trainer publishes the version the next step needs: the generator never waits while rows are "
+        "carried; when the cut comes depends on timing). docs/rollout.md#partial-rollouts.",
+    )
     max_token_staleness: int | None = flag(
         None,
         "With --partial-rollouts: a completion holding a token sampled more than S versions before the step it "

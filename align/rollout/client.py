@@ -90,13 +90,13 @@ class NativeClient:
             c.weights_version = self.weights_version
         return completions
 
-    def generate_until(self, prompts: list, params: SamplingParams, need: int, carried: list, prefill="recompute"):
-        """``--partial-rollouts``: generate until ``need`` groups are complete, the rest cut; a cut row of ``carried``
-        resumes by ``prefill`` (``partial.generate_until``; ``kept``: the cut rows' KV caches for ``keep``)."""
+    def generate_until(self, prompts: list, params: SamplingParams, need: int, carried: list, **kw) -> list:
+        """``--partial-rollouts``: generate until ``need`` groups are complete (or ``stop()``), the rest cut; a cut row
+        of ``carried`` resumes by ``prefill`` (``partial.generate_until``; ``kept``: the cut rows' KV caches for keep)."""
         from align.rollout.partial import generate_until
 
         kept = self.__dict__.setdefault("kept", {})
-        return generate_until(self.model, prompts, params, need, carried, self.weights_version, prefill, kept)
+        return generate_until(self.model, prompts, params, need, carried, self.weights_version, kept=kept, **kw)
 
     def sync_weights(self, snapshot_dir: str | os.PathLike | None, version: int) -> float:
         """No copy: the sampler shares the live model. Records ``version`` for the completions' stamp."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections.abc import Callable
 from typing import Any
 
 from align.rollout.message import _ID_RE, WorkerTooOldError, require_minor, worker_minor, worker_too_old
@@ -159,6 +160,7 @@ def generate_until(
     params: SamplingParams,
     need: int,
     carried: list[Completion | None] | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> list[Completion]:
     """The spool's "generate until ``need`` groups are complete, return the rest cut" (``--partial-rollouts``; the
     native sampler's is ``align.rollout.partial.generate_until`` on the ``partial`` branch, same contract).
@@ -167,7 +169,8 @@ def generate_until(
     completion so far (a cut one resumes as prompt + its ids with the rest of ``max_tokens``; a finished one comes
     back unchanged). A fresh group is one request, seeded as the whole batch in one request would be
     (``first_prompt_index``); a resumed row is a request of its own (seed stream ``R + row``). Once ``need`` groups
-    are complete the requests still out are cut (``cut``). Returns one completion per row, finished or cut,
+    are complete (or ``stop()``, asked between polls: ``--partial-cut publish``) the requests still out are cut
+    (``cut``). Returns one completion per row, finished or cut,
     stitched onto what was carried (``stitch``)."""
     n, R = params.n, len(prompts) * params.n
     carried = list(carried) if carried is not None else [None] * R
@@ -193,13 +196,13 @@ def generate_until(
             client.spool.submit(msg)
             sent[msg.id] = (ps, p, rs)
     out = list(carried)
-    for r, c in _until_groups(client, sent, len(prompts) - len({r // n for r in run}), need, n).items():
+    for r, c in _until_groups(client, sent, len(prompts) - len({r // n for r in run}), need, n, stop).items():
         c = dataclasses.replace(c, prompt_index=r // n, sample_index=r % n)
         out[r] = c if carried[r] is None else stitch(carried[r], c)
     return out
 
 
-def _until_groups(client: Any, sent: dict, complete: int, need: int, n: int) -> dict[int, Completion]:
+def _until_groups(client: Any, sent: dict, complete: int, need: int, n: int, stop: Any = None) -> dict[int, Completion]:
     """Take the answers of ``sent`` until ``need`` groups are complete (``complete`` already are), then cut the rest;
     {row: its new completion}. Bounded by ``client.timeout_s``; a dead worker raises (``SpoolClient``'s check)."""
     pending, got = dict(sent), {}
@@ -208,7 +211,7 @@ def _until_groups(client: Any, sent: dict, complete: int, need: int, n: int) -> 
         for r in rows:
             todo.setdefault(r // n, set()).add(r)
     deadline, last_check = time.monotonic() + client.timeout_s, 0.0
-    while pending and complete + sum(not rows for rows in todo.values()) < need:
+    while pending and complete + sum(not rows for rows in todo.values()) < need and not (stop and stop()):
         answered = [rid for rid in pending if client.spool.request_state(rid) == "answered"]
         for rid in answered:
             ps, p, rows = pending.pop(rid)
@@ -238,6 +241,6 @@ class SpoolCuts:
         return cut(self, requests)
 
     def generate_until(
-        self, prompts: list[list[int]], params: SamplingParams, need: int, carried: list | None = None
+        self, prompts: list[list[int]], params: SamplingParams, need: int, carried: list | None = None, stop=None
     ) -> list[Completion]:
-        return generate_until(self, prompts, params, need, carried)
+        return generate_until(self, prompts, params, need, carried, stop)

@@ -57,6 +57,17 @@ def generate_groups(client: Any, prompts: list[list[int]], params: SamplingParam
     return out
 
 
+def check_weights_version(completions: list, expected: int, spool: object) -> None:
+    """Every completion must come from weights version ``expected`` (the last one this run published)."""
+    stale = sorted({c.weights_version for c in completions} - {expected})
+    if stale:
+        raise RuntimeError(
+            f"the rollout worker on {spool} answered with weights version(s) {stale}, this run published version "
+            f"{expected}: its rollouts come from other weights (a second trainer on the same spool, or a worker "
+            "that missed a sync). Give each run its own worker / --spool"
+        )
+
+
 class Permits:
     """The shared in-flight pool (``--max-inflight-requests``, counted in completions; ``None`` = unbounded).
 

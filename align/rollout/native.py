@@ -327,7 +327,8 @@ class Until(NamedTuple):
     row's index in the uniforms of a step, of ``total`` (None: the rows in order). ``start`` (``--partial-prefill
     keep``, ``align.rollout.partial``): ``start(cache_len, dtype) -> (cache, logits)`` replaces the prefill (one
     row per prompt, each right-aligned at the longest prompt's length, the next token's logits (R, V)); ``kept``:
-    a dict the call fills with each cut row's cache, {row: (k, v)} (L, K, S_row, D), every token fed so far."""
+    a dict the call fills with each cut row's cache, {row: (k, v)} (L, K, S_row, D), every token fed so far.
+    ``stop`` (``--partial-cut publish``): asked after every token; True cuts the rows still running there too."""
 
     groups: list[int]
     need: int
@@ -336,6 +337,7 @@ class Until(NamedTuple):
     total: int | None = None
     start: Callable[[int, torch.dtype], tuple[KVCache, torch.Tensor]] | None = None
     kept: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    stop: Callable[[], bool] | None = None
 
 
 def generate(
@@ -493,7 +495,8 @@ def _generate(
                     for r in row_id[finished].tolist():
                         left[until.groups[r]] -= 1
                         complete += left[until.groups[r]] == 0
-        if until is not None and complete >= until.need and n_done < done.numel():  # cut the rows still running
+        cut_now = until is not None and (complete >= until.need or (until.stop is not None and until.stop()))
+        if cut_now and n_done < done.numel():  # cut the rows still running
             length[row_id[~done]] = t + 1
             cut[row_id[~done]] = True
             if until.kept is not None:  # --partial-prefill keep: each cut row's cache, the slots it has written

@@ -41,6 +41,8 @@ from align.rollout.cut import stitch, versions_of
 from align.rollout.protocol import Completion, SamplingParams
 
 PARTIAL_PREFILLS = ("recompute", "keep")
+PARTIAL_CUTS = ("groups", "publish")  # --partial-cut: when a call's rows still running are cut
+FILL_SEED_OFFSET = 104_729  # a fill call's seed: the step's + this (its uniforms are not the step call's again)
 STALE_POLICIES = ("drop", "mask")
 POOL_FACTOR = 2  # default --partial-pool-factor: a call holds this many times the groups it must complete
 
@@ -51,6 +53,10 @@ def check_config(cfg: Any, cuts: bool, prefills: tuple[str, ...] = ("recompute",
     resumes a cut row by (its row of ``BACKENDS``)."""
     if cfg.partial_prefill not in PARTIAL_PREFILLS:
         raise ValueError(f"--partial-prefill must be one of {PARTIAL_PREFILLS}, got {cfg.partial_prefill!r}")
+    if cfg.partial_cut not in PARTIAL_CUTS:
+        raise ValueError(f"--partial-cut must be one of {PARTIAL_CUTS}, got {cfg.partial_cut!r}")
+    if cfg.partial_cut == "publish" and not cfg.partial_rollouts:
+        raise ValueError("--partial-cut publish decides when --partial-rollouts cut: add --partial-rollouts")
     if cfg.stale_policy not in STALE_POLICIES:
         raise ValueError(f"--stale-policy must be one of {STALE_POLICIES}, got {cfg.stale_policy!r}")
     F = cfg.partial_pool_factor
@@ -111,6 +117,7 @@ def generate_until(
     version: int,
     prefill: str = "recompute",
     kept: dict | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> list[Completion]:
     """The native sampler's "generate until ``need`` groups are complete, return the rest cut".
 
@@ -121,7 +128,8 @@ def generate_until(
 
     A cut row resumes by ``prefill``: ``"recompute"`` re-prefills its prompt + ids under the current weights;
     ``"keep"`` continues on the KV cache it had at the cut (``kept``: the client's store, which the call replaces
-    with this call's cut rows; a row not in it, e.g. after a restart, recomputes)."""
+    with this call's cut rows; a row not in it, e.g. after a restart, recomputes). ``stop`` (``--partial-cut
+    publish``): asked after every token; True cuts the rows still running before ``need`` groups are complete."""
     from align.rollout.native import Until, _generate, packed_weights
 
     if prefill not in PARTIAL_PREFILLS:
@@ -139,7 +147,7 @@ def generate_until(
 
     with torch.inference_mode(), packed_weights(model, len(run)):
         if len(run) == R and all(c is None for c in carried):  # fresh groups: one shared prefill per prompt
-            until = Until([r // n for r in range(R)], need, kept={} if prefill == "keep" else None)
+            until = Until([r // n for r in range(R)], need, kept={} if prefill == "keep" else None, stop=stop)
             new = _generate(model, prompts, params, None, until=until)
         else:  # each running row its own prompt: the group's prompt + its ids so far
             rows = [prompts[r // n] + (carried[r].token_ids if carried[r] is not None else []) for r in run]
@@ -147,7 +155,7 @@ def generate_until(
             keep = prefill == "keep"
             caches = [_take(kept, prompts[r // n], carried[r]) if keep else None for r in run]
             start = partial(_start, model, rows, caches)  # rows of like length prefilled together
-            until = Until([r // n for r in run], need - done_groups, budgets, run, R, start, {} if keep else None)
+            until = Until([r // n for r in run], need - done_groups, budgets, run, R, start, {} if keep else None, stop)
             new = _generate(model, rows, dataclasses.replace(params, n=1), None, until=until)
     out = list(carried)
     for r, c in zip(run, new):
@@ -245,9 +253,11 @@ class Carry:
         state: list | None = None,
         pool_factor: int = POOL_FACTOR,
         prefill: str = "recompute",
+        cut: str = "groups",
     ):
         self.G, self.S, self.policy, self.pool_factor = group_size, max_token_staleness, policy, pool_factor
-        self.prefill = prefill  # --partial-prefill: how the client resumes a cut row
+        self.prefill, self.cut = prefill, cut  # --partial-prefill: how the client resumes a cut row; --partial-cut
+        self.last: tuple | None = None  # the last call's (prompt_of, params, client): what a fill continues with
         self.groups: list[tuple[int, list[Completion]]] = [
             (int(g["row"]), [Completion.from_dict(c) for c in g["completions"]]) for g in state or []
         ]
@@ -300,13 +310,36 @@ class Carry:
         if sum(group_complete(cs) for _, cs in pool) < need:
             fresh = next_prompts(max(0, self.pool_factor * need - len(pool)))
             pool = pool + [(i, [None] * self.G) for i in fresh]
-            flat = [c for _, cs in pool for c in cs]
-            kw = {"prefill": self.prefill} if self.prefill != "recompute" else {}  # a spool client has only recompute
-            comps = client.generate_until([prompt_of(i) for i, _ in pool], params, need, flat, **kw)
-            pool = [(i, comps[k * self.G : (k + 1) * self.G]) for k, (i, _) in enumerate(pool)]
+            pool = self._call(pool, need, prompt_of, params, client)
+            self.last = prompt_of, params, client
         taken = self._take(pool, need, group_complete)
         out = [dataclasses.replace(c, prompt_index=p) for p, (_, cs) in enumerate(taken) for c in cs]
         return [i for i, _ in taken], out
+
+    def _call(self, pool: list, need: int, prompt_of: Callable, params: SamplingParams, client: Any, **kw) -> list:
+        """``pool`` after one ``generate_until`` call that stops once ``need`` of its groups are complete."""
+        flat = [c for _, cs in pool for c in cs]
+        if self.prefill != "recompute":  # a spool client has only recompute
+            kw["prefill"] = self.prefill
+        comps = client.generate_until([prompt_of(i) for i, _ in pool], params, need, flat, **kw)
+        return [(i, comps[k * self.G : (k + 1) * self.G]) for k, (i, _) in enumerate(pool)]
+
+    def fill(self, stop: Callable[[], bool]) -> int:
+        """``--partial-cut publish``: the carried rows still running decode on the weights the last call had until
+        ``stop()`` (the pipeline: the next step's version is published) or every carried group is complete, then
+        are cut; what the producer does instead of waiting. Returns the tokens it sampled. A fill is seeded apart
+        from the step's call (``FILL_SEED_OFFSET``) and moves no data cursor; a checkpoint's carry is the one
+        stored with its last batch, so a resumed run samples these tokens again (not bit-identically: when the
+        cut comes depends on the trainer's timing)."""
+        running = sum(c.finish_reason == "cut" for _, cs in self.groups for c in cs if c is not None)
+        if self.last is None or not running or stop():
+            return 0
+        prompt_of, params, client = self.last
+        seed = None if params.seed is None else params.seed + FILL_SEED_OFFSET
+        pool, before = self.groups, sum(len(c.token_ids) for _, cs in self.groups for c in cs if c is not None)
+        pool = self._call(pool, len(pool), prompt_of, dataclasses.replace(params, seed=seed), client, stop=stop)
+        self.groups = pool
+        return sum(len(c.token_ids) for _, cs in pool for c in cs) - before
 
     def mask_stale(self, t: int, groups: Any) -> None:
         """``--stale-policy mask``: the completions of ``groups`` (step ``t``) holding a token older than S become

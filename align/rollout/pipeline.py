@@ -51,6 +51,7 @@ from align.rollout.engines import (
     PermitClient,
     Permits,
     SpoolEngine,
+    check_weights_version,
     split_requests,
 )
 from align.rollout.groups import Episode, Groups
@@ -175,7 +176,7 @@ class RolloutPipeline:
         self._eval_fn: Callable[[], tuple] | None = None
         self._eval_thread: threading.Thread | None = None
         self.error: BaseException | None = None
-        self.idle_s = 0.0
+        self.idle_s, self.fill_tokens = 0.0, 0  # the producer's wait for a version; --partial-cut publish's tokens
         self._stop = False
         self.should_stop: Callable[[], int | None] = lambda: None  # the run's stop flag: the signal number, if any
         self.claim_cursor: dict | None = None  # the data cursor when the step being produced was claimed
@@ -217,11 +218,16 @@ class RolloutPipeline:
                     self.ready[t] = Produced(t, v, batch, cur, seconds, carry)
                     self.producing, self.next_t = None, t + 1
                     self._cond.notify_all()
+                if getattr(self.carry, "cut", None) == "publish" and t < self.last_step:  # decode on till t+1 may start
+                    self.fill_tokens += self.carry.fill(lambda t=t + 1: self._may_start(t))
         except BaseException as e:  # noqa: BLE001 - handed to the trainer thread, which raises it
             with self._cond:
                 self.error = e
                 self.producing = None
                 self._cond.notify_all()
+
+    def _may_start(self, t: int) -> bool:  # --partial-cut publish: a fill's stop
+        return self._stop or not self._blocked(t, version_for(t, self.K, self.floor))
 
     def _check_versions(self, t: int, v: int, completions: list) -> None:
         """Every completion of step ``t`` from version ``v``; with partial rollouts (``self.carry``) every token
@@ -320,7 +326,7 @@ class RolloutPipeline:
         with self._cond:
             p = self.ready.pop(t)
             self.taken = t
-            idle, self.idle_s = self.idle_s, 0.0
+            (idle, fill), self.idle_s, self.fill_tokens = (self.idle_s, self.fill_tokens), 0.0, 0
             inflight = len(self.ready) + (self.producing is not None)
             self._cond.notify_all()
         off = [(t - 1) - c.weights_version for c in p.groups.completions]
@@ -335,6 +341,7 @@ class RolloutPipeline:
             from align.rollout.partial import lag_metrics
 
             metrics.update(lag_metrics(p.groups.completions, t), **{"rollout/dropped_stale": p.groups.dropped_stale})
+            metrics.update({"rollout/fill_tokens": fill} if self.carry.cut == "publish" else {})
         return p, metrics
 
     def publish(self, step: int, policy: Any) -> float:
@@ -551,17 +558,6 @@ class RolloutPipeline:
         with contextlib.suppress(Exception):
             if self.engine is not None:
                 self.engine.close()
-
-
-def check_weights_version(completions: list, expected: int, spool: object) -> None:
-    """Every completion must come from weights version ``expected`` (the last one this run published)."""
-    stale = sorted({c.weights_version for c in completions} - {expected})
-    if stale:
-        raise RuntimeError(
-            f"the rollout worker on {spool} answered with weights version(s) {stale}, this run published version "
-            f"{expected}: its rollouts come from other weights (a second trainer on the same spool, or a worker "
-            "that missed a sync). Give each run its own worker / --spool"
-        )
 
 
 def make_pipeline(

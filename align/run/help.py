@@ -67,6 +67,7 @@ TOP_SECTIONS: dict[str, tuple[str, ...]] = {
         "partial_rollouts",
         "partial_pool_factor",
         "partial_prefill",
+        "partial_cut",
         "max_token_staleness",
         "stale_policy",
     ),
