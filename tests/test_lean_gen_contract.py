@@ -747,3 +747,22 @@ def test_resume_changes_nothing_in_out_until_the_launch_checks_pass(tmp_path):
     fresh = tmp_path / "fresh.jsonl"
     lg.resume(lg.parse_args(["--problems", "x", "--out", str(fresh), "--cap-tokens", "8"]), ready)
     assert not fresh.exists()  # not created before the checks either
+
+
+def test_the_engine_on_a_cpu_never_splits_a_prompt(monkeypatch):
+    """``lean_engine.build_engine`` without CUDA: chunked prefill off and a step's token budget covering
+    max_model_len (vLLM's CPU runner killed its engine core on a seeded prompt over 2048 tokens after a partial
+    prefill: tests/test_spool_cut.py runs that case on the rollout worker). vllm is replaced by a stub that records
+    the ``LLM(...)`` arguments; the real engine is started by test_lean_gen_e2e."""
+    import argparse
+    import types
+
+    got: dict = {}
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=lambda **kw: got.update(kw)))
+    le = _load("lean_engine")
+    names = ("model", "tokenizer", "tp", "max_num_seqs", "gpu_memory_utilization", "seed", "trust_remote_code")
+    args = argparse.Namespace(**dict.fromkeys(names), enforce_eager=True, dtype="float32")
+    le.build_engine(args, 40960, None)
+    assert got["enable_chunked_prefill"] is False and got["max_num_batched_tokens"] == 40960
+    le.build_engine(args, 1024, None)
+    assert got["max_num_batched_tokens"] == 2048  # never below vLLM's default budget
