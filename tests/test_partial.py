@@ -464,6 +464,50 @@ def test_publish_cut_decodes_the_carried_rows_while_the_trainer_steps(tmp_path, 
     assert "rollout/fill_tokens" not in control[0]
 
 
+def test_a_fill_holds_the_eval_lease_and_yields_to_a_queued_eval():
+    """The pipeline's fill (--partial-cut publish) runs under the engine's lock, the eval lease, so an eval epoch
+    cannot switch the weights under it; it stops once an eval is queued or the next step may start, and does not
+    start while an eval holds the lease. A stand-in carry records what the fill sees."""
+    import threading
+    from types import SimpleNamespace
+
+    from align.rollout.pipeline import RolloutPipeline
+
+    engine = SimpleNamespace(lock=threading.RLock(), client=None, version=0)
+    seen: list[tuple] = []
+
+    def elsewhere(fn):  # run fn on another thread (an eval thread's view of the lock)
+        out: list = []
+        th = threading.Thread(target=lambda: out.append(fn()))
+        th.start()
+        th.join()
+        return out[0]
+
+    def try_lease():
+        if engine.lock.acquire(blocking=False):
+            engine.lock.release()
+            return True
+        return False
+
+    class Stand:
+        cut = "publish"
+
+        def fill(self, stop):
+            seen.append((elsewhere(try_lease), stop()))
+            pipe.eval_queue.append(1)  # an eval epoch is queued mid-fill
+            seen.append((elsewhere(try_lease), stop()))
+            return 5
+
+    pipe = RolloutPipeline(1, lambda *a: None, engine=engine, last_step=9, carry=Stand())
+    pipe._fill(3)  # step 3 needs version 1, not published yet
+    assert seen == [(False, False), (False, True)] and pipe.fill_tokens == 5
+    assert elsewhere(try_lease)  # released after the fill
+    pipe.eval_queue.clear()
+    elsewhere(lambda: engine.lock.acquire())  # an eval thread holds the lease (acquired there, never released)
+    pipe._fill(3)
+    assert len(seen) == 2 and pipe.fill_tokens == 5  # no fill under an eval's lease
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 
 
@@ -524,9 +568,11 @@ def test_an_environment_task_off_the_native_sampler_is_refused_before_the_model_
         open_sampler(cfg, SimpleNamespace(env=object()))
 
 
-def test_pinned_eval_is_never_cut(tmp_path, char_model, monkeypatch):
+@pytest.mark.parametrize("cut", ["groups", "publish"])
+def test_pinned_eval_is_never_cut(tmp_path, char_model, monkeypatch, cut):
     """Eval epochs on the rollout engine (pinned to one version) go through generate, never generate_until: only the
-    producer thread calls it. The run uses --partial-prefill keep (the carry passes it; the client holds the caches)."""
+    producer thread calls it. The run uses --partial-prefill keep (the carry passes it; the client holds the caches);
+    with --partial-cut publish the producer's fills share the engine with the eval epochs."""
     import threading
 
     callers, modes, held = [], [], []
@@ -540,7 +586,7 @@ def test_pinned_eval_is_never_cut(tmp_path, char_model, monkeypatch):
 
     monkeypatch.setattr(NativeClient, "generate_until", spy)
     kw = {"steps": 4, "checkpoint_every": 0, "max_tokens": 12, "group_size": 2, "max_async_steps": 1}
-    cfg = cfg_for(tmp_path / "e", partial_rollouts=True, partial_prefill="keep", **kw)  # keep, wired through a run
+    cfg = cfg_for(tmp_path / "e", partial_rollouts=True, partial_prefill="keep", partial_cut=cut, **kw)  # keep
     cfg.eval.eval_interval = 2
     train(cfg, model=char_model, tokenizer=TOK, prompts=PROMPTS, reward=a_reward, eval_prompts=PROMPTS[:3])
     assert callers and set(callers) == {"align-rollout-producer"}

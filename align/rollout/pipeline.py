@@ -12,12 +12,8 @@ checks it. ``K = 0`` is the synchronous loop (the trainer collects its own batch
 trainer's own ``collect(t, version, client)`` (prompts -> rollouts -> rewards, seeds from (seed, step, round)), so
 prompt order, sampling seeds and rewards do not depend on K or on timing: a run is deterministic for a given K.
 
-Engines (what the producer samples with, swapped at version boundaries):
-- ``NativeEngine``: the native sampler on the generation thread's own copy of the weights; ``publish`` clones the
-  policy's state after a step, ``use(v)`` loads it.
-- ``SpoolEngine``: a vLLM worker behind the spool. ``publish`` writes the committed snapshot ``v{N}``; ``use(v)`` goes
-  through the ``WeightWatcher`` (waits for the STABLE snapshot without the policy lock, then loads it under the lock)
-  and ``sync_weights``. The worker serves the spool in submission order and stamps every answer with its version.
+Engines (``NativeEngine``, ``SpoolEngine``: what the producer samples with, ``publish`` after a step, ``use(v)`` at a
+version boundary, under the engine's lock) are ``align.rollout.engines``'s.
 
 Checkpoints (``checkpoint_state``): after step ``s`` the batches ``s+1 .. s+K`` come from versions older than the
 checkpoint's weights, so they are finished and stored in the checkpoint as plain data (token ids, logprobs, finish
@@ -218,16 +214,24 @@ class RolloutPipeline:
                     self.ready[t] = Produced(t, v, batch, cur, seconds, carry)
                     self.producing, self.next_t = None, t + 1
                     self._cond.notify_all()
-                if getattr(self.carry, "cut", None) == "publish" and t < self.last_step:  # decode on till t+1 may start
-                    self.fill_tokens += self.carry.fill(lambda t=t + 1: self._may_start(t))
+                if getattr(self.carry, "cut", None) == "publish" and t < self.last_step:
+                    self._fill(t + 1)
         except BaseException as e:  # noqa: BLE001 - handed to the trainer thread, which raises it
             with self._cond:
                 self.error = e
                 self.producing = None
                 self._cond.notify_all()
 
-    def _may_start(self, t: int) -> bool:  # --partial-cut publish: a fill's stop
-        return self._stop or not self._blocked(t, version_for(t, self.K, self.floor))
+    def _fill(self, t: int) -> None:
+        """``--partial-cut publish``: the carried rows decode on the version held until step t may start, a stop or
+        an eval is queued; under the engine's lock (the eval lease: no version change mid-fill), or no fill."""
+        if not self.engine.lock.acquire(blocking=False):
+            return
+        try:
+            v = version_for(t, self.K, self.floor)
+            self.fill_tokens += self.carry.fill(lambda: self._stop or bool(self.eval_queue) or not self._blocked(t, v))
+        finally:
+            self.engine.lock.release()
 
     def _check_versions(self, t: int, v: int, completions: list) -> None:
         """Every completion of step ``t`` from version ``v``; with partial rollouts (``self.carry``) every token
