@@ -248,7 +248,8 @@ def test_a_request_written_mid_flight_joins_the_running_engine(fleet):
     answered while the long one is still in flight (a barrier worker would answer it only after the long one)."""
     sp = Spool(fleet.spool)
     for _ in range(3):  # a loaded machine may not look again before the long request is answered: a new one then
-        long = P.generate_request([[i + 3, i + 4, i + 5] for i in range(8)], SamplingParams(max_tokens=200, seed=1))
+        rows = [[i + 3, i + 4, i + 5] for i in range(16)]  # 16 x 240 tokens: a window a loaded machine still hits
+        long = P.generate_request(rows, SamplingParams(max_tokens=240, seed=1))
         sp.submit(long)
         if _past_pending(sp, long.id, "the long request") != "claimed":  # answered before this process looked
             fleet.client.wait(long.id, expect="completions")
@@ -268,7 +269,7 @@ def test_a_request_written_mid_flight_joins_the_running_engine(fleet):
         )
     assert len(short[0].token_ids) == 2
     assert st["batch_requests"] == 2  # it shared the engine with the long one
-    assert [len(c["token_ids"]) for c in body["completions"]] == [200] * 8 and body["timings"]["batch_requests"] == 2
+    assert [len(c["token_ids"]) for c in body["completions"]] == [240] * 16 and body["timings"]["batch_requests"] == 2
     assert short_done < long_done, "the short request was answered only after the long one"
 
 
