@@ -78,16 +78,11 @@ def _plain(t: Tensor | None) -> bool:
 
 def usable(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     """Whether ``linear(x, weight, bias)`` runs on oneDNN."""
-    return (
-        x.dim() >= 2
-        and weight.dim() == 2
-        and _plain(x)
-        and _plain(weight)
-        and _plain(bias)
-        and not torch.is_autocast_enabled("cpu")
-        and backend() == "onednn"
-        and (x.numel() * weight.shape[0] >= MIN_MACS or _env() == "onednn")
-    )
+    if not (x.dim() >= 2 and weight.dim() == 2 and _plain(x) and _plain(weight) and _plain(bias)):
+        return False
+    forced = _env()  # ALIGN_CPU_GEMM=onednn: any size
+    big = x.numel() * weight.shape[0] >= MIN_MACS
+    return not torch.is_autocast_enabled("cpu") and (forced or _auto()) == "onednn" and (big or forced == "onednn")
 
 
 def _gemm(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

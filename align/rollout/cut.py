@@ -202,7 +202,9 @@ def generate_until(
     return out
 
 
-def _until_groups(client: Any, sent: dict, complete: int, need: int, n: int, stop: Any = None) -> dict[int, Completion]:
+def _until_groups(
+    client: Any, sent: dict, complete: int, need: int, n: int, stop: Callable[[], bool] | None = None
+) -> dict[int, Completion]:
     """Take the answers of ``sent`` until ``need`` groups are complete (``complete`` already are), then cut the rest;
     {row: its new completion}. Bounded by ``client.timeout_s``; a dead worker raises (``SpoolClient``'s check)."""
     pending, got = dict(sent), {}

@@ -331,15 +331,14 @@ class Carry:
         from the step's call (``FILL_SEED_OFFSET``) and moves no data cursor; a checkpoint's carry is the one
         stored with its last batch, so a resumed run samples these tokens again (not bit-identically: when the
         cut comes depends on the trainer's timing)."""
-        running = sum(c.finish_reason == "cut" for _, cs in self.groups for c in cs if c is not None)
-        if self.last is None or not running or stop():
+        pool = self.groups  # every member a Completion: carried groups come out of a call (or a checkpoint)
+        if self.last is None or all(group_complete(cs) for _, cs in pool) or stop():
             return 0
         prompt_of, params, client = self.last
         seed = None if params.seed is None else params.seed + FILL_SEED_OFFSET
-        pool, before = self.groups, sum(len(c.token_ids) for _, cs in self.groups for c in cs if c is not None)
-        pool = self._call(pool, len(pool), prompt_of, dataclasses.replace(params, seed=seed), client, stop=stop)
-        self.groups = pool
-        return sum(len(c.token_ids) for _, cs in pool for c in cs) - before
+        before = sum(len(c.token_ids) for _, cs in pool for c in cs)
+        self.groups = self._call(pool, len(pool), prompt_of, dataclasses.replace(params, seed=seed), client, stop=stop)
+        return sum(len(c.token_ids) for _, cs in self.groups for c in cs) - before
 
     def mask_stale(self, t: int, groups: Any) -> None:
         """``--stale-policy mask``: the completions of ``groups`` (step ``t``) holding a token older than S become

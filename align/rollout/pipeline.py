@@ -214,7 +214,7 @@ class RolloutPipeline:
                     self.ready[t] = Produced(t, v, batch, cur, seconds, carry)
                     self.producing, self.next_t = None, t + 1
                     self._cond.notify_all()
-                if getattr(self.carry, "cut", None) == "publish" and t < self.last_step:
+                if self.carry is not None and self.carry.cut == "publish" and t < self.last_step:
                     self._fill(t + 1)
         except BaseException as e:  # noqa: BLE001 - handed to the trainer thread, which raises it
             with self._cond:

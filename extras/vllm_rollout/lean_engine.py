@@ -15,6 +15,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from lean_records import PROMPT_FIT, SetupError, Stop, token_budget
+from vllm_cpu import engine_kwargs
 
 RUN_HINT = "run lean_gen.py with .venv-rollout/bin/python (vllm + transformers) and pass a local --model snapshot dir"
 
@@ -94,11 +95,8 @@ def _gpu_mem_used_mib() -> int | None:
 
 
 def build_engine(args: argparse.Namespace, max_model_len: int, adapter: dict | None):
-    """The ``vllm.LLM`` of the flags (prefix caching on; LoRA enabled for an un-merged ``adapter``). On a CPU chunked
-    prefill is off and a step's token budget covers ``max_model_len``: after a partial prefill vLLM's CPU runner
-    rewinds a seeded request's generator by CUDA's offset, which a CPU generator lacks, and the engine core dies
-    ("CPU Generator does not use offset") on the first seeded prompt over 2048 tokens (a correction round's prompt
-    holds the proof and Lean's errors; every sample here is seeded)."""
+    """The ``vllm.LLM`` of the flags (prefix caching on; LoRA enabled for an un-merged ``adapter``; on a CPU
+    ``vllm_cpu.engine_kwargs``: every sample here is seeded and a correction prompt can pass 2048 tokens)."""
     try:
         from vllm import LLM
     except ImportError as exc:
@@ -121,8 +119,7 @@ def build_engine(args: argparse.Namespace, max_model_len: int, adapter: dict | N
         kw.update(enable_lora=True, max_loras=1, max_lora_rank=adapter["max_lora_rank"])
     import torch
 
-    if not torch.cuda.is_available():  # vLLM's CPU runner: a prompt is never split across steps, see below
-        kw.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 2048))
+    kw.update(engine_kwargs(max_model_len, torch.cuda.is_available()))
     return LLM(**kw)
 
 

@@ -50,6 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (tests), not run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_cpu import engine_kwargs
 from worker_answers import ResponseWriter, Running, completions_message
 from worker_commands import UNSTARTED, Commands, arch_of, sleep_mode_problem
 
@@ -179,10 +180,8 @@ class Worker(Commands):
 
     # -- engine ------------------------------------------------------------------------------------
     def build_engine(self, model_dir: Path):
-        """The ``vllm.LLM`` of the flags. On a CPU, chunked prefill is off: after a partial prefill vLLM rewinds a
-        seeded request's generator by CUDA's Philox offset, and a CPU generator has none, so the engine core died
-        ("CPU Generator does not use offset", EngineDeadError) on the first seeded prompt longer than a step's
-        token budget (a cut request resumed as prompt + thousands of ids)."""
+        """The ``vllm.LLM`` of the flags (on a CPU ``vllm_cpu.engine_kwargs``: a cut request resumes as prompt +
+        thousands of ids)."""
         import torch
         from vllm import LLM
 
@@ -193,8 +192,7 @@ class Worker(Commands):
             "max_num_seqs": a.max_num_seqs, "tensor_parallel_size": a.tensor_parallel_size, "seed": a.seed,
             "enforce_eager": eager, "logprobs_mode": VLLM_LOGPROBS_MODES[a.logprobs_mode],
         }  # fmt: skip
-        if not torch.cuda.is_available():  # vLLM's CPU runner: a prompt is never split across steps (see below)
-            kw.update(enable_chunked_prefill=False, max_num_batched_tokens=max(a.max_model_len, 2048))
+        kw.update(engine_kwargs(a.max_model_len, torch.cuda.is_available()))
         if a.gpu_memory_utilization is not None:
             kw["gpu_memory_utilization"] = a.gpu_memory_utilization
         if a.enable_sleep_mode:
