@@ -9,18 +9,21 @@ packed row of shared-prefix segments.
   its prompt and causally to itself, never to a sibling or another segment.
 
 Packed backends (all pure torch), picked per layout:
-- ``"sdpa"`` (the CPU path, and a CUDA fallback): per segment, one causal SDPA call over the prompt, then one call
-  for all of its completions, each padded to the segment's longest completion, whose queries see
-  [the prompt's keys; their own keys] with a causal offset. The blocks a completion may not see (its siblings,
-  other segments) are never computed, and no (T, T) mask over the row exists; the only padding is within a segment's
-  completions and below. A segment with a single completion is one causal sequence, and such segments of similar
-  length (SFT rows, groups of G = 1; ``LENGTH_SLACK``) share one causal call, right-padded to the longest of them
-  (causal: no real query sees a pad slot; the projections and the MLP still run unpadded), the outputs put back in
-  row order by one index.
+- ``"sdpa"`` (the CPU path, and a CUDA fallback): the row's pieces in a few SDPA calls. A one-sequence piece (a
+  prompt, or a segment with a single completion: SFT rows, groups of G = 1) is causal to itself; such pieces of
+  similar length (the longest at most ``LENGTH_SLACK`` x the shortest) share one causal call, right-padded to the
+  longest (causal: no real query sees a pad slot). A completion of a segment with several is its own query
+  sequence over [its prompt's keys; its own keys, causal]; completions, longest first, share one masked call while
+  its padded query x key area stays within ``LENGTH_SLACK`` squared of their real one (each padded to the call's
+  longest completion and longest prompt, the pad keys masked). The blocks a token may not see (siblings, other
+  segments) are never computed and no (T, T) mask over the row exists; the projections and the MLP run unpadded;
+  the outputs go back to row order by one index. Calls, not segments: a step of 8 groups of 4 long-tailed
+  completions is ~7 calls where one prompt call and one completions call per group was 16 (fwd + bwd 1.5x faster
+  on the 1 x 16 partial-rollout bench's shape, 1.2x on 2 x 256 and 4 x 512: docs/performance.md).
 - ``"flex"`` (CUDA): ``torch.nn.attention.flex_attention`` with a block mask from per-token segment / sibling ids,
   compiled once; FlexAttention skips the fully masked blocks. Chosen for CUDA because it is one kernel per layer
-  over the whole row whatever the number of segments (the per-segment calls launch ~2 kernels per segment and
-  layer); CPU FlexAttention has no backward in torch 2.13, so it is the forward-only path there (tests).
+  over the whole row whatever the number of segments (sdpa launches several kernels per call and layer and
+  computes its padding); CPU FlexAttention has no backward in torch 2.13, so it is the forward-only path there (tests).
 
 Shapes: B batch, H query heads, K kv heads, T tokens of the row, S cached length, D head dim.
 """
@@ -36,7 +39,7 @@ import torch.nn.functional as F
 from align import fused_cpu
 
 PACKED_BACKENDS = ("sdpa", "flex")
-LENGTH_SLACK = 1.25  # sdpa: one-sequence segments share a causal call when the longest is <= 1.25x the shortest
+LENGTH_SLACK = 1.25  # sdpa: pieces share a call while the longest is <= 1.25x the shortest (area: 1.25^2 x the real)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -166,62 +169,51 @@ class PackedLayout:
         as_int = {"dtype": torch.int32, "device": device}
         return torch.tensor(seg, **as_int), torch.tensor(sib, **as_int)
 
-    def group_plans(self, device: torch.device) -> list[tuple | None]:
-        """Per segment, the padded-completions plan of the sdpa backend, or None when the segment is one causal
-        sequence (at most one completion with tokens): (gather index (g * Lc,), mask (g, 1, Lc, P + Lc), unpad index
-        (sum of lengths,), g, Lc)."""
-        key = ("plans", str(device))
-        if key not in self._built:
-            self._built[key] = [_group_plan(s, device) for s in self.segments]
-        return self._built[key]
-
     def sdpa_calls(self, device: torch.device) -> tuple[list[tuple], torch.Tensor | None]:
         """The sdpa backend's calls, and the permutation of their concatenated outputs back to row order (None: they
-        are in row order). ("bucket", gather (n * L,), unpad (sum of lengths,), n, L): one-sequence segments of
-        similar length (the longest at most ``LENGTH_SLACK`` x the shortest), one causal call right-padded to the
-        longest (causal: no real query sees a pad slot); ("segment", segment, its ``group_plans`` entry): the
-        others, one by one."""
-        key = ("calls", str(device))
-        if key not in self._built:
-            plans = self.group_plans(device)
-            calls: list[tuple] = []
-            covered: list[torch.Tensor] = []  # the row positions of each call's output, in its order
-            buckets: list[list[Segment]] = []  # longest first; a bucket's first segment is its longest
-            for s in sorted((s for s, p in zip(self.segments, plans) if p is None), key=lambda s: s.start - s.end):
-                if buckets and (s.end - s.start) * LENGTH_SLACK >= buckets[-1][0].end - buckets[-1][0].start:
-                    buckets[-1].append(s)
-                else:
-                    buckets.append([s])
-            for b in buckets:
-                calls.append(("bucket", *_bucket(b, device)) if len(b) > 1 else ("segment", b[0], None))
-                covered += [torch.arange(s.start, s.end) for s in b]
-            for s, p in zip(self.segments, plans):
-                if p is not None:
-                    calls.append(("segment", s, p))
-                    covered.append(torch.arange(s.start, s.end))
-            pos = torch.cat(covered)  # (T,)
-            order = None if torch.equal(pos, torch.arange(self.length)) else torch.argsort(pos).to(device)
-            self._built[key] = calls, order
-        return self._built[key]
+        are in row order). Each call is (mask, unpad, n, Lq, Lk): n query sequences of Lq slots over n key sequences
+        of Lk slots; mask None = causal (Lq = Lk), else (n, 1, Lq, Lk) bool; ``unpad`` (the real queries,) picks the
+        real queries out of the (n * Lq) slots. The pieces (``_pieces``) are bucketed so each call pads little:
+        one-sequence pieces by length (the longest at most ``LENGTH_SLACK`` x the shortest), prefixed completions by
+        area (the padded query x key area at most ``LENGTH_SLACK`` squared x the real one)."""
+        return self._plan(device)[0]
 
-    def sdpa_gather(self, device: torch.device) -> tuple[torch.Tensor, list[int]]:
-        """The row positions every ``sdpa_calls`` call reads, in call order, and the piece sizes: a bucket's
-        padded sequences; a segment's prompt (its whole sequence when it has no plan), then its padded
-        completions."""
-        key = ("gather", str(device))
+    def sdpa_gather(self, device: torch.device) -> tuple[torch.Tensor, list[int], torch.Tensor, list[int]]:
+        """The row positions every ``sdpa_calls`` call reads, in call order: (query index, each call's query slots,
+        key index, each call's key slots); a pad slot repeats a real token of its sequence (masked or causal-hidden)."""
+        return self._plan(device)[1]
+
+    def _plan(self, device: torch.device) -> tuple:
+        key = ("sdpa", str(device))
         if key not in self._built:
-            calls, _ = self.sdpa_calls(device)
-            pieces: list[torch.Tensor] = []
-            for kind, *call in calls:
-                if kind == "bucket":
-                    pieces.append(call[0])
-                    continue
-                s, plan = call
-                end = s.end if plan is None else s.start + s.prompt
-                pieces.append(torch.arange(s.start, end, device=device))
-                if plan is not None:
-                    pieces.append(plan[0])
-            self._built[key] = torch.cat(pieces), [len(p) for p in pieces]
+            causal, prefixed = _pieces(self.segments)
+            calls, covered, qi, ki = [], [], [], []
+            for bucket in _buckets(causal, lambda b, x: b[0][1] <= LENGTH_SLACK * x[1]):
+                starts, lens = (torch.tensor(c) for c in zip(*bucket))
+                index, real = _slots(starts, lens)
+                calls.append(
+                    (None, real.flatten().nonzero().squeeze(1).to(device), len(bucket), int(lens[0]), int(lens[0]))
+                )
+                covered.append(index[real])
+                qi.append(index.flatten())
+                ki.append(index.flatten())
+            for bucket in _buckets(prefixed, _fits):
+                ps, P, cs, n = (torch.tensor(c) for c in zip(*bucket))
+                q, real = _slots(cs, n)  # (g, Lc): each completion's own tokens
+                prompt, seen = _slots(ps, P)  # (g, Pk): its prompt's
+                Lc, Pk = q.shape[1], prompt.shape[1]
+                own = torch.ones(Lc, Lc, dtype=torch.bool).tril()[None] & real[:, None, :]  # (g, Lc, Lc)
+                mask = torch.cat((seen[:, None, :].expand(-1, Lc, -1), own), dim=2)[:, None]  # (g, 1, Lc, Pk + Lc)
+                calls.append(
+                    (mask.to(device), real.flatten().nonzero().squeeze(1).to(device), len(bucket), Lc, Pk + Lc)
+                )
+                covered.append(q[real])
+                qi.append(q.flatten())
+                ki.append(torch.cat((prompt, q), dim=1).flatten())
+            pos = torch.cat(covered)  # (T,): the row position of each call's real queries, in call order
+            order = None if torch.equal(pos, torch.arange(self.length)) else torch.argsort(pos).to(device)
+            gather = (torch.cat(qi).to(device), [len(x) for x in qi], torch.cat(ki).to(device), [len(x) for x in ki])
+            self._built[key] = (calls, order), gather
         return self._built[key]
 
     def block_mask(self, device: torch.device) -> Any:
@@ -241,29 +233,43 @@ class PackedLayout:
         return self._built[key]
 
 
-def _group_plan(s: Segment, device: torch.device) -> tuple | None:
-    comps = [(c, n) for c, n in s.completions if n > 0]
-    if len(comps) <= 1:
-        return None
-    g, Lc, P = len(comps), max(n for _, n in comps), s.prompt
-    slot = torch.arange(Lc)
-    gather = torch.cat([c + torch.clamp(slot, max=n - 1) for c, n in comps])  # (g * Lc,): pad slots repeat a token
-    own = slot[None, :] <= slot[:, None]  # (Lc, Lc) causal within the completion
-    lengths = torch.tensor([n for _, n in comps])
-    mask = torch.cat(
-        (torch.ones(g, Lc, P, dtype=torch.bool), own[None] & (slot[None, None, :] < lengths[:, None, None])), dim=2
-    )[:, None]  # (g, 1, Lc, P + Lc): the whole prompt, then its own earlier tokens (pad keys hidden)
-    unpad = torch.cat([j * Lc + torch.arange(n) for j, (_, n) in enumerate(comps)])  # (sum n,)
-    return gather.to(device), mask.to(device), unpad.to(device), g, Lc
+def _pieces(segments: list[Segment]) -> tuple[list[tuple[int, int]], list[tuple[int, int, int, int]]]:
+    """The sdpa backend's pieces of a row: one-sequence ones (start, length), each a prompt or a segment with at most
+    one completion with tokens (then one causal sequence), and prefixed ones (prompt start, prompt length, start,
+    length), each a completion of a segment with several, which attends to its prompt and causally to itself."""
+    causal, prefixed = [], []
+    for s in segments:
+        comps = [(c, n) for c, n in s.completions if n > 0]
+        causal.append((s.start, s.end - s.start if len(comps) <= 1 else s.prompt))
+        if len(comps) > 1:
+            prefixed += [(s.start, s.prompt, c, n) for c, n in comps]
+    return causal, prefixed
 
 
-def _bucket(segments: list[Segment], device: torch.device) -> tuple:
-    """(gather (n * L,), unpad (sum of lengths,), n, L) of one-sequence segments, each right-padded to L tokens."""
-    lengths = [s.end - s.start for s in segments]
-    L, slot = max(lengths), torch.arange(max(lengths))
-    gather = torch.cat([s.start + torch.clamp(slot, max=n - 1) for s, n in zip(segments, lengths)])  # pads repeat
-    unpad = torch.cat([j * L + torch.arange(n) for j, n in enumerate(lengths)])
-    return gather.to(device), unpad.to(device), len(segments), L
+def _fits(bucket: list[tuple[int, int, int, int]], x: tuple[int, int, int, int]) -> bool:
+    """Whether prefixed piece ``x`` joins ``bucket`` (longest first): the padded query x key area stays within
+    ``LENGTH_SLACK`` squared of the real one (a one-sequence bucket's bound)."""
+    members = [*bucket, x]
+    Lc, Pk = bucket[0][3], max(p for _, p, _, _ in members)
+    return len(members) * Lc * (Pk + Lc) <= LENGTH_SLACK**2 * sum(n * (p + n) for _, p, _, n in members)
+
+
+def _buckets(pieces: list, fits: Any) -> list[list]:
+    """The pieces longest first (their last field), greedily in buckets: one joins the last bucket while ``fits``."""
+    out: list[list] = []
+    for x in sorted(pieces, key=lambda x: -x[-1]):
+        if out and fits(out[-1], x):
+            out[-1].append(x)
+        else:
+            out.append([x])
+    return out
+
+
+def _slots(starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """n sequences in a row, right-padded to the longest: (n, L) row positions (a pad slot repeats the sequence's
+    last token) and (n, L) bool, True on the real slots."""
+    slot = torch.arange(int(lengths.max()))[None]
+    return starts[:, None] + torch.minimum(slot, lengths[:, None] - 1), slot < lengths[:, None]
 
 
 _FLEX: dict = {}
@@ -281,8 +287,8 @@ def _flex_attention() -> Any:
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
     """Attention of one packed row: q (1, H, T, D), k / v (1, K, T, D) -> (1, H, T, D) (see the module docstring).
 
-    The sdpa backend takes every call's tokens out of q, k and v with one gather each (``sdpa_gather``), split into
-    the calls' pieces: backward is then one concatenation and one scatter per tensor and layer, not a full-size
+    The sdpa backend takes every call's queries out of q, and its keys out of k and v, with one gather each
+    (``sdpa_gather``), split into the calls' pieces: backward is then one concatenation and one scatter per tensor and layer, not a full-size
     zero-filled gradient per piece (a slice's or an index_select's backward) summed piece by piece."""
     gqa = q.shape[1] != k.shape[1]
     if layout.backend == "flex":
@@ -291,32 +297,16 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
         from torch.nn.attention.flex_attention import flex_attention
 
         return flex_attention(q, k, v, block_mask=layout.block_mask(q.device), enable_gqa=gqa)
-    parts = []
     calls, order = layout.sdpa_calls(q.device)
-    index, sizes = layout.sdpa_gather(q.device)
-    qs, ks, vs = (t.squeeze(0).index_select(1, index).split(sizes, dim=1) for t in (q, k, v))  # pieces (X, n, D)
-    pieces = iter(zip(qs, ks, vs))
-
-    def padded(n: int, L: int) -> tuple[torch.Tensor, ...]:  # the next piece as n sequences of L tokens each
-        return tuple(t.unflatten(1, (n, L)).transpose(0, 1) for t in next(pieces))  # (n, H or K, L, D)
-
-    for kind, *call in calls:
-        if kind == "bucket":  # one-sequence segments of similar length (SFT rows): one causal call
-            _, unpad, n, L = call
-            out = F.scaled_dot_product_attention(*padded(n, L), is_causal=True, enable_gqa=gqa)  # (n, H, L, D)
-            parts.append(out.transpose(0, 1).flatten(1, 2).index_select(1, unpad))  # (H, sum of lengths, D)
-            continue
-        _, plan = call
-        qp, kp, vp = (t[None] for t in next(pieces))  # (1, H or K, P, D): the prompt, or the whole sequence
-        parts.append(F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=gqa)[0])
-        if plan is None:
-            continue
-        _, mask, unpad, g, Lc = plan
-        queries, kc, vc = padded(g, Lc)  # (g, H or K, Lc, D): the completions, each padded to Lc
-        keys = torch.cat((kp.expand(g, -1, -1, -1), kc), dim=2)  # (g, K, P + Lc, D)
-        values = torch.cat((vp.expand(g, -1, -1, -1), vc), dim=2)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=gqa)  # (g, H, Lc, D)
-        parts.append(out.transpose(0, 1).flatten(1, 2).index_select(1, unpad))  # (H, sum n, D)
+    qi, q_sizes, ki, k_sizes = layout.sdpa_gather(q.device)
+    qs = q.squeeze(0).index_select(1, qi).split(q_sizes, dim=1)  # pieces (H, n * Lq, D)
+    ks, vs = (t.squeeze(0).index_select(1, ki).split(k_sizes, dim=1) for t in (k, v))  # pieces (K, n * Lk, D)
+    parts = []
+    for (mask, unpad, n, Lq, Lk), qp, kp, vp in zip(calls, qs, ks, vs):
+        qp = qp.unflatten(1, (n, Lq)).transpose(0, 1)  # (n, H, Lq, D)
+        kp, vp = (t.unflatten(1, (n, Lk)).transpose(0, 1) for t in (kp, vp))  # (n, K, Lk, D)
+        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+        parts.append(out.transpose(0, 1).flatten(1, 2).index_select(1, unpad))  # (H, real queries, D)
     out = torch.cat(parts, dim=1)  # (H, T, D) in call order
     return (out if order is None else out.index_select(1, order))[None]  # (1, H, T, D) in row order
 

@@ -25,7 +25,10 @@ fraction (its wait for the trainer / the loop time), the producer's generate + s
 (``rollout_time``), the trainer's wait fraction (blocked on its batch / the loop time) and its own seconds per
 step (the loop minus that wait: the bound on steps/s once generation is faster), the producer thread's CPU
 seconds per step (less moved by the machine's load than wall time), held-out pass@1 after the last step, the
-ratios, and the histogram of the partial runs' token lags. The sampler-alone line also gives a call's length in
+ratios, and the histogram of the partial runs' token lags; then the trainer's seconds per step alone (a
+synchronous run's step minus its generation, ``--max-async-steps 0``, one per repeat) and the steps/s the sampler
+and trainer would give side by side in parallel (1 / the larger) or serialized (1 / the sum: what the
+interpreter lock makes of two threads that spend their time in Python between small ops). The sampler-alone line also gives a call's length in
 decode steps (the most tokens a row got in it) and the wall time per decode step, plain vs partial: partial
 rollouts shorten the call in steps, and what a step costs decides how much of that reaches the clock.
 
@@ -237,8 +240,8 @@ def run(name: str, args: argparse.Namespace, model: Path, tmp: Path, lags: Count
         kw = {**kw, "rollout": "spool", "spool": str(tmp / "spool"), "spawn_worker": False, "threads": 1}
     cfg = TrainConfig(
         out=str(tmp / name), steps=args.steps, prompts_per_step=args.prompts, group_size=args.group_size,
-        max_tokens=CAP, lr=args.lr, warmup_steps=0, micro_batch_size=64, max_async_steps=args.async_steps,
-        checkpoint_every=0, seed=args.seed, **kw,
+        max_tokens=CAP, lr=args.lr, warmup_steps=0, micro_batch_size=64, checkpoint_every=0, seed=args.seed,
+        **{"max_async_steps": args.async_steps, **kw},
     )  # fmt: skip
     cfg.eval.eval_interval, cfg.eval.eval_n = args.steps, args.eval_n
     cfg.log.log_completions_every = 0
@@ -283,6 +286,8 @@ def run(name: str, args: argparse.Namespace, model: Path, tmp: Path, lags: Count
         "wall_s": wall,
         "gen_cpu": cpu[0] / args.steps,  # the producer's CPU seconds per step (every step, the first included)
         "fill": sum(r.get("rollout/fill_tokens", 0) for r in steps) / len(steps),  # --partial-cut publish
+        # --max-async-steps 0 only: the trainer's seconds per step with nothing beside it (step - generate + score)
+        "train_alone": sorted(r["step_time"] - r["rollout_time"] for r in steps)[len(steps) // 2],
     }
 
 
@@ -332,6 +337,7 @@ def main() -> None:
         names = ["without"] + [f"partial, {m}" for m in modes] + [f"partial, {m}, publish" for m in modes]
         runs: dict[str, list[dict]] = {name: [] for name in names}
         run("warmup", argparse.Namespace(**{**vars(args), "steps": 3}), model, tmp, Counter(), partial_rollouts=True)
+        alone = [run(f"sync{i}", args, model, tmp, Counter(), max_async_steps=0) for i in range(args.repeats)]
         for i in range(args.repeats):  # interleaved, rotating order: a load change on the machine hits each alike
             for name in names[i % len(names) :] + names[: i % len(names)]:
                 kw = {}
@@ -360,6 +366,14 @@ def main() -> None:
             f"{base['gen_s'] / r['gen_s']:.2f}x less generation time per step, "
             f"{base['gen_cpu'] / r['gen_cpu']:.2f}x less producer CPU per step"
         )
+    tr = median_run(alone)["train_alone"]  # the trainer alone: a synchronous run's step minus its generation
+    print(
+        f"the trainer alone (a --max-async-steps 0 run's step minus its generate + score): {tr:.3f} s/step. Beside "
+        f"the sampler in one process, steps/s would be 1 / max(sampler alone, trainer alone) if the two ran in "
+        f"parallel, 1 / (sampler alone + trainer alone) if one interpreter lock serialized them: without "
+        f"{1 / max(gen, tr):.2f} / {1 / (gen + tr):.2f}, partial (recompute) {1 / max(cut, tr):.2f} / "
+        f"{1 / (cut + tr):.2f}" + "".join(f", partial (keep) {1 / max(k, tr):.2f} / {1 / (k + tr):.2f}" for k in kept)
+    )
     if "partial, keep" in medians:
         k, rc = medians["partial, keep"], medians["partial, recompute"]
         print(f"ratio keep / recompute: {k['steps_per_s'] / rc['steps_per_s']:.2f}x steps/s")

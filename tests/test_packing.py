@@ -218,3 +218,66 @@ def test_a_normaliser_counted_per_packed_row_fails_the_comparison():
         learner.backward_batch(model, None, c, *(t[r.rows] for t in b if t is not None), place=CPU)
     per_row = {k: p.grad.clone() for k, p in model.named_parameters()}
     assert max_diff(per_row, padded[1]) > BROKEN
+
+
+# ------------------------------------------------------------------------------------------------ the sdpa plan
+
+
+def visible_keys(layout) -> dict[int, list[int]]:
+    """The plain loop reference: each row position's keys under the packed rule (a prompt token: its prompt's
+    earlier tokens; a completion token: its prompt and its own earlier tokens), as row positions."""
+    out = {}
+    for s in layout.segments:
+        prompt = list(range(s.start, s.start + s.prompt))
+        for i in prompt:
+            out[i] = prompt[: i - s.start + 1]
+        for c, n in s.completions:
+            for i in range(c, c + n):
+                out[i] = prompt + list(range(c, i + 1))
+    return out
+
+
+def planned_keys(layout) -> dict[int, list[int]]:
+    """What the sdpa plan computes: each real query's visible key slots (its call's mask, or causal), as row
+    positions, read back from the calls and their gather indices."""
+    cpu = torch.device("cpu")
+    (calls, _), (qi, q_sizes, ki, k_sizes) = layout.sdpa_calls(cpu), layout.sdpa_gather(cpu)
+    out = {}
+    for (mask, unpad, n, Lq, Lk), q, k in zip(calls, qi.split(q_sizes), ki.split(k_sizes)):
+        q, k = q.view(n, Lq), k.view(n, Lk)
+        seen = torch.ones(Lq, Lk, dtype=torch.bool).tril()[None].expand(n, -1, -1) if mask is None else mask[:, 0]
+        for flat in unpad.tolist():
+            j, slot = divmod(flat, Lq)
+            assert int(q[j, slot]) not in out, "a query computed twice"
+            out[int(q[j, slot])] = k[j][seen[j, slot]].tolist()
+    return out
+
+
+def test_the_sdpa_plan_gives_each_token_its_keys_once_in_few_calls():
+    """Every real query of the packed row sees exactly the plain loop's keys, each once (a visible pad slot would be
+    a duplicate), over long and short prompts, one-token and single completions; the 8 groups of 4 ragged
+    completions (uniform lengths up to 160: bucketing's worst case) in fewer calls than one per prompt and per group,
+    each within the padding bound. Control: the plan
+    of a layout whose first two siblings are merged gives another key set."""
+    from align.attention import LENGTH_SLACK, PackedLayout, Segment
+
+    g = torch.Generator().manual_seed(0)
+    segs, at = [], 0
+    for i, (p, sizes) in enumerate([(40, [9, 3, 14, 0]), (3, [12]), (25, [5, 5, 6, 1])] + [(5, [0] * 4)] * 8):
+        seg = Segment(at, p)
+        at += p
+        for n in sizes if i < 3 else torch.randint(1, 160, (4,), generator=g).tolist():
+            seg.completions.append((at, n))
+            at += n
+        segs.append(seg)
+    layout = PackedLayout(segs, at)
+    want = visible_keys(layout)
+    assert planned_keys(layout) == want and len(want) == at
+    calls, _ = layout.sdpa_calls(torch.device("cpu"))
+    assert len(calls) <= 14 < 2 * 10  # the plan before: a call per prompt and per group of 2+ (here 14: 4 + 10)
+    area = {i: s.prompt + n for s in segs for c, n in s.completions for i in range(c, c + n)}  # a query's n (P + n) / n
+    q_index = layout.sdpa_gather(torch.device("cpu"))[0].split(layout.sdpa_gather(torch.device("cpu"))[1])
+    for (mask, unpad, n, Lq, Lk), q in zip(calls, q_index):
+        if mask is not None:  # padded query x key slots within LENGTH_SLACK^2 of its completions' n (P + n)
+            assert n * Lq * Lk <= LENGTH_SLACK**2 * sum(area[int(i)] for i in q[unpad])
+    assert planned_keys(siblings_visible(layout)) != want
