@@ -342,9 +342,9 @@ def main() -> None:
             for name in names[i % len(names) :] + names[: i % len(names)]:
                 kw = {}
                 if name != "without":
-                    mode, cut = name.split(", ")[1], "publish" if name.endswith("publish") else "groups"
+                    mode, when = name.split(", ")[1], "publish" if name.endswith("publish") else "groups"
                     kw = {"partial_rollouts": True, "partial_pool_factor": args.pool_factor, "partial_prefill": mode}
-                    kw["partial_cut"] = cut
+                    kw["partial_cut"] = when
                 tag = name.replace(", ", "_").replace(" ", "")
                 runs[name].append(run(f"{tag}{i}", args, model, tmp, lags if kw else Counter(), **kw))
     medians = {name: median_run(rs) for name, rs in runs.items()}
