@@ -24,6 +24,7 @@ from align.rollout.client import (
     RolloutError,
     SpoolClient,
     WorkerDiedError,
+    WorkerHandle,
     make_rollout_client,
     spawn_worker,
 )
@@ -382,6 +383,36 @@ def test_dead_worker_is_detected_with_log_tail_and_request_resumes(tmp_path, scr
     w = scripted()  # "restart": the pending request is served once and picked up by id, not resubmitted
     out = client.generate([[3, 4]], SamplingParams(n=1), request_id=rid)
     assert out[0].token_ids == [4] and w.served == [rid]
+
+
+def test_a_worker_killed_between_the_two_checks_is_named_by_its_exit_code(tmp_path):
+    """The client's liveness check reads the heartbeat (its pid: gone once a zombie) and polls its own handle. A
+    worker whose kill the kernel completes between the two (forced here: the heartbeat read kills the real child
+    and waits until it is a zombie) is named by its exit code, whichever order the kernel chose (the other order
+    answered "is gone", no code: a loaded run's failure of test_spool_worker's kill test)."""
+    sp = Spool(tmp_path / "spool").ensure()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        hb = {"protocol": P.PROTOCOL, "version": 1, "kind": "heartbeat", "state": "busy", "pid": child.pid}
+        P.atomic_write_text(sp.heartbeat_path, json.dumps({**hb, "host": os.uname().nodename, "time": time.time()}))
+        client = SpoolClient(sp.root, timeout_s=FAST_TIMEOUT_S, worker=WorkerHandle(child, sp, tmp_path / "w.log"))
+        read = client.spool.read_heartbeat
+
+        def killed_first():
+            if child.returncode is None and P.pid_alive(child.pid):
+                child.send_signal(9)
+                deadline = time.monotonic() + 10
+                while P.pid_alive(child.pid):  # until the kernel has made it a zombie (not reaped: the handle does)
+                    assert time.monotonic() < deadline
+                    time.sleep(0.005)
+            return read()
+
+        client.spool.read_heartbeat = killed_first
+        with pytest.raises(WorkerDiedError, match=r"worker process \d+ exited with code -9\."):
+            client.generate([[1]], SamplingParams())
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_silent_worker_times_out_never_hangs(tmp_path, scripted):

@@ -259,11 +259,11 @@ class SpoolClient(SpoolCuts):
             time.sleep(self.poll_s)
 
     def _check_alive(self, request_id: str) -> None:
-        problem = None
+        # the heartbeat first: a killed worker its pid check sees gone (a zombie) is one the handle's poll() reaps,
+        # so its exit code names the death (the other order races the kernel's exit: "is gone", no code)
+        problem = heartbeat_problem(self.spool.read_heartbeat(), self.stale_s)
         if self.worker is not None and not self.worker.alive():
             problem = f"worker process {self.worker.pid} exited with code {self.worker.returncode}"
-        if problem is None:
-            problem = heartbeat_problem(self.spool.read_heartbeat(), self.stale_s)
         if problem is not None and self.spool.request_state(request_id) != "answered":
             raise WorkerDiedError(
                 f"rollout worker failed while request {request_id} was pending: {problem}. "
