@@ -3,6 +3,7 @@ without them, side by side in one run, on completions with a long-tailed length 
 histogram of the partial run.
 
     .venv/bin/python benchmarks/bench_partial.py [--steps 12] [--prompts 8] [--group-size 4] [--backend spool]
+    python3 benchmarks/bench_partial.py --device cuda --scale 100 --steps 8 --repeats 1   # a GPU, real lengths
 
 The length sampler: a policy whose next-token distribution is a Markov chain on the last token (decoder layers
 whose output projections start at zero, so the residual stream is the one-hot embedding, which the final norm
@@ -31,6 +32,11 @@ and trainer would give side by side in parallel (1 / the larger) or serialized (
 interpreter lock makes of two threads that spend their time in Python between small ops). The sampler-alone line also gives a call's length in
 decode steps (the most tokens a row got in it) and the wall time per decode step, plain vs partial: partial
 rollouts shorten the call in steps, and what a step costs decides how much of that reaches the clock.
+
+``--device cuda --scale 100`` (``scripts/gpu_check.sh``, step 7): the same bench on a GPU at seed 003's own lengths
+(median ~3.2k, p90 ~14k, cap 16k): the trainer and the native sampler on the GPU (its decode steps CUDA-graph
+replays, whose cost is flat in the rows: the regime partial rollouts are for); ``--scale S`` scales the lengths on
+any device.
 
 ``--backend spool``: (b), the same comparison through the vLLM CPU worker (``--rollout spool``): one worker process
 (``.venv-rollout``, in-process engine, one OpenMP thread bound to the second core) serves every run, attached with
@@ -127,12 +133,19 @@ def ends_in_c(prompt: str, completion: str, **_) -> float:
     return float(completion.endswith("c"))
 
 
-def shape(model: Path, rows: int = 512) -> dict:
+def set_scale(scale: int) -> None:
+    """``--scale S``: the lengths S x the default shape's (the cap 160 S, the <eos> hazards / S; S = 100 is seed
+    003's own lengths, 3.2k : 14k : 16k)."""
+    global CAP, HAZARD_SHORT, HAZARD_LONG
+    CAP, HAZARD_SHORT, HAZARD_LONG = 160 * scale, 0.03 / scale, 0.008 / scale
+
+
+def shape(model: Path, device: str, rows: int = 512) -> dict:
     """The length distribution the sampler draws from (before training)."""
     from align.model import load_pretrained
 
     params = SamplingParams(n=rows, max_tokens=CAP, seed=0, stop_token_ids=[TOK.eos_token_id])
-    lens = sorted(len(c.token_ids) for c in generate(load_pretrained(model), [TOK.encode("ab=")], params))
+    lens = sorted(len(c.token_ids) for c in generate(load_pretrained(model, device), [TOK.encode("ab=")], params))
     return {"median": lens[len(lens) // 2], "p90": lens[int(0.9 * len(lens))], "at_cap": sum(n >= CAP for n in lens) / len(lens)}  # fmt: skip
 
 
@@ -208,14 +221,14 @@ def sampler_alone(client, args: argparse.Namespace) -> tuple[tuple[float, ...], 
     return tuple(sorted(x)[len(x) // 2] for x in (plain, part, double, keep) if x), med
 
 
-def sampler_client(backend: str, model: Path, tmp: Path, stack: contextlib.ExitStack):
+def sampler_client(backend: str, model: Path, tmp: Path, stack: contextlib.ExitStack, device: str = "cpu"):
     """The bench's sampler: the native one on the model, or a vLLM CPU worker on ``tmp/spool`` (spawned once, on
     the second core; this process then keeps the first) that every run attaches to."""
     from align.model import load_pretrained
     from align.rollout.client import NativeClient, make_rollout_client
 
     if backend == "native":
-        return NativeClient(load_pretrained(model))
+        return NativeClient(load_pretrained(model, device))
     from bench_async import spawn  # benchmarks/: the worker on one core, one OpenMP thread
 
     cores = sorted(os.sched_getaffinity(0))
@@ -241,6 +254,7 @@ def run(name: str, args: argparse.Namespace, model: Path, tmp: Path, lags: Count
     cfg = TrainConfig(
         out=str(tmp / name), steps=args.steps, prompts_per_step=args.prompts, group_size=args.group_size,
         max_tokens=CAP, lr=args.lr, warmup_steps=0, micro_batch_size=64, checkpoint_every=0, seed=args.seed,
+        device=args.device,
         **{"max_async_steps": args.async_steps, **kw},
     )  # fmt: skip
     cfg.eval.eval_interval, cfg.eval.eval_n = args.steps, args.eval_n
@@ -307,17 +321,25 @@ def main() -> None:
         "--pool-factor", type=int, default=partial.POOL_FACTOR, help="groups in a call / groups a step needs"
     )
     ap.add_argument("--repeats", type=int, default=3, help="runs per setting (interleaved); the median is printed")
+    ap.add_argument("--scale", type=int, default=1, help="lengths x S (cap 160 S; 100: seed 003's real lengths)")
+    ap.add_argument("--device", default="auto", help="the trainer's and the native sampler's: auto = CUDA if any")
     args = ap.parse_args()
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.scale < 1:
+        ap.error(f"--scale must be >= 1, got {args.scale}")
+    set_scale(args.scale)
     args.hidden = args.hidden or (128 if args.backend == "spool" else 16)
     args.lr = args.lr or (3e-5 if args.backend == "spool" else 3e-4)  # spool: at 3e-4 the long tail is gone by step 16
     torch.set_num_threads(1)
-    print(f"load average at the start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"device {args.device}, lengths x {args.scale}; load average at the start: {load}")
     with tempfile.TemporaryDirectory() as d, contextlib.ExitStack() as stack:
         tmp = Path(d)
         model = length_sampler(tmp / "model", args.layers, args.hidden)
-        s = shape(model)
+        s = shape(model, args.device)
         print(f"completion lengths: median {s['median']}, p90 {s['p90']}, cap {CAP} ({s['at_cap']:.0%} at the cap)")
-        client = sampler_client(args.backend, model, tmp, stack)
+        client = sampler_client(args.backend, model, tmp, stack, args.device)
         (gen, cut, gen2, *kept), calls = sampler_alone(client, args)
         print(
             f"sampler alone, s/step of {args.prompts} groups of {args.group_size}: generate {gen:.3f}, partial "
