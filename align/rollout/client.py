@@ -259,16 +259,15 @@ class SpoolClient(SpoolCuts):
             time.sleep(self.poll_s)
 
     def _check_alive(self, request_id: str) -> None:
-        # the heartbeat first: a killed worker its pid check sees gone (a zombie) is one the handle's poll() reaps,
-        # so its exit code names the death (the other order races the kernel's exit: "is gone", no code)
+        # a bad heartbeat first, then up to 1 s for the handle's exit code, which names a kill ("is gone" does not)
         problem = heartbeat_problem(self.spool.read_heartbeat(), self.stale_s)
-        if self.worker is not None and not self.worker.alive():
+        if self.worker is not None and not self.worker.alive(wait_s=1.0 if problem else 0.0):
             problem = f"worker process {self.worker.pid} exited with code {self.worker.returncode}"
         if problem is not None and self.spool.request_state(request_id) != "answered":
             raise WorkerDiedError(
-                f"rollout worker failed while request {request_id} was pending: {problem}. "
-                f"The request stays in {self.spool.root}; restart the worker and call "
-                f"client.wait({request_id!r}) to resume.\n{self._describe_worker()}",
+                f"rollout worker failed while request {request_id} was pending: {problem}. The request stays in "
+                f"{self.spool.root}; restart the worker and call client.wait({request_id!r}) to resume.\n"
+                + self._describe_worker(),
                 request_id,
             )
 
@@ -332,7 +331,9 @@ class WorkerHandle:
     def returncode(self) -> int | None:
         return self.proc.poll()
 
-    def alive(self) -> bool:
+    def alive(self, wait_s: float = 0.0) -> bool:
+        with contextlib.suppress(subprocess.TimeoutExpired):  # after waiting up to wait_s for it to exit
+            self.proc.wait(timeout=wait_s)
         return self.proc.poll() is None
 
     def log_tail(self, n: int = 40) -> str:
