@@ -23,7 +23,7 @@ Packed backends (all pure torch), picked per layout:
 - ``"flex"`` (CUDA): ``torch.nn.attention.flex_attention`` with a block mask from per-token segment / sibling ids,
   compiled once; FlexAttention skips the fully masked blocks. Chosen for CUDA because it is one kernel per layer
   over the whole row whatever the number of segments (sdpa launches several kernels per call and layer and
-  computes its padding); CPU FlexAttention has no backward in torch 2.13, so it is the forward-only path there (tests).
+  computes its padding); CPU FlexAttention has no backward in torch 2.13: the forward-only path there (tests).
 
 Shapes: B batch, H query heads, K kv heads, T tokens of the row, S cached length, D head dim.
 """
@@ -288,8 +288,8 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     """Attention of one packed row: q (1, H, T, D), k / v (1, K, T, D) -> (1, H, T, D) (see the module docstring).
 
     The sdpa backend takes every call's queries out of q, and its keys out of k and v, with one gather each
-    (``sdpa_gather``), split into the calls' pieces: backward is then one concatenation and one scatter per tensor and layer, not a full-size
-    zero-filled gradient per piece (a slice's or an index_select's backward) summed piece by piece."""
+    (``sdpa_gather``), split into the calls' pieces: backward is then one concatenation and one scatter per tensor
+    and layer, not a full-size zero-filled gradient per piece (a slice's or an index_select's backward) summed."""
     gqa = q.shape[1] != k.shape[1]
     if layout.backend == "flex":
         if q.device.type == "cuda":
