@@ -96,14 +96,16 @@ def test_permits_split_a_batch_into_whole_groups(char_model):
 
 
 def test_the_generation_thread_samples_on_half_the_threads(char_model, monkeypatch):
-    """K >= 1 on a CPU: the engine's calls run with half the run's torch threads (the trainer's thread keeps its
-    own), put back after each call, the tokens unchanged. Control: a plain NativeClient calls with the run's."""
+    """K >= 1 on a CPU, a run of 3 threads: the engine's calls run with 1 (half, at least 1), put back after each
+    call, the tokens unchanged; while the engine is open the trainer's thread (the one that opened it) and a thread
+    started then hold the other 2, not all 3 (1.5x the cores before); its close puts the run's 3 back. Control: a
+    plain NativeClient before the engine calls with the run's 3."""
     from align.model import load_pretrained
     from align.rollout import native
 
     seen, fresh, real = [], [], native.generate
 
-    def counts(*a, **k):  # this thread's count, and the one a thread started now begins with (the run's, not 1)
+    def counts(*a, **k):  # this thread's count, and the one a thread started now begins with
         seen.append(torch.get_num_threads())
         t = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
         t.start(), t.join()
@@ -112,16 +114,21 @@ def test_the_generation_thread_samples_on_half_the_threads(char_model, monkeypat
     monkeypatch.setattr(native, "generate", counts)
     prompts, params = [TOK.encode(p["prompt"]) for p in PROMPTS[:2]], SamplingParams(n=2, max_tokens=4, seed=1)
     old = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch.set_num_threads(3)
     try:
-        engine = engines.NativeEngine(load_pretrained(char_model), 0)
-        got, want = {}, NativeClient(engine.model).generate(prompts, params)
+        model = load_pretrained(char_model)
+        want = NativeClient(model).generate(prompts, params)
+        engine = engines.NativeEngine(model, 0)
+        trainer = torch.get_num_threads()
+        got = {}
         th = threading.Thread(
             target=lambda: got.update(c=engine.client.generate(prompts, params), n=torch.get_num_threads())
         )
         th.start()
         th.join(60)
-        assert seen == [2, 1] and fresh == [2, 2] and got["n"] == 2 and torch.get_num_threads() == 2
+        engine.close()
+        assert (seen, fresh, trainer, got["n"]) == ([3, 1], [3, 2], 2, 2)
+        assert torch.get_num_threads() == 3
         assert [c.token_ids for c in got["c"]] == [c.token_ids for c in want]
     finally:
         torch.set_num_threads(old)

@@ -171,13 +171,22 @@ def generation_threads(model: Any) -> int | None:
 
 class NativeEngine:
     """The native sampler on its own copy of the policy (the generation thread never reads the live weights), run
-    with ``generation_threads`` torch threads per call (``GenerationClient``)."""
+    with ``generation_threads`` torch threads per call (``GenerationClient``). On a CPU the thread that opens it
+    (the trainer's) and any thread started while it is open take the rest of the run's threads until ``close``:
+    with the run's n beside the sampler's n / 2, n cores held 1.5 n OpenMP threads, and each side's parallel ops
+    waited for cores the other held (``docs/performance.md``, partial rollouts)."""
 
     reports_version = True
 
     def __init__(self, policy: Any, version: int) -> None:
+        import torch
+
         self.model = copy.deepcopy(policy).requires_grad_(False).eval()
-        self.client = GenerationClient(self.model, generation_threads(self.model))
+        threads = generation_threads(self.model)
+        self.client = GenerationClient(self.model, threads)
+        self._run_threads = torch.get_num_threads() if threads is not None else None
+        if self._run_threads is not None:  # also the process-wide count a new thread (an eval point) starts from
+            torch.set_num_threads(max(1, self._run_threads - threads))
         self.client.weights_version = self.version = int(version)
         self._states: dict[int, dict] = {}
         self._lock = threading.Lock()
@@ -210,7 +219,12 @@ class NativeEngine:
         return handle
 
     def close(self) -> None:
+        import torch
+
         self._states.clear()
+        if self._run_threads is not None:  # the trainer's thread back to the run's count
+            torch.set_num_threads(self._run_threads)
+            self._run_threads = None
 
 
 class SpoolEngine:

@@ -79,7 +79,7 @@ class ComputeConfig:
     dp_shard: int = flag(0, "Under torchrun: ranks each replica shards over (0: world size / dp_replicate).")
     threads: int = flag(
         0,
-        "torch CPU threads; 0 = auto: OMP_NUM_THREADS when set, else the CPUs this process may use (split between torchrun's local ranks). With --max-async-steps >= 1 the native sampler's generation thread runs on half of them.",
+        "torch CPU threads; 0 = auto: OMP_NUM_THREADS when set, else the CPUs this process may use (split between torchrun's local ranks). With --max-async-steps >= 1 on a CPU the native sampler's generation thread runs on half of them (at least 1) and the trainer on the rest.",
     )
     logprob_backend: str = flag(
         "auto", "Token logprob kernel: auto (triton on CUDA, chunked torch elsewhere), torch, triton, reference."
