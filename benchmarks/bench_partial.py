@@ -8,15 +8,18 @@ histogram of the partial run.
 The length sampler: a policy whose next-token distribution is a Markov chain on the last token (decoder layers
 whose output projections start at zero, so the residual stream is the one-hot embedding, which the final norm
 carries into an lm_head holding the log transition matrix), so the lengths follow a chosen shape, decoding costs
-what ``--layers`` x ``--hidden`` cost, and training still moves it. The default shape (1 x 16) keeps a decode
-step's cost nearly flat in the number of rows (per-step overhead), the regime of a GPU's memory-bound decode that
-partial rollouts are for: the call's length in steps is what they shorten, while the pool holds 2x the rows. A
+what ``--layers`` x ``--hidden`` x ``--heads`` cost, and training still moves it. The default shape (1 x 16, one
+head of 16) keeps a decode step's cost nearly flat in the number of rows (per-step overhead: 2x the rows, 1.19x the
+step), the regime of a GPU's memory-bound decode that partial rollouts are for: the call's length in steps is what
+they shorten, while the pool holds 2x the rows. ``--heads 4`` (4 heads of 4, the default until session 22) is not
+flat: the fused decode attention runs a head size of 4 on its scalar path (~4 us a row per step; 2x the rows,
+1.6x the step). A
 compute-bound CPU shape (``--layers 4 --hidden 64``) pays per row, so the extra rows eat most of the gain. After the prompt's ``=`` a row enters a "short" mode
 (tokens a-d, <eos> hazard 3% per token) with probability 0.7 or a "long" mode (w-z, hazard 0.8%): median ~32,
 p90 ~140, ~8% at the 160-token cap (seed 003's Goedel-Prover-V2-8B shape, 3.2k : 14k : 16k, scaled down 100x).
 The reward: 1 when the completion's last token before <eos> is ``c`` (pass@1 ~ 0.2 at the start). Native sampler,
 --max-async-steps 1, the sampler-alone loops on one torch thread, the runs on the run default (every CPU; the
-generation thread on half of them: ``engines.generation_threads``); each run trains a fresh copy of the same model
+generation thread on half of them, the trainer on the rest: ``engines.NativeEngine``); each run trains a fresh copy of the same model
 with the same prompts and seeds; only --partial-rollouts differs, and on the native sampler its two --partial-prefill modes run side by side
 (recompute: a cut row re-prefilled under the new weights; keep: it continues on its KV cache), and each again with
 ``--partial-cut publish`` (the carried rows decode while the producer waits for the trainer's publish; "fill tok/step":
@@ -106,13 +109,13 @@ def transitions() -> torch.Tensor:
     return T / T.sum(-1, keepdim=True)
 
 
-def length_sampler(path: Path, layers: int = 1, E: int = 16) -> Path:
-    """The Markov-chain policy (``layers`` decoder layers that start as the identity, hidden size ``E``), saved as
-    a committed model dir."""
+def length_sampler(path: Path, layers: int = 1, E: int = 16, heads: int = 4) -> Path:
+    """The Markov-chain policy (``layers`` decoder layers that start as the identity, hidden size ``E``, ``heads``
+    query heads of E / heads and half as many kv heads), saved as a committed model dir."""
     V = TOK.vocab_size
     cfg = ModelConfig(
         model_type="qwen2", vocab_size=V, hidden_size=E, intermediate_size=2 * E, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=E // 4, qkv_bias=True,
+        num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=E // heads, qkv_bias=True,
         max_position_embeddings=CAP + 16, rope_theta=1000.0,
         bos_token_id=TOK.bos_token_id, eos_token_id=TOK.eos_token_id, pad_token_id=TOK.pad_token_id,
     )  # fmt: skip
@@ -315,6 +318,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=None, help="default 3e-4 native, 3e-5 spool (1 x 128 learns faster)")
     ap.add_argument("--layers", type=int, default=1, help="decoder layers (identity at the start): decode cost")
     ap.add_argument("--hidden", type=int, default=None, help="hidden size (default 16 native, 128 spool)")
+    ap.add_argument("--heads", type=int, default=None, help="query heads of hidden / heads (default 1 native, 4 spool)")
     ap.add_argument("--backend", choices=("native", "spool"), default="native", help="(a) native or (b) vLLM worker")
     ap.add_argument("--async-steps", type=int, default=1, help="--max-async-steps K of both settings")
     ap.add_argument(
@@ -330,13 +334,16 @@ def main() -> None:
         ap.error(f"--scale must be >= 1, got {args.scale}")
     set_scale(args.scale)
     args.hidden = args.hidden or (128 if args.backend == "spool" else 16)
+    args.heads = args.heads or (4 if args.backend == "spool" else 1)
+    if args.hidden % args.heads:
+        ap.error(f"--hidden {args.hidden} is not a multiple of --heads {args.heads}")
     args.lr = args.lr or (3e-5 if args.backend == "spool" else 3e-4)  # spool: at 3e-4 the long tail is gone by step 16
     torch.set_num_threads(1)
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"device {args.device}, lengths x {args.scale}; load average at the start: {load}")
     with tempfile.TemporaryDirectory() as d, contextlib.ExitStack() as stack:
         tmp = Path(d)
-        model = length_sampler(tmp / "model", args.layers, args.hidden)
+        model = length_sampler(tmp / "model", args.layers, args.hidden, args.heads)
         s = shape(model, args.device)
         print(f"completion lengths: median {s['median']}, p90 {s['p90']}, cap {CAP} ({s['at_cap']:.0%} at the cap)")
         client = sampler_client(args.backend, model, tmp, stack, args.device)
