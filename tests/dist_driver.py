@@ -120,6 +120,7 @@ def sft(spec: dict) -> None:
         dist.reduce_counts = own if run.get("per_rank_normaliser") else stock
         sft_train(SFTConfig(**run["cfg"]), model=spec["model"], tokenizer=TOK, rows=spec["rows"],
                   eval_rows=spec["eval_rows"])  # fmt: skip
+    torch.distributed.barrier()  # as batch(): no rank tears the group down while the other still uses it
     torch.distributed.destroy_process_group()
 
 
