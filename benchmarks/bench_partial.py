@@ -109,7 +109,7 @@ def transitions() -> torch.Tensor:
     return T / T.sum(-1, keepdim=True)
 
 
-def length_sampler(path: Path, layers: int = 1, E: int = 16, heads: int = 4) -> Path:
+def length_sampler(path: Path, layers: int = 1, E: int = 16, heads: int = 1) -> Path:
     """The Markov-chain policy (``layers`` decoder layers that start as the identity, hidden size ``E``, ``heads``
     query heads of E / heads and half as many kv heads), saved as a committed model dir."""
     V = TOK.vocab_size

@@ -138,9 +138,7 @@ class PermitClient:
 
 class GenerationClient(NativeClient):
     """The native sampler on the generation thread (``NativeEngine``): each call with ``threads`` torch intra-op
-    threads (None: the run's). On a CPU the trainer's thread and this one each ran the run's ``--threads``, so a
-    2-core machine held two OpenMP pools of 2 for its 2 cores, and a decode step's small parallel ops waited for a
-    core the trainer held (``docs/performance.md``, partial rollouts)."""
+    threads (None: the run's); the engine gives the trainer's thread the rest (why: ``NativeEngine``)."""
 
     def __init__(self, model: Any, threads: int | None) -> None:
         super().__init__(model)
