@@ -257,6 +257,26 @@ def test_a_cut_on_the_fleet_returns_each_rows_tokens_so_far(fleet):
     assert any(c.token_ids and c.token_ids != o.token_ids[: len(c.token_ids)] for c, o in zip(rows, other))  # seed 22
 
 
+def test_an_engine_call_answers_each_request_as_it_finishes(fleet):
+    """An engine call streams its answers (fleet_engine.EngineActor.generate): a one-token request claimed with a long
+    one is answered after its own step while the long one's rows still run (a cut then catches them mid-flight), so
+    ``--partial-rollouts`` sees a group complete when it is. Before, an engine call answered all its prompts at its
+    end: the short request waited for the long one's rows on its engine. (Were the two claimed apart, the short one is
+    a call of its own and this passes either way; submitted back to back they are claimed together nearly always.)"""
+    client = make_rollout_client("spool", spool=fleet["spool"], timeout_s=CALL_TIMEOUT_S, worker=fleet["handle"])
+    short_params, params = SamplingParams(max_tokens=1, seed=3), SamplingParams(n=16, max_tokens=CUT_LONG, seed=23)
+    prompts = [[5, 6, 7], [7, 6, 5]] * 64  # 1024 rows of 28 tokens per engine: seconds of work
+    short, long = generate_request([[5, 6]], short_params), generate_request(prompts, params)
+    client.spool.submit(short)
+    client.spool.submit(long)
+    assert len(client.generate([[5, 6]], short_params, request_id=short.id)[0].token_ids) == 1
+    state = client.spool.request_state(long.id)
+    got = client.cut({long.id: (prompts, params)})[long.id]
+    caught = collections.Counter(len(c.token_ids) for c in got if c.finish_reason == "cut")
+    print(f"long request when the short one was answered: {state}; cut rows (tokens, rows): {sorted(caught.items())}")
+    assert state == "claimed" and sum(n for k, n in caught.items() if k > 0) > 0, (state, caught)
+
+
 def test_partial_rollouts_on_the_fleet_train_a_carried_row(fleet, monkeypatch):
     """`--partial-rollouts --max-async-steps 1` on the fleet: each step's call stops once its groups are complete,
     the engines cut the other rows, and a carried row finishes under newer weights on whichever engine."""

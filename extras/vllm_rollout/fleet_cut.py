@@ -1,15 +1,16 @@
 """The rollout fleet's ``cut`` (protocol minor 2, ``align/rollout/cut.py``): each engine cuts its own requests.
 
-Driver (``FleetCuts.serve_cut``, a mixin of ``fleet_driver.FleetWorker``): the prompts of the named generate requests
-still out are grouped by the engine call that carries them, and every engine holding one is asked to cut them
-(``EngineCuts.cut`` in its actor, on a thread of its own). The engine serves the cut between two engine steps with
-the single worker's own ``serve_cut`` (``worker_commands.py``: the rows so far taken from vLLM, then aborted) and
-answers at once: finished rows as they finished, the rest ``cut`` with their tokens and logprobs so far. A prompt
-answered in an engine call that has returned is taken from that call's answer; a prompt whose call has not started on
-its engine is dropped there (never generated) and answered with its rows cut before their first token, as the single
-worker answers a request still queued in its spool (which the fleet takes the same way, ``take_queued``). Each named
-request is then answered whole (its completions published before the ``cut_done``). A prompt rerouted meanwhile (its
-engine died) is answered cut before its first token too.
+Driver (``FleetCuts.serve_cut``, a mixin of ``fleet_driver.FleetWorker``): the prompts of the named generate
+requests still out are grouped by the engine call that carries them, and every engine holding one is asked to cut
+them (``EngineCuts.cut`` in its actor, on a thread of its own). The engine serves the cut between two engine steps
+with the single worker's own ``serve_cut`` (``worker_commands.py``: the rows so far taken from vLLM, then aborted)
+and answers at once: finished rows as they finished, the rest ``cut`` with their tokens and logprobs so far. A
+prompt answered before the cut (an engine call streams each prompt's answer after the step that finished it) is
+taken from that call's stream; a prompt whose call has not started on its engine is dropped there (never generated)
+and answered with its rows cut before their first token, as the single worker answers a request still queued in its
+spool (which the fleet takes the same way, ``take_queued``). Each named request is then answered whole (its
+completions published before the ``cut_done``). A prompt rerouted meanwhile (its engine died) is answered cut before
+its first token too.
 
 Sub-request ids: ``p{call}-{n}``, the driver's call number and the prompt's place in that call: an engine serves its
 calls in order, so a name tells it whether its call is running, over, or not started yet.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from worker_commands import UNSTARTED
 
@@ -71,8 +73,8 @@ class EngineCuts:
             return False
 
     def cut(self, sids: list[str], timeout_s: float) -> dict:
-        """Cut prompts ``sids`` (the actor's cut thread): {"answers": the answers of those in the running call, as
-        JSON, "over": those of a call that is over}; the rest were not started and never will be."""
+        """Cut prompts ``sids`` (the actor's cut thread): {"answers": the answers of those still running, as JSON,
+        "over": those answered already, in their call's stream}; the rest were not started and never will be."""
         box, done = {}, threading.Event()
         with self.lock:
             if self.call is None:  # no call running: each one is over or not started
@@ -87,17 +89,14 @@ class EngineCuts:
         from align.rollout.cut import cut_request
 
         running = [s for s in sids if s in self.w.running]
-        first = len(self.w.answers)
+        first = len(self.w.answers)  # 0: the call's earlier answers went out after the step that made them
         if running:
             self.w.serve_cut(cut_request(running))  # the single worker's cut: rows so far, then aborted
         taken = [m for m in self.w.answers[first:] if m.kind != "cut_done"]
         del self.w.answers[first:]
-        named = set(sids)
-        taken += [m for m in self.w.answers if m.id in named]  # answered earlier in this call
-        self.w.answers[:] = [m for m in self.w.answers if m.id not in named]
         rest = [s for s in sids if s not in {m.id for m in taken}]
         self.dropped.update(s for s in rest if sub_call(s) > self.call)
-        return {"answers": [m.to_json() for m in taken], "over": [s for s in rest if sub_call(s) < self.call]}
+        return {"answers": [m.to_json() for m in taken], "over": [s for s in rest if sub_call(s) <= self.call]}
 
 
 class FleetCuts:
@@ -130,10 +129,12 @@ class FleetCuts:
                 got.append(ray.get(actor.cut.remote(sids, timeout_s), timeout=timeout_s + 30))
             except Exception as err:  # noqa: BLE001 - a dead engine: its prompts are answered cut below
                 log.warning("an engine failed to cut %d prompt(s): %s", len(sids), err.__class__.__name__)
-        over = {calls[sub_call(s)][0] for res in got for s in res["over"]}
-        if over:  # answered by a call that returned: collect it (the fleet loop may have already)
-            ray.wait(list(over), num_returns=len(over), timeout=timeout_s)
-            for ref in over:
+        over = [(*calls[sub_call(s)], sub_index(s)) for res in got for s in res["over"]]
+        deadline = time.monotonic() + timeout_s
+        for ref, call, n in over:  # answered in its call's stream: take it (the fleet loop may have already)
+            job, i = call.items[n]
+            while ref in self.inflight and i in job.remaining and time.monotonic() < deadline:
+                ray.wait([ref], timeout=max(0.0, deadline - time.monotonic()))
                 self._on_done(ref)
         with self.lock:
             for ans in (P.Message.from_json(m) for res in got for m in res["answers"]):

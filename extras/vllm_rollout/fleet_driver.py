@@ -8,7 +8,8 @@ Design:
 - The driver (this process) owns the Ray placement group (``placement.plan``: trainer region first, rollout
   next or overlapping the trainer when colocated; one GPU per bundle) and one ``EngineActor`` per engine
   (tensor parallel = GPUs per engine; ``fleet_engine.py``). Each actor runs ``rollout_worker.Worker``'s own request handling
-  (``serve_generate`` / ``serve_sync``) on its engine; only the answers come back to the driver instead of the spool.
+  (``serve_generate`` / ``serve_sync``) on its engine; only the answers come back to the driver instead of the spool,
+  a generate call's as a stream (each prompt's answer after the engine step that finished it).
 - Routing: each prompt of a generate request, with its n samples (prefix caching pays), goes to the healthy
   engine with the least outstanding work (n x (prompt + max_tokens) tokens). A prompt's sampling seed is derived
   from (request seed, prompt index), so a seeded request gives the same samples whichever engine serves it.
@@ -270,7 +271,7 @@ class FleetWorker(FleetCuts, rw.Worker):
             self._route(items)
 
     def _route(self, items: list[tuple[Job, int]]) -> None:
-        items = [(job, i) for job, i in items if job.msg.id in self.jobs]  # not those of a request answered meanwhile
+        items = [(job, i) for job, i in items if self.jobs.get(job.msg.id) is job and i in job.remaining]  # unanswered
         if not items:
             return
         healthy = [e for e in self.engines if e.state == "ready"]
@@ -292,7 +293,8 @@ class FleetWorker(FleetCuts, rw.Worker):
             chosen.setdefault(e.index, []).append((job, i))
         for k, its in chosen.items():
             e, self.calls = self.engines[k], self.calls + 1
-            ref = e.actor.generate.remote([job.sub_message(i, sub_id(self.calls, n)) for n, (job, i) in enumerate(its)])
+            messages = [job.sub_message(i, sub_id(self.calls, n)) for n, (job, i) in enumerate(its)]
+            ref = e.actor.generate.options(num_returns="streaming").remote(messages)  # answers as prompts finish
             self.inflight[ref] = Call("generate", e, e.actor, its, self.calls)
 
     def next_batch(self):
@@ -344,13 +346,21 @@ class FleetWorker(FleetCuts, rw.Worker):
         import ray
 
         with self.lock:
-            call = self.inflight.pop(ref, None)
-            if call is None:
+            call = self.inflight.get(ref)
+            if call is None or not ray.wait([ref], timeout=0)[0]:  # taken meanwhile (a cut takes streamed answers)
                 return
             e = call.engine
             try:
+                if call.kind == "generate":  # a stream: the answers of the prompts one engine step finished
+                    return self._collect(call, [P.Message.from_json(m) for m in ray.get(next(ref))])
+                del self.inflight[ref]
                 result = ray.get(ref)
+            except StopIteration:  # the call is over
+                del self.inflight[ref]
+                e.outstanding = max(0, e.outstanding - call.work())
+                return
             except Exception as err:  # noqa: BLE001 - the actor died (or its engine broke): route around it
+                self.inflight.pop(ref, None)
                 if call.kind == "start" and call.actor is e.actor and e.state == "restarting" and _unscheduled(err):
                     # its bundle was still on a node that died meanwhile: Ray re-places the bundle, start again
                     log.warning("engine %d's restart was cancelled before it ran (its node died?); retrying", e.index)
@@ -365,14 +375,10 @@ class FleetWorker(FleetCuts, rw.Worker):
                 return
             if call.kind == "ping":
                 e.pinging = False
-            elif call.kind == "start":
-                if call.actor is e.actor:
-                    self._engine_up(e, result)
-                    backlog, self.backlog = self.backlog, []
-                    self._route(backlog)
-            else:
-                e.outstanding = max(0, e.outstanding - call.work())
-                self._collect(call, [P.Message.from_json(m) for m in result])
+            elif call.kind == "start" and call.actor is e.actor:
+                self._engine_up(e, result)
+                backlog, self.backlog = self.backlog, []
+                self._route(backlog)
 
     def _engine_died(self, e: EngineSlot, why: str) -> None:
         import ray
@@ -405,9 +411,10 @@ class FleetWorker(FleetCuts, rw.Worker):
             self.fatal = why
 
     def _collect(self, call: Call, answers: list[P.Message]) -> None:
-        k = call.engine.index
+        k, work = call.engine.index, call.work()
         for ans in answers:
             job, i = call.items[sub_index(ans.id)]
+            call.taken.add(sub_index(ans.id))
             if job.msg.id not in self.jobs:  # already answered (an error in another part)
                 continue
             if ans.kind == "error":
@@ -421,6 +428,7 @@ class FleetWorker(FleetCuts, rw.Worker):
             call.engine.served += 1
             if not job.remaining:
                 self._answer_job(self.jobs.pop(job.msg.id))
+        call.engine.outstanding = max(0, call.engine.outstanding - (work - call.work()))
 
     def _answer_job(self, job: Job) -> None:
         comps = [c for i in sorted(job.parts) for c in job.parts[i]]

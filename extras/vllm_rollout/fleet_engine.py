@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Iterator
 
 import rollout_worker as rw  # stdlib only at import; puts the repo root on sys.path
 from fleet_cut import EngineCuts
@@ -59,13 +60,20 @@ def engine_actor_class():
             fn(arg)
             return [m.to_json() for m in self.w.answers]
 
-        def generate(self, messages: list[str]) -> list[str]:
+        def generate(self, messages: list[str]) -> Iterator[list[str]]:
+            """Serve a call's prompts to the end, and a cut between two engine steps; a generator (the driver calls
+            it with ``num_returns="streaming"``): each prompt's answer goes out after the step that finished it, so
+            the driver answers a request (and the trainer's ``--partial-rollouts`` counts its group complete) while
+            the call's other prompts still run."""
             now = time.time()
-            return self._serve(self._generate, [(P.Message.from_json(m), now) for m in messages])
-
-        def _generate(self, batch: list[tuple[P.Message, float]]) -> None:
-            self.w.serve_generate(self.cuts.admit(batch))  # adds them to the engine
-            while self.cuts.between_steps():  # serves them to the end, and a cut between two steps
+            self.w.answers = []
+            self.w.serve_generate(self.cuts.admit([(P.Message.from_json(m), now) for m in messages]))
+            while True:
+                if self.w.answers:  # only this thread touches them (a cut is served in between_steps, here)
+                    out, self.w.answers = self.w.answers, []
+                    yield [m.to_json() for m in out]
+                if not self.cuts.between_steps():
+                    break
                 self.w.step()
 
         @ray.method(concurrency_group="cut")
@@ -145,6 +153,8 @@ class Call:
     actor: object = None
     items: list[tuple[Job, int]] = dataclasses.field(default_factory=list)  # (request, prompt index), in call order
     seq: int = 0  # a generate call's number (fleet_cut.sub_id)
+    taken: set = dataclasses.field(default_factory=set)  # the places in ``items`` answered so far
 
     def work(self) -> int:
-        return sum(job.work(i) for job, i in self.items)
+        """The work of its prompts not answered yet."""
+        return sum(job.work(i) for n, (job, i) in enumerate(self.items) if n not in self.taken)
