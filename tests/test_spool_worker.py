@@ -245,31 +245,35 @@ def test_second_worker_on_the_same_spool_is_refused(fleet, models):
 
 def test_a_request_written_mid_flight_joins_the_running_engine(fleet):
     """Continuous batching: a short request written while a long one generates is admitted between engine steps and
-    answered while the long one is still in flight (a barrier worker would answer it only after the long one)."""
+    answered while the long one is still in flight (a barrier worker would answer it only after the long one). The
+    engine core (the worker's child) is stopped while the worker takes the long request, and the short one is written
+    before it resumes: the worker finds it after the long one's first step, however late this process looks (a loaded
+    machine once missed every window of a race between the two)."""
     sp = Spool(fleet.spool)
-    for _ in range(3):  # a loaded machine may not look again before the long request is answered: a new one then
-        rows = [[i + 3, i + 4, i + 5] for i in range(16)]  # 16 x 240 tokens: a window a loaded machine still hits
-        long = P.generate_request(rows, SamplingParams(max_tokens=240, seed=1))
+    stalled = [pid for pid in _group_members(fleet.handle.pid) if pid != fleet.handle.pid]
+    assert stalled, "the multiprocess engine has no engine core process"
+    long = P.generate_request([[i + 3, i + 4, i + 5] for i in range(16)], SamplingParams(max_tokens=240, seed=1))
+    short_params = SamplingParams(max_tokens=2, seed=2)
+    short = P.generate_request([[7, 8]], short_params)
+    try:
+        for pid in stalled:
+            os.kill(pid, signal.SIGSTOP)
         sp.submit(long)
-        if _past_pending(sp, long.id, "the long request") != "claimed":  # answered before this process looked
-            fleet.client.wait(long.id, expect="completions")
-            continue
-        t0 = time.time()  # the short request is created now (its own clock: this process may lose the CPU later)
-        short = fleet.client.generate([[7, 8]], SamplingParams(max_tokens=2, seed=2))
-        st = fleet.client.last_timings
-        body = fleet.client.wait(long.id, expect="completions")
-        # when each was claimed and done, by the worker's own figures (how late this process looks cannot change them)
-        short_claimed, short_done = t0 + st["queue_s"], t0 + st["queue_s"] + st["generate_s"]
-        long_done = long.created + body["timings"]["queue_s"] + body["timings"]["generate_s"]
-        if long_done > short_claimed:  # the long one was still in flight when the worker took the short one
-            break
-    else:
-        pytest.fail(
-            "the long request was answered before the short one was claimed, three times: a barrier worker, or a machine too slow"
-        )
-    assert len(short[0].token_ids) == 2
+        assert _past_pending(sp, long.id, "the long request") == "claimed"  # handed over; the stall holds it
+        sp.submit(short)
+    finally:
+        for pid in stalled:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    out = fleet.client.generate([[7, 8]], short_params, request_id=short.id)
+    st = fleet.client.last_timings
+    body = fleet.client.wait(long.id, expect="completions")
+    assert len(out[0].token_ids) == 2
     assert st["batch_requests"] == 2  # it shared the engine with the long one
     assert [len(c["token_ids"]) for c in body["completions"]] == [240] * 16 and body["timings"]["batch_requests"] == 2
+    # when each was done, by the worker's own figures (how late this process looks cannot change them)
+    short_done = short.created + st["queue_s"] + st["generate_s"]
+    long_done = long.created + body["timings"]["queue_s"] + body["timings"]["generate_s"]
     assert short_done < long_done, "the short request was answered only after the long one"
 
 
