@@ -1,6 +1,6 @@
 """Rollout fleet (extras/vllm_rollout/fleet.py, Ray) vs the plain vLLM worker on the tiny model, side by side.
 
-    .venv/bin/python benchmarks/bench_fleet.py [--rounds 5] [--requests 8] [--latency-requests 20]
+    .venv/bin/python benchmarks/bench_fleet.py [--rounds 5] [--requests 8] [--latency-requests 20] [--episodes 8]
 
 The plain worker (1 engine) stays up for the whole run; first a fleet of 1 engine, then a fleet of 2 engines
 runs beside it (vLLM CPU build, in-process engines; peak ~7 GB with the second pair). Every round measures
@@ -8,7 +8,10 @@ both servers back to back (order alternating), so load on this shared machine hi
 medians over rounds of the paired differences / ratios:
 - routing overhead: sequential tiny requests (1 prompt, 1 token); the fleet's extra ms per request over the
   plain worker is the cost of the driver + Ray hop (target <= 5 ms);
-- throughput: ``--requests`` requests (4 prompts x n=2 x 32 tokens) submitted at once, requests/s.
+- throughput: ``--requests`` requests (4 prompts x n=2 x 32 tokens) submitted at once, requests/s;
+- turns: ``--episodes`` threads, each ``--turns`` requests (1 prompt x n=2 x 32 tokens) one after another, as
+  multi-turn episodes or agents submit: requests arrive while others run (the plain worker admits them between
+  two engine steps; so does a fleet engine, ``fleet_cut.EngineLoop``), turns/s.
 On a 2-core CPU two engines get one core each (the fleet spreads vLLM's OpenMP binding); the plain worker runs
 in the environment of the fleet's engine 0 (same core, one OpenMP thread: see ``spawn_plain``), so a pair
 differs only by the routing. On a GPU machine each engine has its own GPU(s).
@@ -17,6 +20,7 @@ differs only by the routing. On a GPU machine each engine has its own GPU(s).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import os
 import statistics
@@ -61,6 +65,17 @@ def requests_per_s(client, k: int) -> float:
     return k / (time.perf_counter() - t0)
 
 
+def turns_per_s(client, episodes: int, turns: int) -> float:
+    def episode(i: int) -> None:
+        for t in range(turns):
+            client.generate([[5 + i % 4, 6, 7, 8 + t % 3]], WORK)  # ids < 12: the tiny vocabulary
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(episodes) as ex:
+        list(ex.map(episode, range(episodes)))
+    return episodes * turns / (time.perf_counter() - t0)
+
+
 def spawn_plain(spool: Path, model: Path) -> WorkerHandle:
     """The plain worker, started as spawn_worker does, but in the environment of a fleet's engine actor: one
     OpenMP thread (Ray sets OMP_NUM_THREADS=1 in actors, and worker_env defaults a CPU worker to it: without it a
@@ -86,7 +101,11 @@ def paired(plain, fleet, args: argparse.Namespace) -> dict:
         order = [("plain", plain), ("fleet", fleet)][:: 1 if r % 2 == 0 else -1]
         row = {}
         for name, c in order:
-            row[name] = (latency_ms(c, args.latency_requests), requests_per_s(c, args.requests))
+            row[name] = (
+                latency_ms(c, args.latency_requests),
+                requests_per_s(c, args.requests),
+                turns_per_s(c, args.episodes, args.turns),
+            )
         rows.append(row)
     return {
         "plain_latency_ms": statistics.median(r["plain"][0] for r in rows),
@@ -95,12 +114,15 @@ def paired(plain, fleet, args: argparse.Namespace) -> dict:
         "plain_req_s": statistics.median(r["plain"][1] for r in rows),
         "fleet_req_s": statistics.median(r["fleet"][1] for r in rows),
         "fleet_over_plain": statistics.median(r["fleet"][1] / r["plain"][1] for r in rows),
+        "plain_turns_s": statistics.median(r["plain"][2] for r in rows),
+        "fleet_turns_s": statistics.median(r["fleet"][2] for r in rows),
+        "turns_over_plain": statistics.median(r["fleet"][2] / r["plain"][2] for r in rows),
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    numeric_flags(ap, rounds=5, requests=8, latency_requests=20)
+    numeric_flags(ap, rounds=5, requests=8, latency_requests=20, episodes=8, turns=4)
     args = ap.parse_args()
     tok = reverse.tokenizer()
     cfg = dataclasses.replace(reverse.model_config(tok), max_position_embeddings=MAX_MODEL_LEN)
@@ -128,6 +150,8 @@ def main() -> None:
     print(f"requests/s vs the plain worker: fleet of 1 engine {res[1]['fleet_over_plain']:.2f}x, fleet of 2 engines "
           f"{res[2]['fleet_over_plain']:.2f}x (2 engines / 1 engine: "
           f"{res[2]['fleet_over_plain'] / res[1]['fleet_over_plain']:.2f}x)")  # fmt: skip
+    print(f"turns/s ({args.episodes} episodes x {args.turns} turns) vs the plain worker: fleet of 1 engine "
+          f"{res[1]['turns_over_plain']:.2f}x, fleet of 2 engines {res[2]['turns_over_plain']:.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ row.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -275,6 +276,41 @@ def test_an_engine_call_answers_each_request_as_it_finishes(fleet):
     caught = collections.Counter(len(c.token_ids) for c in got if c.finish_reason == "cut")
     print(f"long request when the short one was answered: {state}; cut rows (tokens, rows): {sorted(caught.items())}")
     assert state == "claimed" and sum(n for k, n in caught.items() if k > 0) > 0, (state, caught)
+
+
+def test_a_request_claimed_while_a_call_runs_joins_the_engine_at_its_next_step(fleet):
+    """Continuous batching across calls (fleet_cut.EngineLoop): a one-token request routed to an engine behind a long
+    one's call (a call of its own) is answered after its own step, long before the long one. Before, an engine served
+    its calls one after another: the short request waited for the whole long call (as a multi-turn episode's next turn
+    waited for every call before it). Both engine actors are stopped while the three requests are claimed and routed
+    (the least outstanding work: long A to engine 0, long B to engine 1, the short one behind A), then resumed together,
+    so where each runs and what runs beside it does not depend on how late this process looks."""
+    client = make_rollout_client("spool", spool=fleet["spool"], timeout_s=CALL_TIMEOUT_S, worker=fleet["handle"])
+    pids = [e["pid"] for e in client.spool.read_heartbeat()["engines"]]
+    short_params = SamplingParams(max_tokens=1, seed=4)
+    a = generate_request([[5, 6, 7]], SamplingParams(n=240, max_tokens=CUT_LONG, seed=24))  # 240 rows: vLLM runs 256
+    b = generate_request([[7, 6, 5]], SamplingParams(n=250, max_tokens=CUT_LONG, seed=25))
+    short = generate_request([[5, 6]], short_params)
+    try:
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        for msg in (a, b, short):  # each claimed (and routed) before the next is written
+            client.spool.submit(msg)
+            deadline = time.monotonic() + CALL_TIMEOUT_S
+            while client.spool.request_state(msg.id) == "pending" and time.monotonic() < deadline:
+                time.sleep(0.01)
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    done = {}  # when each was answered, by the fleet's own figures (how late this process looks cannot change them)
+    for msg in (short, a, b):
+        t = client.wait(msg.id, expect="completions")["timings"]
+        done[msg.id] = (msg.created + t["queue_s"] + t["generate_s"], t["engines"])
+    t0 = min(d[0] for d in done.values())
+    print("answered (s after the first, engines):", [(round(d[0] - t0, 3), d[1]) for d in done.values()])
+    assert done[a.id][1] == {"0": 1} and done[b.id][1] == {"1": 1} and done[short.id][1] == {"0": 1}  # the routing
+    assert done[short.id][0] < done[a.id][0], "the short request waited for the long call before it on its engine"
 
 
 def test_partial_rollouts_on_the_fleet_train_a_carried_row(fleet, monkeypatch):

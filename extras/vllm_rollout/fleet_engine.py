@@ -14,19 +14,21 @@ import time
 from collections.abc import Iterator
 
 import rollout_worker as rw  # stdlib only at import; puts the repo root on sys.path
-from fleet_cut import EngineCuts
+from fleet_cut import EngineLoop
 
 from align.rollout import protocol as P
 
 # ---------------------------------------------------------------------------------------------
 # The engine actor (runs in a Ray worker process)
 
+CALL_THREADS = 64  # driver calls an engine holds at once (each waits on its stream); more wait in Ray's queue
+
 
 def engine_actor_class():
     """The Ray actor class (built here so that importing this module never imports ray)."""
     import ray
 
-    @ray.remote(concurrency_groups={"health": 1, "cut": 1})
+    @ray.remote(concurrency_groups={"health": 1, "cut": 1, "calls": CALL_THREADS})
     class EngineActor:
         """One vLLM engine: ``rollout_worker.Worker`` serving message lists handed over by the driver."""
 
@@ -48,40 +50,29 @@ def engine_actor_class():
             self.w.answers = []
             self.w.llm = self.w.build_engine(self.w.model_dir)
             self.w.state = "ready"
-            self.cuts = EngineCuts(self.w)
+            self.loop = EngineLoop(self.w)  # steps the engine on its own thread (fleet_cut.py)
 
         def info(self) -> dict:
             return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
                     "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
                     "cpu_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), "version": self.w.version}  # fmt: skip
 
-        def _serve(self, fn, arg) -> list[str]:
-            self.w.answers = []
-            fn(arg)
-            return [m.to_json() for m in self.w.answers]
+        def sync(self, message: str) -> list[str]:
+            with self.loop.step_lock:  # between two engine steps (the driver syncs only with no request in flight)
+                self.w.serve_sync(P.Message.from_json(message))
+                out, self.w.answers = self.w.answers, []  # the sync's answer, not a call's
+            return [m.to_json() for m in out]
 
+        @ray.method(concurrency_group="calls")
         def generate(self, messages: list[str]) -> Iterator[list[str]]:
-            """Serve a call's prompts to the end, and a cut between two engine steps; a generator (the driver calls
-            it with ``num_returns="streaming"``): each prompt's answer goes out after the step that finished it, so
-            the driver answers a request (and the trainer's ``--partial-rollouts`` counts its group complete) while
-            the call's other prompts still run."""
-            now = time.time()
-            self.w.answers = []
-            self.w.serve_generate(self.cuts.admit([(P.Message.from_json(m), now) for m in messages]))
-            while True:
-                if self.w.answers:  # only this thread touches them (a cut is served in between_steps, here)
-                    out, self.w.answers = self.w.answers, []
-                    yield [m.to_json() for m in out]
-                if not self.cuts.between_steps():
-                    break
-                self.w.step()
+            """A call's prompts join the engine; a generator (the driver calls it with ``num_returns="streaming"``):
+            each prompt's answer goes out after the step that finished it, so the driver answers a request (and the
+            trainer's ``--partial-rollouts`` counts its group complete) while the call's other prompts still run."""
+            yield from self.loop.serve(messages)
 
         @ray.method(concurrency_group="cut")
         def cut(self, sub_ids: list[str], timeout_s: float) -> dict:
-            return self.cuts.cut(sub_ids, timeout_s)  # fleet_cut.py
-
-        def sync(self, message: str) -> list[str]:
-            return self._serve(self.w.serve_sync, P.Message.from_json(message))
+            return self.loop.cut(sub_ids, timeout_s)  # fleet_cut.py
 
         def version(self) -> int:
             return self.w.version
@@ -93,7 +84,8 @@ def engine_actor_class():
         def close(self) -> None:
             import shutil
 
-            self.w.drop_engine()
+            with self.loop.step_lock:
+                self.w.drop_engine()
             shutil.rmtree(self.scratch, ignore_errors=True)
 
     return EngineActor
